@@ -1,0 +1,568 @@
+//! The topology file (TOML) and its validated form.
+//!
+//! `Config` mirrors the file; every table refuses unknown fields. `Topology` is a
+//! config that passed every startup check of design.md section 3, with the derived
+//! facts (layer kinds, the layers of each stage, bytes per row and per head) that the
+//! rest of the engine reads.
+
+use crate::vocab::{Dtype, LayerKind, ModuleLayer, RegionKind};
+use serde::{Deserialize, Serialize};
+use std::ops::Range;
+use thiserror::Error;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub model: ModelConfig,
+    pub prefill: PrefillConfig,
+    pub decode: DecodeConfig,
+    #[serde(default)]
+    pub transport: TransportConfig,
+    #[serde(default)]
+    pub timeouts: TimeoutConfig,
+    #[serde(default)]
+    pub serve: ServeConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    pub name: String,
+    /// `K` = KDA layer, `M` = MLA layer; repeated, then cut to `num_layers`.
+    pub pattern: String,
+    pub num_layers: u32,
+    pub hidden_size: u32,
+    pub dtype: Dtype,
+    pub mla: MlaConfig,
+    pub kda: KdaConfig,
+    #[serde(default)]
+    pub replay: Option<ReplayConfig>,
+    /// Feed-forward width of the compute model (SwiGLU); defaults to 2 x hidden.
+    #[serde(default)]
+    pub intermediate_size: Option<u32>,
+    /// Weight seed of the compute model.
+    #[serde(default)]
+    pub seed: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MlaConfig {
+    pub heads: u32,
+    pub kv_lora_rank: u32,
+    pub rope_dim: u32,
+    pub nope_head_dim: u32,
+    pub v_head_dim: u32,
+    /// > 0: sparse MLA, one indexer row of this width per token per MLA layer.
+    #[serde(default)]
+    pub indexer_dim: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KdaConfig {
+    pub heads: u32,
+    pub head_k_dim: u32,
+    pub head_v_dim: u32,
+    pub conv_kernel: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplayConfig {
+    /// Ring length in tokens.
+    pub capacity: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PrefillConfig {
+    pub pp: u32,
+    pub tp: u32,
+    pub block_size: u32,
+    /// Layers per stage, in order; must sum to `num_layers`. Empty: even split.
+    #[serde(default)]
+    pub layer_split: Vec<u32>,
+    /// Chunked transfer: the producer sends KV as chunks are computed.
+    #[serde(default)]
+    pub chunked: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DecodeConfig {
+    pub tp: u32,
+    pub dcp: u32,
+    pub interleave: u32,
+    pub block_size: u32,
+}
+
+/// Which transport moves the bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportKind {
+    /// In-process memcpy (rayon).
+    #[default]
+    Local,
+    /// Shared memory between processes on one host.
+    Shm,
+    /// TCP streams, for hosts without RDMA.
+    Tcp,
+}
+
+impl TransportKind {
+    pub const fn name(self) -> &'static str {
+        match self {
+            TransportKind::Local => "local",
+            TransportKind::Shm => "shm",
+            TransportKind::Tcp => "tcp",
+        }
+    }
+    /// Whether the transport can take writes from several PP stages for one request.
+    pub const fn serves_pp(self) -> bool {
+        true
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TransportConfig {
+    #[serde(default)]
+    pub kind: TransportKind,
+    /// Most descriptors submitted in one batch.
+    #[serde(default = "default_max_batch")]
+    pub max_batch: u32,
+    /// Staging buffers in the pool for the DCP relayout, and the bytes of each.
+    #[serde(default = "default_staging_buffers")]
+    pub staging_buffers: u32,
+    #[serde(default = "default_staging_bytes")]
+    pub staging_bytes: u64,
+}
+
+fn default_max_batch() -> u32 {
+    1024
+}
+fn default_staging_buffers() -> u32 {
+    8
+}
+fn default_staging_bytes() -> u64 {
+    4 << 20
+}
+
+impl Default for TransportConfig {
+    fn default() -> Self {
+        TransportConfig {
+            kind: TransportKind::Local,
+            max_batch: default_max_batch(),
+            staging_buffers: default_staging_buffers(),
+            staging_bytes: default_staging_bytes(),
+        }
+    }
+}
+
+/// Per-phase timeouts, in seconds (default 300 each).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TimeoutConfig {
+    #[serde(default = "default_timeout")]
+    pub admission_s: f64,
+    #[serde(default = "default_timeout")]
+    pub compute_s: f64,
+    #[serde(default = "default_timeout")]
+    pub transfer_s: f64,
+}
+
+fn default_timeout() -> f64 {
+    300.0
+}
+
+impl Default for TimeoutConfig {
+    fn default() -> Self {
+        TimeoutConfig { admission_s: 300.0, compute_s: 300.0, transfer_s: 300.0 }
+    }
+}
+
+/// Serving limits.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServeConfig {
+    /// Longest prompt plus generated tokens of one request.
+    #[serde(default = "default_max_context")]
+    pub max_context: u32,
+    /// Requests that hold decode blocks and slots at once (slots per rank).
+    #[serde(default = "default_max_requests")]
+    pub max_requests: u32,
+    /// Requests that may wait for blocks and slots; past it, 429.
+    #[serde(default = "default_queue")]
+    pub queue: u32,
+}
+
+fn default_max_context() -> u32 {
+    4096
+}
+fn default_max_requests() -> u32 {
+    8
+}
+fn default_queue() -> u32 {
+    64
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        ServeConfig {
+            max_context: default_max_context(),
+            max_requests: default_max_requests(),
+            queue: default_queue(),
+        }
+    }
+}
+
+/// Every reason a topology file is refused at startup. Each message names the values.
+#[derive(Debug, Error, PartialEq)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {reason}")]
+    Io { path: String, reason: String },
+    #[error("{path}: {reason}")]
+    Parse { path: String, reason: String },
+    #[error("{field} must be at least 1, got 0")]
+    Zero { field: &'static str },
+    #[error("model.pattern {pattern:?} must be a non-empty string of 'K' (KDA) and 'M' (MLA)")]
+    Pattern { pattern: String },
+    #[error(
+        "decode tp {decode_tp} is not a multiple of prefill tp {prefill_tp}: each decode rank must take its heads from one prefill rank"
+    )]
+    DecodeTpNotMultiple { decode_tp: u32, prefill_tp: u32 },
+    #[error("region {region}: {heads} heads cannot be split over {side} tp {tp}")]
+    HeadsNotSplit { region: &'static str, heads: u32, side: &'static str, tp: u32 },
+    #[error(
+        "region mla.indexer (sparse MLA, model.mla.indexer_dim = {indexer_dim}) cannot be placed under prefill pp {pp}: no stage places indexer rows; use pp = 1"
+    )]
+    IndexerUnderPp { indexer_dim: u32, pp: u32 },
+    #[error("transport {kind} cannot serve prefill pp {pp}")]
+    TransportNoPp { kind: &'static str, pp: u32 },
+    #[error("decode dcp {dcp} does not divide decode tp {tp}")]
+    DcpNotDividingTp { dcp: u32, tp: u32 },
+    #[error("decode interleave {interleave} does not divide decode block_size {block_size}")]
+    InterleaveNotDividingBlock { interleave: u32, block_size: u32 },
+    #[error("prefill layer_split {split:?} has {len} stages but prefill pp is {pp}")]
+    SplitLen { split: Vec<u32>, len: usize, pp: u32 },
+    #[error("prefill layer_split {split:?} sums to {sum} but model.num_layers is {num_layers}")]
+    SplitSum { split: Vec<u32>, sum: u64, num_layers: u32 },
+    #[error("prefill layer_split {split:?} gives stage {stage} no layers")]
+    SplitEmptyStage { split: Vec<u32>, stage: usize },
+    #[error("prefill pp {pp} exceeds model.num_layers {num_layers}: a stage would hold no layer")]
+    PpExceedsLayers { pp: u32, num_layers: u32 },
+    #[error("serve.max_context {max_context} must be at least 2")]
+    Context { max_context: u32 },
+    #[error("timeouts.{field} = {value} must be a positive number of seconds")]
+    Timeout { field: &'static str, value: f64 },
+}
+
+/// A validated config plus derived facts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Topology {
+    pub config: Config,
+    /// Kind of each module layer, `num_layers` long.
+    pub layer_kinds: Vec<LayerKind>,
+    /// The module layers of each PP stage.
+    pub stage_layers: Vec<Range<u32>>,
+}
+
+impl Config {
+    /// Parses a topology file's text. `path` only labels messages.
+    pub fn parse(text: &str, path: &str) -> Result<Config, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.to_string(),
+            reason: e.to_string().trim_end().to_string(),
+        })
+    }
+
+    pub fn load(path: &str) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError::Io { path: path.to_string(), reason: e.to_string() })?;
+        Config::parse(&text, path)
+    }
+
+    /// Runs every startup check and derives the topology.
+    pub fn validate(self) -> Result<Topology, ConfigError> {
+        Topology::new(self)
+    }
+}
+
+impl Topology {
+    pub fn load(path: &str) -> Result<Topology, ConfigError> {
+        Config::load(path)?.validate()
+    }
+
+    pub fn parse(text: &str) -> Result<Topology, ConfigError> {
+        Config::parse(text, "<config>")?.validate()
+    }
+
+    pub fn new(config: Config) -> Result<Topology, ConfigError> {
+        let m = &config.model;
+        let p = &config.prefill;
+        let d = &config.decode;
+        for (field, v) in [
+            ("model.num_layers", m.num_layers),
+            ("model.hidden_size", m.hidden_size),
+            ("model.mla.heads", m.mla.heads),
+            ("model.mla.kv_lora_rank", m.mla.kv_lora_rank),
+            ("model.kda.heads", m.kda.heads),
+            ("model.kda.head_k_dim", m.kda.head_k_dim),
+            ("model.kda.head_v_dim", m.kda.head_v_dim),
+            ("model.kda.conv_kernel", m.kda.conv_kernel),
+            ("prefill.pp", p.pp),
+            ("prefill.tp", p.tp),
+            ("prefill.block_size", p.block_size),
+            ("decode.tp", d.tp),
+            ("decode.dcp", d.dcp),
+            ("decode.interleave", d.interleave),
+            ("decode.block_size", d.block_size),
+            ("serve.max_requests", config.serve.max_requests),
+            ("transport.max_batch", config.transport.max_batch),
+            ("transport.staging_buffers", config.transport.staging_buffers),
+        ] {
+            if v == 0 {
+                return Err(ConfigError::Zero { field });
+            }
+        }
+        if let Some(r) = &m.replay
+            && r.capacity == 0
+        {
+            return Err(ConfigError::Zero { field: "model.replay.capacity" });
+        }
+        if config.transport.staging_bytes == 0 {
+            return Err(ConfigError::Zero { field: "transport.staging_bytes" });
+        }
+        if m.pattern.is_empty() || !m.pattern.chars().all(|c| c == 'K' || c == 'M') {
+            return Err(ConfigError::Pattern { pattern: m.pattern.clone() });
+        }
+        if d.tp % p.tp != 0 {
+            return Err(ConfigError::DecodeTpNotMultiple { decode_tp: d.tp, prefill_tp: p.tp });
+        }
+        let has_kda = m.pattern.contains('K');
+        if has_kda {
+            let mut regions = vec![RegionKind::KdaState, RegionKind::KdaConv];
+            if m.replay.is_some() {
+                regions.push(RegionKind::ReplayRecords);
+            }
+            for region in regions {
+                for (side, tp) in [("prefill", p.tp), ("decode", d.tp)] {
+                    if m.kda.heads % tp != 0 {
+                        return Err(ConfigError::HeadsNotSplit {
+                            region: region.name(),
+                            heads: m.kda.heads,
+                            side,
+                            tp,
+                        });
+                    }
+                }
+            }
+        }
+        // MLA heads are split over TP by the compute; the latent KV is replicated.
+        for (side, tp) in [("prefill", p.tp), ("decode", d.tp)] {
+            if m.pattern.contains('M') && m.mla.heads % tp != 0 {
+                return Err(ConfigError::HeadsNotSplit {
+                    region: "mla.q (attention heads)",
+                    heads: m.mla.heads,
+                    side,
+                    tp,
+                });
+            }
+        }
+        if m.mla.indexer_dim > 0 && p.pp > 1 {
+            return Err(ConfigError::IndexerUnderPp { indexer_dim: m.mla.indexer_dim, pp: p.pp });
+        }
+        if p.pp > 1 && !config.transport.kind.serves_pp() {
+            return Err(ConfigError::TransportNoPp { kind: config.transport.kind.name(), pp: p.pp });
+        }
+        if d.tp % d.dcp != 0 {
+            return Err(ConfigError::DcpNotDividingTp { dcp: d.dcp, tp: d.tp });
+        }
+        if d.block_size % d.interleave != 0 {
+            return Err(ConfigError::InterleaveNotDividingBlock {
+                interleave: d.interleave,
+                block_size: d.block_size,
+            });
+        }
+        if config.serve.max_context < 2 {
+            return Err(ConfigError::Context { max_context: config.serve.max_context });
+        }
+        for (field, value) in [
+            ("admission_s", config.timeouts.admission_s),
+            ("compute_s", config.timeouts.compute_s),
+            ("transfer_s", config.timeouts.transfer_s),
+        ] {
+            if !(value > 0.0 && value.is_finite()) {
+                return Err(ConfigError::Timeout { field, value });
+            }
+        }
+        let stage_layers = split_layers(m.num_layers, p.pp, &p.layer_split)?;
+        let pattern: Vec<char> = m.pattern.chars().collect();
+        let layer_kinds = (0..m.num_layers as usize)
+            .map(|i| if pattern[i % pattern.len()] == 'K' { LayerKind::Kda } else { LayerKind::Mla })
+            .collect();
+        Ok(Topology { config, layer_kinds, stage_layers })
+    }
+
+    pub fn model(&self) -> &ModelConfig {
+        &self.config.model
+    }
+    pub fn prefill(&self) -> &PrefillConfig {
+        &self.config.prefill
+    }
+    pub fn decode(&self) -> &DecodeConfig {
+        &self.config.decode
+    }
+
+    pub fn num_layers(&self) -> u32 {
+        self.config.model.num_layers
+    }
+
+    pub fn kind_of(&self, layer: ModuleLayer) -> LayerKind {
+        self.layer_kinds[layer.0 as usize]
+    }
+
+    /// The PP stage that holds a module layer.
+    pub fn stage_of(&self, layer: ModuleLayer) -> u32 {
+        self.stage_layers.iter().position(|r| r.contains(&layer.0)).unwrap_or(0) as u32
+    }
+
+    /// Module layers of a kind, in order, restricted to a range of layer ids.
+    pub fn layers_of(&self, kind: LayerKind, range: Range<u32>) -> Vec<ModuleLayer> {
+        range.filter(|&l| self.layer_kinds[l as usize] == kind).map(ModuleLayer).collect()
+    }
+
+    /// Module layers of a kind over the whole model.
+    pub fn all_layers_of(&self, kind: LayerKind) -> Vec<ModuleLayer> {
+        self.layers_of(kind, 0..self.num_layers())
+    }
+
+    /// The region kinds this model has, in a fixed order.
+    pub fn region_kinds(&self) -> Vec<RegionKind> {
+        let m = &self.config.model;
+        let has_kda = self.layer_kinds.contains(&LayerKind::Kda);
+        let has_mla = self.layer_kinds.contains(&LayerKind::Mla);
+        RegionKind::ALL
+            .into_iter()
+            .filter(|k| match k {
+                RegionKind::MlaKv => has_mla,
+                RegionKind::MlaIndexer => has_mla && m.mla.indexer_dim > 0,
+                RegionKind::KdaState | RegionKind::KdaConv => has_kda,
+                RegionKind::ReplayRecords | RegionKind::ReplayCursor => {
+                    has_kda && m.replay.is_some()
+                }
+            })
+            .collect()
+    }
+
+    /// Bytes of one token of one paged row (MLA KV or indexer).
+    pub fn token_bytes(&self, kind: RegionKind) -> u64 {
+        let m = &self.config.model;
+        match kind {
+            RegionKind::MlaKv => (m.mla.kv_lora_rank + m.mla.rope_dim) as u64 * m.dtype.bytes(),
+            RegionKind::MlaIndexer => m.mla.indexer_dim as u64 * m.dtype.bytes(),
+            _ => 0,
+        }
+    }
+
+    /// Per-head geometry of a head-split region: the byte width of one head in each
+    /// channel group, and how many times the group repeats (rows of the conv window,
+    /// entries of the replay ring). Conv has three groups (q, k, v); the others one.
+    pub fn head_groups(&self, kind: RegionKind) -> Vec<HeadGroupShape> {
+        let m = &self.config.model;
+        let (dk, dv) = (m.kda.head_k_dim as u64, m.kda.head_v_dim as u64);
+        match kind {
+            RegionKind::KdaState => vec![HeadGroupShape { head_bytes: dk * dv * 4, repeat: 1 }],
+            RegionKind::KdaConv => {
+                let rows = m.kda.conv_kernel.saturating_sub(1);
+                let e = m.dtype.bytes();
+                vec![
+                    HeadGroupShape { head_bytes: dk * e, repeat: rows },
+                    HeadGroupShape { head_bytes: dk * e, repeat: rows },
+                    HeadGroupShape { head_bytes: dv * e, repeat: rows },
+                ]
+            }
+            RegionKind::ReplayRecords => {
+                let cap = m.replay.as_ref().map_or(0, |r| r.capacity);
+                vec![HeadGroupShape { head_bytes: (2 * dk + dv) * 4, repeat: cap }]
+            }
+            _ => vec![],
+        }
+    }
+
+    /// Bytes of one slot of one layer of a per-slot region on a rank holding `heads`.
+    pub fn slot_layer_bytes(&self, kind: RegionKind, heads: u32) -> u64 {
+        match kind {
+            RegionKind::ReplayCursor => 4,
+            _ => self
+                .head_groups(kind)
+                .iter()
+                .map(|g| g.head_bytes * heads as u64 * g.repeat as u64)
+                .sum(),
+        }
+    }
+
+    /// KDA heads per prefill rank and per decode rank.
+    pub fn prefill_heads(&self) -> u32 {
+        self.config.model.kda.heads / self.config.prefill.tp
+    }
+    pub fn decode_heads(&self) -> u32 {
+        self.config.model.kda.heads / self.config.decode.tp
+    }
+
+    /// Whether decode can take a request of this transfer mode; `Err` carries the
+    /// reason admission returns (HTTP 400). Chunked transfer sends no per-request
+    /// state to a DCP decode, so a stateful model under DCP cannot be served chunked.
+    pub fn admits_transfer_mode(&self) -> Result<(), String> {
+        let d = &self.config.decode;
+        if self.config.prefill.chunked && d.dcp > 1 && self.layer_kinds.contains(&LayerKind::Kda) {
+            return Err(format!(
+                "chunked transfer of a stateful model (KDA layers) to a DCP decode (dcp {}) is not supported: chunked transfer carries no per-request KDA state to DCP ranks",
+                d.dcp
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One channel group of a head-split region, per head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadGroupShape {
+    /// Contiguous bytes of one head within one repeat.
+    pub head_bytes: u64,
+    /// How many times the group repeats, at a stride of the rank's full group row.
+    pub repeat: u32,
+}
+
+/// Splits `num_layers` over `pp` stages: the explicit list, or even with the first
+/// `num_layers % pp` stages one layer longer.
+pub fn split_layers(num_layers: u32, pp: u32, split: &[u32]) -> Result<Vec<Range<u32>>, ConfigError> {
+    let counts: Vec<u32> = if split.is_empty() {
+        if pp > num_layers {
+            return Err(ConfigError::PpExceedsLayers { pp, num_layers });
+        }
+        (0..pp).map(|s| num_layers / pp + u32::from(s < num_layers % pp)).collect()
+    } else {
+        if split.len() != pp as usize {
+            return Err(ConfigError::SplitLen { split: split.to_vec(), len: split.len(), pp });
+        }
+        let sum: u64 = split.iter().map(|&x| x as u64).sum();
+        if sum != num_layers as u64 {
+            return Err(ConfigError::SplitSum { split: split.to_vec(), sum, num_layers });
+        }
+        if let Some(stage) = split.iter().position(|&x| x == 0) {
+            return Err(ConfigError::SplitEmptyStage { split: split.to_vec(), stage });
+        }
+        split.to_vec()
+    };
+    let mut start = 0;
+    Ok(counts
+        .into_iter()
+        .map(|c| {
+            let r = start..start + c;
+            start += c;
+            r
+        })
+        .collect())
+}

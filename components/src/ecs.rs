@@ -1,0 +1,1 @@
+//! ECS components (filled in with the engine).

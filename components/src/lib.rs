@@ -1,0 +1,15 @@
+//! Plain data of handoff. Everything here is a value type: the topology file and its
+//! validated form, the vocabulary of design.md (ranks, module layers, regions, segments,
+//! descriptors, plans) and the ECS components that carry them. Logic beyond
+//! constructors and invariants lives in the `handoff-systems` crate.
+
+pub mod config;
+pub mod ecs;
+pub mod layout;
+pub mod plan;
+pub mod vocab;
+
+pub use config::{Config, ConfigError, Topology};
+pub use layout::{RankLayout, RegionLayout, SegmentSpec};
+pub use plan::{Descriptor, Plan};
+pub use vocab::{DecodeRank, Dtype, LayerKind, ModuleLayer, PrefillRank, RegionKind};

@@ -1,0 +1,205 @@
+//! The one backend trait every compute path goes through.
+//!
+//! Buffers are owned by the backend (`Backend::Buf` for f32 data,
+//! `Backend::IBuf` for i32 data: token ids, replay cursors). Host memory
+//! appears only in `upload*` and `download*`; every op takes backend buffers
+//! plus a plain-data shape, checks lengths, and returns a typed error instead
+//! of panicking. All storage and accumulation is f32.
+
+use crate::error::Result;
+use crate::shapes::{
+    ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape, MatmulShape,
+    MergeShape, MlaShape, MlpShape, MlpWeights, NormShape, ReplayShape, RowSet,
+};
+
+/// A compute backend: buffer management plus the model's ops.
+pub trait Backend: Send + Sync {
+    /// An f32 buffer owned by the backend.
+    type Buf: Send + Sync;
+    /// An i32 buffer owned by the backend (token ids, replay cursors).
+    type IBuf: Send + Sync;
+
+    /// Short name for logs ("cpu", "cuda", "hip").
+    fn name(&self) -> &'static str;
+
+    // ---- buffers ---------------------------------------------------------
+
+    /// A zeroed f32 buffer of `len` elements.
+    fn alloc(&self, len: usize) -> Result<Self::Buf>;
+    /// A buffer holding a copy of `data`.
+    fn upload(&self, data: &[f32]) -> Result<Self::Buf>;
+    /// Overwrites `dst[offset..offset + data.len()]` with `data`.
+    fn upload_into(&self, dst: &mut Self::Buf, offset: usize, data: &[f32]) -> Result<()>;
+    /// The buffer's contents.
+    fn download(&self, buf: &Self::Buf) -> Result<Vec<f32>>;
+    /// Elements in the buffer.
+    fn buf_len(&self, buf: &Self::Buf) -> usize;
+    /// A zeroed i32 buffer of `len` elements.
+    fn alloc_i32(&self, len: usize) -> Result<Self::IBuf>;
+    /// An i32 buffer holding a copy of `data`.
+    fn upload_i32(&self, data: &[i32]) -> Result<Self::IBuf>;
+    /// The i32 buffer's contents.
+    fn download_i32(&self, buf: &Self::IBuf) -> Result<Vec<i32>>;
+
+    /// Sets every element of `buf` to `value`.
+    fn fill(&self, buf: &mut Self::Buf, value: f32) -> Result<()>;
+    /// `dst[dst_off..dst_off + len] = src[src_off..src_off + len]`.
+    fn copy(&self, src: &Self::Buf, src_off: usize, dst: &mut Self::Buf, dst_off: usize, len: usize) -> Result<()>;
+    /// Strided copy of a column block (see [`ColsCopy`]).
+    fn copy_cols(&self, shape: ColsCopy, src: &Self::Buf, dst: &mut Self::Buf) -> Result<()>;
+
+    // ---- KDA -------------------------------------------------------------
+
+    /// One recurrent KDA step for a batch (design.md section 5, steps 1-7).
+    ///
+    /// `state` [B, H, Dk, Dv] is updated in place; inputs are [B, H, *] (see
+    /// [`KdaInputs`]); `out` [B, H, Dv]. When `record` is given, it receives
+    /// the ReplaySSM record [B, H, 2*Dk+Dv] = (k^, u, g) of this token.
+    fn kda_step(
+        &self,
+        shape: KdaStepShape,
+        state: &mut Self::Buf,
+        x: KdaInputs<'_, Self::Buf>,
+        params: KdaParams<'_, Self::Buf>,
+        out: &mut Self::Buf,
+        record: Option<&mut Self::Buf>,
+    ) -> Result<()>;
+
+    /// Chunked KDA prefill of one sequence (chunk [`crate::KDA_CHUNK`]); equal
+    /// to `tokens` recurrent steps. `state` [H, Dk, Dv] holds the initial state
+    /// and receives the final one; inputs are [T, H, *]; `out` [T, H, Dv];
+    /// `record`, when given, [T, H, 2*Dk+Dv].
+    fn kda_prefill(
+        &self,
+        shape: KdaPrefillShape,
+        state: &mut Self::Buf,
+        x: KdaInputs<'_, Self::Buf>,
+        params: KdaParams<'_, Self::Buf>,
+        out: &mut Self::Buf,
+        record: Option<&mut Self::Buf>,
+    ) -> Result<()>;
+
+    /// Appends `tokens` records per slot, `records` [B, tokens, H, 2*Dk+Dv],
+    /// to the rings (see [`ReplayShape`]) at each slot's cursor and advances
+    /// the cursors. Refuses with `ReplayFull` rather than overwrite.
+    fn replay_append(
+        &self,
+        shape: ReplayShape,
+        tokens: usize,
+        ring: &mut Self::Buf,
+        cursor: &mut Self::IBuf,
+        records: &Self::Buf,
+    ) -> Result<()>;
+
+    /// Rebuilds each slot's state from its committed state S_0 (`state`
+    /// [B, H, Dk, Dv], in place) and its `cursor` recorded tokens:
+    /// S_n = exp(G_n) S_0 + sum_j exp(G_n - G_j) k^_j u_j^T; then resets the
+    /// cursors to 0.
+    fn replay_commit(
+        &self,
+        shape: ReplayShape,
+        state: &mut Self::Buf,
+        ring: &Self::Buf,
+        cursor: &mut Self::IBuf,
+    ) -> Result<()>;
+
+    // ---- short conv --------------------------------------------------------
+
+    /// Causal depthwise conv1d + SiLU over one sequence: x [T, C], weight
+    /// [C, W], state [W-1, C] (the inputs before x; updated to the last W-1
+    /// inputs), out [T, C].
+    fn conv_prefill(
+        &self,
+        shape: ConvShape,
+        tokens: usize,
+        x: &Self::Buf,
+        weight: &Self::Buf,
+        state: &mut Self::Buf,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
+
+    /// One conv decode step for a batch: x [B, C], weight [C, W], state
+    /// [B, W-1, C] (shifted in place), out [B, C].
+    fn conv_step(
+        &self,
+        shape: ConvShape,
+        batch: usize,
+        x: &Self::Buf,
+        weight: &Self::Buf,
+        state: &mut Self::Buf,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
+
+    // ---- norms -------------------------------------------------------------
+
+    /// out = x / sqrt(mean(x^2) + eps) * weight, row-wise; x, out [rows, dim],
+    /// weight [dim].
+    fn rms_norm(&self, shape: NormShape, x: &Self::Buf, weight: &Self::Buf, out: &mut Self::Buf) -> Result<()>;
+
+    /// KDA output norm (FLA's FusedRMSNormGated): out = rms_norm(o) * weight *
+    /// silu(gate); o, gate, out [rows, dim], weight [dim].
+    fn gated_rms_norm(
+        &self,
+        shape: NormShape,
+        o: &Self::Buf,
+        gate: &Self::Buf,
+        weight: &Self::Buf,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
+
+    // ---- MLA ---------------------------------------------------------------
+
+    /// Causal absorbed MLA prefill: q_lat [T, H, L+R] against `rows`
+    /// [N, L+R] with N >= T, query t seeing rows 0..=N-T+t (the last T rows
+    /// are the queries' own). out [T, H, L]; `lse`, when given, [T, H].
+    fn mla_prefill(
+        &self,
+        shape: MlaShape,
+        tokens: usize,
+        q_lat: &Self::Buf,
+        rows: RowSet<'_, Self::Buf>,
+        out: &mut Self::Buf,
+        lse: Option<&mut Self::Buf>,
+    ) -> Result<()>;
+
+    /// Absorbed MLA decode of one token: q_lat [H, L+R] against `rows`;
+    /// out [H, L], lse [H] (natural log of the sum of exp of the scaled
+    /// scores). With no rows: out = 0, lse = -inf.
+    fn mla_decode(
+        &self,
+        shape: MlaShape,
+        q_lat: &Self::Buf,
+        rows: RowSet<'_, Self::Buf>,
+        out: &mut Self::Buf,
+        lse: &mut Self::Buf,
+    ) -> Result<()>;
+
+    /// DCP LSE merge: o_shards [S, H, W], lse_shards [S, H] -> out [H, W],
+    /// lse [H]. Heads whose shards are all -inf get out = 0, lse = -inf.
+    fn dcp_merge(
+        &self,
+        shape: MergeShape,
+        o_shards: &Self::Buf,
+        lse_shards: &Self::Buf,
+        out: &mut Self::Buf,
+        lse: &mut Self::Buf,
+    ) -> Result<()>;
+
+    // ---- dense -------------------------------------------------------------
+
+    /// out = x . w (see [`MatmulShape`]).
+    fn matmul(&self, shape: MatmulShape, x: &Self::Buf, w: &Self::Buf, out: &mut Self::Buf) -> Result<()>;
+
+    /// out = down(silu(gate(x)) * up(x)); x, out [tokens, hidden].
+    fn swiglu(&self, shape: MlpShape, x: &Self::Buf, w: MlpWeights<'_, Self::Buf>, out: &mut Self::Buf) -> Result<()>;
+
+    /// out[t] = table[ids[t]]; refuses ids outside 0..vocab.
+    fn embedding(&self, shape: EmbeddingShape, table: &Self::Buf, ids: &Self::IBuf, out: &mut Self::Buf) -> Result<()>;
+
+    /// Greedy pick: ids[r] = argmax of logits row r ([rows, cols]); the lowest
+    /// index wins ties, NaNs are skipped (a row of NaNs picks 0).
+    fn argmax(&self, rows: usize, cols: usize, logits: &Self::Buf, ids: &mut Self::IBuf) -> Result<()>;
+
+    /// Residual add: dst += src, element-wise, equal lengths.
+    fn add_inplace(&self, dst: &mut Self::Buf, src: &Self::Buf) -> Result<()>;
+}

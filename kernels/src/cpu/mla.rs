@@ -1,0 +1,172 @@
+//! Absorbed MLA attention and the DCP LSE merge on the CPU.
+
+use rayon::prelude::*;
+
+use super::math::{axpy, dot};
+use crate::error::{KernelError, Result, check_len, check_nonzero, elems};
+use crate::shapes::{MergeShape, MlaShape};
+
+/// Softmax attention of one query over the first `n` rows; writes the latent
+/// output (first `l` columns of the rows) and returns the LSE of the scaled scores.
+fn attend(q: &[f32], rows: &[f32], n: usize, l: usize, scale: f32, scores: &mut Vec<f32>, o: &mut [f32]) -> f32 {
+    o.fill(0.0);
+    if n == 0 {
+        return f32::NEG_INFINITY;
+    }
+    let width = q.len();
+    scores.clear();
+    scores.extend(rows[..n * width].chunks_exact(width).map(|r| dot(q, r) * scale));
+    let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0f32;
+    for (r, &s) in scores.iter().enumerate() {
+        let p = (s - m).exp();
+        sum += p;
+        axpy(o, p, &rows[r * width..r * width + l]);
+    }
+    let inv = 1.0 / sum;
+    for v in o.iter_mut() {
+        *v *= inv;
+    }
+    m + sum.ln()
+}
+
+fn check_rows(op: &'static str, shape: &MlaShape, rows_len: usize, count: usize) -> Result<usize> {
+    check_nonzero(op, "heads", shape.heads)?;
+    let width = shape.kv_lora_rank.checked_add(shape.rope_dim).ok_or_else(|| KernelError::SizeOverflow {
+        op,
+        dims: vec![shape.kv_lora_rank, shape.rope_dim],
+    })?;
+    check_nonzero(op, "kv_lora_rank + rope_dim", width)?;
+    let need = elems(op, &[count, width])?;
+    if rows_len < need || rows_len % width != 0 {
+        return Err(KernelError::InvalidShape {
+            op,
+            reason: format!(
+                "rows buffer of {rows_len} elements cannot hold {count} rows of {width} (a whole number of rows, at least {need})"
+            ),
+        });
+    }
+    Ok(width)
+}
+
+/// See [`crate::Backend::mla_decode`].
+pub(crate) fn decode(
+    shape: MlaShape,
+    q_lat: &[f32],
+    rows: &[f32],
+    n: usize,
+    out: &mut [f32],
+    lse: &mut [f32],
+) -> Result<()> {
+    let op = "mla_decode";
+    let width = check_rows(op, &shape, rows.len(), n)?;
+    let (h, l) = (shape.heads, shape.kv_lora_rank);
+    check_len(op, "q_lat", q_lat.len(), elems(op, &[h, width])?)?;
+    check_len(op, "out", out.len(), elems(op, &[h, l])?)?;
+    check_len(op, "lse", lse.len(), h)?;
+    let run = |hd: usize, o: &mut [f32], scores: &mut Vec<f32>| {
+        attend(&q_lat[hd * width..(hd + 1) * width], rows, n, l, shape.scale, scores, o)
+    };
+    if l == 0 {
+        let mut scores = Vec::new();
+        for (hd, x) in lse.iter_mut().enumerate() {
+            *x = run(hd, &mut [], &mut scores);
+        }
+    } else {
+        out.par_chunks_mut(l)
+            .zip(lse.par_iter_mut())
+            .enumerate()
+            .for_each_init(Vec::new, |scores, (hd, (o, x))| *x = run(hd, o, scores));
+    }
+    Ok(())
+}
+
+/// See [`crate::Backend::mla_prefill`].
+pub(crate) fn prefill(
+    shape: MlaShape,
+    tokens: usize,
+    q_lat: &[f32],
+    rows: &[f32],
+    n: usize,
+    out: &mut [f32],
+    lse: Option<&mut [f32]>,
+) -> Result<()> {
+    let op = "mla_prefill";
+    let width = check_rows(op, &shape, rows.len(), n)?;
+    if n < tokens {
+        return Err(KernelError::InvalidShape {
+            op,
+            reason: format!("{tokens} query tokens need at least as many rows, got {n}"),
+        });
+    }
+    let (h, l) = (shape.heads, shape.kv_lora_rank);
+    check_len(op, "q_lat", q_lat.len(), elems(op, &[tokens, h, width])?)?;
+    check_len(op, "out", out.len(), elems(op, &[tokens, h, l])?)?;
+    if let Some(x) = lse.as_ref() {
+        check_len(op, "lse", x.len(), elems(op, &[tokens, h])?)?;
+    }
+    let prefix = n - tokens;
+    let mut lse_local;
+    let lse = match lse {
+        Some(x) => x,
+        None => {
+            lse_local = vec![0.0f32; tokens * h];
+            &mut lse_local[..]
+        }
+    };
+    // Query (t, head) sees rows 0..=prefix + t.
+    let run = |th: usize, o: &mut [f32], scores: &mut Vec<f32>| {
+        let t = th / h;
+        attend(&q_lat[th * width..(th + 1) * width], rows, prefix + t + 1, l, shape.scale, scores, o)
+    };
+    if l == 0 {
+        let mut scores = Vec::new();
+        for (th, x) in lse.iter_mut().enumerate() {
+            *x = run(th, &mut [], &mut scores);
+        }
+    } else {
+        out.par_chunks_mut(l)
+            .zip(lse.par_iter_mut())
+            .enumerate()
+            .with_min_len(4)
+            .for_each_init(Vec::new, |scores, (th, (o, x))| *x = run(th, o, scores));
+    }
+    Ok(())
+}
+
+/// See [`crate::Backend::dcp_merge`].
+pub(crate) fn dcp_merge(
+    shape: MergeShape,
+    o_shards: &[f32],
+    lse_shards: &[f32],
+    out: &mut [f32],
+    lse: &mut [f32],
+) -> Result<()> {
+    let op = "dcp_merge";
+    let MergeShape { shards, heads, width } = shape;
+    check_len(op, "o_shards", o_shards.len(), elems(op, &[shards, heads, width])?)?;
+    check_len(op, "lse_shards", lse_shards.len(), elems(op, &[shards, heads])?)?;
+    check_len(op, "out", out.len(), elems(op, &[heads, width])?)?;
+    check_len(op, "lse", lse.len(), heads)?;
+    for hd in 0..heads {
+        let o = &mut out[hd * width..(hd + 1) * width];
+        o.fill(0.0);
+        let m = (0..shards).map(|r| lse_shards[r * heads + hd]).fold(f32::NEG_INFINITY, f32::max);
+        if m == f32::NEG_INFINITY {
+            // Every shard is empty for this head (design.md: m = 0, nothing to add).
+            lse[hd] = f32::NEG_INFINITY;
+            continue;
+        }
+        let sum: f32 = (0..shards).map(|r| (lse_shards[r * heads + hd] - m).exp()).sum();
+        let total = m + sum.ln();
+        for r in 0..shards {
+            let wgt = (lse_shards[r * heads + hd] - total).exp();
+            if wgt != 0.0 {
+                let at = (r * heads + hd) * width;
+                axpy(o, wgt, &o_shards[at..at + width]);
+            }
+        }
+        lse[hd] = total;
+    }
+    Ok(())
+}
