@@ -8,8 +8,8 @@
 
 use crate::error::Result;
 use crate::shapes::{
-    ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape, MatmulShape,
-    MergeShape, MlaShape, MlpShape, MlpWeights, NormShape, ReplayShape, RowSet,
+    ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape,
+    MatmulShape, MergeShape, MlaShape, MlpShape, MlpWeights, NormShape, ReplayShape, RowSet,
 };
 
 /// A compute backend: buffer management plus the model's ops.
@@ -44,7 +44,14 @@ pub trait Backend: Send + Sync {
     /// Sets every element of `buf` to `value`.
     fn fill(&self, buf: &mut Self::Buf, value: f32) -> Result<()>;
     /// `dst[dst_off..dst_off + len] = src[src_off..src_off + len]`.
-    fn copy(&self, src: &Self::Buf, src_off: usize, dst: &mut Self::Buf, dst_off: usize, len: usize) -> Result<()>;
+    fn copy(
+        &self,
+        src: &Self::Buf,
+        src_off: usize,
+        dst: &mut Self::Buf,
+        dst_off: usize,
+        len: usize,
+    ) -> Result<()>;
     /// Strided copy of a column block (see [`ColsCopy`]).
     fn copy_cols(&self, shape: ColsCopy, src: &Self::Buf, dst: &mut Self::Buf) -> Result<()>;
 
@@ -134,7 +141,13 @@ pub trait Backend: Send + Sync {
 
     /// out = x / sqrt(mean(x^2) + eps) * weight, row-wise; x, out [rows, dim],
     /// weight [dim].
-    fn rms_norm(&self, shape: NormShape, x: &Self::Buf, weight: &Self::Buf, out: &mut Self::Buf) -> Result<()>;
+    fn rms_norm(
+        &self,
+        shape: NormShape,
+        x: &Self::Buf,
+        weight: &Self::Buf,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
 
     /// KDA output norm (FLA's FusedRMSNormGated): out = rms_norm(o) * weight *
     /// silu(gate); o, gate, out [rows, dim], weight [dim].
@@ -188,17 +201,41 @@ pub trait Backend: Send + Sync {
     // ---- dense -------------------------------------------------------------
 
     /// out = x . w (see [`MatmulShape`]).
-    fn matmul(&self, shape: MatmulShape, x: &Self::Buf, w: &Self::Buf, out: &mut Self::Buf) -> Result<()>;
+    fn matmul(
+        &self,
+        shape: MatmulShape,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
 
     /// out = down(silu(gate(x)) * up(x)); x, out [tokens, hidden].
-    fn swiglu(&self, shape: MlpShape, x: &Self::Buf, w: MlpWeights<'_, Self::Buf>, out: &mut Self::Buf) -> Result<()>;
+    fn swiglu(
+        &self,
+        shape: MlpShape,
+        x: &Self::Buf,
+        w: MlpWeights<'_, Self::Buf>,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
 
     /// out[t] = table[ids[t]]; refuses ids outside 0..vocab.
-    fn embedding(&self, shape: EmbeddingShape, table: &Self::Buf, ids: &Self::IBuf, out: &mut Self::Buf) -> Result<()>;
+    fn embedding(
+        &self,
+        shape: EmbeddingShape,
+        table: &Self::Buf,
+        ids: &Self::IBuf,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
 
     /// Greedy pick: ids[r] = argmax of logits row r ([rows, cols]); the lowest
     /// index wins ties, NaNs are skipped (a row of NaNs picks 0).
-    fn argmax(&self, rows: usize, cols: usize, logits: &Self::Buf, ids: &mut Self::IBuf) -> Result<()>;
+    fn argmax(
+        &self,
+        rows: usize,
+        cols: usize,
+        logits: &Self::Buf,
+        ids: &mut Self::IBuf,
+    ) -> Result<()>;
 
     /// Residual add: dst += src, element-wise, equal lengths.
     fn add_inplace(&self, dst: &mut Self::Buf, src: &Self::Buf) -> Result<()>;

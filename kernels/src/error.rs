@@ -56,7 +56,9 @@ pub enum KernelError {
     },
 
     /// A copy range that runs past the end of a buffer.
-    #[error("{op}: range {offset}..{offset}+{len} is outside a buffer of {buf_len} elements ({name})")]
+    #[error(
+        "{op}: range {offset}..{offset}+{len} is outside a buffer of {buf_len} elements ({name})"
+    )]
     RangeOutOfBounds {
         /// The op that refused.
         op: &'static str,
@@ -71,7 +73,9 @@ pub enum KernelError {
     },
 
     /// A replay ring has no room for the tokens being recorded: commit first.
-    #[error("replay ring of slot {slot} is full: cursor {cursor} + {tokens} tokens > capacity {capacity}")]
+    #[error(
+        "replay ring of slot {slot} is full: cursor {cursor} + {tokens} tokens > capacity {capacity}"
+    )]
     ReplayFull {
         /// The slot (batch index) whose ring is full.
         slot: usize,
@@ -89,25 +93,40 @@ pub type Result<T> = std::result::Result<T, KernelError>;
 
 /// Product of `dims`, or a `SizeOverflow` error naming `op`.
 pub(crate) fn elems(op: &'static str, dims: &[usize]) -> Result<usize> {
-    dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).ok_or_else(|| KernelError::SizeOverflow {
-        op,
-        dims: dims.to_vec(),
-    })
+    dims.iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| KernelError::SizeOverflow {
+            op,
+            dims: dims.to_vec(),
+        })
 }
 
 /// Checks that buffer `name` of op `op` holds exactly `expected` elements.
-pub(crate) fn check_len(op: &'static str, name: &'static str, got: usize, expected: usize) -> Result<()> {
+pub(crate) fn check_len(
+    op: &'static str,
+    name: &'static str,
+    got: usize,
+    expected: usize,
+) -> Result<()> {
     if got == expected {
         Ok(())
     } else {
-        Err(KernelError::ShapeMismatch { op, name, expected, got })
+        Err(KernelError::ShapeMismatch {
+            op,
+            name,
+            expected,
+            got,
+        })
     }
 }
 
 /// Refuses a zero dimension where the math needs it positive.
 pub(crate) fn check_nonzero(op: &'static str, what: &'static str, value: usize) -> Result<()> {
     if value == 0 {
-        Err(KernelError::InvalidShape { op, reason: format!("{what} must be positive, got 0") })
+        Err(KernelError::InvalidShape {
+            op,
+            reason: format!("{what} must be positive, got 0"),
+        })
     } else {
         Ok(())
     }

@@ -7,8 +7,8 @@
 use crate::backend::Backend;
 use crate::error::{KernelError, Result};
 use crate::shapes::{
-    ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape, MatmulShape,
-    MergeShape, MlaShape, MlpShape, MlpWeights, NormShape, ReplayShape, RowSet,
+    ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape,
+    MatmulShape, MergeShape, MlaShape, MlpShape, MlpWeights, NormShape, ReplayShape, RowSet,
 };
 
 /// HIP/CUDA-common source of the KDA recurrent decode step (`kda_decode_step`),
@@ -189,7 +189,9 @@ mod tests {
     #[test]
     fn gpu_stubs_refuse_with_a_typed_reason() {
         let e = HipBackend::new(0).unwrap_err();
-        let KernelError::BackendUnavailable(msg) = &e else { panic!("wrong error {e:?}") };
+        let KernelError::BackendUnavailable(msg) = &e else {
+            panic!("wrong error {e:?}")
+        };
         assert!(msg.starts_with("hip: "), "{msg}");
         if cfg!(feature = "hip") {
             assert!(msg.contains("runtime was not found"), "{msg}");
@@ -197,7 +199,9 @@ mod tests {
             assert_eq!(msg, "hip: built without the `hip` feature");
         }
         let e = CudaBackend::new(0).unwrap_err();
-        let KernelError::BackendUnavailable(msg) = &e else { panic!("wrong error {e:?}") };
+        let KernelError::BackendUnavailable(msg) = &e else {
+            panic!("wrong error {e:?}")
+        };
         assert!(msg.starts_with("cuda: "), "{msg}");
         assert!(!HipBackend::is_available() && !CudaBackend::is_available());
     }

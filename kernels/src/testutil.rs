@@ -12,8 +12,13 @@ pub(crate) fn assert_close(
     rtol: f64,
     coord: impl Fn(usize) -> String,
 ) {
-    assert_eq!(got.len(), want.len(), "{what}: length {} != {}", got.len(), want.len());
-    let mut worst = 0.0f64;
+    assert_eq!(
+        got.len(),
+        want.len(),
+        "{what}: length {} != {}",
+        got.len(),
+        want.len()
+    );
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
         let g = g as f64;
         let tol = atol + rtol * w.abs();
@@ -24,9 +29,7 @@ pub(crate) fn assert_close(
             "{what}: first mismatch at {} (flat index {i}): got {g}, want {w}, |diff| {diff:e} > tol {tol:e}",
             coord(i)
         );
-        worst = worst.max(diff);
     }
-    let _ = worst;
 }
 
 /// f32 slice to f64.
@@ -41,7 +44,12 @@ pub(crate) fn coord(names: &[&str], dims: &[usize], mut flat: usize) -> String {
         idx[a] = flat % dims[a].max(1);
         flat /= dims[a].max(1);
     }
-    names.iter().zip(&idx).map(|(n, i)| format!("{n}={i}")).collect::<Vec<_>>().join(" ")
+    names
+        .iter()
+        .zip(&idx)
+        .map(|(n, i)| format!("{n}={i}"))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// `n` uniform values in [lo, hi) from a seeded generator.

@@ -8,7 +8,12 @@ use crate::shapes::ConvShape;
 
 fn check_common(op: &'static str, shape: &ConvShape, weight: &[f32]) -> Result<()> {
     check_nonzero(op, "conv width", shape.width)?;
-    check_len(op, "weight", weight.len(), elems(op, &[shape.channels, shape.width])?)
+    check_len(
+        op,
+        "weight",
+        weight.len(),
+        elems(op, &[shape.channels, shape.width])?,
+    )
 }
 
 /// Weight [C, W] transposed to [W, C], so the tap loop runs over contiguous channels.
@@ -33,7 +38,10 @@ pub(crate) fn prefill(
 ) -> Result<()> {
     let op = "conv_prefill";
     check_common(op, &shape, weight)?;
-    let ConvShape { channels: ch, width } = shape;
+    let ConvShape {
+        channels: ch,
+        width,
+    } = shape;
     let hist = width - 1;
     check_len(op, "x", x.len(), elems(op, &[tokens, ch])?)?;
     check_len(op, "out", out.len(), elems(op, &[tokens, ch])?)?;
@@ -84,7 +92,10 @@ pub(crate) fn step(
 ) -> Result<()> {
     let op = "conv_step";
     check_common(op, &shape, weight)?;
-    let ConvShape { channels: ch, width } = shape;
+    let ConvShape {
+        channels: ch,
+        width,
+    } = shape;
     let hist = width - 1;
     check_len(op, "x", x.len(), elems(op, &[batch, ch])?)?;
     check_len(op, "out", out.len(), elems(op, &[batch, ch])?)?;
@@ -108,7 +119,9 @@ pub(crate) fn step(
         }
     };
     if hist == 0 {
-        out.par_chunks_mut(ch).enumerate().for_each(|(b, o)| step_one(b, &mut [], o));
+        out.par_chunks_mut(ch)
+            .enumerate()
+            .for_each(|(b, o)| step_one(b, &mut [], o));
     } else {
         state
             .par_chunks_mut(hist * ch)

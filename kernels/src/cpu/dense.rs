@@ -34,41 +34,46 @@ fn matmul_unchecked(rows: usize, inner: usize, cols: usize, x: &[f32], w: &[f32]
     if rows >= ROW_BLOCK * threads {
         // Many rows: a task owns ROW_BLOCK rows and walks w block by block, so
         // each w block is reused ROW_BLOCK times while it sits in cache.
-        out.par_chunks_mut(ROW_BLOCK * cols).enumerate().for_each(|(rb, oblk)| {
-            oblk.fill(0.0);
-            let r0 = rb * ROW_BLOCK;
-            let nr = oblk.len() / cols;
-            for c0 in (0..cols).step_by(COL_TILE) {
-                let c1 = (c0 + COL_TILE).min(cols);
-                for k0 in (0..inner).step_by(K_BLOCK) {
-                    let k1 = (k0 + K_BLOCK).min(inner);
-                    for r in 0..nr {
-                        let xr = &x[(r0 + r) * inner..(r0 + r + 1) * inner];
-                        let orow = &mut oblk[r * cols + c0..r * cols + c1];
-                        for k in k0..k1 {
-                            let a = xr[k];
-                            if a != 0.0 {
-                                axpy(orow, a, &w[k * cols + c0..k * cols + c1]);
+        out.par_chunks_mut(ROW_BLOCK * cols)
+            .enumerate()
+            .for_each(|(rb, oblk)| {
+                oblk.fill(0.0);
+                let r0 = rb * ROW_BLOCK;
+                let nr = oblk.len() / cols;
+                for c0 in (0..cols).step_by(COL_TILE) {
+                    let c1 = (c0 + COL_TILE).min(cols);
+                    for k0 in (0..inner).step_by(K_BLOCK) {
+                        let k1 = (k0 + K_BLOCK).min(inner);
+                        for r in 0..nr {
+                            let xr = &x[(r0 + r) * inner..(r0 + r + 1) * inner];
+                            let orow = &mut oblk[r * cols + c0..r * cols + c1];
+                            for k in k0..k1 {
+                                let a = xr[k];
+                                if a != 0.0 {
+                                    axpy(orow, a, &w[k * cols + c0..k * cols + c1]);
+                                }
                             }
                         }
                     }
                 }
-            }
-        });
+            });
     } else {
         // Few rows (decode): split each output row over column tiles instead.
         for r in 0..rows {
             let xr = &x[r * inner..(r + 1) * inner];
-            out[r * cols..(r + 1) * cols].par_chunks_mut(COL_TILE).enumerate().for_each(|(ct, otile)| {
-                otile.fill(0.0);
-                let c0 = ct * COL_TILE;
-                let c1 = c0 + otile.len();
-                for (k, &a) in xr.iter().enumerate() {
-                    if a != 0.0 {
-                        axpy(otile, a, &w[k * cols + c0..k * cols + c1]);
+            out[r * cols..(r + 1) * cols]
+                .par_chunks_mut(COL_TILE)
+                .enumerate()
+                .for_each(|(ct, otile)| {
+                    otile.fill(0.0);
+                    let c0 = ct * COL_TILE;
+                    let c1 = c0 + otile.len();
+                    for (k, &a) in xr.iter().enumerate() {
+                        if a != 0.0 {
+                            axpy(otile, a, &w[k * cols + c0..k * cols + c1]);
+                        }
                     }
-                }
-            });
+                });
         }
     }
 }
@@ -83,7 +88,11 @@ pub(crate) fn swiglu(
     out: &mut [f32],
 ) -> Result<()> {
     let op = "swiglu";
-    let MlpShape { tokens, hidden, intermediate } = shape;
+    let MlpShape {
+        tokens,
+        hidden,
+        intermediate,
+    } = shape;
     check_len(op, "x", x.len(), elems(op, &[tokens, hidden])?)?;
     check_len(op, "gate", gate.len(), elems(op, &[hidden, intermediate])?)?;
     check_len(op, "up", up.len(), elems(op, &[hidden, intermediate])?)?;
@@ -101,13 +110,20 @@ pub(crate) fn swiglu(
     let mut u = vec![0.0f32; n];
     matmul_unchecked(tokens, hidden, intermediate, x, gate, &mut g);
     matmul_unchecked(tokens, hidden, intermediate, x, up, &mut u);
-    g.par_iter_mut().zip(u.par_iter()).for_each(|(gi, ui)| *gi = silu(*gi) * ui);
+    g.par_iter_mut()
+        .zip(u.par_iter())
+        .for_each(|(gi, ui)| *gi = silu(*gi) * ui);
     matmul_unchecked(tokens, intermediate, hidden, &g, down, out);
     Ok(())
 }
 
 /// See [`crate::Backend::embedding`].
-pub(crate) fn embedding(shape: EmbeddingShape, table: &[f32], ids: &[i32], out: &mut [f32]) -> Result<()> {
+pub(crate) fn embedding(
+    shape: EmbeddingShape,
+    table: &[f32],
+    ids: &[i32],
+    out: &mut [f32],
+) -> Result<()> {
     let op = "embedding";
     let EmbeddingShape { tokens, vocab, dim } = shape;
     check_len(op, "table", table.len(), elems(op, &[vocab, dim])?)?;
@@ -115,16 +131,24 @@ pub(crate) fn embedding(shape: EmbeddingShape, table: &[f32], ids: &[i32], out: 
     check_len(op, "out", out.len(), elems(op, &[tokens, dim])?)?;
     for (t, &id) in ids.iter().enumerate() {
         if id < 0 || id as usize >= vocab {
-            return Err(KernelError::IndexOutOfRange { op, what: "token id", index: id as i64, position: t, bound: vocab });
+            return Err(KernelError::IndexOutOfRange {
+                op,
+                what: "token id",
+                index: id as i64,
+                position: t,
+                bound: vocab,
+            });
         }
     }
     if dim == 0 {
         return Ok(());
     }
-    out.par_chunks_mut(dim).zip(ids.par_iter()).for_each(|(o, &id)| {
-        let r = id as usize;
-        o.copy_from_slice(&table[r * dim..(r + 1) * dim]);
-    });
+    out.par_chunks_mut(dim)
+        .zip(ids.par_iter())
+        .for_each(|(o, &id)| {
+            let r = id as usize;
+            o.copy_from_slice(&table[r * dim..(r + 1) * dim]);
+        });
     Ok(())
 }
 
@@ -134,10 +158,16 @@ pub(crate) fn argmax(rows: usize, cols: usize, logits: &[f32], ids: &mut [i32]) 
     check_len(op, "logits", logits.len(), elems(op, &[rows, cols])?)?;
     check_len(op, "ids", ids.len(), rows)?;
     if cols > i32::MAX as usize {
-        return Err(KernelError::InvalidShape { op, reason: format!("{cols} columns do not fit an i32 id") });
+        return Err(KernelError::InvalidShape {
+            op,
+            reason: format!("{cols} columns do not fit an i32 id"),
+        });
     }
     if cols == 0 {
-        return Err(KernelError::InvalidShape { op, reason: "argmax over 0 columns".into() });
+        return Err(KernelError::InvalidShape {
+            op,
+            reason: "argmax over 0 columns".into(),
+        });
     }
     ids.par_iter_mut().enumerate().for_each(|(r, id)| {
         let row = &logits[r * cols..(r + 1) * cols];
@@ -159,10 +189,12 @@ pub(crate) fn argmax(rows: usize, cols: usize, logits: &[f32], ids: &mut [i32]) 
 /// See [`crate::Backend::add_inplace`].
 pub(crate) fn add_inplace(dst: &mut [f32], src: &[f32]) -> Result<()> {
     check_len("add_inplace", "src", src.len(), dst.len())?;
-    dst.par_chunks_mut(4096).zip(src.par_chunks(4096)).for_each(|(d, s)| {
-        for (a, b) in d.iter_mut().zip(s) {
-            *a += b;
-        }
-    });
+    dst.par_chunks_mut(4096)
+        .zip(src.par_chunks(4096))
+        .for_each(|(d, s)| {
+            for (a, b) in d.iter_mut().zip(s) {
+                *a += b;
+            }
+        });
     Ok(())
 }

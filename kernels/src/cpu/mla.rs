@@ -8,14 +8,26 @@ use crate::shapes::{MergeShape, MlaShape};
 
 /// Softmax attention of one query over the first `n` rows; writes the latent
 /// output (first `l` columns of the rows) and returns the LSE of the scaled scores.
-fn attend(q: &[f32], rows: &[f32], n: usize, l: usize, scale: f32, scores: &mut Vec<f32>, o: &mut [f32]) -> f32 {
+fn attend(
+    q: &[f32],
+    rows: &[f32],
+    n: usize,
+    l: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    o: &mut [f32],
+) -> f32 {
     o.fill(0.0);
     if n == 0 {
         return f32::NEG_INFINITY;
     }
     let width = q.len();
     scores.clear();
-    scores.extend(rows[..n * width].chunks_exact(width).map(|r| dot(q, r) * scale));
+    scores.extend(
+        rows[..n * width]
+            .chunks_exact(width)
+            .map(|r| dot(q, r) * scale),
+    );
     let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0.0f32;
     for (r, &s) in scores.iter().enumerate() {
@@ -32,13 +44,16 @@ fn attend(q: &[f32], rows: &[f32], n: usize, l: usize, scale: f32, scores: &mut 
 
 fn check_rows(op: &'static str, shape: &MlaShape, rows_len: usize, count: usize) -> Result<usize> {
     check_nonzero(op, "heads", shape.heads)?;
-    let width = shape.kv_lora_rank.checked_add(shape.rope_dim).ok_or_else(|| KernelError::SizeOverflow {
-        op,
-        dims: vec![shape.kv_lora_rank, shape.rope_dim],
-    })?;
+    let width = shape
+        .kv_lora_rank
+        .checked_add(shape.rope_dim)
+        .ok_or_else(|| KernelError::SizeOverflow {
+            op,
+            dims: vec![shape.kv_lora_rank, shape.rope_dim],
+        })?;
     check_nonzero(op, "kv_lora_rank + rope_dim", width)?;
     let need = elems(op, &[count, width])?;
-    if rows_len < need || rows_len % width != 0 {
+    if rows_len < need || !rows_len.is_multiple_of(width) {
         return Err(KernelError::InvalidShape {
             op,
             reason: format!(
@@ -65,7 +80,15 @@ pub(crate) fn decode(
     check_len(op, "out", out.len(), elems(op, &[h, l])?)?;
     check_len(op, "lse", lse.len(), h)?;
     let run = |hd: usize, o: &mut [f32], scores: &mut Vec<f32>| {
-        attend(&q_lat[hd * width..(hd + 1) * width], rows, n, l, shape.scale, scores, o)
+        attend(
+            &q_lat[hd * width..(hd + 1) * width],
+            rows,
+            n,
+            l,
+            shape.scale,
+            scores,
+            o,
+        )
     };
     if l == 0 {
         let mut scores = Vec::new();
@@ -117,7 +140,15 @@ pub(crate) fn prefill(
     // Query (t, head) sees rows 0..=prefix + t.
     let run = |th: usize, o: &mut [f32], scores: &mut Vec<f32>| {
         let t = th / h;
-        attend(&q_lat[th * width..(th + 1) * width], rows, prefix + t + 1, l, shape.scale, scores, o)
+        attend(
+            &q_lat[th * width..(th + 1) * width],
+            rows,
+            prefix + t + 1,
+            l,
+            shape.scale,
+            scores,
+            o,
+        )
     };
     if l == 0 {
         let mut scores = Vec::new();
@@ -143,21 +174,39 @@ pub(crate) fn dcp_merge(
     lse: &mut [f32],
 ) -> Result<()> {
     let op = "dcp_merge";
-    let MergeShape { shards, heads, width } = shape;
-    check_len(op, "o_shards", o_shards.len(), elems(op, &[shards, heads, width])?)?;
-    check_len(op, "lse_shards", lse_shards.len(), elems(op, &[shards, heads])?)?;
+    let MergeShape {
+        shards,
+        heads,
+        width,
+    } = shape;
+    check_len(
+        op,
+        "o_shards",
+        o_shards.len(),
+        elems(op, &[shards, heads, width])?,
+    )?;
+    check_len(
+        op,
+        "lse_shards",
+        lse_shards.len(),
+        elems(op, &[shards, heads])?,
+    )?;
     check_len(op, "out", out.len(), elems(op, &[heads, width])?)?;
     check_len(op, "lse", lse.len(), heads)?;
     for hd in 0..heads {
         let o = &mut out[hd * width..(hd + 1) * width];
         o.fill(0.0);
-        let m = (0..shards).map(|r| lse_shards[r * heads + hd]).fold(f32::NEG_INFINITY, f32::max);
+        let m = (0..shards)
+            .map(|r| lse_shards[r * heads + hd])
+            .fold(f32::NEG_INFINITY, f32::max);
         if m == f32::NEG_INFINITY {
             // Every shard is empty for this head (design.md: m = 0, nothing to add).
             lse[hd] = f32::NEG_INFINITY;
             continue;
         }
-        let sum: f32 = (0..shards).map(|r| (lse_shards[r * heads + hd] - m).exp()).sum();
+        let sum: f32 = (0..shards)
+            .map(|r| (lse_shards[r * heads + hd] - m).exp())
+            .sum();
         let total = m + sum.ln();
         for r in 0..shards {
             let wgt = (lse_shards[r * heads + hd] - total).exp();

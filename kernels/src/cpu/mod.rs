@@ -14,8 +14,8 @@ mod tests;
 use crate::backend::Backend;
 use crate::error::{KernelError, Result, check_len, elems};
 use crate::shapes::{
-    ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape, MatmulShape,
-    MergeShape, MlaShape, MlpShape, MlpWeights, NormShape, ReplayShape, RowSet,
+    ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape,
+    MatmulShape, MergeShape, MlaShape, MlpShape, MlpWeights, NormShape, ReplayShape, RowSet,
 };
 
 pub use kda::KDA_CHUNK;
@@ -71,19 +71,40 @@ impl CpuBackend {
     }
 }
 
-fn range(op: &'static str, name: &'static str, offset: usize, len: usize, buf_len: usize) -> Result<std::ops::Range<usize>> {
+fn range(
+    op: &'static str,
+    name: &'static str,
+    offset: usize,
+    len: usize,
+    buf_len: usize,
+) -> Result<std::ops::Range<usize>> {
     match offset.checked_add(len) {
         Some(end) if end <= buf_len => Ok(offset..end),
-        _ => Err(KernelError::RangeOutOfBounds { op, name, offset, len, buf_len }),
+        _ => Err(KernelError::RangeOutOfBounds {
+            op,
+            name,
+            offset,
+            len,
+            buf_len,
+        }),
     }
 }
 
 fn kda_inputs<'a>(x: &KdaInputs<'a, CpuBuf>) -> kda::Inputs<'a> {
-    kda::Inputs { q: &x.q.0, k: &x.k.0, v: &x.v.0, g_raw: &x.g_raw.0, b_raw: &x.b_raw.0 }
+    kda::Inputs {
+        q: &x.q.0,
+        k: &x.k.0,
+        v: &x.v.0,
+        g_raw: &x.g_raw.0,
+        b_raw: &x.b_raw.0,
+    }
 }
 
 fn kda_params<'a>(p: &KdaParams<'a, CpuBuf>) -> kda::Params<'a> {
-    kda::Params { a_log: &p.a_log.0, dt_bias: &p.dt_bias.0 }
+    kda::Params {
+        a_log: &p.a_log.0,
+        dt_bias: &p.dt_bias.0,
+    }
 }
 
 impl Backend for CpuBackend {
@@ -133,7 +154,14 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn copy(&self, src: &CpuBuf, src_off: usize, dst: &mut CpuBuf, dst_off: usize, len: usize) -> Result<()> {
+    fn copy(
+        &self,
+        src: &CpuBuf,
+        src_off: usize,
+        dst: &mut CpuBuf,
+        dst_off: usize,
+        len: usize,
+    ) -> Result<()> {
         let rs = range("copy", "src", src_off, len, src.0.len())?;
         let rd = range("copy", "dst", dst_off, len, dst.0.len())?;
         dst.0[rd].copy_from_slice(&src.0[rs]);
@@ -142,7 +170,14 @@ impl Backend for CpuBackend {
 
     fn copy_cols(&self, shape: ColsCopy, src: &CpuBuf, dst: &mut CpuBuf) -> Result<()> {
         let op = "copy_cols";
-        let ColsCopy { rows, src_cols, src_col, dst_cols, dst_col, width } = shape;
+        let ColsCopy {
+            rows,
+            src_cols,
+            src_col,
+            dst_cols,
+            dst_col,
+            width,
+        } = shape;
         check_len(op, "src", src.0.len(), elems(op, &[rows, src_cols])?)?;
         check_len(op, "dst", dst.0.len(), elems(op, &[rows, dst_cols])?)?;
         range(op, "src row", src_col, width, src_cols)?;
@@ -164,7 +199,14 @@ impl Backend for CpuBackend {
         out: &mut CpuBuf,
         record: Option<&mut CpuBuf>,
     ) -> Result<()> {
-        kda::step(shape, &mut state.0, kda_inputs(&x), kda_params(&params), &mut out.0, record.map(|r| &mut r.0[..]))
+        kda::step(
+            shape,
+            &mut state.0,
+            kda_inputs(&x),
+            kda_params(&params),
+            &mut out.0,
+            record.map(|r| &mut r.0[..]),
+        )
     }
 
     fn kda_prefill(
@@ -176,7 +218,14 @@ impl Backend for CpuBackend {
         out: &mut CpuBuf,
         record: Option<&mut CpuBuf>,
     ) -> Result<()> {
-        kda::prefill(shape, &mut state.0, kda_inputs(&x), kda_params(&params), &mut out.0, record.map(|r| &mut r.0[..]))
+        kda::prefill(
+            shape,
+            &mut state.0,
+            kda_inputs(&x),
+            kda_params(&params),
+            &mut out.0,
+            record.map(|r| &mut r.0[..]),
+        )
     }
 
     fn replay_append(
@@ -190,7 +239,13 @@ impl Backend for CpuBackend {
         kda::replay_append(shape, tokens, &mut ring.0, &mut cursor.0, &records.0)
     }
 
-    fn replay_commit(&self, shape: ReplayShape, state: &mut CpuBuf, ring: &CpuBuf, cursor: &mut CpuIBuf) -> Result<()> {
+    fn replay_commit(
+        &self,
+        shape: ReplayShape,
+        state: &mut CpuBuf,
+        ring: &CpuBuf,
+        cursor: &mut CpuIBuf,
+    ) -> Result<()> {
         kda::replay_commit(shape, &mut state.0, &ring.0, &mut cursor.0)
     }
 
@@ -218,11 +273,24 @@ impl Backend for CpuBackend {
         conv::step(shape, batch, &x.0, &weight.0, &mut state.0, &mut out.0)
     }
 
-    fn rms_norm(&self, shape: NormShape, x: &CpuBuf, weight: &CpuBuf, out: &mut CpuBuf) -> Result<()> {
+    fn rms_norm(
+        &self,
+        shape: NormShape,
+        x: &CpuBuf,
+        weight: &CpuBuf,
+        out: &mut CpuBuf,
+    ) -> Result<()> {
         norm::rms_norm(shape, &x.0, &weight.0, &mut out.0)
     }
 
-    fn gated_rms_norm(&self, shape: NormShape, o: &CpuBuf, gate: &CpuBuf, weight: &CpuBuf, out: &mut CpuBuf) -> Result<()> {
+    fn gated_rms_norm(
+        &self,
+        shape: NormShape,
+        o: &CpuBuf,
+        gate: &CpuBuf,
+        weight: &CpuBuf,
+        out: &mut CpuBuf,
+    ) -> Result<()> {
         norm::gated_rms_norm(shape, &o.0, &gate.0, &weight.0, &mut out.0)
     }
 
@@ -235,7 +303,15 @@ impl Backend for CpuBackend {
         out: &mut CpuBuf,
         lse: Option<&mut CpuBuf>,
     ) -> Result<()> {
-        mla::prefill(shape, tokens, &q_lat.0, &rows.buf.0, rows.count, &mut out.0, lse.map(|l| &mut l.0[..]))
+        mla::prefill(
+            shape,
+            tokens,
+            &q_lat.0,
+            &rows.buf.0,
+            rows.count,
+            &mut out.0,
+            lse.map(|l| &mut l.0[..]),
+        )
     }
 
     fn mla_decode(
@@ -246,7 +322,14 @@ impl Backend for CpuBackend {
         out: &mut CpuBuf,
         lse: &mut CpuBuf,
     ) -> Result<()> {
-        mla::decode(shape, &q_lat.0, &rows.buf.0, rows.count, &mut out.0, &mut lse.0)
+        mla::decode(
+            shape,
+            &q_lat.0,
+            &rows.buf.0,
+            rows.count,
+            &mut out.0,
+            &mut lse.0,
+        )
     }
 
     fn dcp_merge(
@@ -264,11 +347,23 @@ impl Backend for CpuBackend {
         dense::matmul(shape, &x.0, &w.0, &mut out.0)
     }
 
-    fn swiglu(&self, shape: MlpShape, x: &CpuBuf, w: MlpWeights<'_, CpuBuf>, out: &mut CpuBuf) -> Result<()> {
+    fn swiglu(
+        &self,
+        shape: MlpShape,
+        x: &CpuBuf,
+        w: MlpWeights<'_, CpuBuf>,
+        out: &mut CpuBuf,
+    ) -> Result<()> {
         dense::swiglu(shape, &x.0, &w.gate.0, &w.up.0, &w.down.0, &mut out.0)
     }
 
-    fn embedding(&self, shape: EmbeddingShape, table: &CpuBuf, ids: &CpuIBuf, out: &mut CpuBuf) -> Result<()> {
+    fn embedding(
+        &self,
+        shape: EmbeddingShape,
+        table: &CpuBuf,
+        ids: &CpuIBuf,
+        out: &mut CpuBuf,
+    ) -> Result<()> {
         dense::embedding(shape, &table.0, &ids.0, &mut out.0)
     }
 
