@@ -1,0 +1,321 @@
+//! Splitting: the descriptors of one (producer, consumer) pair, planned from the
+//! producer's own layout and the consumer's *published* layout alone (never from
+//! global knowledge), so the same code serves when the roles are separate processes.
+
+use crate::coalesce::Coalescer;
+use handoff_components::layout::{ConsumerLayout, ProducerLayout, RegionLayout};
+use handoff_components::plan::{Descriptor, Plan};
+use handoff_components::vocab::{Distribution, ModuleLayer, RegionKind};
+use thiserror::Error;
+
+/// Why a pair cannot be planned. Each names the values involved.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum SplitError {
+    #[error(
+        "decode tp{consumer} holds {kind} heads {c0}..{c1}, outside the head group {p0}..{p1} of prefill pp{pp} tp{producer}"
+    )]
+    HeadsOutsideGroup {
+        kind: RegionKind,
+        consumer: u32,
+        c0: u32,
+        c1: u32,
+        pp: u32,
+        producer: u32,
+        p0: u32,
+        p1: u32,
+    },
+    #[error("decode tp{consumer} published no {kind} region, but prefill pp{pp} holds one")]
+    MissingRegion { kind: RegionKind, consumer: u32, pp: u32 },
+    #[error("decode tp{consumer} has no {kind} row for module layer {layer}")]
+    MissingRow { kind: RegionKind, consumer: u32, layer: u32 },
+    #[error("{kind} geometry differs: producer {what} {producer}, consumer {consumer}")]
+    Geometry { kind: RegionKind, what: &'static str, producer: u64, consumer: u64 },
+    #[error("{kind}: {side} has {have} blocks, request needs {need} for its tokens")]
+    ShortBlocks { kind: RegionKind, side: &'static str, have: u64, need: u64 },
+    #[error("{kind}: {side} {what} {index} is outside its region of {units} units")]
+    OutOfRegion { kind: RegionKind, side: &'static str, what: &'static str, index: u32, units: u32 },
+}
+
+/// What a producer sends a consumer: the MLA rows (one TP rank of the stage spreads
+/// them: consumer tp % prefill tp), the head-split state (producer tp = consumer tp / k).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Share {
+    pub rows: bool,
+    pub state: bool,
+}
+
+/// The share of producer tp rank `producer_tp` toward decode rank `consumer_tp`.
+pub fn share(prefill_tp: u32, decode_tp: u32, producer_tp: u32, consumer_tp: u32) -> Share {
+    let k = decode_tp / prefill_tp;
+    Share { rows: consumer_tp % prefill_tp == producer_tp, state: consumer_tp / k == producer_tp }
+}
+
+/// Plans one request's copies from `producer` to `consumer`.
+pub fn plan_pair(
+    producer: &ProducerLayout,
+    consumer: &ConsumerLayout,
+    tokens: u64,
+    share: Share,
+) -> Result<Plan, SplitError> {
+    let mut out = Coalescer::default();
+    let mut uncoalesced = 0u64;
+    for src in &producer.layout.regions {
+        if src.rows.is_empty() {
+            continue;
+        }
+        let wanted = match src.kind.distribution() {
+            Distribution::TokenSharded => share.rows,
+            Distribution::HeadSplit | Distribution::Replicated => share.state,
+        };
+        if !wanted {
+            continue;
+        }
+        let dst = consumer.layout.region(src.kind).ok_or(SplitError::MissingRegion {
+            kind: src.kind,
+            consumer: consumer.rank.tp,
+            pp: producer.rank.pp,
+        })?;
+        let pairs = row_pairs(src, dst, consumer)?;
+        uncoalesced += match src.kind.distribution() {
+            Distribution::TokenSharded => plan_rows(producer, consumer, src, dst, &pairs, tokens, &mut out)?,
+            Distribution::HeadSplit => plan_heads(producer, consumer, src, dst, &pairs, &mut out)?,
+            Distribution::Replicated => plan_whole(producer, consumer, src, dst, &pairs, &mut out)?,
+        };
+    }
+    Ok(Plan { producer: producer.rank, consumer: consumer.rank, descriptors: out.finish(), uncoalesced })
+}
+
+/// (producer row offset, consumer row offset) for each module layer the producer holds.
+fn row_pairs(src: &RegionLayout, dst: &RegionLayout, consumer: &ConsumerLayout) -> Result<Vec<(ModuleLayer, u64, u64)>, SplitError> {
+    src.rows
+        .iter()
+        .map(|r| {
+            let d = dst.row(r.layer).ok_or(SplitError::MissingRow {
+                kind: src.kind,
+                consumer: consumer.rank.tp,
+                layer: r.layer.0,
+            })?;
+            Ok((r.layer, r.offset, d.offset))
+        })
+        .collect()
+}
+
+fn check_unit(kind: RegionKind, side: &'static str, what: &'static str, index: u32, region: &RegionLayout) -> Result<(), SplitError> {
+    if index >= region.units {
+        return Err(SplitError::OutOfRegion { kind, side, what, index, units: region.units });
+    }
+    Ok(())
+}
+
+/// A maximal run of positions whose blocks are physically consecutive.
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    start: u64,
+    end: u64,
+    /// Row-relative byte offset of position `start`.
+    base: u64,
+}
+
+fn runs(blocks: &[u32], block_size: u32, block_bytes: u64, token_bytes: u64, limit: u64) -> Vec<Run> {
+    let bs = block_size as u64;
+    let mut out: Vec<Run> = Vec::new();
+    for (i, &b) in blocks.iter().enumerate() {
+        let start = i as u64 * bs;
+        if start >= limit {
+            break;
+        }
+        let end = (start + bs).min(limit);
+        let base = b as u64 * block_bytes;
+        match out.last_mut() {
+            Some(r) if r.end == start && r.base + (start - r.start) * token_bytes == base => r.end = end,
+            _ => out.push(Run { start, end, base }),
+        }
+    }
+    out
+}
+
+/// Token-sharded rows: the tokens the consumer's dcp rank owns, as strided runs.
+/// The row-relative template is built once and then instantiated for every layer.
+fn plan_rows(
+    producer: &ProducerLayout,
+    consumer: &ConsumerLayout,
+    src: &RegionLayout,
+    dst: &RegionLayout,
+    pairs: &[(ModuleLayer, u64, u64)],
+    tokens: u64,
+    out: &mut Coalescer,
+) -> Result<u64, SplitError> {
+    let kind = src.kind;
+    let tb = src.token_bytes;
+    if tb != dst.token_bytes {
+        return Err(SplitError::Geometry { kind, what: "token bytes", producer: tb, consumer: dst.token_bytes });
+    }
+    let (s, dcp, d) = (consumer.interleave as u64, consumer.dcp as u64, consumer.dcp_rank() as u64);
+    let owned = crate::placement::owned_tokens(tokens, consumer.dcp, consumer.dcp_rank(), consumer.interleave);
+    let need_src = tokens.div_ceil(src.block_size as u64);
+    if (producer.blocks.len() as u64) < need_src {
+        return Err(SplitError::ShortBlocks { kind, side: "producer", have: producer.blocks.len() as u64, need: need_src });
+    }
+    let need_dst = owned.div_ceil(dst.block_size as u64);
+    if (consumer.blocks.len() as u64) < need_dst {
+        return Err(SplitError::ShortBlocks { kind, side: "consumer", have: consumer.blocks.len() as u64, need: need_dst });
+    }
+    for &b in &producer.blocks[..need_src as usize] {
+        check_unit(kind, "producer", "block", b, src)?;
+    }
+    for &b in &consumer.blocks[..need_dst as usize] {
+        check_unit(kind, "consumer", "block", b, dst)?;
+    }
+    let src_runs = runs(&producer.blocks, src.block_size, src.unit_stride, tb, tokens);
+    let dst_runs = runs(&consumer.blocks, dst.block_size, dst.unit_stride, tb, owned);
+
+    // Template: copies relative to the row start.
+    let mut template = Coalescer::default();
+    let (mut si, mut di) = (0usize, 0usize);
+    let mut g = 0u64;
+    loop {
+        let p0 = (g * dcp + d) * s;
+        if p0 >= tokens {
+            break;
+        }
+        let lp0 = g * s;
+        let glen = s.min(tokens - p0);
+        while src_runs[si].end <= p0 {
+            si += 1;
+        }
+        while dst_runs[di].end <= lp0 {
+            di += 1;
+        }
+        let (sr, dr) = (src_runs[si], dst_runs[di]);
+        if glen == s && p0 + s <= sr.end && lp0 + s <= dr.end {
+            // Whole groups inside both runs form one arithmetic sequence.
+            let m_src = (sr.end - p0 - s) / (s * dcp) + 1;
+            let m_dst = (dr.end - lp0 - s) / s + 1;
+            let m_tok = (tokens - p0 - s) / (s * dcp) + 1;
+            let m = m_src.min(m_dst).min(m_tok).min(u32::MAX as u64);
+            template.push(Descriptor {
+                kind,
+                src_offset: sr.base + (p0 - sr.start) * tb,
+                dst_offset: dr.base + (lp0 - dr.start) * tb,
+                len: s * tb,
+                count: m as u32,
+                src_stride: s * dcp * tb,
+                dst_stride: s * tb,
+            });
+            g += m;
+        } else {
+            // A group that crosses a run boundary: copy it piecewise.
+            let mut t = 0;
+            while t < glen {
+                while src_runs[si].end <= p0 + t {
+                    si += 1;
+                }
+                while dst_runs[di].end <= lp0 + t {
+                    di += 1;
+                }
+                let (sr, dr) = (src_runs[si], dst_runs[di]);
+                let n = (glen - t).min(sr.end - (p0 + t)).min(dr.end - (lp0 + t));
+                template.push(Descriptor::copy(
+                    kind,
+                    sr.base + (p0 + t - sr.start) * tb,
+                    dr.base + (lp0 + t - dr.start) * tb,
+                    n * tb,
+                ));
+                t += n;
+            }
+            g += 1;
+        }
+    }
+    let template = template.finish();
+    for &(_, so, doff) in pairs {
+        for t in &template {
+            out.push(Descriptor { src_offset: t.src_offset + so, dst_offset: t.dst_offset + doff, ..*t });
+        }
+    }
+    Ok(owned * pairs.len() as u64)
+}
+
+/// Head-split state: the consumer's heads, from the producer's segment, per group.
+fn plan_heads(
+    producer: &ProducerLayout,
+    consumer: &ConsumerLayout,
+    src: &RegionLayout,
+    dst: &RegionLayout,
+    pairs: &[(ModuleLayer, u64, u64)],
+    out: &mut Coalescer,
+) -> Result<u64, SplitError> {
+    let kind = src.kind;
+    let (Some(ps), Some(cs)) = (&src.segment, &dst.segment) else {
+        return Err(SplitError::Geometry { kind, what: "segments published", producer: src.segment.is_some() as u64, consumer: dst.segment.is_some() as u64 });
+    };
+    if cs.heads.start < ps.heads.start || cs.heads.end > ps.heads.end {
+        return Err(SplitError::HeadsOutsideGroup {
+            kind,
+            consumer: consumer.rank.tp,
+            c0: cs.heads.start,
+            c1: cs.heads.end,
+            pp: producer.rank.pp,
+            producer: producer.rank.tp,
+            p0: ps.heads.start,
+            p1: ps.heads.end,
+        });
+    }
+    if ps.groups.len() != cs.groups.len() {
+        return Err(SplitError::Geometry { kind, what: "channel groups", producer: ps.groups.len() as u64, consumer: cs.groups.len() as u64 });
+    }
+    check_unit(kind, "producer", "slot", producer.slot, src)?;
+    check_unit(kind, "consumer", "slot", consumer.slot, dst)?;
+    let heads = (cs.heads.end - cs.heads.start) as u64;
+    let head_off = (cs.heads.start - ps.heads.start) as u64;
+    let src_slot = producer.slot as u64 * src.unit_stride;
+    let dst_slot = consumer.slot as u64 * dst.unit_stride;
+    let mut pieces = 0;
+    for (pg, cg) in ps.groups.iter().zip(&cs.groups) {
+        if pg.head_bytes != cg.head_bytes || pg.repeat != cg.repeat {
+            return Err(SplitError::Geometry { kind, what: "head bytes x repeat", producer: pg.head_bytes * pg.repeat as u64, consumer: cg.head_bytes * cg.repeat as u64 });
+        }
+        if pg.repeat == 0 {
+            continue;
+        }
+        // Group-major, then layer: consecutive layers of a slot continue the stride.
+        for &(_, so, doff) in pairs {
+            out.push(Descriptor {
+                kind,
+                src_offset: so + src_slot + pg.offset + head_off * pg.head_bytes,
+                dst_offset: doff + dst_slot + cg.offset,
+                len: heads * cg.head_bytes,
+                count: pg.repeat,
+                src_stride: pg.stride,
+                dst_stride: cg.stride,
+            });
+            pieces += pg.repeat as u64;
+        }
+    }
+    Ok(pieces)
+}
+
+/// Replicated per-slot data: each layer's unit written whole.
+fn plan_whole(
+    producer: &ProducerLayout,
+    consumer: &ConsumerLayout,
+    src: &RegionLayout,
+    dst: &RegionLayout,
+    pairs: &[(ModuleLayer, u64, u64)],
+    out: &mut Coalescer,
+) -> Result<u64, SplitError> {
+    let kind = src.kind;
+    if src.unit_bytes != dst.unit_bytes {
+        return Err(SplitError::Geometry { kind, what: "unit bytes", producer: src.unit_bytes, consumer: dst.unit_bytes });
+    }
+    check_unit(kind, "producer", "slot", producer.slot, src)?;
+    check_unit(kind, "consumer", "slot", consumer.slot, dst)?;
+    for &(_, so, doff) in pairs {
+        out.push(Descriptor::copy(
+            kind,
+            so + producer.slot as u64 * src.unit_stride,
+            doff + consumer.slot as u64 * dst.unit_stride,
+            src.unit_bytes,
+        ));
+    }
+    Ok(pairs.len() as u64)
+}
