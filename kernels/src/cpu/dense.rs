@@ -6,12 +6,12 @@ use super::math::{axpy, silu};
 use crate::error::{KernelError, Result, check_len, elems};
 use crate::shapes::{EmbeddingShape, MatmulShape, MlpShape};
 
-/// Rows of x per task in the row-parallel path.
+/// Rows of x per register block in the many-rows path.
 const ROW_BLOCK: usize = 4;
-/// Output columns per tile (1 KiB of f32, stays in L1 across the k loop).
-const COL_TILE: usize = 256;
-/// Rows of w per block (one w block of 256 x 256 f32 is 256 KiB, in L2).
-const K_BLOCK: usize = 256;
+/// Columns of a packed panel of w (one register block is ROW_BLOCK x PANEL).
+const PANEL: usize = 8;
+/// Rows of w per task in the few-rows (decode) path.
+const K_CHUNK: usize = 64;
 
 /// See [`crate::Backend::matmul`].
 pub(crate) fn matmul(shape: MatmulShape, x: &[f32], w: &[f32], out: &mut [f32]) -> Result<()> {
@@ -27,55 +27,106 @@ pub(crate) fn matmul(shape: MatmulShape, x: &[f32], w: &[f32], out: &mut [f32]) 
     Ok(())
 }
 
-/// out = x . w for checked sizes, cols > 0. i-k-j order: the inner loop is an
-/// axpy over a contiguous tile of a row of w.
+/// out = x . w for checked sizes, cols > 0.
 fn matmul_unchecked(rows: usize, inner: usize, cols: usize, x: &[f32], w: &[f32], out: &mut [f32]) {
     let threads = rayon::current_num_threads().max(1);
     if rows >= ROW_BLOCK * threads {
-        // Many rows: a task owns ROW_BLOCK rows and walks w block by block, so
-        // each w block is reused ROW_BLOCK times while it sits in cache.
-        out.par_chunks_mut(ROW_BLOCK * cols)
-            .enumerate()
-            .for_each(|(rb, oblk)| {
-                oblk.fill(0.0);
-                let r0 = rb * ROW_BLOCK;
-                let nr = oblk.len() / cols;
-                for c0 in (0..cols).step_by(COL_TILE) {
-                    let c1 = (c0 + COL_TILE).min(cols);
-                    for k0 in (0..inner).step_by(K_BLOCK) {
-                        let k1 = (k0 + K_BLOCK).min(inner);
-                        for r in 0..nr {
-                            let xr = &x[(r0 + r) * inner..(r0 + r + 1) * inner];
-                            let orow = &mut oblk[r * cols + c0..r * cols + c1];
-                            for k in k0..k1 {
-                                let a = xr[k];
-                                if a != 0.0 {
-                                    axpy(orow, a, &w[k * cols + c0..k * cols + c1]);
-                                }
-                            }
+        matmul_many_rows(inner, cols, x, w, out);
+    } else {
+        matmul_few_rows(rows, inner, cols, x, w, out);
+    }
+}
+
+/// Many rows (prefill): w is packed once into column panels [inner, PANEL],
+/// then each task owns ROW_BLOCK rows and keeps a ROW_BLOCK x PANEL block of
+/// out in registers while it streams a panel (contiguous) over k.
+fn matmul_many_rows(inner: usize, cols: usize, x: &[f32], w: &[f32], out: &mut [f32]) {
+    if inner == 0 {
+        out.fill(0.0);
+        return;
+    }
+    let panels = cols.div_ceil(PANEL);
+    let mut packed = vec![0.0f32; panels * inner * PANEL];
+    packed
+        .par_chunks_mut(inner * PANEL)
+        .enumerate()
+        .for_each(|(p, panel)| {
+            let c0 = p * PANEL;
+            let nc = PANEL.min(cols - c0);
+            for k in 0..inner {
+                panel[k * PANEL..k * PANEL + nc]
+                    .copy_from_slice(&w[k * cols + c0..k * cols + c0 + nc]);
+            }
+        });
+    out.par_chunks_mut(ROW_BLOCK * cols)
+        .enumerate()
+        .for_each(|(rb, oblk)| {
+            let r0 = rb * ROW_BLOCK;
+            let nr = oblk.len() / cols;
+            // Short blocks (the last one) read row 0 of the block in place of the
+            // missing rows and drop those results.
+            let xrow = |r: usize| {
+                let r = if r < nr { r0 + r } else { r0 };
+                &x[r * inner..(r + 1) * inner]
+            };
+            let (x0, x1, x2, x3) = (xrow(0), xrow(1), xrow(2), xrow(3));
+            for p in 0..panels {
+                let panel = &packed[p * inner * PANEL..(p + 1) * inner * PANEL];
+                let mut acc = [[0.0f32; PANEL]; ROW_BLOCK];
+                for ((((wk, &a0), &a1), &a2), &a3) in
+                    panel.chunks_exact(PANEL).zip(x0).zip(x1).zip(x2).zip(x3)
+                {
+                    for c in 0..PANEL {
+                        let wc = wk[c];
+                        acc[0][c] += a0 * wc;
+                        acc[1][c] += a1 * wc;
+                        acc[2][c] += a2 * wc;
+                        acc[3][c] += a3 * wc;
+                    }
+                }
+                let c0 = p * PANEL;
+                let nc = PANEL.min(cols - c0);
+                for (r, acc_r) in acc.iter().enumerate().take(nr) {
+                    oblk[r * cols + c0..r * cols + c0 + nc].copy_from_slice(&acc_r[..nc]);
+                }
+            }
+        });
+}
+
+/// Few rows (decode): split k into chunks so that every task streams
+/// contiguous rows of w, then sum the per-chunk partial outputs.
+fn matmul_few_rows(rows: usize, inner: usize, cols: usize, x: &[f32], w: &[f32], out: &mut [f32]) {
+    out.fill(0.0);
+    if rows == 0 || inner == 0 {
+        return;
+    }
+    let partials: Vec<Vec<f32>> = (0..inner.div_ceil(K_CHUNK))
+        .into_par_iter()
+        .fold(
+            || vec![0.0f32; rows * cols],
+            |mut part, kc| {
+                let k1 = ((kc + 1) * K_CHUNK).min(inner);
+                for k in kc * K_CHUNK..k1 {
+                    let wk = &w[k * cols..(k + 1) * cols];
+                    for r in 0..rows {
+                        let a = x[r * inner + k];
+                        if a != 0.0 {
+                            axpy(&mut part[r * cols..(r + 1) * cols], a, wk);
                         }
                     }
                 }
-            });
-    } else {
-        // Few rows (decode): split each output row over column tiles instead.
-        for r in 0..rows {
-            let xr = &x[r * inner..(r + 1) * inner];
-            out[r * cols..(r + 1) * cols]
-                .par_chunks_mut(COL_TILE)
-                .enumerate()
-                .for_each(|(ct, otile)| {
-                    otile.fill(0.0);
-                    let c0 = ct * COL_TILE;
-                    let c1 = c0 + otile.len();
-                    for (k, &a) in xr.iter().enumerate() {
-                        if a != 0.0 {
-                            axpy(otile, a, &w[k * cols + c0..k * cols + c1]);
-                        }
-                    }
-                });
+                part
+            },
+        )
+        .collect();
+    out.par_chunks_mut(1024).enumerate().for_each(|(i, o)| {
+        let n = o.len();
+        for part in &partials {
+            for (oi, pi) in o.iter_mut().zip(&part[i * 1024..i * 1024 + n]) {
+                *oi += pi;
+            }
         }
-    }
+    });
 }
 
 /// See [`crate::Backend::swiglu`].
