@@ -88,6 +88,8 @@ impl RankLayout {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ConsumerLayout {
     pub rank: DecodeRank,
+    /// Decode TP size (the consumer's instance width).
+    pub tp: u32,
     pub dcp: u32,
     pub interleave: u32,
     pub blocks: Vec<u32>,

@@ -1,6 +1,46 @@
 //! The phases of handoff. Each phase module holds its pure rules (functions over
 //! layouts, testable without a World) and the bevy systems that apply them.
+//!
+//! Order of one tick: admission -> placement -> splitting -> transfer -> release
+//! (dispatch, the compute, runs in the engine around it).
 
+pub mod admission;
 pub mod coalesce;
 pub mod placement;
+pub mod release;
 pub mod splitting;
+pub mod transfer;
+
+use bevy_ecs::prelude::*;
+
+/// The phases, as system sets chained in this order.
+#[derive(SystemSet, Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Phase {
+    Admission,
+    Placement,
+    Splitting,
+    Transfer,
+    Release,
+    Dispatch,
+}
+
+/// Adds every phase's systems to a schedule, chained.
+pub fn add_phases(schedule: &mut Schedule) {
+    schedule.configure_sets(
+        (Phase::Admission, Phase::Placement, Phase::Splitting, Phase::Transfer, Phase::Release, Phase::Dispatch).chain(),
+    );
+    schedule.add_systems((
+        admission::admit_requests.in_set(Phase::Admission),
+        placement::place_requests.in_set(Phase::Placement),
+        splitting::split_requests.in_set(Phase::Splitting),
+        (transfer::submit_plans, transfer::poll_transfers).chain().in_set(Phase::Transfer),
+        (
+            release::record_reports,
+            release::complete_handoffs,
+            release::expire_requests,
+            release::retire_requests,
+        )
+            .chain()
+            .in_set(Phase::Release),
+    ));
+}

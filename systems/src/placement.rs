@@ -117,3 +117,185 @@ pub fn owned_tokens(tokens: u64, dcp: u32, dcp_rank: u32, interleave: u32) -> u6
 pub fn blocks_for(tokens: u64, block_size: u32) -> u64 {
     tokens.div_ceil(block_size as u64)
 }
+
+// ---- systems ----
+
+use bevy_ecs::prelude::*;
+use handoff_components::ecs::*;
+use handoff_components::layout::ConsumerLayout;
+use handoff_components::vocab::{DecodeRank, PrefillRank};
+use std::time::{Duration, Instant};
+
+/// Every rank of the topology.
+pub fn all_ranks(topo: &Topology) -> Vec<RankId> {
+    let p = topo.prefill();
+    let mut v: Vec<RankId> = (0..p.pp)
+        .flat_map(|pp| (0..p.tp).map(move |tp| RankId::Prefill(PrefillRank { pp, tp })))
+        .collect();
+    v.extend((0..topo.decode().tp).map(|tp| RankId::Decode(DecodeRank { tp })));
+    v
+}
+
+/// Capacity of the per-rank pools.
+#[derive(Debug, Clone, Copy)]
+pub struct Capacity {
+    pub prefill_blocks: u32,
+    pub decode_blocks: u32,
+    pub slots: u32,
+}
+
+impl Capacity {
+    /// Room for `requests` requests of up to `tokens` tokens each on every rank.
+    pub fn for_requests(topo: &Topology, requests: u32, tokens: u64) -> Capacity {
+        let d = topo.decode();
+        let owned = owned_tokens(tokens, d.dcp, 0, d.interleave);
+        Capacity {
+            prefill_blocks: (requests as u64 * blocks_for(tokens, topo.prefill().block_size)) as u32,
+            decode_blocks: (requests as u64 * blocks_for(owned, d.block_size)) as u32,
+            slots: requests,
+        }
+    }
+}
+
+/// Startup: spawns ranks, their regions and segments, and fills the pools.
+pub fn spawn_ranks(world: &mut World, topo: &Topology, cap: Capacity) {
+    let mut pools = Pools::default();
+    for rank in all_ranks(topo) {
+        let blocks = match rank {
+            RankId::Prefill(_) => cap.prefill_blocks,
+            RankId::Decode(_) => cap.decode_blocks,
+        };
+        world.spawn(Rank { id: rank });
+        for mut layout in place_rank(topo, rank, blocks, cap.slots).regions {
+            if let Some(spec) = layout.segment.take() {
+                world.spawn(Segment { rank, kind: layout.kind, spec });
+            }
+            world.spawn(Region { rank, layout });
+        }
+        pools.0.insert(rank, RankPool::new(blocks, cap.slots));
+    }
+    world.insert_resource(pools);
+}
+
+/// Allocates `n` blocks: one contiguous range when one is free (first fit), else
+/// the lowest free blocks. `None` leaves the pool unchanged.
+pub fn alloc_blocks(pool: &mut RankPool, n: u32) -> Option<Vec<u32>> {
+    if n == 0 {
+        return Some(Vec::new());
+    }
+    if pool.free_block_count() < n as u64 {
+        return None;
+    }
+    if let Some((&start, &len)) = pool.free_blocks.iter().find(|&(_, &len)| len >= n) {
+        pool.free_blocks.remove(&start);
+        if len > n {
+            pool.free_blocks.insert(start + n, len - n);
+        }
+        return Some((start..start + n).collect());
+    }
+    let mut out = Vec::with_capacity(n as usize);
+    while (out.len() as u32) < n {
+        let (&start, &len) = pool.free_blocks.iter().next()?;
+        let take = len.min(n - out.len() as u32);
+        pool.free_blocks.remove(&start);
+        if len > take {
+            pool.free_blocks.insert(start + take, len - take);
+        }
+        out.extend(start..start + take);
+    }
+    Some(out)
+}
+
+/// Returns blocks to the pool, merging neighbouring free ranges.
+pub fn free_blocks(pool: &mut RankPool, blocks: &[u32]) {
+    for &b in blocks {
+        let mut start = b;
+        let mut len = 1;
+        if let Some((&ps, &pl)) = pool.free_blocks.range(..b).next_back()
+            && ps + pl == b
+        {
+            pool.free_blocks.remove(&ps);
+            start = ps;
+            len += pl;
+        }
+        if let Some(nl) = pool.free_blocks.remove(&(b + 1)) {
+            len += nl;
+        }
+        pool.free_blocks.insert(start, len);
+    }
+}
+
+/// What a request needs on one rank: (blocks, slot).
+fn needs(topo: &Topology, rank: RankId, tokens: u64) -> u32 {
+    match rank {
+        RankId::Prefill(_) => blocks_for(tokens, topo.prefill().block_size) as u32,
+        RankId::Decode(r) => {
+            let d = topo.decode();
+            blocks_for(owned_tokens(tokens, d.dcp, r.dcp_rank(d.dcp), d.interleave), d.block_size) as u32
+        }
+    }
+}
+
+/// Gives waiting requests, oldest first, their blocks and slots on every rank and
+/// publishes each decode rank's layout. Stops at the first that does not fit, so a
+/// large request is not starved by later small ones.
+pub fn place_requests(
+    mut commands: Commands,
+    mut requests: Query<(Entity, &Request, &mut Status, &mut Deadline, &mut Holdings)>,
+    topo: Res<TopologyRes>,
+    mut pools: ResMut<Pools>,
+    regions: Query<&Region>,
+    segments: Query<&Segment>,
+) {
+    let topo = &topo.0;
+    let mut waiting: Vec<_> = requests.iter_mut().filter(|(_, _, s, _, _)| **s == Status::Waiting).collect();
+    waiting.sort_by_key(|(_, r, _, _, _)| r.id);
+    let ranks: Vec<RankId> = pools.0.keys().copied().collect();
+    for (e, req, mut status, mut deadline, mut holdings) in waiting {
+        let fits = ranks.iter().all(|r| {
+            let p = &pools.0[r];
+            p.free_block_count() >= needs(topo, *r, req.tokens) as u64 && !p.free_slots.is_empty()
+        });
+        if !fits {
+            break;
+        }
+        for &rank in &ranks {
+            let pool = pools.0.get_mut(&rank).expect("rank pool");
+            let blocks = alloc_blocks(pool, needs(topo, rank, req.tokens)).expect("checked free blocks");
+            let slot = pool.free_slots.pop().expect("checked free slot");
+            let mut lease = commands.spawn((
+                BlockTable { request: e, rank, blocks: blocks.clone() },
+                Slot { request: e, rank, index: slot },
+            ));
+            if let RankId::Decode(d) = rank {
+                let layout = publish(rank, &regions, &segments);
+                let dc = topo.decode();
+                lease.insert((
+                    Published(ConsumerLayout { rank: d, tp: dc.tp, dcp: dc.dcp, interleave: dc.interleave, blocks, slot, layout }),
+                    ConsumerProgress::default(),
+                ));
+            }
+            holdings.leases.push(lease.id());
+        }
+        for stage in 0..topo.prefill().pp {
+            holdings.entries.push(commands.spawn(ProducerEntry { request: e, stage, pending: 0 }).id());
+        }
+        *status = Status::Placed;
+        *deadline = Deadline {
+            phase: PhaseName::Compute,
+            at: Instant::now() + Duration::from_secs_f64(topo.config.timeouts.compute_s),
+        };
+    }
+}
+
+/// A rank's layout as it publishes it: its regions with their segments joined in.
+pub fn publish(rank: RankId, regions: &Query<&Region>, segments: &Query<&Segment>) -> RankLayout {
+    let mut out: Vec<RegionLayout> = regions.iter().filter(|r| r.rank == rank).map(|r| r.layout.clone()).collect();
+    for s in segments.iter().filter(|s| s.rank == rank) {
+        if let Some(r) = out.iter_mut().find(|r| r.kind == s.kind) {
+            r.segment = Some(s.spec.clone());
+        }
+    }
+    out.sort_by_key(|r| r.kind);
+    RankLayout { rank, regions: out }
+}

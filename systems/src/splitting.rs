@@ -46,7 +46,7 @@ pub struct Share {
 
 /// The share of producer tp rank `producer_tp` toward decode rank `consumer_tp`.
 pub fn share(prefill_tp: u32, decode_tp: u32, producer_tp: u32, consumer_tp: u32) -> Share {
-    let k = decode_tp / prefill_tp;
+    let k = (decode_tp / prefill_tp).max(1);
     Share { rows: consumer_tp % prefill_tp == producer_tp, state: consumer_tp / k == producer_tp }
 }
 
@@ -318,4 +318,87 @@ fn plan_whole(
         ));
     }
     Ok(pairs.len() as u64)
+}
+
+// ---- systems ----
+
+use bevy_ecs::prelude::*;
+use handoff_components::ecs::*;
+use handoff_components::vocab::RankId;
+
+/// Plans every (producer, consumer) pair of each placed request from the consumers'
+/// published layouts. A pair that cannot be planned fails the request.
+#[allow(clippy::type_complexity)]
+pub fn split_requests(
+    mut commands: Commands,
+    mut requests: Query<(Entity, &Request, &mut Status, &mut Holdings)>,
+    mut leases: Query<(&BlockTable, &Slot, Option<&Published>, Option<&mut ConsumerProgress>)>,
+    regions: Query<&Region>,
+    segments: Query<&Segment>,
+    mut entries: Query<&mut ProducerEntry>,
+    topo: Res<TopologyRes>,
+) {
+    let prefill_tp = topo.0.prefill().tp;
+    for (e, req, mut status, mut holdings) in requests.iter_mut() {
+        if *status != Status::Placed {
+            continue;
+        }
+        let mut producers = Vec::new();
+        let mut consumers = Vec::new();
+        for &l in &holdings.leases {
+            let Ok((table, slot, published, _)) = leases.get(l) else { continue };
+            match (table.rank, published) {
+                (RankId::Prefill(p), _) => producers.push(ProducerLayout {
+                    rank: p,
+                    blocks: table.blocks.clone(),
+                    slot: slot.index,
+                    layout: crate::placement::publish(table.rank, &regions, &segments),
+                }),
+                (RankId::Decode(_), Some(p)) => consumers.push((l, p.0.clone())),
+                _ => {}
+            }
+        }
+        let mut plans = Vec::new();
+        let mut failure = None;
+        'pairs: for (_, c) in &consumers {
+            for p in &producers {
+                let sh = share(prefill_tp, c.tp, p.rank.tp, c.rank.tp);
+                if !sh.rows && !sh.state {
+                    continue;
+                }
+                match plan_pair(p, c, req.tokens, sh) {
+                    Ok(plan) => plans.push(plan),
+                    Err(err) => {
+                        failure = Some(err.to_string());
+                        break 'pairs;
+                    }
+                }
+            }
+        }
+        if let Some(reason) = failure {
+            *status = Status::Failed { phase: PhaseName::Transfer, reason };
+            continue;
+        }
+        for (l, c) in &consumers {
+            if let Ok((_, _, _, Some(mut progress))) = leases.get_mut(*l) {
+                let mut from: Vec<(u32, u32)> = plans
+                    .iter()
+                    .filter(|p| p.consumer == c.rank)
+                    .map(|p| (p.producer.pp, p.producer.tp))
+                    .collect();
+                from.sort_unstable();
+                from.dedup();
+                progress.expected = from.len() as u32;
+            }
+        }
+        for plan in plans {
+            if let Some(&entry) = holdings.entries.get(plan.producer.pp as usize)
+                && let Ok(mut entry) = entries.get_mut(entry)
+            {
+                entry.pending += 1;
+            }
+            holdings.plans.push(commands.spawn(PlanEntry { request: e, plan, state: WriteState::Pending }).id());
+        }
+        *status = Status::Planned;
+    }
 }

@@ -1,0 +1,9 @@
+//! handoff: prefill/decode disaggregated serving of hybrid MLA + KDA models.
+//!
+//! The root package holds the engine (a bevy_ecs World and its phase schedule), the
+//! transports, the roles and the CLI. Plain data lives in `handoff-components`, the
+//! phase systems in `handoff-systems`, the compute in `handoff-kernels`.
+
+pub mod engine;
+pub mod oracle;
+pub mod transport;

@@ -1,0 +1,117 @@
+//! Transfer: submit each stage's plans once the stage has computed, and turn
+//! completed writes into write-done reports. The bytes move through a `Mover`,
+//! which knows regions and descriptors, never requests.
+
+use bevy_ecs::prelude::*;
+use handoff_components::ecs::*;
+use handoff_components::plan::Plan;
+use handoff_components::vocab::{DecodeRank, PrefillRank};
+use std::time::{Duration, Instant};
+
+/// Identifies one plan's writes to the mover and back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Ticket {
+    pub request: u64,
+    pub nonce: u64,
+    pub producer: PrefillRank,
+    pub consumer: DecodeRank,
+}
+
+/// The end of one plan's writes.
+#[derive(Debug, Clone)]
+pub struct Completion {
+    pub ticket: Ticket,
+    pub result: Result<(), String>,
+}
+
+/// Moves the bytes of plans between registered regions.
+pub trait Mover: Send + Sync + 'static {
+    /// Starts the writes of one plan; its completion comes back from `poll`.
+    fn submit(&mut self, ticket: Ticket, plan: &Plan) -> Result<(), String>;
+    /// Appends the completions that arrived since the last call.
+    fn poll(&mut self, out: &mut Vec<Completion>);
+}
+
+/// The engine's mover.
+#[derive(Resource)]
+pub struct Transfers(pub Box<dyn Mover>);
+
+/// Submits the pending plans of every stage that has computed.
+pub fn submit_plans(
+    mut requests: Query<(&Request, &mut Status, &StagesComputed, &Holdings, &mut Deadline)>,
+    mut plans: Query<&mut PlanEntry>,
+    mut transfers: ResMut<Transfers>,
+    topo: Res<TopologyRes>,
+) {
+    for (req, mut status, computed, holdings, mut deadline) in requests.iter_mut() {
+        if *status != Status::Planned {
+            continue;
+        }
+        if deadline.phase == PhaseName::Compute && computed.0.iter().all(|&c| c) {
+            *deadline = Deadline {
+                phase: PhaseName::Transfer,
+                at: Instant::now() + Duration::from_secs_f64(topo.0.config.timeouts.transfer_s),
+            };
+        }
+        for &p in &holdings.plans {
+            let Ok(mut entry) = plans.get_mut(p) else { continue };
+            if entry.state != WriteState::Pending || !computed.0[entry.plan.producer.pp as usize] {
+                continue;
+            }
+            let ticket = Ticket { request: req.id, nonce: req.nonce, producer: entry.plan.producer, consumer: entry.plan.consumer };
+            match transfers.0.submit(ticket, &entry.plan) {
+                Ok(()) => entry.state = WriteState::InFlight,
+                Err(reason) => {
+                    *status = Status::Failed {
+                        phase: PhaseName::Transfer,
+                        reason: format!("submit from prefill pp{} tp{} to decode tp{}: {reason}", ticket.producer.pp, ticket.producer.tp, ticket.consumer.tp),
+                    };
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// Collects completed writes: successes become write-done reports, failures fail
+/// the request. Either way the plan's sources are no longer being read.
+pub fn poll_transfers(
+    mut transfers: ResMut<Transfers>,
+    index: Res<RequestIndex>,
+    mut requests: Query<(&Request, &mut Status, &Holdings)>,
+    mut plans: Query<&mut PlanEntry>,
+    mut reports: MessageWriter<WriteDone>,
+    mut buf: Local<Vec<Completion>>,
+) {
+    buf.clear();
+    transfers.0.poll(&mut buf);
+    for c in buf.drain(..) {
+        let t = c.ticket;
+        match c.result {
+            Ok(()) => {
+                reports.write(WriteDone { request: t.request, nonce: t.nonce, producer: t.producer, consumer: t.consumer });
+            }
+            Err(reason) => {
+                let Some(&e) = index.0.get(&t.request) else { continue };
+                let Ok((req, mut status, holdings)) = requests.get_mut(e) else { continue };
+                if req.nonce != t.nonce {
+                    continue;
+                }
+                for &p in &holdings.plans {
+                    if let Ok(mut entry) = plans.get_mut(p)
+                        && entry.plan.producer == t.producer
+                        && entry.plan.consumer == t.consumer
+                    {
+                        entry.state = WriteState::Done;
+                    }
+                }
+                if !matches!(*status, Status::Failed { .. }) {
+                    *status = Status::Failed {
+                        phase: PhaseName::Transfer,
+                        reason: format!("write from prefill pp{} tp{} to decode tp{} failed: {reason}", t.producer.pp, t.producer.tp, t.consumer.tp),
+                    };
+                }
+            }
+        }
+    }
+}
