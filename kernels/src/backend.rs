@@ -59,9 +59,9 @@ pub trait Backend: Send + Sync {
 
     /// One recurrent KDA step for a batch (design.md section 5, steps 1-7).
     ///
-    /// `state` [B, H, Dk, Dv] is updated in place; inputs are [B, H, *] (see
-    /// [`KdaInputs`]); `out` [B, H, Dv]. When `record` is given, it receives
-    /// the ReplaySSM record [B, H, 2*Dk+Dv] = (k^, u, g) of this token.
+    /// `state` `[B, H, Dk, Dv]` is updated in place; inputs are `[B, H, *]` (see
+    /// [`KdaInputs`]); `out` `[B, H, Dv]`. When `record` is given, it receives
+    /// the ReplaySSM record `[B, H, 2*Dk+Dv]` = (k^, u, g) of this token.
     fn kda_step(
         &self,
         shape: KdaStepShape,
@@ -73,9 +73,9 @@ pub trait Backend: Send + Sync {
     ) -> Result<()>;
 
     /// Chunked KDA prefill of one sequence (chunk [`crate::KDA_CHUNK`]); equal
-    /// to `tokens` recurrent steps. `state` [H, Dk, Dv] holds the initial state
-    /// and receives the final one; inputs are [T, H, *]; `out` [T, H, Dv];
-    /// `record`, when given, [T, H, 2*Dk+Dv].
+    /// to `tokens` recurrent steps. `state` `[H, Dk, Dv]` holds the initial state
+    /// and receives the final one; inputs are `[T, H, *]`; `out` `[T, H, Dv]`;
+    /// `record`, when given, `[T, H, 2*Dk+Dv]`.
     fn kda_prefill(
         &self,
         shape: KdaPrefillShape,
@@ -86,7 +86,7 @@ pub trait Backend: Send + Sync {
         record: Option<&mut Self::Buf>,
     ) -> Result<()>;
 
-    /// Appends `tokens` records per slot, `records` [B, tokens, H, 2*Dk+Dv],
+    /// Appends `tokens` records per slot, `records` `[B, tokens, H, 2*Dk+Dv]`,
     /// to the rings (see [`ReplayShape`]) at each slot's cursor and advances
     /// the cursors. Refuses with `ReplayFull` rather than overwrite.
     fn replay_append(
@@ -99,7 +99,7 @@ pub trait Backend: Send + Sync {
     ) -> Result<()>;
 
     /// Rebuilds each slot's state from its committed state S_0 (`state`
-    /// [B, H, Dk, Dv], in place) and its `cursor` recorded tokens:
+    /// `[B, H, Dk, Dv]`, in place) and its `cursor` recorded tokens:
     /// S_n = exp(G_n) S_0 + sum_j exp(G_n - G_j) k^_j u_j^T; then resets the
     /// cursors to 0.
     fn replay_commit(
@@ -112,9 +112,9 @@ pub trait Backend: Send + Sync {
 
     // ---- short conv --------------------------------------------------------
 
-    /// Causal depthwise conv1d + SiLU over one sequence: x [T, C], weight
-    /// [C, W], state [W-1, C] (the inputs before x; updated to the last W-1
-    /// inputs), out [T, C].
+    /// Causal depthwise conv1d + SiLU over one sequence: x `[T, C]`, weight
+    /// `[C, W]`, state `[W-1, C]` (the inputs before x; updated to the last W-1
+    /// inputs), out `[T, C]`.
     fn conv_prefill(
         &self,
         shape: ConvShape,
@@ -125,8 +125,8 @@ pub trait Backend: Send + Sync {
         out: &mut Self::Buf,
     ) -> Result<()>;
 
-    /// One conv decode step for a batch: x [B, C], weight [C, W], state
-    /// [B, W-1, C] (shifted in place), out [B, C].
+    /// One conv decode step for a batch: x `[B, C]`, weight `[C, W]`, state
+    /// `[B, W-1, C]` (shifted in place), out `[B, C]`.
     fn conv_step(
         &self,
         shape: ConvShape,
@@ -139,8 +139,8 @@ pub trait Backend: Send + Sync {
 
     // ---- norms -------------------------------------------------------------
 
-    /// out = x / sqrt(mean(x^2) + eps) * weight, row-wise; x, out [rows, dim],
-    /// weight [dim].
+    /// out = x / sqrt(mean(x^2) + eps) * weight, row-wise; x, out `[rows, dim]`,
+    /// weight `[dim]`.
     fn rms_norm(
         &self,
         shape: NormShape,
@@ -150,7 +150,7 @@ pub trait Backend: Send + Sync {
     ) -> Result<()>;
 
     /// KDA output norm (FLA's FusedRMSNormGated): out = rms_norm(o) * weight *
-    /// silu(gate); o, gate, out [rows, dim], weight [dim].
+    /// silu(gate); o, gate, out `[rows, dim]`, weight `[dim]`.
     fn gated_rms_norm(
         &self,
         shape: NormShape,
@@ -162,9 +162,9 @@ pub trait Backend: Send + Sync {
 
     // ---- MLA ---------------------------------------------------------------
 
-    /// Causal absorbed MLA prefill: q_lat [T, H, L+R] against `rows`
-    /// [N, L+R] with N >= T, query t seeing rows 0..=N-T+t (the last T rows
-    /// are the queries' own). out [T, H, L]; `lse`, when given, [T, H].
+    /// Causal absorbed MLA prefill: q_lat `[T, H, L+R]` against `rows`
+    /// `[N, L+R]` with N >= T, query t seeing rows 0..=N-T+t (the last T rows
+    /// are the queries' own). out `[T, H, L]`; `lse`, when given, `[T, H]`.
     fn mla_prefill(
         &self,
         shape: MlaShape,
@@ -175,8 +175,8 @@ pub trait Backend: Send + Sync {
         lse: Option<&mut Self::Buf>,
     ) -> Result<()>;
 
-    /// Absorbed MLA decode of one token: q_lat [H, L+R] against `rows`;
-    /// out [H, L], lse [H] (natural log of the sum of exp of the scaled
+    /// Absorbed MLA decode of one token: q_lat `[H, L+R]` against `rows`;
+    /// out `[H, L]`, lse `[H]` (natural log of the sum of exp of the scaled
     /// scores). With no rows: out = 0, lse = -inf.
     fn mla_decode(
         &self,
@@ -187,8 +187,8 @@ pub trait Backend: Send + Sync {
         lse: &mut Self::Buf,
     ) -> Result<()>;
 
-    /// DCP LSE merge: o_shards [S, H, W], lse_shards [S, H] -> out [H, W],
-    /// lse [H]. Heads whose shards are all -inf get out = 0, lse = -inf.
+    /// DCP LSE merge: o_shards `[S, H, W]`, lse_shards `[S, H]` -> out `[H, W]`,
+    /// lse `[H]`. Heads whose shards are all -inf get out = 0, lse = -inf.
     fn dcp_merge(
         &self,
         shape: MergeShape,
@@ -209,7 +209,7 @@ pub trait Backend: Send + Sync {
         out: &mut Self::Buf,
     ) -> Result<()>;
 
-    /// out = down(silu(gate(x)) * up(x)); x, out [tokens, hidden].
+    /// out = down(silu(gate(x)) * up(x)); x, out `[tokens, hidden]`.
     fn swiglu(
         &self,
         shape: MlpShape,
@@ -218,7 +218,7 @@ pub trait Backend: Send + Sync {
         out: &mut Self::Buf,
     ) -> Result<()>;
 
-    /// out[t] = table[ids[t]]; refuses ids outside 0..vocab.
+    /// `out[t] = table[ids[t]]`; refuses ids outside `0..vocab`.
     fn embedding(
         &self,
         shape: EmbeddingShape,
@@ -227,7 +227,7 @@ pub trait Backend: Send + Sync {
         out: &mut Self::Buf,
     ) -> Result<()>;
 
-    /// Greedy pick: ids[r] = argmax of logits row r ([rows, cols]); the lowest
+    /// Greedy pick: `ids[r]` = argmax of logits row r (`[rows, cols]`); the lowest
     /// index wins ties, NaNs are skipped (a row of NaNs picks 0).
     fn argmax(
         &self,

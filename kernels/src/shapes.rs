@@ -33,8 +33,8 @@ pub fn replay_record_width(dk: usize, dv: usize) -> usize {
 }
 
 /// The per-token inputs of a KDA op, each a backend buffer. Layouts, with `N` the
-/// batch (step) or the token count (prefill): `q`, `k`, `g_raw` [N, H, Dk];
-/// `v` [N, H, Dv]; `b_raw` [N, H]. `q`, `k`, `v` are the short-conv outputs.
+/// batch (step) or the token count (prefill): `q`, `k`, `g_raw` `[N, H, Dk]`;
+/// `v` `[N, H, Dv]`; `b_raw` `[N, H]`. `q`, `k`, `v` are the short-conv outputs.
 #[derive(Debug)]
 pub struct KdaInputs<'a, T> {
     /// Queries.
@@ -56,7 +56,7 @@ impl<T> Clone for KdaInputs<'_, T> {
 }
 impl<T> Copy for KdaInputs<'_, T> {}
 
-/// Per-layer KDA parameters: `a_log` [H], `dt_bias` [H, Dk].
+/// Per-layer KDA parameters: `a_log` `[H]`, `dt_bias` `[H, Dk]`.
 #[derive(Debug)]
 pub struct KdaParams<'a, T> {
     /// Log of the decay rate magnitude, one per head.
@@ -72,8 +72,8 @@ impl<T> Clone for KdaParams<'_, T> {
 }
 impl<T> Copy for KdaParams<'_, T> {}
 
-/// ReplaySSM rings of `batch` slots: ring [batch, capacity, H, 2*Dk+Dv],
-/// cursor [batch] (i32, tokens recorded since the last commit).
+/// ReplaySSM rings of `batch` slots: ring `[batch, capacity, H, 2*Dk+Dv]`,
+/// cursor `[batch]` (i32, tokens recorded since the last commit).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReplayShape {
     /// Slots.
@@ -89,8 +89,8 @@ pub struct ReplayShape {
 }
 
 /// Depthwise causal conv1d over `channels` channels with kernel `width`.
-/// Weight [channels, width] (the last tap multiplies the newest token); conv
-/// state [width - 1, channels], oldest row first.
+/// Weight `[channels, width]` (the last tap multiplies the newest token); conv
+/// state `[width - 1, channels]`, oldest row first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConvShape {
     /// Channels (conv_dim on this rank).
@@ -147,8 +147,8 @@ impl<T> Clone for RowSet<'_, T> {
 }
 impl<T> Copy for RowSet<'_, T> {}
 
-/// DCP merge of `shards` partial attention results, each o [heads, width] and
-/// lse [heads], stacked shard-major.
+/// DCP merge of `shards` partial attention results, each o `[heads, width]` and
+/// lse `[heads]`, stacked shard-major.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MergeShape {
     /// Partial results (DCP ranks).
@@ -159,7 +159,7 @@ pub struct MergeShape {
     pub width: usize,
 }
 
-/// x [rows, inner] . w [inner, cols] = out [rows, cols], all row-major.
+/// x `[rows, inner]` . w `[inner, cols]` = out `[rows, cols]`, all row-major.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MatmulShape {
     /// Rows of x and out (tokens).
@@ -181,7 +181,7 @@ pub struct MlpShape {
     pub intermediate: usize,
 }
 
-/// SwiGLU weights: `gate`, `up` [hidden, intermediate]; `down` [intermediate, hidden].
+/// SwiGLU weights: `gate`, `up` `[hidden, intermediate]`; `down` `[intermediate, hidden]`.
 #[derive(Debug)]
 pub struct MlpWeights<'a, T> {
     /// Gate projection.
@@ -199,7 +199,7 @@ impl<T> Clone for MlpWeights<'_, T> {
 }
 impl<T> Copy for MlpWeights<'_, T> {}
 
-/// Embedding lookup: table [vocab, dim], ids [tokens] -> out [tokens, dim].
+/// Embedding lookup: table `[vocab, dim]`, ids `[tokens]` -> out `[tokens, dim]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EmbeddingShape {
     /// Tokens looked up.
@@ -211,8 +211,8 @@ pub struct EmbeddingShape {
 }
 
 /// Strided copy of a column block: for each of `rows` rows, `width` elements
-/// from column `src_col` of a [rows, src_cols] buffer to column `dst_col` of a
-/// [rows, dst_cols] buffer. Splits the conv output into q, k, v, or gathers heads.
+/// from column `src_col` of a `[rows, src_cols]` buffer to column `dst_col` of a
+/// `[rows, dst_cols]` buffer. Splits the conv output into q, k, v, or gathers heads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ColsCopy {
     /// Rows copied.

@@ -16,7 +16,7 @@ fn check_common(op: &'static str, shape: &ConvShape, weight: &[f32]) -> Result<(
     )
 }
 
-/// Weight [C, W] transposed to [W, C], so the tap loop runs over contiguous channels.
+/// Weight `[C, W]` transposed to `[W, C]`, so the tap loop runs over contiguous channels.
 fn taps(weight: &[f32], channels: usize, width: usize) -> Vec<f32> {
     let mut t = vec![0.0f32; weight.len()];
     for c in 0..channels {

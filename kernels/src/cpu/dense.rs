@@ -37,7 +37,7 @@ fn matmul_unchecked(rows: usize, inner: usize, cols: usize, x: &[f32], w: &[f32]
     }
 }
 
-/// Many rows (prefill): w is packed once into column panels [inner, PANEL],
+/// Many rows (prefill): w is packed once into column panels `[inner, PANEL]`,
 /// then each task owns ROW_BLOCK rows and keeps a ROW_BLOCK x PANEL block of
 /// out in registers while it streams a panel (contiguous) over k.
 fn matmul_many_rows(inner: usize, cols: usize, x: &[f32], w: &[f32], out: &mut [f32]) {

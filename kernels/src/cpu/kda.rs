@@ -9,7 +9,7 @@ use crate::shapes::{KdaPrefillShape, KdaStepShape, ReplayShape, replay_record_wi
 /// Chunk length of the chunked prefill.
 pub const KDA_CHUNK: usize = 64;
 
-/// Host views of the per-token inputs, [N, H, *].
+/// Host views of the per-token inputs, `[N, H, *]`.
 #[derive(Clone, Copy)]
 pub(crate) struct Inputs<'a> {
     pub q: &'a [f32],
@@ -229,7 +229,7 @@ pub(crate) fn prefill(
     prefill_chunked(shape, KDA_CHUNK, state, x, p, out, record)
 }
 
-/// Per-head results of the prefill, scattered into [T, H, *] afterwards.
+/// Per-head results of the prefill, scattered into `[T, H, *]` afterwards.
 struct HeadOut {
     o: Vec<f32>,
     rec: Option<Vec<f32>>,
@@ -242,9 +242,9 @@ struct HeadOut {
 ///   S_t = Diag(e^{Gam_t}) S_0 + sum_{s<=t} Diag(e^{Gam_t - Gam_s}) k^_s u_s^T,
 /// so the u_t solve a unit lower-triangular system (the UT transform):
 ///   u_t + sum_{s<t} A_ts u_s = beta_t (v_t - S_0^T (e^{Gam_t} k^_t)),
-///   A_ts = beta_t sum_i k^_t[i] k^_s[i] e^{Gam_t[i] - Gam_s[i]}.
+///   `A_ts = beta_t sum_i k^_t[i] k^_s[i] e^{Gam_t[i] - Gam_s[i]}`.
 /// Outputs are o_t = S_0^T (e^{Gam_t} q^_t) + sum_{s<=t} P_ts u_s with
-/// P_ts = sum_i q^_t[i] k^_s[i] e^{Gam_t[i] - Gam_s[i]}, and the state passes
+/// `P_ts = sum_i q^_t[i] k^_s[i] e^{Gam_t[i] - Gam_s[i]}`, and the state passes
 /// to the next chunk as S_C = Diag(e^{Gam_C}) S_0 + sum_s (e^{Gam_C - Gam_s} k^_s) u_s^T.
 /// Decays are formed as differences Gam_t - Gam_s <= 0, never as a product of
 /// e^{Gam_t} and e^{-Gam_s}, so nothing overflows however strong the decay.

@@ -139,8 +139,8 @@ fn params(b: &[CpuBuf; 2]) -> KdaParams<'_, CpuBuf> {
     }
 }
 
-/// Runs the recurrent step token by token over a [T, H, *] case from `s0`;
-/// returns (outputs [T, H, Dv], final state, records [T, H, W]).
+/// Runs the recurrent step token by token over a `[T, H, *]` case from `s0`;
+/// returns (outputs `[T, H, Dv]`, final state, records `[T, H, W]`).
 fn recurrent(case: &KdaCase, t_len: usize, s0: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let (h, dk, dv) = (case.heads, case.dk, case.dv);
     let shape = KdaStepShape {
@@ -867,7 +867,7 @@ fn rms_norm_and_gated_norm_match_naive() {
 
 // ---------------------------------------------------------------- MLA
 
-/// Naive attention of one query over rows; returns (o [L], lse).
+/// Naive attention of one query over rows; returns (o `[L]`, lse).
 fn attend64(q: &[f32], rows: &[f32], n: usize, l: usize, scale: f64) -> (Vec<f64>, f64) {
     let width = q.len();
     if n == 0 {
