@@ -6,4 +6,6 @@
 
 pub mod engine;
 pub mod oracle;
+pub mod profile;
 pub mod transport;
+pub mod verify;
