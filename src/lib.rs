@@ -4,7 +4,10 @@
 //! transports, the roles and the CLI. Plain data lives in `handoff-components`, the
 //! phase systems in `handoff-systems`, the compute in `handoff-kernels`.
 
+pub mod cli;
+pub mod compute_verify;
 pub mod engine;
+pub mod model;
 pub mod oracle;
 pub mod profile;
 pub mod transport;

@@ -1,0 +1,210 @@
+//! Disaggregated P/D decode computes what a colocated single-rank run computes:
+//! equal greedy tokens and logits within 1e-4 (relative) for 32+ decode steps, over
+//! a matrix of PP, prefill TP, decode TP, DCP, interleave, layer splits, prompt
+//! lengths, replay and block sizes; and dropping KDA state or conv state from the
+//! hand-off makes the check fail loudly.
+
+use handoff::compute_verify::{LOGIT_TOLERANCE, verify_compute};
+use handoff_components::Topology;
+use handoff_components::plan::Plan;
+use handoff_components::vocab::RegionKind;
+
+const STEPS: u32 = 32;
+
+#[derive(Clone)]
+struct Case {
+    pattern: &'static str,
+    layers: u32,
+    dtype: &'static str,
+    pp: u32,
+    ptp: u32,
+    pbs: u32,
+    split: &'static str,
+    dtp: u32,
+    dcp: u32,
+    interleave: u32,
+    dbs: u32,
+    replay: Option<u32>,
+}
+
+const BASE: Case = Case {
+    pattern: "KKKM",
+    layers: 4,
+    dtype: "f32",
+    pp: 1,
+    ptp: 1,
+    pbs: 8,
+    split: "",
+    dtp: 1,
+    dcp: 1,
+    interleave: 1,
+    dbs: 8,
+    replay: None,
+};
+
+fn topo(c: &Case) -> Topology {
+    let replay = c.replay.map_or(String::new(), |cap| format!("[model.replay]\ncapacity = {cap}\n"));
+    let split = if c.split.is_empty() { String::new() } else { format!("layer_split = [{}]\n", c.split) };
+    let text = format!(
+        r#"
+[model]
+name = "tiny"
+pattern = "{pattern}"
+num_layers = {layers}
+hidden_size = 32
+dtype = "{dtype}"
+seed = 5
+
+[model.mla]
+heads = 4
+kv_lora_rank = 16
+rope_dim = 8
+nope_head_dim = 8
+v_head_dim = 8
+
+[model.kda]
+heads = 4
+head_k_dim = 8
+head_v_dim = 8
+conv_kernel = 4
+
+{replay}
+[prefill]
+pp = {pp}
+tp = {ptp}
+block_size = {pbs}
+{split}
+[decode]
+tp = {dtp}
+dcp = {dcp}
+interleave = {interleave}
+block_size = {dbs}
+
+[serve]
+max_context = 1024
+"#,
+        pattern = c.pattern,
+        layers = c.layers,
+        dtype = c.dtype,
+        pp = c.pp,
+        ptp = c.ptp,
+        pbs = c.pbs,
+        dtp = c.dtp,
+        dcp = c.dcp,
+        interleave = c.interleave,
+        dbs = c.dbs,
+    );
+    Topology::parse(&text).unwrap_or_else(|e| panic!("topology refused: {e}\n{text}"))
+}
+
+fn prompt(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i as u32 * 37 + 11) as u8).collect()
+}
+
+fn check(name: &str, c: &Case, len: usize) {
+    let t = topo(c);
+    match verify_compute(&t, &prompt(len), STEPS, |_| {}) {
+        Ok(r) => {
+            eprintln!("{name} (prompt {len}): max rel err {:.2e} at step {}, {} descriptors, tokens {:?}", r.max_rel_err, r.worst_step, r.descriptors, String::from_utf8_lossy(&r.tokens));
+            assert_eq!(r.tokens.len(), STEPS as usize + 1, "{name}");
+            assert!(r.max_rel_err <= LOGIT_TOLERANCE, "{name}: {}", r.max_rel_err);
+        }
+        Err(e) => panic!("{name} (prompt {len}): {e}"),
+    }
+}
+
+#[test]
+fn colocated_topology_matches_itself() {
+    check("pp1 tp1 -> tp1", &BASE, 13);
+}
+
+#[test]
+fn pp_stages_and_prefill_tp_match_colocated() {
+    for (pp, ptp, split) in [(2, 1, ""), (3, 1, ""), (2, 2, "3, 5"), (3, 2, "1, 4, 3")] {
+        let c = Case { layers: 8, pp, ptp, split, dtp: 2, ..BASE };
+        check(&format!("pp{pp} tp{ptp} split [{split}]"), &c, 19);
+    }
+}
+
+#[test]
+fn decode_tp_and_dcp_match_colocated() {
+    for (dtp, dcp, interleave) in [(2, 1, 1), (2, 2, 1), (4, 2, 8), (4, 4, 1), (4, 4, 8), (4, 1, 1)] {
+        let c = Case { pp: 2, dtp, dcp, interleave, ..BASE };
+        check(&format!("decode tp{dtp} dcp{dcp} S{interleave}"), &c, 21);
+    }
+}
+
+#[test]
+fn prompt_lengths_and_block_sizes_match_colocated() {
+    for (pbs, dbs, interleave) in [(8, 8, 1), (8, 16, 4), (16, 4, 2), (4, 8, 8)] {
+        for len in [1, 16, 23] {
+            let c = Case { pp: 2, ptp: 2, pbs, dtp: 4, dcp: 2, interleave, dbs, ..BASE };
+            check(&format!("blocks {pbs}->{dbs} S{interleave}"), &c, len);
+        }
+    }
+}
+
+#[test]
+fn replay_records_match_colocated() {
+    for (cap, len, dtp, dcp) in [(8, 19, 2, 2), (4, 1, 4, 4), (16, 40, 1, 1)] {
+        let c = Case { pp: 2, replay: Some(cap), dtp, dcp, ..BASE };
+        check(&format!("replay cap {cap} decode tp{dtp} dcp{dcp}"), &c, len);
+    }
+}
+
+#[test]
+fn model_dtypes_bf16_and_f16_match_colocated() {
+    for dtype in ["bf16", "f16"] {
+        let c = Case { dtype, pp: 2, ptp: 2, dtp: 4, dcp: 2, interleave: 2, replay: Some(8), ..BASE };
+        check(dtype, &c, 17);
+    }
+}
+
+#[test]
+fn mla_first_and_kda_only_patterns_match_colocated() {
+    for pattern in ["MKKM", "KMKM", "K"] {
+        let c = Case { pattern, layers: 5, pp: 2, dtp: 2, dcp: 2, ..BASE };
+        check(pattern, &c, 10);
+    }
+}
+
+fn drop_kind(kind: RegionKind) -> impl FnMut(&mut Vec<Plan>) {
+    move |plans: &mut Vec<Plan>| {
+        for p in plans.iter_mut() {
+            p.descriptors.retain(|d| d.kind != kind);
+        }
+    }
+}
+
+fn assert_diverges(kind: RegionKind, c: &Case) {
+    let t = topo(c);
+    let before = verify_compute(&t, &prompt(20), STEPS, |_| {});
+    assert!(before.is_ok(), "untampered run must pass: {before:?}");
+    match verify_compute(&t, &prompt(20), STEPS, drop_kind(kind)) {
+        Ok(r) => panic!("dropping {kind} went unnoticed: {r:?}"),
+        Err(e) => {
+            eprintln!("dropping {kind}: {e}");
+            assert!(e.contains("diverged"), "message must say the run diverged: {e}");
+        }
+    }
+}
+
+#[test]
+fn dropping_kda_state_descriptors_fails_loudly() {
+    assert_diverges(RegionKind::KdaState, &Case { pp: 2, dtp: 2, dcp: 2, ..BASE });
+}
+
+#[test]
+fn dropping_conv_state_descriptors_fails_loudly() {
+    assert_diverges(RegionKind::KdaConv, &Case { pp: 2, dtp: 2, dcp: 2, ..BASE });
+}
+
+#[test]
+fn dropping_mla_rows_fails_loudly() {
+    assert_diverges(RegionKind::MlaKv, &Case { pp: 2, dtp: 2, dcp: 2, ..BASE });
+}
+
+#[test]
+fn dropping_replay_records_fails_loudly() {
+    assert_diverges(RegionKind::ReplayRecords, &Case { pp: 2, dtp: 2, dcp: 2, replay: Some(8), ..BASE });
+}

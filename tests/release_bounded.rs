@@ -1,0 +1,186 @@
+//! Release frees every per-request entity, block and slot, and the completion
+//! protocol ignores duplicate, late and wrong-nonce reports.
+
+mod common;
+use common::Shape;
+use handoff::engine::{Engine, QueueMover};
+use handoff_components::ecs::{Pools, Status, WriteDone};
+use handoff_systems::placement::Capacity;
+
+fn engine(shape: &Shape, requests: u32, tokens: u64) -> (Engine, QueueMover) {
+    let topo = shape.topology();
+    let cap = Capacity::for_requests(&topo, requests, tokens);
+    let mover = QueueMover::default();
+    let mut e = Engine::new(topo, cap, Box::new(mover.clone()));
+    e.tick();
+    (e, mover)
+}
+
+fn free_counts(e: &Engine) -> Vec<(u64, usize)> {
+    e.world.resource::<Pools>().0.values().map(|p| (p.free_block_count(), p.free_slots.len())).collect()
+}
+
+/// Runs requests to the end in waves; entity count, pools and producer entries
+/// return to their baseline after each wave.
+#[test]
+fn release_returns_entities_blocks_and_slots_to_baseline() {
+    let shape = Shape { pp: 3, ptp: 2, dtp: 4, dcp: 2, replay: Some(2), ..Default::default() };
+    let (mut e, mover) = engine(&shape, 4, 20);
+    let baseline = e.entity_count();
+    let pools = free_counts(&e);
+    let mut id = 0;
+    for wave in 0..50 {
+        let ids: Vec<u64> = (0..4).map(|_| { id += 1; id }).collect();
+        for &i in &ids {
+            e.submit(i, 1 + (i * 7) % 20);
+        }
+        e.tick();
+        for &i in &ids {
+            for s in 0..3 {
+                e.mark_computed(i, s);
+            }
+        }
+        e.tick();
+        assert!(e.entity_count() > baseline, "wave {wave}: requests hold entities while in flight");
+        for (t, _) in mover.take_submitted() {
+            mover.complete(t, Ok(()));
+        }
+        e.tick();
+        assert_eq!(e.producer_entries(), vec![0, 0, 0], "wave {wave}: every stage dropped its entries");
+        for &i in &ids {
+            assert_eq!(e.status(i), Some(Status::HandedOff));
+            e.finish(i);
+        }
+        e.tick();
+        assert_eq!(e.entity_count(), baseline, "wave {wave}");
+        assert_eq!(free_counts(&e), pools, "wave {wave}");
+    }
+}
+
+/// A stage whose writes completed drops its producer entry even while another
+/// stage is still writing (no stage waits for stage 0).
+#[test]
+fn each_stage_drops_its_entry_when_its_own_writes_complete() {
+    let shape = Shape { pp: 2, dtp: 2, ..Default::default() };
+    let (mut e, mover) = engine(&shape, 1, 8);
+    e.submit(7, 8);
+    e.tick();
+    e.mark_computed(7, 1);
+    e.tick();
+    let sub = mover.take_submitted();
+    assert!(sub.iter().all(|(t, _)| t.producer.pp == 1), "only stage 1 computed");
+    for (t, _) in sub {
+        mover.complete(t, Ok(()));
+    }
+    e.tick();
+    assert_eq!(e.producer_entries(), vec![1, 0], "stage 1 dropped its entry, stage 0 still writing");
+    assert_eq!(e.status(7), Some(Status::Planned));
+    e.mark_computed(7, 0);
+    e.tick();
+    for (t, _) in mover.take_submitted() {
+        mover.complete(t, Ok(()));
+    }
+    e.tick();
+    assert_eq!(e.producer_entries(), vec![0, 0]);
+    assert_eq!(e.status(7), Some(Status::HandedOff));
+}
+
+/// Duplicate and wrong-nonce reports are counted and ignored; a consumer completes
+/// only when every stage has reported.
+#[test]
+fn duplicate_and_wrong_nonce_reports_are_ignored_and_counted() {
+    let shape = Shape { pp: 2, dtp: 1, ..Default::default() };
+    let (mut e, mover) = engine(&shape, 1, 8);
+    e.submit(9, 8);
+    e.tick();
+    e.mark_computed(9, 0);
+    e.mark_computed(9, 1);
+    e.tick();
+    let sub = mover.take_submitted();
+    assert_eq!(sub.len(), 2);
+    let (t0, t1) = (sub[0].0, sub[1].0);
+    // Wrong nonce for stage 0's writes.
+    e.deliver_report(WriteDone { request: 9, nonce: t0.nonce ^ 1, producer: t0.producer, consumer: t0.consumer });
+    e.tick();
+    assert_eq!(e.report_stats().wrong_nonce, 1);
+    assert_eq!(e.status(9), Some(Status::Planned));
+    // Stage 0 twice: the second is a duplicate; still not complete without stage 1.
+    e.deliver_report(WriteDone { request: 9, nonce: t0.nonce, producer: t0.producer, consumer: t0.consumer });
+    e.deliver_report(WriteDone { request: 9, nonce: t0.nonce, producer: t0.producer, consumer: t0.consumer });
+    e.tick();
+    let s = e.report_stats();
+    assert_eq!((s.accepted, s.duplicate), (1, 1));
+    assert_eq!(e.status(9), Some(Status::Planned), "stage 1 has not reported");
+    e.deliver_report(WriteDone { request: 9, nonce: t1.nonce, producer: t1.producer, consumer: t1.consumer });
+    e.tick();
+    assert_eq!(e.status(9), Some(Status::HandedOff));
+    // A late report for a request that is gone counts as unknown.
+    e.finish(9);
+    e.tick();
+    e.deliver_report(WriteDone { request: 9, nonce: t1.nonce, producer: t1.producer, consumer: t1.consumer });
+    e.tick();
+    assert_eq!(e.report_stats().unknown, 1);
+    drop(mover);
+}
+
+/// An expired request fails naming its phase and frees what it held; a failed
+/// request with a write in flight keeps its sources until the write ends.
+#[test]
+fn timeouts_fail_the_request_naming_the_phase_and_free_everything() {
+    let t = Shape { pp: 2, dtp: 2, ..Default::default() }.toml() + "\n[timeouts]\ncompute_s = 0.05\ntransfer_s = 0.05\n";
+    let topo = handoff_components::Topology::parse(&t).unwrap();
+    let mover = QueueMover::default();
+    let mut e = Engine::new(topo.clone(), Capacity::for_requests(&topo, 2, 8), Box::new(mover.clone()));
+    e.tick();
+    let baseline = e.entity_count();
+    let pools = free_counts(&e);
+    // Compute never finishes.
+    e.submit(1, 8);
+    e.tick();
+    std::thread::sleep(std::time::Duration::from_millis(80));
+    e.tick();
+    let out = e.take_outcomes();
+    let (phase, reason) = out.iter().find(|o| o.request == 1).and_then(|o| o.result.clone().err()).expect("request 1 failed");
+    assert_eq!(phase.name(), "compute");
+    assert!(reason.contains("compute phase timed out"), "{reason}");
+    assert_eq!(e.entity_count(), baseline);
+    assert_eq!(free_counts(&e), pools);
+    // Transfer never completes: the request fails in transfer, but its sources stay
+    // held while the write is in flight.
+    e.submit(2, 8);
+    e.tick();
+    e.mark_computed(2, 0);
+    e.mark_computed(2, 1);
+    e.tick();
+    let sub = mover.take_submitted();
+    std::thread::sleep(std::time::Duration::from_millis(80));
+    e.tick();
+    assert!(matches!(e.status(2), Some(Status::Failed { .. })));
+    assert_ne!(free_counts(&e), pools, "an in-flight write still reads the sources");
+    for (t, _) in sub {
+        mover.complete(t, Err("peer gone".into()));
+    }
+    e.tick();
+    let out = e.take_outcomes();
+    let (phase, _) = out.iter().find(|o| o.request == 2).and_then(|o| o.result.clone().err()).expect("request 2 failed");
+    assert_eq!(phase.name(), "transfer");
+    assert_eq!(e.entity_count(), baseline);
+    assert_eq!(free_counts(&e), pools);
+}
+
+/// Admission refuses what cannot be served before anything is enqueued.
+#[test]
+fn admission_rejects_empty_too_long_and_unservable_requests() {
+    let shape = Shape { dtp: 2, dcp: 2, ..Default::default() };
+    let (mut e, _m) = engine(&shape, 1, 8);
+    let baseline = e.entity_count();
+    e.submit(1, 0);
+    e.submit(2, 1 << 40);
+    e.tick();
+    let out = e.take_outcomes();
+    assert_eq!(out.len(), 2);
+    assert!(out.iter().all(|o| matches!(&o.result, Err((p, _)) if p.name() == "admission")));
+    assert!(format!("{out:?}").contains("empty prompt"));
+    assert!(format!("{out:?}").contains("max_context"));
+    assert_eq!(e.entity_count(), baseline);
+}

@@ -1,0 +1,206 @@
+//! Every backend writes exactly what a naive copy loop writes, and refuses what it
+//! must refuse (out-of-range descriptors, kind mix-ups, device memory) without
+//! moving a byte.
+
+mod transport_util;
+
+use handoff::transport::rdma::RdmaTransport;
+use handoff::transport::{
+    LocalTransport, MemoryKind, ShmTransport, Side, TcpTransport, Transport, TransportError, TransportExt,
+};
+use handoff_components::plan::Descriptor;
+use handoff_components::vocab::RegionKind;
+use std::sync::Arc;
+use transport_util::*;
+
+type Pair = (Arc<dyn Transport>, Arc<dyn Transport>);
+type Check = Box<dyn Fn(&TransportError) -> bool>;
+
+fn local_pair() -> Pair {
+    (Arc::new(LocalTransport::new()), Arc::new(LocalTransport::new()))
+}
+fn shm_pair() -> Pair {
+    (Arc::new(ShmTransport::new().expect("shm")), Arc::new(ShmTransport::new().expect("shm")))
+}
+fn tcp_pair() -> Pair {
+    (Arc::new(TcpTransport::loopback().expect("tcp")), Arc::new(TcpTransport::loopback().expect("tcp")))
+}
+
+/// Random strided batches, small and large (the large one crosses the parallel
+/// threshold of the in-host copy engine), byte-exact against the reference.
+fn random_batches_match_reference(pair: Pair, name: &str) {
+    let (p, c) = pair;
+    for seed in 1..=6u64 {
+        let mut rng = Rng(seed * 7919);
+        let (src_len, dst_len, n, piece) = if seed % 3 == 0 { (6 << 20, 8 << 20, 400, 16 << 10) } else { (64 << 10, 96 << 10, 200, 300) };
+        let descs = random_batch(&mut rng, RegionKind::KdaState, n, piece, src_len, dst_len);
+        assert!(descs.len() > n / 4, "generator produced a meaningful batch ({})", descs.len());
+        assert!(!dst_overlap(&descs));
+        check_transfer(p.as_ref(), c.as_ref(), seed, src_len, dst_len, &descs, &format!("{name} seed {seed}"));
+    }
+}
+
+#[test]
+fn local_random_strided_batches_are_byte_exact() {
+    random_batches_match_reference(local_pair(), "local");
+}
+
+#[test]
+fn shm_random_strided_batches_are_byte_exact() {
+    random_batches_match_reference(shm_pair(), "shm");
+}
+
+#[test]
+fn tcp_loopback_random_strided_batches_are_byte_exact() {
+    random_batches_match_reference(tcp_pair(), "tcp");
+}
+
+/// Overlapping destinations within one batch: later descriptors win, as in the loop.
+#[test]
+fn overlapping_destinations_follow_descriptor_order_on_every_backend() {
+    for (name, pair) in [("local", local_pair()), ("shm", shm_pair()), ("tcp", tcp_pair())] {
+        let k = RegionKind::MlaKv;
+        let descs = vec![
+            Descriptor { kind: k, src_offset: 0, dst_offset: 0, len: 1 << 20, count: 2, src_stride: 1 << 20, dst_stride: 1 << 19 },
+            Descriptor::copy(k, 100, 700_000, 500_000),
+            Descriptor { kind: k, src_offset: 3, dst_offset: 5, len: 7, count: 1000, src_stride: 11, dst_stride: 5 },
+        ];
+        assert!(dst_overlap(&descs));
+        check_transfer(pair.0.as_ref(), pair.1.as_ref(), 99, 3 << 20, 2 << 20, &descs, &format!("{name} overlapping"));
+    }
+}
+
+/// A copy into one's own region (attach of a local handle) with memmove semantics.
+#[test]
+fn copy_within_one_region_matches_reference() {
+    for t in [Arc::new(LocalTransport::new()) as Arc<dyn Transport>, Arc::new(ShmTransport::new().expect("shm"))] {
+        let mut rng = Rng(5);
+        let h = t.register(producer_rank(), RegionKind::KdaConv, 4096).expect("register");
+        let before = rng.bytes(4096);
+        t.write_region(&h, |b| b.copy_from_slice(&before)).expect("fill");
+        let descs = [Descriptor::copy(RegionKind::KdaConv, 0, 100, 1000), Descriptor::copy(RegionKind::KdaConv, 2000, 1900, 300)];
+        let mut want = before.clone();
+        for d in &descs {
+            let (s, t, n) = (d.src_offset as usize, d.dst_offset as usize, d.len as usize);
+            want.copy_within(s..s + n, t);
+        }
+        let own = t.attach(&h).expect("attach own region");
+        t.transfer(&h, own, &descs, WAIT).expect("transfer");
+        assert_bytes_eq(&format!("{} within", t.name()), &t.region_bytes(&h).expect("read"), &want, &descs);
+    }
+}
+
+/// Out-of-range descriptors, overflowing strides and kind mix-ups are rejected at
+/// submit, naming the descriptor and side, and the destination keeps its bytes.
+#[test]
+fn out_of_bounds_and_mismatched_descriptors_are_rejected_without_writes() {
+    for (name, (p, c)) in [("local", local_pair()), ("shm", shm_pair()), ("tcp", tcp_pair())] {
+        let k = RegionKind::KdaState;
+        let src = p.register(producer_rank(), k, 1000).expect("src");
+        let dst = c.register(consumer_rank(), k, 500).expect("dst");
+        p.write_region(&src, |b| b.fill(0xab)).expect("fill");
+        let remote = p.attach(&dst).expect("attach");
+        let ok = Descriptor::copy(k, 0, 0, 10);
+        let cases: Vec<(Vec<Descriptor>, Check)> = vec![
+            (vec![ok, Descriptor::copy(k, 0, 491, 10)], Box::new(|e| matches!(e, TransportError::OutOfBounds { index: 1, side: Side::Dst, end: 501, len: 500, .. }))),
+            (vec![Descriptor::copy(k, 995, 0, 10)], Box::new(|e| matches!(e, TransportError::OutOfBounds { index: 0, side: Side::Src, .. }))),
+            (
+                vec![Descriptor { kind: k, src_offset: 0, dst_offset: 0, len: 10, count: 60, src_stride: 10, dst_stride: 10 }],
+                Box::new(|e| matches!(e, TransportError::OutOfBounds { side: Side::Dst, end: 600, .. })),
+            ),
+            (
+                vec![Descriptor { kind: k, src_offset: 0, dst_offset: 0, len: 1, count: 3, src_stride: 0, dst_stride: u64::MAX / 2 }],
+                Box::new(|e| matches!(e, TransportError::OutOfBounds { side: Side::Dst, end: u64::MAX, .. })),
+            ),
+            (vec![Descriptor::copy(k, u64::MAX - 2, 0, 10)], Box::new(|e| matches!(e, TransportError::OutOfBounds { side: Side::Src, .. }))),
+            (vec![Descriptor::copy(RegionKind::KdaConv, 0, 0, 10)], Box::new(|e| matches!(e, TransportError::KindMismatch { index: 0, .. }))),
+        ];
+        for (i, (descs, expect)) in cases.into_iter().enumerate() {
+            let err = p.submit(&src, remote, &descs).expect_err(&format!("{name} case {i} must be rejected"));
+            assert!(expect(&err), "{name} case {i}: unexpected error {err}");
+            assert!(!err.is_transient(), "{name} case {i}: a wrong descriptor is not worth retrying");
+        }
+        assert!(c.region_bytes(&dst).expect("read").iter().all(|&b| b == 0), "{name}: a rejected batch wrote bytes");
+        // The transport still works after the rejections.
+        p.transfer(&src, remote, &[ok], WAIT).expect("valid batch after rejections");
+        assert_eq!(&c.region_bytes(&dst).expect("read")[..11], &[0xab; 10].iter().copied().chain([0]).collect::<Vec<_>>()[..]);
+    }
+}
+
+/// Handles name their owner: a transport refuses to treat another's region as its own.
+#[test]
+fn foreign_and_unknown_handles_are_refused() {
+    let (a, b) = local_pair();
+    let h = b.register(consumer_rank(), RegionKind::MlaKv, 64).expect("register");
+    assert!(matches!(a.with_region(&h, &mut |_| {}), Err(TransportError::ForeignHandle { .. })));
+    b.unregister(&h).expect("unregister");
+    assert!(matches!(b.with_region(&h, &mut |_| {}), Err(TransportError::UnknownRegion(_))));
+    assert!(a.attach(&h).is_err(), "attaching an unregistered region fails");
+}
+
+#[test]
+fn device_memory_and_rdma_are_refused_with_a_reason_in_this_build() {
+    for t in [Arc::new(LocalTransport::new()) as Arc<dyn Transport>, Arc::new(ShmTransport::new().expect("shm")), Arc::new(TcpTransport::loopback().expect("tcp"))] {
+        let err = t.register_memory(producer_rank(), RegionKind::MlaKv, 64, MemoryKind::Device).expect_err("device memory");
+        assert!(matches!(err, TransportError::Unavailable { .. }), "{err}");
+        assert!(err.to_string().contains("device"), "{err}");
+    }
+    let err = RdmaTransport::open("mlx5_0").err().expect("rdma stub refuses");
+    assert!(matches!(err, TransportError::Unavailable { .. }));
+    assert!(err.to_string().contains("rdma"), "{err}");
+}
+
+/// Completions: `poll` reports every batch once, `wait` takes one, a taken batch is unknown.
+#[test]
+fn completions_are_reported_once() {
+    for (name, (p, c)) in [("local", local_pair()), ("shm", shm_pair()), ("tcp", tcp_pair())] {
+        let src = p.register(producer_rank(), RegionKind::MlaKv, 4096).expect("src");
+        let dst = c.register(consumer_rank(), RegionKind::MlaKv, 4096).expect("dst");
+        let r = p.attach(&dst).expect("attach");
+        let ids: Vec<_> = (0..4u64).map(|i| p.submit(&src, r, &[Descriptor::copy(RegionKind::MlaKv, i * 8, i * 8, 8)]).expect("submit")).collect();
+        p.wait(ids[1], WAIT).expect("wait one");
+        let mut seen = Vec::new();
+        let deadline = std::time::Instant::now() + WAIT;
+        while seen.len() < 3 && std::time::Instant::now() < deadline {
+            seen.extend(p.poll());
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let mut got: Vec<_> = seen.iter().map(|c| c.batch).collect();
+        got.sort();
+        assert_eq!(got, vec![ids[0], ids[2], ids[3]], "{name}");
+        assert!(seen.iter().all(|c| c.result.is_ok()), "{name}");
+        assert!(matches!(p.wait(ids[1], WAIT), Err(TransportError::UnknownBatch(_))), "{name}");
+    }
+}
+
+/// Notifications arrive with their bytes and, where known, the sender.
+#[test]
+fn notifications_carry_bytes_and_sender() {
+    for (name, (p, c)) in [("local", local_pair()), ("shm", shm_pair()), ("tcp", tcp_pair())] {
+        p.notify(&c.endpoint(), b"write-done 42").expect("notify");
+        p.notify(&c.endpoint(), &[]).expect("empty notify");
+        let mut got = Vec::new();
+        let deadline = std::time::Instant::now() + WAIT;
+        while got.len() < 2 && std::time::Instant::now() < deadline {
+            got.extend(c.wait_notifications(std::time::Duration::from_millis(200)));
+        }
+        assert_eq!(got.len(), 2, "{name}");
+        assert_eq!(got[0].bytes, b"write-done 42", "{name}");
+        assert!(got[1].bytes.is_empty(), "{name}");
+        assert_eq!(got[0].from.as_ref(), Some(&p.endpoint()), "{name}");
+    }
+}
+
+/// An shm transport removes its files when dropped.
+#[test]
+fn shm_files_are_removed_on_drop() {
+    let t = ShmTransport::new().expect("shm");
+    let h = t.register(producer_rank(), RegionKind::MlaKv, 4096).expect("register");
+    let handoff::transport::PeerAddr::Shm { dir, prefix } = h.peer.clone() else { panic!("shm handle") };
+    let ours = || {
+        std::fs::read_dir(&dir).expect("read dir").flatten().filter(|e| e.file_name().to_string_lossy().starts_with(&prefix)).count()
+    };
+    assert_eq!(ours(), 2, "one region file and one socket");
+    drop(t);
+    assert_eq!(ours(), 0, "files left behind after drop");
+}
