@@ -1,0 +1,534 @@
+//! Transports: one-sided writes of registered memory regions between ranks.
+//!
+//! A transport knows regions and descriptors, never requests (conventions.md). A
+//! consumer rank registers a region and hands its [`RegionHandle`] (plain serde data)
+//! to a producer, possibly in another process or on another host; the producer
+//! [`Transport::attach`]es it and [`Transport::submit`]s descriptor batches that copy
+//! from one of its own regions into the peer's. Completion is reported per batch;
+//! small generic messages (write-done reports) travel with [`Transport::notify`].
+//!
+//! Backends: [`local`] (in-process, rayon), [`shm`] (shared memory between processes
+//! on one host), [`tcp`] (streams between hosts), [`rdma`] (stub unless built with the
+//! `rdma` feature). [`staging`] gathers strided batches into contiguous runs through
+//! a bounded pool, and [`bench`] measures transfers against this machine's memcpy.
+//!
+//! Every descriptor is bounds-checked against both regions before any byte moves: an
+//! out-of-range descriptor is a [`TransportError::OutOfBounds`], never a wild write.
+//! Within one batch, copies have sequential semantics (descriptor order, piece order),
+//! so a batch whose destinations overlap still yields what a naive loop yields.
+
+pub mod bench;
+pub(crate) mod copy;
+pub(crate) mod host;
+pub mod local;
+pub mod rdma;
+pub mod shm;
+pub mod staging;
+pub mod tcp;
+
+use handoff_components::plan::Descriptor;
+use handoff_components::vocab::{RankId, RegionKind};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashSet};
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+pub use local::LocalTransport;
+pub use shm::ShmTransport;
+pub use tcp::{TcpOptions, TcpTransport};
+
+/// Where a region's bytes live. Only host memory is backed in this build; device
+/// memory is part of the handle so that a GPU/RDMA backend needs no API change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum MemoryKind {
+    #[default]
+    Host,
+    Device,
+}
+
+/// The address of a transport endpoint: where its regions live and where its
+/// notifications go. Plain data, so it travels inside handles and messages.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "transport", rename_all = "lowercase")]
+pub enum PeerAddr {
+    /// An in-process [`LocalTransport`] instance.
+    Local { instance: u64 },
+    /// A [`ShmTransport`]: its regions are files `{dir}/{prefix}-r{id}`, its
+    /// notification socket is `{dir}/{prefix}.sock`.
+    Shm { dir: PathBuf, prefix: String },
+    /// A [`TcpTransport`] listening at `addr`.
+    Tcp { addr: SocketAddr },
+}
+
+impl fmt::Display for PeerAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PeerAddr::Local { instance } => write!(f, "local:{instance:x}"),
+            PeerAddr::Shm { dir, prefix } => write!(f, "shm:{}/{prefix}", dir.display()),
+            PeerAddr::Tcp { addr } => write!(f, "tcp:{addr}"),
+        }
+    }
+}
+
+/// A registered region, as a peer addresses it. Serializable: send it to the
+/// producer (JSON, the engine's own messages), which [`Transport::attach`]es it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RegionHandle {
+    /// The transport that owns the region.
+    pub peer: PeerAddr,
+    /// The region's id within its transport.
+    pub id: u64,
+    /// The rank the region belongs to.
+    pub rank: RankId,
+    pub kind: RegionKind,
+    /// Bytes in the region.
+    pub len: u64,
+    pub memory: MemoryKind,
+}
+
+impl fmt::Display for RegionHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} region {} of {} ({} B) at {}", self.kind, self.id, self.rank, self.len, self.peer)
+    }
+}
+
+/// A peer's region opened for writing by this transport (the result of `attach`).
+/// Only meaningful to the transport that returned it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RemoteRegion {
+    /// Attachment id within the attaching transport.
+    pub id: u64,
+    pub kind: RegionKind,
+    pub len: u64,
+}
+
+/// One submitted descriptor batch, unique within its transport.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct BatchId(pub u64);
+
+impl fmt::Display for BatchId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "batch {}", self.0)
+    }
+}
+
+/// The outcome of one batch.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completion {
+    pub batch: BatchId,
+    pub result: Result<(), TransportError>,
+}
+
+/// A small message received from a peer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notification {
+    /// The sender's endpoint when the transport knows it.
+    pub from: Option<PeerAddr>,
+    pub bytes: Vec<u8>,
+}
+
+/// Something that went wrong on the receiving side without a local call to
+/// report it to: a producer that vanished or stalled mid-batch.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Incident {
+    pub peer: Option<PeerAddr>,
+    pub error: TransportError,
+}
+
+/// Which side of a descriptor an error is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Src,
+    Dst,
+}
+
+impl fmt::Display for Side {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Side::Src => "source",
+            Side::Dst => "destination",
+        })
+    }
+}
+
+/// Errors of every transport. Clone, so that a batch's failure can be reported both
+/// through `poll` and to the engine's own bookkeeping.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum TransportError {
+    #[error(
+        "descriptor {index} ({kind}) reaches {side} bytes {start}..{end}, past the end of the {len}-byte region"
+    )]
+    OutOfBounds { index: usize, kind: RegionKind, side: Side, start: u64, end: u64, len: u64 },
+    #[error("descriptor {index} is for {descriptor} but the destination region holds {region}")]
+    KindMismatch { index: usize, descriptor: RegionKind, region: RegionKind },
+    #[error("batch of {count} descriptors exceeds the limit of {max}")]
+    BatchTooLarge { count: usize, max: usize },
+    #[error("unknown region: {0}")]
+    UnknownRegion(String),
+    #[error("region handle {handle} belongs to {owner}, not to this {transport} transport")]
+    ForeignHandle { handle: String, owner: String, transport: &'static str },
+    #[error("unknown {0} (never submitted, or its completion was already taken)")]
+    UnknownBatch(BatchId),
+    #[error("{what} unavailable: {reason}")]
+    Unavailable { what: String, reason: String },
+    #[error("I/O error during {op}: {message}")]
+    Io { op: String, kind: std::io::ErrorKind, message: String },
+    #[error("connection to {peer} lost: {reason}")]
+    Disconnected { peer: String, reason: String },
+    #[error("timed out after {after:?} waiting for {what}")]
+    Timeout { what: String, after: Duration },
+    #[error("peer {peer} rejected {batch}: {message}")]
+    Rejected { peer: String, batch: BatchId, message: String },
+    #[error("protocol error from {peer}: {message}")]
+    Protocol { peer: String, message: String },
+    #[error("staging pool of {buffers} x {bytes} B exhausted for {waited:?}")]
+    PoolExhausted { buffers: u32, bytes: u64, waited: Duration },
+    #[error("gave up after {attempts} attempts: {last}")]
+    RetriesExhausted { attempts: u32, last: Box<TransportError> },
+}
+
+impl TransportError {
+    pub(crate) fn io(op: impl Into<String>, e: std::io::Error) -> Self {
+        TransportError::Io { op: op.into(), kind: e.kind(), message: e.to_string() }
+    }
+
+    /// Whether trying again may succeed (a lost connection, a stall, a full pool),
+    /// as opposed to a request that is wrong (bounds, kinds, unknown regions).
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            TransportError::Io { .. }
+                | TransportError::Disconnected { .. }
+                | TransportError::Timeout { .. }
+                | TransportError::PoolExhausted { .. }
+        )
+    }
+}
+
+pub type Result<T, E = TransportError> = std::result::Result<T, E>;
+
+/// Moves bytes from this process's registered regions into peers' registered regions.
+///
+/// Object safe; share it as `Arc<dyn Transport>`. Reading or filling a local region
+/// goes through [`TransportExt::read_region`]/[`TransportExt::write_region`] (or the
+/// `dyn FnMut` forms here). Writes that a peer makes into a region of this transport
+/// become visible once the peer's batch completed and its notification arrived; the
+/// engine must not read a region while writes into it may be in flight.
+pub trait Transport: Send + Sync {
+    /// `"local"`, `"shm"`, `"tcp"`, `"rdma"`.
+    fn name(&self) -> &'static str;
+
+    /// Where peers reach this transport (for notifications).
+    fn endpoint(&self) -> PeerAddr;
+
+    /// Allocates and registers a zeroed region for a local rank.
+    fn register_memory(&self, rank: RankId, kind: RegionKind, len: u64, memory: MemoryKind) -> Result<RegionHandle>;
+
+    /// Allocates and registers a zeroed host region for a local rank.
+    fn register(&self, rank: RankId, kind: RegionKind, len: u64) -> Result<RegionHandle> {
+        self.register_memory(rank, kind, len, MemoryKind::Host)
+    }
+
+    /// Drops a local region. Peers that attached it get errors on later writes (tcp)
+    /// or keep writing into memory nobody reads (shm mappings outlive the name).
+    fn unregister(&self, handle: &RegionHandle) -> Result<()>;
+
+    /// Opens a peer's (or one's own) region for writing.
+    fn attach(&self, handle: &RegionHandle) -> Result<RemoteRegion>;
+
+    /// Calls `f` with the bytes of a local region.
+    fn with_region(&self, handle: &RegionHandle, f: &mut dyn FnMut(&[u8])) -> Result<()>;
+
+    /// Calls `f` with the bytes of a local region, writable.
+    fn with_region_mut(&self, handle: &RegionHandle, f: &mut dyn FnMut(&mut [u8])) -> Result<()>;
+
+    /// One-sided writes from local region `src` into the attached region `dst`.
+    /// Every descriptor is checked against both regions (and its kind against the
+    /// destination's) before any byte moves; a rejected batch moves nothing.
+    fn submit(&self, src: &RegionHandle, dst: RemoteRegion, descriptors: &[Descriptor]) -> Result<BatchId>;
+
+    /// Takes every completion reported since the last call, in batch order.
+    fn poll(&self) -> Vec<Completion>;
+
+    /// Waits for one batch; takes its completion (a later `poll` will not see it).
+    fn wait(&self, batch: BatchId, timeout: Duration) -> Result<()>;
+
+    /// Sends a small message to a peer endpoint. On one peer, a message sent after a
+    /// batch completed is received after that batch's bytes are in place.
+    fn notify(&self, peer: &PeerAddr, bytes: &[u8]) -> Result<()>;
+
+    /// Takes the messages received since the last call.
+    fn recv_notifications(&self) -> Vec<Notification>;
+
+    /// Takes receive-side failures since the last call (a producer that died or
+    /// stalled mid-batch). Transports without a receive side report none.
+    fn take_incidents(&self) -> Vec<Incident> {
+        Vec::new()
+    }
+}
+
+/// Generic conveniences over any transport.
+pub trait TransportExt: Transport {
+    /// Runs `f` on a local region's bytes and returns its result.
+    fn read_region<R>(&self, handle: &RegionHandle, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
+        let mut f = Some(f);
+        let mut out = None;
+        self.with_region(handle, &mut |b| {
+            if let Some(f) = f.take() {
+                out = Some(f(b));
+            }
+        })?;
+        out.ok_or_else(|| TransportError::UnknownRegion(handle.to_string()))
+    }
+
+    /// Runs `f` on a local region's bytes, writable, and returns its result.
+    fn write_region<R>(&self, handle: &RegionHandle, f: impl FnOnce(&mut [u8]) -> R) -> Result<R> {
+        let mut f = Some(f);
+        let mut out = None;
+        self.with_region_mut(handle, &mut |b| {
+            if let Some(f) = f.take() {
+                out = Some(f(b));
+            }
+        })?;
+        out.ok_or_else(|| TransportError::UnknownRegion(handle.to_string()))
+    }
+
+    /// A copy of a local region's bytes.
+    fn region_bytes(&self, handle: &RegionHandle) -> Result<Vec<u8>> {
+        self.read_region(handle, |b| b.to_vec())
+    }
+
+    /// Submits and waits.
+    fn transfer(&self, src: &RegionHandle, dst: RemoteRegion, descriptors: &[Descriptor], timeout: Duration) -> Result<()> {
+        let batch = self.submit(src, dst, descriptors)?;
+        self.wait(batch, timeout)
+    }
+
+    /// Waits until at least one notification arrived, or the timeout passed
+    /// (then returns what there is, possibly nothing).
+    fn wait_notifications(&self, timeout: Duration) -> Vec<Notification> {
+        let deadline = Instant::now() + timeout;
+        let mut pause = Duration::from_micros(50);
+        loop {
+            let got = self.recv_notifications();
+            if !got.is_empty() || Instant::now() >= deadline {
+                return got;
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(5));
+        }
+    }
+}
+
+impl<T: Transport + ?Sized> TransportExt for T {}
+
+/// Builds a transport of the configured kind for this process. TCP listens on
+/// `tcp_bind` (loopback, any port, when `None`).
+pub fn open(
+    kind: handoff_components::config::TransportKind,
+    tcp_bind: Option<SocketAddr>,
+) -> Result<Arc<dyn Transport>> {
+    use handoff_components::config::TransportKind;
+    Ok(match kind {
+        TransportKind::Local => Arc::new(LocalTransport::new()),
+        TransportKind::Shm => Arc::new(ShmTransport::new()?),
+        TransportKind::Tcp => {
+            let mut opts = TcpOptions::default();
+            if let Some(bind) = tcp_bind {
+                opts.bind = bind;
+            }
+            Arc::new(TcpTransport::bind(opts)?)
+        }
+    })
+}
+
+/// A producer and a consumer transport of one kind in this process, wired as two
+/// processes would be (two shm prefixes, two TCP endpoints on loopback). For
+/// benchmarks and tests.
+pub fn loopback_pair(
+    kind: handoff_components::config::TransportKind,
+) -> Result<(Arc<dyn Transport>, Arc<dyn Transport>)> {
+    Ok((open(kind, None)?, open(kind, None)?))
+}
+
+// ---------------------------------------------------------------------------
+// Shared pieces of the backends.
+
+/// One contiguous copy, already bounds-checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Piece {
+    pub src: u64,
+    pub dst: u64,
+    pub len: u64,
+}
+
+/// The end of a strided range, or `None` on overflow. Empty descriptors (count or
+/// len 0) cover nothing and return `Some(offset)`.
+fn range_end(offset: u64, stride: u64, count: u32, len: u64) -> Option<u64> {
+    if count == 0 || len == 0 {
+        return Some(offset);
+    }
+    (count as u64 - 1).checked_mul(stride)?.checked_add(offset)?.checked_add(len)
+}
+
+/// Checks every descriptor against both regions and the destination's kind.
+/// `src_len`/`dst_len` may be `None` for a side this end cannot see.
+pub(crate) fn validate(
+    descriptors: &[Descriptor],
+    src_len: Option<u64>,
+    dst_len: u64,
+    dst_kind: RegionKind,
+) -> Result<()> {
+    for (index, d) in descriptors.iter().enumerate() {
+        if d.kind != dst_kind {
+            return Err(TransportError::KindMismatch { index, descriptor: d.kind, region: dst_kind });
+        }
+        let sides = [(Side::Src, d.src_offset, d.src_stride, src_len), (Side::Dst, d.dst_offset, d.dst_stride, Some(dst_len))];
+        for (side, offset, stride, len) in sides {
+            let Some(region_len) = len else { continue };
+            match range_end(offset, stride, d.count, d.len) {
+                Some(end) if end <= region_len => {}
+                end => {
+                    return Err(TransportError::OutOfBounds {
+                        index,
+                        kind: d.kind,
+                        side,
+                        start: offset,
+                        end: end.unwrap_or(u64::MAX),
+                        len: region_len,
+                    });
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The contiguous pieces of a (validated) batch, in order, empty ones dropped.
+pub(crate) fn pieces(descriptors: &[Descriptor]) -> Vec<Piece> {
+    let n: usize = descriptors.iter().map(|d| d.count as usize).sum();
+    let mut out = Vec::with_capacity(n);
+    for d in descriptors {
+        if d.len == 0 {
+            continue;
+        }
+        for (src, dst) in d.pieces() {
+            out.push(Piece { src, dst, len: d.len });
+        }
+    }
+    out
+}
+
+/// Batch bookkeeping shared by the backends: pending batches and their outcomes.
+#[derive(Default)]
+pub(crate) struct Completions {
+    state: Mutex<CompletionState>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct CompletionState {
+    next: u64,
+    pending: HashSet<BatchId>,
+    done: BTreeMap<BatchId, Result<()>>,
+}
+
+impl Completions {
+    /// A fresh batch id, marked pending.
+    pub fn begin(&self) -> BatchId {
+        let mut s = lock(&self.state);
+        s.next += 1;
+        let id = BatchId(s.next);
+        s.pending.insert(id);
+        id
+    }
+
+    pub fn finish(&self, batch: BatchId, result: Result<()>) {
+        let mut s = lock(&self.state);
+        if s.pending.remove(&batch) {
+            s.done.insert(batch, result);
+            self.cv.notify_all();
+        }
+    }
+
+    /// Forgets a batch that was never sent (its submit returned an error).
+    pub fn cancel(&self, batch: BatchId) {
+        lock(&self.state).pending.remove(&batch);
+    }
+
+    pub fn poll(&self) -> Vec<Completion> {
+        let mut s = lock(&self.state);
+        std::mem::take(&mut s.done).into_iter().map(|(batch, result)| Completion { batch, result }).collect()
+    }
+
+    pub fn wait(&self, batch: BatchId, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut s = lock(&self.state);
+        loop {
+            if let Some(r) = s.done.remove(&batch) {
+                return r;
+            }
+            if !s.pending.contains(&batch) {
+                return Err(TransportError::UnknownBatch(batch));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(TransportError::Timeout { what: batch.to_string(), after: timeout });
+            }
+            s = match self.cv.wait_timeout(s, deadline - now) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+        }
+    }
+}
+
+/// Locks a mutex, ignoring poisoning: the data behind our locks stays consistent
+/// across a panicking holder (queues and maps updated in single steps).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+pub(crate) fn read<T>(m: &std::sync::RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    m.read().unwrap_or_else(|p| p.into_inner())
+}
+
+pub(crate) fn write<T>(m: &std::sync::RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    m.write().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A unique-enough 64-bit nonce for instance ids and file prefixes: time, pid and
+/// a process counter through a mixer (no rand dependency needed).
+pub(crate) fn nonce() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    let mut x = t ^ ((std::process::id() as u64) << 32) ^ COUNTER.fetch_add(1, Ordering::Relaxed).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    // splitmix64 finalizer
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// Refuses device memory: no backend in this build allocates it.
+pub(crate) fn host_only(memory: MemoryKind, transport: &str) -> Result<()> {
+    match memory {
+        MemoryKind::Host => Ok(()),
+        MemoryKind::Device => Err(TransportError::Unavailable {
+            what: format!("device memory on the {transport} transport"),
+            reason: "this build registers host memory only (device registration needs the cuda/hip and rdma backends)".into(),
+        }),
+    }
+}
+
+/// Converts a region length to `usize`, refusing what this address space cannot hold.
+pub(crate) fn usize_len(len: u64) -> Result<usize> {
+    usize::try_from(len).map_err(|_| TransportError::Unavailable {
+        what: format!("a region of {len} bytes"),
+        reason: "larger than this address space".into(),
+    })
+}

@@ -1,0 +1,233 @@
+//! Shared-memory transport between processes of one host.
+//!
+//! Each region is a file `{dir}/{prefix}-r{id}` (dir is /dev/shm, a tmpfs) mapped
+//! shared with memmap2; the prefix `handoff-{pid}-{nonce}` is unique per transport
+//! instance. A producer maps the file named by the handle and copies into it, so a
+//! write is a memcpy into the consumer's pages. Notifications travel as datagrams on
+//! the Unix socket `{dir}/{prefix}.sock`, each tagged with the sender's endpoint.
+//! The files and the socket are removed on drop; [`sweep_stale`] removes those left
+//! by processes that died without dropping.
+
+use super::host::{HostCore, HostRegion, Mem};
+use super::{
+    host_only, usize_len, BatchId, Completion, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion, Result,
+    Transport, TransportError,
+};
+use handoff_components::plan::Descriptor;
+use handoff_components::vocab::{RankId, RegionKind};
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::net::UnixDatagram;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Largest notification, bounded by what one datagram carries on Linux by default.
+pub const MAX_NOTIFICATION_BYTES: usize = 64 << 10;
+
+/// The shared-memory transport. Completions are ready when `submit` returns.
+pub struct ShmTransport {
+    core: Arc<HostCore>,
+    dir: PathBuf,
+    prefix: String,
+    socket: UnixDatagram,
+}
+
+fn region_path(dir: &Path, prefix: &str, id: u64) -> PathBuf {
+    dir.join(format!("{prefix}-r{id}"))
+}
+
+fn socket_path(dir: &Path, prefix: &str) -> PathBuf {
+    dir.join(format!("{prefix}.sock"))
+}
+
+/// The default directory: /dev/shm where it exists, the temp dir otherwise.
+pub fn default_dir() -> PathBuf {
+    let shm = PathBuf::from("/dev/shm");
+    if shm.is_dir() { shm } else { std::env::temp_dir() }
+}
+
+impl ShmTransport {
+    /// A transport with its files under [`default_dir`].
+    pub fn new() -> Result<Self> {
+        Self::in_dir(default_dir())
+    }
+
+    /// A transport with its files under `dir` (must be shared by the peers).
+    pub fn in_dir(dir: impl Into<PathBuf>) -> Result<Self> {
+        let dir = dir.into();
+        let prefix = format!("handoff-{}-{:016x}", std::process::id(), super::nonce());
+        let sock = socket_path(&dir, &prefix);
+        let socket = UnixDatagram::bind(&sock).map_err(|e| TransportError::io(format!("bind {}", sock.display()), e))?;
+        socket.set_nonblocking(true).map_err(|e| TransportError::io("set_nonblocking", e))?;
+        let endpoint = PeerAddr::Shm { dir: dir.clone(), prefix: prefix.clone() };
+        Ok(ShmTransport { core: Arc::new(HostCore::new("shm", endpoint)), dir, prefix, socket })
+    }
+
+    fn map(file: &File, len: u64) -> Result<Mem> {
+        if len == 0 {
+            return Ok(Mem::Heap(Vec::new()));
+        }
+        // SAFETY: the file is a region file of this protocol; other processes write
+        // into it only through their own mapping, and the engine does not read a
+        // region while a write into it may be in flight (see `Transport`).
+        let map = unsafe { memmap2::MmapMut::map_mut(file) }.map_err(|e| TransportError::io("mmap", e))?;
+        Ok(Mem::Map(map))
+    }
+}
+
+impl Drop for ShmTransport {
+    fn drop(&mut self) {
+        let ids: Vec<u64> = super::read(&self.core.regions).keys().copied().collect();
+        for id in ids {
+            let _ = std::fs::remove_file(region_path(&self.dir, &self.prefix, id));
+        }
+        let _ = std::fs::remove_file(socket_path(&self.dir, &self.prefix));
+    }
+}
+
+/// Removes region files and sockets under `dir` left by `handoff-{pid}-...`
+/// transports whose process no longer exists. Returns how many it removed.
+pub fn sweep_stale(dir: &Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix("handoff-")) else { continue };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else { continue };
+        if !Path::new(&format!("/proc/{pid}")).exists() && std::fs::remove_file(e.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
+}
+
+impl Transport for ShmTransport {
+    fn name(&self) -> &'static str {
+        "shm"
+    }
+
+    fn endpoint(&self) -> PeerAddr {
+        self.core.endpoint.clone()
+    }
+
+    fn register_memory(&self, rank: RankId, kind: RegionKind, len: u64, memory: MemoryKind) -> Result<RegionHandle> {
+        host_only(memory, "shm")?;
+        usize_len(len)?;
+        let id = self.core.next_id();
+        let path = region_path(&self.dir, &self.prefix, id);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(|e| TransportError::io(format!("create {}", path.display()), e))?;
+        let mem = file
+            .set_len(len)
+            .map_err(|e| TransportError::io(format!("size {} to {len} B", path.display()), e))
+            .and_then(|()| Self::map(&file, len));
+        let mem = match mem {
+            Ok(m) => m,
+            Err(e) => {
+                let _ = std::fs::remove_file(&path);
+                return Err(e);
+            }
+        };
+        self.core.insert(id, HostRegion::new(kind, len, mem));
+        Ok(RegionHandle { peer: self.endpoint(), id, rank, kind, len, memory })
+    }
+
+    fn unregister(&self, handle: &RegionHandle) -> Result<()> {
+        self.core.remove(handle)?;
+        let _ = std::fs::remove_file(region_path(&self.dir, &self.prefix, handle.id));
+        Ok(())
+    }
+
+    fn attach(&self, handle: &RegionHandle) -> Result<RemoteRegion> {
+        if handle.peer == self.core.endpoint {
+            return Ok(self.core.attach_region(self.core.local(handle)?));
+        }
+        let PeerAddr::Shm { dir, prefix } = &handle.peer else {
+            return Err(TransportError::Unavailable {
+                what: format!("peer {}", handle.peer),
+                reason: "the shm transport maps only shm regions".into(),
+            });
+        };
+        host_only(handle.memory, "shm")?;
+        let path = region_path(dir, prefix, handle.id);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| TransportError::io(format!("open {}", path.display()), e))?;
+        let actual = file.metadata().map_err(|e| TransportError::io("stat", e))?.len();
+        if actual != handle.len {
+            return Err(TransportError::UnknownRegion(format!("{handle}: {} holds {actual} B", path.display())));
+        }
+        let mem = Self::map(&file, handle.len)?;
+        Ok(self.core.attach_region(HostRegion::new(handle.kind, handle.len, mem)))
+    }
+
+    fn with_region(&self, handle: &RegionHandle, f: &mut dyn FnMut(&[u8])) -> Result<()> {
+        self.core.with_region(handle, f)
+    }
+
+    fn with_region_mut(&self, handle: &RegionHandle, f: &mut dyn FnMut(&mut [u8])) -> Result<()> {
+        self.core.with_region_mut(handle, f)
+    }
+
+    fn submit(&self, src: &RegionHandle, dst: RemoteRegion, descriptors: &[Descriptor]) -> Result<BatchId> {
+        self.core.submit(src, dst, descriptors)
+    }
+
+    fn poll(&self) -> Vec<Completion> {
+        self.core.poll()
+    }
+
+    fn wait(&self, batch: BatchId, timeout: Duration) -> Result<()> {
+        self.core.wait(batch, timeout)
+    }
+
+    fn notify(&self, peer: &PeerAddr, bytes: &[u8]) -> Result<()> {
+        let PeerAddr::Shm { dir, prefix } = peer else {
+            return Err(TransportError::Unavailable { what: format!("peer {peer}"), reason: "not an shm endpoint".into() });
+        };
+        let from = serde_json::to_vec(&self.core.endpoint).map_err(|e| TransportError::Protocol { peer: peer.to_string(), message: e.to_string() })?;
+        if bytes.len() + from.len() + 4 > MAX_NOTIFICATION_BYTES {
+            return Err(TransportError::Unavailable {
+                what: format!("a {}-byte notification", bytes.len()),
+                reason: format!("shm notifications carry at most {MAX_NOTIFICATION_BYTES} B"),
+            });
+        }
+        let mut msg = Vec::with_capacity(4 + from.len() + bytes.len());
+        msg.extend_from_slice(&(from.len() as u32).to_le_bytes());
+        msg.extend_from_slice(&from);
+        msg.extend_from_slice(bytes);
+        let sock = UnixDatagram::unbound().map_err(|e| TransportError::io("socket", e))?;
+        sock.set_write_timeout(Some(Duration::from_secs(5))).map_err(|e| TransportError::io("set_write_timeout", e))?;
+        let path = socket_path(dir, prefix);
+        sock.send_to(&msg, &path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused => {
+                TransportError::Disconnected { peer: peer.to_string(), reason: e.to_string() }
+            }
+            _ => TransportError::io(format!("send to {}", path.display()), e),
+        })?;
+        Ok(())
+    }
+
+    fn recv_notifications(&self) -> Vec<Notification> {
+        let mut out = self.core.take_inbox();
+        let mut buf = vec![0u8; MAX_NOTIFICATION_BYTES];
+        while let Ok(n) = self.socket.recv(&mut buf) {
+            let msg = &buf[..n];
+            // A malformed datagram (not from this protocol) is dropped, not trusted.
+            let Some(head) = msg.get(..4) else { continue };
+            let from_len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
+            let Some(from) = msg.get(4..4 + from_len) else { continue };
+            let from = serde_json::from_slice::<PeerAddr>(from).ok();
+            out.push(Notification { from, bytes: msg[4 + from_len..].to_vec() });
+        }
+        out
+    }
+}
