@@ -1,0 +1,177 @@
+//! Throughput of the small model on the CPU, and of the two decode kernels against a
+//! memory roofline measured in the same run. Reports only; asserts nothing.
+//!
+//! Roofline: a decode step must at least read and write each KDA state once
+//! (2 x H x Dk x Dv x 4 bytes per layer) and read every cached MLA row once
+//! ((L+R) x e bytes per token per layer); divided by the memcpy bandwidth measured
+//! here on a buffer of the same order as those bytes, that is the lower bound on the
+//! step's time.
+
+use super::ModelError;
+use super::forward::{self, PrefillCache};
+use super::weights::Model;
+use handoff_components::Topology;
+use handoff_kernels::{
+    Backend, CpuBackend, CpuBuf, KdaInputs, KdaParams, KdaStepShape, MlaShape, RowSet, SplitMix64,
+};
+use std::time::Instant;
+
+/// The figures of one `bench_compute` run.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ComputeFigures {
+    pub prompt_tokens: usize,
+    pub steps: u32,
+    pub threads: usize,
+    /// Whole model at TP1, colocated: prompt tokens per second of prefill.
+    pub prefill_tokens_per_s: f64,
+    /// Whole model at TP1: generated tokens per second (batch 1).
+    pub decode_tokens_per_s: f64,
+    /// memcpy bandwidth measured in this run, bytes/s.
+    pub memcpy_bytes_per_s: f64,
+    /// KDA decode step (all KDA heads, batch `kda_batch`): time, state bytes moved,
+    /// achieved bandwidth and its fraction of memcpy.
+    pub kda_batch: usize,
+    pub kda_step_us: f64,
+    pub kda_step_bytes: u64,
+    pub kda_bytes_per_s: f64,
+    pub kda_roofline_fraction: f64,
+    /// MLA decode (all heads, one query) over `mla_tokens` cached rows.
+    pub mla_tokens: usize,
+    pub mla_step_us: f64,
+    pub mla_step_bytes: u64,
+    pub mla_bytes_per_s: f64,
+    pub mla_roofline_fraction: f64,
+}
+
+impl std::fmt::Display for ComputeFigures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "compute bench ({} rayon threads), prompt {} tokens, {} decode steps", self.threads, self.prompt_tokens, self.steps)?;
+        writeln!(f, "  model prefill   {:>12.0} tokens/s", self.prefill_tokens_per_s)?;
+        writeln!(f, "  model decode    {:>12.1} tokens/s (batch 1)", self.decode_tokens_per_s)?;
+        writeln!(f, "  memcpy          {:>12.2} GB/s (roofline)", self.memcpy_bytes_per_s / 1e9)?;
+        writeln!(
+            f,
+            "  KDA decode step {:>9.2} us  batch {} x all heads, {} B of state, {:.2} GB/s = {:.1}% of memcpy",
+            self.kda_step_us, self.kda_batch, self.kda_step_bytes, self.kda_bytes_per_s / 1e9, self.kda_roofline_fraction * 100.0
+        )?;
+        write!(
+            f,
+            "  MLA decode step {:>9.2} us  {} rows, {} B of KV, {:.2} GB/s = {:.1}% of memcpy",
+            self.mla_step_us, self.mla_tokens, self.mla_step_bytes, self.mla_bytes_per_s / 1e9, self.mla_roofline_fraction * 100.0
+        )
+    }
+}
+
+/// Best time of `reps` runs of `f`, in seconds, after one warm-up.
+fn best<F: FnMut() -> Result<(), ModelError>>(reps: usize, mut f: F) -> Result<f64, ModelError> {
+    f()?;
+    let mut best = f64::INFINITY;
+    for _ in 0..reps.max(1) {
+        let t0 = Instant::now();
+        f()?;
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}
+
+fn memcpy_bandwidth(bytes: usize) -> f64 {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let mut t = f64::INFINITY;
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+        t = t.min(t0.elapsed().as_secs_f64());
+    }
+    // A copy reads and writes every byte.
+    2.0 * bytes as f64 / t
+}
+
+/// Prefill and decode throughput of the topology's model (colocated, TP1), and the
+/// KDA / MLA decode kernels against the memcpy roofline.
+pub fn bench_compute(topo: &Topology, prompt_len: usize, steps: u32) -> Result<ComputeFigures, ModelError> {
+    let be = CpuBackend::new();
+    let model = Model::new(topo)?;
+    let dims = model.dims.clone();
+    let prompt_len = prompt_len.max(1);
+    let mut g = SplitMix64::new(11);
+    let prompt: Vec<u8> = (0..prompt_len).map(|_| g.below(256) as u8).collect();
+    let group = model.shard(1)?;
+    let n = dims.num_layers();
+
+    let prefill_s = best(2, || {
+        let mut h = forward::embed(&be, &model, &prompt)?;
+        forward::prefill_layers(&be, &model, &group, 0..n, &mut h, prompt_len, 0, &mut |_, _, _: PrefillCache<'_>| Ok(()))?;
+        forward::logits_of_last(&be, &model, &h, prompt_len)?;
+        Ok(())
+    })?;
+    let total = {
+        let t0 = Instant::now();
+        super::reference::run_colocated(&model, &prompt, steps)?;
+        t0.elapsed().as_secs_f64()
+    };
+    let decode_s = (total - prefill_s).max(1e-9);
+
+    // KDA decode kernel: a batch large enough that the state outgrows the caches.
+    let (h, dk, dv) = (dims.kda_heads, dims.dk, dims.dv);
+    let state_bytes = h * dk * dv * 4;
+    let batch = ((64usize << 20) / state_bytes.max(1)).clamp(1, 4096);
+    let mut state = CpuBuf::from_vec(g.vec_normal(batch * h * dk * dv, 0.1));
+    let q = CpuBuf::from_vec(g.vec_normal(batch * h * dk, 1.0));
+    let k = CpuBuf::from_vec(g.vec_normal(batch * h * dk, 1.0));
+    let v = CpuBuf::from_vec(g.vec_normal(batch * h * dv, 1.0));
+    let gr = CpuBuf::from_vec(g.vec_normal(batch * h * dk, 1.0));
+    let br = CpuBuf::from_vec(g.vec_normal(batch * h, 1.0));
+    let a_log = CpuBuf::from_vec(vec![-0.5; h]);
+    let dt_bias = CpuBuf::from_vec(vec![-2.0; h * dk]);
+    let mut out = be.alloc(batch * h * dv)?;
+    let kda_s = best(5, || {
+        be.kda_step(
+            KdaStepShape { batch, heads: h, dk, dv },
+            &mut state,
+            KdaInputs { q: &q, k: &k, v: &v, g_raw: &gr, b_raw: &br },
+            KdaParams { a_log: &a_log, dt_bias: &dt_bias },
+            &mut out,
+            None,
+        )?;
+        Ok(())
+    })?;
+    let kda_bytes = (2 * batch * state_bytes) as u64;
+
+    // MLA decode kernel: all heads, one query, rows of f32 (the kernel's storage).
+    let w = dims.row_width();
+    let mla_tokens = ((64usize << 20) / (w * 4).max(1)).clamp(1, 1 << 20);
+    let rows = CpuBuf::from_vec(g.vec_normal(mla_tokens * w, 1.0));
+    let ql = CpuBuf::from_vec(g.vec_normal(dims.mla_heads * w, 1.0));
+    let shape = MlaShape { heads: dims.mla_heads, kv_lora_rank: dims.kv_lora_rank, rope_dim: dims.rope_dim, scale: dims.mla_scale() };
+    let mut o = be.alloc(dims.mla_heads * dims.kv_lora_rank)?;
+    let mut lse = be.alloc(dims.mla_heads)?;
+    let mla_s = best(5, || {
+        be.mla_decode(shape, &ql, RowSet { buf: &rows, count: mla_tokens }, &mut o, &mut lse)?;
+        Ok(())
+    })?;
+    let mla_bytes = (mla_tokens * w * 4) as u64;
+
+    let bw = memcpy_bandwidth(64 << 20);
+    let kda_bw = kda_bytes as f64 / kda_s;
+    let mla_bw = mla_bytes as f64 / mla_s;
+    Ok(ComputeFigures {
+        prompt_tokens: prompt_len,
+        steps,
+        threads: rayon::current_num_threads(),
+        prefill_tokens_per_s: prompt_len as f64 / prefill_s,
+        decode_tokens_per_s: steps as f64 / decode_s,
+        memcpy_bytes_per_s: bw,
+        kda_batch: batch,
+        kda_step_us: kda_s * 1e6,
+        kda_step_bytes: kda_bytes,
+        kda_bytes_per_s: kda_bw,
+        kda_roofline_fraction: kda_bw / bw,
+        mla_tokens,
+        mla_step_us: mla_s * 1e6,
+        mla_step_bytes: mla_bytes,
+        mla_bytes_per_s: mla_bw,
+        mla_roofline_fraction: mla_bw / bw,
+    })
+}
