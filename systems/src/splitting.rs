@@ -57,32 +57,62 @@ pub fn plan_pair(
     tokens: u64,
     share: Share,
 ) -> Result<Plan, SplitError> {
-    let mut out = Coalescer::default();
-    let mut uncoalesced = 0u64;
-    for src in &producer.layout.regions {
-        if src.rows.is_empty() {
-            continue;
-        }
-        let wanted = match src.kind.distribution() {
-            Distribution::TokenSharded => share.rows,
-            Distribution::HeadSplit | Distribution::Replicated => share.state,
-        };
-        if !wanted {
-            continue;
-        }
-        let dst = consumer.layout.region(src.kind).ok_or(SplitError::MissingRegion {
-            kind: src.kind,
-            consumer: consumer.rank.tp,
-            pp: producer.rank.pp,
-        })?;
-        let pairs = row_pairs(src, dst, consumer)?;
-        uncoalesced += match src.kind.distribution() {
-            Distribution::TokenSharded => plan_rows(producer, consumer, src, dst, &pairs, tokens, &mut out)?,
-            Distribution::HeadSplit => plan_heads(producer, consumer, src, dst, &pairs, &mut out)?,
-            Distribution::Replicated => plan_whole(producer, consumer, src, dst, &pairs, &mut out)?,
-        };
+    ProducerPlanner::new(producer, tokens).plan(consumer, share)
+}
+
+/// A producer's side of one request, prepared once (its block runs) and then
+/// planned against each consumer.
+pub struct ProducerPlanner<'a> {
+    producer: &'a ProducerLayout,
+    tokens: u64,
+    /// Physically contiguous runs of the producer's blocks, per paged region.
+    src_runs: Vec<(RegionKind, Vec<Run>)>,
+}
+
+impl<'a> ProducerPlanner<'a> {
+    pub fn new(producer: &'a ProducerLayout, tokens: u64) -> Self {
+        let src_runs = producer
+            .layout
+            .regions
+            .iter()
+            .filter(|r| r.kind.is_paged())
+            .map(|r| (r.kind, runs(&producer.blocks, r.block_size, r.unit_stride, r.token_bytes, tokens)))
+            .collect();
+        ProducerPlanner { producer, tokens, src_runs }
     }
-    Ok(Plan { producer: producer.rank, consumer: consumer.rank, descriptors: out.finish(), uncoalesced })
+
+    pub fn plan(&self, consumer: &ConsumerLayout, share: Share) -> Result<Plan, SplitError> {
+        let producer = self.producer;
+        let mut out = Coalescer::default();
+        let mut uncoalesced = 0u64;
+        for src in &producer.layout.regions {
+            if src.rows.is_empty() {
+                continue;
+            }
+            let wanted = match src.kind.distribution() {
+                Distribution::TokenSharded => share.rows,
+                Distribution::HeadSplit | Distribution::Replicated => share.state,
+            };
+            if !wanted {
+                continue;
+            }
+            let dst = consumer.layout.region(src.kind).ok_or(SplitError::MissingRegion {
+                kind: src.kind,
+                consumer: consumer.rank.tp,
+                pp: producer.rank.pp,
+            })?;
+            let pairs = row_pairs(src, dst, consumer)?;
+            uncoalesced += match src.kind.distribution() {
+                Distribution::TokenSharded => {
+                    let src_runs = self.src_runs.iter().find(|(k, _)| *k == src.kind).map(|(_, r)| r.as_slice()).unwrap_or(&[]);
+                    plan_rows(producer, consumer, src, dst, src_runs, &pairs, self.tokens, &mut out)?
+                }
+                Distribution::HeadSplit => plan_heads(producer, consumer, src, dst, &pairs, &mut out)?,
+                Distribution::Replicated => plan_whole(producer, consumer, src, dst, &pairs, &mut out)?,
+            };
+        }
+        Ok(Plan { producer: producer.rank, consumer: consumer.rank, descriptors: out.finish(), uncoalesced })
+    }
 }
 
 /// (producer row offset, consumer row offset) for each module layer the producer holds.
@@ -136,11 +166,13 @@ fn runs(blocks: &[u32], block_size: u32, block_bytes: u64, token_bytes: u64, lim
 
 /// Token-sharded rows: the tokens the consumer's dcp rank owns, as strided runs.
 /// The row-relative template is built once and then instantiated for every layer.
+#[allow(clippy::too_many_arguments)]
 fn plan_rows(
     producer: &ProducerLayout,
     consumer: &ConsumerLayout,
     src: &RegionLayout,
     dst: &RegionLayout,
+    src_runs: &[Run],
     pairs: &[(ModuleLayer, u64, u64)],
     tokens: u64,
     out: &mut Coalescer,
@@ -160,13 +192,13 @@ fn plan_rows(
     if (consumer.blocks.len() as u64) < need_dst {
         return Err(SplitError::ShortBlocks { kind, side: "consumer", have: consumer.blocks.len() as u64, need: need_dst });
     }
-    for &b in &producer.blocks[..need_src as usize] {
-        check_unit(kind, "producer", "block", b, src)?;
+    // Producer blocks were range-checked once, when its runs were built.
+    if let Some(bad) = src_runs.iter().find(|r| r.base + (r.end - r.start) * tb > src.units as u64 * src.unit_stride) {
+        return Err(SplitError::OutOfRegion { kind, side: "producer", what: "block", index: (bad.base / src.unit_stride) as u32, units: src.units });
     }
     for &b in &consumer.blocks[..need_dst as usize] {
         check_unit(kind, "consumer", "block", b, dst)?;
     }
-    let src_runs = runs(&producer.blocks, src.block_size, src.unit_stride, tb, tokens);
     let dst_runs = runs(&consumer.blocks, dst.block_size, dst.unit_stride, tb, owned);
 
     // Template: copies relative to the row start.
@@ -360,13 +392,14 @@ pub fn split_requests(
         }
         let mut plans = Vec::new();
         let mut failure = None;
+        let planners: Vec<ProducerPlanner> = producers.iter().map(|p| ProducerPlanner::new(p, req.tokens)).collect();
         'pairs: for (_, c) in &consumers {
-            for p in &producers {
-                let sh = share(prefill_tp, c.tp, p.rank.tp, c.rank.tp);
+            for p in &planners {
+                let sh = share(prefill_tp, c.tp, p.producer.rank.tp, c.rank.tp);
                 if !sh.rows && !sh.state {
                     continue;
                 }
-                match plan_pair(p, c, req.tokens, sh) {
+                match p.plan(c, sh) {
                     Ok(plan) => plans.push(plan),
                     Err(err) => {
                         failure = Some(err.to_string());
