@@ -1,0 +1,488 @@
+//! The engine's movers over a [`Transport`].
+//!
+//! [`TransportMover`] implements systems' [`Mover`]: it knows, for every
+//! (rank, region kind), the local source region of a producer and the attached
+//! region of a consumer (from the handle the consumer published), and turns one
+//! plan into descriptor batches on the transport. A plan runs on a worker thread
+//! (the engine's systems never block on I/O); its batches are capped at
+//! `transport.max_batch` descriptors, transient failures are retried with backoff,
+//! and only when **every** batch of the plan has completed does the ticket come
+//! back from [`Mover::poll`], once, as `Ok` or as `Err(reason)`.
+//!
+//! Token-sharded rows (MLA KV, indexer) under token-interleaved DCP are scattered
+//! at the source: [`StagingMode`] decides whether they go through
+//! [`Stager`] (gather one destination's rows into contiguous staging, write runs) or
+//! are written as strided descriptors. Staging pays one extra copy to turn many
+//! descriptors into few; it pays off where a descriptor costs a work request or a
+//! wire header (tcp, rdma), not where the transport is itself a memcpy (local, shm),
+//! so [`StagingMode::Auto`] stages only on the former.
+//!
+//! [`AwaitedWrites`] is the mover of a consumer whose producers are other processes:
+//! the bytes arrive by the producers' own one-sided writes, so a submitted plan only
+//! waits for the producer's write-done report, and fails if none comes in time.
+//!
+//! Like the transports, a mover knows regions and descriptors: a [`Ticket`] is opaque
+//! to it, something to hand back.
+
+use super::staging::{RetryPolicy, Stager, StagingPool};
+use super::{lock, RegionHandle, RemoteRegion, Transport, TransportError, TransportExt};
+use crate::engine::Engine;
+use handoff_components::config::{TransportKind, Topology};
+use handoff_components::ecs::{Region, WriteDone};
+use handoff_components::plan::{Descriptor, Plan};
+use handoff_components::vocab::{Distribution, RankId, RegionKind};
+use handoff_systems::placement::Capacity;
+use handoff_systems::transfer::{Completion, Mover, Ticket};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Whether token-sharded rows are gathered through staging before they are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StagingMode {
+    /// Stage on transports where a descriptor is expensive (tcp, rdma); write
+    /// strided descriptors directly where the transport is a memcpy (local, shm).
+    #[default]
+    Auto,
+    Always,
+    Never,
+}
+
+/// Settings of a [`TransportMover`].
+#[derive(Debug, Clone)]
+pub struct MoverOptions {
+    /// Most descriptors in one submitted batch.
+    pub max_batch: u32,
+    pub staging_buffers: u32,
+    pub staging_bytes: u64,
+    pub staging: StagingMode,
+    pub retry: RetryPolicy,
+    /// Bound on each wait: for one batch's completion, for a staging buffer.
+    pub batch_timeout: Duration,
+    /// Plans run concurrently on this many worker threads.
+    pub workers: usize,
+}
+
+impl Default for MoverOptions {
+    fn default() -> Self {
+        let cfg = handoff_components::config::TransportConfig::default();
+        MoverOptions {
+            max_batch: cfg.max_batch,
+            staging_buffers: cfg.staging_buffers,
+            staging_bytes: cfg.staging_bytes,
+            staging: StagingMode::Auto,
+            retry: RetryPolicy::default(),
+            batch_timeout: Duration::from_secs(30),
+            workers: 2,
+        }
+    }
+}
+
+impl MoverOptions {
+    /// The `[transport]` section's batch cap and staging pool; each batch waits at
+    /// most the transfer timeout.
+    pub fn from_topology(topo: &Topology) -> Self {
+        let t = &topo.config.transport;
+        MoverOptions {
+            max_batch: t.max_batch,
+            staging_buffers: t.staging_buffers,
+            staging_bytes: t.staging_bytes,
+            batch_timeout: Duration::from_secs_f64(topo.config.timeouts.transfer_s.clamp(0.001, 3600.0)),
+            ..MoverOptions::default()
+        }
+    }
+}
+
+/// Tickets in flight and completions not yet polled.
+#[derive(Default)]
+struct Book {
+    in_flight: HashMap<Ticket, Instant>,
+    done: Vec<Completion>,
+}
+
+struct Shared {
+    transport: Arc<dyn Transport>,
+    opts: MoverOptions,
+    sources: RwLock<HashMap<(RankId, RegionKind), RegionHandle>>,
+    targets: RwLock<HashMap<(RankId, RegionKind), RemoteRegion>>,
+    /// Created on first use: a mover that never stages registers no staging pool.
+    stager: OnceLock<Result<Stager, TransportError>>,
+    book: Mutex<Book>,
+    idle: Condvar,
+}
+
+/// A cheap handle on a [`TransportMover`]'s bookkeeping, usable after the mover
+/// itself was boxed into an engine.
+#[derive(Clone)]
+pub struct MoverHandle {
+    shared: Arc<Shared>,
+}
+
+impl MoverHandle {
+    /// Tickets submitted whose completion has not been produced yet.
+    pub fn in_flight(&self) -> usize {
+        lock(&self.shared.book).in_flight.len()
+    }
+
+    /// Completions produced and not yet taken by `poll`.
+    pub fn unpolled(&self) -> usize {
+        lock(&self.shared.book).done.len()
+    }
+
+    /// Waits until no ticket is in flight (its completion may still be unpolled).
+    /// Returns whether that happened within `timeout`.
+    pub fn wait_idle(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut book = lock(&self.shared.book);
+        while !book.in_flight.is_empty() {
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            book = match self.shared.idle.wait_timeout(book, deadline - now) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+        }
+        true
+    }
+
+    /// The transport the mover writes through.
+    pub fn transport(&self) -> &Arc<dyn Transport> {
+        &self.shared.transport
+    }
+}
+
+/// One plan, queued for a worker.
+struct Job {
+    ticket: Ticket,
+    plan: Plan,
+}
+
+/// Implements [`Mover`] over a [`Transport`]. See the module docs.
+pub struct TransportMover {
+    shared: Arc<Shared>,
+    jobs: Option<mpsc::Sender<Job>>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+impl TransportMover {
+    /// A mover writing through `transport`, with no regions known yet.
+    pub fn new(transport: Arc<dyn Transport>, opts: MoverOptions) -> Result<Self, TransportError> {
+        let shared = Arc::new(Shared {
+            transport,
+            opts: MoverOptions { workers: opts.workers.max(1), max_batch: opts.max_batch.max(1), ..opts },
+            sources: RwLock::new(HashMap::new()),
+            targets: RwLock::new(HashMap::new()),
+            stager: OnceLock::new(),
+            book: Mutex::new(Book::default()),
+            idle: Condvar::new(),
+        });
+        let (tx, rx) = mpsc::channel::<Job>();
+        let rx = Arc::new(Mutex::new(rx));
+        let mut workers = Vec::new();
+        for i in 0..shared.opts.workers {
+            let (s, rx) = (Arc::clone(&shared), Arc::clone(&rx));
+            let spawned = std::thread::Builder::new().name(format!("mover-{i}")).spawn(move || worker(&s, &rx));
+            workers.push(spawned.map_err(|e| TransportError::io("spawn mover worker", e))?);
+        }
+        Ok(TransportMover { shared, jobs: Some(tx), workers })
+    }
+
+    /// Registers a local producer region as the source of its (rank, kind).
+    pub fn add_source(&self, handle: RegionHandle) {
+        super::write(&self.shared.sources).insert((handle.rank, handle.kind), handle);
+    }
+
+    /// Attaches a consumer's published region as the destination of its (rank, kind).
+    pub fn attach_target(&self, handle: &RegionHandle) -> Result<RemoteRegion, TransportError> {
+        let remote = self.shared.transport.attach(handle)?;
+        super::write(&self.shared.targets).insert((handle.rank, handle.kind), remote);
+        Ok(remote)
+    }
+
+    pub fn handle(&self) -> MoverHandle {
+        MoverHandle { shared: Arc::clone(&self.shared) }
+    }
+}
+
+impl Drop for TransportMover {
+    fn drop(&mut self) {
+        // Closing the queue ends the workers once they finish what they hold.
+        self.jobs.take();
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+impl Mover for TransportMover {
+    fn submit(&mut self, ticket: Ticket, plan: &Plan) -> Result<(), String> {
+        // Refuse at once what no worker could run: a region the mover does not know.
+        check_regions(&self.shared, plan)?;
+        {
+            let mut book = lock(&self.shared.book);
+            if book.in_flight.contains_key(&ticket) {
+                return Err(format!("ticket of request {} already in flight", ticket.request));
+            }
+            book.in_flight.insert(ticket, Instant::now());
+        }
+        let sent = self.jobs.as_ref().map(|tx| tx.send(Job { ticket, plan: plan.clone() }));
+        if !matches!(sent, Some(Ok(()))) {
+            lock(&self.shared.book).in_flight.remove(&ticket);
+            self.shared.idle.notify_all();
+            return Err("mover workers have stopped".into());
+        }
+        Ok(())
+    }
+
+    fn poll(&mut self, out: &mut Vec<Completion>) {
+        out.append(&mut lock(&self.shared.book).done);
+    }
+}
+
+fn worker(shared: &Shared, rx: &Mutex<mpsc::Receiver<Job>>) {
+    loop {
+        let job = match lock(rx).recv() {
+            Ok(j) => j,
+            Err(_) => return,
+        };
+        let _span = tracing::debug_span!(
+            "mover.plan",
+            request = job.ticket.request,
+            pp = job.plan.producer.pp,
+            tp = job.plan.producer.tp,
+            consumer = job.plan.consumer.tp,
+            bytes = job.plan.bytes()
+        )
+        .entered();
+        let result = run_plan(shared, &job.plan).map_err(|e| e.to_string());
+        if let Err(reason) = &result {
+            tracing::warn!(request = job.ticket.request, %reason, "mover: plan failed");
+        }
+        let mut book = lock(&shared.book);
+        book.in_flight.remove(&job.ticket);
+        book.done.push(Completion { ticket: job.ticket, result });
+        drop(book);
+        shared.idle.notify_all();
+    }
+}
+
+fn source_rank(plan: &Plan) -> RankId {
+    RankId::Prefill(plan.producer)
+}
+
+fn target_rank(plan: &Plan) -> RankId {
+    RankId::Decode(plan.consumer)
+}
+
+fn check_regions(shared: &Shared, plan: &Plan) -> Result<(), String> {
+    let sources = super::read(&shared.sources);
+    let targets = super::read(&shared.targets);
+    for d in &plan.descriptors {
+        if !sources.contains_key(&(source_rank(plan), d.kind)) {
+            return Err(format!("no {} source region of {} registered with the mover", d.kind, source_rank(plan)));
+        }
+        if !targets.contains_key(&(target_rank(plan), d.kind)) {
+            return Err(format!("no {} region of {} attached to the mover", d.kind, target_rank(plan)));
+        }
+    }
+    Ok(())
+}
+
+fn stages(shared: &Shared, kind: RegionKind) -> bool {
+    kind.distribution() == Distribution::TokenSharded
+        && match shared.opts.staging {
+            StagingMode::Always => true,
+            StagingMode::Never => false,
+            StagingMode::Auto => !matches!(shared.transport.name(), "local" | "shm"),
+        }
+}
+
+fn stager<'a>(shared: &'a Shared, rank: RankId) -> Result<&'a Stager, TransportError> {
+    let made = shared.stager.get_or_init(|| {
+        let o = &shared.opts;
+        let pool = StagingPool::new(Arc::clone(&shared.transport), rank, RegionKind::MlaKv, o.staging_buffers, o.staging_bytes)?;
+        Ok(Stager::new(Arc::clone(&shared.transport), pool, o.max_batch, o.retry, o.batch_timeout))
+    });
+    made.as_ref().map_err(Clone::clone)
+}
+
+/// Writes every descriptor of a plan, kind by kind; returns once all batches completed.
+fn run_plan(shared: &Shared, plan: &Plan) -> Result<(), TransportError> {
+    // Descriptors of one kind share a source and a destination region.
+    let mut by_kind: BTreeMap<RegionKind, Vec<Descriptor>> = BTreeMap::new();
+    for d in &plan.descriptors {
+        by_kind.entry(d.kind).or_default().push(*d);
+    }
+    for (kind, descs) in by_kind {
+        let src = super::read(&shared.sources)
+            .get(&(source_rank(plan), kind))
+            .cloned()
+            .ok_or_else(|| TransportError::UnknownRegion(format!("{kind} source of {}", source_rank(plan))))?;
+        let dst = super::read(&shared.targets)
+            .get(&(target_rank(plan), kind))
+            .copied()
+            .ok_or_else(|| TransportError::UnknownRegion(format!("{kind} destination of {}", target_rank(plan))))?;
+        if stages(shared, kind) {
+            stager(shared, source_rank(plan))?.transfer(&src, dst, &descs)?;
+        } else {
+            write_direct(shared, &src, dst, &descs)?;
+        }
+    }
+    Ok(())
+}
+
+/// Submits every batch first (a remote transport keeps them all in flight), then
+/// waits for each; a batch that failed transiently is written again, with backoff.
+fn write_direct(shared: &Shared, src: &RegionHandle, dst: RemoteRegion, descs: &[Descriptor]) -> Result<(), TransportError> {
+    let o = &shared.opts;
+    let t = &shared.transport;
+    let chunks: Vec<&[Descriptor]> = descs.chunks(o.max_batch as usize).collect();
+    let submitted: Vec<_> = chunks.iter().map(|c| t.submit(src, dst, c)).collect();
+    for (chunk, batch) in chunks.into_iter().zip(submitted) {
+        match batch.and_then(|b| t.wait(b, o.batch_timeout)) {
+            Ok(()) => {}
+            Err(e) if e.is_transient() && o.retry.attempts > 1 => {
+                tracing::debug!(error = %e, "mover: retrying a batch");
+                std::thread::sleep(o.retry.initial_backoff);
+                let again = RetryPolicy { attempts: o.retry.attempts - 1, ..o.retry };
+                again.run(|_| t.transfer(src, dst, chunk, o.batch_timeout))?;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+
+/// The mover of a consumer whose producers are other processes. Submitting a plan
+/// starts waiting for its producer's write-done report; [`AwaitedWrites::settle`]
+/// (called with each report the consumer receives, next to
+/// [`Engine::deliver_report`]) ends the wait silently, and a wait that outlives
+/// `timeout` completes with an error, so the engine can fail the request and free
+/// it: without a completion, the engine would hold a failed request's regions for
+/// a write that may never come.
+#[derive(Clone)]
+pub struct AwaitedWrites {
+    inner: Arc<Mutex<AwaitState>>,
+    timeout: Duration,
+}
+
+#[derive(Default)]
+struct AwaitState {
+    waiting: HashMap<Ticket, Instant>,
+    /// Reports that came before their plan was submitted (deadline to forget them).
+    early: HashMap<Ticket, Instant>,
+}
+
+impl AwaitedWrites {
+    pub fn new(timeout: Duration) -> Self {
+        AwaitedWrites { inner: Arc::default(), timeout }
+    }
+
+    /// A producer reported its writes for one (request, nonce, producer, consumer).
+    pub fn settle(&self, r: &WriteDone) {
+        let t = Ticket { request: r.request, nonce: r.nonce, producer: r.producer, consumer: r.consumer };
+        let mut s = lock(&self.inner);
+        if s.waiting.remove(&t).is_none() {
+            s.early.insert(t, Instant::now() + self.timeout);
+        }
+    }
+
+    /// Plans waiting for a report, and early reports remembered.
+    pub fn outstanding(&self) -> (usize, usize) {
+        let s = lock(&self.inner);
+        (s.waiting.len(), s.early.len())
+    }
+}
+
+impl Mover for AwaitedWrites {
+    fn submit(&mut self, ticket: Ticket, _plan: &Plan) -> Result<(), String> {
+        let mut s = lock(&self.inner);
+        if s.early.remove(&ticket).is_none() {
+            s.waiting.insert(ticket, Instant::now() + self.timeout);
+        }
+        Ok(())
+    }
+
+    fn poll(&mut self, out: &mut Vec<Completion>) {
+        let now = Instant::now();
+        let mut s = lock(&self.inner);
+        s.early.retain(|_, at| *at > now);
+        let timeout = self.timeout;
+        s.waiting.retain(|t, at| {
+            if *at > now {
+                return true;
+            }
+            out.push(Completion {
+                ticket: *t,
+                result: Err(format!(
+                    "no write-done report from prefill pp{} tp{} within {timeout:?} (producer gone or stalled)",
+                    t.producer.pp, t.producer.tp
+                )),
+            });
+            false
+        });
+    }
+}
+
+// ---------------------------------------------------------------------------
+
+/// Every region of a cluster, as registered: (rank, kind) to handle.
+pub type RegionHandles = BTreeMap<(RankId, RegionKind), RegionHandle>;
+
+/// What [`local_cluster`] built besides the engine.
+pub struct Cluster {
+    /// Every rank's regions, producer and consumer, registered in the transport.
+    pub regions: RegionHandles,
+    /// The engine's mover, for its bookkeeping.
+    pub mover: MoverHandle,
+}
+
+/// Registers every region of the engine's world (sizes from its `Region` entities)
+/// in `producer` (prefill ranks) or `consumer` (decode ranks), and a
+/// [`TransportMover`] writing through `producer` that knows them all.
+pub fn cluster_over(
+    topo: &Topology,
+    cap: Capacity,
+    producer: Arc<dyn Transport>,
+    consumer: Arc<dyn Transport>,
+    opts: MoverOptions,
+) -> Result<(Engine, Cluster), TransportError> {
+    let mover = TransportMover::new(Arc::clone(&producer), opts)?;
+    let handle = mover.handle();
+    // The engine owns the mover; regions are added through `handle`'s shared state.
+    let mut engine = Engine::new(topo.clone(), cap, Box::new(mover));
+    let mut regions = RegionHandles::new();
+    let mut q = engine.world.query::<&Region>();
+    let wanted: Vec<(RankId, RegionKind, u64)> = q.iter(&engine.world).map(|r| (r.rank, r.layout.kind, r.layout.len)).collect();
+    for (rank, kind, len) in wanted {
+        let h = match rank {
+            RankId::Prefill(_) => {
+                let h = producer.register(rank, kind, len)?;
+                super::write(&handle.shared.sources).insert((rank, kind), h.clone());
+                h
+            }
+            RankId::Decode(_) => {
+                let h = consumer.register(rank, kind, len)?;
+                let remote = producer.attach(&h)?;
+                super::write(&handle.shared.targets).insert((rank, kind), remote);
+                h
+            }
+        };
+        regions.insert((rank, kind), h);
+    }
+    Ok((engine, Cluster { regions, mover: handle }))
+}
+
+/// An in-process engine whose regions live in one transport of `kind` (tcp: its
+/// writes go over loopback to itself), with the `[transport]` settings of `topo`.
+pub fn local_cluster(topo: &Topology, cap: Capacity, kind: TransportKind) -> Result<(Engine, Arc<dyn Transport>, Cluster), TransportError> {
+    let t = super::open(kind, None)?;
+    let (engine, cluster) = cluster_over(topo, cap, Arc::clone(&t), Arc::clone(&t), MoverOptions::from_topology(topo))?;
+    Ok((engine, t, cluster))
+}
