@@ -4,6 +4,7 @@
 use handoff_components::Topology;
 
 /// A tiny hybrid model's topology, as TOML, with the given parallel shape.
+#[derive(Debug, Clone)]
 pub struct Shape {
     pub layers: u32,
     pub pattern: &'static str,
