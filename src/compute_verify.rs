@@ -101,11 +101,12 @@ fn compare(want: &Trace, got: &Trace, report: &mut ComputeReport) -> Result<(), 
             (Some(a), Some(b)) => rel_err(a, b),
             _ => f32::INFINITY,
         };
-        if !(e <= report.max_rel_err) {
+        // NaN counts as the worst error.
+        if e.is_nan() || e > report.max_rel_err {
             report.max_rel_err = e;
             report.worst_step = i;
         }
-        if !(e <= LOGIT_TOLERANCE) && first_bad_logits.is_none() {
+        if (e.is_nan() || e > LOGIT_TOLERANCE) && first_bad_logits.is_none() {
             first_bad_logits = Some((i, e));
         }
         if got.tokens.get(i) != want.tokens.get(i) && first_bad_token.is_none() {

@@ -327,6 +327,7 @@ pub enum PrefillCache<'a> {
     Mla(&'a [f32]),
 }
 
+#[allow(clippy::too_many_arguments)]
 /// Prefill of `layers` by one TP group over `h` `[t, hidden]` (updated in place).
 /// `sink(tp_rank, layer, cache)` stores what each rank caches.
 pub fn prefill_layers(
@@ -376,6 +377,10 @@ fn kind_err(layer: usize) -> ModelError {
     ModelError::Config(format!("layer {layer}: shard kind does not match the pattern"))
 }
 
+/// The step a [`DecodeCaches::kda`] call runs on one rank's state, conv state and
+/// optional record buffer.
+pub type KdaStepFn<'a> = dyn FnMut(&mut CpuBuf, &mut CpuBuf, Option<&mut CpuBuf>) -> R<()> + 'a;
+
 /// Where a decode TP group keeps its caches.
 pub trait DecodeCaches {
     /// Runs `step` on TP rank `rank`'s KDA state `[hl, Dk, Dv]` and conv state of
@@ -385,7 +390,7 @@ pub trait DecodeCaches {
         &mut self,
         rank: usize,
         layer: usize,
-        step: &mut dyn FnMut(&mut CpuBuf, &mut CpuBuf, Option<&mut CpuBuf>) -> R<()>,
+        step: &mut KdaStepFn<'_>,
     ) -> R<()>;
     /// Appends the cached row of position `pos` for `layer`.
     fn mla_append(&mut self, layer: usize, pos: usize, row: &[f32]) -> R<()>;

@@ -37,7 +37,7 @@ pub struct Lease {
     pub slot: u32,
 }
 
-fn region<'a>(layouts: &'a Layouts, rank: RankId, kind: RegionKind) -> R<&'a RegionLayout> {
+fn region(layouts: &Layouts, rank: RankId, kind: RegionKind) -> R<&RegionLayout> {
     layouts.get(&(rank, kind)).ok_or_else(|| ModelError::Region(format!("{rank} has no {kind} region")))
 }
 
@@ -49,7 +49,7 @@ fn unit(layouts: &Layouts, rank: RankId, kind: RegionKind, layer: usize, unit: u
     Ok((off, l))
 }
 
-fn bytes_mut<'a>(mem: &'a mut Memory, rank: RankId, kind: RegionKind, off: u64, len: usize) -> R<&'a mut [u8]> {
+fn bytes_mut(mem: &mut Memory, rank: RankId, kind: RegionKind, off: u64, len: usize) -> R<&mut [u8]> {
     let buf = mem.get_mut(&(rank, kind)).ok_or_else(|| ModelError::Region(format!("{rank} {kind}: no memory")))?;
     let off = off as usize;
     let total = buf.len();
@@ -57,7 +57,7 @@ fn bytes_mut<'a>(mem: &'a mut Memory, rank: RankId, kind: RegionKind, off: u64, 
         .ok_or_else(|| ModelError::Region(format!("{rank} {kind}: {off}+{len} outside {total} bytes")))
 }
 
-fn bytes<'a>(mem: &'a Memory, rank: RankId, kind: RegionKind, off: u64, len: usize) -> R<&'a [u8]> {
+fn bytes(mem: &Memory, rank: RankId, kind: RegionKind, off: u64, len: usize) -> R<&[u8]> {
     let buf = mem.get(&(rank, kind)).ok_or_else(|| ModelError::Region(format!("{rank} {kind}: no memory")))?;
     let off = off as usize;
     buf.get(off..off + len)
@@ -180,7 +180,7 @@ impl DecodeCaches for DecodeRanks<'_> {
         &mut self,
         rank: usize,
         layer: usize,
-        step: &mut dyn FnMut(&mut CpuBuf, &mut CpuBuf, Option<&mut CpuBuf>) -> R<()>,
+        step: &mut forward::KdaStepFn<'_>,
     ) -> R<()> {
         let be = self.be;
         let id = RankId::Decode(DecodeRank { tp: rank as u32 });

@@ -28,7 +28,7 @@ impl DecodeCaches for LocalCaches {
         &mut self,
         _rank: usize,
         layer: usize,
-        step: &mut dyn FnMut(&mut CpuBuf, &mut CpuBuf, Option<&mut CpuBuf>) -> Result<(), ModelError>,
+        step: &mut forward::KdaStepFn<'_>,
     ) -> Result<(), ModelError> {
         let (s, c) = self.kda[layer].as_mut().ok_or_else(|| ModelError::Config(format!("layer {layer} has no KDA cache")))?;
         step(s, c, None)

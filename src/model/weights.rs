@@ -227,7 +227,7 @@ impl Model {
             }
         }
         let units = d.mlp_units();
-        if units % tp != 0 || d.intermediate % units != 0 {
+        if !units.is_multiple_of(tp) || !d.intermediate.is_multiple_of(units) {
             return Err(ModelError::Config(format!(
                 "model.intermediate_size = {} must split into {units} MLP units (one per attention head) over tp {tp}",
                 d.intermediate
