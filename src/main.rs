@@ -10,8 +10,9 @@ use tracing_subscriber::prelude::*;
 #[derive(Parser)]
 #[command(name = "handoff", version, about = "Prefill/decode disaggregated serving of hybrid MLA + KDA models")]
 struct Cli {
+    /// Without a command: the built-in default topology, end to end.
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
 }
 
 #[derive(Subcommand)]
@@ -46,6 +47,44 @@ enum Command {
         tokens: u64,
         #[arg(long, default_value_t = 2)]
         requests: u32,
+        /// Also run the model: disaggregated decode must equal colocated decode.
+        #[arg(long)]
+        compute: bool,
+        /// Decode steps compared with --compute.
+        #[arg(long, default_value_t = 32)]
+        steps: u32,
+        /// Prompt text for --compute (byte-level tokens).
+        #[arg(long, default_value = "handoff moves every byte of the hand-off, checked.")]
+        prompt: String,
+    },
+    /// Benchmarks: transfer bandwidth against memcpy, CPU compute against a roofline.
+    Bench {
+        #[command(subcommand)]
+        what: BenchCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Hand-off bandwidth over a transport, with this machine's memcpy measured in the same run.
+    Transfer {
+        #[arg(long)]
+        config: String,
+        #[arg(long, value_parser = ["local", "shm", "tcp"], default_value = "local")]
+        transport: String,
+        #[arg(long, default_value_t = 32768)]
+        tokens: u64,
+        #[arg(long, default_value_t = 1)]
+        requests: u32,
+    },
+    /// Prefill and decode tokens/s of the small model, and decode kernels against the memcpy roofline.
+    Compute {
+        #[arg(long, default_value = "config/small.toml")]
+        config: String,
+        #[arg(long, default_value_t = 512)]
+        prompt: usize,
+        #[arg(long, default_value_t = 64)]
+        steps: u32,
     },
 }
 
@@ -82,8 +121,14 @@ fn load(path: &str) -> Result<Topology> {
     Topology::load(path).map_err(|e| Refusal(e.to_string()).into())
 }
 
+/// The built-in default topology (config/small.toml).
+const DEFAULT_CONFIG: &str = include_str!("../config/small.toml");
+
 fn run(cli: Cli) -> Result<()> {
-    match cli.command {
+    let Some(command) = cli.command else {
+        return demo();
+    };
+    match command {
         Command::Check { config } => {
             let topo = load(&config)?;
             print!("{}", handoff::cli::summary(&topo, &config));
@@ -101,7 +146,7 @@ fn run(cli: Cli) -> Result<()> {
                 }
                 None => (None, None),
             };
-            tracing_subscriber::registry().with(profiler.clone()).with(chrome).init();
+            let _sub = tracing::subscriber::set_default(tracing_subscriber::registry().with(profiler.clone()).with(chrome));
             let run = handoff::cli::plan_request(&topo, tokens, profiler).map_err(Refusal)?;
             if json {
                 println!("{}", handoff::cli::plan_json(&topo, tokens, &run));
@@ -115,8 +160,21 @@ fn run(cli: Cli) -> Result<()> {
                 eprintln!("trace written to {f}");
             }
         }
-        Command::Verify { config, tokens, requests } => {
+        Command::Verify { config, tokens, requests, compute, steps, prompt } => {
             let topo = load(&config)?;
+            if compute {
+                if prompt.is_empty() {
+                    return Err(Refusal("--prompt must not be empty".into()).into());
+                }
+                let r = handoff::compute_verify::verify_compute(&topo, prompt.as_bytes(), steps, |_| {})
+                    .map_err(|e| anyhow::anyhow!("verify --compute failed: {e}"))?;
+                println!(
+                    "verify --compute {config}: ok: {} prompt tokens + {} decode steps, greedy tokens equal to the colocated run, max logit relative error {:.2e} (limit {:.0e}) at step {}",
+                    r.prompt_tokens, r.steps, r.max_rel_err, handoff::compute_verify::LOGIT_TOLERANCE, r.worst_step
+                );
+                println!("  handed off {} bytes in {} descriptors; generated: {:?}", r.bytes_transferred, r.descriptors, String::from_utf8_lossy(&r.tokens));
+                return Ok(());
+            }
             let t = std::time::Instant::now();
             let r = handoff::verify::verify(&topo, tokens, requests, |_| {}).map_err(|e| anyhow::anyhow!("verify failed: {e}"))?;
             println!(
@@ -132,6 +190,50 @@ fn run(cli: Cli) -> Result<()> {
             }
             println!("checked in {:.2} s", t.elapsed().as_secs_f64());
         }
+        Command::Bench { what: BenchCommand::Transfer { config, transport, tokens, requests } } => {
+            load(&config)?;
+            let kind = match transport.as_str() {
+                "shm" => handoff_components::config::TransportKind::Shm,
+                "tcp" => handoff_components::config::TransportKind::Tcp,
+                _ => handoff_components::config::TransportKind::Local,
+            };
+            print!("{}", handoff::bench_cli::bench_transfer_cmd(&config, kind, tokens, requests)?);
+        }
+        Command::Bench { what: BenchCommand::Compute { config, prompt, steps } } => {
+            let topo = load(&config)?;
+            let f = handoff::model::bench_compute(&topo, prompt, steps).map_err(|e| anyhow::anyhow!("{e}"))?;
+            print!("{f}");
+        }
     }
+    Ok(())
+}
+
+/// `cargo run --release`: the built-in default topology through check, plan and a
+/// byte-checked hand-off of a few requests.
+fn demo() -> Result<()> {
+    let topo = Topology::parse(DEFAULT_CONFIG).map_err(|e| Refusal(e.to_string()))?;
+    print!("{}", handoff::cli::summary(&topo, "built-in default (config/small.toml)"));
+    let tokens = 100;
+    let profiler = Profiler::default();
+    let _sub = tracing::subscriber::set_default(tracing_subscriber::registry().with(profiler.clone()));
+    let run = handoff::cli::plan_request(&topo, tokens, profiler).map_err(Refusal)?;
+    println!();
+    print!("{}", handoff::cli::plan_table(&topo, tokens, &run));
+    let t = std::time::Instant::now();
+    let r = handoff::verify::verify(&topo, tokens, 4, |_| {}).map_err(|e| anyhow::anyhow!("verify failed: {e}"))?;
+    let prompt = b"handoff moves the MLA KV rows and KDA state of every request.";
+    let c = handoff::compute_verify::verify_compute(&topo, prompt, 32, |_| {}).map_err(|e| anyhow::anyhow!("verify --compute failed: {e}"))?;
+    println!(
+        "\ncompute: prefill on PP{} x TP{}, decode on TP{} x DCP{}: {} greedy tokens equal to the colocated run (max logit relative error {:.1e}); generated {:?}",
+        topo.prefill().pp, topo.prefill().tp, topo.decode().tp, topo.decode().dcp, c.steps, c.max_rel_err, String::from_utf8_lossy(&c.tokens)
+    );
+    println!(
+        "handed off {} requests x {} tokens in-process: {} bytes checked byte for byte by the oracle, {} untouched bytes intact ({:.1} ms)",
+        r.requests,
+        r.tokens,
+        r.pattern_bytes,
+        r.canary_bytes,
+        t.elapsed().as_secs_f64() * 1e3
+    );
     Ok(())
 }
