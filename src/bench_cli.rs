@@ -1,0 +1,239 @@
+//! `handoff bench transfer`: the hand-off of real plans (the engine's, for the
+//! config's topology) through a transport on this host, timed against this
+//! machine's memcpy measured in the same run.
+//!
+//! The producer and the consumer are two transports of one kind in this process,
+//! wired as two processes would be: `local`, two in-process instances; `shm`, two
+//! shared-memory endpoints, the producer mapping the consumer's region files and
+//! copying into them exactly as a producer process does (only the process boundary
+//! is missing: the copy path is the same); `tcp`, two endpoints on 127.0.0.1.
+//! Producer regions hold the oracle's pattern, and after the timed passes every
+//! consumer byte is checked with the oracle: a fast wrong transfer does not report.
+
+use crate::engine::{Engine, QueueMover};
+use crate::oracle::{self, OracleRequest, Placement};
+use crate::transport::bench::memcpy_bandwidth;
+use crate::transport::mover::{MoverOptions, StagingMode, TransportMover};
+use crate::transport::{loopback_pair, TransportExt};
+use anyhow::{anyhow, bail, Context};
+use handoff_components::config::TransportKind;
+use handoff_components::ecs::Region;
+use handoff_components::plan::Plan;
+use handoff_components::vocab::{RankId, RegionKind};
+use handoff_components::Topology;
+use handoff_systems::placement::Capacity;
+use handoff_systems::transfer::{Completion, Mover, Ticket};
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::time::{Duration, Instant};
+
+/// Knobs of the transfer bench beyond the command's arguments.
+#[derive(Debug, Clone)]
+pub struct BenchCmdOptions {
+    pub warmup: u32,
+    /// Timed passes; each moves every plan of every request once.
+    pub iterations: u32,
+    pub staging: StagingMode,
+    /// Mover worker threads (plans in flight at once).
+    pub workers: usize,
+    /// Check every consumer byte with the oracle after the passes.
+    pub verify: bool,
+    pub memcpy_bytes: usize,
+}
+
+impl Default for BenchCmdOptions {
+    fn default() -> Self {
+        BenchCmdOptions {
+            warmup: 1,
+            iterations: 3,
+            staging: StagingMode::Auto,
+            workers: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).clamp(1, 8),
+            verify: true,
+            memcpy_bytes: 256 << 20,
+        }
+    }
+}
+
+/// Runs the transfer bench with the default options and returns the printable
+/// report; its last line is exactly `ratio to memcpy: R`.
+pub fn bench_transfer_cmd(config_path: &str, kind: TransportKind, tokens: u64, requests: u32) -> anyhow::Result<String> {
+    bench_transfer_with(config_path, kind, tokens, requests, &BenchCmdOptions::default())
+}
+
+/// [`bench_transfer_cmd`] with explicit options.
+pub fn bench_transfer_with(
+    config_path: &str,
+    kind: TransportKind,
+    tokens: u64,
+    requests: u32,
+    o: &BenchCmdOptions,
+) -> anyhow::Result<String> {
+    let topo = Topology::load(config_path).with_context(|| format!("loading {config_path}"))?;
+    if requests == 0 || tokens == 0 {
+        bail!("the bench needs at least one request of at least one token");
+    }
+    topo.admits_transfer_mode().map_err(|r| anyhow!("refused at admission: {r}"))?;
+
+    // The engine's plans, captured by a queue mover.
+    let cap = Capacity::for_requests(&topo, requests, tokens);
+    let queue = QueueMover::default();
+    let mut engine = Engine::new(topo.clone(), cap, Box::new(queue.clone()));
+    let ids: Vec<u64> = (0..requests as u64).map(|i| 1 + i).collect();
+    for &id in &ids {
+        engine.submit(id, tokens);
+    }
+    engine.tick();
+    for o in engine.take_outcomes() {
+        if let Err((phase, reason)) = o.result {
+            bail!("request {} refused in {}: {reason}", o.request, phase.name());
+        }
+    }
+    for &id in &ids {
+        for s in 0..topo.prefill().pp {
+            engine.mark_computed(id, s);
+        }
+    }
+    engine.tick();
+    let jobs: Vec<(Ticket, Plan)> = queue.take_submitted();
+    if jobs.is_empty() {
+        bail!("the engine planned no copies ({:?})", engine.status(ids[0]));
+    }
+
+    // Regions, in the producer and the consumer transport.
+    let (producer, consumer) = loopback_pair(kind).context("opening the transports")?;
+    let mover_opts = MoverOptions {
+        staging: o.staging,
+        workers: o.workers.max(1),
+        batch_timeout: Duration::from_secs(120),
+        ..MoverOptions::from_topology(&topo)
+    };
+    let mut mover = TransportMover::new(producer.clone(), mover_opts)?;
+    let mut q = engine.world.query::<&Region>();
+    let regions: Vec<Region> = q.iter(&engine.world).cloned().collect();
+    let mut consumer_regions = BTreeMap::new();
+    let mut units = BTreeMap::new();
+    for r in &regions {
+        let (rank, kind, len) = (r.rank, r.layout.kind, r.layout.len);
+        units.insert((rank, kind), r.layout.units);
+        match rank {
+            RankId::Prefill(p) => {
+                let h = producer.register(rank, kind, len)?;
+                for (id, (rk, blocks, slot)) in ids.iter().flat_map(|&id| engine.leases(id).into_iter().map(move |l| (id, l))) {
+                    if rk == rank {
+                        let req = OracleRequest { id, tokens };
+                        let at = Placement { blocks: &blocks, slot };
+                        producer.write_region(&h, |b| oracle::fill_producer(&topo, p, kind, r.layout.units, &req, &at, b))?;
+                    }
+                }
+                mover.add_source(h);
+            }
+            RankId::Decode(_) => {
+                let h = consumer.register(rank, kind, len)?;
+                consumer.write_region(&h, |b| oracle::fill_canary(rank, kind, b))?;
+                mover.attach_target(&h)?;
+                consumer_regions.insert((rank, kind), h);
+            }
+        }
+    }
+
+    let bytes_per_pass: u64 = jobs.iter().map(|(_, p)| p.bytes()).sum();
+    let descriptors_per_pass: u64 = jobs.iter().map(|(_, p)| p.descriptors.len() as u64).sum();
+    let uncoalesced: u64 = jobs.iter().map(|(_, p)| p.uncoalesced).sum();
+    let pass = |mover: &mut TransportMover| -> anyhow::Result<()> {
+        for (t, p) in &jobs {
+            mover.submit(*t, p).map_err(|e| anyhow!("submit: {e}"))?;
+        }
+        if !mover.handle().wait_idle(Duration::from_secs(600)) {
+            bail!("transfers did not complete within 600 s");
+        }
+        let mut done: Vec<Completion> = Vec::new();
+        mover.poll(&mut done);
+        if done.len() != jobs.len() {
+            bail!("{} completions for {} plans", done.len(), jobs.len());
+        }
+        if let Some(Completion { ticket, result: Err(e) }) = done.into_iter().find(|c| c.result.is_err()) {
+            bail!("write from prefill pp{} tp{} to decode tp{} failed: {e}", ticket.producer.pp, ticket.producer.tp, ticket.consumer.tp);
+        }
+        Ok(())
+    };
+    for _ in 0..o.warmup {
+        pass(&mut mover)?;
+    }
+    let started = Instant::now();
+    for _ in 0..o.iterations.max(1) {
+        pass(&mut mover)?;
+    }
+    let seconds = started.elapsed().as_secs_f64().max(1e-9);
+    let passes = o.iterations.max(1) as f64;
+    let gb_per_s = bytes_per_pass as f64 * passes / seconds / 1e9;
+    let desc_per_s = descriptors_per_pass as f64 * passes / seconds;
+
+    let verified = if o.verify {
+        let mut pattern = 0u64;
+        let leases: BTreeMap<(u64, RankId), (Vec<u32>, u32)> = ids
+            .iter()
+            .flat_map(|&id| engine.leases(id).into_iter().map(move |(r, b, s)| ((id, r), (b, s))))
+            .collect();
+        for ((rank, kind), h) in &consumer_regions {
+            let RankId::Decode(d) = *rank else { continue };
+            let reqs: Vec<(OracleRequest, Placement)> = ids
+                .iter()
+                .map(|&id| {
+                    let (b, s) = &leases[&(id, *rank)];
+                    (OracleRequest { id, tokens }, Placement { blocks: b, slot: *s })
+                })
+                .collect();
+            let stats = consumer
+                .read_region(h, |b| oracle::check_consumer(&topo, d, *kind, units[&(*rank, *kind)], &reqs, b))?
+                .map_err(|e| anyhow!("the bench's transfer is wrong: {e}"))?;
+            pattern += stats.pattern_bytes;
+        }
+        format!("yes, every consumer byte checked by the oracle ({pattern} pattern bytes)")
+    } else {
+        "not checked".into()
+    };
+    drop(mover);
+
+    let m1 = memcpy_bandwidth(o.memcpy_bytes, 1);
+    let m2 = memcpy_bandwidth(o.memcpy_bytes, 2);
+    let limit = m1.max(m2).max(1e-9);
+    let by_kind = kinds_line(&jobs);
+    let mut s = String::new();
+    let d = topo.decode();
+    let p = topo.prefill();
+    writeln!(
+        s,
+        "transfer bench: {config_path} ({}), prefill PP{} x TP{} -> decode TP{} x DCP{}, {} transport, {requests} request(s) x {tokens} tokens",
+        topo.model().name,
+        p.pp,
+        p.tp,
+        d.tp,
+        d.dcp,
+        kind.name()
+    )?;
+    writeln!(s, "plans: {} per pass; {bytes_per_pass} bytes per pass ({by_kind})", jobs.len())?;
+    writeln!(
+        s,
+        "descriptors: {descriptors_per_pass} per pass ({uncoalesced} before coalescing, {:.1}x fewer); staging {:?}, {} mover workers",
+        uncoalesced as f64 / descriptors_per_pass.max(1) as f64,
+        o.staging,
+        o.workers.max(1)
+    )?;
+    writeln!(s, "passes: {} timed after {} warmup, {seconds:.3} s", o.iterations.max(1), o.warmup)?;
+    writeln!(s, "bandwidth: {gb_per_s:.2} GB/s")?;
+    writeln!(s, "descriptors per second: {desc_per_s:.0}")?;
+    writeln!(s, "memcpy (same run): {m1:.2} GB/s on 1 thread, {m2:.2} GB/s on 2 threads")?;
+    writeln!(s, "byte-exact: {verified}")?;
+    write!(s, "ratio to memcpy: {:.3}", gb_per_s / limit)?;
+    Ok(s)
+}
+
+fn kinds_line(jobs: &[(Ticket, Plan)]) -> String {
+    let mut by: BTreeMap<RegionKind, u64> = BTreeMap::new();
+    for (_, p) in jobs {
+        for d in &p.descriptors {
+            *by.entry(d.kind).or_default() += d.bytes();
+        }
+    }
+    by.iter().map(|(k, b)| format!("{k} {b}")).collect::<Vec<_>>().join(", ")
+}
