@@ -172,3 +172,55 @@ fn soak_100k_requests_local_transport_leaves_nothing_behind_and_samples_are_byte
     assert!(sampled >= 1000, "sampled {sampled}");
     let _ = transport.name();
 }
+
+/// A write the transport refuses (a descriptor past the end of the consumer region)
+/// comes back as one `Err` completion for its plan: the engine fails the request
+/// naming the transfer phase, frees everything once no write is in flight, and the
+/// next request over the same mover is handed off.
+#[test]
+fn refused_write_fails_request_in_transfer_phase_and_frees_everything() {
+    use handoff_components::ecs::PlanEntry;
+    let topo = topology();
+    let cap = Capacity::for_requests(&topo, 2, MAX_TOKENS);
+    let (mut engine, _transport, cluster) = local_cluster(&topo, cap, TransportKind::Local).expect("cluster");
+    engine.tick();
+    let baseline = engine.entity_count();
+    engine.submit(1, 30);
+    engine.tick();
+    assert_eq!(engine.status(1), Some(Status::Planned));
+    // Push one descriptor of one plan past the end of its destination.
+    let mut q = engine.world.query::<&mut PlanEntry>();
+    let mut entry = q.iter_mut(&mut engine.world).next().expect("a plan");
+    let (producer, consumer) = (entry.plan.producer, entry.plan.consumer);
+    entry.plan.descriptors[0].dst_offset = u64::MAX / 4;
+    for s in 0..topo.prefill().pp {
+        engine.mark_computed(1, s);
+    }
+    let deadline = Instant::now() + WAIT;
+    let failure = loop {
+        assert!(cluster.mover.wait_idle(WAIT));
+        engine.tick();
+        if let Some(o) = engine.take_outcomes().into_iter().find(|o| o.request == 1) {
+            break o.result.expect_err("a refused write must fail the request");
+        }
+        assert!(Instant::now() < deadline, "no outcome: {:?}", engine.status(1));
+    };
+    let (phase, reason) = failure;
+    assert_eq!(phase.name(), "transfer", "{reason}");
+    let names = format!("prefill pp{} tp{} to decode tp{}", producer.pp, producer.tp, consumer.tp);
+    assert!(reason.contains(&names) && reason.contains("past the end"), "{reason}");
+    assert_eq!(engine.entity_count(), baseline, "entities left behind");
+    assert!(engine.producer_entries().iter().all(|&n| n == 0));
+    pools_full(&engine).expect("pools full after the failure");
+    assert_eq!((cluster.mover.in_flight(), cluster.mover.unpolled()), (0, 0));
+
+    engine.submit(2, 30);
+    engine.tick();
+    for s in 0..topo.prefill().pp {
+        engine.mark_computed(2, s);
+    }
+    run_until_outcomes(&mut engine, &cluster, &[2]);
+    engine.finish(2);
+    engine.tick();
+    assert_eq!(engine.entity_count(), baseline);
+}
