@@ -197,7 +197,7 @@ fn run(cli: Cli) -> Result<()> {
                 "tcp" => handoff_components::config::TransportKind::Tcp,
                 _ => handoff_components::config::TransportKind::Local,
             };
-            print!("{}", handoff::bench_cli::bench_transfer_cmd(&config, kind, tokens, requests)?);
+            println!("{}", handoff::bench_cli::bench_transfer_cmd(&config, kind, tokens, requests)?.trim_end());
         }
         Command::Bench { what: BenchCommand::Compute { config, prompt, steps } } => {
             let topo = load(&config)?;
