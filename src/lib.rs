@@ -11,5 +11,6 @@ pub mod engine;
 pub mod model;
 pub mod oracle;
 pub mod profile;
+pub mod roles;
 pub mod transport;
 pub mod verify;

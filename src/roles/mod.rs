@@ -1,0 +1,139 @@
+//! The role processes of a deployment: `proxy` (HTTP front end), one `prefill`
+//! process per PP stage, `decode`, and `up`, which starts them all.
+//!
+//! # The flow of one request
+//!
+//! 1. The proxy validates the request (below), then waits in the bounded queue for
+//!    one of `serve.max_requests` places.
+//! 2. Decode admits it: its engine allocates blocks and slots on every decode rank
+//!    and publishes each rank's [`ConsumerLayout`] plus its region handles.
+//! 3. The proxy sends the request and the published layouts to prefill stage 0.
+//!    Stage s computes its layers, writes its own layers' KV and KDA state into
+//!    decode's regions through the transport (it plans the copies itself from the
+//!    published layouts, with the splitting phase's `ProducerPlanner`), drops its
+//!    producer entry, notifies decode with a write-done report, and passes the
+//!    hidden states to stage s + 1.
+//! 4. Once every stage has reported for every decode rank, decode's engine marks
+//!    the request handed off and decode runs its decode loop from its own regions,
+//!    streaming tokens back through the proxy.
+//!
+//! # Admission (HTTP status and reason)
+//!
+//! `POST /v1/completions` refuses a request **before it is enqueued** with HTTP 400
+//! and `{"error": {"message": <reason>, "type": "invalid_request_error"}}` when:
+//! the body is not valid JSON (or has the wrong field types); the prompt is empty
+//! (`prompt` and `prompt_token_ids` both missing or empty); a token id is outside
+//! the byte-level vocabulary 0..=255; the prompt does not fit `serve.max_context`
+//! (prompt plus at least one generated token); `max_tokens` is 0 or larger than
+//! `serve.max_context` minus the prompt; or decode cannot serve the configured
+//! transfer mode (for example chunked transfer of a stateful model to a DCP decode).
+//!
+//! Overload is not an error of the request: while all `serve.max_requests` places
+//! (decode blocks and slots) are taken, a request waits in a queue of at most
+//! `serve.queue` requests, for at most `timeouts.admission_s`. Past the queue the
+//! proxy answers HTTP 429 with `"type": "overloaded_error"`; a request that waited
+//! past the admission timeout gets HTTP 503 naming the admission phase.
+//!
+//! A request that fails after admission (a prefill stage died, a phase timed out)
+//! gets HTTP 500 (or an SSE `error` event) whose message names the phase
+//! (`compute`, `transfer`, `decode`); everything it held is freed.
+//!
+//! [`ConsumerLayout`]: handoff_components::layout::ConsumerLayout
+
+pub mod cli;
+pub mod decode;
+pub mod prefill;
+pub mod proxy;
+pub mod up;
+pub mod wire;
+
+pub use cli::RoleCommand;
+pub use decode::run_decode;
+pub use prefill::run_prefill;
+pub use proxy::run_proxy;
+pub use up::{bench_serve, run_demo, run_up};
+
+use handoff_components::Topology;
+use handoff_components::config::TransportKind;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+static SHUTDOWN: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    SHUTDOWN.store(true, Ordering::SeqCst);
+}
+
+/// Installs SIGINT/SIGTERM handlers that ask the role to stop (so it drops its
+/// transport and removes its shared-memory files).
+pub fn install_signal_handlers() {
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    }
+}
+
+/// Whether a stop was asked for.
+pub fn shutting_down() -> bool {
+    SHUTDOWN.load(Ordering::SeqCst)
+}
+
+/// Asks the role (this process) to stop.
+pub fn request_shutdown() {
+    SHUTDOWN.store(true, Ordering::SeqCst);
+}
+
+/// Seconds as a duration, bounded so that a huge configured timeout stays valid.
+pub(crate) fn secs(s: f64) -> Duration {
+    Duration::from_secs_f64(s.clamp(0.001, 86_400.0))
+}
+
+/// Opens this role's transport: the roles are separate processes, so the
+/// in-process `local` transport cannot connect them.
+pub(crate) fn open_transport(topo: &Topology) -> anyhow::Result<Arc<dyn crate::transport::Transport>> {
+    let kind = topo.config.transport.kind;
+    if kind == TransportKind::Local {
+        anyhow::bail!(
+            "transport.kind = \"local\" moves bytes within one process; the prefill and decode roles are separate processes: use \"shm\" (one host) or \"tcp\""
+        );
+    }
+    if kind == TransportKind::Shm {
+        crate::transport::shm::sweep_stale(&crate::transport::shm::default_dir());
+    }
+    Ok(crate::transport::open(kind, None)?)
+}
+
+/// Removes this process's shared-memory files (`handoff-{pid}-*`, the shm
+/// transport's naming): a role stops with threads that may still hold its
+/// transport, so it cleans up by name rather than by drop.
+pub(crate) fn remove_own_shm_files(topo: &Topology) {
+    if topo.config.transport.kind != TransportKind::Shm {
+        return;
+    }
+    let prefix = format!("handoff-{}-", std::process::id());
+    let dir = crate::transport::shm::default_dir();
+    let Ok(entries) = std::fs::read_dir(&dir) else { return };
+    for e in entries.flatten() {
+        if e.file_name().to_str().is_some_and(|n| n.starts_with(&prefix)) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
+/// Registers with the proxy (best effort: the proxy may not be up yet).
+pub(crate) fn heartbeat(proxy: &str, reg: &wire::Register) {
+    if let Ok(body) = serde_json::to_string(reg)
+        && let Err(e) = wire::http(proxy, "POST", "/internal/register", Some(&body), Duration::from_secs(2))
+    {
+        tracing::debug!(proxy, error = %e, "register with the proxy");
+    }
+}
+
+/// Sets up `tracing` output on stderr for a role process, once.
+pub fn init_logging() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_env("HANDOFF_LOG").unwrap_or_else(|_| EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}

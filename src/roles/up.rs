@@ -1,0 +1,398 @@
+//! `handoff up`, the demo (`cargo run --release`) and `handoff bench`: a whole
+//! deployment as child processes of this one.
+
+use super::cli::role_command_with;
+use super::wire::{self, HttpResponse};
+use anyhow::Context;
+use handoff_components::Topology;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::Child;
+use std::time::{Duration, Instant};
+
+/// The built-in default topology (config/small.toml): PP2 x TP1 -> TP2 x DCP2 over shm.
+pub const DEFAULT_CONFIG: &str = include_str!("../../config/small.toml");
+
+struct Role {
+    name: String,
+    args: Vec<String>,
+    child: Option<Child>,
+}
+
+/// A running deployment: proxy, decode and one process per prefill stage.
+/// Dropping it stops every process.
+pub struct Cluster {
+    roles: Vec<Role>,
+    /// `host:port` of the proxy.
+    pub addr: String,
+    pub topo: Topology,
+    launcher: Option<String>,
+    envs: Vec<(String, String)>,
+    tmp_config: Option<PathBuf>,
+}
+
+/// A port that was free a moment ago on 127.0.0.1.
+pub fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+impl Cluster {
+    /// Starts every role of the topology in `config` (None: the built-in default).
+    /// `launcher`: see [`super::cli::LAUNCHER_ENV`]; None starts this executable.
+    pub fn start(config: Option<&Path>, host: &str, port: u16, launcher: Option<String>) -> anyhow::Result<Cluster> {
+        Self::start_with(config, host, port, launcher, Vec::new())
+    }
+
+    /// [`Cluster::start`] with extra environment variables for every role.
+    pub fn start_with(
+        config: Option<&Path>,
+        host: &str,
+        port: u16,
+        launcher: Option<String>,
+        envs: Vec<(String, String)>,
+    ) -> anyhow::Result<Cluster> {
+        let (path, tmp) = match config {
+            Some(p) => (p.to_path_buf(), None),
+            None => {
+                let p = std::env::temp_dir().join(format!("handoff-up-{}-{port}.toml", std::process::id()));
+                std::fs::write(&p, DEFAULT_CONFIG).with_context(|| format!("write {}", p.display()))?;
+                (p.clone(), Some(p))
+            }
+        };
+        let path_s = path.to_string_lossy().to_string();
+        let topo = Topology::load(&path_s).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let addr = format!("{host}:{port}");
+        let mut roles = vec![Role {
+            name: "proxy".into(),
+            args: vec!["proxy".into(), "--config".into(), path_s.clone(), "--host".into(), host.into(), "--port".into(), port.to_string()],
+            child: None,
+        }];
+        roles.push(Role { name: "decode".into(), args: vec!["decode".into(), "--config".into(), path_s.clone(), "--proxy".into(), addr.clone()], child: None });
+        for s in 0..topo.prefill().pp {
+            roles.push(Role {
+                name: format!("prefill stage {s}"),
+                args: vec!["prefill".into(), "--config".into(), path_s.clone(), "--stage".into(), s.to_string(), "--proxy".into(), addr.clone()],
+                child: None,
+            });
+        }
+        let mut c = Cluster { roles, addr, topo, launcher, envs, tmp_config: tmp };
+        for i in 0..c.roles.len() {
+            c.spawn(i)?;
+        }
+        Ok(c)
+    }
+
+    fn spawn(&mut self, i: usize) -> anyhow::Result<()> {
+        let role = &mut self.roles[i];
+        let mut cmd = role_command_with(self.launcher.as_deref(), &role.args)?;
+        cmd.envs(self.envs.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        // SAFETY: prctl is async-signal-safe; a role dies with its parent, so a
+        // killed `up` leaves nothing running.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().with_context(|| format!("start {}", role.name))?;
+        role.child = Some(child);
+        Ok(())
+    }
+
+    /// Process id of a role (`"proxy"`, `"decode"`, `"prefill stage 1"`).
+    pub fn pid(&self, name: &str) -> Option<u32> {
+        self.roles.iter().find(|r| r.name == name)?.child.as_ref().map(Child::id)
+    }
+
+    /// SIGKILLs a role and reaps it.
+    pub fn kill(&mut self, name: &str) -> anyhow::Result<()> {
+        let r = self.roles.iter_mut().find(|r| r.name == name).context("no such role")?;
+        if let Some(mut c) = r.child.take() {
+            c.kill()?;
+            c.wait()?;
+        }
+        Ok(())
+    }
+
+    /// Starts a role again (after [`Cluster::kill`] or its death).
+    pub fn restart(&mut self, name: &str) -> anyhow::Result<()> {
+        let i = self.roles.iter().position(|r| r.name == name).context("no such role")?;
+        if let Some(mut c) = self.roles[i].child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        self.spawn(i)
+    }
+
+    /// A role that exited, with its status.
+    pub fn dead_role(&mut self) -> Option<String> {
+        for r in &mut self.roles {
+            if let Some(c) = r.child.as_mut()
+                && let Ok(Some(status)) = c.try_wait()
+            {
+                r.child = None;
+                return Some(format!("{} exited ({status})", r.name));
+            }
+        }
+        None
+    }
+
+    /// Waits until the proxy reports every role healthy. `progress` prints what it
+    /// is waiting for on stderr.
+    pub fn wait_healthy(&mut self, timeout: Duration, progress: bool) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut last = String::new();
+        loop {
+            if let Some(dead) = self.dead_role() {
+                anyhow::bail!("{dead} while starting");
+            }
+            let msg = match wire::http(&self.addr, "GET", "/health", None, Duration::from_secs(2)) {
+                Ok(r) if r.status == 200 => return Ok(()),
+                Ok(r) => r.json().and_then(|v| v["message"].as_str().map(str::to_string)).unwrap_or(r.body),
+                Err(_) => "waiting for the proxy".into(),
+            };
+            if progress && msg != last {
+                eprintln!("  {msg}");
+                last = msg;
+            }
+            if Instant::now() >= deadline {
+                anyhow::bail!("not healthy after {timeout:?}: {last}");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// One HTTP request to the proxy.
+    pub fn http(&self, method: &str, path: &str, body: Option<&str>) -> std::io::Result<HttpResponse> {
+        wire::http(&self.addr, method, path, body, Duration::from_secs(120))
+    }
+
+    /// Stops every role: SIGTERM, then SIGKILL after 3 s.
+    pub fn shutdown(&mut self) {
+        for r in &mut self.roles {
+            if let Some(c) = r.child.as_ref() {
+                // SAFETY: plain kill(2) on our own child's pid.
+                unsafe {
+                    libc::kill(c.id() as libc::pid_t, libc::SIGTERM);
+                }
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(3);
+        for r in &mut self.roles {
+            if let Some(mut c) = r.child.take() {
+                loop {
+                    match c.try_wait() {
+                        Ok(Some(_)) => break,
+                        Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+                        _ => {
+                            let _ = c.kill();
+                            let _ = c.wait();
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(p) = self.tmp_config.take() {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// `handoff up`: starts proxy, decode and every prefill stage, waits for health,
+/// prints the URL, and runs until Ctrl-C (or SIGTERM) or until one role dies; then
+/// stops them all. `config` None: the built-in default (config/small.toml).
+pub fn run_up(config: Option<&Path>, host: &str, port: u16) -> anyhow::Result<()> {
+    super::install_signal_handlers();
+    let launcher = std::env::var(super::cli::LAUNCHER_ENV).ok();
+    let mut c = Cluster::start(config, host, port, launcher)?;
+    let p = c.topo.prefill();
+    let d = c.topo.decode();
+    eprintln!(
+        "handoff up: {} — prefill PP{} x TP{} -> decode TP{} x DCP{} over {}; starting {} processes",
+        c.topo.model().name,
+        p.pp,
+        p.tp,
+        d.tp,
+        d.dcp,
+        c.topo.config.transport.kind.name(),
+        p.pp + 2
+    );
+    c.wait_healthy(Duration::from_secs(60), true)?;
+    println!("handoff serving at http://{}  (POST /v1/completions, GET /health, GET /metrics; Ctrl-C stops)", c.addr);
+    loop {
+        if super::shutting_down() {
+            eprintln!("handoff up: stopping");
+            c.shutdown();
+            return Ok(());
+        }
+        if let Some(dead) = c.dead_role() {
+            eprintln!("handoff up: {dead}; stopping every role");
+            c.shutdown();
+            anyhow::bail!("{dead}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// One completion's answer, as the demo and bench read it.
+#[derive(Debug, Clone, Default)]
+pub struct Completion {
+    pub text: String,
+    pub token_ids: Vec<u8>,
+    pub ttft_ms: f64,
+    pub itl_ms: Vec<f64>,
+    pub bytes: u64,
+    pub queue_ms: f64,
+    pub prefill_compute_ms: f64,
+    pub prefill_transfer_ms: f64,
+    pub handoff_ms: f64,
+    pub decode_ms: f64,
+}
+
+/// Sends one non-streaming completion; Err carries status and body.
+pub fn complete(addr: &str, prompt: &str, max_tokens: u32) -> Result<Completion, (u16, String)> {
+    let body = serde_json::json!({"prompt": prompt, "max_tokens": max_tokens}).to_string();
+    let r = wire::http(addr, "POST", "/v1/completions", Some(&body), Duration::from_secs(120)).map_err(|e| (0, e.to_string()))?;
+    if r.status != 200 {
+        return Err((r.status, r.body));
+    }
+    let v = r.json().ok_or((r.status, r.body.clone()))?;
+    let c = &v["choices"][0];
+    let h = &v["handoff"];
+    let f = |k: &str| h[k].as_f64().unwrap_or(0.0);
+    Ok(Completion {
+        text: c["text"].as_str().unwrap_or("").to_string(),
+        token_ids: c["token_ids"].as_array().map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as u8).collect()).unwrap_or_default(),
+        ttft_ms: f("ttft_ms"),
+        itl_ms: h["itl_ms"].as_array().map(|a| a.iter().filter_map(|x| x.as_f64()).collect()).unwrap_or_default(),
+        bytes: h["bytes_handed_off"].as_u64().unwrap_or(0),
+        queue_ms: f("queue_ms"),
+        prefill_compute_ms: f("prefill_compute_ms"),
+        prefill_transfer_ms: f("prefill_transfer_ms"),
+        handoff_ms: f("handoff_ms"),
+        decode_ms: f("decode_ms"),
+    })
+}
+
+fn percentile(xs: &mut [f64], q: f64) -> f64 {
+    if xs.is_empty() {
+        return 0.0;
+    }
+    xs.sort_by(|a, b| a.total_cmp(b));
+    let i = ((xs.len() as f64 - 1.0) * q).round() as usize;
+    xs[i.min(xs.len() - 1)]
+}
+
+fn start_default() -> anyhow::Result<Cluster> {
+    let port = free_port()?;
+    let launcher = std::env::var(super::cli::LAUNCHER_ENV).ok();
+    let mut c = Cluster::start(None, "127.0.0.1", port, launcher)?;
+    eprintln!("starting the built-in default cluster (config/small.toml) at {}", c.addr);
+    c.wait_healthy(Duration::from_secs(60), true)?;
+    Ok(c)
+}
+
+/// `cargo run --release`: the default cluster, a short workload, each completion
+/// (checked against the colocated single-rank reference) and a summary table.
+pub fn run_demo() -> anyhow::Result<()> {
+    let mut c = start_default()?;
+    let model = crate::model::Model::new(&c.topo)?;
+    let prompts = [
+        "Prefill and decode, disaggregated.",
+        "KDA state moves head by head;",
+        "MLA rows move token by token",
+        "hello",
+    ];
+    let max_tokens = 12;
+    println!("\n{:<38} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9}  reference", "prompt", "TTFT ms", "ITL ms", "bytes", "prefill", "transfer", "handoff", "decode");
+    let mut all = Vec::new();
+    for p in prompts {
+        let r = complete(&c.addr, p, max_tokens).map_err(|(s, b)| anyhow::anyhow!("HTTP {s}: {b}"))?;
+        let want = crate::model::run_colocated(&model, p.as_bytes(), max_tokens - 1)?;
+        let ok = if want.tokens == r.token_ids { "equal" } else { "DIFFERENT" };
+        let itl = r.itl_ms.iter().sum::<f64>() / r.itl_ms.len().max(1) as f64;
+        println!(
+            "{:<38} {:>9.2} {:>9.2} {:>10} {:>9.2} {:>9.2} {:>9.2} {:>9.2}  {ok}",
+            format!("{p:?}"),
+            r.ttft_ms,
+            itl,
+            r.bytes,
+            r.prefill_compute_ms,
+            r.prefill_transfer_ms,
+            r.handoff_ms,
+            r.decode_ms
+        );
+        println!("  -> {:?} (token ids {:?})", r.text, r.token_ids);
+        if ok != "equal" {
+            anyhow::bail!("completion of {p:?} differs from the colocated reference: {:?} vs {:?}", r.token_ids, want.tokens);
+        }
+        all.push(r);
+    }
+    let mut ttft: Vec<f64> = all.iter().map(|r| r.ttft_ms).collect();
+    let mut itl: Vec<f64> = all.iter().flat_map(|r| r.itl_ms.clone()).collect();
+    println!(
+        "\n{} requests: TTFT p50 {:.2} ms, inter-token p50 {:.2} ms, {} bytes handed off; every completion equals the colocated reference",
+        all.len(),
+        percentile(&mut ttft, 0.5),
+        percentile(&mut itl, 0.5),
+        all.iter().map(|r| r.bytes).sum::<u64>()
+    );
+    c.shutdown();
+    Ok(())
+}
+
+/// `handoff bench`: the default cluster under `concurrency` clients sending
+/// `requests` completions in all; prints tok/s, TTFT p50/p99, ITL p50/p99.
+pub fn bench_serve(concurrency: u32, requests: u32) -> anyhow::Result<()> {
+    let mut c = start_default()?;
+    let bar = indicatif::ProgressBar::new(requests as u64);
+    let next = std::sync::atomic::AtomicU32::new(0);
+    let results = std::sync::Mutex::new(Vec::new());
+    let t0 = Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..concurrency.max(1) {
+            s.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    if i >= requests {
+                        return;
+                    }
+                    let prompt: String = (0..32 + (i * 37) % 96).map(|j| (b'a' + ((i + j) % 26) as u8) as char).collect();
+                    let r = complete(&c.addr, &prompt, 16);
+                    results.lock().unwrap_or_else(|p| p.into_inner()).push(r);
+                    bar.inc(1);
+                }
+            });
+        }
+    });
+    bar.finish();
+    let wall = t0.elapsed().as_secs_f64();
+    let results = results.into_inner().unwrap_or_else(|p| p.into_inner());
+    let ok: Vec<&Completion> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
+    let failed = results.len() - ok.len();
+    let tokens: usize = ok.iter().map(|r| r.token_ids.len()).sum();
+    let mut ttft: Vec<f64> = ok.iter().map(|r| r.ttft_ms).collect();
+    let mut itl: Vec<f64> = ok.iter().flat_map(|r| r.itl_ms.clone()).collect();
+    println!(
+        "bench: {} requests ({} ok, {failed} failed) at concurrency {concurrency} in {wall:.2} s: {:.1} tok/s generated",
+        results.len(),
+        ok.len(),
+        tokens as f64 / wall
+    );
+    println!(
+        "TTFT p50 {:.2} ms p99 {:.2} ms; ITL p50 {:.2} ms p99 {:.2} ms",
+        percentile(&mut ttft, 0.5),
+        percentile(&mut ttft, 0.99),
+        percentile(&mut itl, 0.5),
+        percentile(&mut itl, 0.99)
+    );
+    c.shutdown();
+    Ok(())
+}

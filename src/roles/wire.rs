@@ -1,0 +1,213 @@
+//! What travels between the role processes, and the small clients that carry it.
+//!
+//! Control messages are JSON, one per line, over a TCP connection on loopback (or
+//! any host the roles can reach): the proxy opens one connection per request to
+//! decode and one to prefill stage 0; stage s opens one to stage s + 1. Region
+//! bytes never travel here: they move through the configured [`Transport`] from
+//! the prefill stages straight into decode's registered regions, and each stage's
+//! write-done report travels as a transport notification ([`StageReport`]), so a
+//! report is received only after the bytes it reports are in place.
+//!
+//! [`http`] is a minimal HTTP/1.1 client (one request per connection) that the
+//! roles use to register with the proxy and that tests, `demo` and `bench` use to
+//! talk to the proxy.
+//!
+//! [`Transport`]: crate::transport::Transport
+
+use crate::transport::{PeerAddr, RegionHandle};
+use handoff_components::layout::ConsumerLayout;
+use handoff_components::vocab::{DecodeRank, PrefillRank};
+use serde::{Deserialize, Serialize};
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::time::Duration;
+
+/// Longest control line accepted (a prefill job carries the hidden states).
+pub const MAX_LINE: u64 = 256 << 20;
+
+/// One control message.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Msg {
+    /// proxy -> decode: admit a request (allocate blocks and slots, publish layouts).
+    Admit { id: u64, prompt_tokens: u64, max_tokens: u32 },
+    /// decode -> proxy: the request is placed; what every decode rank published.
+    Admitted(Box<Admitted>),
+    /// decode -> proxy: one generated token.
+    Token { token: u8 },
+    /// decode -> proxy: the request finished; decode's own timings.
+    Done { handoff_ms: f64, decode_ms: f64 },
+    /// Any side: the request failed in a named phase.
+    Error { phase: String, message: String },
+    /// proxy -> decode: fail a request (its prefill failed); decode frees it.
+    Abort { id: u64, phase: String, message: String },
+    /// proxy -> stage 0, stage s -> stage s + 1: compute and hand off.
+    Prefill(Box<PrefillJob>),
+    /// stage -> its caller: this stage and every later one finished.
+    PrefillDone { bytes: u64, compute_ms: f64, transfer_ms: f64 },
+}
+
+/// What decode publishes for one admitted request.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Admitted {
+    pub id: u64,
+    pub nonce: u64,
+    /// One per decode rank, in rank order.
+    pub consumers: Vec<ConsumerLayout>,
+    /// Every decode region, for producers to attach.
+    pub handles: Vec<RegionHandle>,
+    /// Where write-done reports go.
+    pub endpoint: PeerAddr,
+}
+
+/// A request as a prefill stage receives it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PrefillJob {
+    pub admitted: Admitted,
+    /// Byte-level prompt tokens.
+    pub prompt: Vec<u8>,
+    /// The stage this job is addressed to.
+    pub stage: u32,
+    /// Control address of every stage, in order.
+    pub stages: Vec<SocketAddr>,
+    /// Hidden states `[tokens, hidden]` from the previous stage (none for stage 0).
+    pub hidden: Option<Vec<f32>>,
+    /// Bytes written and time spent by the earlier stages.
+    pub bytes: u64,
+    pub compute_ms: f64,
+    pub transfer_ms: f64,
+}
+
+/// A stage's write-done report, sent to decode's transport endpoint once every
+/// write of that stage for the request has completed.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StageReport {
+    pub id: u64,
+    pub nonce: u64,
+    pub stage: u32,
+    /// Every (producer, consumer) pair whose writes completed.
+    pub pairs: Vec<(PrefillRank, DecodeRank)>,
+    /// The last stage's greedy pick at the prompt's last position.
+    pub first_token: Option<u8>,
+    pub bytes: u64,
+}
+
+/// What a role tells the proxy about itself (POST /internal/register, repeated as
+/// a heartbeat).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Register {
+    /// `"decode"` or `"prefill"`.
+    pub role: String,
+    pub stage: Option<u32>,
+    pub addr: SocketAddr,
+    pub pid: u32,
+    /// Live producer entries on this stage (prefill), per stage in decode's engine (decode).
+    pub producer_entries: Vec<u32>,
+    /// Requests this role holds now.
+    pub live_requests: u32,
+}
+
+/// Writes one message as a JSON line.
+pub fn send(w: &mut impl Write, msg: &Msg) -> io::Result<()> {
+    let mut line = serde_json::to_vec(msg).map_err(io::Error::other)?;
+    line.push(b'\n');
+    w.write_all(&line)?;
+    w.flush()
+}
+
+/// Reads one JSON line; `Ok(None)` at a clean end of stream.
+pub fn recv(r: &mut impl BufRead) -> io::Result<Option<Msg>> {
+    let mut line = Vec::new();
+    let n = r.take(MAX_LINE).read_until(b'\n', &mut line)?;
+    if n == 0 {
+        return Ok(None);
+    }
+    serde_json::from_slice(&line)
+        .map(Some)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("bad control message: {e}")))
+}
+
+/// Connects with a timeout and sets both I/O timeouts.
+pub fn connect(addr: SocketAddr, timeout: Duration) -> io::Result<(TcpStream, BufReader<TcpStream>)> {
+    let s = TcpStream::connect_timeout(&addr, timeout)?;
+    s.set_nodelay(true)?;
+    s.set_read_timeout(Some(timeout))?;
+    s.set_write_timeout(Some(timeout))?;
+    let r = BufReader::new(s.try_clone()?);
+    Ok((s, r))
+}
+
+/// An HTTP response: status and body (de-chunked).
+#[derive(Debug, Clone)]
+pub struct HttpResponse {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl HttpResponse {
+    pub fn json(&self) -> Option<serde_json::Value> {
+        serde_json::from_str(&self.body).ok()
+    }
+}
+
+/// One HTTP/1.1 request on a fresh connection (`Connection: close`); reads the
+/// whole response. `addr` is `host:port`.
+pub fn http(addr: &str, method: &str, path: &str, body: Option<&str>, timeout: Duration) -> io::Result<HttpResponse> {
+    let sa = addr
+        .to_socket_addrs()?
+        .next()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("no address for {addr}")))?;
+    let mut s = TcpStream::connect_timeout(&sa, timeout)?;
+    s.set_read_timeout(Some(timeout))?;
+    s.set_write_timeout(Some(timeout))?;
+    let body = body.unwrap_or("");
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes())?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw)?;
+    parse_response(&raw)
+}
+
+fn parse_response(raw: &[u8]) -> io::Result<HttpResponse> {
+    let bad = |m: &str| io::Error::new(io::ErrorKind::InvalidData, m.to_string());
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(|| bad("no end of headers"))?;
+    let head = String::from_utf8_lossy(&raw[..split]).to_string();
+    let mut lines = head.split("\r\n");
+    let status = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|s| s.parse::<u16>().ok())
+        .ok_or_else(|| bad("bad status line"))?;
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':').map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string())))
+        .collect();
+    let mut body = raw[split + 4..].to_vec();
+    if headers.iter().any(|(k, v)| k == "transfer-encoding" && v.eq_ignore_ascii_case("chunked")) {
+        body = dechunk(&body).ok_or_else(|| bad("bad chunked body"))?;
+    }
+    Ok(HttpResponse { status, headers, body: String::from_utf8_lossy(&body).to_string() })
+}
+
+fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::new();
+    loop {
+        let eol = b.windows(2).position(|w| w == b"\r\n")?;
+        let size_txt = std::str::from_utf8(&b[..eol]).ok()?;
+        let size = usize::from_str_radix(size_txt.split(';').next()?.trim(), 16).ok()?;
+        b = &b[eol + 2..];
+        if size == 0 {
+            return Some(out);
+        }
+        out.extend_from_slice(b.get(..size)?);
+        b = b.get(size + 2..)?;
+    }
+}
+
+/// The `data:` payloads of a server-sent-events body, in order.
+pub fn sse_data(body: &str) -> Vec<String> {
+    body.lines().filter_map(|l| l.strip_prefix("data:")).map(|d| d.trim().to_string()).collect()
+}

@@ -1,0 +1,364 @@
+//! End to end over HTTP: real role processes (proxy, decode, one per prefill
+//! stage) on loopback, the prefill stages writing into decode's regions over shm.
+//!
+//! Roles are the `handoff` binary's subcommands when it has them; otherwise this
+//! test binary runs itself as the role (`__role_child`, through the launcher
+//! variables of `handoff::roles::cli`), the same code either way.
+
+use handoff::model::{Model, run_colocated};
+use handoff::roles::cli::{LAUNCHER_ENV, ROLE_ARGS_ENV, launcher_spec, run_role_from_env};
+use handoff::roles::up::{Cluster, free_port};
+use handoff::roles::wire::{self, HttpResponse};
+use handoff_components::Topology;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Not a test: the entry of a role process started by the other tests.
+#[test]
+fn __role_child() {
+    if let Some(r) = run_role_from_env() {
+        if let Err(e) = r {
+            eprintln!("role failed: {e:#}");
+            std::process::exit(2);
+        }
+    }
+}
+
+/// The launcher for role processes: None when the real binary has the role
+/// subcommands, else this test binary re-run as `__role_child`.
+fn launcher() -> Option<String> {
+    let bin = env!("CARGO_BIN_EXE_handoff");
+    let wired = Command::new(bin).args(["up", "--help"]).stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success());
+    if wired {
+        return None;
+    }
+    let me = std::env::current_exe().expect("test exe");
+    Some(launcher_spec(me, vec!["__role_child".into(), "--exact".into(), "--nocapture".into(), "--quiet".into()]))
+}
+
+/// `handoff up ARGS` as a process.
+fn up_command(args: &[String]) -> Command {
+    match launcher() {
+        None => {
+            let mut c = Command::new(env!("CARGO_BIN_EXE_handoff"));
+            c.args(args);
+            c
+        }
+        Some(spec) => {
+            let me = std::env::current_exe().expect("test exe");
+            let mut c = Command::new(me);
+            c.args(["__role_child", "--exact", "--nocapture", "--quiet"])
+                .env(LAUNCHER_ENV, spec)
+                .env(ROLE_ARGS_ENV, serde_json::to_string(args).expect("json"));
+            c
+        }
+    }
+}
+
+const SMALL: &str = include_str!("../config/small.toml");
+
+fn write_config(name: &str, text: &str) -> PathBuf {
+    let p = std::env::temp_dir().join(format!("handoff-serve-{}-{name}.toml", std::process::id()));
+    std::fs::write(&p, text).expect("write config");
+    p
+}
+
+/// The shipped PP3 x TP2 -> TP4 x DCP2 topology, over shm, with serving limits.
+fn pp3_config() -> String {
+    let base = include_str!("../config/pp3-tp2-to-tp4dcp2.toml");
+    format!("{base}\n[transport]\nkind = \"shm\"\n\n[serve]\nmax_context = 256\nmax_requests = 4\nqueue = 16\n\n[timeouts]\ncompute_s = 20\ntransfer_s = 20\nadmission_s = 30\n")
+}
+
+/// `small.toml` with its `[serve]` table replaced.
+fn small_with(serve: &str, extra: &str) -> String {
+    let base = SMALL.split("[serve]").next().expect("small.toml");
+    format!("{base}[serve]\n{serve}\n{extra}")
+}
+
+/// Kills `up` (SIGTERM) on drop, so a failing test leaves nothing behind.
+struct Up {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on our own child.
+        unsafe {
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `handoff up --config F --port P` and waits for the URL it prints.
+fn start_up(config: &PathBuf) -> Up {
+    let port = free_port().expect("port");
+    let args: Vec<String> = vec!["up".into(), "--config".into(), config.to_string_lossy().into(), "--port".into(), port.to_string()];
+    let mut child = up_command(&args).stdout(Stdio::piped()).spawn().expect("spawn handoff up");
+    let out = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let up = Up { child, addr: format!("127.0.0.1:{port}") };
+    let want = format!("http://127.0.0.1:{port}");
+    let deadline = Instant::now() + Duration::from_secs(50);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) if line.contains(&want) => return up,
+            Ok(_) => {}
+            Err(e) => panic!("handoff up did not print {want} in time: {e}"),
+        }
+    }
+}
+
+fn http(addr: &str, method: &str, path: &str, body: Option<&str>) -> HttpResponse {
+    wire::http(addr, method, path, body, Duration::from_secs(60)).unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+}
+
+fn complete(addr: &str, body: &serde_json::Value) -> HttpResponse {
+    http(addr, "POST", "/v1/completions", Some(&body.to_string()))
+}
+
+fn token_ids(r: &HttpResponse) -> Vec<u8> {
+    let v = r.json().unwrap_or_else(|| panic!("not JSON: {}", r.body));
+    v["choices"][0]["token_ids"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no token_ids in {}", r.body))
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u8)
+        .collect()
+}
+
+/// Greedy tokens of the colocated single-rank reference: the prefill's pick and
+/// `max_tokens - 1` decode steps.
+fn reference(topo: &Topology, prompt: &[u8], max_tokens: u32) -> Vec<u8> {
+    let model = Model::new(topo).expect("model");
+    run_colocated(&model, prompt, max_tokens - 1).expect("reference").tokens
+}
+
+/// Reads a metric's value with the given label set, e.g. `handoff_producer_entries{stage="0"}`.
+fn metric(body: &str, name: &str) -> Option<f64> {
+    body.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
+}
+
+/// Waits until every stage's (and decode's) live producer entries and decode's live
+/// requests are back to zero (heartbeats refresh them every 300 ms).
+fn assert_nothing_live(addr: &str, pp: u32) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let m = http(addr, "GET", "/metrics", None).body;
+        let mut live = Vec::new();
+        for s in 0..pp {
+            for name in ["handoff_producer_entries", "handoff_decode_producer_entries"] {
+                let key = format!("{name}{{stage=\"{s}\"}}");
+                let v = metric(&m, &key).unwrap_or_else(|| panic!("/metrics has no {key}:\n{m}"));
+                if v != 0.0 {
+                    live.push(format!("{key} = {v}"));
+                }
+            }
+        }
+        let reqs = metric(&m, "handoff_live_requests").expect("handoff_live_requests");
+        if reqs != 0.0 {
+            live.push(format!("handoff_live_requests = {reqs}"));
+        }
+        if live.is_empty() {
+            return;
+        }
+        assert!(Instant::now() < deadline, "still live after the run: {live:?}\n{m}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn check_topology_end_to_end(name: &str, text: &str) {
+    let path = write_config(name, text);
+    let topo = Topology::load(path.to_str().expect("path")).expect("topology");
+    let up = start_up(&path);
+    assert_eq!(http(&up.addr, "GET", "/health", None).status, 200);
+    let cases: Vec<(serde_json::Value, Vec<u8>, u32)> = vec![
+        (serde_json::json!({"prompt": "The quick brown fox jumps over the lazy dog", "max_tokens": 9}), b"The quick brown fox jumps over the lazy dog".to_vec(), 9),
+        (serde_json::json!({"prompt_token_ids": [1, 2, 3, 250, 17], "max_tokens": 5}), vec![1, 2, 3, 250, 17], 5),
+        (serde_json::json!({"prompt": "x", "max_tokens": 1}), b"x".to_vec(), 1),
+        (serde_json::json!({"prompt": "a longer prompt that spans several blocks of the prefill and decode block tables, several times over......", "max_tokens": 20}),
+         b"a longer prompt that spans several blocks of the prefill and decode block tables, several times over......".to_vec(), 20),
+    ];
+    for (body, prompt, n) in &cases {
+        let r = complete(&up.addr, body);
+        assert_eq!(r.status, 200, "{name}: {body}: {}", r.body);
+        let got = token_ids(&r);
+        let want = reference(&topo, prompt, *n);
+        assert_eq!(got, want, "{name}: completion of {body} differs from the colocated reference");
+        let v = r.json().expect("json");
+        assert!(v["handoff"]["bytes_handed_off"].as_u64().unwrap_or(0) > 0, "{name}: no bytes handed off: {}", r.body);
+    }
+    // Streaming: the same tokens as SSE events, then [DONE].
+    let r = complete(&up.addr, &serde_json::json!({"prompt": "stream me", "max_tokens": 6, "stream": true}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let data = wire::sse_data(&r.body);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "stream did not end with [DONE]: {}", r.body);
+    let streamed: Vec<u8> = data
+        .iter()
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .flat_map(|v| v["choices"][0]["token_ids"].as_array().cloned().unwrap_or_default())
+        .map(|x| x.as_u64().expect("id") as u8)
+        .collect();
+    assert_eq!(streamed, reference(&topo, b"stream me", 6), "{name}: streamed tokens differ from the reference");
+    assert_nothing_live(&up.addr, topo.prefill().pp);
+    let m = http(&up.addr, "GET", "/metrics", None).body;
+    assert_eq!(metric(&m, "handoff_requests_total{outcome=\"ok\"}"), Some(cases.len() as f64 + 1.0), "{m}");
+    drop(up);
+    let _ = std::fs::remove_file(path);
+}
+
+#[test]
+fn up_default_pp2_to_tp2dcp2_completions_equal_colocated_reference() {
+    check_topology_end_to_end("small", SMALL);
+}
+
+#[test]
+fn up_pp3tp2_to_tp4dcp2_completions_equal_colocated_reference() {
+    check_topology_end_to_end("pp3", &pp3_config());
+}
+
+fn cluster(name: &str, text: &str, envs: Vec<(String, String)>) -> (Cluster, Topology) {
+    let path = write_config(name, text);
+    let port = free_port().expect("port");
+    let mut c = Cluster::start_with(Some(&path), "127.0.0.1", port, launcher(), envs).expect("start cluster");
+    c.wait_healthy(Duration::from_secs(50), false).expect("healthy");
+    let topo = c.topo.clone();
+    (c, topo)
+}
+
+#[test]
+fn admission_rejects_each_bad_request_with_400_and_reason() {
+    let (c, _) = cluster("admission", &small_with("max_context = 64\nmax_requests = 2\nqueue = 4", ""), vec![]);
+    let cases: Vec<(&str, &str, &str)> = vec![
+        ("malformed JSON", "{\"prompt\": ", "malformed JSON"),
+        ("wrong field type", "{\"prompt\": 5}", "malformed JSON"),
+        ("empty prompt", "{\"prompt\": \"\", \"max_tokens\": 4}", "empty prompt"),
+        ("no prompt", "{\"max_tokens\": 4}", "empty prompt"),
+        ("max_tokens 0", "{\"prompt\": \"abc\", \"max_tokens\": 0}", "max_tokens 0 is out of range"),
+        ("max_tokens past the context", "{\"prompt\": \"abc\", \"max_tokens\": 62}", "max_tokens 62 is out of range"),
+        ("prompt past the context", &"{\"prompt\": \"0123456789012345678901234567890123456789012345678901234567890123456789\"}", "does not fit serve.max_context 64"),
+        ("token id outside the vocabulary", "{\"prompt_token_ids\": [1, 300]}", "token id 300"),
+    ];
+    for (what, body, reason) in cases {
+        let r = c.http("POST", "/v1/completions", Some(body)).expect("http");
+        assert_eq!(r.status, 400, "{what}: {}", r.body);
+        let v = r.json().unwrap_or_else(|| panic!("{what}: not JSON: {}", r.body));
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{what}: {}", r.body);
+        let msg = v["error"]["message"].as_str().unwrap_or("");
+        assert!(msg.contains(reason), "{what}: reason {msg:?} does not say {reason:?}");
+    }
+    // The largest max_tokens that fits is admitted.
+    let r = c.http("POST", "/v1/completions", Some("{\"prompt\": \"abc\", \"max_tokens\": 61}")).expect("http");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let m = c.http("GET", "/metrics", None).expect("metrics").body;
+    assert_eq!(metric(&m, "handoff_requests_total{outcome=\"rejected\"}"), Some(8.0), "{m}");
+    assert!(metric(&m, "handoff_refusals_total{reason=\"max_tokens\"}") == Some(2.0), "{m}");
+}
+
+#[test]
+fn admission_rejects_chunked_transfer_to_dcp_decode_with_400() {
+    // Chunked transfer of a stateful (KDA) model to a DCP decode: decode cannot
+    // serve it, so every request is refused before it is enqueued.
+    let text = SMALL.replace("[prefill]\n", "[prefill]\nchunked = true\n");
+    let (c, _) = cluster("chunked", &text, vec![]);
+    let r = c.http("POST", "/v1/completions", Some("{\"prompt\": \"abc\", \"max_tokens\": 3}")).expect("http");
+    assert_eq!(r.status, 400, "{}", r.body);
+    let v = r.json().expect("json");
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    let msg = v["error"]["message"].as_str().unwrap_or("");
+    assert!(msg.contains("chunked transfer") && msg.contains("dcp 2"), "{msg}");
+}
+
+#[test]
+fn overload_past_the_queue_is_429_and_the_queued_request_completes() {
+    // One place, one queue spot; each stage sleeps so requests overlap.
+    let envs = vec![(handoff::roles::prefill::DELAY_ENV.to_string(), "700".to_string())];
+    let (c, topo) = cluster("overload", &small_with("max_context = 128\nmax_requests = 1\nqueue = 1", ""), envs);
+    let addr = c.addr.clone();
+    let send = |p: &'static str| {
+        let addr = addr.clone();
+        std::thread::spawn(move || complete(&addr, &serde_json::json!({"prompt": p, "max_tokens": 4})))
+    };
+    let first = send("first");
+    std::thread::sleep(Duration::from_millis(300));
+    let second = send("second");
+    std::thread::sleep(Duration::from_millis(300));
+    let third = complete(&c.addr, &serde_json::json!({"prompt": "third", "max_tokens": 4}));
+    assert_eq!(third.status, 429, "{}", third.body);
+    let v = third.json().expect("json");
+    assert_eq!(v["error"]["type"], "overloaded_error", "{}", third.body);
+    for (h, p) in [(first, "first"), (second, "second")] {
+        let r = h.join().expect("thread");
+        assert_eq!(r.status, 200, "{p}: {}", r.body);
+        assert_eq!(token_ids(&r), reference(&topo, p.as_bytes(), 4));
+    }
+    assert_nothing_live(&c.addr, topo.prefill().pp);
+}
+
+#[test]
+fn killed_prefill_stage_fails_its_request_naming_the_phase_then_service_recovers() {
+    let envs = vec![(handoff::roles::prefill::DELAY_ENV.to_string(), "1500".to_string())];
+    let text = small_with("max_context = 128\nmax_requests = 4\nqueue = 8", "\n[timeouts]\ncompute_s = 20\ntransfer_s = 20\nadmission_s = 20\n");
+    let (mut c, topo) = cluster("kill", &text, envs);
+    let addr = c.addr.clone();
+    let req = std::thread::spawn(move || complete(&addr, &serde_json::json!({"prompt": "doomed", "max_tokens": 4})));
+    // Stage 0 sleeps 1.5 s, then stage 1 does: kill stage 1 mid-request.
+    std::thread::sleep(Duration::from_millis(2200));
+    c.kill("prefill stage 1").expect("kill stage 1");
+    let r = req.join().expect("thread");
+    assert_eq!(r.status, 500, "{}", r.body);
+    let v = r.json().expect("json");
+    let msg = v["error"]["message"].as_str().unwrap_or("");
+    assert_eq!(v["error"]["phase"], "compute", "{}", r.body);
+    assert!(msg.starts_with("compute phase failed") && msg.contains("prefill stage 1"), "{msg}");
+    // Nothing leaks: decode freed the request, stage 0 dropped its entry.
+    let m = c.http("GET", "/metrics", None).expect("metrics").body;
+    assert_eq!(metric(&m, "handoff_requests_total{outcome=\"failed\"}"), Some(1.0), "{m}");
+    // The stage comes back; later requests succeed.
+    c.restart("prefill stage 1").expect("restart");
+    c.wait_healthy(Duration::from_secs(30), false).expect("healthy again");
+    let r = complete(&c.addr, &serde_json::json!({"prompt": "after the restart", "max_tokens": 5}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(token_ids(&r), reference(&topo, b"after the restart", 5));
+    assert_nothing_live(&c.addr, topo.prefill().pp);
+}
+
+#[test]
+fn thirty_two_concurrent_requests_all_complete_and_match_the_reference() {
+    let (c, topo) = cluster("concurrent", &small_with("max_context = 256\nmax_requests = 8\nqueue = 32", ""), vec![]);
+    let handles: Vec<_> = (0..32u32)
+        .map(|i| {
+            let addr = c.addr.clone();
+            std::thread::spawn(move || {
+                let prompt: String = (0..8 + i % 24).map(|j| (b'a' + ((i * 7 + j) % 26) as u8) as char).collect();
+                let r = complete(&addr, &serde_json::json!({"prompt": prompt, "max_tokens": 6}));
+                (prompt, r)
+            })
+        })
+        .collect();
+    for h in handles {
+        let (prompt, r) = h.join().expect("thread");
+        assert_eq!(r.status, 200, "{prompt}: {}", r.body);
+        assert_eq!(token_ids(&r), reference(&topo, prompt.as_bytes(), 6), "{prompt}");
+    }
+    assert_nothing_live(&c.addr, topo.prefill().pp);
+    let m = c.http("GET", "/metrics", None).expect("metrics").body;
+    assert_eq!(metric(&m, "handoff_requests_total{outcome=\"ok\"}"), Some(32.0), "{m}");
+}
