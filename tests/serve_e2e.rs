@@ -18,11 +18,9 @@ use std::time::{Duration, Instant};
 /// Not a test: the entry of a role process started by the other tests.
 #[test]
 fn __role_child() {
-    if let Some(r) = run_role_from_env() {
-        if let Err(e) = r {
-            eprintln!("role failed: {e:#}");
-            std::process::exit(2);
-        }
+    if let Some(Err(e)) = run_role_from_env() {
+        eprintln!("role failed: {e:#}");
+        std::process::exit(2);
     }
 }
 
@@ -102,7 +100,7 @@ impl Drop for Up {
 }
 
 /// Starts `handoff up --config F --port P` and waits for the URL it prints.
-fn start_up(config: &PathBuf) -> Up {
+fn start_up(config: &std::path::Path) -> Up {
     let port = free_port().expect("port");
     let args: Vec<String> = vec!["up".into(), "--config".into(), config.to_string_lossy().into(), "--port".into(), port.to_string()];
     let mut child = up_command(&args).stdout(Stdio::piped()).spawn().expect("spawn handoff up");
@@ -253,7 +251,7 @@ fn admission_rejects_each_bad_request_with_400_and_reason() {
         ("no prompt", "{\"max_tokens\": 4}", "empty prompt"),
         ("max_tokens 0", "{\"prompt\": \"abc\", \"max_tokens\": 0}", "max_tokens 0 is out of range"),
         ("max_tokens past the context", "{\"prompt\": \"abc\", \"max_tokens\": 62}", "max_tokens 62 is out of range"),
-        ("prompt past the context", &"{\"prompt\": \"0123456789012345678901234567890123456789012345678901234567890123456789\"}", "does not fit serve.max_context 64"),
+        ("prompt past the context", "{\"prompt\": \"0123456789012345678901234567890123456789012345678901234567890123456789\"}", "does not fit serve.max_context 64"),
         ("token id outside the vocabulary", "{\"prompt_token_ids\": [1, 300]}", "token id 300"),
     ];
     for (what, body, reason) in cases {

@@ -225,6 +225,7 @@ fn refuse(p: &Proxy, reason: &'static str, message: &str) -> Response {
 }
 
 /// Validates a request; the prompt tokens and max_tokens, or the 400 response.
+#[allow(clippy::result_large_err)] // the Err is the response itself, built once per refusal
 fn admit(p: &Proxy, body: &[u8]) -> Result<(Vec<u8>, u32, bool, String), Response> {
     let req: CompletionRequest =
         serde_json::from_slice(body).map_err(|e| refuse(p, "malformed_json", &format!("malformed JSON body: {e}")))?;
