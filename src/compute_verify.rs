@@ -8,6 +8,13 @@
 //! regions only. Greedy tokens must be equal at every step and the logits within
 //! [`LOGIT_TOLERANCE`]: relative error of a step = max |a - b| / max |b| over the
 //! vocabulary (b the reference), the report keeps the largest over all steps.
+//!
+//! Both paths run the same decode algorithm: MLA attention as f64 partials per DCP
+//! rank merged in f64 (the colocated run is a DCP group of one), and ReplaySSM with
+//! the same ring and commit schedule when `[model.replay]` is configured. So the
+//! result holds for 16-bit caches too: in practice the logits are equal exactly,
+//! whatever the PP, TP, DCP and interleave. Models whose f32 weights exceed
+//! [`crate::model::weights::MAX_WEIGHT_BYTES`] are refused up front, naming the size.
 
 use crate::engine::{Engine, QueueMover};
 use crate::model::forward;
@@ -85,6 +92,7 @@ pub fn verify_compute_with(
     fill: Fill,
     tamper: impl FnMut(&mut Vec<Plan>),
 ) -> Result<ComputeReport, String> {
+    // Refuses models whose weights exceed the CPU path's limit, naming the size.
     let model = Model::new(topo).map_err(|e| e.to_string())?;
     let reference = run_colocated(&model, prompt, steps).map_err(|e| format!("colocated reference: {e}"))?;
     let (got, mut report) = run_disaggregated(topo, &model, prompt, steps, fill, tamper)?;

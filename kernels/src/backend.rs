@@ -4,7 +4,9 @@
 //! `Backend::IBuf` for i32 data: token ids, replay cursors). Host memory
 //! appears only in `upload*` and `download*`; every op takes backend buffers
 //! plus a plain-data shape, checks lengths, and returns a typed error instead
-//! of panicking. All storage and accumulation is f32.
+//! of panicking. Storage and accumulation are f32, except the attention
+//! partials (`Backend::F64Buf`): MLA decode partials and their DCP merge are f64,
+//! so that the merged result does not depend on how the tokens were sharded.
 
 use crate::error::Result;
 use crate::shapes::{
@@ -18,6 +20,8 @@ pub trait Backend: Send + Sync {
     type Buf: Send + Sync;
     /// An i32 buffer owned by the backend (token ids, replay cursors).
     type IBuf: Send + Sync;
+    /// An f64 buffer owned by the backend (attention partials).
+    type F64Buf: Send + Sync;
 
     /// Short name for logs ("cpu", "cuda", "hip").
     fn name(&self) -> &'static str;
@@ -40,6 +44,13 @@ pub trait Backend: Send + Sync {
     fn upload_i32(&self, data: &[i32]) -> Result<Self::IBuf>;
     /// The i32 buffer's contents.
     fn download_i32(&self, buf: &Self::IBuf) -> Result<Vec<i32>>;
+
+    /// A zeroed f64 buffer of `len` elements.
+    fn alloc_f64(&self, len: usize) -> Result<Self::F64Buf>;
+    /// An f64 buffer holding a copy of `data`.
+    fn upload_f64(&self, data: &[f64]) -> Result<Self::F64Buf>;
+    /// The f64 buffer's contents.
+    fn download_f64(&self, buf: &Self::F64Buf) -> Result<Vec<f64>>;
 
     /// Sets every element of `buf` to `value`.
     fn fill(&self, buf: &mut Self::Buf, value: f32) -> Result<()>;
@@ -194,6 +205,34 @@ pub trait Backend: Send + Sync {
         shape: MergeShape,
         o_shards: &Self::Buf,
         lse_shards: &Self::Buf,
+        out: &mut Self::Buf,
+        lse: &mut Self::Buf,
+    ) -> Result<()>;
+
+    /// Absorbed MLA decode of one token over `rows`, as an f64 partial that
+    /// [`Backend::dcp_merge_partials`] merges. q_lat `[H, L+R]`; `partial`
+    /// `[H, 2+L]` (see [`crate::mla_partial_width`]): per head the max m of the
+    /// scaled scores, l = sum_j e^{s_j - m}, acc = sum_j e^{s_j - m} v_j (v_j the
+    /// row's first L values); scores, exponentials and sums all in f64. With no
+    /// rows: m = -inf, l = 0, acc = 0.
+    fn mla_decode_partial(
+        &self,
+        shape: MlaShape,
+        q_lat: &Self::Buf,
+        rows: RowSet<'_, Self::Buf>,
+        partial: &mut Self::F64Buf,
+    ) -> Result<()>;
+
+    /// DCP merge of f64 partials `[S, H, 2+L]` (shard-major; `shape.width` = L)
+    /// into out `[H, L]` and lse `[H]`, in f64, rounded to f32 at the end:
+    /// M = max_r m_r, l = sum_r l_r e^{m_r - M}, O = sum_r acc_r e^{m_r - M} / l,
+    /// LSE = M + ln l. Heads whose shards are all empty get out = 0, lse = -inf.
+    /// One shard is plain single-rank attention, so a sharded run and an
+    /// unsharded one agree to f64 rounding before the final f32 rounding.
+    fn dcp_merge_partials(
+        &self,
+        shape: MergeShape,
+        partials: &Self::F64Buf,
         out: &mut Self::Buf,
         lse: &mut Self::Buf,
     ) -> Result<()>;

@@ -49,6 +49,7 @@ macro_rules! stub_backend {
         impl Backend for $name {
             type Buf = NoBuf;
             type IBuf = NoBuf;
+            type F64Buf = NoBuf;
 
             fn name(&self) -> &'static str {
                 $label
@@ -76,6 +77,21 @@ macro_rules! stub_backend {
             }
             fn download_i32(&self, buf: &NoBuf) -> Result<Vec<i32>> {
                 match *buf {}
+            }
+            fn alloc_f64(&self, _: usize) -> Result<NoBuf> {
+                Err(Self::unavailable())
+            }
+            fn upload_f64(&self, _: &[f64]) -> Result<NoBuf> {
+                Err(Self::unavailable())
+            }
+            fn download_f64(&self, buf: &NoBuf) -> Result<Vec<f64>> {
+                match *buf {}
+            }
+            fn mla_decode_partial(&self, _: MlaShape, q_lat: &NoBuf, _: RowSet<'_, NoBuf>, _: &mut NoBuf) -> Result<()> {
+                match *q_lat {}
+            }
+            fn dcp_merge_partials(&self, _: MergeShape, partials: &NoBuf, _: &mut NoBuf, _: &mut NoBuf) -> Result<()> {
+                match *partials {}
             }
             fn fill(&self, buf: &mut NoBuf, _: f32) -> Result<()> {
                 match *buf {}

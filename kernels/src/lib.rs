@@ -3,7 +3,9 @@
 //! [`Backend`] owns its buffers ([`Backend::Buf`] f32, [`Backend::IBuf`] i32)
 //! and exposes the model's ops on them: the KDA recurrent step and chunked
 //! prefill, ReplaySSM record/commit, the short conv, RMSNorm and the gated
-//! output norm, absorbed MLA prefill and decode with LSE, the DCP LSE merge,
+//! output norm, absorbed MLA prefill and decode with LSE, the DCP LSE merge
+//! (and their f64 forms: decode partials and their merge, which do not depend
+//! on the DCP decomposition),
 //! matmul, SwiGLU, embedding, argmax and the residual add. The math is
 //! design.md section 5.
 //!
@@ -23,7 +25,7 @@ pub mod shapes;
 pub(crate) mod testutil;
 
 pub use backend::Backend;
-pub use cpu::{CpuBackend, CpuBuf, CpuIBuf, KDA_CHUNK};
+pub use cpu::{CpuBackend, CpuBuf, CpuF64Buf, CpuIBuf, KDA_CHUNK};
 pub use error::{KernelError, Result};
 pub use gpu::{CudaBackend, HipBackend, KDA_DECODE_HIP, NoBuf};
 pub use rng::SplitMix64;

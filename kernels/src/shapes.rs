@@ -159,6 +159,12 @@ pub struct MergeShape {
     pub width: usize,
 }
 
+/// Width of one head's f64 attention partial of [`crate::Backend::mla_decode_partial`]:
+/// the running max m, the sum l, then the accumulator (`kv_lora_rank` values).
+pub fn mla_partial_width(kv_lora_rank: usize) -> usize {
+    kv_lora_rank.saturating_add(2)
+}
+
 /// x `[rows, inner]` . w `[inner, cols]` = out `[rows, cols]`, all row-major.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MatmulShape {

@@ -12,9 +12,9 @@ use super::dtype::round_to;
 use super::weights::{Dims, KdaShard, LayerShard, MixerShard, MlaShard, Model, NORM_EPS, RankShard};
 use handoff_components::vocab::LayerKind;
 use handoff_kernels::{
-    Backend, ColsCopy, ConvShape, CpuBackend, CpuBuf, EmbeddingShape, KdaInputs,
-    KdaParams, KdaPrefillShape, KdaStepShape, MatmulShape, MlaShape,
-    NormShape, RowSet,
+    Backend, ColsCopy, ConvShape, CpuBackend, CpuBuf, CpuIBuf, EmbeddingShape, KdaInputs,
+    KdaParams, KdaPrefillShape, KdaStepShape, MatmulShape, MergeShape, MlaShape,
+    NormShape, ReplayShape, RowSet,
 };
 use std::ops::Range;
 
@@ -291,6 +291,26 @@ pub fn mla_out(be: &CpuBackend, dims: &Dims, sh: &MlaShard, o_lat: &CpuBuf, t: u
     per_head_out(be, &y, &sh.wo, t, dvh, dims.hidden)
 }
 
+/// One DCP rank's share of absorbed MLA decode: the f64 partials `[heads, 2+L]`
+/// of queries `q_lat` `[heads, L+R]` over the rank's `n` cached rows.
+pub fn mla_partial(be: &CpuBackend, shape: MlaShape, q_lat: &CpuBuf, rows: &CpuBuf, n: usize) -> R<Vec<f64>> {
+    let mut p = be.alloc_f64(shape.heads * handoff_kernels::mla_partial_width(shape.kv_lora_rank))?;
+    be.mla_decode_partial(shape, q_lat, RowSet { buf: rows, count: n }, &mut p)?;
+    Ok(be.download_f64(&p)?)
+}
+
+/// Merges the partials of `shards` DCP ranks (`[shards, heads, 2+L]`, rank-major)
+/// into the latent outputs `[heads, L]`. The merge is f64 and rounds once at the
+/// end, so the result does not depend on how the tokens were sharded: one shard
+/// (the colocated run) and any DCP degree agree bit for bit in practice.
+pub fn mla_merge(be: &CpuBackend, shape: MlaShape, shards: usize, partials: &[f64]) -> R<CpuBuf> {
+    let (h, l) = (shape.heads, shape.kv_lora_rank);
+    let mut o = be.alloc(h * l)?;
+    let mut lse = be.alloc(h)?;
+    be.dcp_merge_partials(MergeShape { shards, heads: h, width: l }, &be.upload_f64(partials)?, &mut o, &mut lse)?;
+    Ok(o)
+}
+
 pub fn mla_shape(dims: &Dims, heads: usize) -> MlaShape {
     MlaShape { heads, kv_lora_rank: dims.kv_lora_rank, rope_dim: dims.rope_dim, scale: dims.mla_scale() }
 }
@@ -380,6 +400,36 @@ fn kind_err(layer: usize) -> ModelError {
 /// The step a [`DecodeCaches::kda`] call runs on one rank's state, conv state and
 /// optional record buffer.
 pub type KdaStepFn<'a> = dyn FnMut(&mut CpuBuf, &mut CpuBuf, Option<&mut CpuBuf>) -> R<()> + 'a;
+
+/// One ReplaySSM decode step of one rank's KDA heads, the same on every placement
+/// (ReplaySSM is part of decode, so the colocated run keeps the same ring): the
+/// current state is rebuilt from the committed state `committed` and the `cursor`
+/// records of `ring` (`replay_commit` on a copy), `step` advances it and writes
+/// the token's record, which is appended; when the ring is full the records are
+/// committed in place (`committed` := rebuilt state, cursor 0). Per head the
+/// arithmetic depends only on that head's data, so the TP head split does not
+/// change it. Returns whether it committed.
+pub fn replay_step(
+    be: &CpuBackend,
+    shape: ReplayShape,
+    committed: &mut CpuBuf,
+    ring: &mut CpuBuf,
+    cursor: &mut CpuIBuf,
+    conv: &mut CpuBuf,
+    step: &mut KdaStepFn<'_>,
+) -> R<bool> {
+    let mut current = committed.clone();
+    let mut scratch = cursor.clone();
+    be.replay_commit(shape, &mut current, ring, &mut scratch)?;
+    let mut record = be.alloc(shape.heads * handoff_kernels::replay_record_width(shape.dk, shape.dv))?;
+    step(&mut current, conv, Some(&mut record))?;
+    be.replay_append(shape, 1, ring, cursor, &record)?;
+    if be.download_i32(cursor)?.first().is_some_and(|&c| c as usize >= shape.capacity) {
+        be.replay_commit(shape, committed, ring, cursor)?;
+        return Ok(true);
+    }
+    Ok(false)
+}
 
 /// Where a decode TP group keeps its caches.
 pub trait DecodeCaches {

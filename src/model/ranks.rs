@@ -9,10 +9,16 @@
 //! Block tables grow from the rank's pool as positions pass the lease.
 //!
 //! ReplaySSM (when configured): prefill caches the state before the prompt's last
-//! r = min(T, capacity / 2) tokens and their records, cursor r. A decode step
-//! rebuilds the current state from the committed state and the records
-//! (`replay_commit` on a copy), steps it, appends the step's record, and when the
-//! ring is full commits in place (state region := rebuilt state, cursor 0).
+//! r = min(T, capacity / 2) tokens and their records, cursor r. A decode step is
+//! [`forward::replay_step`]: it rebuilds the current state from the committed
+//! state and the records (`replay_commit` on a copy), steps it, appends the
+//! step's record, and when the ring is full commits in place (state region :=
+//! rebuilt state, cursor 0). The colocated reference runs the same schedule.
+//!
+//! MLA attention under DCP: each member of a DCP group computes the f64 partial
+//! (max, sum, accumulator) of the group's all-gathered queries over its own
+//! tokens, and the partials are merged in f64 ([`forward::mla_merge`]); the
+//! colocated reference merges its one shard the same way.
 
 use super::ModelError;
 use super::dtype;
@@ -21,7 +27,7 @@ use crate::oracle::Memory;
 use handoff_components::Topology;
 use handoff_components::layout::RegionLayout;
 use handoff_components::vocab::{DecodeRank, ModuleLayer, PrefillRank, RankId, RegionKind};
-use handoff_kernels::{Backend, CpuBackend, CpuBuf, MergeShape, ReplayShape, RowSet};
+use handoff_kernels::{Backend, CpuBackend, CpuBuf, ReplayShape};
 use handoff_systems::placement::owned_tokens;
 use std::collections::BTreeMap;
 
@@ -124,7 +130,7 @@ fn store_kda(topo: &Topology, layouts: &Layouts, mem: &mut Memory, id: RankId, s
 
 /// The records prefill leaves for decode to replay: half the ring, at most the prompt.
 pub fn prefill_record_tail(topo: &Topology, tokens: usize) -> usize {
-    topo.model().replay.as_ref().map_or(0, |r| (r.capacity as usize / 2).min(tokens))
+    super::weights::Dims::from_topology(topo).record_tail(tokens)
 }
 
 /// The decode TP group's caches: every read and write goes to a decode rank's own
@@ -206,15 +212,7 @@ impl DecodeCaches for DecodeRanks<'_> {
                 let (k_off, _) = unit(self.layouts, id, RegionKind::ReplayCursor, layer, slot)?;
                 let cb = bytes(self.mem, id, RegionKind::ReplayCursor, k_off, 4)?;
                 let mut cursor = be.upload_i32(&[i32::from_le_bytes([cb[0], cb[1], cb[2], cb[3]])])?;
-                // The current state: the committed one advanced by the recorded tokens.
-                let mut current = state.clone();
-                let mut scratch = cursor.clone();
-                be.replay_commit(shape, &mut current, &ring, &mut scratch)?;
-                let mut record = be.alloc(hl * (2 * dk + dv))?;
-                step(&mut current, &mut conv, Some(&mut record))?;
-                be.replay_append(shape, 1, &mut ring, &mut cursor, &record)?;
-                if be.download_i32(&cursor)?[0] as usize >= capacity {
-                    be.replay_commit(shape, &mut state, &ring, &mut cursor)?;
+                if forward::replay_step(&be, shape, &mut state, &mut ring, &mut cursor, &mut conv, step)? {
                     put_f32(bytes_mut(self.mem, id, RegionKind::KdaState, s_off, hl * dk * dv * 4)?, state.as_slice());
                 }
                 put_f32(bytes_mut(self.mem, id, RegionKind::ReplayRecords, r_off, r_len)?, ring.as_slice());
@@ -256,25 +254,13 @@ impl DecodeCaches for DecodeRanks<'_> {
                 q.extend_from_slice(q_lat[r].as_slice());
             }
             let q = CpuBuf::from_vec(q);
-            let mut o_shards = Vec::with_capacity(dcp * hg * l);
-            let mut lse_shards = Vec::with_capacity(dcp * hg);
+            // Each member's f64 partial over its own tokens, gathered rank-major.
+            let mut partials = Vec::new();
             for r in members.clone() {
                 let (rows, n) = self.local_rows(r, layer, pos + 1)?;
-                let mut o = be.alloc(hg * l)?;
-                let mut lse = be.alloc(hg)?;
-                be.mla_decode(shape, &q, RowSet { buf: &rows, count: n }, &mut o, &mut lse)?;
-                o_shards.extend(be.download(&o)?);
-                lse_shards.extend(be.download(&lse)?);
+                partials.extend(forward::mla_partial(&be, shape, &q, &rows, n)?);
             }
-            let mut o = be.alloc(hg * l)?;
-            let mut lse = be.alloc(hg)?;
-            be.dcp_merge(
-                MergeShape { shards: dcp, heads: hg, width: l },
-                &CpuBuf::from_vec(o_shards),
-                &CpuBuf::from_vec(lse_shards),
-                &mut o,
-                &mut lse,
-            )?;
+            let o = forward::mla_merge(&be, shape, dcp, &partials)?;
             // Each member keeps its own heads.
             for j in 0..dcp {
                 out.push(CpuBuf::from_vec(o.as_slice()[j * hl * l..(j + 1) * hl * l].to_vec()));

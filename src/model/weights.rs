@@ -10,6 +10,10 @@ use handoff_kernels::{CpuBuf, SplitMix64};
 pub const VOCAB: usize = 256;
 /// Epsilon of every RMSNorm (and of the KDA output norm).
 pub const NORM_EPS: f32 = 1e-6;
+/// Largest model the CPU compute path builds: f32 weights of at most 4 GiB
+/// (the verification holds them two or three times over: the model, the
+/// reference's shard and the ranks' shards).
+pub const MAX_WEIGHT_BYTES: u64 = 4 << 30;
 
 /// Every dimension the compute needs, read once from the topology.
 #[derive(Debug, Clone, PartialEq)]
@@ -80,6 +84,28 @@ impl Dims {
     }
     pub fn num_layers(&self) -> usize {
         self.layer_kinds.len()
+    }
+    /// f32 bytes of the full (unsharded) weights, computed without overflow.
+    pub fn weight_bytes(&self) -> u128 {
+        let (d, i) = (self.hidden as u128, self.intermediate as u128);
+        let (h, dk, dv, w) = (self.kda_heads as u128, self.dk as u128, self.dv as u128, self.conv as u128);
+        let (hm, l, r, dn, dvh) =
+            (self.mla_heads as u128, self.kv_lora_rank as u128, self.rope_dim as u128, self.nope_dim as u128, self.v_head_dim as u128);
+        let c = h * (2 * dk + dv);
+        let kda = d * c + c * w + d * h * dk + d * h + h + h * dk + d * h * dv + dv + h * dv * d;
+        let mla = d * (l + r) + l + d * hm * (dn + r) + hm * dn * l + hm * l * dvh + hm * dvh * d;
+        let common = 2 * d + 3 * d * i;
+        let layers: u128 = self
+            .layer_kinds
+            .iter()
+            .map(|k| common + if *k == LayerKind::Kda { kda } else { mla })
+            .sum();
+        4 * (layers + 2 * self.vocab as u128 * d + d)
+    }
+    /// ReplaySSM records prefill leaves for decode to replay over a prompt of
+    /// `tokens`: half the ring, at most the prompt (0 without replay).
+    pub fn record_tail(&self, tokens: usize) -> usize {
+        self.replay.map_or(0, |cap| (cap / 2).min(tokens))
     }
 }
 
@@ -159,6 +185,22 @@ impl Model {
     /// own SplitMix64 stream (layer x 32 + tensor), N(0, 1/sqrt(fan_in)).
     pub fn new(topo: &Topology) -> Result<Model, ModelError> {
         let dims = Dims::from_topology(topo);
+        let bytes = dims.weight_bytes();
+        if bytes > MAX_WEIGHT_BYTES as u128 {
+            return Err(ModelError::Config(format!(
+                "model {:?} is too large for the CPU compute path: its f32 weights would take {:.1} GiB \
+                 (hidden_size {}, {} layers, {} KDA heads of {}x{}, {} MLA heads), over the limit of {} GiB",
+                topo.model().name,
+                bytes as f64 / (1u64 << 30) as f64,
+                dims.hidden,
+                dims.num_layers(),
+                dims.kda_heads,
+                dims.dk,
+                dims.dv,
+                dims.mla_heads,
+                MAX_WEIGHT_BYTES >> 30
+            )));
+        }
         let seed = topo.model().seed;
         let d = dims.hidden;
         if dims.intermediate == 0 {

@@ -219,3 +219,117 @@ pub(crate) fn dcp_merge(
     }
     Ok(())
 }
+
+/// f64 attention partial of one query over the first `n` rows (see
+/// [`crate::Backend::mla_decode_partial`]): `p` = [m, l, acc (`p.len() - 2`)].
+/// Every value is formed in f64 from the f32 inputs, row by row in row order, so
+/// a row contributes the same terms whichever shard holds it.
+fn partial64(q: &[f32], rows: &[f32], n: usize, scale: f64, scores: &mut Vec<f64>, p: &mut [f64]) {
+    let (head, acc) = p.split_at_mut(2);
+    acc.fill(0.0);
+    if n == 0 {
+        head[0] = f64::NEG_INFINITY;
+        head[1] = 0.0;
+        return;
+    }
+    let width = q.len();
+    let l = acc.len();
+    scores.clear();
+    scores.extend(rows[..n * width].chunks_exact(width).map(|r| {
+        let mut s = 0.0f64;
+        for (&a, &b) in q.iter().zip(r) {
+            s += a as f64 * b as f64;
+        }
+        s * scale
+    }));
+    let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let mut sum = 0.0f64;
+    for (r, &s) in scores.iter().enumerate() {
+        let e = (s - m).exp();
+        sum += e;
+        for (a, &v) in acc.iter_mut().zip(&rows[r * width..r * width + l]) {
+            *a += e * v as f64;
+        }
+    }
+    head[0] = m;
+    head[1] = sum;
+}
+
+/// See [`crate::Backend::mla_decode_partial`].
+pub(crate) fn decode_partial(
+    shape: MlaShape,
+    q_lat: &[f32],
+    rows: &[f32],
+    n: usize,
+    partial: &mut [f64],
+) -> Result<()> {
+    let op = "mla_decode_partial";
+    let width = check_rows(op, &shape, rows.len(), n)?;
+    let (h, l) = (shape.heads, shape.kv_lora_rank);
+    let pw = crate::shapes::mla_partial_width(l);
+    check_len(op, "q_lat", q_lat.len(), elems(op, &[h, width])?)?;
+    check_len(op, "partial", partial.len(), elems(op, &[h, pw])?)?;
+    let scale = shape.scale as f64;
+    partial
+        .par_chunks_mut(pw)
+        .enumerate()
+        .for_each_init(Vec::new, |scores, (hd, p)| {
+            partial64(&q_lat[hd * width..(hd + 1) * width], rows, n, scale, scores, p)
+        });
+    Ok(())
+}
+
+/// See [`crate::Backend::dcp_merge_partials`].
+pub(crate) fn dcp_merge_partials(
+    shape: MergeShape,
+    partials: &[f64],
+    out: &mut [f32],
+    lse: &mut [f32],
+) -> Result<()> {
+    let op = "dcp_merge_partials";
+    let MergeShape {
+        shards,
+        heads,
+        width,
+    } = shape;
+    let pw = crate::shapes::mla_partial_width(width);
+    check_len(
+        op,
+        "partials",
+        partials.len(),
+        elems(op, &[shards, heads, pw])?,
+    )?;
+    check_len(op, "out", out.len(), elems(op, &[heads, width])?)?;
+    check_len(op, "lse", lse.len(), heads)?;
+    let mut acc = vec![0.0f64; width];
+    for hd in 0..heads {
+        let part = |r: usize| &partials[(r * heads + hd) * pw..(r * heads + hd + 1) * pw];
+        let o = &mut out[hd * width..(hd + 1) * width];
+        let m = (0..shards)
+            .map(|r| part(r)[0])
+            .fold(f64::NEG_INFINITY, f64::max);
+        if m == f64::NEG_INFINITY {
+            o.fill(0.0);
+            lse[hd] = f32::NEG_INFINITY;
+            continue;
+        }
+        acc.fill(0.0);
+        let mut total = 0.0f64;
+        for r in 0..shards {
+            let p = part(r);
+            if p[0] == f64::NEG_INFINITY {
+                continue;
+            }
+            let w = (p[0] - m).exp();
+            total += p[1] * w;
+            for (a, &x) in acc.iter_mut().zip(&p[2..]) {
+                *a += x * w;
+            }
+        }
+        for (oc, &a) in o.iter_mut().zip(&acc) {
+            *oc = (a / total) as f32;
+        }
+        lse[hd] = (m + total.ln()) as f32;
+    }
+    Ok(())
+}

@@ -59,6 +59,29 @@ impl CpuIBuf {
     }
 }
 
+/// An f64 buffer of the CPU backend (attention partials).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CpuF64Buf(Vec<f64>);
+
+impl CpuF64Buf {
+    /// Wraps a host vector without copying.
+    pub fn from_vec(data: Vec<f64>) -> Self {
+        Self(data)
+    }
+    /// The elements.
+    pub fn as_slice(&self) -> &[f64] {
+        &self.0
+    }
+    /// The elements, mutable.
+    pub fn as_mut_slice(&mut self) -> &mut [f64] {
+        &mut self.0
+    }
+    /// Unwraps the host vector.
+    pub fn into_vec(self) -> Vec<f64> {
+        self.0
+    }
+}
+
 /// The CPU backend. Runs on the global rayon pool; construct with
 /// `CpuBackend::new()` (infallible: a CPU is always there).
 #[derive(Debug, Clone, Copy, Default)]
@@ -110,6 +133,7 @@ fn kda_params<'a>(p: &KdaParams<'a, CpuBuf>) -> kda::Params<'a> {
 impl Backend for CpuBackend {
     type Buf = CpuBuf;
     type IBuf = CpuIBuf;
+    type F64Buf = CpuF64Buf;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -146,6 +170,18 @@ impl Backend for CpuBackend {
     }
 
     fn download_i32(&self, buf: &CpuIBuf) -> Result<Vec<i32>> {
+        Ok(buf.0.clone())
+    }
+
+    fn alloc_f64(&self, len: usize) -> Result<CpuF64Buf> {
+        Ok(CpuF64Buf(vec![0.0; len]))
+    }
+
+    fn upload_f64(&self, data: &[f64]) -> Result<CpuF64Buf> {
+        Ok(CpuF64Buf(data.to_vec()))
+    }
+
+    fn download_f64(&self, buf: &CpuF64Buf) -> Result<Vec<f64>> {
         Ok(buf.0.clone())
     }
 
@@ -341,6 +377,26 @@ impl Backend for CpuBackend {
         lse: &mut CpuBuf,
     ) -> Result<()> {
         mla::dcp_merge(shape, &o_shards.0, &lse_shards.0, &mut out.0, &mut lse.0)
+    }
+
+    fn mla_decode_partial(
+        &self,
+        shape: MlaShape,
+        q_lat: &CpuBuf,
+        rows: RowSet<'_, CpuBuf>,
+        partial: &mut CpuF64Buf,
+    ) -> Result<()> {
+        mla::decode_partial(shape, &q_lat.0, &rows.buf.0, rows.count, &mut partial.0)
+    }
+
+    fn dcp_merge_partials(
+        &self,
+        shape: MergeShape,
+        partials: &CpuF64Buf,
+        out: &mut CpuBuf,
+        lse: &mut CpuBuf,
+    ) -> Result<()> {
+        mla::dcp_merge_partials(shape, &partials.0, &mut out.0, &mut lse.0)
     }
 
     fn matmul(&self, shape: MatmulShape, x: &CpuBuf, w: &CpuBuf, out: &mut CpuBuf) -> Result<()> {
