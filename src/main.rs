@@ -57,7 +57,9 @@ enum Command {
         #[arg(long, default_value = "handoff moves every byte of the hand-off, checked.")]
         prompt: String,
     },
-    /// Benchmarks: transfer bandwidth against memcpy, CPU compute against a roofline.
+    #[command(flatten)]
+    Role(handoff::roles::RoleCommand),
+    /// Benchmarks: transfer bandwidth against memcpy, CPU compute against a roofline, serving load.
     Bench {
         #[command(subcommand)]
         what: BenchCommand,
@@ -66,6 +68,13 @@ enum Command {
 
 #[derive(Subcommand)]
 enum BenchCommand {
+    /// Start the default cluster and load it: tok/s, TTFT and inter-token latency p50/p99.
+    Serve {
+        #[arg(long, default_value_t = 8)]
+        concurrency: u32,
+        #[arg(long, default_value_t = 64)]
+        requests: u32,
+    },
     /// Hand-off bandwidth over a transport, with this machine's memcpy measured in the same run.
     Transfer {
         #[arg(long)]
@@ -121,12 +130,9 @@ fn load(path: &str) -> Result<Topology> {
     Topology::load(path).map_err(|e| Refusal(e.to_string()).into())
 }
 
-/// The built-in default topology (config/small.toml).
-const DEFAULT_CONFIG: &str = include_str!("../config/small.toml");
-
 fn run(cli: Cli) -> Result<()> {
     let Some(command) = cli.command else {
-        return demo();
+        return handoff::roles::run_demo();
     };
     match command {
         Command::Check { config } => {
@@ -199,41 +205,18 @@ fn run(cli: Cli) -> Result<()> {
             };
             println!("{}", handoff::bench_cli::bench_transfer_cmd(&config, kind, tokens, requests)?.trim_end());
         }
+        Command::Role(r) => handoff::roles::cli::dispatch(r)?,
+        Command::Bench { what: BenchCommand::Serve { concurrency, requests } } => {
+            if concurrency == 0 || requests == 0 {
+                return Err(Refusal("--concurrency and --requests must be at least 1".into()).into());
+            }
+            handoff::roles::bench_serve(concurrency, requests)?;
+        }
         Command::Bench { what: BenchCommand::Compute { config, prompt, steps } } => {
             let topo = load(&config)?;
             let f = handoff::model::bench_compute(&topo, prompt, steps).map_err(|e| anyhow::anyhow!("{e}"))?;
             print!("{f}");
         }
     }
-    Ok(())
-}
-
-/// `cargo run --release`: the built-in default topology through check, plan and a
-/// byte-checked hand-off of a few requests.
-fn demo() -> Result<()> {
-    let topo = Topology::parse(DEFAULT_CONFIG).map_err(|e| Refusal(e.to_string()))?;
-    print!("{}", handoff::cli::summary(&topo, "built-in default (config/small.toml)"));
-    let tokens = 100;
-    let profiler = Profiler::default();
-    let _sub = tracing::subscriber::set_default(tracing_subscriber::registry().with(profiler.clone()));
-    let run = handoff::cli::plan_request(&topo, tokens, profiler).map_err(Refusal)?;
-    println!();
-    print!("{}", handoff::cli::plan_table(&topo, tokens, &run));
-    let t = std::time::Instant::now();
-    let r = handoff::verify::verify(&topo, tokens, 4, |_| {}).map_err(|e| anyhow::anyhow!("verify failed: {e}"))?;
-    let prompt = b"handoff moves the MLA KV rows and KDA state of every request.";
-    let c = handoff::compute_verify::verify_compute(&topo, prompt, 32, |_| {}).map_err(|e| anyhow::anyhow!("verify --compute failed: {e}"))?;
-    println!(
-        "\ncompute: prefill on PP{} x TP{}, decode on TP{} x DCP{}: {} greedy tokens equal to the colocated run (max logit relative error {:.1e}); generated {:?}",
-        topo.prefill().pp, topo.prefill().tp, topo.decode().tp, topo.decode().dcp, c.steps, c.max_rel_err, String::from_utf8_lossy(&c.tokens)
-    );
-    println!(
-        "handed off {} requests x {} tokens in-process: {} bytes checked byte for byte by the oracle, {} untouched bytes intact ({:.1} ms)",
-        r.requests,
-        r.tokens,
-        r.pattern_bytes,
-        r.canary_bytes,
-        t.elapsed().as_secs_f64() * 1e3
-    );
     Ok(())
 }

@@ -1,12 +1,7 @@
 //! End to end over HTTP: real role processes (proxy, decode, one per prefill
 //! stage) on loopback, the prefill stages writing into decode's regions over shm.
-//!
-//! Roles are the `handoff` binary's subcommands when it has them; otherwise this
-//! test binary runs itself as the role (`__role_child`, through the launcher
-//! variables of `handoff::roles::cli`), the same code either way.
 
 use handoff::model::{Model, run_colocated};
-use handoff::roles::cli::{LAUNCHER_ENV, ROLE_ARGS_ENV, launcher_spec, run_role_from_env};
 use handoff::roles::up::{Cluster, free_port};
 use handoff::roles::wire::{self, HttpResponse};
 use handoff_components::Topology;
@@ -15,44 +10,14 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// Not a test: the entry of a role process started by the other tests.
-#[test]
-fn __role_child() {
-    if let Some(Err(e)) = run_role_from_env() {
-        eprintln!("role failed: {e:#}");
-        std::process::exit(2);
-    }
-}
-
-/// The launcher for role processes: None when the real binary has the role
-/// subcommands, else this test binary re-run as `__role_child`.
-fn launcher() -> Option<String> {
-    let bin = env!("CARGO_BIN_EXE_handoff");
-    let wired = Command::new(bin).args(["up", "--help"]).stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success());
-    if wired {
-        return None;
-    }
-    let me = std::env::current_exe().expect("test exe");
-    Some(launcher_spec(me, vec!["__role_child".into(), "--exact".into(), "--nocapture".into(), "--quiet".into()]))
-}
+/// The `handoff` binary: `up` and the role processes run it.
+const BIN: &str = env!("CARGO_BIN_EXE_handoff");
 
 /// `handoff up ARGS` as a process.
 fn up_command(args: &[String]) -> Command {
-    match launcher() {
-        None => {
-            let mut c = Command::new(env!("CARGO_BIN_EXE_handoff"));
-            c.args(args);
-            c
-        }
-        Some(spec) => {
-            let me = std::env::current_exe().expect("test exe");
-            let mut c = Command::new(me);
-            c.args(["__role_child", "--exact", "--nocapture", "--quiet"])
-                .env(LAUNCHER_ENV, spec)
-                .env(ROLE_ARGS_ENV, serde_json::to_string(args).expect("json"));
-            c
-        }
-    }
+    let mut c = Command::new(BIN);
+    c.args(args);
+    c
 }
 
 const SMALL: &str = include_str!("../config/small.toml");
@@ -235,7 +200,7 @@ fn up_pp3tp2_to_tp4dcp2_completions_equal_colocated_reference() {
 fn cluster(name: &str, text: &str, envs: Vec<(String, String)>) -> (Cluster, Topology) {
     let path = write_config(name, text);
     let port = free_port().expect("port");
-    let mut c = Cluster::start_with(Some(&path), "127.0.0.1", port, launcher(), envs).expect("start cluster");
+    let mut c = Cluster::start_with(Some(&path), "127.0.0.1", port, Some(PathBuf::from(BIN)), envs).expect("start cluster");
     c.wait_healthy(Duration::from_secs(50), false).expect("healthy");
     let topo = c.topo.clone();
     (c, topo)

@@ -1,7 +1,7 @@
 //! `handoff up`, the demo (`cargo run --release`) and `handoff bench`: a whole
 //! deployment as child processes of this one.
 
-use super::cli::role_command_with;
+use super::cli::role_command;
 use super::wire::{self, HttpResponse};
 use anyhow::Context;
 use handoff_components::Topology;
@@ -26,7 +26,7 @@ pub struct Cluster {
     /// `host:port` of the proxy.
     pub addr: String,
     pub topo: Topology,
-    launcher: Option<String>,
+    program: Option<PathBuf>,
     envs: Vec<(String, String)>,
     tmp_config: Option<PathBuf>,
 }
@@ -38,9 +38,9 @@ pub fn free_port() -> std::io::Result<u16> {
 
 impl Cluster {
     /// Starts every role of the topology in `config` (None: the built-in default).
-    /// `launcher`: see [`super::cli::LAUNCHER_ENV`]; None starts this executable.
-    pub fn start(config: Option<&Path>, host: &str, port: u16, launcher: Option<String>) -> anyhow::Result<Cluster> {
-        Self::start_with(config, host, port, launcher, Vec::new())
+    /// `program`: the `handoff` binary the roles run; None starts this executable.
+    pub fn start(config: Option<&Path>, host: &str, port: u16, program: Option<PathBuf>) -> anyhow::Result<Cluster> {
+        Self::start_with(config, host, port, program, Vec::new())
     }
 
     /// [`Cluster::start`] with extra environment variables for every role.
@@ -48,7 +48,7 @@ impl Cluster {
         config: Option<&Path>,
         host: &str,
         port: u16,
-        launcher: Option<String>,
+        program: Option<PathBuf>,
         envs: Vec<(String, String)>,
     ) -> anyhow::Result<Cluster> {
         let (path, tmp) = match config {
@@ -75,7 +75,7 @@ impl Cluster {
                 child: None,
             });
         }
-        let mut c = Cluster { roles, addr, topo, launcher, envs, tmp_config: tmp };
+        let mut c = Cluster { roles, addr, topo, program, envs, tmp_config: tmp };
         for i in 0..c.roles.len() {
             c.spawn(i)?;
         }
@@ -84,7 +84,7 @@ impl Cluster {
 
     fn spawn(&mut self, i: usize) -> anyhow::Result<()> {
         let role = &mut self.roles[i];
-        let mut cmd = role_command_with(self.launcher.as_deref(), &role.args)?;
+        let mut cmd = role_command(self.program.as_deref(), &role.args)?;
         cmd.envs(self.envs.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         // SAFETY: prctl is async-signal-safe; a role dies with its parent, so a
         // killed `up` leaves nothing running.
@@ -210,8 +210,7 @@ impl Drop for Cluster {
 /// stops them all. `config` None: the built-in default (config/small.toml).
 pub fn run_up(config: Option<&Path>, host: &str, port: u16) -> anyhow::Result<()> {
     super::install_signal_handlers();
-    let launcher = std::env::var(super::cli::LAUNCHER_ENV).ok();
-    let mut c = Cluster::start(config, host, port, launcher)?;
+    let mut c = Cluster::start(config, host, port, None)?;
     let p = c.topo.prefill();
     let d = c.topo.decode();
     eprintln!(
@@ -292,8 +291,7 @@ fn percentile(xs: &mut [f64], q: f64) -> f64 {
 
 fn start_default() -> anyhow::Result<Cluster> {
     let port = free_port()?;
-    let launcher = std::env::var(super::cli::LAUNCHER_ENV).ok();
-    let mut c = Cluster::start(None, "127.0.0.1", port, launcher)?;
+    let mut c = Cluster::start(None, "127.0.0.1", port, None)?;
     eprintln!("starting the built-in default cluster (config/small.toml) at {}", c.addr);
     c.wait_healthy(Duration::from_secs(60), true)?;
     Ok(c)
