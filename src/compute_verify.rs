@@ -2,10 +2,10 @@
 //! what a colocated single-rank run computes.
 //!
 //! The disaggregated path goes through the engine: the request is placed and split,
-//! each PP stage's TP ranks compute their layers and write their caches into their
-//! own producer regions, the plans run as byte copies (the oracle's counting copy),
-//! the tickets complete, and the decode TP x DCP ranks decode from their decode
-//! regions only. Greedy tokens must be equal at every step and the logits within
+//! the dispatch phase runs each PP stage's TP ranks over their layers, writing their
+//! caches into their own producer regions, the plans run as byte copies (the
+//! oracle's counting copy), the tickets complete, and the dispatch phase decodes on
+//! the TP x DCP ranks from their decode regions only. Greedy tokens must be equal at every step and the logits within
 //! [`LOGIT_TOLERANCE`]: relative error of a step = max |a - b| / max |b| over the
 //! vocabulary (b the reference), the report keeps the largest over all steps.
 //!
@@ -23,6 +23,9 @@ use crate::model::{Model, Trace, run_colocated};
 use crate::oracle::{self, Memory};
 use handoff_components::Topology;
 use handoff_components::ecs::{Outcome, Pools, Region, Status};
+use handoff_systems::dispatch::{Compute, Dispatcher, Lease as DispatchLease};
+use handoff_kernels::CpuBuf;
+use std::sync::{Arc, Mutex};
 use handoff_components::plan::Plan;
 use handoff_components::vocab::{DecodeRank, PrefillRank, RankId, RegionKind};
 use handoff_kernels::CpuBackend;
@@ -95,7 +98,8 @@ pub fn verify_compute_with(
     // Refuses models whose weights exceed the CPU path's limit, naming the size.
     let model = Model::new(topo).map_err(|e| e.to_string())?;
     let reference = run_colocated(&model, prompt, steps).map_err(|e| format!("colocated reference: {e}"))?;
-    let (got, mut report) = run_disaggregated(topo, &model, prompt, steps, fill, tamper)?;
+    let model = Arc::new(model);
+    let (got, mut report) = run_disaggregated(topo, model.clone(), prompt, steps, fill, tamper)?;
     compare(&reference, &got, &mut report)?;
     report.tokens = reference.tokens;
     Ok(report)
@@ -153,10 +157,113 @@ fn fail_on_outcomes(engine: &mut Engine) -> Result<(), String> {
     Ok(())
 }
 
-/// The disaggregated run through the engine.
+/// The model as the engine's dispatch phase runs it: each prefill stage computes its
+/// layers into its producer regions (hidden states kept between stages), and decode
+/// runs from the decode regions the transfer wrote.
+struct ModelCompute {
+    topo: Topology,
+    model: Arc<Model>,
+    layouts: Layouts,
+    mem: Arc<Mutex<Memory>>,
+    prompt: Vec<u8>,
+    steps: u32,
+    be: CpuBackend,
+    hidden: BTreeMap<u64, CpuBuf>,
+    trace: Arc<Mutex<Option<Trace>>>,
+}
+
+fn lease_map(leases: &[DispatchLease]) -> BTreeMap<RankId, Lease> {
+    leases.iter().map(|(rank, blocks, slot)| (*rank, Lease { blocks: blocks.clone(), slot: *slot })).collect()
+}
+
+impl Compute for ModelCompute {
+    fn prefill(&mut self, request: u64, tokens: u64, stage: u32, leases: &[DispatchLease]) -> Result<(), String> {
+        let me = |e: crate::model::ModelError| e.to_string();
+        let t = tokens as usize;
+        let ModelCompute { topo, model, layouts, mem, prompt, be, hidden, trace, .. } = self;
+        if prompt.len() != t {
+            return Err(format!("request {request} has {t} tokens, the compute was given a {}-token prompt", prompt.len()));
+        }
+        let mut h = match stage {
+            0 => forward::embed(be, model, prompt).map_err(me)?,
+            _ => hidden.remove(&request).ok_or_else(|| format!("stage {stage} ran before stage {}", stage - 1))?,
+        };
+        let leases = lease_map(leases);
+        let group = model.shard(topo.prefill().tp as usize).map_err(me)?;
+        let tail = ranks::prefill_record_tail(topo, t);
+        let layers = topo.stage_layers[stage as usize].clone();
+        let mut mem = mem.lock().map_err(|e| e.to_string())?;
+        forward::prefill_layers(be, model, &group, layers.start as usize..layers.end as usize, &mut h, t, tail, &mut |tp, layer, cache| {
+            let rank = PrefillRank { pp: stage, tp: tp as u32 };
+            let lease = leases
+                .get(&RankId::Prefill(rank))
+                .ok_or_else(|| crate::model::ModelError::Region(format!("no lease on prefill pp{stage} tp{tp}")))?;
+            ranks::store_prefill(topo, layouts, &mut mem, rank, lease, layer, cache)
+        })
+        .map_err(me)?;
+        if stage as usize + 1 == topo.stage_layers.len() {
+            let (logits, first) = forward::logits_of_last(be, model, &h, t).map_err(me)?;
+            *trace.lock().map_err(|e| e.to_string())? = Some(Trace { tokens: vec![first], logits: vec![logits] });
+        } else {
+            hidden.insert(request, h);
+        }
+        Ok(())
+    }
+
+    fn decode(&mut self, _request: u64, tokens: u64, leases: &[DispatchLease], pools: &mut Pools) -> Result<(), String> {
+        let me = |e: crate::model::ModelError| e.to_string();
+        let ModelCompute { topo, model, layouts, mem, steps, be, trace, .. } = self;
+        let t = tokens as usize;
+        let total = tokens + *steps as u64;
+        let leases = lease_map(leases);
+        // Decode block tables grow from each rank's pool to hold prompt + steps tokens.
+        let d = topo.decode();
+        let mut decode_leases = Vec::new();
+        let mut grown: Vec<(RankId, Vec<u32>)> = Vec::new();
+        for tp in 0..d.tp {
+            let rank = DecodeRank { tp };
+            let rid = RankId::Decode(rank);
+            let mut lease = leases.get(&rid).cloned().ok_or_else(|| format!("no lease on decode tp{tp}"))?;
+            let need = blocks_for(owned_tokens(total, d.dcp, rank.dcp_rank(d.dcp), d.interleave), d.block_size) as usize;
+            if need > lease.blocks.len() {
+                let pool = pools.0.get_mut(&rid).ok_or_else(|| format!("no pool on decode tp{tp}"))?;
+                let more = alloc_blocks(pool, (need - lease.blocks.len()) as u32)
+                    .ok_or_else(|| format!("decode tp{tp}: no free blocks for {need} blocks of prompt + steps"))?;
+                lease.blocks.extend_from_slice(&more);
+                grown.push((rid, more));
+            }
+            decode_leases.push(lease);
+        }
+        let dgroup = model.shard(d.tp as usize).map_err(me)?;
+        let mut guard = trace.lock().map_err(|e| e.to_string())?;
+        let trace = guard.as_mut().ok_or("decode ran before prefill produced the first token")?;
+        let mut mem = mem.lock().map_err(|e| e.to_string())?;
+        let result = (|| {
+            let mut caches = DecodeRanks::new(topo, layouts, &mut mem, decode_leases);
+            for i in 0..*steps as usize {
+                let prev = trace.tokens[i];
+                let (logits, tok) = forward::decode_step(be, model, &dgroup, prev, t + i, &mut caches)
+                    .map_err(|e| format!("decode step {}: {e}", i + 1))?;
+                trace.tokens.push(tok);
+                trace.logits.push(logits);
+            }
+            Ok(())
+        })();
+        for (rid, blocks) in &grown {
+            if let Some(pool) = pools.0.get_mut(rid) {
+                free_blocks(pool, blocks);
+            }
+        }
+        result
+    }
+}
+
+/// The disaggregated run through the engine: its dispatch phase computes the prefill
+/// stages and the decode, its transfer phase hands the plans to the caller, which runs
+/// them as the oracle's counting copy.
 fn run_disaggregated(
     topo: &Topology,
-    model: &Model,
+    model: Arc<Model>,
     prompt: &[u8],
     steps: u32,
     fill: Fill,
@@ -169,8 +276,6 @@ fn run_disaggregated(
     if let Err(reason) = topo.admits_transfer_mode() {
         return Err(format!("refused at admission: {reason}"));
     }
-    let me = |e: crate::model::ModelError| e.to_string();
-    let be = CpuBackend::new();
     let total = t as u64 + steps as u64;
     let cap = Capacity::for_requests(topo, 1, total);
     let mover = QueueMover::default();
@@ -188,100 +293,64 @@ fn run_disaggregated(
         mem.insert((r.rank, r.layout.kind), buf);
         layouts.insert((r.rank, r.layout.kind), r.layout.clone());
     }
+    let mem = Arc::new(Mutex::new(mem));
+    let trace = Arc::new(Mutex::new(None));
+    engine.world.insert_resource(Dispatcher(Box::new(ModelCompute {
+        topo: topo.clone(),
+        model,
+        layouts,
+        mem: mem.clone(),
+        prompt: prompt.to_vec(),
+        steps,
+        be: CpuBackend::new(),
+        hidden: BTreeMap::new(),
+        trace: trace.clone(),
+    })));
 
+    // Tick 1: admission, placement, splitting; dispatch computes every prefill stage.
     let id = 1;
     engine.submit(id, t as u64);
     engine.tick();
     fail_on_outcomes(&mut engine)?;
     match engine.status(id) {
         Some(Status::Planned) => {}
+        Some(Status::Failed { phase, reason }) => return Err(format!("request {id} failed in {}: {reason}", phase.name())),
         other => return Err(format!("request {id} was not planned after one tick: {other:?}")),
     }
-    let leases: BTreeMap<RankId, Lease> =
-        engine.leases(id).into_iter().map(|(rank, blocks, slot)| (rank, Lease { blocks, slot })).collect();
 
-    // Prefill: stage by stage, each stage's TP group computing its layers; the
-    // hidden states pass from stage s to stage s + 1.
-    let p = topo.prefill();
-    let group = model.shard(p.tp as usize).map_err(me)?;
-    let tail = ranks::prefill_record_tail(topo, t);
-    let mut h = forward::embed(&be, model, prompt).map_err(me)?;
-    for (s, layers) in topo.stage_layers.iter().enumerate() {
-        let range = layers.start as usize..layers.end as usize;
-        forward::prefill_layers(&be, model, &group, range, &mut h, t, tail, &mut |tp, layer, cache| {
-            let rank = PrefillRank { pp: s as u32, tp: tp as u32 };
-            let lease = leases
-                .get(&RankId::Prefill(rank))
-                .ok_or_else(|| crate::model::ModelError::Region(format!("no lease on prefill pp{s} tp{tp}")))?;
-            ranks::store_prefill(topo, &layouts, &mut mem, rank, lease, layer, cache)
-        })
-        .map_err(|e| format!("prefill stage {s}: {e}"))?;
-        engine.mark_computed(id, s as u32);
-    }
-    let (logits, first) = forward::logits_of_last(&be, model, &h, t).map_err(me)?;
-    let mut trace = Trace { tokens: vec![first], logits: vec![logits] };
-
-    // Hand-off: the plans, as byte copies.
+    // Tick 2: the transfer phase submits every stage's plans; they run as byte copies.
     engine.tick();
     let submitted = mover.take_submitted();
     let mut plans: Vec<Plan> = submitted.iter().map(|(_, p)| p.clone()).collect();
     let mut report = ComputeReport { prompt_tokens: t, steps, ..Default::default() };
     report.descriptors = plans.iter().map(|p| p.descriptors.len() as u64).sum();
     tamper(&mut plans);
-    let exec = oracle::execute_counted(&plans, &mut mem).map_err(|e| format!("plan execution refused: {e}"))?;
-    report.bytes_transferred = exec.bytes;
-    for ((_, kind), b) in &exec.written {
-        *report.bytes_by_kind.entry(*kind).or_default() += b;
+    {
+        let mut mem = mem.lock().map_err(|e| e.to_string())?;
+        let exec = oracle::execute_counted(&plans, &mut mem).map_err(|e| format!("plan execution refused: {e}"))?;
+        report.bytes_transferred = exec.bytes;
+        for ((_, kind), b) in &exec.written {
+            *report.bytes_by_kind.entry(*kind).or_default() += b;
+        }
     }
     for (ticket, _) in &submitted {
         mover.complete(*ticket, Ok(()));
     }
+
+    // Tick 3: release sees every report (handed off); dispatch decodes. Tick 4: retire.
     engine.tick();
-    let outcomes = engine.take_outcomes();
+    let mut outcomes = engine.take_outcomes();
+    engine.tick();
+    outcomes.extend(engine.take_outcomes());
+    if let Some(Outcome { result: Err((phase, reason)), .. }) = outcomes.iter().find(|o| o.result.is_err()) {
+        return Err(format!("request {id} failed in {}: {reason}", phase.name()));
+    }
     if !outcomes.iter().any(|o| o.request == id && o.result.is_ok()) {
         return Err(format!("request {id} did not complete its hand-off: {:?} {outcomes:?}", engine.status(id)));
     }
-
-    // Decode block tables grow from each rank's pool to hold prompt + steps tokens.
-    let d = topo.decode();
-    let mut decode_leases = Vec::new();
-    let mut grown: Vec<(RankId, Vec<u32>)> = Vec::new();
-    for tp in 0..d.tp {
-        let rank = DecodeRank { tp };
-        let rid = RankId::Decode(rank);
-        let mut lease = leases.get(&rid).cloned().ok_or_else(|| format!("no lease on decode tp{tp}"))?;
-        let need = blocks_for(owned_tokens(total, d.dcp, rank.dcp_rank(d.dcp), d.interleave), d.block_size) as usize;
-        if need > lease.blocks.len() {
-            let mut pools = engine.world.resource_mut::<Pools>();
-            let pool = pools.0.get_mut(&rid).ok_or_else(|| format!("no pool on decode tp{tp}"))?;
-            let more = alloc_blocks(pool, (need - lease.blocks.len()) as u32)
-                .ok_or_else(|| format!("decode tp{tp}: no free blocks for {need} blocks of prompt + steps"))?;
-            lease.blocks.extend_from_slice(&more);
-            grown.push((rid, more));
-        }
-        decode_leases.push(lease);
+    if engine.entity_of(id).is_some() {
+        return Err(format!("request {id} was not released after decode: {:?}", engine.status(id)));
     }
-    let dgroup = model.shard(d.tp as usize).map_err(me)?;
-    {
-        let mut caches = DecodeRanks::new(topo, &layouts, &mut mem, decode_leases);
-        for i in 0..steps as usize {
-            let prev = trace.tokens[i];
-            let (logits, tok) = forward::decode_step(&be, model, &dgroup, prev, t + i, &mut caches)
-                .map_err(|e| format!("decode step {}: {e}", i + 1))?;
-            trace.tokens.push(tok);
-            trace.logits.push(logits);
-        }
-    }
-
-    {
-        let mut pools = engine.world.resource_mut::<Pools>();
-        for (rid, blocks) in &grown {
-            if let Some(pool) = pools.0.get_mut(rid) {
-                free_blocks(pool, blocks);
-            }
-        }
-    }
-    engine.finish(id);
-    engine.tick();
+    let trace = trace.lock().map_err(|e| e.to_string())?.take().ok_or("prefill produced no token")?;
     Ok((trace, report))
 }

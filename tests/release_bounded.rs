@@ -184,3 +184,62 @@ fn admission_rejects_empty_too_long_and_unservable_requests() {
     assert!(format!("{out:?}").contains("max_context"));
     assert_eq!(e.entity_count(), baseline);
 }
+
+/// The dispatch phase computes each stage in order, then decodes a handed-off
+/// request and releases it; a compute failure fails the request naming the phase
+/// and frees what it held.
+#[test]
+fn dispatch_phase_computes_stages_in_order_and_failures_name_the_phase() {
+    use handoff_systems::dispatch::{Compute, Dispatcher, Lease};
+    use std::sync::{Arc, Mutex};
+    struct Fake {
+        log: Arc<Mutex<Vec<String>>>,
+        fail_stage: Option<u32>,
+    }
+    impl Compute for Fake {
+        fn prefill(&mut self, request: u64, _t: u64, stage: u32, leases: &[Lease]) -> Result<(), String> {
+            self.log.lock().unwrap().push(format!("prefill {request} stage {stage} ranks {}", leases.len()));
+            if self.fail_stage == Some(stage) { Err("out of memory".into()) } else { Ok(()) }
+        }
+        fn decode(&mut self, request: u64, _t: u64, _l: &[Lease], _p: &mut Pools) -> Result<(), String> {
+            self.log.lock().unwrap().push(format!("decode {request}"));
+            Ok(())
+        }
+    }
+    for fail_stage in [None, Some(1)] {
+        let shape = Shape { pp: 3, dtp: 2, ..Default::default() };
+        let (mut e, mover) = engine(&shape, 1, 8);
+        let log = Arc::new(Mutex::new(Vec::new()));
+        // Resources are entities too: count the baseline with the dispatcher in place.
+        e.world.insert_resource(Dispatcher(Box::new(Fake { log: log.clone(), fail_stage })));
+        e.tick();
+        let baseline = e.entity_count();
+        let pools = free_counts(&e);
+        e.submit(5, 8);
+        e.tick();
+        let mut outcomes = e.take_outcomes();
+        for _ in 0..3 {
+            e.tick();
+            for (t, _) in mover.take_submitted() {
+                mover.complete(t, Ok(()));
+            }
+            outcomes.extend(e.take_outcomes());
+        }
+        let log = log.lock().unwrap().clone();
+        match fail_stage {
+            None => {
+                // 3 prefill ranks + 2 decode ranks hold leases.
+                assert_eq!(log, vec!["prefill 5 stage 0 ranks 5", "prefill 5 stage 1 ranks 5", "prefill 5 stage 2 ranks 5", "decode 5"]);
+                assert!(outcomes.iter().any(|o| o.request == 5 && o.result.is_ok()), "{outcomes:?}");
+            }
+            Some(_) => {
+                assert_eq!(log, vec!["prefill 5 stage 0 ranks 5", "prefill 5 stage 1 ranks 5"]);
+                let (phase, reason) = outcomes.iter().find_map(|o| o.result.clone().err()).expect("failed");
+                assert_eq!(phase.name(), "compute");
+                assert!(reason.contains("prefill stage 1: out of memory"), "{reason}");
+            }
+        }
+        assert_eq!(e.entity_count(), baseline);
+        assert_eq!(free_counts(&e), pools);
+    }
+}

@@ -10,6 +10,13 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// One cluster at a time: clusters running side by side on 2 cores race for ports
+/// and time out each other's phases.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The `handoff` binary: `up` and the role processes run it.
 const BIN: &str = env!("CARGO_BIN_EXE_handoff");
 
@@ -189,11 +196,13 @@ fn check_topology_end_to_end(name: &str, text: &str) {
 
 #[test]
 fn up_default_pp2_to_tp2dcp2_completions_equal_colocated_reference() {
+    let _serial = serial();
     check_topology_end_to_end("small", SMALL);
 }
 
 #[test]
 fn up_pp3tp2_to_tp4dcp2_completions_equal_colocated_reference() {
+    let _serial = serial();
     check_topology_end_to_end("pp3", &pp3_config());
 }
 
@@ -208,6 +217,7 @@ fn cluster(name: &str, text: &str, envs: Vec<(String, String)>) -> (Cluster, Top
 
 #[test]
 fn admission_rejects_each_bad_request_with_400_and_reason() {
+    let _serial = serial();
     let (c, _) = cluster("admission", &small_with("max_context = 64\nmax_requests = 2\nqueue = 4", ""), vec![]);
     let cases: Vec<(&str, &str, &str)> = vec![
         ("malformed JSON", "{\"prompt\": ", "malformed JSON"),
@@ -237,6 +247,7 @@ fn admission_rejects_each_bad_request_with_400_and_reason() {
 
 #[test]
 fn admission_rejects_chunked_transfer_to_dcp_decode_with_400() {
+    let _serial = serial();
     // Chunked transfer of a stateful (KDA) model to a DCP decode: decode cannot
     // serve it, so every request is refused before it is enqueued.
     let text = SMALL.replace("[prefill]\n", "[prefill]\nchunked = true\n");
@@ -251,6 +262,7 @@ fn admission_rejects_chunked_transfer_to_dcp_decode_with_400() {
 
 #[test]
 fn overload_past_the_queue_is_429_and_the_queued_request_completes() {
+    let _serial = serial();
     // One place, one queue spot; each stage sleeps so requests overlap.
     let envs = vec![(handoff::roles::prefill::DELAY_ENV.to_string(), "700".to_string())];
     let (c, topo) = cluster("overload", &small_with("max_context = 128\nmax_requests = 1\nqueue = 1", ""), envs);
@@ -277,6 +289,7 @@ fn overload_past_the_queue_is_429_and_the_queued_request_completes() {
 
 #[test]
 fn killed_prefill_stage_fails_its_request_naming_the_phase_then_service_recovers() {
+    let _serial = serial();
     let envs = vec![(handoff::roles::prefill::DELAY_ENV.to_string(), "1500".to_string())];
     let text = small_with("max_context = 128\nmax_requests = 4\nqueue = 8", "\n[timeouts]\ncompute_s = 20\ntransfer_s = 20\nadmission_s = 20\n");
     let (mut c, topo) = cluster("kill", &text, envs);
@@ -305,6 +318,7 @@ fn killed_prefill_stage_fails_its_request_naming_the_phase_then_service_recovers
 
 #[test]
 fn thirty_two_concurrent_requests_all_complete_and_match_the_reference() {
+    let _serial = serial();
     let (c, topo) = cluster("concurrent", &small_with("max_context = 256\nmax_requests = 8\nqueue = 32", ""), vec![]);
     let handles: Vec<_> = (0..32u32)
         .map(|i| {

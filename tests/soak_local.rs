@@ -5,7 +5,7 @@
 use handoff::engine::Engine;
 use handoff::oracle::{self, OracleRequest, Placement};
 use handoff::transport::mover::{local_cluster, Cluster};
-use handoff::transport::{Transport, TransportExt};
+use handoff::transport::TransportExt;
 use handoff_components::config::{Config, TransportKind};
 use handoff_components::ecs::{Pools, Status};
 use handoff_components::vocab::{DecodeRank, RankId};

@@ -1,11 +1,12 @@
 //! The phases of handoff. Each phase module holds its pure rules (functions over
 //! layouts, testable without a World) and the bevy systems that apply them.
 //!
-//! Order of one tick: admission -> placement -> splitting -> transfer -> release
-//! (dispatch, the compute, runs in the engine around it).
+//! Order of one tick: admission -> placement -> splitting -> transfer -> release ->
+//! dispatch (the compute, when the engine has a `dispatch::Dispatcher`).
 
 pub mod admission;
 pub mod coalesce;
+pub mod dispatch;
 pub mod placement;
 pub mod release;
 pub mod splitting;
@@ -42,5 +43,6 @@ pub fn add_phases(schedule: &mut Schedule) {
         )
             .chain()
             .in_set(Phase::Release),
+        (dispatch::run_prefill, dispatch::run_decode).chain().in_set(Phase::Dispatch),
     ));
 }
