@@ -293,13 +293,3 @@ fn dropping_kda_state_into_zeroed_memory_fails_loudly() {
         }
     }
 }
-
-/// Reports the figures of `bench_compute` on config/small.toml; asserts nothing.
-/// `cargo test --release --test compute_equivalence bench_small -- --ignored --nocapture`
-#[test]
-#[ignore]
-fn bench_small_config() {
-    let topo = Topology::load(concat!(env!("CARGO_MANIFEST_DIR"), "/config/small.toml")).expect("config/small.toml");
-    let figures = handoff::model::bench_compute(&topo, 512, 64).expect("bench");
-    eprintln!("{figures}");
-}

@@ -1,5 +1,6 @@
-//! Not a check: prints transfer benchmark reports (ignored by default; reports, never
-//! asserts time). `cargo test -p handoff --release --test transport_bench -- --ignored --nocapture`
+//! Transport bandwidth on synthetic jobs (contiguous blocks, and 1152-byte MLA rows
+//! from an 8-way token interleave), against memcpy measured in the same run. Reports,
+//! never asserts. `cargo bench --bench transport_blocks`
 //! Env: HANDOFF_BENCH_BLOCK (bytes, default 65536), HANDOFF_BENCH_TOTAL (default 256 MiB).
 
 use handoff::transport::bench::{bench_loopback, BenchOptions, SyntheticSpec};
@@ -9,9 +10,7 @@ fn env_u64(k: &str, d: u64) -> u64 {
     std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d)
 }
 
-#[test]
-#[ignore = "benchmark: run with --ignored --nocapture"]
-fn print_transfer_bench_reports() {
+fn main() {
     let block = env_u64("HANDOFF_BENCH_BLOCK", 65536);
     let total = env_u64("HANDOFF_BENCH_TOTAL", 256 << 20);
     let opts = BenchOptions { iterations: 5, warmup: 1, ..BenchOptions::default() };
