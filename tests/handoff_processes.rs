@@ -10,6 +10,9 @@
 //! with `HANDOFF_PD_CHILD` naming the role; their input is JSON on stdin, their
 //! output `PD:<key>=<value>` lines on stdout.
 
+#[allow(dead_code)]
+mod transport_util;
+
 use handoff::engine::Engine;
 use handoff::oracle::{self, OracleRequest, Placement};
 use handoff::transport::mover::{AwaitedWrites, MoverOptions, TransportMover};
@@ -131,20 +134,6 @@ fn expect_line(rx: &Receiver<String>, key: &str) -> Result<String, String> {
         }
     }
     Err(format!("child never printed PD:{key}="))
-}
-
-fn wait_exit(c: &mut Child, what: &str) -> std::process::ExitStatus {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        if let Some(s) = c.try_wait().expect("try_wait") {
-            return s;
-        }
-        if Instant::now() >= deadline {
-            let _ = c.kill();
-            panic!("{what}: child did not exit within {WAIT:?}");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 fn say(key: &str, value: impl std::fmt::Display) {
@@ -437,7 +426,7 @@ fn spawn_producers(prefix: &[&str], role: &str, publish: &[Publish]) -> Vec<(Chi
 fn reap(children: Vec<(Child, Receiver<String>, bool)>) {
     for (mut c, rx, _) in children {
         expect_line(&rx, "done").unwrap_or_else(|e| panic!("{e}"));
-        assert!(wait_exit(&mut c, "producer").success(), "producer exited with an error");
+        assert!(transport_util::wait_child(&mut c, "producer", WAIT).success(), "producer exited with an error");
     }
 }
 
@@ -572,6 +561,6 @@ fn tcp_producers_in_another_network_namespace_hand_off_byte_exact() {
     reap(children);
     let verified: u64 = expect_line(&drx, "verified").expect("decode side verified").parse().expect("bytes");
     assert!(verified > 0);
-    assert!(wait_exit(&mut decode, "decode side").success());
+    assert!(transport_util::wait_child(&mut decode, "decode side", WAIT).success());
     eprintln!("tcp across namespaces {} -> {}: {verified} pattern bytes verified", ns.names[1], ns.names[0]);
 }

@@ -102,21 +102,6 @@ fn expect_line(rx: &std::sync::mpsc::Receiver<String>, key: &str, child: &mut Ch
     panic!("child never printed CHILD:{key}= (exit: {:?})", child.wait());
 }
 
-/// Waits for a child to exit, killing it past the deadline (a test must not hang).
-fn wait_child(child: &mut Child, what: &str) -> std::process::ExitStatus {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        if let Some(status) = child.try_wait().expect("try_wait") {
-            return status;
-        }
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            panic!("{what}: child did not exit within {WAIT:?}");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
 fn say(key: &str, value: impl std::fmt::Display) {
     println!("CHILD:{key}={value}");
     let _ = std::io::stdout().flush();
@@ -206,7 +191,7 @@ fn shm_child_process_writes_into_parent_region_from_handle() {
     let rx = child_lines(&mut child);
     let prefix = expect_line(&rx, "prefix", &mut child);
     expect_line(&rx, "done", &mut child);
-    assert!(wait_child(&mut child, "shm producer").success());
+    assert!(transport_util::wait_child(&mut child, "shm producer", WAIT).success());
     let notes = consumer.wait_notifications(WAIT);
     assert_eq!(notes.len(), 1);
     assert_eq!(notes[0].bytes, b"done");
@@ -357,8 +342,8 @@ fn tcp_between_network_namespaces_over_veth_is_byte_exact() {
     let mut producer = child_command(&["ip", "netns", "exec", &ns.names[1]], "tcp-producer", &j).spawn().expect("spawn producer");
     let prx = child_lines(&mut producer);
     expect_line(&prx, "done", &mut producer);
-    assert!(wait_child(&mut producer, "netns producer").success());
+    assert!(transport_util::wait_child(&mut producer, "netns producer", WAIT).success());
     let verified = expect_line(&crx, "verified", &mut consumer);
     assert_eq!(verified, DST_LEN.to_string());
-    assert!(wait_child(&mut consumer, "netns consumer").success());
+    assert!(transport_util::wait_child(&mut consumer, "netns consumer", WAIT).success());
 }

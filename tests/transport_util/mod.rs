@@ -149,3 +149,18 @@ pub fn check_transfer(producer: &dyn Transport, consumer: &dyn Transport, seed: 
 pub fn handle_json(h: &RegionHandle) -> String {
     serde_json::to_string(h).expect("handle serializes")
 }
+
+/// Waits for a child to exit, killing it past `limit` (a test must not hang).
+pub fn wait_child(child: &mut std::process::Child, what: &str, limit: Duration) -> std::process::ExitStatus {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            return status;
+        }
+        if std::time::Instant::now() >= deadline {
+            let _ = child.kill();
+            panic!("{what}: child did not exit within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
