@@ -99,6 +99,16 @@ pub struct Holdings {
 #[derive(Component, Debug, Clone, Default)]
 pub struct StagesComputed(pub Vec<bool>);
 
+/// Where one request lives on one rank: its blocks, in position order, and its
+/// slot. The one lease shape: the engine's lease entities carry it, the compute
+/// reads it.
+#[derive(Component, Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    pub rank: RankId,
+    pub blocks: Vec<u32>,
+    pub slot: u32,
+}
+
 /// A request's blocks on one rank, in position order.
 #[derive(Component, Debug, Clone)]
 pub struct BlockTable {
