@@ -195,6 +195,18 @@ pub struct ServeConfig {
     /// Requests that may wait for blocks and slots; past it, 429.
     #[serde(default = "default_queue")]
     pub queue: u32,
+    /// Most requests in one decode step (one batch through the kernels). Defaults to
+    /// `max_requests`: every live request steps every tick. A smaller bound caps the
+    /// step's latency; requests past it take turns, oldest first.
+    #[serde(default)]
+    pub max_batch: Option<u32>,
+}
+
+impl ServeConfig {
+    /// The decode batch bound in force.
+    pub fn batch(&self) -> u32 {
+        self.max_batch.unwrap_or(self.max_requests).min(self.max_requests).max(1)
+    }
 }
 
 fn default_max_context() -> u32 {
@@ -213,6 +225,7 @@ impl Default for ServeConfig {
             max_context: default_max_context(),
             max_requests: default_max_requests(),
             queue: default_queue(),
+            max_batch: None,
         }
     }
 }
@@ -319,6 +332,7 @@ impl Topology {
             ("decode.interleave", d.interleave),
             ("decode.block_size", d.block_size),
             ("serve.max_requests", config.serve.max_requests),
+            ("serve.max_batch", config.serve.max_batch.unwrap_or(1)),
             ("transport.max_batch", config.transport.max_batch),
             ("transport.staging_buffers", config.transport.staging_buffers),
         ] {
@@ -514,16 +528,22 @@ impl Topology {
     /// Whether decode can take a request of this transfer mode; `Err` carries the
     /// reason admission returns (HTTP 400). Chunked transfer sends no per-request
     /// state to a DCP decode, so a stateful model under DCP cannot be served chunked.
-    pub fn admits_transfer_mode(&self) -> Result<(), String> {
+    pub fn admits_transfer_mode(&self) -> Result<(), TransferModeError> {
         let d = &self.config.decode;
         if self.config.prefill.chunked && d.dcp > 1 && self.layer_kinds.contains(&LayerKind::Kda) {
-            return Err(format!(
-                "chunked transfer of a stateful model (KDA layers) to a DCP decode (dcp {}) is not supported: chunked transfer carries no per-request KDA state to DCP ranks",
-                d.dcp
-            ));
+            return Err(TransferModeError::ChunkedStateToDcp { dcp: d.dcp });
         }
         Ok(())
     }
+}
+
+/// A transfer mode decode cannot serve (refused at admission, HTTP 400).
+#[derive(Debug, Clone, Error, PartialEq, Eq)]
+pub enum TransferModeError {
+    #[error(
+        "chunked transfer of a stateful model (KDA layers) to a DCP decode (dcp {dcp}) is not supported: chunked transfer carries no per-request KDA state to DCP ranks"
+    )]
+    ChunkedStateToDcp { dcp: u32 },
 }
 
 /// One channel group of a head-split region, per head.

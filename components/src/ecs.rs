@@ -34,8 +34,10 @@ pub struct Segment {
     pub spec: SegmentSpec,
 }
 
-/// The phase a request is in. Named phases are what timeouts and failures report.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// The phase a request is in. Named phases are what timeouts and failures report,
+/// and they travel on the wire by name: an unknown name is an error, not a guess.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum PhaseName {
     Admission,
     Compute,
@@ -44,6 +46,8 @@ pub enum PhaseName {
 }
 
 impl PhaseName {
+    pub const ALL: [PhaseName; 4] = [PhaseName::Admission, PhaseName::Compute, PhaseName::Transfer, PhaseName::Decode];
+
     pub const fn name(self) -> &'static str {
         match self {
             PhaseName::Admission => "admission",
@@ -51,6 +55,19 @@ impl PhaseName {
             PhaseName::Transfer => "transfer",
             PhaseName::Decode => "decode",
         }
+    }
+}
+
+impl std::fmt::Display for PhaseName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for PhaseName {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        PhaseName::ALL.into_iter().find(|p| p.name() == s).ok_or_else(|| format!("unknown phase {s:?}"))
     }
 }
 
@@ -109,31 +126,45 @@ pub struct Lease {
     pub slot: u32,
 }
 
-/// A request's blocks on one rank, in position order.
-#[derive(Component, Debug, Clone)]
-pub struct BlockTable {
-    pub request: Entity,
-    pub rank: RankId,
-    pub blocks: Vec<u32>,
-}
-
-/// A request's slot on one rank.
-#[derive(Component, Debug, Clone, Copy)]
-pub struct Slot {
-    pub request: Entity,
-    pub rank: RankId,
-    pub index: u32,
-}
-
 /// The layout a decode rank published for a request (on its lease entity).
 #[derive(Component, Debug, Clone)]
 pub struct Published(pub ConsumerLayout);
 
-/// Which (pp, producer tp) have reported their writes into this decode rank.
+/// Which (pp, producer tp) have reported their writes into this decode rank, and
+/// how many must: the producers whose share reaches this rank (the rules of
+/// design.md section 4, from the topology), set when the rank publishes.
 #[derive(Component, Debug, Clone, Default)]
 pub struct ConsumerProgress {
     pub expected: u32,
     pub reported: Vec<(u32, u32)>,
+}
+
+/// What decode published for a request whose consumers live in another World
+/// (a prefill stage's copy of decode's layouts): splitting plans against these.
+#[derive(Component, Debug, Clone)]
+pub struct RemoteConsumers(pub Vec<ConsumerLayout>);
+
+/// What a prefill stage's compute reads: the prompt (byte tokens; stage 0 embeds
+/// them) and the previous stage's hidden states `[tokens, hidden]`, once known.
+#[derive(Component, Debug, Clone, Default)]
+pub struct Inputs {
+    pub prompt: Vec<u8>,
+    pub hidden: Option<Vec<f32>>,
+}
+
+/// The last stage's greedy pick at the prompt's last position: the first
+/// generated token, sent to decode with that stage's write-done report.
+#[derive(Component, Debug, Clone, Copy)]
+pub struct FirstToken(pub u8);
+
+/// Decode progress of a handed-off request: `emitted` tokens of `max_tokens` have
+/// left the engine, `last` is the token the next step feeds (at position
+/// prompt + emitted - 1).
+#[derive(Component, Debug, Clone, Copy, Default)]
+pub struct Generation {
+    pub max_tokens: u32,
+    pub emitted: u32,
+    pub last: Option<u8>,
 }
 
 /// One plan of a request and where its writes stand.
@@ -163,6 +194,22 @@ pub struct ProducerEntry {
 /// The validated topology.
 #[derive(Resource, Debug, Clone)]
 pub struct TopologyRes(pub Topology);
+
+/// Which ranks this World holds: a prefill stage holds its TP ranks, decode its
+/// TP x DCP ranks, and `verify` one World of every rank.
+#[derive(Resource, Debug, Clone, PartialEq, Eq)]
+pub struct LocalRanks {
+    /// The PP stages whose ranks live here, in order.
+    pub stages: Vec<u32>,
+    /// Whether the decode ranks live here.
+    pub decode: bool,
+}
+
+impl LocalRanks {
+    pub fn has_stage(&self, stage: u32) -> bool {
+        self.stages.contains(&stage)
+    }
+}
 
 /// Request id to entity.
 #[derive(Resource, Debug, Default)]
@@ -196,11 +243,21 @@ impl RankPool {
     }
 }
 
-/// A request to be handed off, as it arrives.
-#[derive(Message, Debug, Clone)]
+/// A request to be handed off, as it arrives (admission reads it).
+#[derive(Message, Debug, Clone, Default)]
 pub struct Submit {
     pub id: u64,
+    /// Prompt tokens.
     pub tokens: u64,
+    /// Decode's nonce for this life of the id; `None` lets admission draw one (the
+    /// World that places the consumers does).
+    pub nonce: Option<u64>,
+    /// Decode's published layouts, when the consumers live in another World.
+    pub consumers: Vec<ConsumerLayout>,
+    /// What the prefill compute reads (empty without a compute).
+    pub inputs: Inputs,
+    /// Tokens decode generates (decode Worlds; 0 elsewhere).
+    pub max_tokens: u32,
 }
 
 /// A write-done report: producer (pp, tp) finished its writes into one decode rank.
@@ -212,11 +269,50 @@ pub struct WriteDone {
     pub consumer: DecodeRank,
 }
 
+/// A stage's report as decode receives it from another process: every pair whose
+/// writes completed, and (last stage) the first generated token.
+#[derive(Message, Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StageReport {
+    pub request: u64,
+    pub nonce: u64,
+    pub stage: u32,
+    pub pairs: Vec<(PrefillRank, DecodeRank)>,
+    pub first_token: Option<u8>,
+    pub bytes: u64,
+}
+
+/// Fail a live request (its client went away, a peer failed it): the release
+/// phase frees what it holds once no write may still read its sources.
+#[derive(Message, Debug, Clone, PartialEq, Eq)]
+pub struct Cancel {
+    pub request: u64,
+    pub phase: PhaseName,
+    pub reason: String,
+    /// The stage that failed the request, when one did: it writes no more.
+    pub stage: Option<u32>,
+}
+
 /// A request left the hand-off: handed off (ready to decode), rejected or failed.
+/// A request that fails after its hand-off (in decode) has both.
 #[derive(Message, Debug, Clone, PartialEq)]
 pub struct Outcome {
     pub request: u64,
     pub result: Result<(), (PhaseName, String)>,
+}
+
+/// What the engine tells its role to carry out of the process.
+#[derive(Message, Debug, Clone, PartialEq)]
+pub enum EngineEvent {
+    /// Decode placed a request: every decode rank's layout (rank order) and the nonce.
+    Published { request: u64, nonce: u64, consumers: Vec<ConsumerLayout> },
+    /// A stage computed a request whose next stage lives elsewhere: its hidden states.
+    Computed { request: u64, stage: u32, hidden: Vec<f32> },
+    /// Every write of one stage for a request completed (its producer entry is gone).
+    Written(StageReport),
+    /// Decode produced a token (`index` 0 is the first, from prefill).
+    Token { request: u64, index: u32, token: u8 },
+    /// Decode emitted a request's last token; its blocks and slots are freed.
+    Finished { request: u64 },
 }
 
 /// Counters of the completion protocol.

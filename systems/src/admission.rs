@@ -1,19 +1,63 @@
 //! Admission: validate each submitted request before anything is enqueued.
 
 use bevy_ecs::prelude::*;
+use handoff_components::config::TransferModeError;
 use handoff_components::ecs::*;
 use std::time::{Duration, Instant};
+use thiserror::Error;
 
-/// Why a request cannot be served; checked before it is enqueued.
-pub fn validate(topo: &handoff_components::Topology, tokens: u64) -> Result<(), String> {
+/// Why a request cannot be served; decided before it is enqueued (HTTP 400).
+#[derive(Debug, Clone, Error, PartialEq, Eq)]
+pub enum AdmissionError {
+    #[error("empty prompt: at least one token is required")]
+    EmptyPrompt,
+    #[error("prompt of {tokens} tokens does not fit serve.max_context {max_context} (prompt plus at least one generated token)")]
+    PromptTooLong { tokens: u64, max_context: u64 },
+    #[error(
+        "max_tokens {max_tokens} is out of range: it must be between 1 and serve.max_context {max_context} minus the prompt's {tokens} tokens = {room}"
+    )]
+    MaxTokens { max_tokens: u64, max_context: u64, tokens: u64, room: u64 },
+    #[error(transparent)]
+    TransferMode(#[from] TransferModeError),
+    #[error("request id {0} is already in flight")]
+    Duplicate(u64),
+}
+
+impl AdmissionError {
+    /// The label of this refusal in metrics.
+    pub const fn label(&self) -> &'static str {
+        match self {
+            AdmissionError::EmptyPrompt => "empty_prompt",
+            AdmissionError::PromptTooLong { .. } => "prompt_too_long",
+            AdmissionError::MaxTokens { .. } => "max_tokens",
+            AdmissionError::TransferMode(_) => "transfer_mode",
+            AdmissionError::Duplicate(_) => "duplicate_id",
+        }
+    }
+}
+
+/// Why a request of `tokens` prompt tokens cannot be served.
+pub fn validate(topo: &handoff_components::Topology, tokens: u64) -> Result<(), AdmissionError> {
     if tokens == 0 {
-        return Err("empty prompt: at least one token is required".into());
+        return Err(AdmissionError::EmptyPrompt);
     }
-    let max = topo.config.serve.max_context as u64;
-    if tokens >= max {
-        return Err(format!("prompt of {tokens} tokens does not fit serve.max_context {max} (prompt plus at least one generated token)"));
+    let max_context = topo.config.serve.max_context as u64;
+    if tokens >= max_context {
+        return Err(AdmissionError::PromptTooLong { tokens, max_context });
     }
-    topo.admits_transfer_mode()
+    topo.admits_transfer_mode()?;
+    Ok(())
+}
+
+/// [`validate`], and `max_tokens` between 1 and what the context leaves.
+pub fn validate_generation(topo: &handoff_components::Topology, tokens: u64, max_tokens: u64) -> Result<(), AdmissionError> {
+    validate(topo, tokens)?;
+    let max_context = topo.config.serve.max_context as u64;
+    let room = max_context - tokens;
+    if max_tokens == 0 || max_tokens > room {
+        return Err(AdmissionError::MaxTokens { max_tokens, max_context, tokens, room });
+    }
+    Ok(())
 }
 
 /// Turns `Submit` messages into waiting requests, or rejects them.
@@ -21,31 +65,47 @@ pub fn admit_requests(
     mut commands: Commands,
     mut submits: MessageReader<Submit>,
     topo: Res<TopologyRes>,
+    local: Res<LocalRanks>,
     mut index: ResMut<RequestIndex>,
     mut outcomes: MessageWriter<Outcome>,
 ) {
     let timeout = Duration::from_secs_f64(topo.0.config.timeouts.admission_s);
+    let pp = topo.0.config.prefill.pp;
     for s in submits.read() {
         let rejected = if index.0.contains_key(&s.id) {
-            Err(format!("request id {} is already in flight", s.id))
+            Err(AdmissionError::Duplicate(s.id))
+        } else if local.decode && s.max_tokens > 0 {
+            validate_generation(&topo.0, s.tokens, s.max_tokens as u64)
         } else {
             validate(&topo.0, s.tokens)
         };
         if let Err(reason) = rejected {
-            outcomes.write(Outcome { request: s.id, result: Err((PhaseName::Admission, reason)) });
+            outcomes.write(Outcome { request: s.id, result: Err((PhaseName::Admission, reason.to_string())) });
             continue;
         }
-        let nonce = nonce_for(s.id);
-        let e = commands
-            .spawn((
-                Request { id: s.id, tokens: s.tokens, nonce },
-                Status::Waiting,
-                Deadline { phase: PhaseName::Admission, at: Instant::now() + timeout },
-                StagesComputed(vec![false; topo.0.config.prefill.pp as usize]),
-                Holdings::default(),
-            ))
-            .id();
-        index.0.insert(s.id, e);
+        let nonce = s.nonce.unwrap_or_else(|| nonce_for(s.id));
+        // Stages of other Worlds count as computed here; decode learns of theirs
+        // from their reports.
+        let computed = (0..pp).map(|st| !local.decode && !local.has_stage(st)).collect();
+        let mut e = commands.spawn((
+            Request { id: s.id, tokens: s.tokens, nonce },
+            Status::Waiting,
+            Deadline { phase: PhaseName::Admission, at: Instant::now() + timeout },
+            StagesComputed(computed),
+            Holdings::default(),
+        ));
+        if !local.stages.is_empty() {
+            e.insert(s.inputs.clone());
+        }
+        if !s.consumers.is_empty() {
+            e.insert(RemoteConsumers(s.consumers.clone()));
+        }
+        // Without tokens to generate (the byte-level checks) a handed-off request
+        // waits for its owner to finish it.
+        if local.decode && s.max_tokens > 0 {
+            e.insert(Generation { max_tokens: s.max_tokens, emitted: 0, last: None });
+        }
+        index.0.insert(s.id, e.id());
     }
 }
 

@@ -1,58 +1,152 @@
-//! Dispatch: the compute. Prefill stages run their layers for each planned request,
-//! in stage order, each marking its rows readable; decode runs a handed-off request
-//! from the regions the transfer wrote. The model lives behind `Compute`, so the
-//! phase stays plain scheduling.
+//! Dispatch: the compute. A prefill stage computes a planned request's layers into
+//! its registered source regions (one request per tick, oldest first, so the
+//! transfer phase of the next tick submits its writes while the stage computes the
+//! next request); decode runs one step for every live handed-off request as one
+//! batch (continuous batching), growing block tables as positions pass them. The
+//! model lives behind `Compute`, so the phase stays plain scheduling.
 
+use crate::placement::{alloc_blocks, blocks_needed};
 use bevy_ecs::prelude::*;
 use handoff_components::ecs::*;
 use handoff_components::vocab::RankId;
+use thiserror::Error;
 
-/// Where a request lives on one rank: (rank, blocks, slot).
-pub type Lease = (RankId, Vec<u32>, u32);
+/// Why the compute failed a request (or a batch).
+#[derive(Debug, Clone, Error, PartialEq, Eq)]
+pub enum ComputeError {
+    #[error("stage {stage} has no input: {what}")]
+    MissingInput { stage: u32, what: &'static str },
+    #[error("no lease on {0}")]
+    MissingLease(RankId),
+    #[error("{rank}: no free blocks for {tokens} tokens")]
+    OutOfBlocks { rank: RankId, tokens: u64 },
+    /// The model or its kernels refused; their own message.
+    #[error("{0}")]
+    Model(String),
+}
+
+/// One PP stage of one request, as the compute sees it.
+#[derive(Debug)]
+pub struct PrefillJob<'a> {
+    pub request: u64,
+    pub stage: u32,
+    pub prompt: &'a [u8],
+    /// The previous stage's hidden states (stage > 0).
+    pub hidden: Option<&'a [f32]>,
+    /// The stage's leases (one per TP rank).
+    pub leases: Vec<&'a Lease>,
+}
+
+/// What a stage's compute leaves besides its caches.
+#[derive(Debug, Clone, Default)]
+pub struct PrefillOutput {
+    /// Hidden states `[tokens, hidden]` for the next stage (empty after the last).
+    pub hidden: Vec<f32>,
+    /// The greedy pick at the prompt's last position (last stage).
+    pub first_token: Option<u8>,
+}
+
+/// One request of a decode batch: feed `token` at position `pos`.
+#[derive(Debug)]
+pub struct DecodeItem<'a> {
+    pub request: u64,
+    pub token: u8,
+    pub pos: u64,
+    /// The request's lease on every decode rank, in TP order; blocks cover `pos`.
+    pub leases: Vec<&'a Lease>,
+}
 
 /// The compute of the prefill stages and the decode ranks.
 pub trait Compute: Send + Sync + 'static {
-    /// Runs PP stage `stage` of a request (every TP rank of the stage), writing the
-    /// stage's KV rows and state into its producer regions.
-    fn prefill(&mut self, request: u64, tokens: u64, stage: u32, leases: &[Lease]) -> Result<(), String>;
-    /// Decodes a handed-off request from its decode regions. Blocks for generated
-    /// tokens come from `pools` and go back there before it returns.
-    fn decode(&mut self, request: u64, tokens: u64, leases: &[Lease], pools: &mut Pools) -> Result<(), String>;
+    /// Runs PP stage `job.stage` of a request (every TP rank of the stage), writing
+    /// the stage's KV rows and state into its producer regions.
+    fn prefill(&mut self, job: PrefillJob<'_>) -> Result<PrefillOutput, ComputeError>;
+    /// One decode step for every request of the batch, reading and writing KV and
+    /// state in the decode regions; the greedy token of each, in batch order.
+    fn decode(&mut self, batch: &[DecodeItem<'_>]) -> Result<Vec<u8>, ComputeError>;
 }
 
 /// The engine's compute, when it has one.
 #[derive(Resource)]
 pub struct Dispatcher(pub Box<dyn Compute>);
 
-fn leases_of(holdings: &Holdings, leases: &Query<(&BlockTable, &Slot)>) -> Vec<Lease> {
-    holdings
-        .leases
-        .iter()
-        .filter_map(|&l| leases.get(l).ok().map(|(t, s)| (t.rank, t.blocks.clone(), s.index)))
-        .collect()
-}
-
-/// Runs the uncomputed stages of each planned request, in stage order (stage s
-/// takes the hidden states of stage s - 1).
+/// Runs the oldest planned request's next local stage whose input is there. Stage
+/// s + 1 of the same World reads stage s's hidden states from `Inputs`; a stage
+/// whose successor lives elsewhere hands them out as `EngineEvent::Computed`.
+#[allow(clippy::type_complexity)]
 pub fn run_prefill(
+    mut commands: Commands,
     dispatcher: Option<ResMut<Dispatcher>>,
-    mut requests: Query<(&Request, &mut Status, &mut StagesComputed, &Holdings)>,
-    leases: Query<(&BlockTable, &Slot)>,
+    mut requests: Query<(Entity, &Request, &mut Status, &mut StagesComputed, &Holdings, &mut Inputs)>,
+    leases: Query<&Lease>,
+    local: Res<LocalRanks>,
+    topo: Res<TopologyRes>,
+    mut events: MessageWriter<EngineEvent>,
 ) {
     let Some(mut dispatcher) = dispatcher else { return };
-    for (req, mut status, mut computed, holdings) in requests.iter_mut() {
-        if *status != Status::Planned || computed.0.iter().all(|&c| c) {
+    let pp = topo.0.config.prefill.pp;
+    let ready = |computed: &StagesComputed, inputs: &Inputs| {
+        local.stages.iter().copied().find(|&s| !computed.0[s as usize] && (s == 0 || inputs.hidden.is_some()))
+    };
+    let next = requests
+        .iter()
+        .filter(|(_, _, st, c, _, i)| **st == Status::Planned && ready(c, i).is_some())
+        .map(|(e, r, ..)| (r.id, e))
+        .min();
+    let Some((_, e)) = next else { return };
+    let Ok((e, req, mut status, mut computed, holdings, mut inputs)) = requests.get_mut(e) else { return };
+    let Some(stage) = ready(&computed, &inputs) else { return };
+    let held: Vec<&Lease> = holdings.leases.iter().filter_map(|&l| leases.get(l).ok()).filter(|l| matches!(l.rank, RankId::Prefill(p) if p.pp == stage)).collect();
+    let job = PrefillJob { request: req.id, stage, prompt: &inputs.prompt, hidden: inputs.hidden.as_deref(), leases: held };
+    match dispatcher.0.prefill(job) {
+        Ok(out) => {
+            computed.0[stage as usize] = true;
+            if let Some(tok) = out.first_token {
+                commands.entity(e).insert(FirstToken(tok));
+            }
+            if stage + 1 < pp {
+                if local.has_stage(stage + 1) {
+                    inputs.hidden = Some(out.hidden);
+                } else {
+                    inputs.hidden = None;
+                    events.write(EngineEvent::Computed { request: req.id, stage, hidden: out.hidden });
+                }
+            }
+        }
+        Err(reason) => {
+            *status = Status::Failed { phase: PhaseName::Compute, reason: format!("prefill stage {stage}: {reason}") };
+        }
+    }
+}
+
+/// Blocks for generated tokens: each decoding request's block tables grow from the
+/// rank's pool as its next position passes them.
+#[allow(clippy::type_complexity)]
+pub fn grow_leases(
+    mut requests: Query<(&Request, &mut Status, &Generation, &Holdings)>,
+    mut leases: Query<&mut Lease>,
+    mut pools: ResMut<Pools>,
+    topo: Res<TopologyRes>,
+) {
+    let topo = &topo.0;
+    for (req, mut status, generation, holdings) in requests.iter_mut() {
+        if *status != Status::HandedOff || generation.last.is_none() {
             continue;
         }
-        let held = leases_of(holdings, &leases);
-        for stage in 0..computed.0.len() {
-            if computed.0[stage] {
+        // The token fed next sits at position prompt + emitted - 1.
+        let tokens = req.tokens + generation.emitted as u64;
+        for &l in &holdings.leases {
+            let Ok(mut lease) = leases.get_mut(l) else { continue };
+            let need = blocks_needed(topo, lease.rank, tokens) as usize;
+            if need <= lease.blocks.len() {
                 continue;
             }
-            match dispatcher.0.prefill(req.id, req.tokens, stage as u32, &held) {
-                Ok(()) => computed.0[stage] = true,
-                Err(reason) => {
-                    *status = Status::Failed { phase: PhaseName::Compute, reason: format!("prefill stage {stage}: {reason}") };
+            let more = pools.0.get_mut(&lease.rank).and_then(|p| alloc_blocks(p, (need - lease.blocks.len()) as u32));
+            match more {
+                Some(more) => lease.blocks.extend(more),
+                None => {
+                    let rank = lease.rank;
+                    *status = Status::Failed { phase: PhaseName::Decode, reason: ComputeError::OutOfBlocks { rank, tokens }.to_string() };
                     break;
                 }
             }
@@ -60,22 +154,59 @@ pub fn run_prefill(
     }
 }
 
-/// Decodes each handed-off request; it is then finished and released.
+/// One decode step for every handed-off request (up to `serve.max_batch`, those
+/// stepped longest ago first) as one batch; each token leaves as `EngineEvent::Token`, and
+/// a request that emitted its last token is finished (release frees it next tick).
+#[allow(clippy::type_complexity)]
 pub fn run_decode(
     dispatcher: Option<ResMut<Dispatcher>>,
-    mut requests: Query<(&Request, &mut Status, &Holdings)>,
-    leases: Query<(&BlockTable, &Slot)>,
-    mut pools: ResMut<Pools>,
+    mut requests: Query<(Entity, &Request, &mut Status, &mut Generation, &Holdings)>,
+    leases: Query<&Lease>,
+    topo: Res<TopologyRes>,
+    mut tick: Local<u64>,
+    mut last_step: Local<std::collections::HashMap<Entity, u64>>,
+    mut events: MessageWriter<EngineEvent>,
 ) {
     let Some(mut dispatcher) = dispatcher else { return };
-    for (req, mut status, holdings) in requests.iter_mut() {
-        if *status != Status::HandedOff {
-            continue;
+    *tick += 1;
+    let mut live: Vec<(u64, u64, Entity)> = requests
+        .iter()
+        .filter(|(_, _, s, g, _)| **s == Status::HandedOff && g.last.is_some() && g.emitted < g.max_tokens)
+        .map(|(e, r, ..)| (last_step.get(&e).copied().unwrap_or(0), r.id, e))
+        .collect();
+    last_step.retain(|e, _| requests.contains(*e));
+    if live.is_empty() {
+        return;
+    }
+    live.sort_unstable();
+    live.truncate(topo.0.config.serve.batch() as usize);
+    let mut batch = Vec::with_capacity(live.len());
+    for &(_, _, e) in &live {
+        let Ok((_, req, _, generation, holdings)) = requests.get(e) else { continue };
+        let mut held: Vec<&Lease> = holdings.leases.iter().filter_map(|&l| leases.get(l).ok()).filter(|l| matches!(l.rank, RankId::Decode(_))).collect();
+        held.sort_by_key(|l| l.rank);
+        let token = generation.last.unwrap_or(0);
+        batch.push(DecodeItem { request: req.id, token, pos: req.tokens + generation.emitted as u64 - 1, leases: held });
+    }
+    let result = dispatcher.0.decode(&batch);
+    drop(batch);
+    for (i, &(_, _, e)) in live.iter().enumerate() {
+        last_step.insert(e, *tick);
+        let Ok((_, req, mut status, mut generation, _)) = requests.get_mut(e) else { continue };
+        match &result {
+            Ok(tokens) => {
+                let Some(&tok) = tokens.get(i) else {
+                    *status = Status::Failed { phase: PhaseName::Decode, reason: format!("the compute returned {} tokens for a batch of {}", tokens.len(), live.len()) };
+                    continue;
+                };
+                events.write(EngineEvent::Token { request: req.id, index: generation.emitted, token: tok });
+                generation.last = Some(tok);
+                generation.emitted += 1;
+                if generation.emitted >= generation.max_tokens {
+                    *status = Status::Finished;
+                }
+            }
+            Err(reason) => *status = Status::Failed { phase: PhaseName::Decode, reason: format!("decode step: {reason}") },
         }
-        let held = leases_of(holdings, &leases);
-        *status = match dispatcher.0.decode(req.id, req.tokens, &held, &mut pools) {
-            Ok(()) => Status::Finished,
-            Err(reason) => Status::Failed { phase: PhaseName::Decode, reason },
-        };
     }
 }

@@ -34,8 +34,10 @@ pub fn add_phases(schedule: &mut Schedule) {
         admission::admit_requests.in_set(Phase::Admission),
         placement::place_requests.in_set(Phase::Placement),
         splitting::split_requests.in_set(Phase::Splitting),
-        (transfer::submit_plans, transfer::poll_transfers).chain().in_set(Phase::Transfer),
+        (transfer::advance_deadlines, transfer::submit_plans, transfer::poll_transfers).chain().in_set(Phase::Transfer),
         (
+            release::receive_reports,
+            release::apply_cancels,
             release::record_reports,
             release::complete_handoffs,
             release::expire_requests,
@@ -43,6 +45,6 @@ pub fn add_phases(schedule: &mut Schedule) {
         )
             .chain()
             .in_set(Phase::Release),
-        (dispatch::run_prefill, dispatch::run_decode).chain().in_set(Phase::Dispatch),
+        (dispatch::run_prefill, dispatch::grow_leases, dispatch::run_decode).chain().in_set(Phase::Dispatch),
     ));
 }

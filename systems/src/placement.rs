@@ -128,11 +128,20 @@ use std::time::{Duration, Instant};
 
 /// Every rank of the topology.
 pub fn all_ranks(topo: &Topology) -> Vec<RankId> {
+    local_ranks(topo, &LocalRanks { stages: (0..topo.prefill().pp).collect(), decode: true })
+}
+
+/// The ranks a World of `local` holds: its stages' TP ranks, then the decode ranks.
+pub fn local_ranks(topo: &Topology, local: &LocalRanks) -> Vec<RankId> {
     let p = topo.prefill();
-    let mut v: Vec<RankId> = (0..p.pp)
-        .flat_map(|pp| (0..p.tp).map(move |tp| RankId::Prefill(PrefillRank { pp, tp })))
+    let mut v: Vec<RankId> = local
+        .stages
+        .iter()
+        .flat_map(|&pp| (0..p.tp).map(move |tp| RankId::Prefill(PrefillRank { pp, tp })))
         .collect();
-    v.extend((0..topo.decode().tp).map(|tp| RankId::Decode(DecodeRank { tp })));
+    if local.decode {
+        v.extend((0..topo.decode().tp).map(|tp| RankId::Decode(DecodeRank { tp })));
+    }
     v
 }
 
@@ -155,12 +164,18 @@ impl Capacity {
             slots: requests,
         }
     }
+
+    /// The serving capacity: `serve.max_requests` requests of `serve.max_context`.
+    pub fn serving(topo: &Topology) -> Capacity {
+        let s = &topo.config.serve;
+        Capacity::for_requests(topo, s.max_requests, s.max_context as u64)
+    }
 }
 
-/// Startup: spawns ranks, their regions and segments, and fills the pools.
-pub fn spawn_ranks(world: &mut World, topo: &Topology, cap: Capacity) {
+/// Startup: spawns this World's ranks, their regions and segments, and fills the pools.
+pub fn spawn_ranks(world: &mut World, topo: &Topology, cap: Capacity, local: &LocalRanks) {
     let mut pools = Pools::default();
-    for rank in all_ranks(topo) {
+    for rank in local_ranks(topo, local) {
         let blocks = match rank {
             RankId::Prefill(_) => cap.prefill_blocks,
             RankId::Decode(_) => cap.decode_blocks,
@@ -175,6 +190,7 @@ pub fn spawn_ranks(world: &mut World, topo: &Topology, cap: Capacity) {
         pools.0.insert(rank, RankPool::new(blocks, cap.slots));
     }
     world.insert_resource(pools);
+    world.insert_resource(local.clone());
 }
 
 /// Allocates `n` blocks: one contiguous range when one is free (first fit), else
@@ -225,8 +241,16 @@ pub fn free_blocks(pool: &mut RankPool, blocks: &[u32]) {
     }
 }
 
-/// What a request needs on one rank: (blocks, slot).
-fn needs(topo: &Topology, rank: RankId, tokens: u64) -> u32 {
+/// Gives a lease's blocks and slot back to its rank's pool.
+pub fn release_lease(pools: &mut Pools, lease: &Lease) {
+    if let Some(pool) = pools.0.get_mut(&lease.rank) {
+        free_blocks(pool, &lease.blocks);
+        pool.free_slots.push(lease.slot);
+    }
+}
+
+/// Blocks a request of `tokens` tokens needs on one rank.
+pub fn blocks_needed(topo: &Topology, rank: RankId, tokens: u64) -> u32 {
     match rank {
         RankId::Prefill(_) => blocks_for(tokens, topo.prefill().block_size) as u32,
         RankId::Decode(r) => {
@@ -236,49 +260,73 @@ fn needs(topo: &Topology, rank: RankId, tokens: u64) -> u32 {
     }
 }
 
-/// Gives waiting requests, oldest first, their blocks and slots on every rank and
-/// publishes each decode rank's layout. Stops at the first that does not fit, so a
-/// large request is not starved by later small ones.
+/// How many producers report their writes into decode rank `consumer`: every
+/// (stage, tp) whose share reaches it (design.md section 4). Decode knows this from
+/// the topology alone, without planning pairs it never executes.
+pub fn expected_reports(topo: &Topology, consumer: DecodeRank) -> u32 {
+    let (p, d) = (topo.prefill(), topo.decode());
+    let per_stage = (0..p.tp)
+        .filter(|&tp| {
+            let sh = crate::splitting::share(p.tp, d.tp, tp, consumer.tp);
+            sh.rows || sh.state
+        })
+        .count() as u32;
+    per_stage * p.pp
+}
+
+/// Gives waiting requests, oldest first, their blocks and slots on every local rank
+/// and publishes each local decode rank's layout. Stops at the first that does not
+/// fit, so a large request is not starved by later small ones.
+#[allow(clippy::too_many_arguments)]
 pub fn place_requests(
     mut commands: Commands,
     mut requests: Query<(Entity, &Request, &mut Status, &mut Deadline, &mut Holdings)>,
     topo: Res<TopologyRes>,
+    local: Res<LocalRanks>,
     mut pools: ResMut<Pools>,
     regions: Query<&Region>,
     segments: Query<&Segment>,
+    mut events: MessageWriter<EngineEvent>,
+    mut waiting: Local<Vec<(u64, Entity)>>,
 ) {
     let topo = &topo.0;
-    let mut waiting: Vec<_> = requests.iter_mut().filter(|(_, _, s, _, _)| **s == Status::Waiting).collect();
-    waiting.sort_by_key(|(_, r, _, _, _)| r.id);
+    waiting.clear();
+    waiting.extend(requests.iter().filter(|(_, _, s, _, _)| **s == Status::Waiting).map(|(e, r, ..)| (r.id, e)));
+    if waiting.is_empty() {
+        return;
+    }
+    waiting.sort_unstable();
     let ranks: Vec<RankId> = pools.0.keys().copied().collect();
-    for (e, req, mut status, mut deadline, mut holdings) in waiting {
+    for &(_, e) in waiting.iter() {
+        let Ok((e, req, mut status, mut deadline, mut holdings)) = requests.get_mut(e) else { continue };
         let fits = ranks.iter().all(|r| {
             let p = &pools.0[r];
-            p.free_block_count() >= needs(topo, *r, req.tokens) as u64 && !p.free_slots.is_empty()
+            p.free_block_count() >= blocks_needed(topo, *r, req.tokens) as u64 && !p.free_slots.is_empty()
         });
         if !fits {
             break;
         }
+        let mut consumers = Vec::new();
         for &rank in &ranks {
-            let pool = pools.0.get_mut(&rank).expect("rank pool");
-            let blocks = alloc_blocks(pool, needs(topo, rank, req.tokens)).expect("checked free blocks");
-            let slot = pool.free_slots.pop().expect("checked free slot");
-            let mut lease = commands.spawn((
-                BlockTable { request: e, rank, blocks: blocks.clone() },
-                Slot { request: e, rank, index: slot },
-            ));
+            let Some(pool) = pools.0.get_mut(&rank) else { continue };
+            let (Some(blocks), Some(slot)) = (alloc_blocks(pool, blocks_needed(topo, rank, req.tokens)), pool.free_slots.pop()) else {
+                continue; // checked above
+            };
+            let mut lease = commands.spawn(Lease { rank, blocks: blocks.clone(), slot });
             if let RankId::Decode(d) = rank {
-                let layout = publish(rank, &regions, &segments);
                 let dc = topo.decode();
-                lease.insert((
-                    Published(ConsumerLayout { rank: d, tp: dc.tp, dcp: dc.dcp, interleave: dc.interleave, blocks, slot, layout }),
-                    ConsumerProgress::default(),
-                ));
+                let layout = publish(rank, &regions, &segments);
+                let published = ConsumerLayout { rank: d, tp: dc.tp, dcp: dc.dcp, interleave: dc.interleave, blocks, slot, layout };
+                consumers.push(published.clone());
+                lease.insert((Published(published), ConsumerProgress { expected: expected_reports(topo, d), reported: Vec::new() }));
             }
             holdings.leases.push(lease.id());
         }
-        for stage in 0..topo.prefill().pp {
+        for &stage in &local.stages {
             holdings.entries.push(commands.spawn(ProducerEntry { request: e, stage, pending: 0 }).id());
+        }
+        if !consumers.is_empty() {
+            events.write(EngineEvent::Published { request: req.id, nonce: req.nonce, consumers });
         }
         *status = Status::Placed;
         *deadline = Deadline {

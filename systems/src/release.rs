@@ -1,29 +1,77 @@
-//! Release: the completion protocol, producer entries, timeouts, and freeing every
-//! block, slot and entity a request held.
+//! Release: the completion protocol, producer entries, cancellations, timeouts, and
+//! freeing every block, slot and entity a request held.
 
-use crate::placement::free_blocks;
+use crate::placement::release_lease;
 use bevy_ecs::prelude::*;
 use handoff_components::ecs::*;
 use handoff_components::vocab::RankId;
 use std::time::Instant;
 
+/// Turns the reports of stages in other processes into write-done reports of their
+/// pairs; a report marks its stage computed and may carry the first token.
+pub fn receive_reports(
+    mut commands: Commands,
+    mut stage_reports: MessageReader<StageReport>,
+    index: Res<RequestIndex>,
+    mut requests: Query<(&Request, &mut StagesComputed)>,
+    mut reports: MessageWriter<WriteDone>,
+    mut stats: ResMut<ReportStats>,
+) {
+    for r in stage_reports.read() {
+        let Some(&e) = index.0.get(&r.request) else {
+            stats.unknown += 1;
+            continue;
+        };
+        let Ok((req, mut computed)) = requests.get_mut(e) else { continue };
+        if req.nonce != r.nonce {
+            stats.wrong_nonce += 1;
+            continue;
+        }
+        if let Some(c) = computed.0.get_mut(r.stage as usize) {
+            *c = true;
+        }
+        if let Some(tok) = r.first_token {
+            commands.entity(e).insert(FirstToken(tok));
+        }
+        for &(producer, consumer) in &r.pairs {
+            reports.write(WriteDone { request: r.request, nonce: r.nonce, producer, consumer });
+        }
+    }
+}
+
+/// Fails cancelled requests, whatever phase they are in (decoding included).
+pub fn apply_cancels(mut cancels: MessageReader<Cancel>, index: Res<RequestIndex>, mut requests: Query<(&mut Status, &mut StagesComputed)>) {
+    for c in cancels.read() {
+        let Some(Ok((mut s, mut computed))) = index.0.get(&c.request).map(|&e| requests.get_mut(e)) else { continue };
+        if let Some(done) = c.stage.and_then(|st| computed.0.get_mut(st as usize)) {
+            *done = true;
+        }
+        if !matches!(*s, Status::Failed { .. } | Status::Finished) {
+            *s = Status::Failed { phase: c.phase, reason: c.reason.clone() };
+        }
+    }
+}
+
 /// Applies write-done reports. A report counts once per (pp, tp, consumer) and only
 /// with the request's current nonce; duplicates, late and wrong-nonce reports are
 /// ignored and counted. A stage's producer entry is dropped as soon as its own
-/// writes are all reported, whatever the other stages do.
-#[allow(clippy::type_complexity)]
+/// writes are all reported, whatever the other stages do, and the stage's report
+/// leaves the engine then (a report is sent only after the bytes are in place).
+#[allow(clippy::type_complexity, clippy::too_many_arguments)]
 pub fn record_reports(
     mut commands: Commands,
     mut reports: MessageReader<WriteDone>,
     index: Res<RequestIndex>,
-    requests: Query<(&Request, &Holdings)>,
+    requests: Query<(&Request, &Holdings, Option<&FirstToken>)>,
     mut plans: Query<&mut PlanEntry>,
     mut entries: Query<&mut ProducerEntry>,
-    mut progress: Query<(&BlockTable, &mut ConsumerProgress)>,
+    mut progress: Query<(&Lease, &mut ConsumerProgress)>,
     mut stats: ResMut<ReportStats>,
+    mut events: MessageWriter<EngineEvent>,
+    topo: Res<TopologyRes>,
 ) {
     for r in reports.read() {
-        let Some((req, holdings)) = index.0.get(&r.request).and_then(|&e| requests.get(e).ok()) else {
+        let Some((req, holdings, first)) = index.0.get(&r.request).and_then(|&e| requests.get(e).ok()) else {
             stats.unknown += 1;
             continue;
         };
@@ -31,78 +79,128 @@ pub fn record_reports(
             stats.wrong_nonce += 1;
             continue;
         }
-        let plan = holdings.plans.iter().find(|&&p| {
-            plans.get(p).is_ok_and(|e| e.plan.producer == r.producer && e.plan.consumer == r.consumer)
-        });
-        let Some(mut entry) = plan.and_then(|&p| plans.get_mut(p).ok()) else {
-            stats.unknown += 1;
+        let from = (r.producer.pp, r.producer.tp);
+        // Decode side: the consumer rank's progress.
+        let mut counted = false;
+        for &l in &holdings.leases {
+            if let Ok((lease, mut prog)) = progress.get_mut(l)
+                && lease.rank == RankId::Decode(r.consumer)
+            {
+                if prog.reported.contains(&from) {
+                    stats.duplicate += 1;
+                } else {
+                    prog.reported.push(from);
+                    stats.accepted += 1;
+                }
+                counted = true;
+            }
+        }
+        // Producer side: the plan and the stage's producer entry.
+        let plan = holdings.plans.iter().copied().find(|&p| plans.get(p).is_ok_and(|e| e.plan.producer == r.producer && e.plan.consumer == r.consumer));
+        let Some(plan) = plan else {
+            if !counted {
+                stats.unknown += 1;
+            }
             continue;
         };
+        let Ok(mut entry) = plans.get_mut(plan) else { continue };
         if entry.state == WriteState::Done {
-            stats.duplicate += 1;
+            if !counted {
+                stats.duplicate += 1;
+            }
             continue;
         }
         entry.state = WriteState::Done;
-        stats.accepted += 1;
-        if let Some(&pe) = holdings.entries.get(r.producer.pp as usize)
-            && let Ok(mut pe_entry) = entries.get_mut(pe)
-        {
-            pe_entry.pending = pe_entry.pending.saturating_sub(1);
-            if pe_entry.pending == 0 {
-                commands.entity(pe).try_despawn();
-            }
+        if !counted {
+            stats.accepted += 1;
         }
-        for &l in &holdings.leases {
-            if let Ok((table, mut prog)) = progress.get_mut(l)
-                && table.rank == RankId::Decode(r.consumer)
+        let stage = r.producer.pp;
+        let Some(pe) = holdings.entries.iter().copied().find(|&pe| entries.get(pe).is_ok_and(|x| x.stage == stage)) else { continue };
+        let Ok(mut pe_entry) = entries.get_mut(pe) else { continue };
+        pe_entry.pending = pe_entry.pending.saturating_sub(1);
+        if pe_entry.pending > 0 {
+            continue;
+        }
+        commands.entity(pe).try_despawn();
+        let mut pairs = Vec::new();
+        let mut bytes = 0;
+        for &p in &holdings.plans {
+            if let Ok(e) = plans.get(p)
+                && e.plan.producer.pp == stage
             {
-                let from = (r.producer.pp, r.producer.tp);
-                if !prog.reported.contains(&from) {
-                    prog.reported.push(from);
-                }
+                pairs.push((e.plan.producer, e.plan.consumer));
+                bytes += e.plan.bytes();
             }
         }
+        let last = stage + 1 == topo.0.config.prefill.pp;
+        events.write(EngineEvent::Written(StageReport {
+            request: req.id,
+            nonce: req.nonce,
+            stage,
+            pairs,
+            first_token: if last { first.map(|f| f.0) } else { None },
+            bytes,
+        }));
     }
 }
 
-/// A request whose every decode rank has every expected report is handed off: its
-/// source blocks and slots go back to the pools.
+/// A request whose local plans are all written and whose every local decode rank
+/// has every expected report is handed off: its source blocks and slots go back to
+/// the pools. Decode then emits the first token (from the last stage); a World
+/// without decode ranks is done with the request.
+#[allow(clippy::type_complexity)]
 pub fn complete_handoffs(
     mut commands: Commands,
-    mut requests: Query<(&Request, &mut Status, &mut Holdings)>,
-    leases: Query<(&BlockTable, &Slot, Option<&ConsumerProgress>)>,
+    mut requests: Query<(&Request, &mut Status, &mut Holdings, Option<&FirstToken>, Option<&mut Generation>)>,
+    leases: Query<(&Lease, Option<&ConsumerProgress>)>,
+    plans: Query<&PlanEntry>,
     mut pools: ResMut<Pools>,
     mut outcomes: MessageWriter<Outcome>,
+    mut events: MessageWriter<EngineEvent>,
 ) {
-    for (req, mut status, mut holdings) in requests.iter_mut() {
+    for (req, mut status, mut holdings, first, generation) in requests.iter_mut() {
         if *status != Status::Planned {
             continue;
         }
-        let done = holdings.leases.iter().all(|&l| match leases.get(l) {
-            Ok((_, _, Some(p))) => p.reported.len() as u32 >= p.expected,
+        let written = holdings.plans.iter().all(|&p| plans.get(p).is_ok_and(|p| p.state == WriteState::Done));
+        let reported = holdings.leases.iter().all(|&l| match leases.get(l) {
+            Ok((_, Some(p))) => p.reported.len() as u32 >= p.expected,
             _ => true,
         });
-        if !done {
+        if !written || !reported {
             continue;
         }
         holdings.leases.retain(|&l| {
-            let Ok((table, slot, _)) = leases.get(l) else { return false };
-            if matches!(table.rank, RankId::Decode(_)) {
+            let Ok((lease, _)) = leases.get(l) else { return false };
+            if matches!(lease.rank, RankId::Decode(_)) {
                 return true;
             }
-            release_lease(&mut pools, table, slot);
+            release_lease(&mut pools, lease);
             commands.entity(l).despawn();
             false
         });
+        let Some(mut generation) = generation else {
+            // No tokens to generate here: a prefill stage is done with it; a byte-level
+            // check finishes it itself.
+            *status = if holdings.leases.is_empty() { Status::Finished } else { Status::HandedOff };
+            outcomes.write(Outcome { request: req.id, result: Ok(()) });
+            continue;
+        };
+        let Some(FirstToken(tok)) = first.copied() else {
+            *status = Status::Failed {
+                phase: PhaseName::Transfer,
+                reason: "every stage reported, but the last stage sent no first token".into(),
+            };
+            continue;
+        };
         *status = Status::HandedOff;
         outcomes.write(Outcome { request: req.id, result: Ok(()) });
-    }
-}
-
-fn release_lease(pools: &mut Pools, table: &BlockTable, slot: &Slot) {
-    if let Some(pool) = pools.0.get_mut(&table.rank) {
-        free_blocks(pool, &table.blocks);
-        pool.free_slots.push(slot.index);
+        generation.last = Some(tok);
+        generation.emitted = 1;
+        events.write(EngineEvent::Token { request: req.id, index: 0, token: tok });
+        if generation.emitted >= generation.max_tokens {
+            *status = Status::Finished;
+        }
     }
 }
 
@@ -128,29 +226,42 @@ pub fn expire_requests(mut requests: Query<(&mut Status, &Deadline)>, topo: Res<
 
 /// Frees everything a finished or failed request held and despawns its entities.
 /// A failed request waits while any of its writes is in flight, so an abort never
-/// frees a source that a write may still be reading.
+/// frees a source that a write may still be reading. Where the producers are other
+/// processes (decode), a failed request that published its layout keeps its blocks
+/// and slots until every stage has settled (reported) or its phase deadline has
+/// passed: a stage still writing must not land in blocks given to a new request.
+#[allow(clippy::type_complexity, clippy::too_many_arguments)]
 pub fn retire_requests(
     mut commands: Commands,
-    requests: Query<(Entity, &Request, &Status, &Holdings)>,
-    leases: Query<(&BlockTable, &Slot)>,
+    requests: Query<(Entity, &Request, &Status, &Holdings, Option<&Generation>, &StagesComputed, &Deadline)>,
+    leases: Query<(&Lease, Option<&ConsumerProgress>)>,
     plans: Query<&PlanEntry>,
+    local: Res<LocalRanks>,
+    topo: Res<TopologyRes>,
     mut pools: ResMut<Pools>,
     mut index: ResMut<RequestIndex>,
     mut outcomes: MessageWriter<Outcome>,
+    mut events: MessageWriter<EngineEvent>,
 ) {
-    for (e, req, status, holdings) in requests.iter() {
+    let remote_producers = local.decode && (local.stages.len() as u32) < topo.0.config.prefill.pp;
+    let now = Instant::now();
+    for (e, req, status, holdings, generation, computed, deadline) in requests.iter() {
         match status {
             Status::Finished => {}
             Status::Failed { .. } => {
                 if holdings.plans.iter().any(|&p| plans.get(p).is_ok_and(|p| p.state == WriteState::InFlight)) {
                     continue;
                 }
+                let unreported = holdings.leases.iter().any(|&l| leases.get(l).is_ok_and(|(_, p)| p.is_some_and(|p| (p.reported.len() as u32) < p.expected)));
+                if remote_producers && unreported && !computed.0.iter().all(|&c| c) && now < deadline.at {
+                    continue;
+                }
             }
             _ => continue,
         }
         for &l in &holdings.leases {
-            if let Ok((table, slot)) = leases.get(l) {
-                release_lease(&mut pools, table, slot);
+            if let Ok((lease, _)) = leases.get(l) {
+                release_lease(&mut pools, lease);
             }
             commands.entity(l).try_despawn();
         }
@@ -159,8 +270,14 @@ pub fn retire_requests(
         }
         commands.entity(e).despawn();
         index.0.remove(&req.id);
-        if let Status::Failed { phase, reason } = status {
-            outcomes.write(Outcome { request: req.id, result: Err((*phase, reason.clone())) });
+        match status {
+            Status::Failed { phase, reason } => {
+                outcomes.write(Outcome { request: req.id, result: Err((*phase, reason.clone())) });
+            }
+            _ if generation.is_some() => {
+                events.write(EngineEvent::Finished { request: req.id });
+            }
+            _ => {}
         }
     }
 }

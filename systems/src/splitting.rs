@@ -358,42 +358,43 @@ use bevy_ecs::prelude::*;
 use handoff_components::ecs::*;
 use handoff_components::vocab::RankId;
 
-/// Plans every (producer, consumer) pair of each placed request from the consumers'
-/// published layouts. A pair that cannot be planned fails the request.
+/// Plans every (local producer, consumer) pair of each placed request from the
+/// consumers' published layouts: those of this World's decode ranks, or the copy a
+/// stage received with the request. A pair that cannot be planned fails the request.
 #[allow(clippy::type_complexity)]
 pub fn split_requests(
     mut commands: Commands,
-    mut requests: Query<(Entity, &Request, &mut Status, &mut Holdings)>,
-    mut leases: Query<(&BlockTable, &Slot, Option<&Published>, Option<&mut ConsumerProgress>)>,
+    mut requests: Query<(Entity, &Request, &mut Status, &mut Holdings, Option<&RemoteConsumers>)>,
+    leases: Query<(&Lease, Option<&Published>)>,
     regions: Query<&Region>,
     segments: Query<&Segment>,
     mut entries: Query<&mut ProducerEntry>,
     topo: Res<TopologyRes>,
 ) {
     let prefill_tp = topo.0.prefill().tp;
-    for (e, req, mut status, mut holdings) in requests.iter_mut() {
+    for (e, req, mut status, mut holdings, remote) in requests.iter_mut() {
         if *status != Status::Placed {
             continue;
         }
         let mut producers = Vec::new();
-        let mut consumers = Vec::new();
+        let mut consumers: Vec<&ConsumerLayout> = remote.map(|r| r.0.iter().collect()).unwrap_or_default();
         for &l in &holdings.leases {
-            let Ok((table, slot, published, _)) = leases.get(l) else { continue };
-            match (table.rank, published) {
+            let Ok((lease, published)) = leases.get(l) else { continue };
+            match (lease.rank, published) {
                 (RankId::Prefill(p), _) => producers.push(ProducerLayout {
                     rank: p,
-                    blocks: table.blocks.clone(),
-                    slot: slot.index,
-                    layout: crate::placement::publish(table.rank, &regions, &segments),
+                    blocks: lease.blocks.clone(),
+                    slot: lease.slot,
+                    layout: crate::placement::publish(lease.rank, &regions, &segments),
                 }),
-                (RankId::Decode(_), Some(p)) => consumers.push((l, p.0.clone())),
+                (RankId::Decode(_), Some(p)) => consumers.push(&p.0),
                 _ => {}
             }
         }
         let mut plans = Vec::new();
         let mut failure = None;
         let planners: Vec<ProducerPlanner> = producers.iter().map(|p| ProducerPlanner::new(p, req.tokens)).collect();
-        'pairs: for (_, c) in &consumers {
+        'pairs: for c in &consumers {
             for p in &planners {
                 let sh = share(prefill_tp, c.tp, p.producer.rank.tp, c.rank.tp);
                 if !sh.rows && !sh.state {
@@ -412,21 +413,9 @@ pub fn split_requests(
             *status = Status::Failed { phase: PhaseName::Transfer, reason };
             continue;
         }
-        for (l, c) in &consumers {
-            if let Ok((_, _, _, Some(mut progress))) = leases.get_mut(*l) {
-                let mut from: Vec<(u32, u32)> = plans
-                    .iter()
-                    .filter(|p| p.consumer == c.rank)
-                    .map(|p| (p.producer.pp, p.producer.tp))
-                    .collect();
-                from.sort_unstable();
-                from.dedup();
-                progress.expected = from.len() as u32;
-            }
-        }
         for plan in plans {
-            if let Some(&entry) = holdings.entries.get(plan.producer.pp as usize)
-                && let Ok(mut entry) = entries.get_mut(entry)
+            if let Some(entry) = holdings.entries.iter().find(|&&pe| entries.get(pe).is_ok_and(|x| x.stage == plan.producer.pp))
+                && let Ok(mut entry) = entries.get_mut(*entry)
             {
                 entry.pending += 1;
             }

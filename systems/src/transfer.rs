@@ -5,8 +5,9 @@
 use bevy_ecs::prelude::*;
 use handoff_components::ecs::*;
 use handoff_components::plan::Plan;
-use handoff_components::vocab::{DecodeRank, PrefillRank};
+use handoff_components::vocab::{DecodeRank, PrefillRank, RankId, RegionKind};
 use std::time::{Duration, Instant};
+use thiserror::Error;
 
 /// Identifies one plan's writes to the mover and back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -17,17 +18,33 @@ pub struct Ticket {
     pub consumer: DecodeRank,
 }
 
+/// Why a mover could not start or finish a plan's writes.
+#[derive(Debug, Clone, Error, PartialEq, Eq)]
+pub enum MoveError {
+    #[error("no {kind} region of {rank} known to the mover ({side})")]
+    UnknownRegion { kind: RegionKind, rank: RankId, side: &'static str },
+    #[error("ticket of request {0} is already in flight")]
+    AlreadyInFlight(u64),
+    #[error("the mover's workers have stopped")]
+    Stopped,
+    /// The transport failed the writes; its own message.
+    #[error("{0}")]
+    Transport(String),
+    #[error("no write-done report from prefill pp{pp} tp{tp} within {after:?} (producer gone or stalled)")]
+    NoReport { pp: u32, tp: u32, after: Duration },
+}
+
 /// The end of one plan's writes.
 #[derive(Debug, Clone)]
 pub struct Completion {
     pub ticket: Ticket,
-    pub result: Result<(), String>,
+    pub result: Result<(), MoveError>,
 }
 
 /// Moves the bytes of plans between registered regions.
 pub trait Mover: Send + Sync + 'static {
     /// Starts the writes of one plan; its completion comes back from `poll`.
-    fn submit(&mut self, ticket: Ticket, plan: &Plan) -> Result<(), String>;
+    fn submit(&mut self, ticket: Ticket, plan: &Plan) -> Result<(), MoveError>;
     /// Appends the completions that arrived since the last call.
     fn poll(&mut self, out: &mut Vec<Completion>);
 }
@@ -36,26 +53,32 @@ pub trait Mover: Send + Sync + 'static {
 #[derive(Resource)]
 pub struct Transfers(pub Box<dyn Mover>);
 
-/// Submits the pending plans of every stage that has computed.
-pub fn submit_plans(
-    mut requests: Query<(&Request, &mut Status, &StagesComputed, &Holdings, &mut Deadline)>,
-    mut plans: Query<&mut PlanEntry>,
-    mut transfers: ResMut<Transfers>,
-    topo: Res<TopologyRes>,
-) {
-    for (req, mut status, computed, holdings, mut deadline) in requests.iter_mut() {
-        if *status != Status::Planned {
-            continue;
-        }
-        if deadline.phase == PhaseName::Compute && computed.0.iter().all(|&c| c) {
+/// Moves a planned request from the compute deadline to the transfer deadline once
+/// every stage has computed it.
+pub fn advance_deadlines(mut requests: Query<(&Status, &StagesComputed, &mut Deadline)>, topo: Res<TopologyRes>) {
+    for (status, computed, mut deadline) in requests.iter_mut() {
+        if *status == Status::Planned && deadline.phase == PhaseName::Compute && computed.0.iter().all(|&c| c) {
             *deadline = Deadline {
                 phase: PhaseName::Transfer,
                 at: Instant::now() + Duration::from_secs_f64(topo.0.config.timeouts.transfer_s),
             };
         }
+    }
+}
+
+/// Submits the pending plans of every stage that has computed.
+pub fn submit_plans(
+    mut requests: Query<(&Request, &mut Status, &StagesComputed, &Holdings)>,
+    mut plans: Query<&mut PlanEntry>,
+    mut transfers: ResMut<Transfers>,
+) {
+    for (req, mut status, computed, holdings) in requests.iter_mut() {
+        if *status != Status::Planned {
+            continue;
+        }
         for &p in &holdings.plans {
             let Ok(mut entry) = plans.get_mut(p) else { continue };
-            if entry.state != WriteState::Pending || !computed.0[entry.plan.producer.pp as usize] {
+            if entry.state != WriteState::Pending || !computed.0.get(entry.plan.producer.pp as usize).copied().unwrap_or(false) {
                 continue;
             }
             let ticket = Ticket { request: req.id, nonce: req.nonce, producer: entry.plan.producer, consumer: entry.plan.consumer };
