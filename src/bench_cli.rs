@@ -13,7 +13,7 @@
 use crate::engine::{Engine, QueueMover};
 use crate::oracle::{self, OracleRequest, Placement};
 use crate::transport::bench::memcpy_bandwidth;
-use crate::transport::mover::{MoverOptions, StagingMode, TransportMover};
+use crate::engine::mover::{MoverOptions, StagingMode, TransportMover};
 use crate::transport::{loopback_pair, TransportExt};
 use anyhow::{anyhow, bail, Context};
 use handoff_components::config::TransportKind;
@@ -108,8 +108,7 @@ pub fn bench_transfer_with(
         ..MoverOptions::from_topology(&topo)
     };
     let mut mover = TransportMover::new(producer.clone(), mover_opts)?;
-    let mut q = engine.world.query::<&Region>();
-    let regions: Vec<Region> = q.iter(&engine.world).cloned().collect();
+    let regions: Vec<Region> = engine.regions();
     let mut consumer_regions = BTreeMap::new();
     let mut units = BTreeMap::new();
     for r in &regions {

@@ -1,11 +1,13 @@
 //! `handoff verify --compute`: the invariant that disaggregated P/D decode computes
 //! what a colocated single-rank run computes.
 //!
-//! The disaggregated path goes through the engine: the request is placed and split,
-//! the dispatch phase runs each PP stage's TP ranks over their layers, writing their
-//! caches into their own producer regions, the plans run as byte copies (the
-//! oracle's counting copy), the tickets complete, and the dispatch phase decodes on
-//! the TP x DCP ranks from their decode regions only. Greedy tokens must be equal at every step and the logits within
+//! The disaggregated path goes through the engine and the same [`ModelCompute`] the
+//! role processes run: the requests are placed and split, the dispatch phase runs
+//! each PP stage's TP ranks over their layers, writing their caches into their own
+//! producer regions, the plans run as byte copies (the oracle's counting copy), the
+//! tickets complete, and the dispatch phase decodes every request together as one
+//! batch on the TP x DCP ranks, from their decode regions only. Each request is
+//! compared with its own colocated run. Greedy tokens must be equal at every step and the logits within
 //! [`LOGIT_TOLERANCE`]: relative error of a step = max |a - b| / max |b| over the
 //! vocabulary (b the reference), the report keeps the largest over all steps.
 //!
@@ -16,21 +18,18 @@
 //! whatever the PP, TP, DCP and interleave. Models whose f32 weights exceed
 //! [`crate::model::weights::MAX_WEIGHT_BYTES`] are refused up front, naming the size.
 
+use crate::compute::{LogitTrace, ModelCompute, layouts_of};
 use crate::engine::{Engine, QueueMover};
-use crate::model::forward;
-use crate::model::ranks::{self, DecodeRanks, Layouts, Lease};
 use crate::model::{Model, Trace, run_colocated};
 use crate::oracle::{self, Memory};
 use handoff_components::Topology;
-use handoff_components::ecs::{Outcome, Pools, Region, Status};
-use handoff_systems::dispatch::{Compute, Dispatcher, Lease as DispatchLease};
-use handoff_kernels::CpuBuf;
-use std::sync::{Arc, Mutex};
+use handoff_components::ecs::{EngineEvent, Inputs, Submit};
 use handoff_components::plan::Plan;
-use handoff_components::vocab::{DecodeRank, PrefillRank, RankId, RegionKind};
+use handoff_components::vocab::RegionKind;
 use handoff_kernels::CpuBackend;
-use handoff_systems::placement::{Capacity, alloc_blocks, blocks_for, free_blocks, owned_tokens};
+use handoff_systems::placement::Capacity;
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 
 /// Largest relative logit error accepted.
 pub const LOGIT_TOLERANCE: f32 = 1e-4;
@@ -38,6 +37,8 @@ pub const LOGIT_TOLERANCE: f32 = 1e-4;
 /// What a passing compute verification saw.
 #[derive(Debug, Clone, Default)]
 pub struct ComputeReport {
+    /// Requests decoded together as one batch.
+    pub requests: u32,
     pub prompt_tokens: usize,
     pub steps: u32,
     /// The greedy tokens both paths produced (prefill's pick, then one per step).
@@ -84,27 +85,42 @@ pub fn verify_compute(
     steps: u32,
     tamper: impl FnMut(&mut Vec<Plan>),
 ) -> Result<ComputeReport, String> {
-    verify_compute_with(topo, prompt, steps, Fill::Canary, tamper)
+    verify_compute_with(topo, &[prompt.to_vec()], steps, Fill::Canary, tamper)
 }
 
-/// [`verify_compute`] with a choice of what unwritten memory holds.
+/// The prompts `verify --compute --requests R` runs together: `prompt`, then
+/// shorter prefixes of it, so the decode batch mixes lengths.
+pub fn batch_prompts(prompt: &[u8], requests: u32) -> Vec<Vec<u8>> {
+    (0..requests.max(1) as usize).map(|i| prompt[..prompt.len().saturating_sub(i * 3).max(1)].to_vec()).collect()
+}
+
+/// [`verify_compute`] for several prompts at once (decoded as one batch), with a
+/// choice of what unwritten memory holds. The report is the worst over them.
 pub fn verify_compute_with(
     topo: &Topology,
-    prompt: &[u8],
+    prompts: &[Vec<u8>],
     steps: u32,
     fill: Fill,
     tamper: impl FnMut(&mut Vec<Plan>),
 ) -> Result<ComputeReport, String> {
+    if prompts.is_empty() || prompts.iter().any(|p| p.is_empty()) {
+        return Err("empty prompt".into());
+    }
     // Refuses models whose weights exceed the CPU path's limit, naming the size.
     let model = Model::new(topo).map_err(|e| e.to_string())?;
-    let reference = run_colocated(&model, prompt, steps).map_err(|e| format!("colocated reference: {e}"))?;
-    let model = Arc::new(model);
-    let (got, mut report) = run_disaggregated(topo, model.clone(), prompt, steps, fill, tamper)?;
-    compare(&reference, &got, &mut report)?;
-    report.tokens = reference.tokens;
+    let mut references = Vec::new();
+    for p in prompts {
+        references.push(run_colocated(&model, p, steps).map_err(|e| format!("colocated reference: {e}"))?);
+    }
+    drop(model);
+    let (got, mut report) = run_disaggregated(topo, prompts, steps, fill, tamper)?;
+    for (i, (want, got)) in references.iter().zip(&got).enumerate() {
+        compare(want, got, &mut report).map_err(|e| format!("request {} ({} prompt tokens): {e}", i + 1, prompts[i].len()))?;
+    }
+    report.tokens = references[0].tokens.clone();
+    report.requests = prompts.len() as u32;
     Ok(report)
 }
-
 fn compare(want: &Trace, got: &Trace, report: &mut ComputeReport) -> Result<(), String> {
     let mut first_bad_token = None;
     let mut first_bad_logits = None;
@@ -148,209 +164,90 @@ fn compare(want: &Trace, got: &Trace, report: &mut ComputeReport) -> Result<(), 
     Err(msg)
 }
 
-fn fail_on_outcomes(engine: &mut Engine) -> Result<(), String> {
-    for Outcome { request, result } in engine.take_outcomes() {
-        if let Err((phase, reason)) = result {
-            return Err(format!("request {request} failed in {}: {reason}", phase.name()));
-        }
-    }
-    Ok(())
-}
-
-/// The model as the engine's dispatch phase runs it: each prefill stage computes its
-/// layers into its producer regions (hidden states kept between stages), and decode
-/// runs from the decode regions the transfer wrote.
-struct ModelCompute {
-    topo: Topology,
-    model: Arc<Model>,
-    layouts: Layouts,
-    mem: Arc<Mutex<Memory>>,
-    prompt: Vec<u8>,
-    steps: u32,
-    be: CpuBackend,
-    hidden: BTreeMap<u64, CpuBuf>,
-    trace: Arc<Mutex<Option<Trace>>>,
-}
-
-fn lease_map(leases: &[DispatchLease]) -> BTreeMap<RankId, Lease> {
-    leases.iter().map(|(rank, blocks, slot)| (*rank, Lease { blocks: blocks.clone(), slot: *slot })).collect()
-}
-
-impl Compute for ModelCompute {
-    fn prefill(&mut self, request: u64, tokens: u64, stage: u32, leases: &[DispatchLease]) -> Result<(), String> {
-        let me = |e: crate::model::ModelError| e.to_string();
-        let t = tokens as usize;
-        let ModelCompute { topo, model, layouts, mem, prompt, be, hidden, trace, .. } = self;
-        if prompt.len() != t {
-            return Err(format!("request {request} has {t} tokens, the compute was given a {}-token prompt", prompt.len()));
-        }
-        let mut h = match stage {
-            0 => forward::embed(be, model, prompt).map_err(me)?,
-            _ => hidden.remove(&request).ok_or_else(|| format!("stage {stage} ran before stage {}", stage - 1))?,
-        };
-        let leases = lease_map(leases);
-        let group = model.shard(topo.prefill().tp as usize).map_err(me)?;
-        let tail = ranks::prefill_record_tail(topo, t);
-        let layers = topo.stage_layers[stage as usize].clone();
-        let mut mem = mem.lock().map_err(|e| e.to_string())?;
-        forward::prefill_layers(be, model, &group, layers.start as usize..layers.end as usize, &mut h, t, tail, &mut |tp, layer, cache| {
-            let rank = PrefillRank { pp: stage, tp: tp as u32 };
-            let lease = leases
-                .get(&RankId::Prefill(rank))
-                .ok_or_else(|| crate::model::ModelError::Region(format!("no lease on prefill pp{stage} tp{tp}")))?;
-            ranks::store_prefill(topo, layouts, &mut mem, rank, lease, layer, cache)
-        })
-        .map_err(me)?;
-        if stage as usize + 1 == topo.stage_layers.len() {
-            let (logits, first) = forward::logits_of_last(be, model, &h, t).map_err(me)?;
-            *trace.lock().map_err(|e| e.to_string())? = Some(Trace { tokens: vec![first], logits: vec![logits] });
-        } else {
-            hidden.insert(request, h);
-        }
-        Ok(())
-    }
-
-    fn decode(&mut self, _request: u64, tokens: u64, leases: &[DispatchLease], pools: &mut Pools) -> Result<(), String> {
-        let me = |e: crate::model::ModelError| e.to_string();
-        let ModelCompute { topo, model, layouts, mem, steps, be, trace, .. } = self;
-        let t = tokens as usize;
-        let total = tokens + *steps as u64;
-        let leases = lease_map(leases);
-        // Decode block tables grow from each rank's pool to hold prompt + steps tokens.
-        let d = topo.decode();
-        let mut decode_leases = Vec::new();
-        let mut grown: Vec<(RankId, Vec<u32>)> = Vec::new();
-        for tp in 0..d.tp {
-            let rank = DecodeRank { tp };
-            let rid = RankId::Decode(rank);
-            let mut lease = leases.get(&rid).cloned().ok_or_else(|| format!("no lease on decode tp{tp}"))?;
-            let need = blocks_for(owned_tokens(total, d.dcp, rank.dcp_rank(d.dcp), d.interleave), d.block_size) as usize;
-            if need > lease.blocks.len() {
-                let pool = pools.0.get_mut(&rid).ok_or_else(|| format!("no pool on decode tp{tp}"))?;
-                let more = alloc_blocks(pool, (need - lease.blocks.len()) as u32)
-                    .ok_or_else(|| format!("decode tp{tp}: no free blocks for {need} blocks of prompt + steps"))?;
-                lease.blocks.extend_from_slice(&more);
-                grown.push((rid, more));
-            }
-            decode_leases.push(lease);
-        }
-        let dgroup = model.shard(d.tp as usize).map_err(me)?;
-        let mut guard = trace.lock().map_err(|e| e.to_string())?;
-        let trace = guard.as_mut().ok_or("decode ran before prefill produced the first token")?;
-        let mut mem = mem.lock().map_err(|e| e.to_string())?;
-        let result = (|| {
-            let mut caches = DecodeRanks::new(topo, layouts, &mut mem, decode_leases);
-            for i in 0..*steps as usize {
-                let prev = trace.tokens[i];
-                let (logits, tok) = forward::decode_step(be, model, &dgroup, prev, t + i, &mut caches)
-                    .map_err(|e| format!("decode step {}: {e}", i + 1))?;
-                trace.tokens.push(tok);
-                trace.logits.push(logits);
-            }
-            Ok(())
-        })();
-        for (rid, blocks) in &grown {
-            if let Some(pool) = pools.0.get_mut(rid) {
-                free_blocks(pool, blocks);
-            }
-        }
-        result
-    }
-}
-
-/// The disaggregated run through the engine: its dispatch phase computes the prefill
-/// stages and the decode, its transfer phase hands the plans to the caller, which runs
-/// them as the oracle's counting copy.
+/// The disaggregated run through one engine of every rank: its dispatch phase
+/// computes the prefill stages and the batched decode through [`ModelCompute`],
+/// its transfer phase hands the plans to this driver, which runs them as the
+/// oracle's counting copy. Returns each request's trace, in prompt order.
 fn run_disaggregated(
     topo: &Topology,
-    model: Arc<Model>,
-    prompt: &[u8],
+    prompts: &[Vec<u8>],
     steps: u32,
     fill: Fill,
     mut tamper: impl FnMut(&mut Vec<Plan>),
-) -> Result<(Trace, ComputeReport), String> {
-    let t = prompt.len();
-    if t == 0 {
-        return Err("empty prompt".into());
-    }
-    if let Err(reason) = topo.admits_transfer_mode() {
-        return Err(format!("refused at admission: {reason}"));
-    }
-    let total = t as u64 + steps as u64;
-    let cap = Capacity::for_requests(topo, 1, total);
+) -> Result<(Vec<Trace>, ComputeReport), String> {
+    topo.admits_transfer_mode().map_err(|reason| format!("refused at admission: {reason}"))?;
+    let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(0) as u64;
+    let cap = Capacity::for_requests(topo, prompts.len() as u32, longest + steps as u64 + 1);
     let mover = QueueMover::default();
     let mut engine = Engine::new(topo.clone(), cap, Box::new(mover.clone()));
-    engine.tick();
-
+    let regions = engine.regions();
     let mut mem = Memory::new();
-    let mut layouts = Layouts::new();
-    let mut q = engine.world.query::<&Region>();
-    for r in q.iter(&engine.world) {
+    for r in &regions {
         let mut buf = vec![0u8; r.layout.len as usize];
         if fill == Fill::Canary {
             oracle::fill_canary(r.rank, r.layout.kind, &mut buf);
         }
         mem.insert((r.rank, r.layout.kind), buf);
-        layouts.insert((r.rank, r.layout.kind), r.layout.clone());
     }
     let mem = Arc::new(Mutex::new(mem));
-    let trace = Arc::new(Mutex::new(None));
-    engine.world.insert_resource(Dispatcher(Box::new(ModelCompute {
-        topo: topo.clone(),
-        model,
-        layouts,
-        mem: mem.clone(),
-        prompt: prompt.to_vec(),
-        steps,
-        be: CpuBackend::new(),
-        hidden: BTreeMap::new(),
-        trace: trace.clone(),
-    })));
+    let trace: LogitTrace = Arc::default();
+    let compute = ModelCompute::new(topo, CpuBackend::new(), layouts_of(&regions), mem.clone())
+        .map_err(|e| e.to_string())?
+        .with_trace(trace.clone());
+    engine.set_compute(Box::new(compute));
 
-    // Tick 1: admission, placement, splitting; dispatch computes every prefill stage.
-    let id = 1;
-    engine.submit(id, t as u64);
-    engine.tick();
-    fail_on_outcomes(&mut engine)?;
-    match engine.status(id) {
-        Some(Status::Planned) => {}
-        Some(Status::Failed { phase, reason }) => return Err(format!("request {id} failed in {}: {reason}", phase.name())),
-        other => return Err(format!("request {id} was not planned after one tick: {other:?}")),
+    let mut tokens: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let id = i as u64 + 1;
+        let inputs = Inputs { prompt: p.clone(), hidden: None };
+        engine.submit_request(Submit { id, tokens: p.len() as u64, inputs, max_tokens: steps + 1, ..Default::default() });
+        tokens.insert(id, Vec::new());
     }
-
-    // Tick 2: the transfer phase submits every stage's plans; they run as byte copies.
-    engine.tick();
-    let submitted = mover.take_submitted();
-    let mut plans: Vec<Plan> = submitted.iter().map(|(_, p)| p.clone()).collect();
-    let mut report = ComputeReport { prompt_tokens: t, steps, ..Default::default() };
-    report.descriptors = plans.iter().map(|p| p.descriptors.len() as u64).sum();
-    tamper(&mut plans);
-    {
-        let mut mem = mem.lock().map_err(|e| e.to_string())?;
-        let exec = oracle::execute_counted(&plans, &mut mem).map_err(|e| format!("plan execution refused: {e}"))?;
-        report.bytes_transferred = exec.bytes;
-        for ((_, kind), b) in &exec.written {
-            *report.bytes_by_kind.entry(*kind).or_default() += b;
+    let mut report = ComputeReport { prompt_tokens: prompts[0].len(), steps, ..Default::default() };
+    let mut finished = 0;
+    // Each tick: the transfer phase's plans run as byte copies before the next.
+    let limit = 64 * (topo.prefill().pp as usize + steps as usize + 8);
+    for _ in 0..limit {
+        engine.tick();
+        let submitted = mover.take_submitted();
+        if !submitted.is_empty() {
+            let mut plans: Vec<Plan> = submitted.iter().map(|(_, p)| p.clone()).collect();
+            report.descriptors += plans.iter().map(|p| p.descriptors.len() as u64).sum::<u64>();
+            tamper(&mut plans);
+            let mut mem = mem.lock().map_err(|e| e.to_string())?;
+            let exec = oracle::execute_counted(&plans, &mut mem).map_err(|e| format!("plan execution refused: {e}"))?;
+            report.bytes_transferred += exec.bytes;
+            for ((_, kind), b) in &exec.written {
+                *report.bytes_by_kind.entry(*kind).or_default() += b;
+            }
+            drop(mem);
+            for (ticket, _) in &submitted {
+                mover.complete(*ticket, Ok(()));
+            }
+        }
+        for o in engine.take_outcomes() {
+            if let Err((phase, reason)) = o.result {
+                return Err(format!("request {} failed in {}: {reason}", o.request, phase.name()));
+            }
+        }
+        for ev in engine.take_events() {
+            match ev {
+                EngineEvent::Token { request, token, .. } => tokens.entry(request).or_default().push(token),
+                EngineEvent::Finished { .. } => finished += 1,
+                _ => {}
+            }
+        }
+        if finished == prompts.len() && engine.live_requests() == 0 {
+            break;
         }
     }
-    for (ticket, _) in &submitted {
-        mover.complete(*ticket, Ok(()));
+    if finished < prompts.len() || engine.live_requests() > 0 {
+        return Err(format!("{} of {} requests finished after {limit} ticks; {} still held", finished, prompts.len(), engine.live_requests()));
     }
-
-    // Tick 3: release sees every report (handed off); dispatch decodes. Tick 4: retire.
-    engine.tick();
-    let mut outcomes = engine.take_outcomes();
-    engine.tick();
-    outcomes.extend(engine.take_outcomes());
-    if let Some(Outcome { result: Err((phase, reason)), .. }) = outcomes.iter().find(|o| o.result.is_err()) {
-        return Err(format!("request {id} failed in {}: {reason}", phase.name()));
-    }
-    if !outcomes.iter().any(|o| o.request == id && o.result.is_ok()) {
-        return Err(format!("request {id} did not complete its hand-off: {:?} {outcomes:?}", engine.status(id)));
-    }
-    if engine.entity_of(id).is_some() {
-        return Err(format!("request {id} was not released after decode: {:?}", engine.status(id)));
-    }
-    let trace = trace.lock().map_err(|e| e.to_string())?.take().ok_or("prefill produced no token")?;
-    Ok((trace, report))
+    let logits = std::mem::take(&mut *trace.lock().map_err(|e| e.to_string())?);
+    let traces = tokens
+        .into_iter()
+        .map(|(id, tokens)| Trace { tokens, logits: logits.get(&id).cloned().unwrap_or_default() })
+        .collect();
+    Ok((traces, report))
 }

@@ -6,6 +6,7 @@
 
 pub mod bench_cli;
 pub mod cli;
+pub mod compute;
 pub mod compute_verify;
 pub mod engine;
 pub mod model;

@@ -43,8 +43,10 @@ enum Command {
     Verify {
         #[arg(long)]
         config: String,
-        #[arg(long, default_value_t = 4096)]
-        tokens: u64,
+        /// Prompt tokens per request (default: the config's serve.max_context / 2).
+        #[arg(long)]
+        tokens: Option<u64>,
+        /// Requests handed off together (with --compute: decoded as one batch).
         #[arg(long, default_value_t = 2)]
         requests: u32,
         /// Also run the model: disaggregated decode must equal colocated decode.
@@ -70,9 +72,14 @@ enum Command {
 enum BenchCommand {
     /// Start the default cluster and load it: tok/s, TTFT and inter-token latency p50/p99.
     Serve {
-        #[arg(long, default_value_t = 8)]
-        concurrency: u32,
-        #[arg(long, default_value_t = 64)]
+        /// Topology file (default: the built-in default cluster).
+        #[arg(long)]
+        config: Option<String>,
+        /// Concurrency levels, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "1,8,32,88")]
+        concurrency: Vec<u32>,
+        /// Completions per level (default: 4 x concurrency, at least 32).
+        #[arg(long, default_value_t = 0)]
         requests: u32,
     },
     /// Hand-off bandwidth over a transport, with this machine's memcpy measured in the same run.
@@ -168,18 +175,30 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Verify { config, tokens, requests, compute, steps, prompt } => {
             let topo = load(&config)?;
+            if requests == 0 {
+                return Err(Refusal("--requests 0 checks nothing: give at least 1".into()).into());
+            }
             if compute {
                 if prompt.is_empty() {
                     return Err(Refusal("--prompt must not be empty".into()).into());
                 }
-                let r = handoff::compute_verify::verify_compute(&topo, prompt.as_bytes(), steps, |_| {})
+                if steps == 0 {
+                    return Err(Refusal("--steps 0 checks no decode step: give at least 1".into()).into());
+                }
+                let prompts = handoff::compute_verify::batch_prompts(prompt.as_bytes(), requests);
+                let r = handoff::compute_verify::verify_compute_with(&topo, &prompts, steps, Default::default(), |_| {})
                     .map_err(|e| anyhow::anyhow!("verify --compute failed: {e}"))?;
                 println!(
-                    "verify --compute {config}: ok: {} prompt tokens + {} decode steps, greedy tokens equal to the colocated run, max logit relative error {:.2e} (limit {:.0e}) at step {}",
-                    r.prompt_tokens, r.steps, r.max_rel_err, handoff::compute_verify::LOGIT_TOLERANCE, r.worst_step
+                    "verify --compute {config}: ok: {} requests decoded as one batch ({} prompt tokens for the first) + {} decode steps, greedy tokens equal to the colocated run, max logit relative error {:.2e} (limit {:.0e}) at step {}",
+                    r.requests, r.prompt_tokens, r.steps, r.max_rel_err, handoff::compute_verify::LOGIT_TOLERANCE, r.worst_step
                 );
                 println!("  handed off {} bytes in {} descriptors; generated: {:?}", r.bytes_transferred, r.descriptors, String::from_utf8_lossy(&r.tokens));
                 return Ok(());
+            }
+            let max_context = topo.config.serve.max_context as u64;
+            let tokens = tokens.unwrap_or((max_context / 2).max(1));
+            if tokens == 0 || tokens >= max_context {
+                return Err(Refusal(format!("--tokens {tokens} must be between 1 and serve.max_context {max_context} - 1")).into());
             }
             let t = std::time::Instant::now();
             let r = handoff::verify::verify(&topo, tokens, requests, |_| {}).map_err(|e| anyhow::anyhow!("verify failed: {e}"))?;
@@ -206,11 +225,14 @@ fn run(cli: Cli) -> Result<()> {
             println!("{}", handoff::bench_cli::bench_transfer_cmd(&config, kind, tokens, requests)?.trim_end());
         }
         Command::Role(r) => handoff::roles::cli::dispatch(r)?,
-        Command::Bench { what: BenchCommand::Serve { concurrency, requests } } => {
-            if concurrency == 0 || requests == 0 {
-                return Err(Refusal("--concurrency and --requests must be at least 1".into()).into());
+        Command::Bench { what: BenchCommand::Serve { config, concurrency, requests } } => {
+            if concurrency.is_empty() || concurrency.contains(&0) {
+                return Err(Refusal("--concurrency needs levels of at least 1".into()).into());
             }
-            handoff::roles::bench_serve(concurrency, requests)?;
+            if let Some(c) = &config {
+                load(c)?;
+            }
+            handoff::roles::bench_serve(config.as_deref().map(std::path::Path::new), &concurrency, requests)?;
         }
         Command::Bench { what: BenchCommand::Compute { config, prompt, steps } } => {
             let topo = load(&config)?;

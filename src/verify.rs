@@ -48,8 +48,7 @@ pub fn verify(
     // sizes must agree with the layout convention the oracle computes on its own.
     let mut mem = Memory::new();
     let mut units = BTreeMap::new();
-    let mut q = engine.world.query::<&Region>();
-    for r in q.iter(&engine.world) {
+    for r in engine.regions().iter() {
         let expect = oracle::region_len(topo, r.rank, r.layout.kind, r.layout.units);
         if expect != r.layout.len {
             return Err(format!("{} {}: placement sized the region {} bytes, the layout convention says {expect}", r.rank, r.layout.kind, r.layout.len));

@@ -15,10 +15,12 @@ mod transport_util;
 
 use handoff::engine::Engine;
 use handoff::oracle::{self, OracleRequest, Placement};
-use handoff::transport::mover::{AwaitedWrites, MoverOptions, TransportMover};
+use handoff::engine::mover::{MoverOptions, TransportMover};
+use handoff::engine::{NoMover, Role};
 use handoff::transport::{PeerAddr, RegionHandle, ShmTransport, TcpOptions, TcpTransport, Transport, TransportExt};
 use handoff_components::config::Config;
-use handoff_components::ecs::{BlockTable, Pools, Published, Region, Request, WriteDone};
+use handoff_components::ecs::WriteDone;
+use handoff_systems::placement::blocks_for;
 use handoff_components::layout::{ConsumerLayout, ProducerLayout};
 use handoff_components::vocab::{DecodeRank, PrefillRank, RankId, RegionKind};
 use handoff_components::Topology;
@@ -218,7 +220,6 @@ struct DecodeSide {
     topo: Topology,
     cap: Capacity,
     engine: Engine,
-    awaited: AwaitedWrites,
     t: std::sync::Arc<dyn Transport>,
     handles: BTreeMap<(RankId, RegionKind), RegionHandle>,
     units: BTreeMap<(RankId, RegionKind), u32>,
@@ -237,13 +238,11 @@ impl DecodeSide {
     fn new(cfg: Config, t: std::sync::Arc<dyn Transport>) -> DecodeSide {
         let topo = cfg.validate().expect("topology");
         let cap = Capacity::for_requests(&topo, 2, MAX_TOKENS);
-        let awaited = AwaitedWrites::new(Duration::from_secs_f64(topo.config.timeouts.transfer_s));
-        let mut engine = Engine::new(topo.clone(), cap, Box::new(awaited.clone()));
+        // Decode's World holds the decode ranks only; the producers are the children.
+        let mut engine = Engine::for_role(topo.clone(), Role::Decode, cap, Box::new(NoMover));
         let mut handles = BTreeMap::new();
         let mut units = BTreeMap::new();
-        let mut q = engine.world.query::<&Region>();
-        let regions: Vec<Region> = q.iter(&engine.world).cloned().collect();
-        for r in regions {
+        for r in engine.regions() {
             units.insert((r.rank, r.layout.kind), r.layout.units);
             if let RankId::Decode(_) = r.rank {
                 let h = t.register(r.rank, r.layout.kind, r.layout.len).expect("register decode region");
@@ -252,7 +251,7 @@ impl DecodeSide {
         }
         engine.tick();
         let baseline = engine.entity_count();
-        let side = DecodeSide { topo, cap, engine, awaited, t, handles, units, baseline };
+        let side = DecodeSide { topo, cap, engine, t, handles, units, baseline };
         side.reset_canary();
         side
     }
@@ -270,14 +269,11 @@ impl DecodeSide {
         self.engine.submit(id, tokens);
         self.engine.tick();
         assert!(self.engine.take_outcomes().is_empty(), "request {id} refused at admission");
-        let e = self.engine.entity_of(id).expect("request entity");
-        let nonce = self.engine.world.get::<Request>(e).expect("request").nonce;
-        let mut q = self.engine.world.query::<(&BlockTable, &Published)>();
-        let mut consumers: Vec<ConsumerLayout> =
-            q.iter(&self.engine.world).filter(|(b, _)| b.request == e).map(|(_, p)| p.0.clone()).collect();
-        consumers.sort_by_key(|c| c.rank.tp);
+        let nonce = self.engine.nonce(id).expect("request");
+        let consumers: Vec<ConsumerLayout> = self.engine.published(id);
         assert_eq!(consumers.len() as u32, self.topo.decode().tp);
-        let leases = self.engine.leases(id);
+        // Each producer process lays the request out in its own blocks and slot.
+        let blocks: Vec<u32> = (0..blocks_for(tokens, self.topo.prefill().block_size) as u32).collect();
         let cap = Cap { prefill_blocks: self.cap.prefill_blocks, decode_blocks: self.cap.decode_blocks, slots: self.cap.slots };
         (0..self.topo.prefill().pp)
             .map(|stage| Publish {
@@ -289,13 +285,7 @@ impl DecodeSide {
                     id,
                     nonce,
                     tokens,
-                    producers: leases
-                        .iter()
-                        .filter_map(|(r, b, s)| match r {
-                            RankId::Prefill(p) if p.pp == stage => Some((p.tp, b.clone(), *s)),
-                            _ => None,
-                        })
-                        .collect(),
+                    producers: (0..self.topo.prefill().tp).map(|tp| (tp, blocks.clone(), 0)).collect(),
                     consumers: consumers.clone(),
                 },
                 stall: stall_stage == Some(stage),
@@ -307,7 +297,7 @@ impl DecodeSide {
     /// every consumer byte when it was handed off, then finishes it.
     fn serve(&mut self, id: u64, tokens: u64) -> Ended {
         let deadline = Instant::now() + WAIT;
-        let nonce = self.engine.entity_of(id).and_then(|e| self.engine.world.get::<Request>(e)).map(|r| r.nonce);
+        let nonce = self.engine.nonce(id);
         let ended = loop {
             assert!(Instant::now() < deadline, "request {id} neither handed off nor failed: {:?}", self.engine.status(id));
             for n in self.t.wait_notifications(Duration::from_millis(20)) {
@@ -319,7 +309,6 @@ impl DecodeSide {
                     Ok(Note::Computed { .. }) => {}
                     Ok(Note::WriteDone { request, nonce, pp, tp, consumer_tp }) => {
                         let r = WriteDone { request, nonce, producer: PrefillRank { pp, tp }, consumer: DecodeRank { tp: consumer_tp } };
-                        self.awaited.settle(&r);
                         self.engine.deliver_report(r);
                     }
                     Err(e) => panic!("undecodable note from {:?}: {e}", n.from),
@@ -343,7 +332,7 @@ impl DecodeSide {
 
     fn check(&self, id: u64, tokens: u64) -> u64 {
         let leases: BTreeMap<RankId, (Vec<u32>, u32)> =
-            self.engine.leases(id).into_iter().map(|(r, b, s)| (r, (b, s))).collect();
+            self.engine.leases(id).into_iter().map(|l| (l.rank, (l.blocks, l.slot))).collect();
         let mut pattern = 0;
         for ((rank, kind), h) in &self.handles {
             let RankId::Decode(d) = *rank else { continue };
@@ -363,11 +352,10 @@ impl DecodeSide {
     fn assert_released(&mut self) {
         assert_eq!(self.engine.entity_count(), self.baseline, "entities left behind");
         assert!(self.engine.producer_entries().iter().all(|&n| n == 0), "producer entries {:?}", self.engine.producer_entries());
-        for (rank, pool) in &self.engine.world.resource::<Pools>().0 {
+        for (rank, pool) in &self.engine.pools().0 {
             assert_eq!(pool.free_block_count(), pool.blocks as u64, "{rank}: blocks not all free");
             assert_eq!(pool.free_slots.len(), pool.slots as usize, "{rank}: slots not all free");
         }
-        assert_eq!(self.awaited.outstanding().0, 0, "writes still awaited");
     }
 }
 

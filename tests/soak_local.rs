@@ -4,7 +4,7 @@
 
 use handoff::engine::Engine;
 use handoff::oracle::{self, OracleRequest, Placement};
-use handoff::transport::mover::{local_cluster, Cluster};
+use handoff::engine::mover::{local_cluster, Cluster};
 use handoff::transport::TransportExt;
 use handoff_components::config::{Config, TransportKind};
 use handoff_components::ecs::{Pools, Status};
@@ -34,7 +34,7 @@ fn tokens_of(id: u64) -> u64 {
 }
 
 fn pools_full(engine: &Engine) -> Result<(), String> {
-    for (rank, pool) in &engine.world.resource::<Pools>().0 {
+    for (rank, pool) in &engine.pools().0 {
         let blocks = pool.free_block_count();
         if blocks != pool.blocks as u64 || pool.free_slots.len() != pool.slots as usize || pool.free_blocks.len() > 1 {
             return Err(format!(
@@ -76,8 +76,7 @@ fn soak_100k_requests_local_transport_leaves_nothing_behind_and_samples_are_byte
     let baseline = engine.entity_count();
     pools_full(&engine).expect("pools full at start");
     let units: BTreeMap<_, _> = {
-        let mut q = engine.world.query::<&handoff_components::ecs::Region>();
-        q.iter(&engine.world).map(|r| ((r.rank, r.layout.kind), r.layout.units)).collect()
+        engine.regions().iter().map(|r| ((r.rank, r.layout.kind), r.layout.units)).collect()
     };
     let started = Instant::now();
     let (mut sampled, mut pattern_bytes) = (0u64, 0u64);
@@ -179,7 +178,6 @@ fn soak_100k_requests_local_transport_leaves_nothing_behind_and_samples_are_byte
 /// next request over the same mover is handed off.
 #[test]
 fn refused_write_fails_request_in_transfer_phase_and_frees_everything() {
-    use handoff_components::ecs::PlanEntry;
     let topo = topology();
     let cap = Capacity::for_requests(&topo, 2, MAX_TOKENS);
     let (mut engine, _transport, cluster) = local_cluster(&topo, cap, TransportKind::Local).expect("cluster");
@@ -189,10 +187,12 @@ fn refused_write_fails_request_in_transfer_phase_and_frees_everything() {
     engine.tick();
     assert_eq!(engine.status(1), Some(Status::Planned));
     // Push one descriptor of one plan past the end of its destination.
-    let mut q = engine.world.query::<&mut PlanEntry>();
-    let mut entry = q.iter_mut(&mut engine.world).next().expect("a plan");
-    let (producer, consumer) = (entry.plan.producer, entry.plan.consumer);
-    entry.plan.descriptors[0].dst_offset = u64::MAX / 4;
+    let mut pair = None;
+    engine.edit_first_plan(1, |plan| {
+        pair = Some((plan.producer, plan.consumer));
+        plan.descriptors[0].dst_offset = u64::MAX / 4;
+    });
+    let (producer, consumer) = pair.expect("a plan");
     for s in 0..topo.prefill().pp {
         engine.mark_computed(1, s);
     }

@@ -157,6 +157,15 @@ pub struct Inputs {
 #[derive(Component, Debug, Clone, Copy)]
 pub struct FirstToken(pub u8);
 
+/// When a decode World admitted a request and handed it off, and the bytes its
+/// stages reported: the figures `Finished` carries.
+#[derive(Component, Debug, Clone, Copy)]
+pub struct Timing {
+    pub admitted: Instant,
+    pub handed_off: Option<Instant>,
+    pub bytes: u64,
+}
+
 /// Decode progress of a handed-off request: `emitted` tokens of `max_tokens` have
 /// left the engine, `last` is the token the next step feeds (at position
 /// prompt + emitted - 1).
@@ -305,14 +314,15 @@ pub struct Outcome {
 pub enum EngineEvent {
     /// Decode placed a request: every decode rank's layout (rank order) and the nonce.
     Published { request: u64, nonce: u64, consumers: Vec<ConsumerLayout> },
-    /// A stage computed a request whose next stage lives elsewhere: its hidden states.
-    Computed { request: u64, stage: u32, hidden: Vec<f32> },
+    /// A stage computed a request whose next stage lives elsewhere: its hidden
+    /// states, and what the next stage needs to plan (decode's layouts, the nonce).
+    Computed { request: u64, nonce: u64, stage: u32, tokens: u64, hidden: Vec<f32>, consumers: Vec<ConsumerLayout> },
     /// Every write of one stage for a request completed (its producer entry is gone).
     Written(StageReport),
     /// Decode produced a token (`index` 0 is the first, from prefill).
     Token { request: u64, index: u32, token: u8 },
     /// Decode emitted a request's last token; its blocks and slots are freed.
-    Finished { request: u64 },
+    Finished { request: u64, handoff_ms: f64, decode_ms: f64, bytes: u64 },
 }
 
 /// Counters of the completion protocol.

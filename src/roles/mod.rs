@@ -122,6 +122,43 @@ pub(crate) fn remove_own_shm_files(topo: &Topology) {
     }
 }
 
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Sleeps up to `d`, waking early when a stop was asked for.
+pub(crate) fn sleep_unless_stopping(d: Duration) {
+    let until = std::time::Instant::now() + d;
+    while !shutting_down() && std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20).min(d));
+    }
+}
+
+/// Resident memory of this process in bytes (Linux `/proc/self/statm`; 0 elsewhere).
+pub fn rss_bytes() -> u64 {
+    let Ok(s) = std::fs::read_to_string("/proc/self/statm") else { return 0 };
+    let pages: u64 = s.split_whitespace().nth(1).and_then(|x| x.parse().ok()).unwrap_or(0);
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    pages * page.max(0) as u64
+}
+
+/// A compute that sleeps before each prefill (the test hook of [`prefill::DELAY_ENV`]).
+pub(crate) struct Delayed<C> {
+    pub inner: C,
+    pub delay: Duration,
+}
+
+impl<C: handoff_systems::dispatch::Compute> handoff_systems::dispatch::Compute for Delayed<C> {
+    fn prefill(&mut self, job: handoff_systems::dispatch::PrefillJob<'_>) -> Result<handoff_systems::dispatch::PrefillOutput, handoff_systems::dispatch::ComputeError> {
+        std::thread::sleep(self.delay);
+        self.inner.prefill(job)
+    }
+    fn decode(&mut self, batch: &[handoff_systems::dispatch::DecodeItem<'_>]) -> Result<Vec<u8>, handoff_systems::dispatch::ComputeError> {
+        self.inner.decode(batch)
+    }
+}
+
 /// Registers with the proxy (best effort: the proxy may not be up yet).
 pub(crate) fn heartbeat(proxy: &str, reg: &wire::Register) {
     if let Ok(body) = serde_json::to_string(reg)

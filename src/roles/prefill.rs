@@ -1,60 +1,44 @@
 //! `handoff prefill --config F --stage S`: one PP stage, all of its TP ranks.
 //!
-//! The stage registers its producer regions in its own transport, computes its
-//! layers of each request it receives, writes its layers' caches into decode's
-//! regions (planned from what decode published, never from global knowledge),
-//! reports write-done to decode, and passes the hidden states on to the next stage.
-//! Its producer entry for a request lives from the start of its writes until they
-//! have all completed, and is dropped then, whatever the other stages do.
+//! One engine thread owns the stage's [`Engine`] (a World of this stage's TP ranks,
+//! their blocks and slots, and the requests, producer entries and plans in flight).
+//! Jobs come in on the control listener (from the proxy or the previous stage) and
+//! are submitted with decode's published layouts; the dispatch phase computes each
+//! request straight into the stage's registered source regions, the transfer phase
+//! writes them into decode's regions while the next request computes, and the
+//! release phase drops the producer entry when the stage's writes complete. The
+//! role carries the engine's events out: hidden states to the next stage, the
+//! write-done report (or a failure) to decode over the transport.
 
-use super::wire::{self, Msg, PrefillJob, Register, StageReport};
-use super::{heartbeat, secs, shutting_down};
-use crate::model::forward;
-use crate::model::ranks::{self, Layouts, Lease};
-use crate::model::{Model, RankShard};
-use crate::oracle::Memory;
-use crate::transport::mover::{MoverOptions, TransportMover};
-use crate::transport::{RegionHandle, Transport, TransportExt};
+use super::wire::{self, Admitted, Msg, Notice, PrefillJob, Register};
+use super::{heartbeat, shutting_down};
+use crate::compute::{ModelCompute, TransportRegions, layouts_of};
+use crate::engine::mover::{MoverHandle, MoverOptions, TransportMover};
+use crate::engine::{Counts, Engine, Role};
+use crate::transport::{PeerAddr, RegionHandle, Transport};
 use anyhow::Context;
 use handoff_components::Topology;
-use handoff_components::ecs::RankPool;
-use handoff_components::layout::{ProducerLayout, RankLayout};
-use handoff_components::vocab::{PrefillRank, RankId, RegionKind};
-use handoff_kernels::{CpuBackend, CpuBuf};
-use handoff_systems::placement::{Capacity, alloc_blocks, blocks_for, free_blocks, place_rank};
-use handoff_systems::splitting::{ProducerPlanner, share};
-use handoff_systems::transfer::{Completion, Mover, Ticket};
-use std::collections::{BTreeMap, HashMap};
+use handoff_components::ecs::{EngineEvent, Inputs, PhaseName, Submit};
+use handoff_kernels::CpuBackend;
+use handoff_systems::placement::Capacity;
+use std::collections::BTreeMap;
 use std::io::BufReader;
-use std::net::{TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-/// Test hook: sleep this many milliseconds in the middle of each compute (a test
-/// kills the stage during it).
+/// Test hook: sleep this many milliseconds before each compute (a test kills the
+/// stage while it holds a request).
 pub const DELAY_ENV: &str = "HANDOFF_TEST_STAGE_DELAY_MS";
 
-struct Stage {
-    topo: Topology,
-    stage: u32,
-    model: Model,
-    group: Vec<RankShard>,
-    transport: Arc<dyn Transport>,
-    /// Everything below is touched by one request at a time.
-    state: Mutex<StageState>,
-    /// Live producer entries: request id -> plans not yet completed.
-    entries: Mutex<HashMap<u64, u32>>,
-    mover: Mutex<TransportMover>,
-    delay: Option<Duration>,
-}
-
-struct StageState {
-    mem: Memory,
-    layouts: Layouts,
-    rank_layouts: BTreeMap<u32, RankLayout>,
-    sources: BTreeMap<(RankId, RegionKind), RegionHandle>,
-    pool: RankPool,
-    attached: HashMap<(RankId, RegionKind), RegionHandle>,
+/// Where this stage's messages go: the deployment's decode and stages, as the
+/// latest job named them (the same for every request of one deployment).
+#[derive(Default)]
+struct Route {
+    endpoint: Option<PeerAddr>,
+    handles: Vec<RegionHandle>,
+    stages: Vec<SocketAddr>,
 }
 
 /// Runs prefill stage `stage` until SIGINT/SIGTERM. `proxy` is the proxy's
@@ -64,271 +48,203 @@ pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str) -> anyhow::Result<(
     anyhow::ensure!(stage < p.pp, "--stage {stage} is outside prefill pp {} (stages 0..{})", p.pp, p.pp);
     super::install_signal_handlers();
     let transport = super::open_transport(topo)?;
-    let s = &topo.config.serve;
-    let cap = Capacity::for_requests(topo, s.max_requests, s.max_context as u64);
     let mover = TransportMover::new(Arc::clone(&transport), MoverOptions::from_topology(topo))?;
-    let mut st = StageState {
-        mem: Memory::new(),
-        layouts: Layouts::new(),
-        rank_layouts: BTreeMap::new(),
-        sources: BTreeMap::new(),
-        pool: RankPool::new(cap.prefill_blocks, cap.slots),
-        attached: HashMap::new(),
-    };
-    for tp in 0..p.tp {
-        let rank = RankId::Prefill(PrefillRank { pp: stage, tp });
-        let layout = place_rank(topo, rank, cap.prefill_blocks, cap.slots);
-        for r in &layout.regions {
-            let h = transport.register(rank, r.kind, r.len).with_context(|| format!("register {} of {rank}", r.kind))?;
-            mover.add_source(h.clone());
-            st.sources.insert((rank, r.kind), h);
-            st.mem.insert((rank, r.kind), vec![0u8; r.len as usize]);
-            st.layouts.insert((rank, r.kind), r.clone());
-        }
-        st.rank_layouts.insert(tp, layout);
+    let handle = mover.handle();
+    let mut engine = Engine::for_role(topo.clone(), Role::Stage(stage), Capacity::serving(topo), Box::new(mover));
+    let regions = engine.regions();
+    let mut handles = BTreeMap::new();
+    for r in &regions {
+        let h = transport.register(r.rank, r.layout.kind, r.layout.len).with_context(|| format!("register {} of {}", r.layout.kind, r.rank))?;
+        handle.add_source(h.clone());
+        handles.insert((r.rank, r.layout.kind), h);
     }
-    let model = Model::new(topo)?;
-    let group = model.shard(p.tp as usize)?;
+    let view = Arc::new(TransportRegions { transport: Arc::clone(&transport), handles });
     let delay = std::env::var(DELAY_ENV).ok().and_then(|v| v.parse::<u64>().ok()).map(Duration::from_millis);
-    let me = Arc::new(Stage {
-        topo: topo.clone(),
-        stage,
-        model,
-        group,
-        transport,
-        state: Mutex::new(st),
-        entries: Mutex::new(HashMap::new()),
-        mover: Mutex::new(mover),
-        delay,
+    let compute = ModelCompute::new(topo, CpuBackend::new(), layouts_of(&regions), view)?;
+    engine.set_compute(match delay {
+        Some(d) => Box::new(super::Delayed { inner: compute, delay: d }),
+        None => Box::new(compute),
     });
     let listener = TcpListener::bind("127.0.0.1:0")?;
-    listener.set_nonblocking(true)?;
     let addr = listener.local_addr()?;
+    let (tx, rx) = mpsc::channel();
+    let counts = Arc::new(Mutex::new(engine.counts()));
+    {
+        let tx = tx.clone();
+        std::thread::Builder::new().name("prefill-accept".into()).spawn(move || accept(listener, tx))?;
+    }
+    {
+        let (transport, counts) = (Arc::clone(&transport), Arc::clone(&counts));
+        std::thread::Builder::new()
+            .name("prefill-engine".into())
+            .spawn(move || engine_loop(engine, stage, transport.as_ref(), &handle, &counts, &rx))?;
+    }
+    drop(tx);
     tracing::info!(stage, %addr, "prefill stage listening");
-    let mut last_beat = Instant::now() - Duration::from_secs(10);
     while !shutting_down() {
-        if last_beat.elapsed() >= Duration::from_millis(300) {
-            let entries = lock(&me.entries).len() as u32;
-            let reg = Register {
-                role: "prefill".into(),
-                stage: Some(stage),
-                addr,
-                pid: std::process::id(),
-                producer_entries: vec![entries],
-                live_requests: entries,
-            };
-            heartbeat(proxy, &reg);
-            last_beat = Instant::now();
-        }
-        match listener.accept() {
-            Ok((conn, _)) => {
-                let me = Arc::clone(&me);
-                std::thread::spawn(move || {
-                    if let Err(e) = serve_conn(&me, conn) {
-                        tracing::warn!(stage = me.stage, error = %e, "prefill connection");
-                    }
-                });
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(10)),
-            Err(e) => return Err(e.into()),
-        }
+        let reg = Register {
+            role: "prefill".into(),
+            stage: Some(stage),
+            addr,
+            pid: std::process::id(),
+            counts: super::lock(&counts).clone(),
+            rss_bytes: super::rss_bytes(),
+        };
+        heartbeat(proxy, &reg);
+        super::sleep_unless_stopping(Duration::from_millis(300));
     }
     tracing::info!(stage, "prefill stage stopping");
     super::remove_own_shm_files(topo);
     Ok(())
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
+/// Accepts links from the proxy and the previous stage; their jobs go to the engine.
+fn accept(listener: TcpListener, tx: Sender<Box<PrefillJob>>) {
+    for conn in listener.incoming() {
+        let Ok(conn) = conn else { continue };
+        let tx = tx.clone();
+        let _ = std::thread::Builder::new().name("prefill-link".into()).spawn(move || {
+            let mut r = BufReader::new(conn);
+            loop {
+                match wire::recv(&mut r) {
+                    Ok(Some(Msg::Prefill(job))) => {
+                        if tx.send(job).is_err() {
+                            return;
+                        }
+                    }
+                    Ok(Some(other)) => tracing::warn!(?other, "prefill: unexpected message"),
+                    Ok(None) => return,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "prefill: link failed");
+                        return;
+                    }
+                }
+            }
+        });
+    }
 }
 
-fn serve_conn(me: &Stage, conn: TcpStream) -> std::io::Result<()> {
-    conn.set_nonblocking(false)?;
-    let t = &me.topo.config.timeouts;
-    let budget = secs(t.compute_s + t.transfer_s);
-    conn.set_read_timeout(Some(budget))?;
-    let mut w = conn.try_clone()?;
-    let mut r = BufReader::new(conn);
-    let reply = match wire::recv(&mut r)? {
-        Some(Msg::Prefill(job)) => handle(me, *job),
-        Some(other) => Msg::Error { phase: "compute".into(), message: format!("prefill stage {}: unexpected {other:?}", me.stage) },
-        None => return Ok(()),
-    };
-    wire::send(&mut w, &reply)
+/// The next stage's link, reconnected when it breaks.
+#[derive(Default)]
+struct NextStage {
+    addr: Option<SocketAddr>,
+    conn: Option<TcpStream>,
 }
 
-/// Computes this stage, writes and reports, then hands the job to the next stage
-/// and relays its answer.
-fn handle(me: &Stage, mut job: PrefillJob) -> Msg {
-    let s = me.stage;
-    let id = job.admitted.id;
-    let (hidden, bytes, compute_ms, transfer_ms) = match compute_and_write(me, &job) {
-        Ok(x) => x,
-        Err((phase, message)) => {
-            tracing::warn!(stage = s, request = id, phase, %message, "prefill failed");
-            return Msg::Error { phase: phase.into(), message };
+impl NextStage {
+    fn send(&mut self, addr: SocketAddr, msg: &Msg) -> std::io::Result<()> {
+        if self.addr != Some(addr) || self.conn.is_none() {
+            let (w, _r) = wire::connect(addr, Duration::from_secs(5))?;
+            w.set_read_timeout(None)?;
+            self.conn = Some(w);
+            self.addr = Some(addr);
         }
-    };
-    job.bytes += bytes;
-    job.compute_ms += compute_ms;
-    job.transfer_ms += transfer_ms;
-    let next = s + 1;
-    if next >= me.topo.prefill().pp {
-        return Msg::PrefillDone { bytes: job.bytes, compute_ms: job.compute_ms, transfer_ms: job.transfer_ms };
-    }
-    let Some(&addr) = job.stages.get(next as usize) else {
-        return Msg::Error { phase: "compute".into(), message: format!("prefill stage {next}: no address known") };
-    };
-    job.stage = next;
-    job.hidden = Some(hidden);
-    let t = &me.topo.config.timeouts;
-    let lost = |e: std::io::Error| Msg::Error {
-        phase: "compute".into(),
-        message: format!("prefill stage {next} at {addr}: {e} (stage unreachable or died mid-request)"),
-    };
-    let (mut w, mut r) = match wire::connect(addr, secs(t.compute_s + t.transfer_s)) {
-        Ok(c) => c,
-        Err(e) => return lost(e),
-    };
-    if let Err(e) = wire::send(&mut w, &Msg::Prefill(Box::new(job))) {
-        return lost(e);
-    }
-    match wire::recv(&mut r) {
-        Ok(Some(m)) => m,
-        Ok(None) => lost(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "connection closed without an answer")),
-        Err(e) => lost(e),
-    }
-}
-
-type Failure = (&'static str, String);
-
-fn compute_and_write(me: &Stage, job: &PrefillJob) -> Result<(Vec<f32>, u64, f64, f64), Failure> {
-    let s = me.stage;
-    let topo = &me.topo;
-    let a = &job.admitted;
-    let t = job.prompt.len();
-    let comp = |e: String| ("compute", format!("prefill stage {s}: {e}"));
-    let be = CpuBackend::new();
-    let mut st = lock(&me.state);
-    let st = &mut *st;
-    // This stage's own blocks and slot (shared by its TP ranks).
-    let nblocks = blocks_for(t as u64, topo.prefill().block_size) as u32;
-    let blocks = alloc_blocks(&mut st.pool, nblocks).ok_or_else(|| comp(format!("no {nblocks} free blocks")))?;
-    let Some(slot) = st.pool.free_slots.pop() else {
-        free_blocks(&mut st.pool, &blocks);
-        return Err(comp("no free slot".into()));
-    };
-    let lease = Lease { blocks: blocks.clone(), slot };
-    let result = (|| {
-        let t0 = Instant::now();
-        let mut h = match &job.hidden {
-            None => forward::embed(&be, &me.model, &job.prompt).map_err(|e| comp(e.to_string()))?,
-            Some(x) => CpuBuf::from_vec(x.clone()),
-        };
-        let layers = topo.stage_layers[s as usize].clone();
-        let tail = ranks::prefill_record_tail(topo, t);
-        let (layouts, mem) = (&st.layouts, &mut st.mem);
-        forward::prefill_layers(&be, &me.model, &me.group, layers.start as usize..layers.end as usize, &mut h, t, tail, &mut |tp, layer, cache| {
-            ranks::store_prefill(topo, layouts, mem, PrefillRank { pp: s, tp: tp as u32 }, &lease, layer, cache)
-        })
-        .map_err(|e| comp(e.to_string()))?;
-        if let Some(d) = me.delay {
-            std::thread::sleep(d);
+        let r = self.conn.as_mut().map(|c| wire::send(c, msg));
+        match r {
+            Some(Ok(())) => Ok(()),
+            Some(Err(e)) => {
+                self.conn = None;
+                Err(e)
+            }
+            None => Err(std::io::Error::other("no connection")),
         }
-        let first_token = if s + 1 == topo.prefill().pp {
-            Some(forward::logits_of_last(&be, &me.model, &h, t).map_err(|e| comp(e.to_string()))?.1)
-        } else {
-            None
-        };
-        let compute_ms = t0.elapsed().as_secs_f64() * 1e3;
-        let t1 = Instant::now();
-        let (bytes, pairs) = write(me, st, job, &lease).map_err(|e| ("transfer", format!("prefill stage {s}: {e}")))?;
-        let report = StageReport { id: a.id, nonce: a.nonce, stage: s, pairs, first_token, bytes };
-        let msg = serde_json::to_vec(&report).map_err(|e| ("transfer", e.to_string()))?;
-        me.transport
-            .notify(&a.endpoint, &msg)
-            .map_err(|e| ("transfer", format!("prefill stage {s}: write-done report to decode: {e}")))?;
-        Ok((h.into_vec(), bytes, compute_ms, t1.elapsed().as_secs_f64() * 1e3))
-    })();
-    // Every write of this request has completed or failed: the sources are free.
-    free_blocks(&mut st.pool, &blocks);
-    st.pool.free_slots.push(slot);
-    result
+    }
 }
 
-/// Publishes this stage's bytes to its source regions, plans every pair from the
-/// consumers' published layouts and writes them. Returns bytes and pairs written.
-fn write(
-    me: &Stage,
-    st: &mut StageState,
-    job: &PrefillJob,
-    lease: &Lease,
-) -> Result<(u64, Vec<(PrefillRank, handoff_components::vocab::DecodeRank)>), String> {
-    let a = &job.admitted;
-    let topo = &me.topo;
-    for (key, h) in &st.sources {
-        let src = st.mem.get(key).ok_or("no memory for a source region")?;
-        me.transport.write_region(h, |b| b.copy_from_slice(src)).map_err(|e| e.to_string())?;
+fn notify(transport: &dyn Transport, route: &Route, notice: &Notice) {
+    let Some(endpoint) = &route.endpoint else { return };
+    match serde_json::to_vec(notice) {
+        Ok(bytes) => {
+            if let Err(e) = transport.notify(endpoint, &bytes) {
+                tracing::warn!(error = %e, "prefill: notice to decode failed");
+            }
+        }
+        Err(e) => tracing::warn!(error = %e, "prefill: notice not encodable"),
     }
-    let mover = lock(&me.mover);
+}
+
+/// The engine thread: jobs in, one tick, events out. It blocks while it holds no
+/// request.
+fn engine_loop(mut engine: Engine, stage: u32, transport: &dyn Transport, mover: &MoverHandle, counts: &Mutex<Counts>, rx: &Receiver<Box<PrefillJob>>) {
+    let mut route = Route::default();
+    let mut next = NextStage::default();
+    loop {
+        let wait = if engine.live_requests() > 0 { Duration::from_micros(200) } else { Duration::from_millis(100) };
+        let mut jobs = Vec::new();
+        match rx.recv_timeout(wait) {
+            Ok(job) => jobs.push(job),
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+        jobs.extend(rx.try_iter());
+        for job in jobs {
+            submit(&mut engine, stage, transport, mover, &mut route, *job);
+        }
+        engine.tick();
+        for ev in engine.take_events() {
+            match ev {
+                EngineEvent::Computed { request, nonce, stage: s, hidden, consumers, .. } => {
+                    let Some(&addr) = route.stages.get(s as usize + 1) else { continue };
+                    let job = PrefillJob {
+                        admitted: Admitted {
+                            id: request,
+                            nonce,
+                            consumers,
+                            handles: route.handles.clone(),
+                            endpoint: route.endpoint.clone().unwrap_or(PeerAddr::Local { instance: 0 }),
+                        },
+                        prompt: Vec::new(),
+                        stage: s + 1,
+                        stages: route.stages.clone(),
+                        hidden: Some(hidden),
+                    };
+                    if let Err(e) = next.send(addr, &Msg::Prefill(Box::new(job))) {
+                        let message = format!("prefill stage {} at {addr} unreachable: {e}", s + 1);
+                        notify(transport, &route, &Notice::Failed { id: request, nonce, stage: s + 1, phase: PhaseName::Compute, message });
+                    }
+                }
+                EngineEvent::Written(report) => notify(transport, &route, &Notice::Written(report)),
+                _ => {}
+            }
+        }
+        for o in engine.take_outcomes() {
+            if let Err((phase, message)) = o.result {
+                tracing::warn!(stage, request = o.request, %phase, %message, "prefill failed");
+                let nonce = 0; // decode checks no nonce on a failure notice
+                notify(transport, &route, &Notice::Failed { id: o.request, nonce, stage, phase, message });
+            }
+        }
+        *super::lock(counts) = engine.counts();
+    }
+}
+
+/// Attaches decode's regions (once per published handle) and submits the job.
+fn submit(engine: &mut Engine, stage: u32, transport: &dyn Transport, mover: &MoverHandle, route: &mut Route, job: PrefillJob) {
+    let a = job.admitted;
+    route.endpoint = Some(a.endpoint.clone());
+    route.stages = job.stages;
+    if route.handles != a.handles {
+        route.handles = a.handles.clone();
+    }
     for h in &a.handles {
-        let key = (h.rank, h.kind);
-        if st.attached.get(&key) != Some(h) {
-            mover.attach_target(h).map_err(|e| format!("attach {h}: {e}"))?;
-            st.attached.insert(key, h.clone());
+        if !mover.attached(h)
+            && let Err(e) = mover.attach_target(h)
+        {
+            let message = format!("prefill stage {stage}: attach {h}: {e}");
+            notify(transport, route, &Notice::Failed { id: a.id, nonce: a.nonce, stage, phase: PhaseName::Transfer, message });
+            return;
         }
     }
-    let ptp = topo.prefill().tp;
-    let producers: Vec<ProducerLayout> = st
-        .rank_layouts
-        .iter()
-        .map(|(&tp, l)| ProducerLayout { rank: PrefillRank { pp: me.stage, tp }, blocks: lease.blocks.clone(), slot: lease.slot, layout: l.clone() })
-        .collect();
-    let planners: Vec<ProducerPlanner> = producers.iter().map(|p| ProducerPlanner::new(p, job.prompt.len() as u64)).collect();
-    let mut tickets = Vec::new();
-    let mut bytes = 0;
-    let mut mover = mover;
-    for c in &a.consumers {
-        for (p, pl) in planners.iter().zip(&producers) {
-            let rank = pl.rank;
-            let sh = share(ptp, c.tp, rank.tp, c.rank.tp);
-            if !sh.rows && !sh.state {
-                continue;
-            }
-            let plan = p.plan(c, sh).map_err(|e| e.to_string())?;
-            bytes += plan.bytes();
-            let ticket = Ticket { request: a.id, nonce: a.nonce, producer: rank, consumer: c.rank };
-            mover.submit(ticket, &plan)?;
-            tickets.push(ticket);
-        }
-    }
-    lock(&me.entries).insert(a.id, tickets.len() as u32);
-    let deadline = Instant::now() + secs(topo.config.timeouts.transfer_s);
-    let mut done: Vec<Completion> = Vec::new();
-    let mut failure = None;
-    while done.len() < tickets.len() {
-        let before = done.len();
-        mover.poll(&mut done);
-        for c in &done[before..] {
-            if let Err(e) = &c.result {
-                failure.get_or_insert_with(|| format!("write to decode tp{}: {e}", c.ticket.consumer.tp));
-            }
-        }
-        if let Some(entry) = lock(&me.entries).get_mut(&a.id) {
-            *entry = (tickets.len() - done.len()) as u32;
-        }
-        if Instant::now() >= deadline {
-            failure.get_or_insert_with(|| format!("transfer phase timed out after {} s", topo.config.timeouts.transfer_s));
-            break;
-        }
-        if done.len() < tickets.len() {
-            std::thread::sleep(Duration::from_micros(200));
-        }
-    }
-    // The producer entry goes as soon as this stage's own writes are complete.
-    lock(&me.entries).remove(&a.id);
-    if let Some(f) = failure {
-        return Err(f);
-    }
-    Ok((bytes, tickets.iter().map(|t| (t.producer, t.consumer)).collect()))
+    let tokens = job.hidden.as_ref().map_or(job.prompt.len() as u64, |h| {
+        let d = engine.topology().model().hidden_size as u64;
+        h.len() as u64 / d.max(1)
+    });
+    engine.submit_request(Submit {
+        id: a.id,
+        tokens,
+        nonce: Some(a.nonce),
+        consumers: a.consumers,
+        inputs: Inputs { prompt: job.prompt, hidden: job.hidden },
+        max_tokens: 0,
+    });
 }

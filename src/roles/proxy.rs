@@ -12,6 +12,8 @@
 
 use super::wire::{Admitted, Msg, PrefillJob, Register};
 use super::secs;
+use handoff_components::ecs::PhaseName;
+use handoff_systems::admission::AdmissionError;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
@@ -22,7 +24,7 @@ use axum::routing::{get, post};
 use handoff_components::Topology;
 use serde::Deserialize;
 use serde_json::json;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -30,6 +32,50 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::sync::{Semaphore, mpsc};
+
+/// Every way a completion request ends badly, and the one place that maps each to
+/// its HTTP status and its metrics label.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ServeError {
+    #[error("malformed JSON body: {0}")]
+    Malformed(String),
+    #[error("token id {0} is outside the byte-level vocabulary 0..=255")]
+    TokenId(u64),
+    #[error(transparent)]
+    Admission(#[from] AdmissionError),
+    #[error("overloaded: all {places} places are taken and the queue holds {queued} of serve.queue = {queue}; retry later")]
+    Overloaded { places: u32, queued: u32, queue: u32 },
+    #[error("{0}")]
+    NotReady(String),
+    #[error("admission phase timed out after {0} s waiting for a place")]
+    AdmissionTimeout(f64),
+    #[error("{phase} phase failed: {message}")]
+    Failed { phase: PhaseName, message: String },
+}
+
+impl ServeError {
+    /// HTTP status, error type and metrics label.
+    pub fn classify(&self) -> (StatusCode, &'static str, &'static str) {
+        match self {
+            ServeError::Malformed(_) => (StatusCode::BAD_REQUEST, "invalid_request_error", "malformed_json"),
+            ServeError::TokenId(_) => (StatusCode::BAD_REQUEST, "invalid_request_error", "token_id"),
+            ServeError::Admission(e) => (StatusCode::BAD_REQUEST, "invalid_request_error", e.label()),
+            ServeError::Overloaded { .. } => (StatusCode::TOO_MANY_REQUESTS, "overloaded_error", "queue_full"),
+            ServeError::NotReady(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable_error", "not_ready"),
+            ServeError::AdmissionTimeout(_) => (StatusCode::SERVICE_UNAVAILABLE, "timeout_error", "admission_timeout"),
+            ServeError::Failed { phase, .. } => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", phase.name()),
+        }
+    }
+
+    /// The outcome this error counts as in `handoff_requests_total`.
+    fn outcome(&self) -> &'static str {
+        match self.classify().0 {
+            StatusCode::BAD_REQUEST => "rejected",
+            StatusCode::TOO_MANY_REQUESTS => "overloaded",
+            _ => "failed",
+        }
+    }
+}
 
 /// How recent a heartbeat must be for a role to count as alive.
 const ALIVE: Duration = Duration::from_secs(2);
@@ -58,6 +104,16 @@ struct Proxy {
     queued: AtomicU32,
     next_id: AtomicU64,
     metrics: Mutex<Metrics>,
+    /// One link to decode and one to stage 0, shared by every request.
+    links: tokio::sync::Mutex<Links>,
+    /// Where decode's messages for each request in flight go (its HTTP task).
+    routes: Arc<Mutex<HashMap<u64, mpsc::UnboundedSender<Msg>>>>,
+}
+
+#[derive(Default)]
+struct Links {
+    decode: Option<(SocketAddr, mpsc::UnboundedSender<Msg>)>,
+    stage0: Option<(SocketAddr, tokio::net::tcp::OwnedWriteHalf)>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -82,6 +138,8 @@ async fn serve(topo: Topology, host: String, port: u16) -> anyhow::Result<()> {
         queued: AtomicU32::new(0),
         next_id: AtomicU64::new(1),
         metrics: Mutex::new(Metrics::default()),
+        links: tokio::sync::Mutex::new(Links::default()),
+        routes: Arc::new(Mutex::new(HashMap::new())),
     });
     let app = Router::new()
         .route("/v1/completions", post(completions))
@@ -180,20 +238,36 @@ async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
         out += "# HELP handoff_generated_tokens_total Tokens generated.\n# TYPE handoff_generated_tokens_total counter\n";
         out += &format!("handoff_generated_tokens_total {}\n", m.tokens);
     }
-    out += "# HELP handoff_producer_entries Live producer entries per prefill stage (as the stage reports them).\n# TYPE handoff_producer_entries gauge\n";
+    // What every role's engine holds now (from its last heartbeat): these return to
+    // their baseline once every request has left, on every rank and stage.
     let stages = lock(&p.stages).clone();
-    for (i, s) in stages.iter().enumerate() {
-        let n = s.as_ref().and_then(|s| s.reg.producer_entries.first().copied()).unwrap_or(0);
-        out += &format!("handoff_producer_entries{{stage=\"{i}\"}} {n}\n");
-    }
-    out += "# HELP handoff_decode_producer_entries Live producer entries per stage in decode's engine.\n# TYPE handoff_decode_producer_entries gauge\n";
     let decode = lock(&p.decode).clone();
-    for i in 0..stages.len() {
-        let n = decode.as_ref().and_then(|d| d.reg.producer_entries.get(i).copied()).unwrap_or(0);
-        out += &format!("handoff_decode_producer_entries{{stage=\"{i}\"}} {n}\n");
+    let roles: Vec<(String, Option<Peer>)> = std::iter::once(("decode".to_string(), decode))
+        .chain(stages.into_iter().enumerate().map(|(i, s)| (format!("prefill{i}"), s)))
+        .collect();
+    for (name, help, get) in [
+        ("handoff_engine_entities", "Entities in the role's World.", (|c: &crate::engine::Counts| c.entities as u64) as fn(&crate::engine::Counts) -> u64),
+        ("handoff_engine_requests", "Requests the role's engine holds.", |c| c.requests as u64),
+        ("handoff_engine_plans", "Plans the role's engine holds.", |c| c.plans as u64),
+        ("handoff_producer_entries", "Live producer entries of the role's stage.", |c| c.producer_entries.iter().map(|&(_, n)| n as u64).sum()),
+        ("handoff_engine_free_blocks", "Free blocks over the role's ranks.", |c| c.free_blocks),
+        ("handoff_engine_free_slots", "Free slots over the role's ranks.", |c| c.free_slots),
+    ] {
+        out += &format!("# HELP {name} {help}\n# TYPE {name} gauge\n");
+        for (role, peer) in &roles {
+            if let Some(peer) = peer {
+                out += &format!("{name}{{role=\"{role}\"}} {}\n", get(&peer.reg.counts));
+            }
+        }
+    }
+    out += "# HELP handoff_resident_memory_bytes Resident memory of each role process.\n# TYPE handoff_resident_memory_bytes gauge\n";
+    for (role, peer) in &roles {
+        if let Some(peer) = peer {
+            out += &format!("handoff_resident_memory_bytes{{role=\"{role}\"}} {}\n", peer.reg.rss_bytes);
+        }
     }
     out += "# HELP handoff_live_requests Requests held by decode's engine.\n# TYPE handoff_live_requests gauge\n";
-    out += &format!("handoff_live_requests {}\n", decode.map_or(0, |d| d.reg.live_requests));
+    out += &format!("handoff_live_requests {}\n", roles[0].1.as_ref().map_or(0, |d| d.reg.counts.requests));
     out += "# HELP handoff_queued_requests Requests waiting for a place.\n# TYPE handoff_queued_requests gauge\n";
     out += &format!("handoff_queued_requests {}\n", p.queued.load(Ordering::SeqCst));
     ([("content-type", "text/plain; version=0.0.4")], out).into_response()
@@ -213,64 +287,45 @@ struct CompletionRequest {
     model: Option<String>,
 }
 
-fn error(status: StatusCode, kind: &str, message: &str) -> Response {
-    (status, axum::Json(json!({"error": {"message": message, "type": kind}}))).into_response()
+fn error_response(p: &Proxy, e: &ServeError) -> Response {
+    let (status, kind, label) = e.classify();
+    {
+        let mut m = lock(&p.metrics);
+        *m.outcomes.entry(e.outcome()).or_default() += 1;
+        if status != StatusCode::INTERNAL_SERVER_ERROR {
+            *m.refusals.entry(label).or_default() += 1;
+        }
+    }
+    let mut body = json!({"error": {"message": e.to_string(), "type": kind}});
+    if let ServeError::Failed { phase, .. } = e {
+        body["error"]["phase"] = json!(phase.name());
+    }
+    (status, axum::Json(body)).into_response()
 }
 
-fn refuse(p: &Proxy, reason: &'static str, message: &str) -> Response {
-    let mut m = lock(&p.metrics);
-    *m.refusals.entry(reason).or_default() += 1;
-    *m.outcomes.entry("rejected").or_default() += 1;
-    error(StatusCode::BAD_REQUEST, "invalid_request_error", message)
-}
-
-/// Validates a request; the prompt tokens and max_tokens, or the 400 response.
-#[allow(clippy::result_large_err)] // the Err is the response itself, built once per refusal
-fn admit(p: &Proxy, body: &[u8]) -> Result<(Vec<u8>, u32, bool, String), Response> {
-    let req: CompletionRequest =
-        serde_json::from_slice(body).map_err(|e| refuse(p, "malformed_json", &format!("malformed JSON body: {e}")))?;
+/// Validates a request: the prompt tokens, max_tokens, stream and model.
+fn admit(p: &Proxy, body: &[u8]) -> Result<(Vec<u8>, u32, bool, String), ServeError> {
+    let req: CompletionRequest = serde_json::from_slice(body).map_err(|e| ServeError::Malformed(e.to_string()))?;
     let tokens: Vec<u8> = match (&req.prompt_token_ids, &req.prompt) {
         (Some(ids), _) => {
-            if let Some(bad) = ids.iter().find(|&&t| t > 255) {
-                return Err(refuse(p, "token_id", &format!("token id {bad} is outside the byte-level vocabulary 0..=255")));
+            if let Some(&bad) = ids.iter().find(|&&t| t > 255) {
+                return Err(ServeError::TokenId(bad));
             }
             ids.iter().map(|&t| t as u8).collect()
         }
         (None, Some(text)) => text.as_bytes().to_vec(),
         (None, None) => Vec::new(),
     };
-    let topo = &p.topo;
-    let max_context = topo.config.serve.max_context as u64;
-    let n = tokens.len() as u64;
-    if let Err(reason) = handoff_systems::admission::validate(topo, n) {
-        let kind = if n == 0 {
-            "empty_prompt"
-        } else if n >= max_context {
-            "prompt_too_long"
-        } else {
-            "transfer_mode"
-        };
-        return Err(refuse(p, kind, &reason));
-    }
     let max_tokens = req.max_tokens.unwrap_or(16);
-    let room = max_context - n;
-    if max_tokens == 0 || max_tokens > room {
-        return Err(refuse(
-            p,
-            "max_tokens",
-            &format!(
-                "max_tokens {max_tokens} is out of range: it must be between 1 and serve.max_context {max_context} minus the prompt's {n} tokens = {room}"
-            ),
-        ));
-    }
-    Ok((tokens, max_tokens as u32, req.stream, req.model.unwrap_or_else(|| topo.model().name.clone())))
+    handoff_systems::admission::validate_generation(&p.topo, tokens.len() as u64, max_tokens)?;
+    Ok((tokens, max_tokens as u32, req.stream, req.model.unwrap_or_else(|| p.topo.model().name.clone())))
 }
 
 /// What a request's task reports.
 enum Ev {
     Token(u8),
     Done(Summary),
-    Error { phase: String, message: String },
+    Error(ServeError),
 }
 
 #[derive(Debug, Clone, Default, serde::Serialize)]
@@ -278,62 +333,44 @@ struct Summary {
     queue_ms: f64,
     ttft_ms: f64,
     itl_ms: Vec<f64>,
-    prefill_compute_ms: f64,
-    prefill_transfer_ms: f64,
     handoff_ms: f64,
     decode_ms: f64,
     bytes_handed_off: u64,
+}
+
+/// Waits for one of `serve.max_requests` places, in the bounded queue.
+async fn place(p: &Arc<Proxy>) -> Result<tokio::sync::OwnedSemaphorePermit, ServeError> {
+    if let Ok(permit) = Arc::clone(&p.places).try_acquire_owned() {
+        return Ok(permit);
+    }
+    let cap = p.topo.config.serve.queue;
+    let q = p.queued.fetch_add(1, Ordering::SeqCst);
+    if q >= cap {
+        p.queued.fetch_sub(1, Ordering::SeqCst);
+        return Err(ServeError::Overloaded { places: p.topo.config.serve.max_requests, queued: q, queue: cap });
+    }
+    let wait = secs(p.topo.config.timeouts.admission_s);
+    let got = tokio::time::timeout(wait, Arc::clone(&p.places).acquire_owned()).await;
+    p.queued.fetch_sub(1, Ordering::SeqCst);
+    match got {
+        Ok(Ok(permit)) => Ok(permit),
+        _ => Err(ServeError::AdmissionTimeout(p.topo.config.timeouts.admission_s)),
+    }
 }
 
 async fn completions(State(p): State<Arc<Proxy>>, body: Bytes) -> Response {
     let arrived = Instant::now();
     let (prompt, max_tokens, stream, model) = match admit(&p, &body) {
         Ok(x) => x,
-        Err(r) => return r,
+        Err(e) => return error_response(&p, &e),
     };
     let (decode, stages) = match peers(&p) {
         Ok(x) => x,
-        Err(m) => {
-            *lock(&p.metrics).outcomes.entry("failed").or_default() += 1;
-            return error(StatusCode::SERVICE_UNAVAILABLE, "unavailable_error", &m);
-        }
+        Err(m) => return error_response(&p, &ServeError::NotReady(m)),
     };
-    // The bounded queue: a place (blocks + slot on decode) or a queue spot, or 429.
-    let permit = match Arc::clone(&p.places).try_acquire_owned() {
+    let permit = match place(&p).await {
         Ok(permit) => permit,
-        Err(_) => {
-            let cap = p.topo.config.serve.queue;
-            let q = p.queued.fetch_add(1, Ordering::SeqCst);
-            if q >= cap {
-                p.queued.fetch_sub(1, Ordering::SeqCst);
-                let mut m = lock(&p.metrics);
-                *m.outcomes.entry("overloaded").or_default() += 1;
-                *m.refusals.entry("queue_full").or_default() += 1;
-                drop(m);
-                return error(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    "overloaded_error",
-                    &format!(
-                        "overloaded: all {} places are taken and the queue holds {q} of serve.queue = {cap}; retry later",
-                        p.topo.config.serve.max_requests
-                    ),
-                );
-            }
-            let wait = secs(p.topo.config.timeouts.admission_s);
-            let got = tokio::time::timeout(wait, Arc::clone(&p.places).acquire_owned()).await;
-            p.queued.fetch_sub(1, Ordering::SeqCst);
-            match got {
-                Ok(Ok(permit)) => permit,
-                _ => {
-                    *lock(&p.metrics).outcomes.entry("failed").or_default() += 1;
-                    return error(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        "timeout_error",
-                        &format!("admission phase timed out after {} s waiting for a place", p.topo.config.timeouts.admission_s),
-                    );
-                }
-            }
-        }
+        Err(e) => return error_response(&p, &e),
     };
     let queue_ms = arrived.elapsed().as_secs_f64() * 1e3;
     let id = p.next_id.fetch_add(1, Ordering::SeqCst);
@@ -343,6 +380,7 @@ async fn completions(State(p): State<Arc<Proxy>>, body: Bytes) -> Response {
     tokio::spawn(async move {
         let _permit = permit;
         run_request(&task_p, id, prompt, max_tokens, decode, stages, arrived, queue_ms, tx).await;
+        lock(&task_p.routes).remove(&id);
     });
     let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let cid = format!("cmpl-{id}");
@@ -363,9 +401,15 @@ async fn completions(State(p): State<Arc<Proxy>>, body: Bytes) -> Response {
                                "choices": [{"index": 0, "text": "", "token_ids": [], "finish_reason": "length"}], "handoff": sum})
                         .to_string(),
                     ),
-                    Some(Ev::Error { phase, message }) => SseEvent::default()
-                        .event("error")
-                        .data(json!({"error": {"message": format!("{phase} phase failed: {message}"), "type": "server_error", "phase": phase}}).to_string()),
+                    Some(Ev::Error(e)) => {
+                        let phase = match &e {
+                            ServeError::Failed { phase, .. } => phase.name(),
+                            _ => "admission",
+                        };
+                        SseEvent::default()
+                            .event("error")
+                            .data(json!({"error": {"message": e.to_string(), "type": e.classify().1, "phase": phase}}).to_string())
+                    }
                     None => return Some((Ok::<_, std::convert::Infallible>(SseEvent::default().data("[DONE]")), None)),
                 };
                 Some((Ok(ev), Some(rx)))
@@ -386,34 +430,106 @@ async fn completions(State(p): State<Arc<Proxy>>, body: Bytes) -> Response {
                 }))
                 .into_response();
             }
-            Some(Ev::Error { phase, message }) => {
-                let body = json!({"error": {"message": format!("{phase} phase failed: {message}"), "type": "server_error", "phase": phase}});
-                return (StatusCode::INTERNAL_SERVER_ERROR, axum::Json(body)).into_response();
+            Some(Ev::Error(e)) => return error_response(&p, &e),
+            None => {
+                let e = ServeError::Failed { phase: PhaseName::Decode, message: "request task ended without an answer".into() };
+                return error_response(&p, &e);
             }
-            None => return error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "request task ended without an answer"),
         }
     }
 }
 
-async fn send_line(s: &mut TcpStream, m: &Msg) -> std::io::Result<()> {
+async fn send_line(s: &mut tokio::net::tcp::OwnedWriteHalf, m: &Msg) -> std::io::Result<()> {
     let mut line = serde_json::to_vec(m).map_err(std::io::Error::other)?;
     line.push(b'\n');
     s.write_all(&line).await
 }
 
-async fn recv_line(r: &mut BufReader<tokio::net::tcp::OwnedReadHalf>, timeout: Duration) -> Result<Msg, String> {
-    let mut line = Vec::new();
-    match tokio::time::timeout(timeout, r.read_until(b'\n', &mut line)).await {
-        Err(_) => Err(format!("no answer within {timeout:?}")),
-        Ok(Err(e)) => Err(e.to_string()),
-        Ok(Ok(0)) => Err("connection closed".into()),
-        Ok(Ok(_)) => serde_json::from_slice(&line).map_err(|e| format!("bad message: {e}")),
+/// The link to decode at `addr`: opened on first use, one reader task routing
+/// decode's messages by request id; a lost link fails every request it carried.
+async fn decode_link(p: &Arc<Proxy>, addr: SocketAddr) -> Result<mpsc::UnboundedSender<Msg>, String> {
+    let mut links = p.links.lock().await;
+    if let Some((a, tx)) = &links.decode
+        && *a == addr
+        && !tx.is_closed()
+    {
+        return Ok(tx.clone());
     }
+    let conn = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(addr))
+        .await
+        .map_err(|_| format!("decode at {addr}: connect timed out"))?
+        .map_err(|e| format!("decode at {addr}: {e}"))?;
+    let _ = conn.set_nodelay(true);
+    let (rd, mut wr) = conn.into_split();
+    let (tx, mut out) = mpsc::unbounded_channel::<Msg>();
+    let routes = Arc::clone(&p.routes);
+    tokio::spawn(async move {
+        let mut rd = BufReader::new(rd);
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            tokio::select! {
+                msg = out.recv() => match msg {
+                    Some(m) => if send_line(&mut wr, &m).await.is_err() { break },
+                    None => break,
+                },
+                n = rd.read_until(b'\n', &mut line) => {
+                    let Ok(n) = n else { break };
+                    if n == 0 { break }
+                    let Ok(m) = serde_json::from_slice::<Msg>(&line) else {
+                        tracing::warn!("proxy: malformed message from decode");
+                        continue;
+                    };
+                    let id = match &m {
+                        Msg::Admitted(a) => a.id,
+                        Msg::Token { id, .. } | Msg::Done { id, .. } | Msg::Error { id, .. } => *id,
+                        _ => continue,
+                    };
+                    if let Some(r) = lock(&routes).get(&id) {
+                        let _ = r.send(m);
+                    }
+                }
+            }
+        }
+        // The link is gone: every request it carried fails, naming decode.
+        let lost: Vec<_> = lock(&routes).drain().collect();
+        for (id, r) in lost {
+            let _ = r.send(Msg::Error { id, phase: PhaseName::Decode, message: format!("decode at {addr}: connection lost") });
+        }
+    });
+    links.decode = Some((addr, tx.clone()));
+    Ok(tx)
+}
+
+/// Sends a job to stage 0 over its link (reopened when it broke).
+async fn send_stage0(p: &Proxy, addr: SocketAddr, msg: &Msg) -> Result<(), String> {
+    let mut links = p.links.lock().await;
+    for attempt in 0..2 {
+        if links.stage0.as_ref().is_none_or(|(a, _)| *a != addr) {
+            let conn = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(addr))
+                .await
+                .map_err(|_| format!("prefill stage 0 at {addr}: connect timed out"))?
+                .map_err(|e| format!("prefill stage 0 at {addr}: {e}"))?;
+            let _ = conn.set_nodelay(true);
+            links.stage0 = Some((addr, conn.into_split().1));
+        }
+        let Some((_, w)) = links.stage0.as_mut() else { continue };
+        match send_line(w, msg).await {
+            Ok(()) => return Ok(()),
+            Err(e) => {
+                links.stage0 = None;
+                if attempt == 1 {
+                    return Err(format!("prefill stage 0 at {addr}: {e}"));
+                }
+            }
+        }
+    }
+    Err(format!("prefill stage 0 at {addr}: not reachable"))
 }
 
 #[allow(clippy::too_many_arguments)]
 async fn run_request(
-    p: &Proxy,
+    p: &Arc<Proxy>,
     id: u64,
     prompt: Vec<u8>,
     max_tokens: u32,
@@ -424,87 +540,51 @@ async fn run_request(
     tx: mpsc::Sender<Ev>,
 ) {
     let t = p.topo.config.timeouts.clone();
-    let fail = |phase: &str, message: String| {
-        *lock(&p.metrics).outcomes.entry("failed").or_default() += 1;
-        Ev::Error { phase: phase.into(), message }
-    };
+    let fail = |phase: PhaseName, message: String| Ev::Error(ServeError::Failed { phase, message });
     // 1. Decode admission: blocks, slots, published layouts.
-    let conn = match tokio::time::timeout(secs(t.admission_s), TcpStream::connect(decode)).await {
-        Ok(Ok(c)) => c,
-        Ok(Err(e)) => return drop(tx.send(fail("admission", format!("decode at {decode}: {e}"))).await),
-        Err(_) => return drop(tx.send(fail("admission", format!("decode at {decode}: connect timed out"))).await),
+    let (rtx, mut rrx) = mpsc::unbounded_channel();
+    lock(&p.routes).insert(id, rtx);
+    let link = match decode_link(p, decode).await {
+        Ok(l) => l,
+        Err(m) => return drop(tx.send(fail(PhaseName::Admission, m)).await),
     };
-    let _ = conn.set_nodelay(true);
-    let (rd, mut wr) = conn.into_split();
-    let mut rd = BufReader::new(rd);
-    if let Err(e) = send_line_half(&mut wr, &Msg::Admit { id, prompt_tokens: prompt.len() as u64, max_tokens }).await {
-        return drop(tx.send(fail("admission", format!("decode at {decode}: {e}"))).await);
+    let cancel = |phase: PhaseName, message: String| {
+        let _ = link.send(Msg::Cancel { id, phase, message });
+    };
+    if link.send(Msg::Admit { id, prompt_tokens: prompt.len() as u64, max_tokens }).is_err() {
+        return drop(tx.send(fail(PhaseName::Admission, format!("decode at {decode}: link closed"))).await);
     }
-    let admitted: Admitted = match recv_line(&mut rd, secs(t.admission_s + 1.0)).await {
-        Ok(Msg::Admitted(a)) => *a,
-        Ok(Msg::Error { phase, message }) => return drop(tx.send(fail(&phase, message)).await),
-        Ok(other) => return drop(tx.send(fail("admission", format!("decode answered {other:?}"))).await),
-        Err(e) => return drop(tx.send(fail("admission", format!("decode at {decode}: {e}"))).await),
-    };
-    let admitted_at = Instant::now();
-    // 2. Prefill: stage 0, which passes the job on stage by stage.
-    let job = PrefillJob {
-        admitted,
-        prompt,
-        stage: 0,
-        stages: stages.clone(),
-        hidden: None,
-        bytes: 0,
-        compute_ms: 0.0,
-        transfer_ms: 0.0,
-    };
-    let prefill_budget = secs(t.compute_s + t.transfer_s + 1.0);
-    let stage0 = stages[0];
-    let prefill = tokio::spawn(async move {
-        let mut s = match TcpStream::connect(stage0).await {
-            Ok(s) => s,
-            Err(e) => return Msg::Error { phase: "compute".into(), message: format!("prefill stage 0 at {stage0}: {e}") },
-        };
-        if let Err(e) = send_line(&mut s, &Msg::Prefill(Box::new(job))).await {
-            return Msg::Error { phase: "compute".into(), message: format!("prefill stage 0 at {stage0}: {e}") };
+    let admitted: Admitted = match tokio::time::timeout(secs(t.admission_s + 1.0), rrx.recv()).await {
+        Ok(Some(Msg::Admitted(a))) => *a,
+        Ok(Some(Msg::Error { phase, message, .. })) => return drop(tx.send(fail(phase, message)).await),
+        Ok(other) => return drop(tx.send(fail(PhaseName::Admission, format!("decode answered {other:?}"))).await),
+        Err(_) => {
+            cancel(PhaseName::Admission, "no answer from decode in time".into());
+            return drop(tx.send(fail(PhaseName::Admission, format!("decode at {decode}: no answer in time"))).await);
         }
-        let (r, _w) = s.into_split();
-        let mut r = BufReader::new(r);
-        match recv_line(&mut r, prefill_budget).await {
-            Ok(m) => m,
-            Err(e) => Msg::Error { phase: "compute".into(), message: format!("prefill stage 0 at {stage0}: {e}") },
-        }
-    });
-    // 3. Decode's stream; a failed prefill aborts the request on decode.
-    let mut prefill = Some(prefill);
+    };
+    // 2. Prefill: stage 0, which passes the job on stage by stage; stages report to decode.
+    let job = PrefillJob { admitted, prompt, stage: 0, stages: stages.clone(), hidden: None };
+    if let Err(m) = send_stage0(p, stages[0], &Msg::Prefill(Box::new(job))).await {
+        cancel(PhaseName::Compute, m.clone());
+        return drop(tx.send(fail(PhaseName::Compute, m)).await);
+    }
+    // 3. Decode's stream.
     let mut summary = Summary { queue_ms, ..Default::default() };
     let mut last_tok: Option<Instant> = None;
     let mut n_tokens = 0u64;
-    let decode_budget = secs(t.compute_s + t.transfer_s + 60.0);
+    let budget = secs(t.compute_s + t.transfer_s + 60.0);
     loop {
-        let msg = if let Some(pf) = prefill.as_mut() {
-            tokio::select! {
-                r = pf => {
-                    prefill = None;
-                    match r {
-                        Ok(Msg::PrefillDone { bytes, compute_ms, transfer_ms }) => {
-                            summary.bytes_handed_off = bytes;
-                            summary.prefill_compute_ms = compute_ms;
-                            summary.prefill_transfer_ms = transfer_ms;
-                        }
-                        Ok(Msg::Error { phase, message }) => abort(decode, id, &phase, &message).await,
-                        Ok(other) => abort(decode, id, "compute", &format!("prefill answered {other:?}")).await,
-                        Err(e) => abort(decode, id, "compute", &format!("prefill task: {e}")).await,
-                    }
-                    continue;
-                }
-                m = recv_line(&mut rd, decode_budget) => m,
+        let msg = match tokio::time::timeout(budget, rrx.recv()).await {
+            Ok(Some(m)) => m,
+            Ok(None) => return drop(tx.send(fail(PhaseName::Decode, "decode's link closed".into())).await),
+            Err(_) => {
+                cancel(PhaseName::Decode, "no token from decode in time".into());
+                return drop(tx.send(fail(PhaseName::Decode, format!("decode at {decode}: no token within {budget:?}"))).await);
             }
-        } else {
-            recv_line(&mut rd, decode_budget).await
         };
         match msg {
-            Ok(Msg::Token { token }) => {
+            Msg::Token { token, .. } => {
                 let now = Instant::now();
                 match last_tok {
                     None => summary.ttft_ms = (now - arrived).as_secs_f64() * 1e3,
@@ -513,27 +593,23 @@ async fn run_request(
                 last_tok = Some(now);
                 n_tokens += 1;
                 if tx.send(Ev::Token(token)).await.is_err() {
-                    // The client went away; closing the connection ends decode's loop.
+                    // The client went away: decode frees the request.
+                    cancel(PhaseName::Decode, "the client went away".into());
                     return;
                 }
             }
-            Ok(Msg::Done { handoff_ms, decode_ms }) => {
+            Msg::Done { handoff_ms, decode_ms, bytes, .. } => {
                 summary.handoff_ms = handoff_ms;
                 summary.decode_ms = decode_ms;
-                let _ = admitted_at;
+                summary.bytes_handed_off = bytes;
                 {
                     let mut m = lock(&p.metrics);
                     *m.outcomes.entry("ok").or_default() += 1;
                     m.bytes += summary.bytes_handed_off;
                     m.tokens += n_tokens;
-                    for (ph, ms) in [
-                        ("queue", summary.queue_ms),
-                        ("prefill_compute", summary.prefill_compute_ms),
-                        ("prefill_transfer", summary.prefill_transfer_ms),
-                        ("handoff", summary.handoff_ms),
-                        ("decode", summary.decode_ms),
-                        ("ttft", summary.ttft_ms),
-                    ] {
+                    for (ph, ms) in
+                        [("queue", summary.queue_ms), ("handoff", summary.handoff_ms), ("decode", summary.decode_ms), ("ttft", summary.ttft_ms)]
+                    {
                         let e = m.phases.entry(ph).or_default();
                         e.0 += ms / 1e3;
                         e.1 += 1;
@@ -542,24 +618,8 @@ async fn run_request(
                 let _ = tx.send(Ev::Done(summary)).await;
                 return;
             }
-            Ok(Msg::Error { phase, message }) => return drop(tx.send(fail(&phase, message)).await),
-            Ok(other) => return drop(tx.send(fail("decode", format!("decode sent {other:?}"))).await),
-            Err(e) => return drop(tx.send(fail("decode", format!("decode at {decode}: {e}"))).await),
+            Msg::Error { phase, message, .. } => return drop(tx.send(fail(phase, message)).await),
+            other => return drop(tx.send(fail(PhaseName::Decode, format!("decode sent {other:?}"))).await),
         }
-    }
-}
-
-async fn send_line_half(w: &mut tokio::net::tcp::OwnedWriteHalf, m: &Msg) -> std::io::Result<()> {
-    let mut line = serde_json::to_vec(m).map_err(std::io::Error::other)?;
-    line.push(b'\n');
-    w.write_all(&line).await
-}
-
-/// Tells decode to fail and free a request whose prefill failed.
-async fn abort(decode: SocketAddr, id: u64, phase: &str, message: &str) {
-    tracing::warn!(request = id, phase, message, "prefill failed; aborting on decode");
-    if let Ok(mut s) = TcpStream::connect(decode).await {
-        let _ = send_line(&mut s, &Msg::Abort { id, phase: phase.into(), message: message.into() }).await;
-        let _ = s.shutdown().await;
     }
 }

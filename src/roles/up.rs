@@ -6,6 +6,7 @@ use super::wire::{self, HttpResponse};
 use anyhow::Context;
 use handoff_components::Topology;
 use std::os::unix::process::CommandExt;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::time::{Duration, Instant};
@@ -249,8 +250,6 @@ pub struct Completion {
     pub itl_ms: Vec<f64>,
     pub bytes: u64,
     pub queue_ms: f64,
-    pub prefill_compute_ms: f64,
-    pub prefill_transfer_ms: f64,
     pub handoff_ms: f64,
     pub decode_ms: f64,
 }
@@ -273,8 +272,6 @@ pub fn complete(addr: &str, prompt: &str, max_tokens: u32) -> Result<Completion,
         itl_ms: h["itl_ms"].as_array().map(|a| a.iter().filter_map(|x| x.as_f64()).collect()).unwrap_or_default(),
         bytes: h["bytes_handed_off"].as_u64().unwrap_or(0),
         queue_ms: f("queue_ms"),
-        prefill_compute_ms: f("prefill_compute_ms"),
-        prefill_transfer_ms: f("prefill_transfer_ms"),
         handoff_ms: f("handoff_ms"),
         decode_ms: f("decode_ms"),
     })
@@ -309,7 +306,7 @@ pub fn run_demo() -> anyhow::Result<()> {
         "hello",
     ];
     let max_tokens = 12;
-    println!("\n{:<38} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9}  reference", "prompt", "TTFT ms", "ITL ms", "bytes", "prefill", "transfer", "handoff", "decode");
+    println!("\n{:<38} {:>9} {:>9} {:>10} {:>11} {:>9}  reference", "prompt", "TTFT ms", "ITL ms", "bytes", "handoff ms", "decode ms");
     let mut all = Vec::new();
     for p in prompts {
         let r = complete(&c.addr, p, max_tokens).map_err(|(s, b)| anyhow::anyhow!("HTTP {s}: {b}"))?;
@@ -317,13 +314,11 @@ pub fn run_demo() -> anyhow::Result<()> {
         let ok = if want.tokens == r.token_ids { "equal" } else { "DIFFERENT" };
         let itl = r.itl_ms.iter().sum::<f64>() / r.itl_ms.len().max(1) as f64;
         println!(
-            "{:<38} {:>9.2} {:>9.2} {:>10} {:>9.2} {:>9.2} {:>9.2} {:>9.2}  {ok}",
+            "{:<38} {:>9.2} {:>9.2} {:>10} {:>11.2} {:>9.2}  {ok}",
             format!("{p:?}"),
             r.ttft_ms,
             itl,
             r.bytes,
-            r.prefill_compute_ms,
-            r.prefill_transfer_ms,
             r.handoff_ms,
             r.decode_ms
         );
@@ -346,11 +341,23 @@ pub fn run_demo() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `handoff bench`: the default cluster under `concurrency` clients sending
-/// `requests` completions in all; prints tok/s, TTFT p50/p99, ITL p50/p99.
-pub fn bench_serve(concurrency: u32, requests: u32) -> anyhow::Result<()> {
-    let mut c = start_default()?;
-    let bar = indicatif::ProgressBar::new(requests as u64);
+/// One level of `bench serve`.
+#[derive(Debug, Clone, Default)]
+pub struct ServeLevel {
+    pub concurrency: u32,
+    pub requests: u32,
+    pub ok: u32,
+    /// Failures by HTTP status (0: no answer).
+    pub failed: BTreeMap<u16, u32>,
+    pub tok_s: f64,
+    pub ttft_p50: f64,
+    pub ttft_p99: f64,
+    pub itl_p50: f64,
+    pub itl_p99: f64,
+}
+
+/// `concurrency` clients sending `requests` completions in all to `addr`.
+pub fn load(addr: &str, concurrency: u32, requests: u32, max_tokens: u32) -> ServeLevel {
     let next = std::sync::atomic::AtomicU32::new(0);
     let results = std::sync::Mutex::new(Vec::new());
     let t0 = Instant::now();
@@ -363,34 +370,64 @@ pub fn bench_serve(concurrency: u32, requests: u32) -> anyhow::Result<()> {
                         return;
                     }
                     let prompt: String = (0..32 + (i * 37) % 96).map(|j| (b'a' + ((i + j) % 26) as u8) as char).collect();
-                    let r = complete(&c.addr, &prompt, 16);
+                    let r = complete(addr, &prompt, max_tokens);
                     results.lock().unwrap_or_else(|p| p.into_inner()).push(r);
-                    bar.inc(1);
                 }
             });
         }
     });
-    bar.finish();
     let wall = t0.elapsed().as_secs_f64();
     let results = results.into_inner().unwrap_or_else(|p| p.into_inner());
     let ok: Vec<&Completion> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
-    let failed = results.len() - ok.len();
+    let mut failed = BTreeMap::new();
+    for r in &results {
+        if let Err((status, _)) = r {
+            *failed.entry(*status).or_default() += 1;
+        }
+    }
     let tokens: usize = ok.iter().map(|r| r.token_ids.len()).sum();
     let mut ttft: Vec<f64> = ok.iter().map(|r| r.ttft_ms).collect();
     let mut itl: Vec<f64> = ok.iter().flat_map(|r| r.itl_ms.clone()).collect();
-    println!(
-        "bench: {} requests ({} ok, {failed} failed) at concurrency {concurrency} in {wall:.2} s: {:.1} tok/s generated",
-        results.len(),
-        ok.len(),
-        tokens as f64 / wall
-    );
-    println!(
-        "TTFT p50 {:.2} ms p99 {:.2} ms; ITL p50 {:.2} ms p99 {:.2} ms",
-        percentile(&mut ttft, 0.5),
-        percentile(&mut ttft, 0.99),
-        percentile(&mut itl, 0.5),
-        percentile(&mut itl, 0.99)
-    );
+    ServeLevel {
+        concurrency,
+        requests,
+        ok: ok.len() as u32,
+        failed,
+        tok_s: tokens as f64 / wall,
+        ttft_p50: percentile(&mut ttft, 0.5),
+        ttft_p99: percentile(&mut ttft, 0.99),
+        itl_p50: percentile(&mut itl, 0.5),
+        itl_p99: percentile(&mut itl, 0.99),
+    }
+}
+
+/// `handoff bench serve`: starts the cluster of `config` (the built-in default
+/// without one) and sweeps the concurrency levels, `requests` completions of 16
+/// tokens per level (0: 4 x concurrency, at least 32); prints tok/s, TTFT and ITL
+/// p50/p99 per level and the ratio of each level's tok/s to the first's.
+pub fn bench_serve(config: Option<&Path>, levels: &[u32], requests: u32) -> anyhow::Result<Vec<ServeLevel>> {
+    let port = free_port()?;
+    let mut c = Cluster::start(config, "127.0.0.1", port, None)?;
+    eprintln!("bench serve: {} at {}", config.map_or("the built-in default (config/small.toml)".to_string(), |p| p.display().to_string()), c.addr);
+    c.wait_healthy(Duration::from_secs(60), true)?;
+    // Warm-up, so the first level does not pay for the first requests' page faults.
+    let _ = load(&c.addr, 2, 4, 16);
+    println!("{:>11} {:>9} {:>6} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}", "concurrency", "requests", "ok", "failed", "tok/s", "vs C1", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99");
+    let mut out = Vec::new();
+    for &conc in levels {
+        let n = if requests == 0 { (4 * conc).max(32) } else { requests };
+        let l = load(&c.addr, conc, n, 16);
+        let base = out.first().map_or(l.tok_s, |f: &ServeLevel| f.tok_s);
+        let failed: u32 = l.failed.values().sum();
+        println!(
+            "{:>11} {:>9} {:>6} {:>7} {:>9.1} {:>8.2}x {:>7.1}ms {:>7.1}ms {:>7.2}ms {:>7.2}ms",
+            conc, l.requests, l.ok, failed, l.tok_s, l.tok_s / base.max(1e-9), l.ttft_p50, l.ttft_p99, l.itl_p50, l.itl_p99
+        );
+        for (status, n) in &l.failed {
+            println!("{:>11}   {n} failed with HTTP {status}", "");
+        }
+        out.push(l);
+    }
     c.shutdown();
-    Ok(())
+    Ok(out)
 }

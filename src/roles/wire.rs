@@ -14,9 +14,10 @@
 //!
 //! [`Transport`]: crate::transport::Transport
 
+use crate::engine::Counts;
 use crate::transport::{PeerAddr, RegionHandle};
+use handoff_components::ecs::{PhaseName, StageReport};
 use handoff_components::layout::ConsumerLayout;
-use handoff_components::vocab::{DecodeRank, PrefillRank};
 use serde::{Deserialize, Serialize};
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
@@ -25,7 +26,8 @@ use std::time::Duration;
 /// Longest control line accepted (a prefill job carries the hidden states).
 pub const MAX_LINE: u64 = 256 << 20;
 
-/// One control message.
+/// One control message. Every message names its request, so one connection carries
+/// every request between two roles.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Msg {
@@ -34,17 +36,17 @@ pub enum Msg {
     /// decode -> proxy: the request is placed; what every decode rank published.
     Admitted(Box<Admitted>),
     /// decode -> proxy: one generated token.
-    Token { token: u8 },
-    /// decode -> proxy: the request finished; decode's own timings.
-    Done { handoff_ms: f64, decode_ms: f64 },
-    /// Any side: the request failed in a named phase.
-    Error { phase: String, message: String },
-    /// proxy -> decode: fail a request (its prefill failed); decode frees it.
-    Abort { id: u64, phase: String, message: String },
+    Token { id: u64, token: u8 },
+    /// decode -> proxy: the request finished; decode's own figures.
+    Done { id: u64, handoff_ms: f64, decode_ms: f64, bytes: u64 },
+    /// decode -> proxy: the request failed in a named phase; `role` names the role
+    /// that failed it.
+    Error { id: u64, phase: PhaseName, message: String },
+    /// proxy -> decode: fail a request (its prefill could not start, its client
+    /// went away); decode frees it.
+    Cancel { id: u64, phase: PhaseName, message: String },
     /// proxy -> stage 0, stage s -> stage s + 1: compute and hand off.
     Prefill(Box<PrefillJob>),
-    /// stage -> its caller: this stage and every later one finished.
-    PrefillDone { bytes: u64, compute_ms: f64, transfer_ms: f64 },
 }
 
 /// What decode publishes for one admitted request.
@@ -72,24 +74,17 @@ pub struct PrefillJob {
     pub stages: Vec<SocketAddr>,
     /// Hidden states `[tokens, hidden]` from the previous stage (none for stage 0).
     pub hidden: Option<Vec<f32>>,
-    /// Bytes written and time spent by the earlier stages.
-    pub bytes: u64,
-    pub compute_ms: f64,
-    pub transfer_ms: f64,
 }
 
-/// A stage's write-done report, sent to decode's transport endpoint once every
-/// write of that stage for the request has completed.
+/// What a stage tells decode over the transport (after its writes completed, so a
+/// report is received only after the bytes it reports are in place).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct StageReport {
-    pub id: u64,
-    pub nonce: u64,
-    pub stage: u32,
-    /// Every (producer, consumer) pair whose writes completed.
-    pub pairs: Vec<(PrefillRank, DecodeRank)>,
-    /// The last stage's greedy pick at the prompt's last position.
-    pub first_token: Option<u8>,
-    pub bytes: u64,
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Notice {
+    /// Every write of the stage for the request completed.
+    Written(StageReport),
+    /// The stage failed the request in a named phase (and writes no more for it).
+    Failed { id: u64, nonce: u64, stage: u32, phase: PhaseName, message: String },
 }
 
 /// What a role tells the proxy about itself (POST /internal/register, repeated as
@@ -101,10 +96,10 @@ pub struct Register {
     pub stage: Option<u32>,
     pub addr: SocketAddr,
     pub pid: u32,
-    /// Live producer entries on this stage (prefill), per stage in decode's engine (decode).
-    pub producer_entries: Vec<u32>,
-    /// Requests this role holds now.
-    pub live_requests: u32,
+    /// What the role's engine holds now.
+    pub counts: Counts,
+    /// Resident memory of the role process, bytes.
+    pub rss_bytes: u64,
 }
 
 /// Writes one message as a JSON line.

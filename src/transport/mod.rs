@@ -21,7 +21,6 @@ pub mod bench;
 pub(crate) mod copy;
 pub(crate) mod host;
 pub mod local;
-pub mod mover;
 pub mod rdma;
 pub mod shm;
 pub mod staging;

@@ -30,6 +30,9 @@ pub enum ComputeError {
 pub struct PrefillJob<'a> {
     pub request: u64,
     pub stage: u32,
+    /// Prompt tokens (the rows of the hidden states).
+    pub tokens: u64,
+    /// The prompt itself (stage 0 embeds it; later stages may get it empty).
     pub prompt: &'a [u8],
     /// The previous stage's hidden states (stage > 0).
     pub hidden: Option<&'a [f32]>,
@@ -77,7 +80,7 @@ pub struct Dispatcher(pub Box<dyn Compute>);
 pub fn run_prefill(
     mut commands: Commands,
     dispatcher: Option<ResMut<Dispatcher>>,
-    mut requests: Query<(Entity, &Request, &mut Status, &mut StagesComputed, &Holdings, &mut Inputs)>,
+    mut requests: Query<(Entity, &Request, &mut Status, &mut StagesComputed, &Holdings, &mut Inputs, Option<&RemoteConsumers>)>,
     leases: Query<&Lease>,
     local: Res<LocalRanks>,
     topo: Res<TopologyRes>,
@@ -90,14 +93,14 @@ pub fn run_prefill(
     };
     let next = requests
         .iter()
-        .filter(|(_, _, st, c, _, i)| **st == Status::Planned && ready(c, i).is_some())
+        .filter(|(_, _, st, c, _, i, _)| **st == Status::Planned && ready(c, i).is_some())
         .map(|(e, r, ..)| (r.id, e))
         .min();
     let Some((_, e)) = next else { return };
-    let Ok((e, req, mut status, mut computed, holdings, mut inputs)) = requests.get_mut(e) else { return };
+    let Ok((e, req, mut status, mut computed, holdings, mut inputs, remote)) = requests.get_mut(e) else { return };
     let Some(stage) = ready(&computed, &inputs) else { return };
     let held: Vec<&Lease> = holdings.leases.iter().filter_map(|&l| leases.get(l).ok()).filter(|l| matches!(l.rank, RankId::Prefill(p) if p.pp == stage)).collect();
-    let job = PrefillJob { request: req.id, stage, prompt: &inputs.prompt, hidden: inputs.hidden.as_deref(), leases: held };
+    let job = PrefillJob { request: req.id, stage, tokens: req.tokens, prompt: &inputs.prompt, hidden: inputs.hidden.as_deref(), leases: held };
     match dispatcher.0.prefill(job) {
         Ok(out) => {
             computed.0[stage as usize] = true;
@@ -109,7 +112,8 @@ pub fn run_prefill(
                     inputs.hidden = Some(out.hidden);
                 } else {
                     inputs.hidden = None;
-                    events.write(EngineEvent::Computed { request: req.id, stage, hidden: out.hidden });
+                    let consumers = remote.map(|r| r.0.clone()).unwrap_or_default();
+                    events.write(EngineEvent::Computed { request: req.id, nonce: req.nonce, stage, tokens: req.tokens, hidden: out.hidden, consumers });
                 }
             }
         }

@@ -13,7 +13,7 @@ pub fn receive_reports(
     mut commands: Commands,
     mut stage_reports: MessageReader<StageReport>,
     index: Res<RequestIndex>,
-    mut requests: Query<(&Request, &mut StagesComputed)>,
+    mut requests: Query<(&Request, &mut StagesComputed, Option<&mut Timing>)>,
     mut reports: MessageWriter<WriteDone>,
     mut stats: ResMut<ReportStats>,
 ) {
@@ -22,13 +22,16 @@ pub fn receive_reports(
             stats.unknown += 1;
             continue;
         };
-        let Ok((req, mut computed)) = requests.get_mut(e) else { continue };
+        let Ok((req, mut computed, timing)) = requests.get_mut(e) else { continue };
         if req.nonce != r.nonce {
             stats.wrong_nonce += 1;
             continue;
         }
         if let Some(c) = computed.0.get_mut(r.stage as usize) {
             *c = true;
+        }
+        if let Some(mut t) = timing {
+            t.bytes += r.bytes;
         }
         if let Some(tok) = r.first_token {
             commands.entity(e).insert(FirstToken(tok));
@@ -151,14 +154,14 @@ pub fn record_reports(
 #[allow(clippy::type_complexity)]
 pub fn complete_handoffs(
     mut commands: Commands,
-    mut requests: Query<(&Request, &mut Status, &mut Holdings, Option<&FirstToken>, Option<&mut Generation>)>,
+    mut requests: Query<(&Request, &mut Status, &mut Holdings, Option<&FirstToken>, Option<&mut Generation>, Option<&mut Timing>)>,
     leases: Query<(&Lease, Option<&ConsumerProgress>)>,
     plans: Query<&PlanEntry>,
     mut pools: ResMut<Pools>,
     mut outcomes: MessageWriter<Outcome>,
     mut events: MessageWriter<EngineEvent>,
 ) {
-    for (req, mut status, mut holdings, first, generation) in requests.iter_mut() {
+    for (req, mut status, mut holdings, first, generation, timing) in requests.iter_mut() {
         if *status != Status::Planned {
             continue;
         }
@@ -195,6 +198,9 @@ pub fn complete_handoffs(
         };
         *status = Status::HandedOff;
         outcomes.write(Outcome { request: req.id, result: Ok(()) });
+        if let Some(mut t) = timing {
+            t.handed_off = Some(Instant::now());
+        }
         generation.last = Some(tok);
         generation.emitted = 1;
         events.write(EngineEvent::Token { request: req.id, index: 0, token: tok });
@@ -233,7 +239,7 @@ pub fn expire_requests(mut requests: Query<(&mut Status, &Deadline)>, topo: Res<
 #[allow(clippy::type_complexity, clippy::too_many_arguments)]
 pub fn retire_requests(
     mut commands: Commands,
-    requests: Query<(Entity, &Request, &Status, &Holdings, Option<&Generation>, &StagesComputed, &Deadline)>,
+    requests: Query<(Entity, &Request, &Status, &Holdings, Option<&Timing>, &StagesComputed, &Deadline)>,
     leases: Query<(&Lease, Option<&ConsumerProgress>)>,
     plans: Query<&PlanEntry>,
     local: Res<LocalRanks>,
@@ -245,7 +251,7 @@ pub fn retire_requests(
 ) {
     let remote_producers = local.decode && (local.stages.len() as u32) < topo.0.config.prefill.pp;
     let now = Instant::now();
-    for (e, req, status, holdings, generation, computed, deadline) in requests.iter() {
+    for (e, req, status, holdings, timing, computed, deadline) in requests.iter() {
         match status {
             Status::Finished => {}
             Status::Failed { .. } => {
@@ -274,10 +280,18 @@ pub fn retire_requests(
             Status::Failed { phase, reason } => {
                 outcomes.write(Outcome { request: req.id, result: Err((*phase, reason.clone())) });
             }
-            _ if generation.is_some() => {
-                events.write(EngineEvent::Finished { request: req.id });
+            _ => {
+                if let Some(t) = timing {
+                    let handed = t.handed_off.unwrap_or(now);
+                    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+                    events.write(EngineEvent::Finished {
+                        request: req.id,
+                        handoff_ms: ms(handed - t.admitted),
+                        decode_ms: ms(now.saturating_duration_since(handed)),
+                        bytes: t.bytes,
+                    });
+                }
             }
-            _ => {}
         }
     }
 }

@@ -1,4 +1,4 @@
-//! The engine's movers over a [`Transport`].
+//! The engine's mover over a [`Transport`], and in-process clusters built on it.
 //!
 //! [`TransportMover`] implements systems' [`Mover`]: it knows, for every
 //! (rank, region kind), the local source region of a producer and the attached
@@ -17,22 +17,17 @@
 //! wire header (tcp, rdma), not where the transport is itself a memcpy (local, shm),
 //! so [`StagingMode::Auto`] stages only on the former.
 //!
-//! [`AwaitedWrites`] is the mover of a consumer whose producers are other processes:
-//! the bytes arrive by the producers' own one-sided writes, so a submitted plan only
-//! waits for the producer's write-done report, and fails if none comes in time.
-//!
 //! Like the transports, a mover knows regions and descriptors: a [`Ticket`] is opaque
 //! to it, something to hand back.
 
-use super::staging::{RetryPolicy, Stager, StagingPool};
-use super::{lock, RegionHandle, RemoteRegion, Transport, TransportError, TransportExt};
-use crate::engine::Engine;
+use crate::transport::staging::{RetryPolicy, Stager, StagingPool};
+use crate::transport::{self, lock, RegionHandle, RemoteRegion, Transport, TransportError, TransportExt};
+use super::Engine;
 use handoff_components::config::{TransportKind, Topology};
-use handoff_components::ecs::{Region, WriteDone};
 use handoff_components::plan::{Descriptor, Plan};
 use handoff_components::vocab::{Distribution, RankId, RegionKind};
 use handoff_systems::placement::Capacity;
-use handoff_systems::transfer::{Completion, Mover, Ticket};
+use handoff_systems::transfer::{Completion, MoveError, Mover, Ticket};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
@@ -107,6 +102,8 @@ struct Shared {
     opts: MoverOptions,
     sources: RwLock<HashMap<(RankId, RegionKind), RegionHandle>>,
     targets: RwLock<HashMap<(RankId, RegionKind), RemoteRegion>>,
+    /// The handle each target was attached from (a restarted consumer publishes new ones).
+    attached: RwLock<HashMap<(RankId, RegionKind), RegionHandle>>,
     /// Created on first use: a mover that never stages registers no staging pool.
     stager: OnceLock<Result<Stager, TransportError>>,
     book: Mutex<Book>,
@@ -121,6 +118,24 @@ pub struct MoverHandle {
 }
 
 impl MoverHandle {
+    /// Registers a local producer region as the source of its (rank, kind).
+    pub fn add_source(&self, handle: RegionHandle) {
+        transport::write(&self.shared.sources).insert((handle.rank, handle.kind), handle);
+    }
+
+    /// Attaches a consumer's published region as the destination of its (rank, kind).
+    pub fn attach_target(&self, handle: &RegionHandle) -> Result<RemoteRegion, TransportError> {
+        let remote = self.shared.transport.attach(handle)?;
+        transport::write(&self.shared.targets).insert((handle.rank, handle.kind), remote);
+        transport::write(&self.shared.attached).insert((handle.rank, handle.kind), handle.clone());
+        Ok(remote)
+    }
+
+    /// Whether a consumer's region is attached already, as this handle names it.
+    pub fn attached(&self, handle: &RegionHandle) -> bool {
+        transport::read(&self.shared.attached).get(&(handle.rank, handle.kind)) == Some(handle)
+    }
+
     /// Tickets submitted whose completion has not been produced yet.
     pub fn in_flight(&self) -> usize {
         lock(&self.shared.book).in_flight.len()
@@ -176,6 +191,7 @@ impl TransportMover {
             opts: MoverOptions { workers: opts.workers.max(1), max_batch: opts.max_batch.max(1), ..opts },
             sources: RwLock::new(HashMap::new()),
             targets: RwLock::new(HashMap::new()),
+            attached: RwLock::new(HashMap::new()),
             stager: OnceLock::new(),
             book: Mutex::new(Book::default()),
             idle: Condvar::new(),
@@ -193,14 +209,12 @@ impl TransportMover {
 
     /// Registers a local producer region as the source of its (rank, kind).
     pub fn add_source(&self, handle: RegionHandle) {
-        super::write(&self.shared.sources).insert((handle.rank, handle.kind), handle);
+        transport::write(&self.shared.sources).insert((handle.rank, handle.kind), handle);
     }
 
     /// Attaches a consumer's published region as the destination of its (rank, kind).
     pub fn attach_target(&self, handle: &RegionHandle) -> Result<RemoteRegion, TransportError> {
-        let remote = self.shared.transport.attach(handle)?;
-        super::write(&self.shared.targets).insert((handle.rank, handle.kind), remote);
-        Ok(remote)
+        self.handle().attach_target(handle)
     }
 
     pub fn handle(&self) -> MoverHandle {
@@ -219,13 +233,13 @@ impl Drop for TransportMover {
 }
 
 impl Mover for TransportMover {
-    fn submit(&mut self, ticket: Ticket, plan: &Plan) -> Result<(), String> {
+    fn submit(&mut self, ticket: Ticket, plan: &Plan) -> Result<(), MoveError> {
         // Refuse at once what no worker could run: a region the mover does not know.
         check_regions(&self.shared, plan)?;
         {
             let mut book = lock(&self.shared.book);
             if book.in_flight.contains_key(&ticket) {
-                return Err(format!("ticket of request {} already in flight", ticket.request));
+                return Err(MoveError::AlreadyInFlight(ticket.request));
             }
             book.in_flight.insert(ticket, Instant::now());
         }
@@ -233,7 +247,7 @@ impl Mover for TransportMover {
         if !matches!(sent, Some(Ok(()))) {
             lock(&self.shared.book).in_flight.remove(&ticket);
             self.shared.idle.notify_all();
-            return Err("mover workers have stopped".into());
+            return Err(MoveError::Stopped);
         }
         Ok(())
     }
@@ -258,7 +272,7 @@ fn worker(shared: &Shared, rx: &Mutex<mpsc::Receiver<Job>>) {
             bytes = job.plan.bytes()
         )
         .entered();
-        let result = run_plan(shared, &job.plan).map_err(|e| e.to_string());
+        let result = run_plan(shared, &job.plan).map_err(|e| MoveError::Transport(e.to_string()));
         if let Err(reason) = &result {
             tracing::warn!(request = job.ticket.request, %reason, "mover: plan failed");
         }
@@ -278,15 +292,15 @@ fn target_rank(plan: &Plan) -> RankId {
     RankId::Decode(plan.consumer)
 }
 
-fn check_regions(shared: &Shared, plan: &Plan) -> Result<(), String> {
-    let sources = super::read(&shared.sources);
-    let targets = super::read(&shared.targets);
+fn check_regions(shared: &Shared, plan: &Plan) -> Result<(), MoveError> {
+    let sources = transport::read(&shared.sources);
+    let targets = transport::read(&shared.targets);
     for d in &plan.descriptors {
         if !sources.contains_key(&(source_rank(plan), d.kind)) {
-            return Err(format!("no {} source region of {} registered with the mover", d.kind, source_rank(plan)));
+            return Err(MoveError::UnknownRegion { kind: d.kind, rank: source_rank(plan), side: "source" });
         }
         if !targets.contains_key(&(target_rank(plan), d.kind)) {
-            return Err(format!("no {} region of {} attached to the mover", d.kind, target_rank(plan)));
+            return Err(MoveError::UnknownRegion { kind: d.kind, rank: target_rank(plan), side: "destination, not attached" });
         }
     }
     Ok(())
@@ -318,11 +332,11 @@ fn run_plan(shared: &Shared, plan: &Plan) -> Result<(), TransportError> {
         by_kind.entry(d.kind).or_default().push(*d);
     }
     for (kind, descs) in by_kind {
-        let src = super::read(&shared.sources)
+        let src = transport::read(&shared.sources)
             .get(&(source_rank(plan), kind))
             .cloned()
             .ok_or_else(|| TransportError::UnknownRegion(format!("{kind} source of {}", source_rank(plan))))?;
-        let dst = super::read(&shared.targets)
+        let dst = transport::read(&shared.targets)
             .get(&(target_rank(plan), kind))
             .copied()
             .ok_or_else(|| TransportError::UnknownRegion(format!("{kind} destination of {}", target_rank(plan))))?;
@@ -359,79 +373,6 @@ fn write_direct(shared: &Shared, src: &RegionHandle, dst: RemoteRegion, descs: &
 
 // ---------------------------------------------------------------------------
 
-/// The mover of a consumer whose producers are other processes. Submitting a plan
-/// starts waiting for its producer's write-done report; [`AwaitedWrites::settle`]
-/// (called with each report the consumer receives, next to
-/// [`Engine::deliver_report`]) ends the wait silently, and a wait that outlives
-/// `timeout` completes with an error, so the engine can fail the request and free
-/// it: without a completion, the engine would hold a failed request's regions for
-/// a write that may never come.
-#[derive(Clone)]
-pub struct AwaitedWrites {
-    inner: Arc<Mutex<AwaitState>>,
-    timeout: Duration,
-}
-
-#[derive(Default)]
-struct AwaitState {
-    waiting: HashMap<Ticket, Instant>,
-    /// Reports that came before their plan was submitted (deadline to forget them).
-    early: HashMap<Ticket, Instant>,
-}
-
-impl AwaitedWrites {
-    pub fn new(timeout: Duration) -> Self {
-        AwaitedWrites { inner: Arc::default(), timeout }
-    }
-
-    /// A producer reported its writes for one (request, nonce, producer, consumer).
-    pub fn settle(&self, r: &WriteDone) {
-        let t = Ticket { request: r.request, nonce: r.nonce, producer: r.producer, consumer: r.consumer };
-        let mut s = lock(&self.inner);
-        if s.waiting.remove(&t).is_none() {
-            s.early.insert(t, Instant::now() + self.timeout);
-        }
-    }
-
-    /// Plans waiting for a report, and early reports remembered.
-    pub fn outstanding(&self) -> (usize, usize) {
-        let s = lock(&self.inner);
-        (s.waiting.len(), s.early.len())
-    }
-}
-
-impl Mover for AwaitedWrites {
-    fn submit(&mut self, ticket: Ticket, _plan: &Plan) -> Result<(), String> {
-        let mut s = lock(&self.inner);
-        if s.early.remove(&ticket).is_none() {
-            s.waiting.insert(ticket, Instant::now() + self.timeout);
-        }
-        Ok(())
-    }
-
-    fn poll(&mut self, out: &mut Vec<Completion>) {
-        let now = Instant::now();
-        let mut s = lock(&self.inner);
-        s.early.retain(|_, at| *at > now);
-        let timeout = self.timeout;
-        s.waiting.retain(|t, at| {
-            if *at > now {
-                return true;
-            }
-            out.push(Completion {
-                ticket: *t,
-                result: Err(format!(
-                    "no write-done report from prefill pp{} tp{} within {timeout:?} (producer gone or stalled)",
-                    t.producer.pp, t.producer.tp
-                )),
-            });
-            false
-        });
-    }
-}
-
-// ---------------------------------------------------------------------------
-
 /// Every region of a cluster, as registered: (rank, kind) to handle.
 pub type RegionHandles = BTreeMap<(RankId, RegionKind), RegionHandle>;
 
@@ -458,19 +399,18 @@ pub fn cluster_over(
     // The engine owns the mover; regions are added through `handle`'s shared state.
     let mut engine = Engine::new(topo.clone(), cap, Box::new(mover));
     let mut regions = RegionHandles::new();
-    let mut q = engine.world.query::<&Region>();
-    let wanted: Vec<(RankId, RegionKind, u64)> = q.iter(&engine.world).map(|r| (r.rank, r.layout.kind, r.layout.len)).collect();
+    let wanted: Vec<(RankId, RegionKind, u64)> = engine.regions().into_iter().map(|r| (r.rank, r.layout.kind, r.layout.len)).collect();
     for (rank, kind, len) in wanted {
         let h = match rank {
             RankId::Prefill(_) => {
                 let h = producer.register(rank, kind, len)?;
-                super::write(&handle.shared.sources).insert((rank, kind), h.clone());
+                transport::write(&handle.shared.sources).insert((rank, kind), h.clone());
                 h
             }
             RankId::Decode(_) => {
                 let h = consumer.register(rank, kind, len)?;
                 let remote = producer.attach(&h)?;
-                super::write(&handle.shared.targets).insert((rank, kind), remote);
+                transport::write(&handle.shared.targets).insert((rank, kind), remote);
                 h
             }
         };
@@ -482,7 +422,7 @@ pub fn cluster_over(
 /// An in-process engine whose regions live in one transport of `kind` (tcp: its
 /// writes go over loopback to itself), with the `[transport]` settings of `topo`.
 pub fn local_cluster(topo: &Topology, cap: Capacity, kind: TransportKind) -> Result<(Engine, Arc<dyn Transport>, Cluster), TransportError> {
-    let t = super::open(kind, None)?;
+    let t = transport::open(kind, None)?;
     let (engine, cluster) = cluster_over(topo, cap, Arc::clone(&t), Arc::clone(&t), MoverOptions::from_topology(topo))?;
     Ok((engine, t, cluster))
 }

@@ -1,0 +1,141 @@
+//! The model as the engine's dispatch phase runs it: one [`Compute`] for the role
+//! processes and `verify --compute`. A prefill stage computes its layers straight
+//! into its registered source regions; decode runs one batched step for every live
+//! request, reading and writing KV and state in its registered decode regions
+//! through a [`RegionView`] (host memory on the CPU backend).
+
+use crate::model::forward;
+use crate::model::ranks::{self, DecodeRanks, Layouts};
+use crate::model::regions::RegionView;
+use crate::model::weights::ShardGroup;
+use crate::model::{Model, ModelError};
+use crate::transport::{RegionHandle, Transport};
+use handoff_components::Topology;
+use handoff_components::ecs::Lease;
+use handoff_components::vocab::{PrefillRank, RankId, RegionKind};
+use handoff_kernels::Backend;
+use handoff_systems::dispatch::{Compute, ComputeError, DecodeItem, PrefillJob, PrefillOutput};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+/// The logits of every step of every request, kept when `verify` asks for them:
+/// request id -> (step 0 = prefill's last position, then one per decode step).
+pub type LogitTrace = Arc<Mutex<BTreeMap<u64, Vec<Vec<f32>>>>>;
+
+fn model_err(e: ModelError) -> ComputeError {
+    ComputeError::Model(e.to_string())
+}
+
+/// The model on backend `B` for the ranks of one World.
+pub struct ModelCompute<B: Backend> {
+    topo: Topology,
+    be: B,
+    layouts: Layouts,
+    view: Arc<dyn RegionView>,
+    /// The prefill TP group's weights (a World holding a stage).
+    prefill: Option<ShardGroup<B>>,
+    /// The decode TP group's weights (a World holding the decode ranks).
+    decode: Option<ShardGroup<B>>,
+    trace: Option<LogitTrace>,
+}
+
+impl<B: Backend> ModelCompute<B> {
+    /// `layouts`: every local region; the groups are uploaded for the sides present.
+    pub fn new(topo: &Topology, be: B, layouts: Layouts, view: Arc<dyn RegionView>) -> Result<Self, ModelError> {
+        let model = Model::new(topo)?;
+        let has_prefill = layouts.keys().any(|(r, _)| matches!(r, RankId::Prefill(_)));
+        let has_decode = layouts.keys().any(|(r, _)| matches!(r, RankId::Decode(_)));
+        let prefill = if has_prefill { Some(model.upload_group(&be, topo.prefill().tp as usize)?) } else { None };
+        let decode = if has_decode { Some(model.upload_group(&be, topo.decode().tp as usize)?) } else { None };
+        Ok(ModelCompute { topo: topo.clone(), be, layouts, view, prefill, decode, trace: None })
+    }
+
+    /// Keeps every step's logits in `trace` (verify compares them).
+    pub fn with_trace(mut self, trace: LogitTrace) -> Self {
+        self.trace = Some(trace);
+        self
+    }
+
+    fn record(&self, request: u64, logits: Vec<f32>) {
+        if let Some(t) = &self.trace {
+            t.lock().unwrap_or_else(|p| p.into_inner()).entry(request).or_default().push(logits);
+        }
+    }
+}
+
+impl<B: Backend + 'static> Compute for ModelCompute<B> {
+    fn prefill(&mut self, job: PrefillJob<'_>) -> Result<PrefillOutput, ComputeError> {
+        let stage = job.stage;
+        let group = self.prefill.as_ref().ok_or(ComputeError::MissingInput { stage, what: "prefill weights in this World" })?;
+        let t = job.tokens as usize;
+        let be = &self.be;
+        let mut h = match job.hidden {
+            None if stage == 0 => forward::embed(be, group, job.prompt).map_err(model_err)?,
+            None => return Err(ComputeError::MissingInput { stage, what: "the previous stage's hidden states" }),
+            Some(x) => be.upload(x).map_err(|e| model_err(e.into()))?,
+        };
+        let layers = self.topo.stage_layers[stage as usize].clone();
+        let tail = ranks::prefill_record_tail(&self.topo, t);
+        let (topo, layouts, view) = (&self.topo, &self.layouts, self.view.as_ref());
+        let leases = &job.leases;
+        forward::prefill_layers(be, group, layers.start as usize..layers.end as usize, &mut h, t, tail, &mut |tp, layer, cache| {
+            let rank = PrefillRank { pp: stage, tp: tp as u32 };
+            let lease = leases
+                .iter()
+                .find(|l| l.rank == RankId::Prefill(rank))
+                .ok_or_else(|| ModelError::Region(format!("no lease on prefill pp{stage} tp{tp}")))?;
+            ranks::store_prefill(topo, layouts, view, rank, lease, layer, cache)
+        })
+        .map_err(model_err)?;
+        if stage as usize + 1 == self.topo.stage_layers.len() {
+            let (logits, first) = forward::logits_of_last(be, group, &h, t).map_err(model_err)?;
+            self.record(job.request, logits);
+            return Ok(PrefillOutput { hidden: Vec::new(), first_token: Some(first) });
+        }
+        Ok(PrefillOutput { hidden: be.download(&h).map_err(|e| model_err(e.into()))?, first_token: None })
+    }
+
+    fn decode(&mut self, batch: &[DecodeItem<'_>]) -> Result<Vec<u8>, ComputeError> {
+        let group = self.decode.as_ref().ok_or(ComputeError::MissingInput { stage: 0, what: "decode weights in this World" })?;
+        let leases: Vec<Vec<Lease>> = batch.iter().map(|i| i.leases.iter().map(|&l| l.clone()).collect()).collect();
+        let tokens: Vec<u8> = batch.iter().map(|i| i.token).collect();
+        let positions: Vec<usize> = batch.iter().map(|i| i.pos as usize).collect();
+        let mut caches = DecodeRanks::new(&self.topo, &self.layouts, self.view.as_ref(), leases);
+        let out = forward::decode_batch(&self.be, group, &tokens, &positions, &mut caches).map_err(model_err)?;
+        let mut picks = Vec::with_capacity(out.len());
+        for (item, (logits, tok)) in batch.iter().zip(out) {
+            self.record(item.request, logits);
+            picks.push(tok);
+        }
+        Ok(picks)
+    }
+}
+
+/// The regions a role registered in its transport, as the model reads and writes
+/// them: in place, through the transport's own access to its local regions.
+pub struct TransportRegions {
+    pub transport: Arc<dyn Transport>,
+    pub handles: BTreeMap<(RankId, RegionKind), RegionHandle>,
+}
+
+impl TransportRegions {
+    fn handle(&self, rank: RankId, kind: RegionKind) -> Result<&RegionHandle, ModelError> {
+        self.handles.get(&(rank, kind)).ok_or_else(|| ModelError::Region(format!("{rank} registered no {kind} region")))
+    }
+}
+
+impl RegionView for TransportRegions {
+    fn with(&self, rank: RankId, kind: RegionKind, f: &mut dyn FnMut(&[u8])) -> Result<(), ModelError> {
+        let h = self.handle(rank, kind)?;
+        self.transport.with_region(h, f).map_err(|e| ModelError::Region(e.to_string()))
+    }
+    fn with_mut(&self, rank: RankId, kind: RegionKind, f: &mut dyn FnMut(&mut [u8])) -> Result<(), ModelError> {
+        let h = self.handle(rank, kind)?;
+        self.transport.with_region_mut(h, f).map_err(|e| ModelError::Region(e.to_string()))
+    }
+}
+
+/// Every region of `regions` by (rank, kind), as the model addresses them.
+pub fn layouts_of(regions: &[handoff_components::ecs::Region]) -> Layouts {
+    regions.iter().map(|r| ((r.rank, r.layout.kind), r.layout.clone())).collect()
+}
