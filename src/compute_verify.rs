@@ -18,17 +18,17 @@
 
 use crate::engine::{Engine, QueueMover};
 use crate::model::forward;
-use crate::model::ranks::{self, DecodeRanks, Layouts, Lease};
+use crate::model::ranks::{self, DecodeRanks, Layouts};
 use crate::model::{Model, Trace, run_colocated};
 use crate::oracle::{self, Memory};
 use handoff_components::Topology;
 use handoff_components::ecs::{Outcome, Pools, Region, Status};
+use handoff_components::ecs::Lease;
 use handoff_systems::dispatch::{Compute, Dispatcher, Lease as DispatchLease};
-use handoff_kernels::CpuBuf;
+use handoff_kernels::{Backend, CpuBackend};
 use std::sync::{Arc, Mutex};
 use handoff_components::plan::Plan;
 use handoff_components::vocab::{DecodeRank, PrefillRank, RankId, RegionKind};
-use handoff_kernels::CpuBackend;
 use handoff_systems::placement::{Capacity, alloc_blocks, blocks_for, free_blocks, owned_tokens};
 use std::collections::BTreeMap;
 
@@ -168,12 +168,13 @@ struct ModelCompute {
     prompt: Vec<u8>,
     steps: u32,
     be: CpuBackend,
-    hidden: BTreeMap<u64, CpuBuf>,
+    /// Hidden states between PP stages, as they travel between stage processes.
+    hidden: BTreeMap<u64, Vec<f32>>,
     trace: Arc<Mutex<Option<Trace>>>,
 }
 
 fn lease_map(leases: &[DispatchLease]) -> BTreeMap<RankId, Lease> {
-    leases.iter().map(|(rank, blocks, slot)| (*rank, Lease { blocks: blocks.clone(), slot: *slot })).collect()
+    leases.iter().map(|(rank, blocks, slot)| (*rank, Lease { rank: *rank, blocks: blocks.clone(), slot: *slot })).collect()
 }
 
 impl Compute for ModelCompute {
@@ -184,28 +185,30 @@ impl Compute for ModelCompute {
         if prompt.len() != t {
             return Err(format!("request {request} has {t} tokens, the compute was given a {}-token prompt", prompt.len()));
         }
+        let group = model.upload_group(be, topo.prefill().tp as usize).map_err(me)?;
         let mut h = match stage {
-            0 => forward::embed(be, model, prompt).map_err(me)?,
-            _ => hidden.remove(&request).ok_or_else(|| format!("stage {stage} ran before stage {}", stage - 1))?,
+            0 => forward::embed(be, &group, prompt).map_err(me)?,
+            _ => be
+                .upload(&hidden.remove(&request).ok_or_else(|| format!("stage {stage} ran before stage {}", stage - 1))?)
+                .map_err(|e| e.to_string())?,
         };
         let leases = lease_map(leases);
-        let group = model.shard(topo.prefill().tp as usize).map_err(me)?;
         let tail = ranks::prefill_record_tail(topo, t);
         let layers = topo.stage_layers[stage as usize].clone();
-        let mut mem = mem.lock().map_err(|e| e.to_string())?;
-        forward::prefill_layers(be, model, &group, layers.start as usize..layers.end as usize, &mut h, t, tail, &mut |tp, layer, cache| {
+        let view: &Mutex<Memory> = mem;
+        forward::prefill_layers(be, &group, layers.start as usize..layers.end as usize, &mut h, t, tail, &mut |tp, layer, cache| {
             let rank = PrefillRank { pp: stage, tp: tp as u32 };
             let lease = leases
                 .get(&RankId::Prefill(rank))
                 .ok_or_else(|| crate::model::ModelError::Region(format!("no lease on prefill pp{stage} tp{tp}")))?;
-            ranks::store_prefill(topo, layouts, &mut mem, rank, lease, layer, cache)
+            ranks::store_prefill(topo, layouts, view, rank, lease, layer, cache)
         })
         .map_err(me)?;
         if stage as usize + 1 == topo.stage_layers.len() {
-            let (logits, first) = forward::logits_of_last(be, model, &h, t).map_err(me)?;
+            let (logits, first) = forward::logits_of_last(be, &group, &h, t).map_err(me)?;
             *trace.lock().map_err(|e| e.to_string())? = Some(Trace { tokens: vec![first], logits: vec![logits] });
         } else {
-            hidden.insert(request, h);
+            hidden.insert(request, be.download(&h).map_err(|e| e.to_string())?);
         }
         Ok(())
     }
@@ -234,16 +237,18 @@ impl Compute for ModelCompute {
             }
             decode_leases.push(lease);
         }
-        let dgroup = model.shard(d.tp as usize).map_err(me)?;
+        let dgroup = model.upload_group(be, d.tp as usize).map_err(me)?;
         let mut guard = trace.lock().map_err(|e| e.to_string())?;
         let trace = guard.as_mut().ok_or("decode ran before prefill produced the first token")?;
-        let mut mem = mem.lock().map_err(|e| e.to_string())?;
+        let view: &Mutex<Memory> = mem;
         let result = (|| {
-            let mut caches = DecodeRanks::new(topo, layouts, &mut mem, decode_leases);
+            let mut caches = DecodeRanks::new(topo, layouts, view, vec![decode_leases]);
             for i in 0..*steps as usize {
                 let prev = trace.tokens[i];
-                let (logits, tok) = forward::decode_step(be, model, &dgroup, prev, t + i, &mut caches)
-                    .map_err(|e| format!("decode step {}: {e}", i + 1))?;
+                let (logits, tok) = forward::decode_batch(be, &dgroup, &[prev], &[t + i], &mut caches)
+                    .map_err(|e| format!("decode step {}: {e}", i + 1))?
+                    .pop()
+                    .ok_or_else(|| format!("decode step {}: no result", i + 1))?;
                 trace.tokens.push(tok);
                 trace.logits.push(logits);
             }

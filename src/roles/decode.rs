@@ -12,14 +12,14 @@ use super::wire::{self, Admitted, Msg, Register, StageReport};
 use super::{heartbeat, secs, shutting_down};
 use crate::engine::Engine;
 use crate::model::forward;
-use crate::model::ranks::{DecodeRanks, Layouts, Lease};
-use crate::model::{Model, RankShard};
+use crate::model::ranks::{DecodeRanks, Layouts};
+use crate::model::ShardGroup;
 use crate::oracle::Memory;
 use crate::transport::mover::AwaitedWrites;
 use crate::transport::{PeerAddr, RegionHandle, Transport, TransportExt};
 use anyhow::Context;
 use handoff_components::Topology;
-use handoff_components::ecs::{BlockTable, PhaseName, Pools, Published, Region, Request, Slot, Status, WriteDone};
+use handoff_components::ecs::{BlockTable, Lease, PhaseName, Pools, Published, Region, Request, Slot, Status, WriteDone};
 use handoff_components::vocab::{DecodeRank, RankId, RegionKind};
 use handoff_kernels::CpuBackend;
 use handoff_systems::placement::{Capacity, alloc_blocks, blocks_for, free_blocks, owned_tokens};
@@ -56,8 +56,7 @@ struct Live {
 
 struct Shared {
     topo: Topology,
-    model: Model,
-    group: Vec<RankShard>,
+    group: ShardGroup<CpuBackend>,
     transport: Arc<dyn Transport>,
     handles: BTreeMap<(RankId, RegionKind), RegionHandle>,
     layouts: Layouts,
@@ -84,12 +83,10 @@ pub fn run_decode(topo: &Topology, proxy: &str) -> anyhow::Result<()> {
         handles.insert((r.rank, r.layout.kind), h);
         layouts.insert((r.rank, r.layout.kind), r.layout);
     }
-    let model = Model::new(topo)?;
-    let group = model.shard(topo.decode().tp as usize)?;
+    let group = crate::model::Model::new(topo)?.upload_group(&CpuBackend::new(), topo.decode().tp as usize)?;
     let (tx, rx) = mpsc::channel();
     let shared = Arc::new(Shared {
         topo: topo.clone(),
-        model,
         group,
         transport: Arc::clone(&transport),
         handles,
@@ -271,7 +268,7 @@ fn handed_off(shared: &Shared, engine: &mut Engine, live: &mut HashMap<u64, Live
         if let (Some(t), Some(s)) = (engine.world.get::<BlockTable>(le), engine.world.get::<Slot>(le))
             && let RankId::Decode(r) = t.rank
         {
-            leases.insert(r.tp, Lease { blocks: t.blocks.clone(), slot: s.index });
+            leases.insert(r.tp, Lease { rank: t.rank, blocks: t.blocks.clone(), slot: s.index });
         }
     }
     let mut failure = None;
@@ -368,12 +365,15 @@ fn decode_loop(shared: &Shared, w: &mut TcpStream, prompt: usize, first: u8, max
         let bytes = shared.transport.region_bytes(h).map_err(|e| format!("read {h}: {e}"))?;
         mem.insert(*key, bytes);
     }
+    let mem = Mutex::new(mem);
     let be = CpuBackend::new();
-    let mut caches = DecodeRanks::new(&shared.topo, &shared.layouts, &mut mem, leases);
+    let mut caches = DecodeRanks::new(&shared.topo, &shared.layouts, &mem, vec![leases]);
     let mut prev = first;
     for i in 0..(max_tokens - 1) as usize {
-        let (_, tok) = forward::decode_step(&be, &shared.model, &shared.group, prev, prompt + i, &mut caches)
-            .map_err(|e| format!("decode step {}: {e}", i + 1))?;
+        let (_, tok) = forward::decode_batch(&be, &shared.group, &[prev], &[prompt + i], &mut caches)
+            .map_err(|e| format!("decode step {}: {e}", i + 1))?
+            .pop()
+            .ok_or_else(|| format!("decode step {}: no result", i + 1))?;
         wire::send(w, &Msg::Token { token: tok }).map_err(|e| format!("client went away: {e}"))?;
         prev = tok;
     }

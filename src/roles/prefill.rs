@@ -10,17 +10,17 @@
 use super::wire::{self, Msg, PrefillJob, Register, StageReport};
 use super::{heartbeat, secs, shutting_down};
 use crate::model::forward;
-use crate::model::ranks::{self, Layouts, Lease};
-use crate::model::{Model, RankShard};
+use crate::model::ranks::{self, Layouts};
+use crate::model::ShardGroup;
 use crate::oracle::Memory;
 use crate::transport::mover::{MoverOptions, TransportMover};
 use crate::transport::{RegionHandle, Transport, TransportExt};
 use anyhow::Context;
 use handoff_components::Topology;
-use handoff_components::ecs::RankPool;
+use handoff_components::ecs::{Lease, RankPool};
 use handoff_components::layout::{ProducerLayout, RankLayout};
 use handoff_components::vocab::{PrefillRank, RankId, RegionKind};
-use handoff_kernels::{CpuBackend, CpuBuf};
+use handoff_kernels::{Backend, CpuBackend};
 use handoff_systems::placement::{Capacity, alloc_blocks, blocks_for, free_blocks, place_rank};
 use handoff_systems::splitting::{ProducerPlanner, share};
 use handoff_systems::transfer::{Completion, Mover, Ticket};
@@ -37,8 +37,7 @@ pub const DELAY_ENV: &str = "HANDOFF_TEST_STAGE_DELAY_MS";
 struct Stage {
     topo: Topology,
     stage: u32,
-    model: Model,
-    group: Vec<RankShard>,
+    group: ShardGroup<CpuBackend>,
     transport: Arc<dyn Transport>,
     /// Everything below is touched by one request at a time.
     state: Mutex<StageState>,
@@ -87,13 +86,11 @@ pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str) -> anyhow::Result<(
         }
         st.rank_layouts.insert(tp, layout);
     }
-    let model = Model::new(topo)?;
-    let group = model.shard(p.tp as usize)?;
+    let group = crate::model::Model::new(topo)?.upload_group(&CpuBackend::new(), p.tp as usize)?;
     let delay = std::env::var(DELAY_ENV).ok().and_then(|v| v.parse::<u64>().ok()).map(Duration::from_millis);
     let me = Arc::new(Stage {
         topo: topo.clone(),
         stage,
-        model,
         group,
         transport,
         state: Mutex::new(st),
@@ -218,25 +215,29 @@ fn compute_and_write(me: &Stage, job: &PrefillJob) -> Result<(Vec<f32>, u64, f64
         free_blocks(&mut st.pool, &blocks);
         return Err(comp("no free slot".into()));
     };
-    let lease = Lease { blocks: blocks.clone(), slot };
+    // The stage's TP ranks share it (store_prefill addresses by rank).
+    let lease = Lease { rank: RankId::Prefill(PrefillRank { pp: s, tp: 0 }), blocks: blocks.clone(), slot };
     let result = (|| {
         let t0 = Instant::now();
         let mut h = match &job.hidden {
-            None => forward::embed(&be, &me.model, &job.prompt).map_err(|e| comp(e.to_string()))?,
-            Some(x) => CpuBuf::from_vec(x.clone()),
+            None => forward::embed(&be, &me.group, &job.prompt).map_err(|e| comp(e.to_string()))?,
+            Some(x) => be.upload(x).map_err(|e| comp(e.to_string()))?,
         };
         let layers = topo.stage_layers[s as usize].clone();
         let tail = ranks::prefill_record_tail(topo, t);
-        let (layouts, mem) = (&st.layouts, &mut st.mem);
-        forward::prefill_layers(&be, &me.model, &me.group, layers.start as usize..layers.end as usize, &mut h, t, tail, &mut |tp, layer, cache| {
-            ranks::store_prefill(topo, layouts, mem, PrefillRank { pp: s, tp: tp as u32 }, &lease, layer, cache)
-        })
-        .map_err(|e| comp(e.to_string()))?;
+        // The model reaches regions through a RegionView: lend it the stage's memory.
+        let view = Mutex::new(std::mem::take(&mut st.mem));
+        let layouts = &st.layouts;
+        let computed = forward::prefill_layers(&be, &me.group, layers.start as usize..layers.end as usize, &mut h, t, tail, &mut |tp, layer, cache| {
+            ranks::store_prefill(topo, layouts, &view, PrefillRank { pp: s, tp: tp as u32 }, &lease, layer, cache)
+        });
+        st.mem = view.into_inner().unwrap_or_else(|e| e.into_inner());
+        computed.map_err(|e| comp(e.to_string()))?;
         if let Some(d) = me.delay {
             std::thread::sleep(d);
         }
         let first_token = if s + 1 == topo.prefill().pp {
-            Some(forward::logits_of_last(&be, &me.model, &h, t).map_err(|e| comp(e.to_string()))?.1)
+            Some(forward::logits_of_last(&be, &me.group, &h, t).map_err(|e| comp(e.to_string()))?.1)
         } else {
             None
         };
@@ -248,7 +249,7 @@ fn compute_and_write(me: &Stage, job: &PrefillJob) -> Result<(Vec<f32>, u64, f64
         me.transport
             .notify(&a.endpoint, &msg)
             .map_err(|e| ("transfer", format!("prefill stage {s}: write-done report to decode: {e}")))?;
-        Ok((h.into_vec(), bytes, compute_ms, t1.elapsed().as_secs_f64() * 1e3))
+        Ok((be.download(&h).map_err(|e| comp(e.to_string()))?, bytes, compute_ms, t1.elapsed().as_secs_f64() * 1e3))
     })();
     // Every write of this request has completed or failed: the sources are free.
     free_blocks(&mut st.pool, &blocks);
