@@ -117,7 +117,7 @@ pub fn bench_transfer_with(
         match rank {
             RankId::Prefill(p) => {
                 let h = producer.register(rank, kind, len)?;
-                for (id, (rk, blocks, slot)) in ids.iter().flat_map(|&id| engine.leases(id).into_iter().map(move |l| (id, l))) {
+                for (id, handoff_components::ecs::Lease { rank: rk, blocks, slot }) in ids.iter().flat_map(|&id| engine.leases(id).into_iter().map(move |l| (id, l))) {
                     if rk == rank {
                         let req = OracleRequest { id, tokens };
                         let at = Placement { blocks: &blocks, slot };
@@ -171,7 +171,7 @@ pub fn bench_transfer_with(
         let mut pattern = 0u64;
         let leases: BTreeMap<(u64, RankId), (Vec<u32>, u32)> = ids
             .iter()
-            .flat_map(|&id| engine.leases(id).into_iter().map(move |(r, b, s)| ((id, r), (b, s))))
+            .flat_map(|&id| engine.leases(id).into_iter().map(move |l| ((id, l.rank), (l.blocks, l.slot))))
             .collect();
         for ((rank, kind), h) in &consumer_regions {
             let RankId::Decode(d) = *rank else { continue };

@@ -7,7 +7,7 @@
 use crate::model::forward;
 use crate::model::ranks::{self, DecodeRanks, Layouts};
 use crate::model::regions::RegionView;
-use crate::model::weights::ShardGroup;
+use crate::model::forward::ShardGroup;
 use crate::model::{Model, ModelError};
 use crate::transport::{RegionHandle, Transport};
 use handoff_components::Topology;

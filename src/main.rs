@@ -236,7 +236,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Bench { what: BenchCommand::Compute { config, prompt, steps } } => {
             let topo = load(&config)?;
-            let f = handoff::model::bench_compute(&topo, prompt, steps).map_err(|e| anyhow::anyhow!("{e}"))?;
+            let f = handoff::model::bench_compute(&handoff_kernels::CpuBackend::new(), &topo, prompt, steps).map_err(|e| anyhow::anyhow!("{e}"))?;
             print!("{f}");
         }
     }

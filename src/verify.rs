@@ -3,7 +3,7 @@
 
 use crate::engine::{Engine, QueueMover};
 use crate::oracle::{self, Memory, OracleRequest, Placement};
-use handoff_components::ecs::{Outcome, Region, Status};
+use handoff_components::ecs::{Outcome, Status};
 use handoff_components::plan::Plan;
 use handoff_components::vocab::{DecodeRank, RankId, RegionKind};
 use handoff_components::Topology;
@@ -72,7 +72,7 @@ pub fn verify(
             other => return Err(format!("request {id} was not planned after one tick: {other:?}")),
         }
         let req = OracleRequest { id, tokens };
-        for (rank, blocks, slot) in engine.leases(id) {
+        for handoff_components::ecs::Lease { rank, blocks, slot } in engine.leases(id) {
             if let RankId::Prefill(p) = rank {
                 for kind in topo.region_kinds() {
                     let u = units[&(rank, kind)];

@@ -284,7 +284,7 @@ fn dropping_kda_state_into_zeroed_memory_fails_loudly() {
     // The shipped bug: the state never arrives and decode runs from zeros.
     let c = Case { pp: 2, dtp: 2, dcp: 2, ..BASE };
     for kind in [RegionKind::KdaState, RegionKind::KdaConv] {
-        match verify_compute_with(&topo(&c), &prompt(20), STEPS, Fill::Zeros, drop_kind(kind)) {
+        match verify_compute_with(&topo(&c), &[prompt(20)], STEPS, Fill::Zeros, drop_kind(kind)) {
             Ok(r) => panic!("dropping {kind} into zeroed memory went unnoticed: {r:?}"),
             Err(e) => {
                 eprintln!("dropping {kind} (zeros): {e}");

@@ -116,7 +116,7 @@ fn malformed_files_name_the_field_line_and_expectation() {
 fn chunked_stateful_transfer_to_dcp_is_refused_at_admission_not_startup() {
     let t = Shape { dtp: 2, dcp: 2, ..Default::default() }.toml().replace("layer_split = []", "layer_split = []\nchunked = true");
     let topo = Topology::parse(&t).expect("startup accepts it: the producer learns decode's dcp per request");
-    let reason = topo.admits_transfer_mode().expect_err("admission refuses it");
+    let reason = topo.admits_transfer_mode().expect_err("admission refuses it").to_string();
     assert!(reason.contains("chunked") && reason.contains("dcp 2"), "{reason}");
 }
 

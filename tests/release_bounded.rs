@@ -4,7 +4,7 @@
 mod common;
 use common::Shape;
 use handoff::engine::{Engine, QueueMover};
-use handoff_components::ecs::{Pools, Status, WriteDone};
+use handoff_components::ecs::{Status, WriteDone};
 use handoff_systems::placement::Capacity;
 
 fn engine(shape: &Shape, requests: u32, tokens: u64) -> (Engine, QueueMover) {
@@ -17,7 +17,7 @@ fn engine(shape: &Shape, requests: u32, tokens: u64) -> (Engine, QueueMover) {
 }
 
 fn free_counts(e: &Engine) -> Vec<(u64, usize)> {
-    e.world.resource::<Pools>().0.values().map(|p| (p.free_block_count(), p.free_slots.len())).collect()
+    e.pools().0.values().map(|p| (p.free_block_count(), p.free_slots.len())).collect()
 }
 
 /// Runs requests to the end in waves; entity count, pools and producer entries
@@ -158,7 +158,7 @@ fn timeouts_fail_the_request_naming_the_phase_and_free_everything() {
     assert!(matches!(e.status(2), Some(Status::Failed { .. })));
     assert_ne!(free_counts(&e), pools, "an in-flight write still reads the sources");
     for (t, _) in sub {
-        mover.complete(t, Err("peer gone".into()));
+        mover.complete(t, Err(handoff_systems::transfer::MoveError::Transport("peer gone".into())));
     }
     e.tick();
     let out = e.take_outcomes();
@@ -190,20 +190,25 @@ fn admission_rejects_empty_too_long_and_unservable_requests() {
 /// and frees what it held.
 #[test]
 fn dispatch_phase_computes_stages_in_order_and_failures_name_the_phase() {
-    use handoff_systems::dispatch::{Compute, Dispatcher, Lease};
+    use handoff_systems::dispatch::{Compute, ComputeError, DecodeItem, PrefillJob, PrefillOutput};
     use std::sync::{Arc, Mutex};
     struct Fake {
         log: Arc<Mutex<Vec<String>>>,
         fail_stage: Option<u32>,
     }
     impl Compute for Fake {
-        fn prefill(&mut self, request: u64, _t: u64, stage: u32, leases: &[Lease]) -> Result<(), String> {
-            self.log.lock().unwrap().push(format!("prefill {request} stage {stage} ranks {}", leases.len()));
-            if self.fail_stage == Some(stage) { Err("out of memory".into()) } else { Ok(()) }
+        fn prefill(&mut self, job: PrefillJob<'_>) -> Result<PrefillOutput, ComputeError> {
+            self.log.lock().unwrap().push(format!("prefill {} stage {} ranks {}", job.request, job.stage, job.leases.len()));
+            if self.fail_stage == Some(job.stage) {
+                return Err(ComputeError::Model("out of memory".into()));
+            }
+            Ok(PrefillOutput { hidden: vec![0.0], first_token: Some(7) })
         }
-        fn decode(&mut self, request: u64, _t: u64, _l: &[Lease], _p: &mut Pools) -> Result<(), String> {
-            self.log.lock().unwrap().push(format!("decode {request}"));
-            Ok(())
+        fn decode(&mut self, batch: &[DecodeItem<'_>]) -> Result<Vec<u8>, ComputeError> {
+            for i in batch {
+                self.log.lock().unwrap().push(format!("decode {} at {} over {} ranks", i.request, i.pos, i.leases.len()));
+            }
+            Ok(batch.iter().map(|_| 9).collect())
         }
     }
     for fail_stage in [None, Some(1)] {
@@ -211,14 +216,14 @@ fn dispatch_phase_computes_stages_in_order_and_failures_name_the_phase() {
         let (mut e, mover) = engine(&shape, 1, 8);
         let log = Arc::new(Mutex::new(Vec::new()));
         // Resources are entities too: count the baseline with the dispatcher in place.
-        e.world.insert_resource(Dispatcher(Box::new(Fake { log: log.clone(), fail_stage })));
+        e.set_compute(Box::new(Fake { log: log.clone(), fail_stage }));
         e.tick();
         let baseline = e.entity_count();
         let pools = free_counts(&e);
-        e.submit(5, 8);
+        e.submit_request(handoff_components::ecs::Submit { id: 5, tokens: 8, max_tokens: 3, ..Default::default() });
         e.tick();
         let mut outcomes = e.take_outcomes();
-        for _ in 0..3 {
+        for _ in 0..8 {
             e.tick();
             for (t, _) in mover.take_submitted() {
                 mover.complete(t, Ok(()));
@@ -228,12 +233,23 @@ fn dispatch_phase_computes_stages_in_order_and_failures_name_the_phase() {
         let log = log.lock().unwrap().clone();
         match fail_stage {
             None => {
-                // 3 prefill ranks + 2 decode ranks hold leases.
-                assert_eq!(log, vec!["prefill 5 stage 0 ranks 5", "prefill 5 stage 1 ranks 5", "prefill 5 stage 2 ranks 5", "decode 5"]);
+                // Each stage computes on its own rank, one stage per tick, in order;
+                // decode steps the 2 generated positions after the first token over
+                // both decode ranks.
+                assert_eq!(
+                    log,
+                    vec![
+                        "prefill 5 stage 0 ranks 1",
+                        "prefill 5 stage 1 ranks 1",
+                        "prefill 5 stage 2 ranks 1",
+                        "decode 5 at 8 over 2 ranks",
+                        "decode 5 at 9 over 2 ranks"
+                    ]
+                );
                 assert!(outcomes.iter().any(|o| o.request == 5 && o.result.is_ok()), "{outcomes:?}");
             }
             Some(_) => {
-                assert_eq!(log, vec!["prefill 5 stage 0 ranks 5", "prefill 5 stage 1 ranks 5"]);
+                assert_eq!(log, vec!["prefill 5 stage 0 ranks 1", "prefill 5 stage 1 ranks 1"]);
                 let (phase, reason) = outcomes.iter().find_map(|o| o.result.clone().err()).expect("failed");
                 assert_eq!(phase.name(), "compute");
                 assert!(reason.contains("prefill stage 1: out of memory"), "{reason}");

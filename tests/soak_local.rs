@@ -7,7 +7,7 @@ use handoff::oracle::{self, OracleRequest, Placement};
 use handoff::engine::mover::{local_cluster, Cluster};
 use handoff::transport::TransportExt;
 use handoff_components::config::{Config, TransportKind};
-use handoff_components::ecs::{Pools, Status};
+use handoff_components::ecs::{Lease, Status};
 use handoff_components::vocab::{DecodeRank, RankId};
 use handoff_components::Topology;
 use handoff_systems::placement::Capacity;
@@ -106,7 +106,7 @@ fn soak_100k_requests_local_transport_leaves_nothing_behind_and_samples_are_byte
             assert_eq!(engine.status(id), Some(Status::Planned), "request {id} not planned after one tick");
             if sample {
                 let req = OracleRequest { id, tokens: tokens_of(id) };
-                for (rank, blocks, slot) in engine.leases(id) {
+                for Lease { rank, blocks, slot } in engine.leases(id) {
                     if let RankId::Prefill(p) = rank {
                         for kind in topo.region_kinds() {
                             let h = &cluster.regions[&(rank, kind)];

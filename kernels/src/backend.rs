@@ -8,6 +8,7 @@
 //! partials (`Backend::F64Buf`): MLA decode partials and their DCP merge are f64,
 //! so that the merged result does not depend on how the tokens were sharded.
 
+use crate::dtype::StorageDtype;
 use crate::error::Result;
 use crate::shapes::{
     ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape,
@@ -65,6 +66,19 @@ pub trait Backend: Send + Sync {
     ) -> Result<()>;
     /// Strided copy of a column block (see [`ColsCopy`]).
     fn copy_cols(&self, shape: ColsCopy, src: &Self::Buf, dst: &mut Self::Buf) -> Result<()>;
+    /// `dst[dst_off..dst_off + len] = src[src_off..src_off + len]` on f64 buffers
+    /// (stacking the DCP members' attention partials shard-major for one merge).
+    fn copy_f64(
+        &self,
+        src: &Self::F64Buf,
+        src_off: usize,
+        dst: &mut Self::F64Buf,
+        dst_off: usize,
+        len: usize,
+    ) -> Result<()>;
+    /// Rounds every element to what `dtype` stores (round to nearest even), in
+    /// place: what a cache of that dtype would hand back. Identity for f32.
+    fn round_to(&self, buf: &mut Self::Buf, dtype: StorageDtype) -> Result<()>;
 
     // ---- KDA -------------------------------------------------------------
 
@@ -223,6 +237,21 @@ pub trait Backend: Send + Sync {
         partial: &mut Self::F64Buf,
     ) -> Result<()>;
 
+    /// [`Backend::mla_decode_partial`] for a batch of `counts.len()` = B requests
+    /// whose row counts differ: q_lat `[B, H, L+R]`; `rows` holds request 0's
+    /// `counts[0]` rows, then request 1's, ... (`[sum counts, L+R]`, at least);
+    /// `partial` `[B, H, 2+L]`. Request b's partial is computed exactly as
+    /// `mla_decode_partial` computes it over its own rows alone (same terms in the
+    /// same order), so batching never changes a request's bits.
+    fn mla_decode_partial_ragged(
+        &self,
+        shape: MlaShape,
+        q_lat: &Self::Buf,
+        rows: &Self::Buf,
+        counts: &[usize],
+        partial: &mut Self::F64Buf,
+    ) -> Result<()>;
+
     /// DCP merge of f64 partials `[S, H, 2+L]` (shard-major; `shape.width` = L)
     /// into out `[H, L]` and lse `[H]`, in f64, rounded to f32 at the end:
     /// M = max_r m_r, l = sum_r l_r e^{m_r - M}, O = sum_r acc_r e^{m_r - M} / l,
@@ -256,6 +285,11 @@ pub trait Backend: Send + Sync {
         w: MlpWeights<'_, Self::Buf>,
         out: &mut Self::Buf,
     ) -> Result<()>;
+
+    /// The SwiGLU activation on its own: out = silu(gate) * up, element-wise,
+    /// equal lengths. The model runs its MLP as chunked matmuls around this, so
+    /// that each row's result does not depend on how many rows are in the call.
+    fn silu_mul(&self, gate: &Self::Buf, up: &Self::Buf, out: &mut Self::Buf) -> Result<()>;
 
     /// `out[t] = table[ids[t]]`; refuses ids outside `0..vocab`.
     fn embedding(

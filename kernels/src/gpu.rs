@@ -5,6 +5,7 @@
 //! The kernel sources for the device live in `kernels/hip/`.
 
 use crate::backend::Backend;
+use crate::dtype::StorageDtype;
 use crate::error::{KernelError, Result};
 use crate::shapes::{
     ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape,
@@ -92,6 +93,18 @@ macro_rules! stub_backend {
             }
             fn dcp_merge_partials(&self, _: MergeShape, partials: &NoBuf, _: &mut NoBuf, _: &mut NoBuf) -> Result<()> {
                 match *partials {}
+            }
+            fn mla_decode_partial_ragged(&self, _: MlaShape, q_lat: &NoBuf, _: &NoBuf, _: &[usize], _: &mut NoBuf) -> Result<()> {
+                match *q_lat {}
+            }
+            fn copy_f64(&self, src: &NoBuf, _: usize, _: &mut NoBuf, _: usize, _: usize) -> Result<()> {
+                match *src {}
+            }
+            fn round_to(&self, buf: &mut NoBuf, _: StorageDtype) -> Result<()> {
+                match *buf {}
+            }
+            fn silu_mul(&self, gate: &NoBuf, _: &NoBuf, _: &mut NoBuf) -> Result<()> {
+                match *gate {}
             }
             fn fill(&self, buf: &mut NoBuf, _: f32) -> Result<()> {
                 match *buf {}
@@ -220,6 +233,24 @@ mod tests {
         };
         assert!(msg.starts_with("cuda: "), "{msg}");
         assert!(!HipBackend::is_available() && !CudaBackend::is_available());
+    }
+
+    /// The ops the batched decode added (ragged MLA partials, f64 copy, storage
+    /// rounding, the SwiGLU activation) exist on the stubs with the same
+    /// signatures: they can only be reached through a constructed backend, and
+    /// construction refuses, so a caller generic over `Backend` fails at `new`.
+    #[test]
+    fn gpu_stubs_carry_the_batched_decode_ops() {
+        fn takes_backend<B: Backend>(_: Option<&B>) -> &'static str {
+            let _ = B::mla_decode_partial_ragged;
+            let _ = B::copy_f64;
+            let _ = B::round_to;
+            let _ = B::silu_mul;
+            "ok"
+        }
+        assert_eq!(takes_backend::<CudaBackend>(None), "ok");
+        assert_eq!(takes_backend::<HipBackend>(None), "ok");
+        assert!(matches!(CudaBackend::new(0), Err(KernelError::BackendUnavailable(_))));
     }
 
     #[test]

@@ -6,7 +6,8 @@
 //! output norm, absorbed MLA prefill and decode with LSE, the DCP LSE merge
 //! (and their f64 forms: decode partials and their merge, which do not depend
 //! on the DCP decomposition),
-//! matmul, SwiGLU, embedding, argmax and the residual add. The math is
+//! matmul, SwiGLU (and its activation alone), embedding, argmax, the residual
+//! add, and the copies and storage rounding the model needs between them. The math is
 //! design.md section 5.
 //!
 //! [`CpuBackend`] is the reference (f32 storage and accumulation, rayon).
@@ -16,6 +17,7 @@
 
 pub mod backend;
 pub mod cpu;
+pub mod dtype;
 pub mod error;
 pub mod gpu;
 pub mod rng;
@@ -25,6 +27,7 @@ pub mod shapes;
 pub(crate) mod testutil;
 
 pub use backend::Backend;
+pub use dtype::StorageDtype;
 pub use cpu::{CpuBackend, CpuBuf, CpuF64Buf, CpuIBuf, KDA_CHUNK};
 pub use error::{KernelError, Result};
 pub use gpu::{CudaBackend, HipBackend, KDA_DECODE_HIP, NoBuf};

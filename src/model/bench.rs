@@ -1,5 +1,13 @@
-//! Throughput of the small model on the CPU, and of the two decode kernels against a
-//! memory roofline measured in the same run. Reports only; asserts nothing.
+//! Throughput of the small model on a backend (the CLI runs it on the CPU), of the
+//! batched decode step at several batch sizes, and of the two decode kernels
+//! against a memory roofline measured in the same run. Reports only; asserts
+//! nothing.
+//!
+//! Batched decode: B requests, each after a prompt of [`BATCH_PROMPT`] tokens
+//! (one prefill, its caches cloned B times: the step's cost does not depend on
+//! the prompt's contents), step [`forward::decode_batch`] together through the
+//! colocated reference's host caches ([`LocalCaches`]), so a step includes the
+//! gather and scatter of the batch's caches, as a decode instance's does.
 //!
 //! Roofline: a decode step must at least read and write each KDA state once
 //! (2 x H x Dk x Dv x 4 bytes per layer) and read every cached MLA row once
@@ -9,12 +17,26 @@
 
 use super::ModelError;
 use super::forward::{self, PrefillCache};
+use super::reference::{LocalCaches, prefill_local, run_colocated_on};
 use super::weights::Model;
 use handoff_components::Topology;
-use handoff_kernels::{
-    Backend, CpuBackend, CpuBuf, KdaInputs, KdaParams, KdaStepShape, MlaShape, RowSet, SplitMix64,
-};
+use handoff_kernels::{Backend, KdaInputs, KdaParams, KdaStepShape, MlaShape, RowSet, SplitMix64};
 use std::time::Instant;
+
+/// Prompt tokens of each request of the batched decode figures.
+pub const BATCH_PROMPT: usize = 128;
+/// Batch sizes of the batched decode figures (88: the flagship's in-flight count).
+pub const BATCHES: [usize; 4] = [1, 8, 32, 88];
+
+/// One batched decode figure: B requests stepping together.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct BatchFigure {
+    pub batch: usize,
+    /// Mean time of one `decode_batch` step over the batch.
+    pub step_us: f64,
+    /// Generated tokens per second: batch / step time.
+    pub tokens_per_s: f64,
+}
 
 /// The figures of one `bench_compute` run.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -26,6 +48,10 @@ pub struct ComputeFigures {
     pub prefill_tokens_per_s: f64,
     /// Whole model at TP1: generated tokens per second (batch 1).
     pub decode_tokens_per_s: f64,
+    /// Whole model at TP1: one batched decode step per batch size of [`BATCHES`],
+    /// each request after a prompt of `batch_prompt_tokens`.
+    pub batch_prompt_tokens: usize,
+    pub batched: Vec<BatchFigure>,
     /// memcpy bandwidth measured in this run, bytes/s.
     pub memcpy_bytes_per_s: f64,
     /// KDA decode step (all KDA heads, batch `kda_batch`): time, state bytes moved,
@@ -47,7 +73,14 @@ impl std::fmt::Display for ComputeFigures {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(f, "compute bench ({} rayon threads), prompt {} tokens, {} decode steps", self.threads, self.prompt_tokens, self.steps)?;
         writeln!(f, "  model prefill   {:>12.0} tokens/s", self.prefill_tokens_per_s)?;
-        writeln!(f, "  model decode    {:>12.1} tokens/s (batch 1)", self.decode_tokens_per_s)?;
+        writeln!(f, "  model decode    {:>12.1} tokens/s (batch 1, {} steps after the prompt)", self.decode_tokens_per_s, self.steps)?;
+        for b in &self.batched {
+            writeln!(
+                f,
+                "  decode batch {:>3} {:>9.1} us/step {:>10.1} tokens/s (prompts of {} tokens)",
+                b.batch, b.step_us, b.tokens_per_s, self.batch_prompt_tokens
+            )?;
+        }
         writeln!(f, "  memcpy          {:>12.2} GB/s (roofline)", self.memcpy_bytes_per_s / 1e9)?;
         writeln!(
             f,
@@ -88,43 +121,74 @@ fn memcpy_bandwidth(bytes: usize) -> f64 {
     2.0 * bytes as f64 / t
 }
 
-/// Prefill and decode throughput of the topology's model (colocated, TP1), and the
-/// KDA / MLA decode kernels against the memcpy roofline.
-pub fn bench_compute(topo: &Topology, prompt_len: usize, steps: u32) -> Result<ComputeFigures, ModelError> {
-    let be = CpuBackend::new();
+/// Mean time of a batched decode step of `batch` requests, each after `prompt`.
+fn batched_step<B: Backend>(
+    be: &B,
+    group: &forward::ShardGroup<B>,
+    prompt: &[u8],
+    batch: usize,
+    steps: usize,
+) -> Result<BatchFigure, ModelError> {
+    let (req, _, first) = prefill_local(be, group, prompt)?;
+    let mut caches = LocalCaches::new(&group.dims, group.tp(), vec![req; batch]);
+    let mut tokens = vec![first; batch];
+    let mut pos = prompt.len();
+    let mut step = |tokens: &mut Vec<u8>, pos: &mut usize| -> Result<(), ModelError> {
+        let out = forward::decode_batch(be, group, tokens, &vec![*pos; batch], &mut caches)?;
+        *tokens = out.into_iter().map(|(_, t)| t).collect();
+        *pos += 1;
+        Ok(())
+    };
+    step(&mut tokens, &mut pos)?;
+    let steps = steps.max(1);
+    let t0 = Instant::now();
+    for _ in 0..steps {
+        step(&mut tokens, &mut pos)?;
+    }
+    let s = t0.elapsed().as_secs_f64() / steps as f64;
+    Ok(BatchFigure { batch, step_us: s * 1e6, tokens_per_s: batch as f64 / s })
+}
+
+/// Prefill and decode throughput of the topology's model (colocated, TP1) on
+/// `be`, the batched decode step at the batch sizes of [`BATCHES`], and the KDA /
+/// MLA decode kernels against the memcpy roofline.
+pub fn bench_compute<B: Backend>(be: &B, topo: &Topology, prompt_len: usize, steps: u32) -> Result<ComputeFigures, ModelError> {
     let model = Model::new(topo)?;
     let dims = model.dims.clone();
     let prompt_len = prompt_len.max(1);
     let mut g = SplitMix64::new(11);
     let prompt: Vec<u8> = (0..prompt_len).map(|_| g.below(256) as u8).collect();
-    let group = model.shard(1)?;
+    let group = model.upload_group(be, 1)?;
     let n = dims.num_layers();
 
     let prefill_s = best(2, || {
-        let mut h = forward::embed(&be, &model, &prompt)?;
-        forward::prefill_layers(&be, &model, &group, 0..n, &mut h, prompt_len, 0, &mut |_, _, _: PrefillCache<'_>| Ok(()))?;
-        forward::logits_of_last(&be, &model, &h, prompt_len)?;
+        let mut h = forward::embed(be, &group, &prompt)?;
+        forward::prefill_layers(be, &group, 0..n, &mut h, prompt_len, 0, &mut |_, _, _: PrefillCache<'_>| Ok(()))?;
+        forward::logits_of_last(be, &group, &h, prompt_len)?;
         Ok(())
     })?;
     let total = {
         let t0 = Instant::now();
-        super::reference::run_colocated(&model, &prompt, steps)?;
+        run_colocated_on(be, &group, &prompt, steps)?;
         t0.elapsed().as_secs_f64()
     };
     let decode_s = (total - prefill_s).max(1e-9);
+
+    let batch_prompt: Vec<u8> = (0..BATCH_PROMPT).map(|_| g.below(256) as u8).collect();
+    let batched = BATCHES.iter().map(|&b| batched_step(be, &group, &batch_prompt, b, 4)).collect::<Result<Vec<_>, _>>()?;
 
     // KDA decode kernel: a batch large enough that the state outgrows the caches.
     let (h, dk, dv) = (dims.kda_heads, dims.dk, dims.dv);
     let state_bytes = h * dk * dv * 4;
     let batch = ((64usize << 20) / state_bytes.max(1)).clamp(1, 4096);
-    let mut state = CpuBuf::from_vec(g.vec_normal(batch * h * dk * dv, 0.1));
-    let q = CpuBuf::from_vec(g.vec_normal(batch * h * dk, 1.0));
-    let k = CpuBuf::from_vec(g.vec_normal(batch * h * dk, 1.0));
-    let v = CpuBuf::from_vec(g.vec_normal(batch * h * dv, 1.0));
-    let gr = CpuBuf::from_vec(g.vec_normal(batch * h * dk, 1.0));
-    let br = CpuBuf::from_vec(g.vec_normal(batch * h, 1.0));
-    let a_log = CpuBuf::from_vec(vec![-0.5; h]);
-    let dt_bias = CpuBuf::from_vec(vec![-2.0; h * dk]);
+    let mut state = be.upload(&g.vec_normal(batch * h * dk * dv, 0.1))?;
+    let q = be.upload(&g.vec_normal(batch * h * dk, 1.0))?;
+    let k = be.upload(&g.vec_normal(batch * h * dk, 1.0))?;
+    let v = be.upload(&g.vec_normal(batch * h * dv, 1.0))?;
+    let gr = be.upload(&g.vec_normal(batch * h * dk, 1.0))?;
+    let br = be.upload(&g.vec_normal(batch * h, 1.0))?;
+    let a_log = be.upload(&vec![-0.5; h])?;
+    let dt_bias = be.upload(&vec![-2.0; h * dk])?;
     let mut out = be.alloc(batch * h * dv)?;
     let kda_s = best(5, || {
         be.kda_step(
@@ -142,8 +206,8 @@ pub fn bench_compute(topo: &Topology, prompt_len: usize, steps: u32) -> Result<C
     // MLA decode kernel: all heads, one query, rows of f32 (the kernel's storage).
     let w = dims.row_width();
     let mla_tokens = ((64usize << 20) / (w * 4).max(1)).clamp(1, 1 << 20);
-    let rows = CpuBuf::from_vec(g.vec_normal(mla_tokens * w, 1.0));
-    let ql = CpuBuf::from_vec(g.vec_normal(dims.mla_heads * w, 1.0));
+    let rows = be.upload(&g.vec_normal(mla_tokens * w, 1.0))?;
+    let ql = be.upload(&g.vec_normal(dims.mla_heads * w, 1.0))?;
     let shape = MlaShape { heads: dims.mla_heads, kv_lora_rank: dims.kv_lora_rank, rope_dim: dims.rope_dim, scale: dims.mla_scale() };
     let mut o = be.alloc(dims.mla_heads * dims.kv_lora_rank)?;
     let mut lse = be.alloc(dims.mla_heads)?;
@@ -162,6 +226,8 @@ pub fn bench_compute(topo: &Topology, prompt_len: usize, steps: u32) -> Result<C
         threads: rayon::current_num_threads(),
         prefill_tokens_per_s: prompt_len as f64 / prefill_s,
         decode_tokens_per_s: steps as f64 / decode_s,
+        batch_prompt_tokens: BATCH_PROMPT,
+        batched,
         memcpy_bytes_per_s: bw,
         kda_batch: batch,
         kda_step_us: kda_s * 1e6,

@@ -5,69 +5,16 @@
 //! reference and the disaggregated ranks attend over identical stored values.
 
 use handoff_components::vocab::Dtype;
+pub use handoff_kernels::dtype::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+use handoff_kernels::StorageDtype;
 
-/// f32 -> bf16 bits, round to nearest, ties to even; NaN stays a quiet NaN.
-pub fn f32_to_bf16(x: f32) -> u16 {
-    let b = x.to_bits();
-    if x.is_nan() {
-        return ((b >> 16) as u16) | 0x0040;
+/// The kernels' name for a model dtype (what [`handoff_kernels::Backend::round_to`] rounds to).
+pub fn storage(dtype: Dtype) -> StorageDtype {
+    match dtype {
+        Dtype::F32 => StorageDtype::F32,
+        Dtype::Bf16 => StorageDtype::Bf16,
+        Dtype::F16 => StorageDtype::F16,
     }
-    let lsb = (b >> 16) & 1;
-    (b.wrapping_add(0x7fff + lsb) >> 16) as u16
-}
-
-pub fn bf16_to_f32(h: u16) -> f32 {
-    f32::from_bits((h as u32) << 16)
-}
-
-/// f32 -> IEEE half bits, round to nearest, ties to even; overflow gives infinity.
-pub fn f32_to_f16(x: f32) -> u16 {
-    let b = x.to_bits();
-    let sign = ((b >> 16) & 0x8000) as u16;
-    let exp = ((b >> 23) & 0xff) as i32;
-    let man = b & 0x7f_ffff;
-    if exp == 0xff {
-        return sign | 0x7c00 | if man != 0 { 0x200 } else { 0 };
-    }
-    let e = exp - 112; // rebias 127 -> 15
-    if e >= 0x1f {
-        return sign | 0x7c00;
-    }
-    if e <= 0 {
-        if e < -10 {
-            return sign;
-        }
-        let m = man | 0x80_0000;
-        let shift = (14 - e) as u32;
-        let half = 1u32 << (shift - 1);
-        let rem = m & ((1u32 << shift) - 1);
-        let mut r = m >> shift;
-        if rem > half || (rem == half && r & 1 == 1) {
-            r += 1;
-        }
-        return sign | r as u16;
-    }
-    let mut r = ((e as u32) << 10) | (man >> 13);
-    let rem = man & 0x1fff;
-    if rem > 0x1000 || (rem == 0x1000 && r & 1 == 1) {
-        r += 1;
-    }
-    sign | r as u16
-}
-
-pub fn f16_to_f32(h: u16) -> f32 {
-    let sign = ((h & 0x8000) as u32) << 16;
-    let exp = ((h >> 10) & 0x1f) as u32;
-    let man = (h & 0x3ff) as u32;
-    let bits = if exp == 0 {
-        let v = man as f32 * (1.0 / 16_777_216.0);
-        return if sign != 0 { -v } else { v };
-    } else if exp == 0x1f {
-        sign | 0x7f80_0000 | (man << 13)
-    } else {
-        sign | ((exp + 112) << 23) | (man << 13)
-    };
-    f32::from_bits(bits)
 }
 
 /// Rounds every value to what `dtype` can store (identity for f32).
@@ -114,28 +61,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn bf16_rounds_to_nearest_even() {
-        // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to even (1).
-        assert_eq!(bf16_to_f32(f32_to_bf16(1.0 + 1.0 / 256.0)), 1.0);
-        // 1 + 3 * 2^-8 is halfway between 1 + 2^-7 and 1 + 2^-6: ties to even (1 + 2^-6).
-        assert_eq!(bf16_to_f32(f32_to_bf16(1.0 + 3.0 / 256.0)), 1.0 + 1.0 / 64.0);
-        assert_eq!(bf16_to_f32(f32_to_bf16(-2.5)), -2.5);
-    }
-
-    #[test]
-    fn f16_round_trips_and_rounds() {
-        for v in [0.0f32, 1.0, -1.5, 65504.0, 6.1035156e-5, 5.9604645e-8, 0.333_333_34] {
-            let r = f16_to_f32(f32_to_f16(v));
-            assert!((r - v).abs() <= v.abs() * 1e-3 + 6e-8, "{v} -> {r}");
-        }
-        assert_eq!(f16_to_f32(f32_to_f16(1.0 + 1.0 / 2048.0)), 1.0);
-        assert_eq!(f16_to_f32(f32_to_f16(70000.0)), f32::INFINITY);
-        // Every f16 value survives decode -> encode.
-        for h in 0..=u16::MAX {
-            let x = f16_to_f32(h);
-            if !x.is_nan() {
-                assert_eq!(f32_to_f16(x), h, "f16 bits {h:#06x}");
-            }
+    fn encode_then_decode_is_rounding_for_every_dtype() {
+        let xs = [0.0f32, 1.0 + 1.0 / 256.0, -2.5, 0.333_333_34, 70000.0, 1e-9];
+        for dt in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
+            let mut bytes = vec![0u8; xs.len() * dt.bytes() as usize];
+            encode(dt, &xs, &mut bytes);
+            let mut want = xs;
+            round_to(dt, &mut want);
+            let got = decode(dt, &bytes);
+            assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{dt:?}");
+            let rounded: Vec<f32> = xs.iter().map(|&x| storage(dt).round(x)).collect();
+            assert_eq!(rounded.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{dt:?}");
         }
     }
 }

@@ -1,71 +1,113 @@
-//! The forward pass, written once for every placement: a TP group of rank shards
-//! runs a range of layers; the caller decides where caches live (a sink for prefill,
-//! a [`DecodeCaches`] for decode). The colocated reference is the same code with one
-//! rank of all heads; the disaggregated run gives it prefill ranks and decode ranks.
+//! The forward pass, written once for every placement and every backend: a TP
+//! group of rank shards ([`ShardGroup`]) runs a range of layers; the caller decides
+//! where caches live (a sink for prefill, a [`BatchCaches`] for decode). The
+//! colocated reference is the same code with its own plain caches; the
+//! disaggregated run gives it prefill ranks and decode ranks.
 //!
-//! All-reduce: TP ranks' partial outputs (o_proj, MLP down) are summed in rank
-//! order in-process. After an all-reduce every TP rank holds the same hidden state,
-//! so the group keeps one copy of it.
+//! Everything runs on `B: Backend` buffers; host memory appears only where a
+//! cache crosses into host regions (`upload*` / `download*`).
+//!
+//! All-reduce: TP ranks' partial outputs (o_proj, MLP down) are summed in global
+//! unit order in-process. After an all-reduce every TP rank holds the same hidden
+//! state, so the group keeps one copy of it.
+//!
+//! Batching: a decode step runs B requests at once, every dense op with rows = B.
+//! Each op here computes a row from that row alone with a summation order that
+//! does not depend on the row count (matmuls are chunked by [`K_CHUNK`], the KDA,
+//! conv, norm, attention-partial and merge kernels work per row, head or slot), so
+//! a request's logits in a batch are the bits it gets alone.
 
 use super::ModelError;
-use super::dtype::round_to;
-use super::weights::{Dims, KdaShard, LayerShard, MixerShard, MlaShard, Model, NORM_EPS, RankShard};
+use super::dtype::storage;
+use super::weights::{Dims, KdaShard, LayerShard, Mat, MixerShard, MlaShard, NORM_EPS, RankShard};
 use handoff_components::vocab::LayerKind;
 use handoff_kernels::{
-    Backend, ColsCopy, ConvShape, CpuBackend, CpuBuf, CpuIBuf, EmbeddingShape, KdaInputs,
-    KdaParams, KdaPrefillShape, KdaStepShape, MatmulShape, MergeShape, MlaShape,
-    NormShape, ReplayShape, RowSet,
+    Backend, ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape,
+    KdaStepShape, MatmulShape, MergeShape, MlaShape, NormShape, ReplayShape, RowSet,
+    mla_partial_width, replay_record_width,
 };
 use std::ops::Range;
 
 type R<T> = Result<T, ModelError>;
 
 /// Inner-dimension chunk of [`matmul`]: the kernel's decode path sums chunks of 64
-/// in whatever order its thread pool finishes them; summing our own chunks in order
-/// keeps every product independent of thread timing and of row count.
-const K_CHUNK: usize = 64;
+/// in whatever order its thread pool finishes them, and picks a different loop for
+/// many rows; calling it on one chunk at a time and summing our own chunks in
+/// order keeps every product independent of thread timing and of row count (the
+/// batch size). Weights are held in chunks of this many rows ([`Mat`]).
+pub const K_CHUNK: usize = 64;
 
-fn matmul(be: &CpuBackend, x: &CpuBuf, w: &CpuBuf, rows: usize, inner: usize, cols: usize) -> R<CpuBuf> {
+/// Every TP rank's weights of one group, plus the replicated embedding, final
+/// norm and LM head, as backend buffers ([`super::Model::upload_group`]).
+pub struct ShardGroup<B: Backend> {
+    pub dims: Dims,
+    /// TP rank r's shard at index r.
+    pub ranks: Vec<RankShard<B>>,
+    /// `[vocab, hidden]`.
+    pub embed: B::Buf,
+    /// `[hidden]`.
+    pub final_norm: B::Buf,
+    /// `[hidden, vocab]`.
+    pub lm_head: Mat<B>,
+}
+
+impl<B: Backend> ShardGroup<B> {
+    /// TP degree of the group.
+    pub fn tp(&self) -> usize {
+        self.ranks.len()
+    }
+}
+
+/// x `[rows, w.inner]` . w = `[rows, w.cols]`, chunk by chunk (see [`K_CHUNK`]).
+fn matmul<B: Backend>(be: &B, x: &B::Buf, w: &Mat<B>, rows: usize) -> R<B::Buf> {
+    let (inner, cols) = (w.inner, w.cols);
     let mut out = be.alloc(rows * cols)?;
-    if inner <= K_CHUNK {
-        be.matmul(MatmulShape { rows, inner, cols }, x, w, &mut out)?;
+    if let [only] = &w.chunks[..] {
+        be.matmul(MatmulShape { rows, inner, cols }, x, only, &mut out)?;
         return Ok(out);
     }
     let mut part = be.alloc(rows * cols)?;
-    for k0 in (0..inner).step_by(K_CHUNK) {
+    for (c, wc) in w.chunks.iter().enumerate() {
+        let k0 = c * K_CHUNK;
         let kn = K_CHUNK.min(inner - k0);
         let xs = take_cols(be, x, rows, inner, k0, kn)?;
-        let ws = CpuBuf::from_vec(w.as_slice()[k0 * cols..(k0 + kn) * cols].to_vec());
-        be.matmul(MatmulShape { rows, inner: kn, cols }, &xs, &ws, &mut part)?;
+        be.matmul(MatmulShape { rows, inner: kn, cols }, &xs, wc, &mut part)?;
         be.add_inplace(&mut out, &part)?;
     }
     Ok(out)
 }
 
 /// Per-head o_proj partials: head j's `[t, width]` columns of `y` times its rows.
-fn per_head_out(be: &CpuBackend, y: &CpuBuf, wo: &[CpuBuf], t: usize, width: usize, hidden: usize) -> R<Vec<CpuBuf>> {
+fn per_head_out<B: Backend>(be: &B, y: &B::Buf, wo: &[Mat<B>], t: usize, width: usize) -> R<Vec<B::Buf>> {
     let hl = wo.len();
     (0..hl)
         .map(|j| {
             let yj = take_cols(be, y, t, hl * width, j * width, width)?;
-            matmul(be, &yj, &wo[j], t, width, hidden)
+            matmul(be, &yj, &wo[j], t)
         })
         .collect()
 }
 
-fn take_cols(be: &CpuBackend, src: &CpuBuf, rows: usize, src_cols: usize, col: usize, width: usize) -> R<CpuBuf> {
+fn take_cols<B: Backend>(be: &B, src: &B::Buf, rows: usize, src_cols: usize, col: usize, width: usize) -> R<B::Buf> {
     let mut out = be.alloc(rows * width)?;
     be.copy_cols(ColsCopy { rows, src_cols, src_col: col, dst_cols: width, dst_col: 0, width }, src, &mut out)?;
     Ok(out)
 }
 
-fn put_cols(be: &CpuBackend, src: &CpuBuf, rows: usize, dst: &mut CpuBuf, dst_cols: usize, col: usize) -> R<()> {
+fn put_cols<B: Backend>(be: &B, src: &B::Buf, rows: usize, dst: &mut B::Buf, dst_cols: usize, col: usize) -> R<()> {
     let width = be.buf_len(src) / rows.max(1);
     be.copy_cols(ColsCopy { rows, src_cols: width, src_col: 0, dst_cols, dst_col: col, width }, src, dst)?;
     Ok(())
 }
 
-fn rms(be: &CpuBackend, x: &CpuBuf, w: &CpuBuf, rows: usize, dim: usize) -> R<CpuBuf> {
+/// Rows `r` of a `[*, width]` buffer, as a new buffer.
+fn rows_of<B: Backend>(be: &B, buf: &B::Buf, r: Range<usize>, width: usize) -> R<B::Buf> {
+    let mut out = be.alloc(r.len() * width)?;
+    be.copy(buf, r.start * width, &mut out, 0, r.len() * width)?;
+    Ok(out)
+}
+
+fn rms<B: Backend>(be: &B, x: &B::Buf, w: &B::Buf, rows: usize, dim: usize) -> R<B::Buf> {
     let mut out = be.alloc(rows * dim)?;
     be.rms_norm(NormShape { rows, dim, eps: NORM_EPS }, x, w, &mut out)?;
     Ok(out)
@@ -76,7 +118,7 @@ fn rms(be: &CpuBackend, x: &CpuBuf, w: &CpuBuf, rows: usize, dim: usize) -> R<Cp
 /// the units are summed one by one in global unit order. Ranks hold contiguous unit
 /// ranges, so rank-major order is global order, and the sum is the same bits for
 /// every TP degree (TP1 included).
-pub fn all_reduce(be: &CpuBackend, partials: Vec<Vec<CpuBuf>>) -> R<CpuBuf> {
+pub fn all_reduce<B: Backend>(be: &B, partials: Vec<Vec<B::Buf>>) -> R<B::Buf> {
     let mut units = partials.into_iter().flatten();
     let mut acc = units.next().ok_or_else(|| ModelError::Config("all-reduce over zero units".into()))?;
     for p in units {
@@ -86,30 +128,41 @@ pub fn all_reduce(be: &CpuBackend, partials: Vec<Vec<CpuBuf>>) -> R<CpuBuf> {
 }
 
 /// Embeds byte tokens: `[T, hidden]`.
-pub fn embed(be: &CpuBackend, model: &Model, tokens: &[u8]) -> R<CpuBuf> {
-    let d = model.dims.hidden;
+pub fn embed<B: Backend>(be: &B, group: &ShardGroup<B>, tokens: &[u8]) -> R<B::Buf> {
+    let d = group.dims.hidden;
     let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
     let ids = be.upload_i32(&ids)?;
     let mut out = be.alloc(tokens.len() * d)?;
-    be.embedding(EmbeddingShape { tokens: tokens.len(), vocab: model.dims.vocab, dim: d }, &model.embed, &ids, &mut out)?;
+    be.embedding(EmbeddingShape { tokens: tokens.len(), vocab: group.dims.vocab, dim: d }, &group.embed, &ids, &mut out)?;
     Ok(out)
 }
 
+/// Final norm, LM head and greedy pick of every row of `h` `[rows, hidden]`.
+fn logits_rows<B: Backend>(be: &B, group: &ShardGroup<B>, h: &B::Buf, rows: usize) -> R<Vec<(Vec<f32>, u8)>> {
+    let (d, v) = (group.dims.hidden, group.dims.vocab);
+    let xn = rms(be, h, &group.final_norm, rows, d)?;
+    let logits = matmul(be, &xn, &group.lm_head, rows)?;
+    let mut picks = be.alloc_i32(rows)?;
+    be.argmax(rows, v, &logits, &mut picks)?;
+    let picks = be.download_i32(&picks)?;
+    let logits = be.download(&logits)?;
+    Ok(logits.chunks_exact(v.max(1)).zip(picks).map(|(l, p)| (l.to_vec(), p.clamp(0, 255) as u8)).collect())
+}
+
 /// Final norm and LM head of the last row of `h` `[T, hidden]`: the logits and the greedy pick.
-pub fn logits_of_last(be: &CpuBackend, model: &Model, h: &CpuBuf, tokens: usize) -> R<(Vec<f32>, u8)> {
-    let d = model.dims.hidden;
-    let last = CpuBuf::from_vec(h.as_slice()[(tokens - 1) * d..tokens * d].to_vec());
-    let xn = rms(be, &last, &model.final_norm, 1, d)?;
-    let logits = matmul(be, &xn, &model.lm_head, 1, d, model.dims.vocab)?;
-    let mut pick = be.alloc_i32(1)?;
-    be.argmax(1, model.dims.vocab, &logits, &mut pick)?;
-    let tok = be.download_i32(&pick)?[0];
-    Ok((be.download(&logits)?, tok.clamp(0, 255) as u8))
+pub fn logits_of_last<B: Backend>(be: &B, group: &ShardGroup<B>, h: &B::Buf, tokens: usize) -> R<(Vec<f32>, u8)> {
+    if tokens == 0 {
+        return Err(ModelError::Config("logits of an empty sequence".into()));
+    }
+    let d = group.dims.hidden;
+    let last = rows_of(be, h, tokens - 1..tokens, d)?;
+    logits_rows(be, group, &last, 1)?.pop().ok_or_else(|| ModelError::Config("no logits row".into()))
 }
 
 // ---- KDA ----------------------------------------------------------------------
 
-/// What a KDA layer leaves in the caches of one rank after prefill.
+/// What a KDA layer leaves in the caches of one rank after prefill (host memory:
+/// the sink stores it into host regions).
 #[derive(Debug, Clone)]
 pub struct KdaCache {
     /// Recurrent state `[hl, Dk, Dv]` f32: the state after the prompt, or, when
@@ -124,50 +177,53 @@ pub struct KdaCache {
 
 /// The per-token KDA inputs of one rank before the recurrence: q, k, v after the
 /// short conv, g and beta logits.
-struct KdaIn {
-    q: CpuBuf,
-    k: CpuBuf,
-    v: CpuBuf,
-    g: CpuBuf,
-    b: CpuBuf,
+struct KdaIn<B: Backend> {
+    q: B::Buf,
+    k: B::Buf,
+    v: B::Buf,
+    g: B::Buf,
+    b: B::Buf,
 }
 
-fn kda_split(be: &CpuBackend, dims: &Dims, sh: &KdaShard, xn: &CpuBuf, conv_out: &CpuBuf, t: usize) -> R<KdaIn> {
-    let (hl, dk, dv, d) = (sh.heads, dims.dk, dims.dv, dims.hidden);
+fn kda_split<B: Backend>(be: &B, dims: &Dims, sh: &KdaShard<B>, xn: &B::Buf, conv_out: &B::Buf, t: usize) -> R<KdaIn<B>> {
+    let (hl, dk, dv) = (sh.heads, dims.dk, dims.dv);
     let c = dims.conv_channels(hl);
     Ok(KdaIn {
         q: take_cols(be, conv_out, t, c, 0, hl * dk)?,
         k: take_cols(be, conv_out, t, c, hl * dk, hl * dk)?,
         v: take_cols(be, conv_out, t, c, 2 * hl * dk, hl * dv)?,
-        g: matmul(be, xn, &sh.wg, t, d, hl * dk)?,
-        b: matmul(be, xn, &sh.wb, t, d, hl)?,
+        g: matmul(be, xn, &sh.wg, t)?,
+        b: matmul(be, xn, &sh.wb, t)?,
     })
 }
 
-fn kda_output(be: &CpuBackend, dims: &Dims, sh: &KdaShard, xn: &CpuBuf, o: &CpuBuf, t: usize) -> R<Vec<CpuBuf>> {
-    let (hl, dv, d) = (sh.heads, dims.dv, dims.hidden);
-    let gate = matmul(be, xn, &sh.wgate, t, d, hl * dv)?;
+fn kda_output<B: Backend>(be: &B, dims: &Dims, sh: &KdaShard<B>, xn: &B::Buf, o: &B::Buf, t: usize) -> R<Vec<B::Buf>> {
+    let (hl, dv) = (sh.heads, dims.dv);
+    let gate = matmul(be, xn, &sh.wgate, t)?;
     let mut y = be.alloc(t * hl * dv)?;
     be.gated_rms_norm(NormShape { rows: t * hl, dim: dv, eps: NORM_EPS }, o, &gate, &sh.onorm, &mut y)?;
-    per_head_out(be, &y, &sh.wo, t, dv, d)
-}
-
-fn rows_of(buf: &CpuBuf, r: Range<usize>, width: usize) -> CpuBuf {
-    CpuBuf::from_vec(buf.as_slice()[r.start * width..r.end * width].to_vec())
+    per_head_out(be, &y, &sh.wo, t, dv)
 }
 
 /// KDA prefill of one rank's heads over `t` tokens from zero state. With
 /// `record_tail` = r > 0 the last r tokens run as a second chunked pass that emits
 /// ReplaySSM records, and the cached state is the one before them.
-pub fn kda_prefill(be: &CpuBackend, dims: &Dims, sh: &KdaShard, xn: &CpuBuf, t: usize, record_tail: usize) -> R<(Vec<CpuBuf>, KdaCache)> {
-    let (hl, dk, dv, d) = (sh.heads, dims.dk, dims.dv, dims.hidden);
+pub fn kda_prefill<B: Backend>(
+    be: &B,
+    dims: &Dims,
+    sh: &KdaShard<B>,
+    xn: &B::Buf,
+    t: usize,
+    record_tail: usize,
+) -> R<(Vec<B::Buf>, KdaCache)> {
+    let (hl, dk, dv) = (sh.heads, dims.dk, dims.dv);
     let c = dims.conv_channels(hl);
-    let qkv = matmul(be, xn, &sh.wqkv, t, d, c)?;
+    let qkv = matmul(be, xn, &sh.wqkv, t)?;
     let mut conv_state = be.alloc((dims.conv - 1) * c)?;
     let mut conv_out = be.alloc(t * c)?;
     be.conv_prefill(ConvShape { channels: c, width: dims.conv }, t, &qkv, &sh.conv, &mut conv_state, &mut conv_out)?;
-    let mut conv = be.download(&conv_state)?;
-    round_to(dims.dtype, &mut conv);
+    be.round_to(&mut conv_state, storage(dims.dtype))?;
+    let conv = be.download(&conv_state)?;
     let x = kda_split(be, dims, sh, xn, &conv_out, t)?;
     let params = KdaParams { a_log: &sh.a_log, dt_bias: &sh.dt_bias };
     let mut state = be.alloc(hl * dk * dv)?;
@@ -180,18 +236,18 @@ pub fn kda_prefill(be: &CpuBackend, dims: &Dims, sh: &KdaShard, xn: &CpuBuf, t: 
         pieces.push((t - tail..t, true));
     }
     for (range, record) in pieces {
-        if range.is_empty() {
-            if record {
-                cached_state = Some(be.download(&state)?);
-            }
-            continue;
-        }
-        let n = range.len();
         if record {
             cached_state = Some(be.download(&state)?);
         }
-        let (q, k, v) = (rows_of(&x.q, range.clone(), hl * dk), rows_of(&x.k, range.clone(), hl * dk), rows_of(&x.v, range.clone(), hl * dv));
-        let (g, b) = (rows_of(&x.g, range.clone(), hl * dk), rows_of(&x.b, range.clone(), hl));
+        if range.is_empty() {
+            continue;
+        }
+        let n = range.len();
+        let q = rows_of(be, &x.q, range.clone(), hl * dk)?;
+        let k = rows_of(be, &x.k, range.clone(), hl * dk)?;
+        let v = rows_of(be, &x.v, range.clone(), hl * dv)?;
+        let g = rows_of(be, &x.g, range.clone(), hl * dk)?;
+        let b = rows_of(be, &x.b, range.clone(), hl)?;
         let mut out = be.alloc(n * hl * dv)?;
         let mut rec = if record { Some(be.alloc(n * hl * dims.record_width())?) } else { None };
         be.kda_prefill(
@@ -215,60 +271,177 @@ pub fn kda_prefill(be: &CpuBackend, dims: &Dims, sh: &KdaShard, xn: &CpuBuf, t: 
     Ok((partial, KdaCache { state, conv, records, record_tokens: tail }))
 }
 
-/// One KDA decode step of one rank: `state` `[hl, Dk, Dv]` and `conv` `[W-1, C]`
-/// are updated in place (conv rounded to the model dtype, as it is stored).
-pub fn kda_decode(
-    be: &CpuBackend,
+/// The KDA caches of one rank and one layer for every request of a decode batch,
+/// gathered from their slots into backend buffers (request-major).
+pub struct KdaBatch<B: Backend> {
+    /// Recurrent state `[B, hl, Dk, Dv]`; under ReplaySSM the committed state.
+    pub state: B::Buf,
+    /// Conv state `[B, W-1, C]`, as stored (model dtype values).
+    pub conv: B::Buf,
+    /// ReplaySSM rings and cursors, when `[model.replay]` is configured.
+    pub replay: Option<ReplayBatch<B>>,
+}
+
+/// The ReplaySSM rings `[B, capacity, hl, 2Dk+Dv]` and cursors `[B]` of a batch.
+pub struct ReplayBatch<B: Backend> {
+    pub ring: B::Buf,
+    pub cursor: B::IBuf,
+}
+
+/// Where a decode TP group keeps the caches of the requests of one batch. Request
+/// b of the batch is the b-th entry of the `tokens` / `positions` of
+/// [`decode_batch`]; `rank` is a TP rank of the group. Implementations move bytes
+/// only (the math is all in this module), and touch only the batch's requests.
+pub trait BatchCaches<B: Backend> {
+    /// Requests in the batch.
+    fn batch(&self) -> usize;
+    /// DCP degree: MLA rows are spread over runs of `dcp` consecutive TP ranks.
+    fn dcp(&self) -> usize;
+    /// The batch's KDA caches of `layer` on TP rank `rank`.
+    fn kda_load(&mut self, be: &B, rank: usize, layer: usize) -> R<KdaBatch<B>>;
+    /// Stores what a step left in `kda`: conv state, and rings and cursors under
+    /// replay, for every request; the recurrent state only of the requests whose
+    /// `state_changed` is set (under replay, the slots that committed).
+    fn kda_store(&mut self, be: &B, rank: usize, layer: usize, kda: &KdaBatch<B>, state_changed: &[bool]) -> R<()>;
+    /// Appends request b's cached row `rows[b]` (`rows` `[B, L+R]`, model dtype
+    /// values) of `layer` at position `positions[b]`, on the rank(s) that own it.
+    fn mla_append(&mut self, be: &B, layer: usize, positions: &[usize], rows: &B::Buf) -> R<()>;
+    /// The rows TP rank `rank` holds of positions `0..=positions[b]` of `layer`,
+    /// request by request (`[sum n_b, L+R]`), and each request's count n_b.
+    fn mla_rows(&mut self, be: &B, rank: usize, layer: usize, positions: &[usize]) -> R<(B::Buf, Vec<usize>)>;
+}
+
+/// Copies the `per`-element items `which` of `src` (`[*, per]`) into a new
+/// buffer, in that order.
+fn gather<B: Backend>(be: &B, src: &B::Buf, which: &[usize], per: usize) -> R<B::Buf> {
+    let mut out = be.alloc(which.len() * per)?;
+    for (i, &b) in which.iter().enumerate() {
+        be.copy(src, b * per, &mut out, i * per, per)?;
+    }
+    Ok(out)
+}
+
+/// One KDA decode step of one rank for a batch of `nb` requests: `xn` `[B,
+/// hidden]`, caches in `kb` updated in place (conv rounded to the model dtype, as
+/// it is stored). Returns the per-head o_proj partials and, per request, whether
+/// its recurrent state changed.
+///
+/// Under ReplaySSM every slot's current state is rebuilt from its committed state
+/// and its `cursor` records (`replay_commit` on a copy), stepped, and the step's
+/// record appended; the slots whose ring is then full commit (committed state :=
+/// state rebuilt from the full ring, cursor 0), the others keep their committed
+/// state. Per slot and head this is exactly the batch-1 schedule
+/// ([`replay_step`]): every kernel involved works per (slot, head).
+pub fn kda_decode_batch<B: Backend>(
+    be: &B,
     dims: &Dims,
-    sh: &KdaShard,
-    xn: &CpuBuf,
-    state: &mut CpuBuf,
-    conv: &mut CpuBuf,
-    record: Option<&mut CpuBuf>,
-) -> R<Vec<CpuBuf>> {
-    let (hl, dk, dv, d) = (sh.heads, dims.dk, dims.dv, dims.hidden);
+    sh: &KdaShard<B>,
+    xn: &B::Buf,
+    nb: usize,
+    kb: &mut KdaBatch<B>,
+) -> R<(Vec<B::Buf>, Vec<bool>)> {
+    let (hl, dk, dv) = (sh.heads, dims.dk, dims.dv);
     let c = dims.conv_channels(hl);
-    let qkv = matmul(be, xn, &sh.wqkv, 1, d, c)?;
-    let mut conv_out = be.alloc(c)?;
-    be.conv_step(ConvShape { channels: c, width: dims.conv }, 1, &qkv, &sh.conv, conv, &mut conv_out)?;
-    round_to(dims.dtype, conv.as_mut_slice());
-    let x = kda_split(be, dims, sh, xn, &conv_out, 1)?;
-    let mut o = be.alloc(hl * dv)?;
-    be.kda_step(
-        KdaStepShape { batch: 1, heads: hl, dk, dv },
-        state,
-        KdaInputs { q: &x.q, k: &x.k, v: &x.v, g_raw: &x.g, b_raw: &x.b },
-        KdaParams { a_log: &sh.a_log, dt_bias: &sh.dt_bias },
-        &mut o,
-        record,
-    )?;
-    kda_output(be, dims, sh, xn, &o, 1)
+    let qkv = matmul(be, xn, &sh.wqkv, nb)?;
+    let mut conv_out = be.alloc(nb * c)?;
+    be.conv_step(ConvShape { channels: c, width: dims.conv }, nb, &qkv, &sh.conv, &mut kb.conv, &mut conv_out)?;
+    be.round_to(&mut kb.conv, storage(dims.dtype))?;
+    let x = kda_split(be, dims, sh, xn, &conv_out, nb)?;
+    let inputs = KdaInputs { q: &x.q, k: &x.k, v: &x.v, g_raw: &x.g, b_raw: &x.b };
+    let params = KdaParams { a_log: &sh.a_log, dt_bias: &sh.dt_bias };
+    let step = KdaStepShape { batch: nb, heads: hl, dk, dv };
+    let mut o = be.alloc(nb * hl * dv)?;
+    let changed = match (&mut kb.replay, dims.replay) {
+        (None, None) => {
+            be.kda_step(step, &mut kb.state, inputs, params, &mut o, None)?;
+            vec![true; nb]
+        }
+        (Some(rb), Some(capacity)) => {
+            let shape = ReplayShape { batch: nb, heads: hl, dk, dv, capacity };
+            let per = hl * dk * dv;
+            let mut current = be.alloc(nb * per)?;
+            be.copy(&kb.state, 0, &mut current, 0, nb * per)?;
+            let mut scratch = be.upload_i32(&be.download_i32(&rb.cursor)?)?;
+            be.replay_commit(shape, &mut current, &rb.ring, &mut scratch)?;
+            let mut record = be.alloc(nb * hl * replay_record_width(dk, dv))?;
+            be.kda_step(step, &mut current, inputs, params, &mut o, Some(&mut record))?;
+            be.replay_append(shape, 1, &mut rb.ring, &mut rb.cursor, &record)?;
+            let mut cursors = be.download_i32(&rb.cursor)?;
+            let full: Vec<usize> = (0..nb).filter(|&b| cursors[b] as usize >= capacity).collect();
+            if !full.is_empty() {
+                // Commit the full slots only, as a sub-batch gathered from their rows.
+                let ring_per = capacity * hl * replay_record_width(dk, dv);
+                let sub = ReplayShape { batch: full.len(), ..shape };
+                let mut st = gather(be, &kb.state, &full, per)?;
+                let ring = gather(be, &rb.ring, &full, ring_per)?;
+                let mut cur = be.upload_i32(&vec![capacity as i32; full.len()])?;
+                be.replay_commit(sub, &mut st, &ring, &mut cur)?;
+                for (i, &b) in full.iter().enumerate() {
+                    be.copy(&st, i * per, &mut kb.state, b * per, per)?;
+                    cursors[b] = 0;
+                }
+                rb.cursor = be.upload_i32(&cursors)?;
+            }
+            (0..nb).map(|b| full.contains(&b)).collect()
+        }
+        _ => return Err(ModelError::Config("the caches' ReplaySSM buffers do not match [model.replay]".into())),
+    };
+    Ok((kda_output(be, dims, sh, xn, &o, nb)?, changed))
+}
+
+/// One ReplaySSM decode step of one slot (batch 1) in the form the batched step
+/// generalises: the current state is rebuilt from the committed state `committed`
+/// and the `cursor` records of `ring` (`replay_commit` on a copy), `step` advances
+/// it and writes the token's record, which is appended; when the ring is full the
+/// records are committed in place (`committed` := rebuilt state, cursor 0). Returns
+/// whether it committed. Kept as the executable statement of the schedule (the
+/// tests hold [`kda_decode_batch`] to it).
+pub fn replay_step<B: Backend>(
+    be: &B,
+    shape: ReplayShape,
+    committed: &mut B::Buf,
+    ring: &mut B::Buf,
+    cursor: &mut B::IBuf,
+    step: &mut dyn FnMut(&mut B::Buf, &mut B::Buf) -> R<()>,
+) -> R<bool> {
+    let mut current = be.alloc(be.buf_len(committed))?;
+    be.copy(committed, 0, &mut current, 0, be.buf_len(committed))?;
+    let mut scratch = be.upload_i32(&be.download_i32(cursor)?)?;
+    be.replay_commit(shape, &mut current, ring, &mut scratch)?;
+    let mut record = be.alloc(shape.batch * shape.heads * replay_record_width(shape.dk, shape.dv))?;
+    step(&mut current, &mut record)?;
+    be.replay_append(shape, 1, ring, cursor, &record)?;
+    if be.download_i32(cursor)?.first().is_some_and(|&c| c as usize >= shape.capacity) {
+        be.replay_commit(shape, committed, ring, cursor)?;
+        return Ok(true);
+    }
+    Ok(false)
 }
 
 // ---- MLA ----------------------------------------------------------------------
 
 /// The cached rows of `t` tokens `[t, L+R]`: RMSNorm'd latent, then the NoPE part;
 /// rounded to the model dtype. Replicated over TP: every rank computes the same.
-pub fn mla_rows(be: &CpuBackend, dims: &Dims, sh: &MlaShard, xn: &CpuBuf, t: usize) -> R<CpuBuf> {
+pub fn mla_rows<B: Backend>(be: &B, dims: &Dims, sh: &MlaShard<B>, xn: &B::Buf, t: usize) -> R<B::Buf> {
     let (l, w) = (dims.kv_lora_rank, dims.row_width());
-    let mut kv = matmul(be, xn, &sh.wkva, t, dims.hidden, w)?;
+    let mut kv = matmul(be, xn, &sh.wkva, t)?;
     let lat = take_cols(be, &kv, t, w, 0, l)?;
     let lat = rms(be, &lat, &sh.kv_norm, t, l)?;
     put_cols(be, &lat, t, &mut kv, w, 0)?;
-    round_to(dims.dtype, kv.as_mut_slice());
+    be.round_to(&mut kv, storage(dims.dtype))?;
     Ok(kv)
 }
 
 /// Absorbed queries of one rank's heads: `[t, hl, L+R]` = [q_nope W_UK | q_rope].
-pub fn mla_q_lat(be: &CpuBackend, dims: &Dims, sh: &MlaShard, xn: &CpuBuf, t: usize) -> R<CpuBuf> {
+pub fn mla_q_lat<B: Backend>(be: &B, dims: &Dims, sh: &MlaShard<B>, xn: &B::Buf, t: usize) -> R<B::Buf> {
     let (l, r, dn, w) = (dims.kv_lora_rank, dims.rope_dim, dims.nope_dim, dims.row_width());
     let hl = sh.heads;
     let qw = dn + r;
-    let q = matmul(be, xn, &sh.wq, t, dims.hidden, hl * qw)?;
+    let q = matmul(be, xn, &sh.wq, t)?;
     let mut q_lat = be.alloc(t * hl * w)?;
     for h in 0..hl {
         let nope = take_cols(be, &q, t, hl * qw, h * qw, dn)?;
-        let lat = matmul(be, &nope, &sh.wuk[h], t, dn, l)?;
+        let lat = matmul(be, &nope, &sh.wuk[h], t)?;
         put_cols(be, &lat, t, &mut q_lat, hl * w, h * w)?;
         if r > 0 {
             let rope = take_cols(be, &q, t, hl * qw, h * qw + dn, r)?;
@@ -279,60 +452,105 @@ pub fn mla_q_lat(be: &CpuBackend, dims: &Dims, sh: &MlaShard, xn: &CpuBuf, t: us
 }
 
 /// W_UV per head on the latent output `[t, hl, L]`, then the rank's o_proj rows.
-pub fn mla_out(be: &CpuBackend, dims: &Dims, sh: &MlaShard, o_lat: &CpuBuf, t: usize) -> R<Vec<CpuBuf>> {
+pub fn mla_out<B: Backend>(be: &B, dims: &Dims, sh: &MlaShard<B>, o_lat: &B::Buf, t: usize) -> R<Vec<B::Buf>> {
     let (l, dvh) = (dims.kv_lora_rank, dims.v_head_dim);
     let hl = sh.heads;
     let mut y = be.alloc(t * hl * dvh)?;
     for h in 0..hl {
         let oh = take_cols(be, o_lat, t, hl * l, h * l, l)?;
-        let vh = matmul(be, &oh, &sh.wuv[h], t, l, dvh)?;
+        let vh = matmul(be, &oh, &sh.wuv[h], t)?;
         put_cols(be, &vh, t, &mut y, hl * dvh, h * dvh)?;
     }
-    per_head_out(be, &y, &sh.wo, t, dvh, dims.hidden)
+    per_head_out(be, &y, &sh.wo, t, dvh)
 }
 
-/// One DCP rank's share of absorbed MLA decode: the f64 partials `[heads, 2+L]`
-/// of queries `q_lat` `[heads, L+R]` over the rank's `n` cached rows.
-pub fn mla_partial(be: &CpuBackend, shape: MlaShape, q_lat: &CpuBuf, rows: &CpuBuf, n: usize) -> R<Vec<f64>> {
-    let mut p = be.alloc_f64(shape.heads * handoff_kernels::mla_partial_width(shape.kv_lora_rank))?;
-    be.mla_decode_partial(shape, q_lat, RowSet { buf: rows, count: n }, &mut p)?;
-    Ok(be.download_f64(&p)?)
-}
-
-/// Merges the partials of `shards` DCP ranks (`[shards, heads, 2+L]`, rank-major)
-/// into the latent outputs `[heads, L]`. The merge is f64 and rounds once at the
-/// end, so the result does not depend on how the tokens were sharded: one shard
-/// (the colocated run) and any DCP degree agree bit for bit in practice.
-pub fn mla_merge(be: &CpuBackend, shape: MlaShape, shards: usize, partials: &[f64]) -> R<CpuBuf> {
-    let (h, l) = (shape.heads, shape.kv_lora_rank);
-    let mut o = be.alloc(h * l)?;
-    let mut lse = be.alloc(h)?;
-    be.dcp_merge_partials(MergeShape { shards, heads: h, width: l }, &be.upload_f64(partials)?, &mut o, &mut lse)?;
-    Ok(o)
-}
-
+/// Absorbed MLA attention geometry of `heads` query heads.
 pub fn mla_shape(dims: &Dims, heads: usize) -> MlaShape {
     MlaShape { heads, kv_lora_rank: dims.kv_lora_rank, rope_dim: dims.rope_dim, scale: dims.mla_scale() }
 }
 
+/// The MLA layer of one decode step for a batch: every DCP group all-gathers its
+/// members' queries `[B, dcp * hl, L+R]`; each member computes the f64 partials of
+/// those queries over its own rows of each request (ragged: counts differ per
+/// request and member); the partials, stacked shard-major `[dcp, B * hg, 2+L]`
+/// (the batch folds into the heads), merge in one f64 merge, rounded once at the
+/// end, so the result does not depend on how the tokens were sharded: one shard
+/// (the colocated run) and any DCP degree agree bit for bit. Returns the o_proj
+/// partials of every rank, in rank order.
+fn mla_decode_batch<B: Backend>(
+    be: &B,
+    group: &ShardGroup<B>,
+    layer: usize,
+    xn: &B::Buf,
+    positions: &[usize],
+    caches: &mut dyn BatchCaches<B>,
+) -> R<Vec<Vec<B::Buf>>> {
+    let dims = &group.dims;
+    let nb = positions.len();
+    let (tp, dcp) = (group.tp(), caches.dcp());
+    if dcp == 0 || !tp.is_multiple_of(dcp) {
+        return Err(ModelError::Config(format!("dcp {dcp} does not divide the group's tp {tp}")));
+    }
+    let mla = |r: usize| match &group.ranks[r].layers[layer].mixer {
+        MixerShard::Mla(sh) => Ok(sh),
+        MixerShard::Kda(_) => Err(kind_err(layer)),
+    };
+    let rows = mla_rows(be, dims, mla(0)?, xn, nb)?;
+    caches.mla_append(be, layer, positions, &rows)?;
+    let (l, w) = (dims.kv_lora_rank, dims.row_width());
+    let hl = mla(0)?.heads;
+    let hg = hl * dcp;
+    let pw = mla_partial_width(l);
+    let shape = mla_shape(dims, hg);
+    let mut parts = Vec::with_capacity(tp);
+    for g in 0..tp / dcp {
+        let members = g * dcp..(g + 1) * dcp;
+        // All-gather of the group's queries: request-major, then member-major heads.
+        let mut q = be.alloc(nb * hg * w)?;
+        for (j, r) in members.clone().enumerate() {
+            let qr = mla_q_lat(be, dims, mla(r)?, xn, nb)?;
+            put_cols(be, &qr, nb, &mut q, hg * w, j * hl * w)?;
+        }
+        // Each member's f64 partials over its own rows, stacked member-major.
+        let mut partials = be.alloc_f64(dcp * nb * hg * pw)?;
+        let mut p = be.alloc_f64(nb * hg * pw)?;
+        for (j, r) in members.clone().enumerate() {
+            let (own, counts) = caches.mla_rows(be, r, layer, positions)?;
+            if counts.len() != nb {
+                return Err(ModelError::Region(format!("tp rank {r}: rows of {} requests for a batch of {nb}", counts.len())));
+            }
+            be.mla_decode_partial_ragged(shape, &q, &own, &counts, &mut p)?;
+            be.copy_f64(&p, 0, &mut partials, j * nb * hg * pw, nb * hg * pw)?;
+        }
+        let mut o = be.alloc(nb * hg * l)?;
+        let mut lse = be.alloc(nb * hg)?;
+        be.dcp_merge_partials(MergeShape { shards: dcp, heads: nb * hg, width: l }, &partials, &mut o, &mut lse)?;
+        // Each member keeps its own heads.
+        for (j, r) in members.enumerate() {
+            let oj = take_cols(be, &o, nb, hg * l, j * hl * l, hl * l)?;
+            parts.push(mla_out(be, dims, mla(r)?, &oj, nb)?);
+        }
+    }
+    Ok(parts)
+}
+
 /// The rank's MLP partials, one per unit: down(silu(gate x) * up x).
-fn mlp(be: &CpuBackend, dims: &Dims, ls: &LayerShard, xn: &CpuBuf, t: usize) -> R<Vec<CpuBuf>> {
-    let d = dims.hidden;
+fn mlp<B: Backend>(be: &B, ls: &LayerShard<B>, xn: &B::Buf, t: usize) -> R<Vec<B::Buf>> {
     ls.mlp
         .iter()
         .map(|u| {
-            let g = matmul(be, xn, &u.gate, t, d, u.width)?;
-            let up = matmul(be, xn, &u.up, t, d, u.width)?;
-            let act: Vec<f32> =
-                g.as_slice().iter().zip(up.as_slice()).map(|(&a, &b)| a / (1.0 + (-a).exp()) * b).collect();
-            matmul(be, &CpuBuf::from_vec(act), &u.down, t, u.width, d)
+            let g = matmul(be, xn, &u.gate, t)?;
+            let up = matmul(be, xn, &u.up, t)?;
+            let mut act = be.alloc(t * u.width)?;
+            be.silu_mul(&g, &up, &mut act)?;
+            matmul(be, &act, &u.down, t)
         })
         .collect()
 }
 
-fn mlp_block(be: &CpuBackend, dims: &Dims, group: &[RankShard], layer: usize, h: &mut CpuBuf, t: usize) -> R<()> {
-    let xn = rms(be, h, &group[0].layers[layer].mlp_norm, t, dims.hidden)?;
-    let parts = group.iter().map(|s| mlp(be, dims, &s.layers[layer], &xn, t)).collect::<R<Vec<_>>>()?;
+fn mlp_block<B: Backend>(be: &B, group: &ShardGroup<B>, layer: usize, h: &mut B::Buf, t: usize) -> R<()> {
+    let xn = rms(be, h, &group.ranks[0].layers[layer].mlp_norm, t, group.dims.hidden)?;
+    let parts = group.ranks.iter().map(|s| mlp(be, &s.layers[layer], &xn, t)).collect::<R<Vec<_>>>()?;
     let sum = all_reduce(be, parts)?;
     be.add_inplace(h, &sum)?;
     Ok(())
@@ -340,33 +558,49 @@ fn mlp_block(be: &CpuBackend, dims: &Dims, group: &[RankShard], layer: usize, h:
 
 // ---- drivers ------------------------------------------------------------------
 
-/// A cache a prefill rank produced for one layer.
+/// A cache a prefill rank produced for one layer (host memory: the sink stores it
+/// into host regions).
 pub enum PrefillCache<'a> {
     Kda(&'a KdaCache),
     /// MLA rows `[T, L+R]`, rounded to the model dtype.
     Mla(&'a [f32]),
 }
 
+fn kind_err(layer: usize) -> ModelError {
+    ModelError::Config(format!("layer {layer}: shard kind does not match the pattern"))
+}
+
+fn check_layers<B: Backend>(group: &ShardGroup<B>, layers: &Range<usize>) -> R<()> {
+    let n = group.dims.num_layers();
+    if group.ranks.is_empty() || layers.end > n || group.ranks.iter().any(|r| r.layers.len() != n) {
+        return Err(ModelError::Config(format!(
+            "layers {layers:?} of a group of {} ranks over a {n}-layer model",
+            group.ranks.len()
+        )));
+    }
+    Ok(())
+}
+
 #[allow(clippy::too_many_arguments)]
 /// Prefill of `layers` by one TP group over `h` `[t, hidden]` (updated in place).
 /// `sink(tp_rank, layer, cache)` stores what each rank caches.
-pub fn prefill_layers(
-    be: &CpuBackend,
-    model: &Model,
-    group: &[RankShard],
+pub fn prefill_layers<B: Backend>(
+    be: &B,
+    group: &ShardGroup<B>,
     layers: Range<usize>,
-    h: &mut CpuBuf,
+    h: &mut B::Buf,
     t: usize,
     record_tail: usize,
     sink: &mut dyn FnMut(usize, usize, PrefillCache<'_>) -> R<()>,
 ) -> R<()> {
-    let dims = &model.dims;
+    check_layers(group, &layers)?;
+    let dims = &group.dims;
     for layer in layers {
-        let xn = rms(be, h, &group[0].layers[layer].attn_norm, t, dims.hidden)?;
-        let mut parts = Vec::with_capacity(group.len());
+        let xn = rms(be, h, &group.ranks[0].layers[layer].attn_norm, t, dims.hidden)?;
+        let mut parts = Vec::with_capacity(group.tp());
         match dims.layer_kinds[layer] {
             LayerKind::Kda => {
-                for (r, s) in group.iter().enumerate() {
+                for (r, s) in group.ranks.iter().enumerate() {
                     let MixerShard::Kda(sh) = &s.layers[layer].mixer else { return Err(kind_err(layer)) };
                     let (p, cache) = kda_prefill(be, dims, sh, &xn, t, record_tail)?;
                     sink(r, layer, PrefillCache::Kda(&cache))?;
@@ -374,11 +608,12 @@ pub fn prefill_layers(
                 }
             }
             LayerKind::Mla => {
-                let MixerShard::Mla(sh0) = &group[0].layers[layer].mixer else { return Err(kind_err(layer)) };
+                let MixerShard::Mla(sh0) = &group.ranks[0].layers[layer].mixer else { return Err(kind_err(layer)) };
                 let rows = mla_rows(be, dims, sh0, &xn, t)?;
-                for (r, s) in group.iter().enumerate() {
+                let host_rows = be.download(&rows)?;
+                for (r, s) in group.ranks.iter().enumerate() {
                     let MixerShard::Mla(sh) = &s.layers[layer].mixer else { return Err(kind_err(layer)) };
-                    sink(r, layer, PrefillCache::Mla(rows.as_slice()))?;
+                    sink(r, layer, PrefillCache::Mla(&host_rows))?;
                     let q_lat = mla_q_lat(be, dims, sh, &xn, t)?;
                     let mut o = be.alloc(t * sh.heads * dims.kv_lora_rank)?;
                     be.mla_prefill(mla_shape(dims, sh.heads), t, &q_lat, RowSet { buf: &rows, count: t }, &mut o, None)?;
@@ -388,113 +623,58 @@ pub fn prefill_layers(
         }
         let sum = all_reduce(be, parts)?;
         be.add_inplace(h, &sum)?;
-        mlp_block(be, dims, group, layer, h, t)?;
+        mlp_block(be, group, layer, h, t)?;
     }
     Ok(())
 }
 
-fn kind_err(layer: usize) -> ModelError {
-    ModelError::Config(format!("layer {layer}: shard kind does not match the pattern"))
-}
-
-/// The step a [`DecodeCaches::kda`] call runs on one rank's state, conv state and
-/// optional record buffer.
-pub type KdaStepFn<'a> = dyn FnMut(&mut CpuBuf, &mut CpuBuf, Option<&mut CpuBuf>) -> R<()> + 'a;
-
-/// One ReplaySSM decode step of one rank's KDA heads, the same on every placement
-/// (ReplaySSM is part of decode, so the colocated run keeps the same ring): the
-/// current state is rebuilt from the committed state `committed` and the `cursor`
-/// records of `ring` (`replay_commit` on a copy), `step` advances it and writes
-/// the token's record, which is appended; when the ring is full the records are
-/// committed in place (`committed` := rebuilt state, cursor 0). Per head the
-/// arithmetic depends only on that head's data, so the TP head split does not
-/// change it. Returns whether it committed.
-pub fn replay_step(
-    be: &CpuBackend,
-    shape: ReplayShape,
-    committed: &mut CpuBuf,
-    ring: &mut CpuBuf,
-    cursor: &mut CpuIBuf,
-    conv: &mut CpuBuf,
-    step: &mut KdaStepFn<'_>,
-) -> R<bool> {
-    let mut current = committed.clone();
-    let mut scratch = cursor.clone();
-    be.replay_commit(shape, &mut current, ring, &mut scratch)?;
-    let mut record = be.alloc(shape.heads * handoff_kernels::replay_record_width(shape.dk, shape.dv))?;
-    step(&mut current, conv, Some(&mut record))?;
-    be.replay_append(shape, 1, ring, cursor, &record)?;
-    if be.download_i32(cursor)?.first().is_some_and(|&c| c as usize >= shape.capacity) {
-        be.replay_commit(shape, committed, ring, cursor)?;
-        return Ok(true);
+/// One decode step of one TP group for a batch of B requests: request b feeds
+/// `tokens[b]` at position `positions[b]` (its caches hold positions
+/// `0..positions[b]`). Returns each request's logits and greedy pick, in batch
+/// order. Every dense op runs with rows = B; the KDA step, conv step and replay
+/// run once per rank and layer over the batch's gathered slots; MLA attention is
+/// one ragged partial per DCP member and one merge per DCP group. Request b's
+/// result is bit for bit what a batch of one gives.
+pub fn decode_batch<B: Backend>(
+    be: &B,
+    group: &ShardGroup<B>,
+    tokens: &[u8],
+    positions: &[usize],
+    caches: &mut dyn BatchCaches<B>,
+) -> R<Vec<(Vec<f32>, u8)>> {
+    let nb = tokens.len();
+    if positions.len() != nb || caches.batch() != nb {
+        return Err(ModelError::Config(format!(
+            "decode batch of {nb} tokens, {} positions, caches of {} requests",
+            positions.len(),
+            caches.batch()
+        )));
     }
-    Ok(false)
-}
-
-/// Where a decode TP group keeps its caches.
-pub trait DecodeCaches {
-    /// Runs `step` on TP rank `rank`'s KDA state `[hl, Dk, Dv]` and conv state of
-    /// `layer`, with a record buffer `[hl, 2Dk+Dv]` when the caches keep ReplaySSM
-    /// records, and stores what it leaves.
-    fn kda(
-        &mut self,
-        rank: usize,
-        layer: usize,
-        step: &mut KdaStepFn<'_>,
-    ) -> R<()>;
-    /// Appends the cached row of position `pos` for `layer`.
-    fn mla_append(&mut self, layer: usize, pos: usize, row: &[f32]) -> R<()>;
-    /// Attention of every rank's absorbed queries (`q_lat[r]` `[hl, L+R]`) over
-    /// positions `0..=pos`: the latent outputs `[hl, L]` per rank.
-    fn mla_attend(&mut self, layer: usize, pos: usize, q_lat: &[CpuBuf]) -> R<Vec<CpuBuf>>;
-}
-
-/// One decode step of one TP group: token `token` at position `pos`. Returns the
-/// logits and the greedy pick.
-pub fn decode_step(
-    be: &CpuBackend,
-    model: &Model,
-    group: &[RankShard],
-    token: u8,
-    pos: usize,
-    caches: &mut dyn DecodeCaches,
-) -> R<(Vec<f32>, u8)> {
-    let dims = &model.dims;
-    let mut h = embed(be, model, &[token])?;
+    if nb == 0 {
+        return Ok(Vec::new());
+    }
+    let dims = &group.dims;
+    check_layers(group, &(0..dims.num_layers()))?;
+    let mut h = embed(be, group, tokens)?;
     for layer in 0..dims.num_layers() {
-        let xn = rms(be, &h, &group[0].layers[layer].attn_norm, 1, dims.hidden)?;
-        let mut parts = Vec::with_capacity(group.len());
-        match dims.layer_kinds[layer] {
+        let xn = rms(be, &h, &group.ranks[0].layers[layer].attn_norm, nb, dims.hidden)?;
+        let parts = match dims.layer_kinds[layer] {
             LayerKind::Kda => {
-                for (r, s) in group.iter().enumerate() {
+                let mut parts = Vec::with_capacity(group.tp());
+                for (r, s) in group.ranks.iter().enumerate() {
                     let MixerShard::Kda(sh) = &s.layers[layer].mixer else { return Err(kind_err(layer)) };
-                    let mut out = None;
-                    caches.kda(r, layer, &mut |state, conv, rec| {
-                        out = Some(kda_decode(be, dims, sh, &xn, state, conv, rec)?);
-                        Ok(())
-                    })?;
-                    parts.push(out.ok_or_else(|| ModelError::Config("kda cache did not run the step".into()))?);
+                    let mut kb = caches.kda_load(be, r, layer)?;
+                    let (p, changed) = kda_decode_batch(be, dims, sh, &xn, nb, &mut kb)?;
+                    caches.kda_store(be, r, layer, &kb, &changed)?;
+                    parts.push(p);
                 }
+                parts
             }
-            LayerKind::Mla => {
-                let MixerShard::Mla(sh0) = &group[0].layers[layer].mixer else { return Err(kind_err(layer)) };
-                let row = mla_rows(be, dims, sh0, &xn, 1)?;
-                caches.mla_append(layer, pos, row.as_slice())?;
-                let mut q = Vec::with_capacity(group.len());
-                for s in group {
-                    let MixerShard::Mla(sh) = &s.layers[layer].mixer else { return Err(kind_err(layer)) };
-                    q.push(mla_q_lat(be, dims, sh, &xn, 1)?);
-                }
-                let o = caches.mla_attend(layer, pos, &q)?;
-                for (s, o) in group.iter().zip(&o) {
-                    let MixerShard::Mla(sh) = &s.layers[layer].mixer else { return Err(kind_err(layer)) };
-                    parts.push(mla_out(be, dims, sh, o, 1)?);
-                }
-            }
-        }
+            LayerKind::Mla => mla_decode_batch(be, group, layer, &xn, positions, caches)?,
+        };
         let sum = all_reduce(be, parts)?;
         be.add_inplace(&mut h, &sum)?;
-        mlp_block(be, dims, group, layer, &mut h, 1)?;
+        mlp_block(be, group, layer, &mut h, nb)?;
     }
-    logits_of_last(be, model, &h, 1)
+    logits_rows(be, group, &h, nb)
 }

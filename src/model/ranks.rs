@@ -1,33 +1,36 @@
 //! The disaggregated dispatch: prefill ranks write what they cache into their own
 //! producer regions, decode ranks run from their own decode regions only. Byte
-//! addresses follow docs/layout.md through the layouts the engine registered.
+//! addresses follow docs/layout.md through the layouts the engine registered; bytes
+//! are reached through a [`RegionView`], one call per (rank, kind) per layer.
 //!
 //! Decode token placement: decode appends the KV row of position p (prompt or
 //! generated alike) to the rank(s) whose dcp rank owns p under the design's rule,
 //! `(p / S) % dcp`, at local position `(p / (S*dcp)) * S + p % S`: one owner per
 //! DCP group, so generated tokens continue the interleave the transfer started.
-//! Block tables grow from the rank's pool as positions pass the lease.
+//! The caller grows each lease's block table to cover the positions it decodes.
 //!
 //! ReplaySSM (when configured): prefill caches the state before the prompt's last
-//! r = min(T, capacity / 2) tokens and their records, cursor r. A decode step is
-//! [`forward::replay_step`]: it rebuilds the current state from the committed
-//! state and the records (`replay_commit` on a copy), steps it, appends the
-//! step's record, and when the ring is full commits in place (state region :=
-//! rebuilt state, cursor 0). The colocated reference runs the same schedule.
+//! r = min(T, capacity / 2) tokens and their records, cursor r. A decode step
+//! ([`crate::model::forward::kda_decode_batch`]) rebuilds each slot's current state from the
+//! committed state and the records, steps it, appends the step's record, and the
+//! slots whose ring is full commit (state region := rebuilt state, cursor 0). The
+//! colocated reference runs the same schedule.
 //!
-//! MLA attention under DCP: each member of a DCP group computes the f64 partial
+//! MLA attention under DCP: each member of a DCP group computes the f64 partials
 //! (max, sum, accumulator) of the group's all-gathered queries over its own
-//! tokens, and the partials are merged in f64 ([`forward::mla_merge`]); the
-//! colocated reference merges its one shard the same way.
+//! tokens of each request, and the partials are merged in f64; the colocated
+//! reference merges its one shard the same way.
 
 use super::ModelError;
 use super::dtype;
-use super::forward::{self, DecodeCaches, KdaCache, PrefillCache};
-use crate::oracle::Memory;
+use super::forward::{BatchCaches, KdaBatch, KdaCache, PrefillCache, ReplayBatch};
+use super::regions::{self, RegionView, span, span_mut};
+use super::weights::Dims;
 use handoff_components::Topology;
+use handoff_components::ecs::Lease;
 use handoff_components::layout::RegionLayout;
-use handoff_components::vocab::{DecodeRank, ModuleLayer, PrefillRank, RankId, RegionKind};
-use handoff_kernels::{Backend, CpuBackend, CpuBuf, ReplayShape};
+use handoff_components::vocab::{DecodeRank, Dtype, ModuleLayer, PrefillRank, RankId, RegionKind};
+use handoff_kernels::Backend;
 use handoff_systems::placement::owned_tokens;
 use std::collections::BTreeMap;
 
@@ -36,53 +39,49 @@ type R<T> = Result<T, ModelError>;
 /// The layout every rank registered, by (rank, kind).
 pub type Layouts = BTreeMap<(RankId, RegionKind), RegionLayout>;
 
-/// Where one request lives on one rank.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Lease {
-    pub blocks: Vec<u32>,
-    pub slot: u32,
-}
-
 fn region(layouts: &Layouts, rank: RankId, kind: RegionKind) -> R<&RegionLayout> {
     layouts.get(&(rank, kind)).ok_or_else(|| ModelError::Region(format!("{rank} has no {kind} region")))
 }
 
-fn unit(layouts: &Layouts, rank: RankId, kind: RegionKind, layer: usize, unit: u32) -> R<(u64, &RegionLayout)> {
-    let l = region(layouts, rank, kind)?;
-    let off = l
+/// Byte offset of (module layer `layer`, unit `unit`) of `rank`'s `kind` region.
+fn unit(layouts: &Layouts, rank: RankId, kind: RegionKind, layer: usize, unit: u32) -> R<u64> {
+    region(layouts, rank, kind)?
         .unit_offset(ModuleLayer(layer as u32), unit)
-        .ok_or_else(|| ModelError::Region(format!("{rank} {kind} has no row for module layer {layer}")))?;
-    Ok((off, l))
+        .ok_or_else(|| ModelError::Region(format!("{rank} {kind} has no row for module layer {layer}")))
 }
 
-fn bytes_mut(mem: &mut Memory, rank: RankId, kind: RegionKind, off: u64, len: usize) -> R<&mut [u8]> {
-    let buf = mem.get_mut(&(rank, kind)).ok_or_else(|| ModelError::Region(format!("{rank} {kind}: no memory")))?;
-    let off = off as usize;
-    let total = buf.len();
-    buf.get_mut(off..off + len)
-        .ok_or_else(|| ModelError::Region(format!("{rank} {kind}: {off}+{len} outside {total} bytes")))
-}
-
-fn bytes(mem: &Memory, rank: RankId, kind: RegionKind, off: u64, len: usize) -> R<&[u8]> {
-    let buf = mem.get(&(rank, kind)).ok_or_else(|| ModelError::Region(format!("{rank} {kind}: no memory")))?;
-    let off = off as usize;
-    buf.get(off..off + len)
-        .ok_or_else(|| ModelError::Region(format!("{rank} {kind}: {off}+{len} outside {} bytes", buf.len())))
+/// Byte offset of local position `lp` of `layer` in a paged region, through a
+/// block table.
+fn row_offset(l: &RegionLayout, rank: RankId, blocks: &[u32], layer: usize, lp: usize) -> R<u64> {
+    let (bs, tb) = (l.block_size as usize, l.token_bytes);
+    if bs == 0 {
+        return Err(ModelError::Region(format!("{rank} {}: not a paged region", l.kind)));
+    }
+    let block = *blocks.get(lp / bs).ok_or_else(|| {
+        ModelError::Region(format!("{rank}: local position {lp} past its {} blocks", blocks.len()))
+    })?;
+    let off = l
+        .unit_offset(ModuleLayer(layer as u32), block)
+        .ok_or_else(|| ModelError::Region(format!("{rank} {} has no row for module layer {layer}", l.kind)))?;
+    Ok(off + (lp % bs) as u64 * tb)
 }
 
 fn put_f32(out: &mut [u8], xs: &[f32]) {
-    dtype::encode(handoff_components::vocab::Dtype::F32, xs, out)
+    dtype::encode(Dtype::F32, xs, out)
 }
 
 fn get_f32(b: &[u8]) -> Vec<f32> {
-    dtype::decode(handoff_components::vocab::Dtype::F32, b)
+    dtype::decode(Dtype::F32, b)
 }
 
-/// Writes one prefill rank's cache of one layer into its producer regions.
+/// Writes one prefill rank's cache of one layer into its producer regions: its
+/// MLA rows into `lease.blocks`, its KDA caches into slot `lease.slot`. The
+/// addresses come from `rank`'s layouts (`lease.rank` is not consulted: a stage's
+/// TP ranks share one block table and slot).
 pub fn store_prefill(
     topo: &Topology,
     layouts: &Layouts,
-    mem: &mut Memory,
+    view: &dyn RegionView,
     rank: PrefillRank,
     lease: &Lease,
     layer: usize,
@@ -92,180 +91,290 @@ pub fn store_prefill(
     let dt = topo.model().dtype;
     match cache {
         PrefillCache::Mla(rows) => {
-            let (_, l) = unit(layouts, id, RegionKind::MlaKv, layer, 0)?;
-            let (bs, tb) = (l.block_size as usize, l.token_bytes as usize);
-            let e = dt.bytes() as usize;
-            let width = tb / e;
-            for (p, row) in rows.chunks_exact(width).enumerate() {
-                let block = *lease.blocks.get(p / bs).ok_or_else(|| {
-                    ModelError::Region(format!("{id}: position {p} past its {} blocks", lease.blocks.len()))
-                })?;
-                let (off, _) = unit(layouts, id, RegionKind::MlaKv, layer, block)?;
-                let off = off + ((p % bs) * tb) as u64;
-                dtype::encode(dt, row, bytes_mut(mem, id, RegionKind::MlaKv, off, tb)?);
+            let kind = RegionKind::MlaKv;
+            let l = region(layouts, id, kind)?;
+            let tb = l.token_bytes as usize;
+            let width = tb / dt.bytes() as usize;
+            if width == 0 || !rows.len().is_multiple_of(width) {
+                return Err(ModelError::Region(format!("{id}: {} values are not rows of {width}", rows.len())));
             }
+            let offs = (0..rows.len() / width).map(|p| row_offset(l, id, &lease.blocks, layer, p)).collect::<R<Vec<_>>>()?;
+            regions::write(view, id, kind, |bytes| {
+                for (row, &off) in rows.chunks_exact(width).zip(&offs) {
+                    dtype::encode(dt, row, span_mut(bytes, id, kind, off, tb)?);
+                }
+                Ok(())
+            })
         }
-        PrefillCache::Kda(c) => store_kda(topo, layouts, mem, id, lease.slot, layer, c)?,
+        PrefillCache::Kda(c) => store_kda(topo, layouts, view, id, lease.slot, layer, c),
     }
-    Ok(())
 }
 
-fn store_kda(topo: &Topology, layouts: &Layouts, mem: &mut Memory, id: RankId, slot: u32, layer: usize, c: &KdaCache) -> R<()> {
+fn store_kda(topo: &Topology, layouts: &Layouts, view: &dyn RegionView, id: RankId, slot: u32, layer: usize, c: &KdaCache) -> R<()> {
     let dt = topo.model().dtype;
-    let (off, _) = unit(layouts, id, RegionKind::KdaState, layer, slot)?;
-    put_f32(bytes_mut(mem, id, RegionKind::KdaState, off, c.state.len() * 4)?, &c.state);
-    let (off, _) = unit(layouts, id, RegionKind::KdaConv, layer, slot)?;
+    let kind = RegionKind::KdaState;
+    let off = unit(layouts, id, kind, layer, slot)?;
+    regions::write(view, id, kind, |b| Ok(put_f32(span_mut(b, id, kind, off, c.state.len() * 4)?, &c.state)))?;
+    let kind = RegionKind::KdaConv;
+    let off = unit(layouts, id, kind, layer, slot)?;
     let n = c.conv.len() * dt.bytes() as usize;
-    dtype::encode(dt, &c.conv, bytes_mut(mem, id, RegionKind::KdaConv, off, n)?);
+    regions::write(view, id, kind, |b| Ok(dtype::encode(dt, &c.conv, span_mut(b, id, kind, off, n)?)))?;
     if topo.model().replay.is_some() {
-        let (off, l) = unit(layouts, id, RegionKind::ReplayRecords, layer, slot)?;
-        let ring = bytes_mut(mem, id, RegionKind::ReplayRecords, off, l.unit_bytes as usize)?;
-        ring.fill(0);
-        put_f32(&mut ring[..c.records.len() * 4], &c.records);
-        let (off, _) = unit(layouts, id, RegionKind::ReplayCursor, layer, slot)?;
-        bytes_mut(mem, id, RegionKind::ReplayCursor, off, 4)?.copy_from_slice(&(c.record_tokens as i32).to_le_bytes());
+        let kind = RegionKind::ReplayRecords;
+        let off = unit(layouts, id, kind, layer, slot)?;
+        let len = region(layouts, id, kind)?.unit_bytes as usize;
+        if c.records.len() * 4 > len {
+            return Err(ModelError::Region(format!("{id} layer {layer}: {} records overflow the ring", c.record_tokens)));
+        }
+        regions::write(view, id, kind, |b| {
+            let ring = span_mut(b, id, kind, off, len)?;
+            ring.fill(0);
+            put_f32(&mut ring[..c.records.len() * 4], &c.records);
+            Ok(())
+        })?;
+        let kind = RegionKind::ReplayCursor;
+        let off = unit(layouts, id, kind, layer, slot)?;
+        regions::write(view, id, kind, |b| {
+            span_mut(b, id, kind, off, 4)?.copy_from_slice(&(c.record_tokens as i32).to_le_bytes());
+            Ok(())
+        })?;
     }
     Ok(())
 }
 
 /// The records prefill leaves for decode to replay: half the ring, at most the prompt.
 pub fn prefill_record_tail(topo: &Topology, tokens: usize) -> usize {
-    super::weights::Dims::from_topology(topo).record_tail(tokens)
+    Dims::from_topology(topo).record_tail(tokens)
 }
 
-/// The decode TP group's caches: every read and write goes to a decode rank's own
-/// regions in `mem`.
+/// The decode TP group's caches of one batch of requests: every read and write
+/// goes to a decode rank's own regions through `view`, and only to the bytes of
+/// the batch's requests (their slots and their blocks).
 pub struct DecodeRanks<'a> {
-    pub topo: &'a Topology,
-    pub layouts: &'a Layouts,
-    pub mem: &'a mut Memory,
-    /// Per decode TP rank: its block table (lease plus growth) and slot.
-    pub leases: Vec<Lease>,
-    be: CpuBackend,
+    topo: &'a Topology,
+    layouts: &'a Layouts,
+    view: &'a dyn RegionView,
+    /// `leases[b][tp]`: request b's block table (grown to cover its position) and
+    /// slot on decode TP rank tp.
+    leases: Vec<Vec<Lease>>,
+    dims: Dims,
 }
 
 impl<'a> DecodeRanks<'a> {
-    pub fn new(topo: &'a Topology, layouts: &'a Layouts, mem: &'a mut Memory, leases: Vec<Lease>) -> Self {
-        DecodeRanks { topo, layouts, mem, leases, be: CpuBackend::new() }
+    /// The caches of the batch whose request b holds `leases[b][tp]` on decode TP
+    /// rank tp, each lease already grown to cover the position b decodes.
+    pub fn new(topo: &'a Topology, layouts: &'a Layouts, view: &'a dyn RegionView, leases: Vec<Vec<Lease>>) -> Self {
+        DecodeRanks { topo, layouts, view, leases, dims: Dims::from_topology(topo) }
     }
 
-    fn local(&self, pos: usize) -> (u32, usize) {
+    /// The batch's leases, `[request][tp]`.
+    pub fn leases(&self) -> &[Vec<Lease>] {
+        &self.leases
+    }
+
+    fn id(&self, rank: usize) -> R<RankId> {
+        let tp = self.topo.decode().tp as usize;
+        if rank >= tp {
+            return Err(ModelError::Region(format!("decode tp rank {rank} outside tp {tp}")));
+        }
+        Ok(RankId::Decode(DecodeRank { tp: rank as u32 }))
+    }
+
+    /// Request b's lease on TP rank `rank`, checked to be that rank's.
+    fn lease(&self, b: usize, rank: usize) -> R<&Lease> {
+        let id = self.id(rank)?;
+        let l = self
+            .leases
+            .get(b)
+            .and_then(|ls| ls.get(rank))
+            .ok_or_else(|| ModelError::Region(format!("request {b} of the batch has no lease on {id}")))?;
+        if l.rank != id {
+            return Err(ModelError::Region(format!("request {b}'s lease for {id} is a lease on {}", l.rank)));
+        }
+        Ok(l)
+    }
+
+    /// Offsets of the batch's slots in `kind` of `layer` on `rank`.
+    fn slot_offsets(&self, rank: usize, kind: RegionKind, layer: usize) -> R<Vec<u64>> {
+        let id = self.id(rank)?;
+        (0..self.leases.len()).map(|b| unit(self.layouts, id, kind, layer, self.lease(b, rank)?.slot)).collect()
+    }
+
+    /// The dcp rank owning position `pos`, and its local position there.
+    fn local(&self, pos: usize) -> (usize, usize) {
         let d = self.topo.decode();
         let (s, dcp) = (d.interleave as usize, d.dcp as usize);
-        (((pos / s) % dcp) as u32, (pos / (s * dcp)) * s + pos % s)
+        ((pos / s) % dcp, (pos / (s * dcp)) * s + pos % s)
     }
 
-    fn row_addr(&self, rank: usize, layer: usize, lp: usize) -> R<(u64, usize)> {
-        let id = RankId::Decode(DecodeRank { tp: rank as u32 });
-        let (_, l) = unit(self.layouts, id, RegionKind::MlaKv, layer, 0)?;
-        let (bs, tb) = (l.block_size as usize, l.token_bytes as usize);
-        let block = *self.leases[rank].blocks.get(lp / bs).ok_or_else(|| {
-            ModelError::Region(format!("{id}: local position {lp} past its {} blocks", self.leases[rank].blocks.len()))
-        })?;
-        let (off, _) = unit(self.layouts, id, RegionKind::MlaKv, layer, block)?;
-        Ok((off + ((lp % bs) * tb) as u64, tb))
-    }
-
-    /// The rows rank `rank` holds of positions `0..tokens` of `layer`, `[n, L+R]`.
-    fn local_rows(&self, rank: usize, layer: usize, tokens: usize) -> R<(CpuBuf, usize)> {
-        let d = self.topo.decode();
-        let id = RankId::Decode(DecodeRank { tp: rank as u32 });
-        let n = owned_tokens(tokens as u64, d.dcp, DecodeRank { tp: rank as u32 }.dcp_rank(d.dcp), d.interleave) as usize;
-        let dt = self.topo.model().dtype;
-        let mut rows = Vec::new();
-        for lp in 0..n {
-            let (off, tb) = self.row_addr(rank, layer, lp)?;
-            rows.extend(dtype::decode(dt, bytes(self.mem, id, RegionKind::MlaKv, off, tb)?));
-        }
-        Ok((CpuBuf::from_vec(rows), n))
+    fn hl(&self) -> usize {
+        self.topo.decode_heads() as usize
     }
 }
 
-impl DecodeCaches for DecodeRanks<'_> {
-    fn kda(
-        &mut self,
-        rank: usize,
-        layer: usize,
-        step: &mut forward::KdaStepFn<'_>,
-    ) -> R<()> {
-        let be = self.be;
-        let id = RankId::Decode(DecodeRank { tp: rank as u32 });
-        let slot = self.leases[rank].slot;
-        let m = self.topo.model();
-        let dt = m.dtype;
-        let (hl, dk, dv) = (self.topo.decode_heads() as usize, m.kda.head_k_dim as usize, m.kda.head_v_dim as usize);
-        let (s_off, _) = unit(self.layouts, id, RegionKind::KdaState, layer, slot)?;
-        let mut state = CpuBuf::from_vec(get_f32(bytes(self.mem, id, RegionKind::KdaState, s_off, hl * dk * dv * 4)?));
-        let (c_off, cl) = unit(self.layouts, id, RegionKind::KdaConv, layer, slot)?;
-        let c_len = cl.unit_bytes as usize;
-        let mut conv = CpuBuf::from_vec(dtype::decode(dt, bytes(self.mem, id, RegionKind::KdaConv, c_off, c_len)?));
-        match m.replay.as_ref().map(|r| r.capacity as usize) {
-            None => {
-                step(&mut state, &mut conv, None)?;
-                put_f32(bytes_mut(self.mem, id, RegionKind::KdaState, s_off, hl * dk * dv * 4)?, state.as_slice());
-            }
-            Some(capacity) => {
-                let shape = ReplayShape { batch: 1, heads: hl, dk, dv, capacity };
-                let (r_off, rl) = unit(self.layouts, id, RegionKind::ReplayRecords, layer, slot)?;
-                let r_len = rl.unit_bytes as usize;
-                let mut ring = CpuBuf::from_vec(get_f32(bytes(self.mem, id, RegionKind::ReplayRecords, r_off, r_len)?));
-                let (k_off, _) = unit(self.layouts, id, RegionKind::ReplayCursor, layer, slot)?;
-                let cb = bytes(self.mem, id, RegionKind::ReplayCursor, k_off, 4)?;
-                let mut cursor = be.upload_i32(&[i32::from_le_bytes([cb[0], cb[1], cb[2], cb[3]])])?;
-                if forward::replay_step(&be, shape, &mut state, &mut ring, &mut cursor, &mut conv, step)? {
-                    put_f32(bytes_mut(self.mem, id, RegionKind::KdaState, s_off, hl * dk * dv * 4)?, state.as_slice());
-                }
-                put_f32(bytes_mut(self.mem, id, RegionKind::ReplayRecords, r_off, r_len)?, ring.as_slice());
-                let c = be.download_i32(&cursor)?[0];
-                bytes_mut(self.mem, id, RegionKind::ReplayCursor, k_off, 4)?.copy_from_slice(&c.to_le_bytes());
-            }
-        }
-        dtype::encode(dt, conv.as_slice(), bytes_mut(self.mem, id, RegionKind::KdaConv, c_off, c_len)?);
-        Ok(())
-    }
-
-    fn mla_append(&mut self, layer: usize, pos: usize, row: &[f32]) -> R<()> {
-        let dcp = self.topo.decode().dcp as usize;
-        let (owner, lp) = self.local(pos);
-        let dt = self.topo.model().dtype;
-        for rank in (owner as usize..self.leases.len()).step_by(dcp) {
-            let id = RankId::Decode(DecodeRank { tp: rank as u32 });
-            let (off, tb) = self.row_addr(rank, layer, lp)?;
-            dtype::encode(dt, row, bytes_mut(self.mem, id, RegionKind::MlaKv, off, tb)?);
-        }
-        Ok(())
-    }
-
-    fn mla_attend(&mut self, layer: usize, pos: usize, q_lat: &[CpuBuf]) -> R<Vec<CpuBuf>> {
-        let be = self.be;
-        let m = self.topo.model();
-        let dcp = self.topo.decode().dcp as usize;
-        let (l, w) = (m.mla.kv_lora_rank as usize, (m.mla.kv_lora_rank + m.mla.rope_dim) as usize);
-        let hl = m.mla.heads as usize / q_lat.len();
-        let hg = hl * dcp;
-        let dims = super::weights::Dims::from_topology(self.topo);
-        let shape = forward::mla_shape(&dims, hg);
-        let mut out = Vec::with_capacity(q_lat.len());
-        for group in 0..q_lat.len() / dcp {
-            let members = group * dcp..(group + 1) * dcp;
-            // All-gather of the group's queries: [dcp * hl, L+R], member-major.
-            let mut q = Vec::with_capacity(hg * w);
-            for r in members.clone() {
-                q.extend_from_slice(q_lat[r].as_slice());
-            }
-            let q = CpuBuf::from_vec(q);
-            // Each member's f64 partial over its own tokens, gathered rank-major.
-            let mut partials = Vec::new();
-            for r in members.clone() {
-                let (rows, n) = self.local_rows(r, layer, pos + 1)?;
-                partials.extend(forward::mla_partial(&be, shape, &q, &rows, n)?);
-            }
-            let o = forward::mla_merge(&be, shape, dcp, &partials)?;
-            // Each member keeps its own heads.
-            for j in 0..dcp {
-                out.push(CpuBuf::from_vec(o.as_slice()[j * hl * l..(j + 1) * hl * l].to_vec()));
-            }
+/// Reads one `len`-byte item at each offset of a region, in one view call.
+fn read_items(view: &dyn RegionView, id: RankId, kind: RegionKind, offs: &[u64], len: usize, decode: impl Fn(&[u8]) -> Vec<f32>) -> R<Vec<f32>> {
+    regions::read(view, id, kind, |bytes| {
+        let mut out = Vec::new();
+        for &off in offs {
+            out.extend(decode(span(bytes, id, kind, off, len)?));
         }
         Ok(out)
+    })
+}
+
+/// Writes item i of `xs` (`len`-byte items, `per` values each) at `offs[i]` for
+/// the items `which` says, in one view call.
+#[allow(clippy::too_many_arguments)]
+fn write_items(
+    view: &dyn RegionView,
+    id: RankId,
+    kind: RegionKind,
+    offs: &[u64],
+    len: usize,
+    per: usize,
+    xs: &[f32],
+    which: &[bool],
+    encode: impl Fn(&[f32], &mut [u8]),
+) -> R<()> {
+    if !which.iter().any(|&w| w) {
+        return Ok(());
+    }
+    regions::write(view, id, kind, |bytes| {
+        for (i, &off) in offs.iter().enumerate() {
+            if which[i] {
+                encode(&xs[i * per..(i + 1) * per], span_mut(bytes, id, kind, off, len)?);
+            }
+        }
+        Ok(())
+    })
+}
+
+impl<B: Backend> BatchCaches<B> for DecodeRanks<'_> {
+    fn batch(&self) -> usize {
+        self.leases.len()
+    }
+
+    fn dcp(&self) -> usize {
+        self.topo.decode().dcp as usize
+    }
+
+    fn kda_load(&mut self, be: &B, rank: usize, layer: usize) -> R<KdaBatch<B>> {
+        let id = self.id(rank)?;
+        let d = &self.dims;
+        let dt = d.dtype;
+        let hl = self.hl();
+        let e = dt.bytes() as usize;
+        let state = read_items(self.view, id, RegionKind::KdaState, &self.slot_offsets(rank, RegionKind::KdaState, layer)?, hl * d.dk * d.dv * 4, get_f32)?;
+        let conv_len = (d.conv - 1) * d.conv_channels(hl) * e;
+        let conv = read_items(self.view, id, RegionKind::KdaConv, &self.slot_offsets(rank, RegionKind::KdaConv, layer)?, conv_len, |b| dtype::decode(dt, b))?;
+        let replay = match d.replay {
+            None => None,
+            Some(capacity) => {
+                let ring_len = capacity * hl * d.record_width() * 4;
+                let ring = read_items(self.view, id, RegionKind::ReplayRecords, &self.slot_offsets(rank, RegionKind::ReplayRecords, layer)?, ring_len, get_f32)?;
+                let kind = RegionKind::ReplayCursor;
+                let offs = self.slot_offsets(rank, kind, layer)?;
+                let cursor = regions::read(self.view, id, kind, |bytes| {
+                    offs.iter()
+                        .map(|&off| span(bytes, id, kind, off, 4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+                        .collect::<R<Vec<i32>>>()
+                })?;
+                Some(ReplayBatch { ring: be.upload(&ring)?, cursor: be.upload_i32(&cursor)? })
+            }
+        };
+        Ok(KdaBatch { state: be.upload(&state)?, conv: be.upload(&conv)?, replay })
+    }
+
+    fn kda_store(&mut self, be: &B, rank: usize, layer: usize, kda: &KdaBatch<B>, state_changed: &[bool]) -> R<()> {
+        let id = self.id(rank)?;
+        let nb = self.leases.len();
+        if state_changed.len() != nb {
+            return Err(ModelError::Region(format!("{id}: {} state flags for a batch of {nb}", state_changed.len())));
+        }
+        let d = &self.dims;
+        let dt = d.dtype;
+        let hl = self.hl();
+        let all = vec![true; nb];
+        if state_changed.iter().any(|&c| c) {
+            let per = hl * d.dk * d.dv;
+            let state = be.download(&kda.state)?;
+            let offs = self.slot_offsets(rank, RegionKind::KdaState, layer)?;
+            write_items(self.view, id, RegionKind::KdaState, &offs, per * 4, per, &state, state_changed, |x, o| put_f32(o, x))?;
+        }
+        let per = (d.conv - 1) * d.conv_channels(hl);
+        let conv = be.download(&kda.conv)?;
+        let offs = self.slot_offsets(rank, RegionKind::KdaConv, layer)?;
+        write_items(self.view, id, RegionKind::KdaConv, &offs, per * dt.bytes() as usize, per, &conv, &all, |x, o| dtype::encode(dt, x, o))?;
+        if let (Some(rb), Some(capacity)) = (&kda.replay, d.replay) {
+            let per = capacity * hl * d.record_width();
+            let ring = be.download(&rb.ring)?;
+            let offs = self.slot_offsets(rank, RegionKind::ReplayRecords, layer)?;
+            write_items(self.view, id, RegionKind::ReplayRecords, &offs, per * 4, per, &ring, &all, |x, o| put_f32(o, x))?;
+            let cursor = be.download_i32(&rb.cursor)?;
+            let kind = RegionKind::ReplayCursor;
+            let offs = self.slot_offsets(rank, kind, layer)?;
+            regions::write(self.view, id, kind, |bytes| {
+                for (&off, c) in offs.iter().zip(&cursor) {
+                    span_mut(bytes, id, kind, off, 4)?.copy_from_slice(&c.to_le_bytes());
+                }
+                Ok(())
+            })?;
+        }
+        Ok(())
+    }
+
+    fn mla_append(&mut self, be: &B, layer: usize, positions: &[usize], rows: &B::Buf) -> R<()> {
+        let dcp = self.topo.decode().dcp as usize;
+        let dt = self.dims.dtype;
+        let w = self.dims.row_width();
+        let rows = be.download(rows)?;
+        if rows.len() != positions.len() * w || positions.len() != self.leases.len() {
+            return Err(ModelError::Region(format!("{} rows for {} positions of a batch of {}", rows.len() / w.max(1), positions.len(), self.leases.len())));
+        }
+        let kind = RegionKind::MlaKv;
+        for rank in 0..self.topo.decode().tp as usize {
+            let id = self.id(rank)?;
+            let l = region(self.layouts, id, kind)?;
+            let tb = l.token_bytes as usize;
+            // The rows this rank owns, and where they go.
+            let mut mine = Vec::new();
+            for (b, &pos) in positions.iter().enumerate() {
+                let (owner, lp) = self.local(pos);
+                if owner == rank % dcp {
+                    mine.push((b, row_offset(l, id, &self.lease(b, rank)?.blocks, layer, lp)?));
+                }
+            }
+            if mine.is_empty() {
+                continue;
+            }
+            regions::write(self.view, id, kind, |bytes| {
+                for &(b, off) in &mine {
+                    dtype::encode(dt, &rows[b * w..(b + 1) * w], span_mut(bytes, id, kind, off, tb)?);
+                }
+                Ok(())
+            })?;
+        }
+        Ok(())
+    }
+
+    fn mla_rows(&mut self, be: &B, rank: usize, layer: usize, positions: &[usize]) -> R<(B::Buf, Vec<usize>)> {
+        let d = self.topo.decode();
+        let id = self.id(rank)?;
+        let kind = RegionKind::MlaKv;
+        let l = region(self.layouts, id, kind)?;
+        let tb = l.token_bytes as usize;
+        let dr = DecodeRank { tp: rank as u32 }.dcp_rank(d.dcp);
+        let counts: Vec<usize> = positions.iter().map(|&p| owned_tokens(p as u64 + 1, d.dcp, dr, d.interleave) as usize).collect();
+        let mut offs = Vec::with_capacity(counts.iter().sum());
+        for (b, &n) in counts.iter().enumerate() {
+            let blocks = &self.lease(b, rank)?.blocks;
+            for lp in 0..n {
+                offs.push(row_offset(l, id, blocks, layer, lp)?);
+            }
+        }
+        let dt = self.dims.dtype;
+        let rows = read_items(self.view, id, kind, &offs, tb, |b| dtype::decode(dt, b))?;
+        Ok((be.upload(&rows)?, counts))
     }
 }

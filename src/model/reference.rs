@@ -1,18 +1,24 @@
-//! The colocated single-rank reference: the same model at TP1, no PP, no DCP, with
-//! its own plain in-memory caches (stored values rounded to the model dtype, as a
-//! colocated engine's caches would hold them).
+//! The colocated reference: the same model with no PP and no DCP, with its own
+//! plain host caches (stored values rounded to the model dtype, as a colocated
+//! engine's caches would hold them). [`run_colocated`] is the single-rank (TP1)
+//! run that verify compares against.
 //!
-//! It runs the same decode algorithm as the disaggregated decode ranks: MLA
-//! attention as one f64 partial merged like a DCP group of one, and, when
-//! `[model.replay]` is configured, ReplaySSM with the same ring, records and
-//! commit schedule (prefill keeps the state before the prompt's last r tokens and
-//! their records) on one rank holding every head. ReplaySSM is part of decode,
-//! not of the hand-off; the hand-off only moves what it keeps.
+//! It runs the same decode algorithm as the disaggregated decode ranks
+//! ([`forward::decode_batch`], at batch one): MLA attention as one f64 partial
+//! merged like a DCP group of one, and, when `[model.replay]` is configured,
+//! ReplaySSM with the same ring, records and commit schedule (prefill keeps the
+//! state before the prompt's last r tokens and their records). ReplaySSM is part
+//! of decode, not of the hand-off; the hand-off only moves what it keeps.
+//!
+//! [`LocalCaches`] holds any number of requests on a TP group of any width (DCP
+//! 1), so the tests and the compute bench batch requests through it too.
 
 use super::ModelError;
-use super::forward::{self, DecodeCaches, PrefillCache};
-use super::weights::{Model, RankShard};
-use handoff_kernels::{Backend, CpuBackend, CpuBuf, CpuIBuf, ReplayShape};
+use super::forward::{self, BatchCaches, KdaBatch, PrefillCache, ReplayBatch, ShardGroup};
+use super::weights::{Dims, Model};
+use handoff_kernels::Backend;
+
+type R<T> = Result<T, ModelError>;
 
 /// Greedy tokens and the logits that chose them: entry 0 comes from prefill (the
 /// prompt's last position), entry i > 0 from decode step i.
@@ -22,105 +28,221 @@ pub struct Trace {
     pub logits: Vec<Vec<f32>>,
 }
 
-/// One KDA layer's caches: state (the committed state under replay), conv state,
-/// and the ReplaySSM ring and cursor when configured.
-#[derive(Clone)]
+/// One KDA layer's caches on one rank: state (the committed state under replay),
+/// conv state, and the ReplaySSM ring and cursor when configured.
+#[derive(Debug, Clone)]
 struct KdaLocal {
-    state: CpuBuf,
-    conv: CpuBuf,
-    replay: Option<(CpuBuf, CpuIBuf)>,
+    state: Vec<f32>,
+    conv: Vec<f32>,
+    replay: Option<(Vec<f32>, i32)>,
 }
 
-/// Plain caches of one rank holding every head.
-struct LocalCaches {
-    kda: Vec<Option<KdaLocal>>,
-    replay: Option<ReplayShape>,
+/// One request's caches on a TP group: per layer, each rank's KDA caches, and
+/// the MLA rows `[n, L+R]` (replicated over TP, so held once).
+#[derive(Debug, Clone)]
+pub struct LocalRequest {
+    kda: Vec<Vec<Option<KdaLocal>>>,
     mla: Vec<Vec<f32>>,
-    width: usize,
-    shape: handoff_kernels::MlaShape,
 }
 
-impl DecodeCaches for LocalCaches {
-    fn kda(
-        &mut self,
-        _rank: usize,
-        layer: usize,
-        step: &mut forward::KdaStepFn<'_>,
-    ) -> Result<(), ModelError> {
-        let be = CpuBackend::new();
-        let c = self.kda[layer].as_mut().ok_or_else(|| ModelError::Config(format!("layer {layer} has no KDA cache")))?;
-        match (&mut c.replay, self.replay) {
-            (Some((ring, cursor)), Some(shape)) => {
-                forward::replay_step(&be, shape, &mut c.state, ring, cursor, &mut c.conv, step)?;
-                Ok(())
-            }
-            _ => step(&mut c.state, &mut c.conv, None),
-        }
+impl LocalRequest {
+    /// A request with nothing cached yet (position 0): zero KDA state and conv
+    /// state, empty rings, no MLA rows. Decoding from here is the recurrent form
+    /// of a prefill.
+    pub fn empty(dims: &Dims, tp: usize) -> LocalRequest {
+        let hl = dims.kda_heads / tp.max(1);
+        let kda = dims
+            .layer_kinds
+            .iter()
+            .map(|k| match k {
+                handoff_components::vocab::LayerKind::Kda => (0..tp)
+                    .map(|_| {
+                        Some(KdaLocal {
+                            state: vec![0.0; hl * dims.dk * dims.dv],
+                            conv: vec![0.0; (dims.conv - 1) * dims.conv_channels(hl)],
+                            replay: dims.replay.map(|cap| (vec![0.0; cap * hl * dims.record_width()], 0)),
+                        })
+                    })
+                    .collect(),
+                handoff_components::vocab::LayerKind::Mla => vec![None; tp],
+            })
+            .collect();
+        LocalRequest { kda, mla: vec![Vec::new(); dims.num_layers()] }
     }
-    fn mla_append(&mut self, layer: usize, pos: usize, row: &[f32]) -> Result<(), ModelError> {
-        let rows = &mut self.mla[layer];
-        if rows.len() != pos * self.width {
-            return Err(ModelError::Config(format!("layer {layer}: appending position {pos} to {} rows", rows.len() / self.width)));
+
+}
+
+/// Plain host caches of a batch of requests on one TP group (DCP 1).
+#[derive(Debug, Clone)]
+pub struct LocalCaches {
+    dims: Dims,
+    tp: usize,
+    /// The batch, in batch order.
+    pub requests: Vec<LocalRequest>,
+}
+
+impl LocalCaches {
+    /// The caches of `requests` on a group of `tp` ranks.
+    pub fn new(dims: &Dims, tp: usize, requests: Vec<LocalRequest>) -> LocalCaches {
+        LocalCaches { dims: dims.clone(), tp, requests }
+    }
+
+    fn kda(&self, b: usize, rank: usize, layer: usize) -> R<&KdaLocal> {
+        self.requests
+            .get(b)
+            .and_then(|r| r.kda.get(layer))
+            .and_then(|l| l.get(rank))
+            .and_then(|c| c.as_ref())
+            .ok_or_else(|| ModelError::Config(format!("request {b}: no KDA cache of layer {layer} on tp rank {rank}")))
+    }
+}
+
+impl<B: Backend> BatchCaches<B> for LocalCaches {
+    fn batch(&self) -> usize {
+        self.requests.len()
+    }
+
+    fn dcp(&self) -> usize {
+        1
+    }
+
+    fn kda_load(&mut self, be: &B, rank: usize, layer: usize) -> R<KdaBatch<B>> {
+        let nb = self.requests.len();
+        let (mut state, mut conv, mut ring, mut cursor) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for b in 0..nb {
+            let c = self.kda(b, rank, layer)?;
+            state.extend_from_slice(&c.state);
+            conv.extend_from_slice(&c.conv);
+            if let Some((r, k)) = &c.replay {
+                ring.extend_from_slice(r);
+                cursor.push(*k);
+            }
         }
-        rows.extend_from_slice(row);
+        let replay = match self.dims.replay {
+            Some(_) if cursor.len() == nb => Some(ReplayBatch { ring: be.upload(&ring)?, cursor: be.upload_i32(&cursor)? }),
+            Some(_) => return Err(ModelError::Config(format!("layer {layer}: a request has no ReplaySSM ring"))),
+            None => None,
+        };
+        Ok(KdaBatch { state: be.upload(&state)?, conv: be.upload(&conv)?, replay })
+    }
+
+    fn kda_store(&mut self, be: &B, rank: usize, layer: usize, kda: &KdaBatch<B>, state_changed: &[bool]) -> R<()> {
+        let nb = self.requests.len();
+        let state = be.download(&kda.state)?;
+        let conv = be.download(&kda.conv)?;
+        let replay = match &kda.replay {
+            Some(rb) => Some((be.download(&rb.ring)?, be.download_i32(&rb.cursor)?)),
+            None => None,
+        };
+        let (ps, pc) = (state.len() / nb.max(1), conv.len() / nb.max(1));
+        for b in 0..nb {
+            let c = self.requests[b].kda[layer][rank]
+                .as_mut()
+                .ok_or_else(|| ModelError::Config(format!("request {b}: no KDA cache of layer {layer}")))?;
+            if state_changed.get(b).copied().unwrap_or(false) {
+                c.state.copy_from_slice(&state[b * ps..(b + 1) * ps]);
+            }
+            c.conv.copy_from_slice(&conv[b * pc..(b + 1) * pc]);
+            if let (Some((ring, cursor)), Some((r, k))) = (&replay, c.replay.as_mut()) {
+                let pr = ring.len() / nb;
+                r.copy_from_slice(&ring[b * pr..(b + 1) * pr]);
+                *k = cursor[b];
+            }
+        }
         Ok(())
     }
-    fn mla_attend(&mut self, layer: usize, pos: usize, q_lat: &[CpuBuf]) -> Result<Vec<CpuBuf>, ModelError> {
-        let be = CpuBackend::new();
-        let rows = CpuBuf::from_vec(self.mla[layer].clone());
-        // A DCP group of one: the same f64 partial and merge as the decode ranks.
-        let partial = forward::mla_partial(&be, self.shape, &q_lat[0], &rows, pos + 1)?;
-        Ok(vec![forward::mla_merge(&be, self.shape, 1, &partial)?])
+
+    fn mla_append(&mut self, be: &B, layer: usize, positions: &[usize], rows: &B::Buf) -> R<()> {
+        let w = self.dims.row_width();
+        let rows = be.download(rows)?;
+        for (b, &pos) in positions.iter().enumerate() {
+            let have = &mut self.requests[b].mla[layer];
+            if have.len() != pos * w {
+                return Err(ModelError::Config(format!(
+                    "request {b} layer {layer}: appending position {pos} to {} rows",
+                    have.len() / w.max(1)
+                )));
+            }
+            have.extend_from_slice(&rows[b * w..(b + 1) * w]);
+        }
+        Ok(())
+    }
+
+    fn mla_rows(&mut self, be: &B, rank: usize, layer: usize, positions: &[usize]) -> R<(B::Buf, Vec<usize>)> {
+        if rank >= self.tp {
+            return Err(ModelError::Config(format!("tp rank {rank} of a group of {}", self.tp)));
+        }
+        let w = self.dims.row_width();
+        let mut rows = Vec::new();
+        let mut counts = Vec::with_capacity(positions.len());
+        for (b, &pos) in positions.iter().enumerate() {
+            let have = &self.requests[b].mla[layer];
+            if have.len() < (pos + 1) * w {
+                return Err(ModelError::Config(format!("request {b} layer {layer}: {} rows, attending to {}", have.len() / w.max(1), pos + 1)));
+            }
+            rows.extend_from_slice(&have[..(pos + 1) * w]);
+            counts.push(pos + 1);
+        }
+        Ok((be.upload(&rows)?, counts))
     }
 }
 
-/// Runs the prompt and `steps` greedy decode steps on one rank.
-pub fn run_colocated(model: &Model, prompt: &[u8], steps: u32) -> Result<Trace, ModelError> {
-    let be = CpuBackend::new();
-    let dims = &model.dims;
-    let shard: Vec<RankShard> = model.shard(1)?;
+/// Prefill of `prompt` on `group` into fresh local caches: the request's caches
+/// and the logits and greedy pick of the prompt's last position.
+pub fn prefill_local<B: Backend>(be: &B, group: &ShardGroup<B>, prompt: &[u8]) -> R<(LocalRequest, Vec<f32>, u8)> {
+    let dims = &group.dims;
     let t = prompt.len();
     if t == 0 {
         return Err(ModelError::Config("empty prompt".into()));
     }
     let n = dims.num_layers();
     let tail = dims.record_tail(t);
-    let replay = dims.replay.map(|capacity| ReplayShape { batch: 1, heads: dims.kda_heads, dk: dims.dk, dv: dims.dv, capacity });
-    let mut caches = LocalCaches {
-        kda: vec![None; n],
-        replay,
-        mla: vec![Vec::new(); n],
-        width: dims.row_width(),
-        shape: forward::mla_shape(dims, dims.mla_heads),
-    };
-    let mut h = forward::embed(&be, model, prompt)?;
-    forward::prefill_layers(&be, model, &shard, 0..n, &mut h, t, tail, &mut |_, layer, cache| {
+    let mut req = LocalRequest::empty(dims, group.tp());
+    let mut h = forward::embed(be, group, prompt)?;
+    forward::prefill_layers(be, group, 0..n, &mut h, t, tail, &mut |rank, layer, cache| {
         match cache {
             PrefillCache::Kda(c) => {
-                let replay = match replay {
-                    Some(shape) => {
-                        let mut ring = vec![0.0f32; shape.capacity * shape.heads * dims.record_width()];
+                let replay = match dims.replay {
+                    Some(cap) => {
+                        let mut ring = vec![0.0f32; cap * (c.state.len() / (dims.dk * dims.dv)) * dims.record_width()];
                         ring.get_mut(..c.records.len())
                             .ok_or_else(|| ModelError::Config(format!("layer {layer}: {} records overflow the ring", c.record_tokens)))?
                             .copy_from_slice(&c.records);
-                        Some((CpuBuf::from_vec(ring), be.upload_i32(&[c.record_tokens as i32])?))
+                        Some((ring, c.record_tokens as i32))
                     }
                     None => None,
                 };
-                caches.kda[layer] =
-                    Some(KdaLocal { state: CpuBuf::from_vec(c.state.clone()), conv: CpuBuf::from_vec(c.conv.clone()), replay });
+                req.kda[layer][rank] = Some(KdaLocal { state: c.state.clone(), conv: c.conv.clone(), replay });
             }
-            PrefillCache::Mla(rows) => caches.mla[layer] = rows.to_vec(),
+            PrefillCache::Mla(rows) => req.mla[layer] = rows.to_vec(),
         }
         Ok(())
     })?;
-    let (logits, tok) = forward::logits_of_last(&be, model, &h, t)?;
+    let (logits, tok) = forward::logits_of_last(be, group, &h, t)?;
+    Ok((req, logits, tok))
+}
+
+/// Runs the prompt and `steps` greedy decode steps on `group` (any TP, DCP 1),
+/// decoding as a batch of one.
+pub fn run_colocated_on<B: Backend>(be: &B, group: &ShardGroup<B>, prompt: &[u8], steps: u32) -> R<Trace> {
+    let (req, logits, tok) = prefill_local(be, group, prompt)?;
+    let mut caches = LocalCaches::new(&group.dims, group.tp(), vec![req]);
     let mut trace = Trace { tokens: vec![tok], logits: vec![logits] };
     for i in 0..steps as usize {
         let prev = trace.tokens[i];
-        let (logits, tok) = forward::decode_step(&be, model, &shard, prev, t + i, &mut caches)?;
+        let mut out = forward::decode_batch(be, group, &[prev], &[prompt.len() + i], &mut caches)?;
+        let (logits, tok) = out.pop().ok_or_else(|| ModelError::Config("decode step returned nothing".into()))?;
         trace.tokens.push(tok);
         trace.logits.push(logits);
     }
     Ok(trace)
+}
+
+/// The colocated single-rank reference: the prompt and `steps` greedy decode
+/// steps at TP1 on the CPU backend (the reference every placement is checked
+/// against; the one place the model names a backend).
+pub fn run_colocated(model: &Model, prompt: &[u8], steps: u32) -> R<Trace> {
+    let be = handoff_kernels::CpuBackend::new();
+    let group = model.upload_group(&be, 1)?;
+    run_colocated_on(&be, &group, prompt, steps)
 }

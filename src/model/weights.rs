@@ -2,9 +2,11 @@
 //! weights, and their tensor-parallel shards.
 
 use super::ModelError;
+use super::forward::{K_CHUNK, ShardGroup};
 use handoff_components::Topology;
 use handoff_components::vocab::{Dtype, LayerKind};
-use handoff_kernels::{CpuBuf, SplitMix64};
+use handoff_kernels::{Backend, SplitMix64};
+use std::ops::Range;
 
 /// Byte-level vocabulary.
 pub const VOCAB: usize = 256;
@@ -77,10 +79,25 @@ impl Dims {
     pub fn mla_scale(&self) -> f32 {
         1.0 / ((self.nope_dim + self.rope_dim) as f32).sqrt()
     }
-    /// Reduction units of the MLP: as many as the model has heads (KDA heads, or MLA
-    /// heads in an MLA-only model), so every legal TP degree holds whole units.
+    /// Reduction units of the MLP: the gcd of the head counts of the layer kinds
+    /// the model has. Every TP degree the attention admits divides both head
+    /// counts, hence the gcd, so every rank holds whole units; and the
+    /// decomposition depends on the model only, so the all-reduce sums the same
+    /// units in the same order at every TP degree.
     pub fn mlp_units(&self) -> usize {
-        if self.layer_kinds.contains(&LayerKind::Kda) { self.kda_heads } else { self.mla_heads }
+        let kda = if self.layer_kinds.contains(&LayerKind::Kda) { self.kda_heads } else { 0 };
+        let mla = if self.layer_kinds.contains(&LayerKind::Mla) { self.mla_heads } else { 0 };
+        gcd(kda, mla).max(1)
+    }
+    /// The intermediate channels of MLP unit `u`: `intermediate` split into
+    /// [`Dims::mlp_units`] contiguous ranges whose widths differ by at most one
+    /// (the first `intermediate % units` are one wider). A unit may be empty when
+    /// the intermediate size is below the unit count.
+    pub fn mlp_unit(&self, u: usize) -> Range<usize> {
+        let units = self.mlp_units();
+        let (q, r) = (self.intermediate / units, self.intermediate % units);
+        let start = u * q + u.min(r);
+        start..start + q + usize::from(u < r)
     }
     pub fn num_layers(&self) -> usize {
         self.layer_kinds.len()
@@ -161,15 +178,23 @@ pub struct LayerWeights {
     pub mixer: Mixer,
 }
 
-/// The whole model, unsharded. Every rank derives its shard from this, so every
-/// rank sees the same numbers for the same seed.
+/// The whole model, unsharded, in host memory. Every rank derives its shard from
+/// this, so every rank sees the same numbers for the same seed; the forward pass
+/// runs on the backend buffers of [`Model::upload_group`].
 #[derive(Debug, Clone)]
 pub struct Model {
     pub dims: Dims,
-    pub embed: CpuBuf,
+    /// `[vocab, hidden]`.
+    pub embed: Vec<f32>,
     pub layers: Vec<LayerWeights>,
-    pub final_norm: CpuBuf,
-    pub lm_head: CpuBuf,
+    /// `[hidden]`.
+    pub final_norm: Vec<f32>,
+    /// `[hidden, vocab]`.
+    pub lm_head: Vec<f32>,
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
 }
 
 fn normal(seed: u64, stream: u64, n: usize, fan_in: usize) -> Vec<f32> {
@@ -248,16 +273,16 @@ impl Model {
             });
         }
         Ok(Model {
-            embed: CpuBuf::from_vec(SplitMix64::with_stream(seed, 1).vec_normal(VOCAB * d, 1.0)),
-            final_norm: CpuBuf::from_vec(around(seed, 2, d, 1.0, 0.1)),
-            lm_head: CpuBuf::from_vec(normal(seed, 3, d * VOCAB, d)),
+            embed: SplitMix64::with_stream(seed, 1).vec_normal(VOCAB * d, 1.0),
+            final_norm: around(seed, 2, d, 1.0, 0.1),
+            lm_head: normal(seed, 3, d * VOCAB, d),
             layers,
             dims,
         })
     }
 
-    /// The shards of every rank of a TP group of `tp` ranks.
-    pub fn shard(&self, tp: usize) -> Result<Vec<RankShard>, ModelError> {
+    /// Refuses a TP degree the heads cannot be split over (naming the heads).
+    pub fn check_tp(&self, tp: usize) -> Result<(), ModelError> {
         let d = &self.dims;
         let has = |k| d.layer_kinds.contains(&k);
         for (what, n) in [
@@ -268,94 +293,102 @@ impl Model {
                 return Err(ModelError::Config(format!("{what} = {n} cannot be split over tp {tp}")));
             }
         }
-        let units = d.mlp_units();
-        if !units.is_multiple_of(tp) || !d.intermediate.is_multiple_of(units) {
-            return Err(ModelError::Config(format!(
-                "model.intermediate_size = {} must split into {units} MLP units (one per attention head) over tp {tp}",
-                d.intermediate
-            )));
-        }
-        Ok((0..tp).map(|t| self.rank_shard(tp, t)).collect())
+        // tp divides every head count present, hence their gcd: whole MLP units.
+        debug_assert!(d.mlp_units().is_multiple_of(tp));
+        Ok(())
     }
 
-    fn rank_shard(&self, tp: usize, t: usize) -> RankShard {
+    /// The weights of every rank of a TP group of `tp` ranks, plus the replicated
+    /// embedding, final norm and LM head, as backend buffers.
+    pub fn upload_group<B: Backend>(&self, be: &B, tp: usize) -> Result<ShardGroup<B>, ModelError> {
+        self.check_tp(tp)?;
+        let d = &self.dims;
+        Ok(ShardGroup {
+            dims: d.clone(),
+            ranks: (0..tp).map(|t| self.rank_shard(be, tp, t)).collect::<Result<_, _>>()?,
+            embed: be.upload(&self.embed)?,
+            final_norm: be.upload(&self.final_norm)?,
+            lm_head: Mat::upload(be, &self.lm_head, d.hidden, d.vocab)?,
+        })
+    }
+
+    fn rank_shard<B: Backend>(&self, be: &B, tp: usize, t: usize) -> Result<RankShard<B>, ModelError> {
         let d = &self.dims;
         let hid = d.hidden;
-        let layers = self
-            .layers
-            .iter()
-            .map(|lw| {
-                let mixer = match &lw.mixer {
-                    Mixer::Kda(w) => {
-                        let (h, dk, dv) = (d.kda_heads, d.dk, d.dv);
-                        let hl = h / tp;
-                        let c = h * (2 * dk + dv);
-                        let h0 = t * hl;
-                        // The rank's conv channels, in its own q | k | v order.
-                        let chans: Vec<usize> = (h0 * dk..(h0 + hl) * dk)
-                            .chain(h * dk + h0 * dk..h * dk + (h0 + hl) * dk)
-                            .chain(2 * h * dk + h0 * dv..2 * h * dk + (h0 + hl) * dv)
-                            .collect();
-                        let conv: Vec<f32> =
-                            chans.iter().flat_map(|&ch| w.conv[ch * d.conv..(ch + 1) * d.conv].iter().copied()).collect();
-                        MixerShard::Kda(KdaShard {
-                            heads: hl,
-                            first_head: h0,
-                            wqkv: CpuBuf::from_vec(pick_cols(&w.wqkv, hid, c, &chans)),
-                            conv: CpuBuf::from_vec(conv),
-                            wg: CpuBuf::from_vec(cols(&w.wg, hid, h * dk, h0 * dk, hl * dk)),
-                            wb: CpuBuf::from_vec(cols(&w.wb, hid, h, h0, hl)),
-                            a_log: CpuBuf::from_vec(w.a_log[h0..h0 + hl].to_vec()),
-                            dt_bias: CpuBuf::from_vec(w.dt_bias[h0 * dk..(h0 + hl) * dk].to_vec()),
-                            wgate: CpuBuf::from_vec(cols(&w.wgate, hid, h * dv, h0 * dv, hl * dv)),
-                            onorm: CpuBuf::from_vec(w.onorm.clone()),
-                            wo: (h0..h0 + hl)
-                                .map(|hh| CpuBuf::from_vec(w.wo[hh * dv * hid..(hh + 1) * dv * hid].to_vec()))
-                                .collect(),
-                        })
-                    }
-                    Mixer::Mla(w) => {
-                        let (hm, l, r, dn, dvh) = (d.mla_heads, d.kv_lora_rank, d.rope_dim, d.nope_dim, d.v_head_dim);
-                        let hl = hm / tp;
-                        let h0 = t * hl;
-                        let qw = dn + r;
-                        MixerShard::Mla(MlaShard {
-                            heads: hl,
-                            wkva: CpuBuf::from_vec(w.wkva.clone()),
-                            kv_norm: CpuBuf::from_vec(w.kv_norm.clone()),
-                            wq: CpuBuf::from_vec(cols(&w.wq, hid, hm * qw, h0 * qw, hl * qw)),
-                            wuk: (h0..h0 + hl)
-                                .map(|hh| CpuBuf::from_vec(w.wuk[hh * dn * l..(hh + 1) * dn * l].to_vec()))
-                                .collect(),
-                            wuv: (h0..h0 + hl)
-                                .map(|hh| CpuBuf::from_vec(w.wuv[hh * l * dvh..(hh + 1) * l * dvh].to_vec()))
-                                .collect(),
-                            wo: (h0..h0 + hl)
-                                .map(|hh| CpuBuf::from_vec(w.wo[hh * dvh * hid..(hh + 1) * dvh * hid].to_vec()))
-                                .collect(),
-                        })
-                    }
-                };
-                LayerShard {
-                    attn_norm: CpuBuf::from_vec(lw.attn_norm.clone()),
-                    mlp_norm: CpuBuf::from_vec(lw.mlp_norm.clone()),
-                    mlp: {
-                        let units = d.mlp_units();
-                        let uw = d.intermediate / units;
-                        (t * units / tp..(t + 1) * units / tp)
-                            .map(|u| MlpUnit {
-                                width: uw,
-                                gate: CpuBuf::from_vec(cols(&lw.gate, hid, d.intermediate, u * uw, uw)),
-                                up: CpuBuf::from_vec(cols(&lw.up, hid, d.intermediate, u * uw, uw)),
-                                down: CpuBuf::from_vec(lw.down[u * uw * hid..(u + 1) * uw * hid].to_vec()),
-                            })
-                            .collect()
-                    },
-                    mixer,
+        let up = |x: &[f32]| be.upload(x).map_err(ModelError::from);
+        let mat = |x: &[f32], inner: usize, cols: usize| Mat::upload(be, x, inner, cols);
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for lw in &self.layers {
+            let mixer = match &lw.mixer {
+                Mixer::Kda(w) => {
+                    let (h, dk, dv) = (d.kda_heads, d.dk, d.dv);
+                    let hl = h / tp;
+                    let c = h * (2 * dk + dv);
+                    let h0 = t * hl;
+                    // The rank's conv channels, in its own q | k | v order.
+                    let chans: Vec<usize> = (h0 * dk..(h0 + hl) * dk)
+                        .chain(h * dk + h0 * dk..h * dk + (h0 + hl) * dk)
+                        .chain(2 * h * dk + h0 * dv..2 * h * dk + (h0 + hl) * dv)
+                        .collect();
+                    let conv: Vec<f32> =
+                        chans.iter().flat_map(|&ch| w.conv[ch * d.conv..(ch + 1) * d.conv].iter().copied()).collect();
+                    MixerShard::Kda(KdaShard {
+                        heads: hl,
+                        first_head: h0,
+                        wqkv: mat(&pick_cols(&w.wqkv, hid, c, &chans), hid, chans.len())?,
+                        conv: up(&conv)?,
+                        wg: mat(&cols(&w.wg, hid, h * dk, h0 * dk, hl * dk), hid, hl * dk)?,
+                        wb: mat(&cols(&w.wb, hid, h, h0, hl), hid, hl)?,
+                        a_log: up(&w.a_log[h0..h0 + hl])?,
+                        dt_bias: up(&w.dt_bias[h0 * dk..(h0 + hl) * dk])?,
+                        wgate: mat(&cols(&w.wgate, hid, h * dv, h0 * dv, hl * dv), hid, hl * dv)?,
+                        onorm: up(&w.onorm)?,
+                        wo: (h0..h0 + hl)
+                            .map(|hh| mat(&w.wo[hh * dv * hid..(hh + 1) * dv * hid], dv, hid))
+                            .collect::<Result<_, _>>()?,
+                    })
                 }
-            })
-            .collect();
-        RankShard { tp, rank: t, layers }
+                Mixer::Mla(w) => {
+                    let (hm, l, r, dn, dvh) = (d.mla_heads, d.kv_lora_rank, d.rope_dim, d.nope_dim, d.v_head_dim);
+                    let hl = hm / tp;
+                    let h0 = t * hl;
+                    let qw = dn + r;
+                    MixerShard::Mla(MlaShard {
+                        heads: hl,
+                        wkva: mat(&w.wkva, hid, l + r)?,
+                        kv_norm: up(&w.kv_norm)?,
+                        wq: mat(&cols(&w.wq, hid, hm * qw, h0 * qw, hl * qw), hid, hl * qw)?,
+                        wuk: (h0..h0 + hl)
+                            .map(|hh| mat(&w.wuk[hh * dn * l..(hh + 1) * dn * l], dn, l))
+                            .collect::<Result<_, _>>()?,
+                        wuv: (h0..h0 + hl)
+                            .map(|hh| mat(&w.wuv[hh * l * dvh..(hh + 1) * l * dvh], l, dvh))
+                            .collect::<Result<_, _>>()?,
+                        wo: (h0..h0 + hl)
+                            .map(|hh| mat(&w.wo[hh * dvh * hid..(hh + 1) * dvh * hid], dvh, hid))
+                            .collect::<Result<_, _>>()?,
+                    })
+                }
+            };
+            let units = d.mlp_units();
+            let mut mlp = Vec::new();
+            for u in t * units / tp..(t + 1) * units / tp {
+                let ch = d.mlp_unit(u);
+                let uw = ch.len();
+                if uw == 0 {
+                    // An empty unit contributes nothing at any TP degree.
+                    continue;
+                }
+                mlp.push(MlpUnit {
+                    width: uw,
+                    gate: mat(&cols(&lw.gate, hid, d.intermediate, ch.start, uw), hid, uw)?,
+                    up: mat(&cols(&lw.up, hid, d.intermediate, ch.start, uw), hid, uw)?,
+                    down: mat(&lw.down[ch.start * hid..ch.end * hid], uw, hid)?,
+                });
+            }
+            layers.push(LayerShard { attn_norm: up(&lw.attn_norm)?, mlp_norm: up(&lw.mlp_norm)?, mlp, mixer });
+        }
+        Ok(RankShard { tp, rank: t, layers })
     }
 }
 
@@ -377,65 +410,96 @@ fn pick_cols(w: &[f32], rows: usize, total: usize, which: &[usize]) -> Vec<f32> 
     out
 }
 
-/// The weights one TP rank holds: its KDA heads, its MLA query heads, its slice of
-/// the MLP; the MLA latent projection is replicated (every rank caches the same rows).
-#[derive(Debug, Clone)]
-pub struct RankShard {
-    pub tp: usize,
-    pub rank: usize,
-    pub layers: Vec<LayerShard>,
+/// A weight matrix `[inner, cols]` on the backend, held as its row chunks of
+/// [`K_CHUNK`] rows (the last one shorter). The forward pass multiplies chunk by
+/// chunk and sums the chunk products in order, so that every output row is the
+/// same sum whatever the row count of the call (see `forward::matmul`); holding
+/// the chunks whole avoids slicing the weights at every call.
+pub struct Mat<B: Backend> {
+    pub inner: usize,
+    pub cols: usize,
+    /// Rows `c * K_CHUNK ..` of the matrix, each `[rows, cols]`; at least one
+    /// (an empty matrix has one empty chunk).
+    pub chunks: Vec<B::Buf>,
 }
 
-#[derive(Debug, Clone)]
-pub struct LayerShard {
-    pub attn_norm: CpuBuf,
-    pub mlp_norm: CpuBuf,
-    /// The rank's MLP units, in global unit order.
-    pub mlp: Vec<MlpUnit>,
-    pub mixer: MixerShard,
+impl<B: Backend> Mat<B> {
+    /// Uploads the row-major `w` `[inner, cols]` in row chunks.
+    pub fn upload(be: &B, w: &[f32], inner: usize, cols: usize) -> Result<Self, ModelError> {
+        if w.len() != inner * cols {
+            return Err(ModelError::Config(format!(
+                "weight of {} elements is not [{inner}, {cols}]",
+                w.len()
+            )));
+        }
+        let chunks = if inner == 0 || cols == 0 {
+            vec![be.upload(w)?]
+        } else {
+            w.chunks(K_CHUNK * cols).map(|c| be.upload(c)).collect::<Result<_, _>>()?
+        };
+        Ok(Mat { inner, cols, chunks })
+    }
+}
+
+/// The weights one TP rank holds: its KDA heads, its MLA query heads, its MLP
+/// units; the MLA latent projection is replicated (every rank caches the same rows).
+pub struct RankShard<B: Backend> {
+    pub tp: usize,
+    pub rank: usize,
+    pub layers: Vec<LayerShard<B>>,
+}
+
+/// One layer of one rank's weights.
+pub struct LayerShard<B: Backend> {
+    pub attn_norm: B::Buf,
+    pub mlp_norm: B::Buf,
+    /// The rank's MLP units, in global unit order (empty units left out).
+    pub mlp: Vec<MlpUnit<B>>,
+    pub mixer: MixerShard<B>,
 }
 
 /// One reduction unit of the MLP: `width` intermediate channels (gate, up columns
 /// and down rows). The unit, not the rank, is what the all-reduce sums, so the
 /// reduction order does not depend on TP.
-#[derive(Debug, Clone)]
-pub struct MlpUnit {
+pub struct MlpUnit<B: Backend> {
     pub width: usize,
-    pub gate: CpuBuf,
-    pub up: CpuBuf,
-    pub down: CpuBuf,
+    pub gate: Mat<B>,
+    pub up: Mat<B>,
+    pub down: Mat<B>,
 }
 
-#[derive(Debug, Clone)]
-pub enum MixerShard {
-    Kda(KdaShard),
-    Mla(MlaShard),
+/// The attention mixer of one layer on one rank.
+pub enum MixerShard<B: Backend> {
+    Kda(KdaShard<B>),
+    Mla(MlaShard<B>),
 }
 
-#[derive(Debug, Clone)]
-pub struct KdaShard {
+/// One rank's KDA heads `first_head .. first_head + heads` of one layer.
+pub struct KdaShard<B: Backend> {
     pub heads: usize,
     pub first_head: usize,
-    pub wqkv: CpuBuf,
-    pub conv: CpuBuf,
-    pub wg: CpuBuf,
-    pub wb: CpuBuf,
-    pub a_log: CpuBuf,
-    pub dt_bias: CpuBuf,
-    pub wgate: CpuBuf,
-    pub onorm: CpuBuf,
+    /// `[hidden, C]`, C = the rank's q | k | v conv channels.
+    pub wqkv: Mat<B>,
+    /// `[C, W]`.
+    pub conv: B::Buf,
+    pub wg: Mat<B>,
+    pub wb: Mat<B>,
+    pub a_log: B::Buf,
+    pub dt_bias: B::Buf,
+    pub wgate: Mat<B>,
+    pub onorm: B::Buf,
     /// o_proj rows of each head `[Dv, hidden]`.
-    pub wo: Vec<CpuBuf>,
+    pub wo: Vec<Mat<B>>,
 }
 
-#[derive(Debug, Clone)]
-pub struct MlaShard {
+/// One rank's MLA query heads of one layer, and the replicated latent projection.
+pub struct MlaShard<B: Backend> {
     pub heads: usize,
-    pub wkva: CpuBuf,
-    pub kv_norm: CpuBuf,
-    pub wq: CpuBuf,
-    pub wuk: Vec<CpuBuf>,
-    pub wuv: Vec<CpuBuf>,
+    pub wkva: Mat<B>,
+    pub kv_norm: B::Buf,
+    pub wq: Mat<B>,
+    pub wuk: Vec<Mat<B>>,
+    pub wuv: Vec<Mat<B>>,
     /// o_proj rows of each head `[v_head_dim, hidden]`.
-    pub wo: Vec<CpuBuf>,
+    pub wo: Vec<Mat<B>>,
 }

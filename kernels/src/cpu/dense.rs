@@ -1,4 +1,5 @@
-//! Dense ops on the CPU: matmul, SwiGLU, embedding, argmax, residual add.
+//! Dense ops on the CPU: matmul, SwiGLU and its activation, embedding, argmax,
+//! residual add.
 
 use rayon::prelude::*;
 
@@ -165,6 +166,21 @@ pub(crate) fn swiglu(
         .zip(u.par_iter())
         .for_each(|(gi, ui)| *gi = silu(*gi) * ui);
     matmul_unchecked(tokens, intermediate, hidden, &g, down, out);
+    Ok(())
+}
+
+/// See [`crate::Backend::silu_mul`].
+pub(crate) fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<()> {
+    let op = "silu_mul";
+    check_len(op, "up", up.len(), gate.len())?;
+    check_len(op, "out", out.len(), gate.len())?;
+    out.par_chunks_mut(4096)
+        .zip(gate.par_chunks(4096).zip(up.par_chunks(4096)))
+        .for_each(|(o, (g, u))| {
+            for ((oi, &gi), &ui) in o.iter_mut().zip(g).zip(u) {
+                *oi = silu(gi) * ui;
+            }
+        });
     Ok(())
 }
 

@@ -279,6 +279,58 @@ pub(crate) fn decode_partial(
     Ok(())
 }
 
+/// See [`crate::Backend::mla_decode_partial_ragged`]. One task per (request,
+/// head), each running [`partial64`] over that request's rows only: the terms and
+/// their order are those of [`decode_partial`] on the request alone.
+pub(crate) fn decode_partial_ragged(
+    shape: MlaShape,
+    q_lat: &[f32],
+    rows: &[f32],
+    counts: &[usize],
+    partial: &mut [f64],
+) -> Result<()> {
+    let op = "mla_decode_partial_ragged";
+    let total = counts
+        .iter()
+        .try_fold(0usize, |a, &n| a.checked_add(n))
+        .ok_or_else(|| KernelError::SizeOverflow {
+            op,
+            dims: counts.to_vec(),
+        })?;
+    let width = check_rows(op, &shape, rows.len(), total)?;
+    let (h, l) = (shape.heads, shape.kv_lora_rank);
+    let batch = counts.len();
+    let pw = crate::shapes::mla_partial_width(l);
+    check_len(op, "q_lat", q_lat.len(), elems(op, &[batch, h, width])?)?;
+    check_len(op, "partial", partial.len(), elems(op, &[batch, h, pw])?)?;
+    // First row of each request.
+    let starts: Vec<usize> = counts
+        .iter()
+        .scan(0usize, |at, &n| {
+            let s = *at;
+            *at += n;
+            Some(s)
+        })
+        .collect();
+    let scale = shape.scale as f64;
+    partial
+        .par_chunks_mut(pw)
+        .enumerate()
+        .for_each_init(Vec::new, |scores, (bh, p)| {
+            let b = bh / h;
+            let (r0, n) = (starts[b], counts[b]);
+            partial64(
+                &q_lat[bh * width..(bh + 1) * width],
+                &rows[r0 * width..(r0 + n) * width],
+                n,
+                scale,
+                scores,
+                p,
+            )
+        });
+    Ok(())
+}
+
 /// See [`crate::Backend::dcp_merge_partials`].
 pub(crate) fn dcp_merge_partials(
     shape: MergeShape,

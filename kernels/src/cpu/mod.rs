@@ -12,6 +12,7 @@ mod norm;
 mod tests;
 
 use crate::backend::Backend;
+use crate::dtype::StorageDtype;
 use crate::error::{KernelError, Result, check_len, elems};
 use crate::shapes::{
     ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape,
@@ -226,6 +227,29 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn copy_f64(
+        &self,
+        src: &CpuF64Buf,
+        src_off: usize,
+        dst: &mut CpuF64Buf,
+        dst_off: usize,
+        len: usize,
+    ) -> Result<()> {
+        let rs = range("copy_f64", "src", src_off, len, src.0.len())?;
+        let rd = range("copy_f64", "dst", dst_off, len, dst.0.len())?;
+        dst.0[rd].copy_from_slice(&src.0[rs]);
+        Ok(())
+    }
+
+    fn round_to(&self, buf: &mut CpuBuf, dtype: StorageDtype) -> Result<()> {
+        if dtype != StorageDtype::F32 {
+            for x in buf.0.iter_mut() {
+                *x = dtype.round(*x);
+            }
+        }
+        Ok(())
+    }
+
     fn kda_step(
         &self,
         shape: KdaStepShape,
@@ -389,6 +413,17 @@ impl Backend for CpuBackend {
         mla::decode_partial(shape, &q_lat.0, &rows.buf.0, rows.count, &mut partial.0)
     }
 
+    fn mla_decode_partial_ragged(
+        &self,
+        shape: MlaShape,
+        q_lat: &CpuBuf,
+        rows: &CpuBuf,
+        counts: &[usize],
+        partial: &mut CpuF64Buf,
+    ) -> Result<()> {
+        mla::decode_partial_ragged(shape, &q_lat.0, &rows.0, counts, &mut partial.0)
+    }
+
     fn dcp_merge_partials(
         &self,
         shape: MergeShape,
@@ -411,6 +446,10 @@ impl Backend for CpuBackend {
         out: &mut CpuBuf,
     ) -> Result<()> {
         dense::swiglu(shape, &x.0, &w.gate.0, &w.up.0, &w.down.0, &mut out.0)
+    }
+
+    fn silu_mul(&self, gate: &CpuBuf, up: &CpuBuf, out: &mut CpuBuf) -> Result<()> {
+        dense::silu_mul(&gate.0, &up.0, &mut out.0)
     }
 
     fn embedding(

@@ -1593,3 +1593,117 @@ fn dcp_sharded_partials_then_merge_equal_unsharded_bit_for_bit() {
     }
     assert_eq!(cases, 40 * 8 * 2 * 8);
 }
+
+// ---------------------------------------------------------------- ops the model's batched decode needs
+
+/// The batched kernel the decode step runs per DCP member: each request's
+/// partial over its own rows, with row counts that differ per request (zero
+/// included), equals the single-request kernel over those rows bit for bit.
+#[test]
+fn mla_decode_partial_ragged_equals_single_request_partials_bit_for_bit() {
+    let mut r = SplitMix64::new(515);
+    for &(h, l, rd) in &[(4usize, 32usize, 8usize), (3, 16, 0), (1, 8, 4)] {
+        let width = l + rd;
+        let pw = l + 2;
+        let shape = mla_shape(h, l, rd);
+        for counts in [vec![5usize], vec![0, 3, 17, 1], vec![64, 0, 0, 9, 130], vec![0]] {
+            let b = counts.len();
+            let total: usize = counts.iter().sum();
+            let q = rand(&mut r, b * h * width, -3.0, 3.0);
+            let rows = rand(&mut r, total * width, -1.0, 1.0);
+            let mut p = BE.alloc_f64(b * h * pw).unwrap();
+            BE.mla_decode_partial_ragged(shape, &up(&q), &up(&rows), &counts, &mut p)
+                .unwrap();
+            let got = BE.download_f64(&p).unwrap();
+            let mut r0 = 0;
+            for (bi, &n) in counts.iter().enumerate() {
+                let want = decode_partial(
+                    shape,
+                    &up(&q[bi * h * width..(bi + 1) * h * width]),
+                    &rows[r0 * width..(r0 + n) * width],
+                    n,
+                );
+                let g = &got[bi * h * pw..(bi + 1) * h * pw];
+                for (i, (a, w)) in g.iter().zip(&want).enumerate() {
+                    assert!(
+                        a.to_bits() == w.to_bits(),
+                        "request {bi} of counts {counts:?}: {} differs ({a} vs {w})",
+                        coord(&["h", "p"], &[h, pw], i)
+                    );
+                }
+                r0 += n;
+            }
+        }
+    }
+    // Too few rows for the counts, and a partial of the wrong size, are refused.
+    let shape = mla_shape(2, 8, 0);
+    let e = BE
+        .mla_decode_partial_ragged(
+            shape,
+            &BE.alloc(2 * 2 * 8).unwrap(),
+            &BE.alloc(3 * 8).unwrap(),
+            &[2, 2],
+            &mut BE.alloc_f64(2 * 2 * 10).unwrap(),
+        )
+        .unwrap_err();
+    assert!(matches!(e, KernelError::InvalidShape { op: "mla_decode_partial_ragged", .. }), "{e}");
+    let e = BE
+        .mla_decode_partial_ragged(
+            shape,
+            &BE.alloc(2 * 2 * 8).unwrap(),
+            &BE.alloc(4 * 8).unwrap(),
+            &[2, 2],
+            &mut BE.alloc_f64(2 * 2 * 10 - 1).unwrap(),
+        )
+        .unwrap_err();
+    assert!(matches!(e, KernelError::ShapeMismatch { op: "mla_decode_partial_ragged", name: "partial", .. }), "{e}");
+}
+
+#[test]
+fn silu_mul_matches_naive_and_refuses_unequal_lengths() {
+    let mut r = SplitMix64::new(31);
+    let n = 10_000;
+    let g = rand(&mut r, n, -8.0, 8.0);
+    let u = rand(&mut r, n, -2.0, 2.0);
+    let mut out = BE.alloc(n).unwrap();
+    BE.silu_mul(&up(&g), &up(&u), &mut out).unwrap();
+    let want: Vec<f64> = g.iter().zip(&u).map(|(&a, &b)| silu64(a as f64) * b as f64).collect();
+    assert_close("silu_mul", out.as_slice(), &want, 1e-6, 1e-5, |i| format!("i={i}"));
+    let e = BE.silu_mul(&up(&g), &up(&u[1..]), &mut out).unwrap_err();
+    assert!(matches!(e, KernelError::ShapeMismatch { op: "silu_mul", name: "up", .. }), "{e}");
+}
+
+#[test]
+fn round_to_storage_dtype_is_the_host_conversion_and_f32_is_identity() {
+    use crate::dtype::{StorageDtype, bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+    let mut r = SplitMix64::new(8);
+    let x = rand(&mut r, 1000, -70000.0, 70000.0)
+        .into_iter()
+        .chain(rand(&mut r, 1000, -1e-3, 1e-3))
+        .collect::<Vec<_>>();
+    let mut b = up(&x);
+    BE.round_to(&mut b, StorageDtype::F32).unwrap();
+    assert_eq!(b.as_slice(), &x[..]);
+    let mut b = up(&x);
+    BE.round_to(&mut b, StorageDtype::Bf16).unwrap();
+    for (i, (&got, &v)) in b.as_slice().iter().zip(&x).enumerate() {
+        assert_eq!(got.to_bits(), bf16_to_f32(f32_to_bf16(v)).to_bits(), "bf16 at {i}");
+    }
+    let mut b = up(&x);
+    BE.round_to(&mut b, StorageDtype::F16).unwrap();
+    for (i, (&got, &v)) in b.as_slice().iter().zip(&x).enumerate() {
+        assert_eq!(got.to_bits(), f16_to_f32(f32_to_f16(v)).to_bits(), "f16 at {i}");
+    }
+}
+
+#[test]
+fn copy_f64_copies_the_range_and_refuses_out_of_bounds() {
+    let src = BE.upload_f64(&[1.0, 2.0, 3.0, 4.0]).unwrap();
+    let mut dst = BE.alloc_f64(6).unwrap();
+    BE.copy_f64(&src, 1, &mut dst, 3, 3).unwrap();
+    assert_eq!(BE.download_f64(&dst).unwrap(), vec![0.0, 0.0, 0.0, 2.0, 3.0, 4.0]);
+    let e = BE.copy_f64(&src, 2, &mut dst, 0, 3).unwrap_err();
+    assert!(matches!(e, KernelError::RangeOutOfBounds { op: "copy_f64", name: "src", .. }), "{e}");
+    let e = BE.copy_f64(&src, 0, &mut dst, 4, 3).unwrap_err();
+    assert!(matches!(e, KernelError::RangeOutOfBounds { op: "copy_f64", name: "dst", .. }), "{e}");
+}

@@ -1,0 +1,95 @@
+//! Byte access to registered regions, for the compute path's caches.
+//!
+//! The model never names a transport or the oracle: prefill ranks store into, and
+//! decode ranks read and write, regions through a [`RegionView`]. The roles
+//! implement it over their transport's registered regions; verify and the tests
+//! over a plain host map (the impl below). Callers take the view once per (rank,
+//! kind) per layer per step and do all of that step's rows inside, because a
+//! transport-backed view takes a lock per call.
+
+use super::ModelError;
+use handoff_components::vocab::{RankId, RegionKind};
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+/// Byte access to the registered regions of this process's ranks (host memory on
+/// CPU; a device backend implements it later). The roles implement it over
+/// their transport's registered regions, verify and tests over plain host maps.
+pub trait RegionView: Send + Sync {
+    /// Calls `f` with the bytes of `rank`'s `kind` region.
+    fn with(&self, rank: RankId, kind: RegionKind, f: &mut dyn FnMut(&[u8])) -> Result<(), ModelError>;
+    /// Calls `f` with the bytes of `rank`'s `kind` region, writable.
+    fn with_mut(&self, rank: RankId, kind: RegionKind, f: &mut dyn FnMut(&mut [u8])) -> Result<(), ModelError>;
+}
+
+/// Host regions by (rank, kind), as verify and the tests hold them (the shape of
+/// `oracle::Memory`). One lock per call.
+impl RegionView for Mutex<BTreeMap<(RankId, RegionKind), Vec<u8>>> {
+    fn with(&self, rank: RankId, kind: RegionKind, f: &mut dyn FnMut(&[u8])) -> Result<(), ModelError> {
+        let map = self.lock().map_err(|_| ModelError::Region(format!("{rank} {kind}: region map lock poisoned")))?;
+        let bytes = map.get(&(rank, kind)).ok_or_else(|| ModelError::Region(format!("{rank} has no {kind} memory")))?;
+        f(bytes);
+        Ok(())
+    }
+
+    fn with_mut(&self, rank: RankId, kind: RegionKind, f: &mut dyn FnMut(&mut [u8])) -> Result<(), ModelError> {
+        let mut map = self.lock().map_err(|_| ModelError::Region(format!("{rank} {kind}: region map lock poisoned")))?;
+        let bytes = map.get_mut(&(rank, kind)).ok_or_else(|| ModelError::Region(format!("{rank} has no {kind} memory")))?;
+        f(bytes);
+        Ok(())
+    }
+}
+
+/// [`RegionView::with`] for a closure that can fail and return a value.
+pub fn read<T>(
+    view: &dyn RegionView,
+    rank: RankId,
+    kind: RegionKind,
+    f: impl FnOnce(&[u8]) -> Result<T, ModelError>,
+) -> Result<T, ModelError> {
+    let mut f = Some(f);
+    let mut out = None;
+    view.with(rank, kind, &mut |b| {
+        if let Some(f) = f.take() {
+            out = Some(f(b));
+        }
+    })?;
+    out.unwrap_or_else(|| Err(ModelError::Region(format!("{rank} {kind}: the region view did not call back"))))
+}
+
+/// [`RegionView::with_mut`] for a closure that can fail and return a value.
+pub fn write<T>(
+    view: &dyn RegionView,
+    rank: RankId,
+    kind: RegionKind,
+    f: impl FnOnce(&mut [u8]) -> Result<T, ModelError>,
+) -> Result<T, ModelError> {
+    let mut f = Some(f);
+    let mut out = None;
+    view.with_mut(rank, kind, &mut |b| {
+        if let Some(f) = f.take() {
+            out = Some(f(b));
+        }
+    })?;
+    out.unwrap_or_else(|| Err(ModelError::Region(format!("{rank} {kind}: the region view did not call back"))))
+}
+
+/// `len` bytes at `off` of a region's bytes, or an error naming the region.
+pub fn span(bytes: &[u8], rank: RankId, kind: RegionKind, off: u64, len: usize) -> Result<&[u8], ModelError> {
+    let total = bytes.len();
+    usize::try_from(off)
+        .ok()
+        .and_then(|o| o.checked_add(len).map(|e| (o, e)))
+        .and_then(|(o, e)| bytes.get(o..e))
+        .ok_or_else(|| ModelError::Region(format!("{rank} {kind}: {off}+{len} outside {total} bytes")))
+}
+
+/// [`span`], writable.
+pub fn span_mut(bytes: &mut [u8], rank: RankId, kind: RegionKind, off: u64, len: usize) -> Result<&mut [u8], ModelError> {
+    let total = bytes.len();
+    usize::try_from(off)
+        .ok()
+        .and_then(|o| o.checked_add(len).map(|e| (o, e)))
+        .and_then(move |(o, e)| bytes.get_mut(o..e))
+        .ok_or_else(|| ModelError::Region(format!("{rank} {kind}: {off}+{len} outside {total} bytes")))
+}
