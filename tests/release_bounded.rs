@@ -213,7 +213,8 @@ fn dispatch_phase_computes_stages_in_order_and_failures_name_the_phase() {
     }
     for fail_stage in [None, Some(1)] {
         let shape = Shape { pp: 3, dtp: 2, ..Default::default() };
-        let (mut e, mover) = engine(&shape, 1, 8);
+        // Room for the prompt and the two generated tokens.
+        let (mut e, mover) = engine(&shape, 1, 16);
         let log = Arc::new(Mutex::new(Vec::new()));
         // Resources are entities too: count the baseline with the dispatcher in place.
         e.set_compute(Box::new(Fake { log: log.clone(), fail_stage }));

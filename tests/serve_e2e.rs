@@ -133,9 +133,11 @@ fn assert_nothing_live(addr: &str, pp: u32) {
     loop {
         let m = http(addr, "GET", "/metrics", None).body;
         let mut live = Vec::new();
-        for s in 0..pp {
-            for name in ["handoff_producer_entries", "handoff_decode_producer_entries"] {
-                let key = format!("{name}{{stage=\"{s}\"}}");
+        // Every role's engine: no producer entry, request or plan left.
+        let roles = std::iter::once("decode".to_string()).chain((0..pp).map(|s| format!("prefill{s}")));
+        for role in roles {
+            for name in ["handoff_producer_entries", "handoff_engine_requests", "handoff_engine_plans"] {
+                let key = format!("{name}{{role=\"{role}\"}}");
                 let v = metric(&m, &key).unwrap_or_else(|| panic!("/metrics has no {key}:\n{m}"));
                 if v != 0.0 {
                     live.push(format!("{key} = {v}"));

@@ -99,10 +99,12 @@ fn accept(listener: TcpListener, link: Link, tx: Sender<Cmd>) {
         let Ok(conn) = conn else { continue };
         let _ = conn.set_nodelay(true);
         let Ok(w) = conn.try_clone() else { continue };
-        *super::lock(&link) = Some(w);
-        let tx = tx.clone();
+        let (tx, link) = (tx.clone(), Arc::clone(&link));
         let _ = std::thread::Builder::new().name("decode-link".into()).spawn(move || {
             let mut r = BufReader::new(conn);
+            // A connection becomes the link with its first command (a health probe
+            // connects and sends nothing).
+            let mut w = Some(w);
             loop {
                 let cmd = match wire::recv(&mut r) {
                     Ok(Some(Msg::Admit { id, prompt_tokens, max_tokens })) => Cmd::Admit { id, tokens: prompt_tokens, max_tokens },
@@ -117,6 +119,9 @@ fn accept(listener: TcpListener, link: Link, tx: Sender<Cmd>) {
                         return;
                     }
                 };
+                if let Some(w) = w.take() {
+                    *super::lock(&link) = Some(w);
+                }
                 if tx.send(cmd).is_err() {
                     return;
                 }

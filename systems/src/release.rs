@@ -210,11 +210,12 @@ pub fn complete_handoffs(
     }
 }
 
-/// Fails every request whose current phase has run past its deadline.
-pub fn expire_requests(mut requests: Query<(&mut Status, &Deadline)>, topo: Res<TopologyRes>) {
+/// Fails every request whose current phase has run past its deadline, naming the
+/// stages it still waited for.
+pub fn expire_requests(mut requests: Query<(&mut Status, &Deadline, &StagesComputed)>, topo: Res<TopologyRes>) {
     let now = Instant::now();
     let t = &topo.0.config.timeouts;
-    for (mut status, deadline) in requests.iter_mut() {
+    for (mut status, deadline, computed) in requests.iter_mut() {
         let live = matches!(*status, Status::Waiting | Status::Placed | Status::Planned);
         if live && now >= deadline.at {
             let secs = match deadline.phase {
@@ -222,9 +223,14 @@ pub fn expire_requests(mut requests: Query<(&mut Status, &Deadline)>, topo: Res<
                 PhaseName::Compute => t.compute_s,
                 _ => t.transfer_s,
             };
+            let missing: Vec<String> = computed.0.iter().enumerate().filter(|(_, c)| !**c).map(|(s, _)| s.to_string()).collect();
+            let waiting = match (deadline.phase, missing.is_empty()) {
+                (PhaseName::Admission, _) | (_, true) => String::new(),
+                _ => format!(" waiting for prefill stage {}", missing.join(", ")),
+            };
             *status = Status::Failed {
                 phase: deadline.phase,
-                reason: format!("{} phase timed out after {secs} s", deadline.phase.name()),
+                reason: format!("{} phase timed out after {secs} s{waiting}", deadline.phase.name()),
             };
         }
     }
