@@ -21,6 +21,9 @@ use std::sync::Mutex;
 
 const BE: CpuBackend = CpuBackend;
 
+/// Region bytes by (rank, kind): what verify and the tests hand the model as a RegionView.
+type HostRegions = Mutex<BTreeMap<(RankId, handoff_components::vocab::RegionKind), Vec<u8>>>;
+
 struct Cfg {
     kda_heads: u32,
     mla_heads: u32,
@@ -198,7 +201,7 @@ fn batched_decode_equals_each_request_alone_bit_for_bit() {
 /// zeroed (a request at position 0: zero state, empty rings, no rows), and each
 /// request's leases: scattered blocks (request b's i-th block is `i * n + (n-1-b)`)
 /// and slots in reverse order.
-fn decode_regions(t: &Topology, requests: usize, tokens: usize) -> (Layouts, Mutex<BTreeMap<(RankId, handoff_components::vocab::RegionKind), Vec<u8>>>, Vec<Vec<Lease>>) {
+fn decode_regions(t: &Topology, requests: usize, tokens: usize) -> (Layouts, HostRegions, Vec<Vec<Lease>>) {
     let d = t.decode();
     let per = blocks_for(owned_tokens(tokens as u64, d.dcp, 0, d.interleave), d.block_size) as usize;
     let mut layouts = Layouts::new();

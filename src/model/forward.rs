@@ -330,8 +330,8 @@ fn gather<B: Backend>(be: &B, src: &B::Buf, which: &[usize], per: usize) -> R<B:
 /// and its `cursor` records (`replay_commit` on a copy), stepped, and the step's
 /// record appended; the slots whose ring is then full commit (committed state :=
 /// state rebuilt from the full ring, cursor 0), the others keep their committed
-/// state. Per slot and head this is exactly the batch-1 schedule
-/// ([`replay_step`]): every kernel involved works per (slot, head).
+/// state. Per slot and head this is exactly the batch-1 schedule: every kernel
+/// involved works per (slot, head), so a slot's bits do not depend on its batch.
 pub fn kda_decode_batch<B: Backend>(
     be: &B,
     dims: &Dims,
@@ -387,35 +387,6 @@ pub fn kda_decode_batch<B: Backend>(
         _ => return Err(ModelError::Config("the caches' ReplaySSM buffers do not match [model.replay]".into())),
     };
     Ok((kda_output(be, dims, sh, xn, &o, nb)?, changed))
-}
-
-/// One ReplaySSM decode step of one slot (batch 1) in the form the batched step
-/// generalises: the current state is rebuilt from the committed state `committed`
-/// and the `cursor` records of `ring` (`replay_commit` on a copy), `step` advances
-/// it and writes the token's record, which is appended; when the ring is full the
-/// records are committed in place (`committed` := rebuilt state, cursor 0). Returns
-/// whether it committed. Kept as the executable statement of the schedule (the
-/// tests hold [`kda_decode_batch`] to it).
-pub fn replay_step<B: Backend>(
-    be: &B,
-    shape: ReplayShape,
-    committed: &mut B::Buf,
-    ring: &mut B::Buf,
-    cursor: &mut B::IBuf,
-    step: &mut dyn FnMut(&mut B::Buf, &mut B::Buf) -> R<()>,
-) -> R<bool> {
-    let mut current = be.alloc(be.buf_len(committed))?;
-    be.copy(committed, 0, &mut current, 0, be.buf_len(committed))?;
-    let mut scratch = be.upload_i32(&be.download_i32(cursor)?)?;
-    be.replay_commit(shape, &mut current, ring, &mut scratch)?;
-    let mut record = be.alloc(shape.batch * shape.heads * replay_record_width(shape.dk, shape.dv))?;
-    step(&mut current, &mut record)?;
-    be.replay_append(shape, 1, ring, cursor, &record)?;
-    if be.download_i32(cursor)?.first().is_some_and(|&c| c as usize >= shape.capacity) {
-        be.replay_commit(shape, committed, ring, cursor)?;
-        return Ok(true);
-    }
-    Ok(false)
 }
 
 // ---- MLA ----------------------------------------------------------------------

@@ -114,11 +114,17 @@ fn store_kda(topo: &Topology, layouts: &Layouts, view: &dyn RegionView, id: Rank
     let dt = topo.model().dtype;
     let kind = RegionKind::KdaState;
     let off = unit(layouts, id, kind, layer, slot)?;
-    regions::write(view, id, kind, |b| Ok(put_f32(span_mut(b, id, kind, off, c.state.len() * 4)?, &c.state)))?;
+    regions::write(view, id, kind, |b| {
+        put_f32(span_mut(b, id, kind, off, c.state.len() * 4)?, &c.state);
+        Ok(())
+    })?;
     let kind = RegionKind::KdaConv;
     let off = unit(layouts, id, kind, layer, slot)?;
     let n = c.conv.len() * dt.bytes() as usize;
-    regions::write(view, id, kind, |b| Ok(dtype::encode(dt, &c.conv, span_mut(b, id, kind, off, n)?)))?;
+    regions::write(view, id, kind, |b| {
+        dtype::encode(dt, &c.conv, span_mut(b, id, kind, off, n)?);
+        Ok(())
+    })?;
     if topo.model().replay.is_some() {
         let kind = RegionKind::ReplayRecords;
         let off = unit(layouts, id, kind, layer, slot)?;
