@@ -407,3 +407,55 @@ fn disaggregated_24_kda_8_mla_heads_at_tp8_dcp2_match_colocated_exactly() {
     let r = handoff::compute_verify::verify_compute(&t, &prompt(30, 1), 16, |_| {}).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(r.max_rel_err, 0.0, "logits differ at step {}", r.worst_step);
 }
+
+/// A RegionView that counts its calls per (rank, kind), over host regions.
+struct Counting {
+    inner: HostRegions,
+    calls: Mutex<BTreeMap<(RankId, handoff_components::vocab::RegionKind), usize>>,
+}
+
+impl handoff::model::RegionView for Counting {
+    fn with(&self, rank: RankId, kind: handoff_components::vocab::RegionKind, f: &mut dyn FnMut(&[u8])) -> Result<(), handoff::model::ModelError> {
+        *self.calls.lock().unwrap().entry((rank, kind)).or_default() += 1;
+        self.inner.with(rank, kind, f)
+    }
+    fn with_mut(&self, rank: RankId, kind: handoff_components::vocab::RegionKind, f: &mut dyn FnMut(&mut [u8])) -> Result<(), handoff::model::ModelError> {
+        *self.calls.lock().unwrap().entry((rank, kind)).or_default() += 1;
+        self.inner.with_mut(rank, kind, f)
+    }
+}
+
+/// The decode ranks take each region view once to read and once to write per
+/// layer per step (a transport-backed view locks per call), whatever the batch
+/// size and however many rows the requests hold.
+#[test]
+fn decode_ranks_take_each_region_a_bounded_number_of_times_per_step() {
+    use handoff_components::vocab::{LayerKind, RegionKind};
+    let c = Cfg { dtp: 2, dcp: 2, replay: Some(6), ..BASE };
+    let t = topo(&c);
+    let model = Model::new(&t).expect("model");
+    let group = model.upload_group(&BE, 2).expect("upload");
+    let n = 5;
+    let (layouts, mem, leases) = decode_regions(&t, n, 40);
+    let view = Counting { inner: mem, calls: Mutex::new(BTreeMap::new()) };
+    // Request b of the batch feeds position positions[b].
+    let per_step = |positions: &[usize]| {
+        view.calls.lock().unwrap().clear();
+        let mut caches = DecodeRanks::new(&t, &layouts, &view, leases[..positions.len()].to_vec());
+        forward::decode_batch(&BE, &group, &vec![7; positions.len()], positions, &mut caches).expect("step");
+        view.calls.lock().unwrap().clone()
+    };
+    for pos in 0..30 {
+        per_step(&vec![pos; n]);
+    }
+    let one = per_step(&[30]);
+    let all = per_step(&[31, 30, 30, 30, 30]);
+    assert_eq!(one, all, "view calls depend on the batch size");
+    let kda = t.layer_kinds.iter().filter(|k| **k == LayerKind::Kda).count();
+    let mla = t.layer_kinds.len() - kda;
+    for ((rank, kind), calls) in &all {
+        let layers = if *kind == RegionKind::MlaKv { mla } else { kda };
+        let bound = if *kind == RegionKind::MlaKv { 1 } else { 2 };
+        assert!(*calls <= bound * layers, "{rank} {kind}: {calls} view calls in one step over {layers} layers");
+    }
+}

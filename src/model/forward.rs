@@ -303,12 +303,13 @@ pub trait BatchCaches<B: Backend> {
     /// replay, for every request; the recurrent state only of the requests whose
     /// `state_changed` is set (under replay, the slots that committed).
     fn kda_store(&mut self, be: &B, rank: usize, layer: usize, kda: &KdaBatch<B>, state_changed: &[bool]) -> R<()>;
-    /// Appends request b's cached row `rows[b]` (`rows` `[B, L+R]`, model dtype
-    /// values) of `layer` at position `positions[b]`, on the rank(s) that own it.
-    fn mla_append(&mut self, be: &B, layer: usize, positions: &[usize], rows: &B::Buf) -> R<()>;
-    /// The rows TP rank `rank` holds of positions `0..=positions[b]` of `layer`,
-    /// request by request (`[sum n_b, L+R]`), and each request's count n_b.
-    fn mla_rows(&mut self, be: &B, rank: usize, layer: usize, positions: &[usize]) -> R<(B::Buf, Vec<usize>)>;
+    /// The MLA cache of `layer` on TP rank `rank` for this step, in one go: stores
+    /// the rows of `new_rows` (`[B, L+R]`, model dtype values; request b's row is
+    /// that of position `positions[b]`) that the rank owns, then returns the rows
+    /// the rank holds of positions `0..=positions[b]`, request by request (`[sum
+    /// n_b, L+R]`), and each request's count n_b. Called once per rank of the
+    /// group per MLA layer per step, in rank order.
+    fn mla_rows(&mut self, be: &B, rank: usize, layer: usize, positions: &[usize], new_rows: &B::Buf) -> R<(B::Buf, Vec<usize>)>;
 }
 
 /// Copies the `per`-element items `which` of `src` (`[*, per]`) into a new
@@ -467,7 +468,6 @@ fn mla_decode_batch<B: Backend>(
         MixerShard::Kda(_) => Err(kind_err(layer)),
     };
     let rows = mla_rows(be, dims, mla(0)?, xn, nb)?;
-    caches.mla_append(be, layer, positions, &rows)?;
     let (l, w) = (dims.kv_lora_rank, dims.row_width());
     let hl = mla(0)?.heads;
     let hg = hl * dcp;
@@ -486,7 +486,7 @@ fn mla_decode_batch<B: Backend>(
         let mut partials = be.alloc_f64(dcp * nb * hg * pw)?;
         let mut p = be.alloc_f64(nb * hg * pw)?;
         for (j, r) in members.clone().enumerate() {
-            let (own, counts) = caches.mla_rows(be, r, layer, positions)?;
+            let (own, counts) = caches.mla_rows(be, r, layer, positions, &rows)?;
             if counts.len() != nb {
                 return Err(ModelError::Region(format!("tp rank {r}: rows of {} requests for a batch of {nb}", counts.len())));
             }
