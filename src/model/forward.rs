@@ -30,7 +30,7 @@ use std::ops::Range;
 
 type R<T> = Result<T, ModelError>;
 
-/// Inner-dimension chunk of [`matmul`]: the kernel's decode path sums chunks of 64
+/// Inner-dimension chunk of the model's matmuls: the kernel's decode path sums chunks of 64
 /// in whatever order its thread pool finishes them, and picks a different loop for
 /// many rows; calling it on one chunk at a time and summing our own chunks in
 /// order keeps every product independent of thread timing and of row count (the
