@@ -87,7 +87,7 @@ impl std::fmt::Display for ComputeFigures {
             "  KDA decode step {:>9.2} us  batch {} x all heads, {} B of state, {:.2} GB/s = {:.1}% of memcpy",
             self.kda_step_us, self.kda_batch, self.kda_step_bytes, self.kda_bytes_per_s / 1e9, self.kda_roofline_fraction * 100.0
         )?;
-        write!(
+        writeln!(
             f,
             "  MLA decode step {:>9.2} us  {} rows, {} B of KV, {:.2} GB/s = {:.1}% of memcpy",
             self.mla_step_us, self.mla_tokens, self.mla_step_bytes, self.mla_bytes_per_s / 1e9, self.mla_roofline_fraction * 100.0

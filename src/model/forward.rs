@@ -30,7 +30,7 @@ use std::ops::Range;
 
 type R<T> = Result<T, ModelError>;
 
-/// Inner-dimension chunk of [`matmul`]: the kernel's decode path sums chunks of 64
+/// Inner-dimension chunk of the model's matmuls: the kernel's decode path sums chunks of 64
 /// in whatever order its thread pool finishes them, and picks a different loop for
 /// many rows; calling it on one chunk at a time and summing our own chunks in
 /// order keeps every product independent of thread timing and of row count (the
@@ -303,12 +303,13 @@ pub trait BatchCaches<B: Backend> {
     /// replay, for every request; the recurrent state only of the requests whose
     /// `state_changed` is set (under replay, the slots that committed).
     fn kda_store(&mut self, be: &B, rank: usize, layer: usize, kda: &KdaBatch<B>, state_changed: &[bool]) -> R<()>;
-    /// Appends request b's cached row `rows[b]` (`rows` `[B, L+R]`, model dtype
-    /// values) of `layer` at position `positions[b]`, on the rank(s) that own it.
-    fn mla_append(&mut self, be: &B, layer: usize, positions: &[usize], rows: &B::Buf) -> R<()>;
-    /// The rows TP rank `rank` holds of positions `0..=positions[b]` of `layer`,
-    /// request by request (`[sum n_b, L+R]`), and each request's count n_b.
-    fn mla_rows(&mut self, be: &B, rank: usize, layer: usize, positions: &[usize]) -> R<(B::Buf, Vec<usize>)>;
+    /// The MLA cache of `layer` on TP rank `rank` for this step, in one go: stores
+    /// the rows of `new_rows` (`[B, L+R]`, model dtype values; request b's row is
+    /// that of position `positions[b]`) that the rank owns, then returns the rows
+    /// the rank holds of positions `0..=positions[b]`, request by request (`[sum
+    /// n_b, L+R]`), and each request's count n_b. Called once per rank of the
+    /// group per MLA layer per step, in rank order.
+    fn mla_rows(&mut self, be: &B, rank: usize, layer: usize, positions: &[usize], new_rows: &B::Buf) -> R<(B::Buf, Vec<usize>)>;
 }
 
 /// Copies the `per`-element items `which` of `src` (`[*, per]`) into a new
@@ -330,8 +331,8 @@ fn gather<B: Backend>(be: &B, src: &B::Buf, which: &[usize], per: usize) -> R<B:
 /// and its `cursor` records (`replay_commit` on a copy), stepped, and the step's
 /// record appended; the slots whose ring is then full commit (committed state :=
 /// state rebuilt from the full ring, cursor 0), the others keep their committed
-/// state. Per slot and head this is exactly the batch-1 schedule
-/// ([`replay_step`]): every kernel involved works per (slot, head).
+/// state. Per slot and head this is exactly the batch-1 schedule: every kernel
+/// involved works per (slot, head), so a slot's bits do not depend on its batch.
 pub fn kda_decode_batch<B: Backend>(
     be: &B,
     dims: &Dims,
@@ -387,35 +388,6 @@ pub fn kda_decode_batch<B: Backend>(
         _ => return Err(ModelError::Config("the caches' ReplaySSM buffers do not match [model.replay]".into())),
     };
     Ok((kda_output(be, dims, sh, xn, &o, nb)?, changed))
-}
-
-/// One ReplaySSM decode step of one slot (batch 1) in the form the batched step
-/// generalises: the current state is rebuilt from the committed state `committed`
-/// and the `cursor` records of `ring` (`replay_commit` on a copy), `step` advances
-/// it and writes the token's record, which is appended; when the ring is full the
-/// records are committed in place (`committed` := rebuilt state, cursor 0). Returns
-/// whether it committed. Kept as the executable statement of the schedule (the
-/// tests hold [`kda_decode_batch`] to it).
-pub fn replay_step<B: Backend>(
-    be: &B,
-    shape: ReplayShape,
-    committed: &mut B::Buf,
-    ring: &mut B::Buf,
-    cursor: &mut B::IBuf,
-    step: &mut dyn FnMut(&mut B::Buf, &mut B::Buf) -> R<()>,
-) -> R<bool> {
-    let mut current = be.alloc(be.buf_len(committed))?;
-    be.copy(committed, 0, &mut current, 0, be.buf_len(committed))?;
-    let mut scratch = be.upload_i32(&be.download_i32(cursor)?)?;
-    be.replay_commit(shape, &mut current, ring, &mut scratch)?;
-    let mut record = be.alloc(shape.batch * shape.heads * replay_record_width(shape.dk, shape.dv))?;
-    step(&mut current, &mut record)?;
-    be.replay_append(shape, 1, ring, cursor, &record)?;
-    if be.download_i32(cursor)?.first().is_some_and(|&c| c as usize >= shape.capacity) {
-        be.replay_commit(shape, committed, ring, cursor)?;
-        return Ok(true);
-    }
-    Ok(false)
 }
 
 // ---- MLA ----------------------------------------------------------------------
@@ -496,7 +468,6 @@ fn mla_decode_batch<B: Backend>(
         MixerShard::Kda(_) => Err(kind_err(layer)),
     };
     let rows = mla_rows(be, dims, mla(0)?, xn, nb)?;
-    caches.mla_append(be, layer, positions, &rows)?;
     let (l, w) = (dims.kv_lora_rank, dims.row_width());
     let hl = mla(0)?.heads;
     let hg = hl * dcp;
@@ -515,7 +486,7 @@ fn mla_decode_batch<B: Backend>(
         let mut partials = be.alloc_f64(dcp * nb * hg * pw)?;
         let mut p = be.alloc_f64(nb * hg * pw)?;
         for (j, r) in members.clone().enumerate() {
-            let (own, counts) = caches.mla_rows(be, r, layer, positions)?;
+            let (own, counts) = caches.mla_rows(be, r, layer, positions, &rows)?;
             if counts.len() != nb {
                 return Err(ModelError::Region(format!("tp rank {r}: rows of {} requests for a batch of {nb}", counts.len())));
             }

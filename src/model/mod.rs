@@ -8,11 +8,11 @@
 //! - [`forward`]: the layers, written once over a TP group of shards and generic
 //!   over the `Backend`; caches are the caller's (a prefill sink, a
 //!   [`forward::BatchCaches`]); decode runs a batch of requests per step.
-//! - [`reference`]: the colocated run with plain caches.
+//! - [`reference`](mod@reference): the colocated run with plain caches.
 //! - [`regions`]: the byte view of registered regions the caches go through.
 //! - [`ranks`]: prefill ranks writing producer regions, decode ranks running from
 //!   their decode regions (byte layout of docs/layout.md).
-//! - [`bench`]: throughput figures of the small model and of the decode kernels.
+//! - [`bench`](mod@bench): throughput figures of the small model and of the decode kernels.
 //!
 //! Everything is written against the kernels' `Backend` trait: host memory appears
 //! only at upload and download. The CPU backend is named once, by

@@ -114,11 +114,17 @@ fn store_kda(topo: &Topology, layouts: &Layouts, view: &dyn RegionView, id: Rank
     let dt = topo.model().dtype;
     let kind = RegionKind::KdaState;
     let off = unit(layouts, id, kind, layer, slot)?;
-    regions::write(view, id, kind, |b| Ok(put_f32(span_mut(b, id, kind, off, c.state.len() * 4)?, &c.state)))?;
+    regions::write(view, id, kind, |b| {
+        put_f32(span_mut(b, id, kind, off, c.state.len() * 4)?, &c.state);
+        Ok(())
+    })?;
     let kind = RegionKind::KdaConv;
     let off = unit(layouts, id, kind, layer, slot)?;
     let n = c.conv.len() * dt.bytes() as usize;
-    regions::write(view, id, kind, |b| Ok(dtype::encode(dt, &c.conv, span_mut(b, id, kind, off, n)?)))?;
+    regions::write(view, id, kind, |b| {
+        dtype::encode(dt, &c.conv, span_mut(b, id, kind, off, n)?);
+        Ok(())
+    })?;
     if topo.model().replay.is_some() {
         let kind = RegionKind::ReplayRecords;
         let off = unit(layouts, id, kind, layer, slot)?;
@@ -324,48 +330,32 @@ impl<B: Backend> BatchCaches<B> for DecodeRanks<'_> {
         Ok(())
     }
 
-    fn mla_append(&mut self, be: &B, layer: usize, positions: &[usize], rows: &B::Buf) -> R<()> {
-        let dcp = self.topo.decode().dcp as usize;
-        let dt = self.dims.dtype;
-        let w = self.dims.row_width();
-        let rows = be.download(rows)?;
-        if rows.len() != positions.len() * w || positions.len() != self.leases.len() {
-            return Err(ModelError::Region(format!("{} rows for {} positions of a batch of {}", rows.len() / w.max(1), positions.len(), self.leases.len())));
-        }
-        let kind = RegionKind::MlaKv;
-        for rank in 0..self.topo.decode().tp as usize {
-            let id = self.id(rank)?;
-            let l = region(self.layouts, id, kind)?;
-            let tb = l.token_bytes as usize;
-            // The rows this rank owns, and where they go.
-            let mut mine = Vec::new();
-            for (b, &pos) in positions.iter().enumerate() {
-                let (owner, lp) = self.local(pos);
-                if owner == rank % dcp {
-                    mine.push((b, row_offset(l, id, &self.lease(b, rank)?.blocks, layer, lp)?));
-                }
-            }
-            if mine.is_empty() {
-                continue;
-            }
-            regions::write(self.view, id, kind, |bytes| {
-                for &(b, off) in &mine {
-                    dtype::encode(dt, &rows[b * w..(b + 1) * w], span_mut(bytes, id, kind, off, tb)?);
-                }
-                Ok(())
-            })?;
-        }
-        Ok(())
-    }
-
-    fn mla_rows(&mut self, be: &B, rank: usize, layer: usize, positions: &[usize]) -> R<(B::Buf, Vec<usize>)> {
+    fn mla_rows(&mut self, be: &B, rank: usize, layer: usize, positions: &[usize], new_rows: &B::Buf) -> R<(B::Buf, Vec<usize>)> {
         let d = self.topo.decode();
         let id = self.id(rank)?;
         let kind = RegionKind::MlaKv;
         let l = region(self.layouts, id, kind)?;
         let tb = l.token_bytes as usize;
-        let dr = DecodeRank { tp: rank as u32 }.dcp_rank(d.dcp);
-        let counts: Vec<usize> = positions.iter().map(|&p| owned_tokens(p as u64 + 1, d.dcp, dr, d.interleave) as usize).collect();
+        let (dt, w) = (self.dims.dtype, self.dims.row_width());
+        let new_rows = be.download(new_rows)?;
+        if new_rows.len() != positions.len() * w || positions.len() != self.leases.len() {
+            return Err(ModelError::Region(format!(
+                "{id}: {} rows for {} positions of a batch of {}",
+                new_rows.len() / w.max(1),
+                positions.len(),
+                self.leases.len()
+            )));
+        }
+        let dr = DecodeRank { tp: rank as u32 }.dcp_rank(d.dcp) as usize;
+        // The new rows this rank owns, and where they go; then every row it holds.
+        let mut mine = Vec::new();
+        for (b, &pos) in positions.iter().enumerate() {
+            let (owner, lp) = self.local(pos);
+            if owner == dr {
+                mine.push((b, row_offset(l, id, &self.lease(b, rank)?.blocks, layer, lp)?));
+            }
+        }
+        let counts: Vec<usize> = positions.iter().map(|&p| owned_tokens(p as u64 + 1, d.dcp, dr as u32, d.interleave) as usize).collect();
         let mut offs = Vec::with_capacity(counts.iter().sum());
         for (b, &n) in counts.iter().enumerate() {
             let blocks = &self.lease(b, rank)?.blocks;
@@ -373,8 +363,16 @@ impl<B: Backend> BatchCaches<B> for DecodeRanks<'_> {
                 offs.push(row_offset(l, id, blocks, layer, lp)?);
             }
         }
-        let dt = self.dims.dtype;
-        let rows = read_items(self.view, id, kind, &offs, tb, |b| dtype::decode(dt, b))?;
+        let rows = regions::write(self.view, id, kind, |bytes| {
+            for &(b, off) in &mine {
+                dtype::encode(dt, &new_rows[b * w..(b + 1) * w], span_mut(bytes, id, kind, off, tb)?);
+            }
+            let mut rows = Vec::with_capacity(offs.len() * w);
+            for &off in &offs {
+                rows.extend(dtype::decode(dt, span(bytes, id, kind, off, tb)?));
+            }
+            Ok(rows)
+        })?;
         Ok((be.upload(&rows)?, counts))
     }
 }

@@ -152,35 +152,34 @@ impl<B: Backend> BatchCaches<B> for LocalCaches {
         Ok(())
     }
 
-    fn mla_append(&mut self, be: &B, layer: usize, positions: &[usize], rows: &B::Buf) -> R<()> {
-        let w = self.dims.row_width();
-        let rows = be.download(rows)?;
-        for (b, &pos) in positions.iter().enumerate() {
-            let have = &mut self.requests[b].mla[layer];
-            if have.len() != pos * w {
-                return Err(ModelError::Config(format!(
-                    "request {b} layer {layer}: appending position {pos} to {} rows",
-                    have.len() / w.max(1)
-                )));
-            }
-            have.extend_from_slice(&rows[b * w..(b + 1) * w]);
-        }
-        Ok(())
-    }
-
-    fn mla_rows(&mut self, be: &B, rank: usize, layer: usize, positions: &[usize]) -> R<(B::Buf, Vec<usize>)> {
+    /// The rows are replicated over TP and held once: rank 0 (called first)
+    /// appends, every rank reads.
+    fn mla_rows(&mut self, be: &B, rank: usize, layer: usize, positions: &[usize], new_rows: &B::Buf) -> R<(B::Buf, Vec<usize>)> {
         if rank >= self.tp {
             return Err(ModelError::Config(format!("tp rank {rank} of a group of {}", self.tp)));
         }
         let w = self.dims.row_width();
+        if rank == 0 {
+            let new_rows = be.download(new_rows)?;
+            for (b, &pos) in positions.iter().enumerate() {
+                let have = &mut self.requests[b].mla[layer];
+                if have.len() != pos * w {
+                    return Err(ModelError::Config(format!(
+                        "request {b} layer {layer}: appending position {pos} to {} rows",
+                        have.len() / w.max(1)
+                    )));
+                }
+                have.extend_from_slice(&new_rows[b * w..(b + 1) * w]);
+            }
+        }
         let mut rows = Vec::new();
         let mut counts = Vec::with_capacity(positions.len());
         for (b, &pos) in positions.iter().enumerate() {
             let have = &self.requests[b].mla[layer];
-            if have.len() < (pos + 1) * w {
+            if have.len() != (pos + 1) * w {
                 return Err(ModelError::Config(format!("request {b} layer {layer}: {} rows, attending to {}", have.len() / w.max(1), pos + 1)));
             }
-            rows.extend_from_slice(&have[..(pos + 1) * w]);
+            rows.extend_from_slice(have);
             counts.push(pos + 1);
         }
         Ok((be.upload(&rows)?, counts))

@@ -58,7 +58,7 @@ pub(crate) fn prefill(
         }
     };
     if ch > 0 {
-        out.par_chunks_mut(ch).enumerate().for_each(|(t, orow)| {
+        out.par_chunks_mut(ch).enumerate().with_min_len(super::grain(2 * ch * width)).for_each(|(t, orow)| {
             orow.fill(0.0);
             for j in 0..width {
                 let src = input_row(t as isize + j as isize - hist as isize);
@@ -121,12 +121,14 @@ pub(crate) fn step(
     if hist == 0 {
         out.par_chunks_mut(ch)
             .enumerate()
+            .with_min_len(super::grain(2 * ch * width))
             .for_each(|(b, o)| step_one(b, &mut [], o));
     } else {
         state
             .par_chunks_mut(hist * ch)
             .zip(out.par_chunks_mut(ch))
             .enumerate()
+            .with_min_len(super::grain(2 * ch * width))
             .for_each(|(b, (st, o))| step_one(b, st, o));
     }
     Ok(())

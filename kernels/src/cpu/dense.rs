@@ -51,6 +51,7 @@ fn matmul_many_rows(inner: usize, cols: usize, x: &[f32], w: &[f32], out: &mut [
     packed
         .par_chunks_mut(inner * PANEL)
         .enumerate()
+        .with_min_len(super::grain(inner * PANEL))
         .for_each(|(p, panel)| {
             let c0 = p * PANEL;
             let nc = PANEL.min(cols - c0);
@@ -61,6 +62,7 @@ fn matmul_many_rows(inner: usize, cols: usize, x: &[f32], w: &[f32], out: &mut [
         });
     out.par_chunks_mut(ROW_BLOCK * cols)
         .enumerate()
+        .with_min_len(super::grain(2 * ROW_BLOCK * inner * cols))
         .for_each(|(rb, oblk)| {
             let r0 = rb * ROW_BLOCK;
             let nr = oblk.len() / cols;
@@ -212,6 +214,7 @@ pub(crate) fn embedding(
     }
     out.par_chunks_mut(dim)
         .zip(ids.par_iter())
+        .with_min_len(super::grain(dim))
         .for_each(|(o, &id)| {
             let r = id as usize;
             o.copy_from_slice(&table[r * dim..(r + 1) * dim]);
@@ -236,7 +239,7 @@ pub(crate) fn argmax(rows: usize, cols: usize, logits: &[f32], ids: &mut [i32]) 
             reason: "argmax over 0 columns".into(),
         });
     }
-    ids.par_iter_mut().enumerate().for_each(|(r, id)| {
+    ids.par_iter_mut().enumerate().with_min_len(super::grain(cols)).for_each(|(r, id)| {
         let row = &logits[r * cols..(r + 1) * cols];
         let mut best = 0usize;
         let mut best_v = f32::NEG_INFINITY;

@@ -201,6 +201,7 @@ pub(crate) fn step(
             .zip(out.par_chunks_mut(dv))
             .zip(rec.par_chunks_mut(w))
             .enumerate()
+            .with_min_len(super::grain(6 * per))
             .for_each_init(
                 || StepScratch::new(dk, dv),
                 |sc, (bh, ((s, o), r))| run(bh, s, o, Some(r), sc),
@@ -209,6 +210,7 @@ pub(crate) fn step(
             .par_chunks_mut(per)
             .zip(out.par_chunks_mut(dv))
             .enumerate()
+            .with_min_len(super::grain(6 * per))
             .for_each_init(
                 || StepScratch::new(dk, dv),
                 |sc, (bh, (s, o))| run(bh, s, o, None, sc),
@@ -563,7 +565,8 @@ pub(crate) fn replay_commit(
         elems(op, &[batch, heads, dk, dv])?,
     )?;
     let cur = read_cursors(op, cursor, capacity)?;
-    state.par_chunks_mut(dk * dv).enumerate().for_each_init(
+    let busiest = cur.iter().copied().max().unwrap_or(0);
+    state.par_chunks_mut(dk * dv).enumerate().with_min_len(super::grain((2 * busiest + 1) * dk * dv)).for_each_init(
         || (vec![0.0f32; dk], vec![0.0f32; dk]),
         |(total, suffix), (bh, s)| {
             let (b, h) = (bh / heads, bh % heads);

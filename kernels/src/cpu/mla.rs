@@ -99,6 +99,7 @@ pub(crate) fn decode(
         out.par_chunks_mut(l)
             .zip(lse.par_iter_mut())
             .enumerate()
+            .with_min_len(super::grain(2 * n * width))
             .for_each_init(Vec::new, |scores, (hd, (o, x))| *x = run(hd, o, scores));
     }
     Ok(())
@@ -273,6 +274,7 @@ pub(crate) fn decode_partial(
     partial
         .par_chunks_mut(pw)
         .enumerate()
+        .with_min_len(super::grain(2 * n * width))
         .for_each_init(Vec::new, |scores, (hd, p)| {
             partial64(&q_lat[hd * width..(hd + 1) * width], rows, n, scale, scores, p)
         });
@@ -313,9 +315,12 @@ pub(crate) fn decode_partial_ragged(
         })
         .collect();
     let scale = shape.scale as f64;
+    // Rows per request on average: the batch's tasks are balanced by count.
+    let mean = total / batch.max(1);
     partial
         .par_chunks_mut(pw)
         .enumerate()
+        .with_min_len(super::grain(2 * mean * width))
         .for_each_init(Vec::new, |scores, (bh, p)| {
             let b = bh / h;
             let (r0, n) = (starts[b], counts[b]);

@@ -21,6 +21,19 @@ use crate::shapes::{
 
 pub use kda::KDA_CHUNK;
 
+/// Work (element operations) a parallel task should at least get. Splitting a
+/// loop hands tasks to the pool's threads, which costs microseconds (tens of them
+/// when the threads sleep or the machine is loaded); a decode step is hundreds of
+/// small ops, so a loop over a few rows runs on one thread. Only the schedule
+/// changes: every item (row, head, slot) is still computed whole by one task in
+/// the same order, so results do not depend on it.
+const GRAIN: usize = 1 << 15;
+
+/// Minimum items per parallel task for items of `work` element operations each.
+pub(crate) fn grain(work: usize) -> usize {
+    (GRAIN / work.max(1)).max(1)
+}
+
 /// An f32 buffer of the CPU backend: host memory, which transports may read
 /// and write through [`CpuBuf::as_slice`] and [`CpuBuf::as_mut_slice`].
 #[derive(Debug, Clone, Default, PartialEq)]

@@ -28,6 +28,7 @@ pub(crate) fn rms_norm(shape: NormShape, x: &[f32], weight: &[f32], out: &mut [f
     }
     out.par_chunks_mut(d)
         .zip(x.par_chunks(d))
+        .with_min_len(super::grain(3 * d))
         .for_each(|(o, xr)| {
             let r = inv_rms(xr, shape.eps);
             for ((oi, xi), wi) in o.iter_mut().zip(xr).zip(weight) {
@@ -55,6 +56,7 @@ pub(crate) fn gated_rms_norm(
     out.par_chunks_mut(d)
         .zip(o.par_chunks(d))
         .zip(gate.par_chunks(d))
+        .with_min_len(super::grain(8 * d))
         .for_each(|((y, xr), gr)| {
             let r = inv_rms(xr, shape.eps);
             for (((yi, xi), wi), gi) in y.iter_mut().zip(xr).zip(weight).zip(gr) {

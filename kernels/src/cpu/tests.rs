@@ -1241,9 +1241,12 @@ fn matmul_matches_naive_on_both_paths_and_tile_edges() {
     for &(rows, inner, cols) in &[
         (1usize, 300usize, 270usize),
         (3, 17, 5),
+        (8, 64, 192),
         (37, 300, 270),
         (64, 5, 1),
+        (70, 64, 33),
         (0, 4, 4),
+        (9, 0, 3),
     ] {
         let mut r = SplitMix64::new((rows * 7 + inner * 3 + cols) as u64);
         let x = rand(&mut r, rows * inner, -1.0, 1.0);
@@ -1277,6 +1280,35 @@ fn matmul_matches_naive_on_both_paths_and_tile_edges() {
         matches!(e, Err(KernelError::ShapeMismatch { name: "w", .. })),
         "{e:?}"
     );
+}
+
+/// The property the model's batched decode rests on: with an inner dimension of
+/// at most one k chunk, a row's product does not depend on how many rows the
+/// call has (every loop sums over k in order from zero), bit for bit.
+#[test]
+fn matmul_rows_do_not_depend_on_the_row_count_within_one_k_chunk() {
+    let mut r = SplitMix64::new(404);
+    for &(inner, cols) in &[(64usize, 192usize), (5, 256), (33, 7)] {
+        let n = 100;
+        let x = rand(&mut r, n * inner, -1.0, 1.0);
+        let w = up(&rand(&mut r, inner * cols, -1.0, 1.0));
+        let mut all = BE.alloc(n * cols).unwrap();
+        BE.matmul(MatmulShape { rows: n, inner, cols }, &up(&x), &w, &mut all)
+            .unwrap();
+        for rows in [1usize, 2, 3, 7, 8, 9, 31, 63, 64, 65] {
+            let mut out = BE.alloc(rows * cols).unwrap();
+            BE.matmul(MatmulShape { rows, inner, cols }, &up(&x[..rows * inner]), &w, &mut out)
+                .unwrap();
+            for (i, (a, b)) in out.as_slice().iter().zip(all.as_slice()).enumerate() {
+                assert_eq!(
+                    a.to_bits(),
+                    b.to_bits(),
+                    "inner {inner}: {} differs between a call of {rows} rows and one of {n}",
+                    coord(&["row", "col"], &[rows, cols], i)
+                );
+            }
+        }
+    }
 }
 
 #[test]
