@@ -4,7 +4,7 @@
 //! cargo bench --bench planner
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use handoff::engine::{Engine, QueueMover};
+use handoff::engine::{Engine, NoMover, QueueMover, Role};
 use handoff_components::layout::{ConsumerLayout, ProducerLayout};
 use handoff_components::vocab::{DecodeRank, PrefillRank, RankId};
 use handoff_components::Topology;
@@ -83,6 +83,16 @@ fn tick_in_flight(c: &mut Criterion) {
     // 88 requests planned and waiting for prefill compute: the steady state of a busy decode.
     c.bench_function("ecs_tick_88_in_flight", |b| b.iter(|| engine.tick()));
     eprintln!("entities with 88 requests in flight: {}", engine.entity_count());
+    // The same 88 requests in decode's own World (what a decode process ticks):
+    // placed and published, waiting for the stages' reports.
+    let topo = Topology::load(FLAGSHIP).expect("flagship config");
+    let mut engine = Engine::for_role(topo, Role::Decode, cap, Box::new(NoMover));
+    for id in 0..88 {
+        engine.submit(id, 8192);
+    }
+    engine.tick();
+    c.bench_function("ecs_tick_88_in_flight_decode_world", |b| b.iter(|| engine.tick()));
+    eprintln!("decode World entities with 88 requests in flight: {}", engine.entity_count());
 }
 
 criterion_group!(benches, planning, tick_in_flight);

@@ -82,6 +82,19 @@ enum BenchCommand {
         #[arg(long, default_value_t = 0)]
         requests: u32,
     },
+    /// A long load through the cluster: every role's counts back at baseline, resident
+    /// memory at the start and the end, and decode idle afterwards.
+    Soak {
+        #[arg(long)]
+        config: Option<String>,
+        #[arg(long, default_value_t = 5000)]
+        requests: u32,
+        #[arg(long, default_value_t = 32)]
+        concurrency: u32,
+        /// Seconds decode is watched idle after the load.
+        #[arg(long, default_value_t = 10.0)]
+        idle_s: f64,
+    },
     /// Hand-off bandwidth over a transport, with this machine's memcpy measured in the same run.
     Transfer {
         #[arg(long)]
@@ -233,6 +246,19 @@ fn run(cli: Cli) -> Result<()> {
                 load(c)?;
             }
             handoff::roles::bench_serve(config.as_deref().map(std::path::Path::new), &concurrency, requests)?;
+        }
+        Command::Bench { what: BenchCommand::Soak { config, requests, concurrency, idle_s } } => {
+            if requests == 0 || concurrency == 0 || !(idle_s > 0.0 && idle_s < 3600.0) {
+                return Err(Refusal("--requests and --concurrency must be at least 1, --idle-s between 0 and 3600".into()).into());
+            }
+            if let Some(c) = &config {
+                load(c)?;
+            }
+            let r = handoff::roles::bench_soak(config.as_deref().map(std::path::Path::new), requests, concurrency, std::time::Duration::from_secs_f64(idle_s))?;
+            let failed: u32 = r.failed.values().sum();
+            if failed > 0 || !r.leaks.is_empty() {
+                anyhow::bail!("soak: {failed} requests failed, leaks: {:?}", r.leaks);
+            }
         }
         Command::Bench { what: BenchCommand::Compute { config, prompt, steps } } => {
             let topo = load(&config)?;

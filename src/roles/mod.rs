@@ -51,7 +51,7 @@ pub use cli::RoleCommand;
 pub use decode::run_decode;
 pub use prefill::run_prefill;
 pub use proxy::run_proxy;
-pub use up::{bench_serve, run_demo, run_up};
+pub use up::{bench_serve, bench_soak, run_demo, run_up};
 
 use handoff_components::Topology;
 use handoff_components::config::TransportKind;

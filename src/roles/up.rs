@@ -431,3 +431,144 @@ pub fn bench_serve(config: Option<&Path>, levels: &[u32], requests: u32) -> anyh
     c.shutdown();
     Ok(out)
 }
+
+/// One role's figures in a soak, read from `/metrics`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RoleFigures {
+    pub entities: u64,
+    pub requests: u64,
+    pub plans: u64,
+    pub producer_entries: u64,
+    pub free_blocks: u64,
+    pub free_slots: u64,
+    pub rss_bytes: u64,
+}
+
+/// What `handoff bench soak` saw.
+#[derive(Debug, Clone, Default)]
+pub struct SoakReport {
+    pub requests: u32,
+    pub ok: u32,
+    pub failed: BTreeMap<u16, u32>,
+    /// Per role ("decode", "prefill0", ...): after the warm-up, and after the load.
+    pub before: BTreeMap<String, RoleFigures>,
+    pub after: BTreeMap<String, RoleFigures>,
+    /// Decode while idle after the load: CPU share of one core, and RSS growth.
+    pub idle_cpu: f64,
+    pub idle_rss_growth: i64,
+    /// Roles whose counts did not return to their baseline.
+    pub leaks: Vec<String>,
+}
+
+fn role_figures(metrics: &str) -> BTreeMap<String, RoleFigures> {
+    let mut out: BTreeMap<String, RoleFigures> = BTreeMap::new();
+    for line in metrics.lines() {
+        let Some((name, rest)) = line.split_once("{role=\"") else { continue };
+        let Some((role, value)) = rest.split_once("\"} ") else { continue };
+        let Ok(v) = value.trim().parse::<u64>() else { continue };
+        let f = out.entry(role.to_string()).or_default();
+        match name {
+            "handoff_engine_entities" => f.entities = v,
+            "handoff_engine_requests" => f.requests = v,
+            "handoff_engine_plans" => f.plans = v,
+            "handoff_producer_entries" => f.producer_entries = v,
+            "handoff_engine_free_blocks" => f.free_blocks = v,
+            "handoff_engine_free_slots" => f.free_slots = v,
+            "handoff_resident_memory_bytes" => f.rss_bytes = v,
+            _ => {}
+        }
+    }
+    out
+}
+
+/// CPU time (user + system, clock ticks) and resident bytes of a process.
+fn proc_usage(pid: u32) -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may hold spaces) start after ") ".
+    let rest = stat.rsplit_once(") ")?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    let statm = std::fs::read_to_string(format!("/proc/{pid}/statm")).ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(0) as u64;
+    Some((ticks, pages * page))
+}
+
+/// Waits until every role's engine holds no request (heartbeats refresh every 300 ms).
+fn settled(addr: &str, timeout: Duration) -> BTreeMap<String, RoleFigures> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let m = wire::http(addr, "GET", "/metrics", None, Duration::from_secs(5)).map(|r| r.body).unwrap_or_default();
+        let f = role_figures(&m);
+        let idle = !f.is_empty() && f.values().all(|r| r.requests == 0 && r.plans == 0 && r.producer_entries == 0);
+        if idle || Instant::now() >= deadline {
+            // One more heartbeat period, so every role has reported its idle state.
+            std::thread::sleep(Duration::from_millis(700));
+            let m = wire::http(addr, "GET", "/metrics", None, Duration::from_secs(5)).map(|r| r.body).unwrap_or_default();
+            return role_figures(&m);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// `handoff bench soak`: `requests` completions at `concurrency` through a cluster,
+/// then checks that every role's entity, request, plan and producer-entry counts
+/// and free blocks and slots are back at their baseline, and watches decode idle
+/// for `idle` (CPU share and RSS growth). Prints the RSS of every role as it goes.
+pub fn bench_soak(config: Option<&Path>, requests: u32, concurrency: u32, idle: Duration) -> anyhow::Result<SoakReport> {
+    let port = free_port()?;
+    let mut c = Cluster::start(config, "127.0.0.1", port, None)?;
+    c.wait_healthy(Duration::from_secs(60), false)?;
+    let _ = load(&c.addr, concurrency.min(8), 32, 16);
+    let before = settled(&c.addr, Duration::from_secs(10));
+    let rss = |f: &BTreeMap<String, RoleFigures>| f.iter().map(|(r, x)| format!("{r} {:.1} MiB", x.rss_bytes as f64 / 1048576.0)).collect::<Vec<_>>().join(", ");
+    println!("soak: {requests} requests at concurrency {concurrency}; resident memory at the start: {}", rss(&before));
+    let mut report = SoakReport { requests, before: before.clone(), ..Default::default() };
+    let chunk = 1000.min(requests).max(1);
+    let mut sent = 0;
+    while sent < requests {
+        let n = chunk.min(requests - sent);
+        let l = load(&c.addr, concurrency, n, 16);
+        report.ok += l.ok;
+        for (s, k) in l.failed {
+            *report.failed.entry(s).or_default() += k;
+        }
+        sent += n;
+        let m = wire::http(&c.addr, "GET", "/metrics", None, Duration::from_secs(5)).map(|r| r.body).unwrap_or_default();
+        println!("  {sent:>6} sent, {:>6} ok: {}", report.ok, rss(&role_figures(&m)));
+    }
+    let after = settled(&c.addr, Duration::from_secs(30));
+    for (role, b) in &before {
+        let a = after.get(role).cloned().unwrap_or_default();
+        let counts = |x: &RoleFigures| (x.entities, x.requests, x.plans, x.producer_entries, x.free_blocks, x.free_slots);
+        if counts(&a) != counts(b) {
+            report.leaks.push(format!("{role}: before {b:?}, after {a:?}"));
+        }
+    }
+    println!("resident memory at the end: {}", rss(&after));
+    report.after = after;
+    if let Some(pid) = c.pid("decode")
+        && let Some((t0, r0)) = proc_usage(pid)
+    {
+        std::thread::sleep(idle);
+        if let Some((t1, r1)) = proc_usage(pid) {
+            // SAFETY: sysconf has no preconditions.
+            let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+            report.idle_cpu = (t1 - t0) as f64 / hz / idle.as_secs_f64();
+            report.idle_rss_growth = r1 as i64 - r0 as i64;
+        }
+    }
+    let failed: u32 = report.failed.values().sum();
+    println!(
+        "requests: {} ok, {failed} failed {:?}, 0 lost; counts back at baseline on every role: {}; idle decode over {:?}: {:.2}% of a core, RSS {:+} bytes",
+        report.ok,
+        report.failed,
+        if report.leaks.is_empty() { "yes".to_string() } else { format!("NO: {:?}", report.leaks) },
+        idle,
+        report.idle_cpu * 100.0,
+        report.idle_rss_growth
+    );
+    c.shutdown();
+    Ok(report)
+}
