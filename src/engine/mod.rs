@@ -127,6 +127,9 @@ impl Engine {
     /// Runs every phase once.
     pub fn tick(&mut self) {
         self.schedule.run(&mut self.world);
+        // Without a bevy App nothing else clears the removed-component records that
+        // every despawn leaves; uncleared, they grow with every request served.
+        self.world.clear_trackers();
     }
 
     /// Outcomes since the last call (handed off, rejected, failed).

@@ -453,6 +453,8 @@ pub struct SoakReport {
     /// Per role ("decode", "prefill0", ...): after the warm-up, and after the load.
     pub before: BTreeMap<String, RoleFigures>,
     pub after: BTreeMap<String, RoleFigures>,
+    /// Per role: resident bytes after the first quarter of the load and at the end.
+    pub rss_early: BTreeMap<String, u64>,
     /// Decode while idle after the load: CPU share of one core, and RSS growth.
     pub idle_cpu: f64,
     pub idle_rss_growth: i64,
@@ -525,7 +527,7 @@ pub fn bench_soak(config: Option<&Path>, requests: u32, concurrency: u32, idle: 
     let rss = |f: &BTreeMap<String, RoleFigures>| f.iter().map(|(r, x)| format!("{r} {:.1} MiB", x.rss_bytes as f64 / 1048576.0)).collect::<Vec<_>>().join(", ");
     println!("soak: {requests} requests at concurrency {concurrency}; resident memory at the start: {}", rss(&before));
     let mut report = SoakReport { requests, before: before.clone(), ..Default::default() };
-    let chunk = 1000.min(requests).max(1);
+    let chunk = 1000.min(requests.div_ceil(4)).max(1);
     let mut sent = 0;
     while sent < requests {
         let n = chunk.min(requests - sent);
@@ -536,7 +538,11 @@ pub fn bench_soak(config: Option<&Path>, requests: u32, concurrency: u32, idle: 
         }
         sent += n;
         let m = wire::http(&c.addr, "GET", "/metrics", None, Duration::from_secs(5)).map(|r| r.body).unwrap_or_default();
-        println!("  {sent:>6} sent, {:>6} ok: {}", report.ok, rss(&role_figures(&m)));
+        let now = role_figures(&m);
+        if report.rss_early.is_empty() {
+            report.rss_early = now.iter().map(|(r, f)| (r.clone(), f.rss_bytes)).collect();
+        }
+        println!("  {sent:>6} sent, {:>6} ok: {}", report.ok, rss(&now));
     }
     let after = settled(&c.addr, Duration::from_secs(30));
     for (role, b) in &before {
