@@ -200,6 +200,10 @@ pub struct ServeConfig {
     /// step's latency; requests past it take turns, oldest first.
     #[serde(default)]
     pub max_batch: Option<u32>,
+    /// Compute threads of each role process (default: the host's cores shared
+    /// among the PP stages and decode, at least one each).
+    #[serde(default)]
+    pub threads: Option<u32>,
 }
 
 impl ServeConfig {
@@ -226,6 +230,7 @@ impl Default for ServeConfig {
             max_requests: default_max_requests(),
             queue: default_queue(),
             max_batch: None,
+            threads: None,
         }
     }
 }
@@ -333,6 +338,7 @@ impl Topology {
             ("decode.block_size", d.block_size),
             ("serve.max_requests", config.serve.max_requests),
             ("serve.max_batch", config.serve.max_batch.unwrap_or(1)),
+            ("serve.threads", config.serve.threads.unwrap_or(1)),
             ("transport.max_batch", config.transport.max_batch),
             ("transport.staging_buffers", config.transport.staging_buffers),
         ] {

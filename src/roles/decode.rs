@@ -55,11 +55,11 @@ pub fn run_decode(topo: &Topology, proxy: &str) -> anyhow::Result<()> {
         std::thread::Builder::new().name("decode-accept".into()).spawn(move || accept(listener, link, tx))?;
     }
     {
-        let (transport, link, counts) = (Arc::clone(&transport), Arc::clone(&link), Arc::clone(&counts));
+        let (transport, link, counts, pool) = (Arc::clone(&transport), Arc::clone(&link), Arc::clone(&counts), super::compute_pool(topo)?);
         let endpoint = transport.endpoint();
         std::thread::Builder::new()
             .name("decode-engine".into())
-            .spawn(move || engine_loop(engine, transport.as_ref(), &endpoint, &published, &link, &counts, &rx))?;
+            .spawn(move || pool.install(move || engine_loop(engine, transport.as_ref(), &endpoint, &published, &link, &counts, &rx)))?;
     }
     drop(tx);
     tracing::info!(%addr, "decode listening");

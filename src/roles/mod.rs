@@ -159,6 +159,21 @@ impl<C: handoff_systems::dispatch::Compute> handoff_systems::dispatch::Compute f
     }
 }
 
+/// The compute threads of one role process, and the pool the engine thread runs in.
+///
+/// The engine thread runs inside the pool, so a kernel's parallel loop runs on the
+/// calling thread when it is small instead of waking a pool thread and sleeping on
+/// a latch; and the processes of one host share its cores instead of each
+/// spawning one thread per core. `serve.threads` sets the count; by default the
+/// host's cores are shared among the role processes (PP stages and decode), at
+/// least one each.
+pub(crate) fn compute_pool(topo: &Topology) -> anyhow::Result<rayon::ThreadPool> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let roles = topo.prefill().pp as usize + 1;
+    let n = topo.config.serve.threads.map_or((cores / roles).max(1), |t| t as usize);
+    Ok(rayon::ThreadPoolBuilder::new().num_threads(n).thread_name(|i| format!("compute-{i}")).build()?)
+}
+
 /// Registers with the proxy (best effort: the proxy may not be up yet).
 pub(crate) fn heartbeat(proxy: &str, reg: &wire::Register) {
     if let Ok(body) = serde_json::to_string(reg)

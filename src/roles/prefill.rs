@@ -74,10 +74,10 @@ pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str) -> anyhow::Result<(
         std::thread::Builder::new().name("prefill-accept".into()).spawn(move || accept(listener, tx))?;
     }
     {
-        let (transport, counts) = (Arc::clone(&transport), Arc::clone(&counts));
+        let (transport, counts, pool) = (Arc::clone(&transport), Arc::clone(&counts), super::compute_pool(topo)?);
         std::thread::Builder::new()
             .name("prefill-engine".into())
-            .spawn(move || engine_loop(engine, stage, transport.as_ref(), &handle, &counts, &rx))?;
+            .spawn(move || pool.install(move || engine_loop(engine, stage, transport.as_ref(), &handle, &counts, &rx)))?;
     }
     drop(tx);
     tracing::info!(stage, %addr, "prefill stage listening");
