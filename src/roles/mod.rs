@@ -1,6 +1,12 @@
 //! The role processes of a deployment: `proxy` (HTTP front end), one `prefill`
 //! process per PP stage, `decode`, and `up`, which starts them all.
 //!
+//! Each prefill stage and decode runs one [`Engine`] for its own ranks on one
+//! engine thread; the role's other threads only carry bytes between sockets, the
+//! transport and that thread (commands in, events out). Per-request state lives in
+//! the engine's World; every control message names its request, so one link
+//! between two roles carries all of them.
+//!
 //! # The flow of one request
 //!
 //! 1. The proxy validates the request (below), then waits in the bounded queue for
@@ -8,14 +14,17 @@
 //! 2. Decode admits it: its engine allocates blocks and slots on every decode rank
 //!    and publishes each rank's [`ConsumerLayout`] plus its region handles.
 //! 3. The proxy sends the request and the published layouts to prefill stage 0.
-//!    Stage s computes its layers, writes its own layers' KV and KDA state into
-//!    decode's regions through the transport (it plans the copies itself from the
-//!    published layouts, with the splitting phase's `ProducerPlanner`), drops its
-//!    producer entry, notifies decode with a write-done report, and passes the
-//!    hidden states to stage s + 1.
-//! 4. Once every stage has reported for every decode rank, decode's engine marks
-//!    the request handed off and decode runs its decode loop from its own regions,
-//!    streaming tokens back through the proxy.
+//!    Stage s's engine plans its own copies from the published layouts, computes
+//!    its layers into its source regions (dispatch phase) and hands the hidden
+//!    states to stage s + 1 at once; its transfer phase writes the stage's KV and
+//!    KDA state into decode's regions while it computes the next request; when the
+//!    writes complete it drops its producer entry and sends decode its write-done
+//!    report over the transport (or a failure notice naming the stage and phase).
+//! 4. Once every stage has reported for every decode rank, the request joins
+//!    decode's batch: each tick decodes every live request in one step from the
+//!    registered decode regions, and tokens stream back over the proxy's link.
+//!
+//! [`Engine`]: crate::engine::Engine
 //!
 //! # Admission (HTTP status and reason)
 //!
