@@ -5,6 +5,8 @@
 //! where the logits are equal exactly); and dropping KDA state, conv state, MLA
 //! rows or replay records from the hand-off makes the check fail loudly.
 
+mod common;
+
 use handoff::compute_verify::{Fill, LOGIT_TOLERANCE, verify_compute, verify_compute_with};
 use handoff_components::Topology;
 use handoff_components::plan::Plan;
@@ -12,90 +14,12 @@ use handoff_components::vocab::RegionKind;
 
 const STEPS: u32 = 32;
 
-#[derive(Clone)]
-struct Case {
-    pattern: &'static str,
-    layers: u32,
-    dtype: &'static str,
-    pp: u32,
-    ptp: u32,
-    pbs: u32,
-    split: &'static str,
-    dtp: u32,
-    dcp: u32,
-    interleave: u32,
-    dbs: u32,
-    replay: Option<u32>,
-}
+type Case = common::ComputeShape;
 
-const BASE: Case = Case {
-    pattern: "KKKM",
-    layers: 4,
-    dtype: "f32",
-    pp: 1,
-    ptp: 1,
-    pbs: 8,
-    split: "",
-    dtp: 1,
-    dcp: 1,
-    interleave: 1,
-    dbs: 8,
-    replay: None,
-};
+const BASE: Case = common::COMPUTE;
 
 fn topo(c: &Case) -> Topology {
-    let replay = c.replay.map_or(String::new(), |cap| format!("[model.replay]\ncapacity = {cap}\n"));
-    let split = if c.split.is_empty() { String::new() } else { format!("layer_split = [{}]\n", c.split) };
-    let text = format!(
-        r#"
-[model]
-name = "tiny"
-pattern = "{pattern}"
-num_layers = {layers}
-hidden_size = 32
-dtype = "{dtype}"
-seed = 5
-
-[model.mla]
-heads = 4
-kv_lora_rank = 16
-rope_dim = 8
-nope_head_dim = 8
-v_head_dim = 8
-
-[model.kda]
-heads = 4
-head_k_dim = 8
-head_v_dim = 8
-conv_kernel = 4
-
-{replay}
-[prefill]
-pp = {pp}
-tp = {ptp}
-block_size = {pbs}
-{split}
-[decode]
-tp = {dtp}
-dcp = {dcp}
-interleave = {interleave}
-block_size = {dbs}
-
-[serve]
-max_context = 1024
-"#,
-        pattern = c.pattern,
-        layers = c.layers,
-        dtype = c.dtype,
-        pp = c.pp,
-        ptp = c.ptp,
-        pbs = c.pbs,
-        dtp = c.dtp,
-        dcp = c.dcp,
-        interleave = c.interleave,
-        dbs = c.dbs,
-    );
-    Topology::parse(&text).unwrap_or_else(|e| panic!("topology refused: {e}\n{text}"))
+    c.topology()
 }
 
 fn prompt(len: usize) -> Vec<u8> {

@@ -6,6 +6,8 @@
 //! ReplaySSM rings of which only some are full. And any TP degree that divides
 //! the head counts runs, with logits equal bit for bit at every degree.
 
+mod common;
+
 use handoff::model::forward::{self, KdaBatch, ReplayBatch};
 use handoff::model::ranks::{DecodeRanks, Layouts};
 use handoff::model::reference::{LocalCaches, LocalRequest, prefill_local};
@@ -24,89 +26,12 @@ const BE: CpuBackend = CpuBackend;
 /// Region bytes by (rank, kind): what verify and the tests hand the model as a RegionView.
 type HostRegions = Mutex<BTreeMap<(RankId, handoff_components::vocab::RegionKind), Vec<u8>>>;
 
-struct Cfg {
-    kda_heads: u32,
-    mla_heads: u32,
-    pattern: &'static str,
-    layers: u32,
-    dtype: &'static str,
-    replay: Option<u32>,
-    intermediate: Option<u32>,
-    dtp: u32,
-    dcp: u32,
-    interleave: u32,
-    block: u32,
-    hidden: u32,
-}
+type Cfg = common::ComputeShape;
 
-const BASE: Cfg = Cfg {
-    kda_heads: 4,
-    mla_heads: 4,
-    pattern: "KKKM",
-    layers: 4,
-    dtype: "f32",
-    replay: None,
-    intermediate: None,
-    dtp: 1,
-    dcp: 1,
-    interleave: 1,
-    block: 4,
-    hidden: 32,
-};
+const BASE: Cfg = Cfg { seed: 13, pbs: 8, dbs: 4, ..common::COMPUTE };
 
 fn topo(c: &Cfg) -> Topology {
-    let replay = c.replay.map_or(String::new(), |cap| format!("[model.replay]\ncapacity = {cap}\n"));
-    let inter = c.intermediate.map_or(String::new(), |i| format!("intermediate_size = {i}\n"));
-    let text = format!(
-        r#"
-[model]
-name = "batch-test"
-pattern = "{pattern}"
-num_layers = {layers}
-hidden_size = {hidden}
-dtype = "{dtype}"
-seed = 13
-{inter}
-[model.mla]
-heads = {mh}
-kv_lora_rank = 16
-rope_dim = 8
-nope_head_dim = 8
-v_head_dim = 8
-
-[model.kda]
-heads = {kh}
-head_k_dim = 8
-head_v_dim = 8
-conv_kernel = 4
-
-{replay}
-[prefill]
-pp = 1
-tp = 1
-block_size = 8
-
-[decode]
-tp = {dtp}
-dcp = {dcp}
-interleave = {il}
-block_size = {bs}
-
-[serve]
-max_context = 1024
-"#,
-        pattern = c.pattern,
-        layers = c.layers,
-        dtype = c.dtype,
-        mh = c.mla_heads,
-        kh = c.kda_heads,
-        dtp = c.dtp,
-        dcp = c.dcp,
-        il = c.interleave,
-        bs = c.block,
-        hidden = c.hidden,
-    );
-    Topology::parse(&text).unwrap_or_else(|e| panic!("topology refused: {e}\n{text}"))
+    c.topology()
 }
 
 fn prompt(len: usize, salt: u32) -> Vec<u8> {

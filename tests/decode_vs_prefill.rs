@@ -10,6 +10,8 @@
 //! DCP2 decode with replay): there verify asserts the disaggregated logits equal
 //! the colocated ones exactly, so the colocated comparison covers it.
 
+mod common;
+
 use handoff::compute_verify::{rel_err, verify_compute};
 use handoff::model::forward;
 use handoff::model::{Model, ShardGroup, run_colocated_on};
@@ -30,47 +32,7 @@ const BE: CpuBackend = CpuBackend;
 const TOLERANCE: f32 = 1e-4;
 
 fn topo(replay: bool, dtp: u32, dcp: u32) -> Topology {
-    let replay = if replay { "[model.replay]\ncapacity = 8\n" } else { "" };
-    let text = format!(
-        r#"
-[model]
-name = "decode-vs-prefill"
-pattern = "KKKM"
-num_layers = 4
-hidden_size = 48
-dtype = "f32"
-seed = 21
-
-[model.mla]
-heads = 4
-kv_lora_rank = 16
-rope_dim = 8
-nope_head_dim = 8
-v_head_dim = 8
-
-[model.kda]
-heads = 4
-head_k_dim = 8
-head_v_dim = 8
-conv_kernel = 4
-
-{replay}
-[prefill]
-pp = 1
-tp = 1
-block_size = 8
-
-[decode]
-tp = {dtp}
-dcp = {dcp}
-interleave = 1
-block_size = 8
-
-[serve]
-max_context = 1024
-"#
-    );
-    Topology::parse(&text).unwrap_or_else(|e| panic!("topology refused: {e}\n{text}"))
+    common::ComputeShape { hidden: 48, seed: 21, replay: replay.then_some(8), dtp, dcp, ..common::COMPUTE }.topology()
 }
 
 fn prompt(len: usize) -> Vec<u8> {
