@@ -8,8 +8,7 @@
 //! decode regions. The role keeps no table of requests: per-request state lives in
 //! the World, and every message names its request.
 
-use super::wire::{self, Admitted, Msg, Notice, Register};
-use super::{heartbeat, shutting_down};
+use super::wire::{self, Admitted, Msg, Notice};
 use crate::compute::{ModelCompute, TransportRegions, layouts_of};
 use crate::engine::{Counts, Engine, NoMover, Role};
 use crate::transport::{PeerAddr, RegionHandle, Transport};
@@ -63,18 +62,7 @@ pub fn run_decode(topo: &Topology, proxy: &str) -> anyhow::Result<()> {
     }
     drop(tx);
     tracing::info!(%addr, "decode listening");
-    while !shutting_down() {
-        let reg = Register {
-            role: "decode".into(),
-            stage: None,
-            addr,
-            pid: std::process::id(),
-            counts: super::lock(&counts).clone(),
-            rss_bytes: super::rss_bytes(),
-        };
-        heartbeat(proxy, &reg);
-        super::sleep_unless_stopping(Duration::from_millis(300));
-    }
+    super::heartbeat_until_stopped(proxy, "decode", None, addr, &counts);
     tracing::info!("decode stopping");
     super::remove_own_shm_files(topo);
     Ok(())

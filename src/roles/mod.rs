@@ -192,6 +192,23 @@ pub(crate) fn heartbeat(proxy: &str, reg: &wire::Register) {
     }
 }
 
+/// Registers with the proxy every 300 ms, with the engine's latest counts and this
+/// process's resident memory, until a stop is asked for.
+pub(crate) fn heartbeat_until_stopped(proxy: &str, role: &str, stage: Option<u32>, addr: std::net::SocketAddr, counts: &std::sync::Mutex<crate::engine::Counts>) {
+    while !shutting_down() {
+        let reg = wire::Register {
+            role: role.into(),
+            stage,
+            addr,
+            pid: std::process::id(),
+            counts: lock(counts).clone(),
+            rss_bytes: rss_bytes(),
+        };
+        heartbeat(proxy, &reg);
+        sleep_unless_stopping(Duration::from_millis(300));
+    }
+}
+
 /// Sets up `tracing` output on stderr for a role process, once.
 pub fn init_logging() {
     use tracing_subscriber::EnvFilter;

@@ -10,8 +10,7 @@
 //! role carries the engine's events out: hidden states to the next stage, the
 //! write-done report (or a failure) to decode over the transport.
 
-use super::wire::{self, Admitted, Msg, Notice, PrefillJob, Register};
-use super::{heartbeat, shutting_down};
+use super::wire::{self, Admitted, Msg, Notice, PrefillJob};
 use crate::compute::{ModelCompute, TransportRegions, layouts_of};
 use crate::engine::mover::{MoverHandle, MoverOptions, TransportMover};
 use crate::engine::{Counts, Engine, Role};
@@ -81,18 +80,7 @@ pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str) -> anyhow::Result<(
     }
     drop(tx);
     tracing::info!(stage, %addr, "prefill stage listening");
-    while !shutting_down() {
-        let reg = Register {
-            role: "prefill".into(),
-            stage: Some(stage),
-            addr,
-            pid: std::process::id(),
-            counts: super::lock(&counts).clone(),
-            rss_bytes: super::rss_bytes(),
-        };
-        heartbeat(proxy, &reg);
-        super::sleep_unless_stopping(Duration::from_millis(300));
-    }
+    super::heartbeat_until_stopped(proxy, "prefill", Some(stage), addr, &counts);
     tracing::info!(stage, "prefill stage stopping");
     super::remove_own_shm_files(topo);
     Ok(())
