@@ -254,7 +254,7 @@ fn run(cli: Cli) -> Result<()> {
             if let Some(c) = &config {
                 load(c)?;
             }
-            let r = handoff::roles::bench_soak(config.as_deref().map(std::path::Path::new), requests, concurrency, std::time::Duration::from_secs_f64(idle_s))?;
+            let r = handoff::roles::bench_soak(config.as_deref().map(std::path::Path::new), requests, concurrency, std::time::Duration::from_secs_f64(idle_s), None)?;
             let failed: u32 = r.failed.values().sum();
             if failed > 0 || !r.leaks.is_empty() {
                 anyhow::bail!("soak: {failed} requests failed, leaks: {:?}", r.leaks);

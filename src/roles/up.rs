@@ -518,9 +518,10 @@ fn settled(addr: &str, timeout: Duration) -> BTreeMap<String, RoleFigures> {
 /// then checks that every role's entity, request, plan and producer-entry counts
 /// and free blocks and slots are back at their baseline, and watches decode idle
 /// for `idle` (CPU share and RSS growth). Prints the RSS of every role as it goes.
-pub fn bench_soak(config: Option<&Path>, requests: u32, concurrency: u32, idle: Duration) -> anyhow::Result<SoakReport> {
+/// `program` is the `handoff` binary the roles run (None: this executable).
+pub fn bench_soak(config: Option<&Path>, requests: u32, concurrency: u32, idle: Duration, program: Option<PathBuf>) -> anyhow::Result<SoakReport> {
     let port = free_port()?;
-    let mut c = Cluster::start(config, "127.0.0.1", port, None)?;
+    let mut c = Cluster::start(config, "127.0.0.1", port, program)?;
     c.wait_healthy(Duration::from_secs(60), false)?;
     let _ = load(&c.addr, concurrency.min(8), 32, 16);
     let before = settled(&c.addr, Duration::from_secs(10));
