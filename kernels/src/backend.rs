@@ -97,8 +97,9 @@ pub trait Backend: Send + Sync {
         record: Option<&mut Self::Buf>,
     ) -> Result<()>;
 
-    /// Chunked KDA prefill of one sequence (chunk [`crate::KDA_CHUNK`]); equal
-    /// to `tokens` recurrent steps. `state` `[H, Dk, Dv]` holds the initial state
+    /// KDA prefill of one sequence, equal to `tokens` recurrent steps: chunked
+    /// (chunk [`crate::KDA_CHUNK`]), or, on the CPU where it costs less (small
+    /// heads), the recurrent steps themselves. `state` `[H, Dk, Dv]` holds the initial state
     /// and receives the final one; inputs are `[T, H, *]`; `out` `[T, H, Dv]`;
     /// `record`, when given, `[T, H, 2*Dk+Dv]`.
     fn kda_prefill(

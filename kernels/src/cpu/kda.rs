@@ -219,7 +219,15 @@ pub(crate) fn step(
     Ok(())
 }
 
-/// Chunked prefill, see [`crate::Backend::kda_prefill`].
+/// Prefill, see [`crate::Backend::kda_prefill`]: the chunked form, or the
+/// recurrent one where that costs less.
+///
+/// Per token and head, the chunked form pays about C/2 pairs x Dk exponentials and
+/// multiply-adds inside its chunk of C = min(T, 64) tokens, the recurrent form
+/// about 4 x Dk x Dv multiply-adds and Dk exponentials. On a CPU with small heads
+/// (Dv well under 1.5 C) the recurrent form is several times cheaper, and it
+/// computes exactly what decode steps compute; the chunked form wins on wide heads
+/// (K3's 128 x 128) and is what a device backend parallelises.
 pub(crate) fn prefill(
     shape: KdaPrefillShape,
     state: &mut [f32],
@@ -228,7 +236,40 @@ pub(crate) fn prefill(
     out: &mut [f32],
     record: Option<&mut [f32]>,
 ) -> Result<()> {
-    prefill_chunked(shape, KDA_CHUNK, state, x, p, out, record)
+    let c = shape.tokens.min(KDA_CHUNK);
+    if 2 * shape.dv < 3 * c {
+        prefill_recurrent(shape, state, x, p, out, record)
+    } else {
+        prefill_chunked(shape, KDA_CHUNK, state, x, p, out, record)
+    }
+}
+
+/// Prefill as `tokens` recurrent steps of the sequence (batch of one per step).
+pub(crate) fn prefill_recurrent(
+    shape: KdaPrefillShape,
+    state: &mut [f32],
+    x: Inputs<'_>,
+    p: Params<'_>,
+    out: &mut [f32],
+    mut record: Option<&mut [f32]>,
+) -> Result<()> {
+    let KdaPrefillShape { tokens, heads, dk, dv } = shape;
+    check_kda("kda_prefill", tokens, heads, dk, dv, state.len(), 1, &x, &p, out.len(), record.as_ref().map(|r| r.len()))?;
+    let w = replay_record_width(dk, dv);
+    let one = KdaStepShape { batch: 1, heads, dk, dv };
+    for t in 0..tokens {
+        let (hk, hv) = (heads * dk, heads * dv);
+        let xt = Inputs {
+            q: &x.q[t * hk..(t + 1) * hk],
+            k: &x.k[t * hk..(t + 1) * hk],
+            v: &x.v[t * hv..(t + 1) * hv],
+            g_raw: &x.g_raw[t * hk..(t + 1) * hk],
+            b_raw: &x.b_raw[t * heads..(t + 1) * heads],
+        };
+        let rec = record.as_deref_mut().map(|r| &mut r[t * heads * w..(t + 1) * heads * w]);
+        step(one, state, xt, p, &mut out[t * hv..(t + 1) * hv], rec)?;
+    }
+    Ok(())
 }
 
 /// Per-head results of the prefill, scattered into `[T, H, *]` afterwards.

@@ -284,6 +284,24 @@ fn kda_chunked_prefill_equals_recurrent_for_t_1_63_64_65_200() {
             coord(&["t", "h", "rec"], &[t_len, h, w], i)
         });
 
+        // The chunked form itself: for heads this small the CPU backend takes the
+        // recurrent form above, so run the chunked one directly, records included.
+        let mut cs = s0.clone();
+        let mut co = vec![0.0f32; t_len * h * dv];
+        let mut cr = vec![0.0f32; t_len * h * w];
+        let cx = kda::Inputs { q: &case.q, k: &case.k, v: &case.v, g_raw: &case.g_raw, b_raw: &case.b_raw };
+        let cp = kda::Params { a_log: &case.a_log, dt_bias: &case.dt_bias };
+        kda::prefill_chunked(shape, KDA_CHUNK, &mut cs, cx, cp, &mut co, Some(&mut cr)).unwrap();
+        assert_close(&format!("chunk 64 output, T={t_len}"), &co, &f64s(&o_rec), 1e-5, 1e-4, |i| {
+            coord(&["t", "h", "v"], &[t_len, h, dv], i)
+        });
+        assert_close(&format!("chunk 64 state, T={t_len}"), &cs, &f64s(&s_rec), 1e-5, 1e-4, |i| {
+            coord(&["h", "key", "val"], &[h, dk, dv], i)
+        });
+        assert_close(&format!("chunk 64 records, T={t_len}"), &cr, &f64s(&r_rec), 1e-5, 1e-4, |i| {
+            coord(&["t", "h", "rec"], &[t_len, h, w], i)
+        });
+
         // And against the f64 naive recurrence directly.
         let mut s64 = f64s(&s0);
         let mut o64 = vec![0.0; t_len * h * dv];
@@ -1738,4 +1756,37 @@ fn copy_f64_copies_the_range_and_refuses_out_of_bounds() {
     assert!(matches!(e, KernelError::RangeOutOfBounds { op: "copy_f64", name: "src", .. }), "{e}");
     let e = BE.copy_f64(&src, 0, &mut dst, 4, 3).unwrap_err();
     assert!(matches!(e, KernelError::RangeOutOfBounds { op: "copy_f64", name: "dst", .. }), "{e}");
+}
+
+/// The CPU backend's prefill takes the recurrent form for small heads (where it
+/// costs less) and the chunked form for wide ones; either way it equals `tokens`
+/// recurrent steps: bit for bit on the recurrent side, within rounding on the
+/// chunked side.
+#[test]
+fn kda_prefill_picks_the_cheaper_form_and_the_recurrent_one_is_the_steps_exactly() {
+    for (dv, chunked) in [(8usize, false), (128, true)] {
+        let (h, dk, t_len) = (2, 8, 70);
+        let case = KdaCase::new(41, t_len, h, dk, dv);
+        let s0 = rand(&mut SplitMix64::new(5), h * dk * dv, -0.5, 0.5);
+        let shape = KdaPrefillShape { tokens: t_len, heads: h, dk, dv };
+        let mut state = up(&s0);
+        let mut o = BE.alloc(t_len * h * dv).unwrap();
+        BE.kda_prefill(shape, &mut state, inputs(&case.all()), params(&case.params()), &mut o, None).unwrap();
+        // One kda_step per token.
+        let mut s = up(&s0);
+        let mut steps = Vec::new();
+        for t in 0..t_len {
+            let x = case.row(t);
+            let mut ot = BE.alloc(h * dv).unwrap();
+            BE.kda_step(KdaStepShape { batch: 1, heads: h, dk, dv }, &mut s, inputs(&x), params(&case.params()), &mut ot, None).unwrap();
+            steps.extend_from_slice(ot.as_slice());
+        }
+        if chunked {
+            assert_close("wide heads: chunked prefill vs steps", o.as_slice(), &f64s(&steps), 1e-5, 1e-4, |i| coord(&["t", "h", "v"], &[t_len, h, dv], i));
+            assert_ne!(o.as_slice(), &steps[..], "wide heads must take the chunked form (rounding differs from the steps)");
+        } else {
+            assert_eq!(o.as_slice(), &steps[..], "small heads: the recurrent form is the steps bit for bit");
+            assert_eq!(state.as_slice(), s.as_slice());
+        }
+    }
 }
