@@ -112,3 +112,19 @@ pub struct ProducerLayout {
     pub slot: u32,
     pub layout: RankLayout,
 }
+
+/// Tokens of a sequence of `tokens` that dcp rank `dcp_rank` owns under the DCP
+/// rule of design.md section 4 (token p on dcp rank `(p / S) % dcp`). A rule of the
+/// layout, shared by placement, the model and the oracle's checks.
+pub fn owned_tokens(tokens: u64, dcp: u32, dcp_rank: u32, interleave: u32) -> u64 {
+    let (s, dcp, d) = (interleave as u64, dcp as u64, dcp_rank as u64);
+    let round = s * dcp;
+    let full = tokens / round;
+    let rem = tokens % round;
+    full * s + rem.saturating_sub(d * s).min(s)
+}
+
+/// Blocks of `block_size` tokens that hold `tokens` tokens.
+pub fn blocks_for(tokens: u64, block_size: u32) -> u64 {
+    tokens.div_ceil(block_size as u64)
+}

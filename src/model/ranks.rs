@@ -31,7 +31,7 @@ use handoff_components::ecs::Lease;
 use handoff_components::layout::RegionLayout;
 use handoff_components::vocab::{DecodeRank, Dtype, ModuleLayer, PrefillRank, RankId, RegionKind};
 use handoff_kernels::Backend;
-use handoff_systems::placement::owned_tokens;
+use handoff_components::layout::owned_tokens;
 use std::collections::BTreeMap;
 
 type R<T> = Result<T, ModelError>;

@@ -104,19 +104,7 @@ fn rows(layers: &[ModuleLayer], row_bytes: u64) -> Vec<Row> {
         .collect()
 }
 
-/// Decode pages a dcp rank needs for `tokens` prompt tokens: the tokens it owns over
-/// the decode block size.
-pub fn owned_tokens(tokens: u64, dcp: u32, dcp_rank: u32, interleave: u32) -> u64 {
-    let (s, dcp, d) = (interleave as u64, dcp as u64, dcp_rank as u64);
-    let round = s * dcp;
-    let full = tokens / round;
-    let rem = tokens % round;
-    full * s + rem.saturating_sub(d * s).min(s)
-}
-
-pub fn blocks_for(tokens: u64, block_size: u32) -> u64 {
-    tokens.div_ceil(block_size as u64)
-}
+pub use handoff_components::layout::{blocks_for, owned_tokens};
 
 // ---- systems ----
 
