@@ -43,7 +43,7 @@ enum Command {
     Verify {
         #[arg(long)]
         config: String,
-        /// Prompt tokens per request (default: the config's serve.max_context / 2).
+        /// Prompt tokens per request (default: 4096, or half of serve.max_context when that is less).
         #[arg(long)]
         tokens: Option<u64>,
         /// Requests handed off together (with --compute: decoded as one batch).
@@ -209,7 +209,7 @@ fn run(cli: Cli) -> Result<()> {
                 return Ok(());
             }
             let max_context = topo.config.serve.max_context as u64;
-            let tokens = tokens.unwrap_or((max_context / 2).max(1));
+            let tokens = tokens.unwrap_or((max_context / 2).clamp(1, 4096));
             if tokens == 0 || tokens >= max_context {
                 return Err(Refusal(format!("--tokens {tokens} must be between 1 and serve.max_context {max_context} - 1")).into());
             }
