@@ -78,7 +78,7 @@ enum BenchCommand {
         /// Concurrency levels, comma-separated.
         #[arg(long, value_delimiter = ',', default_value = "1,8,32,88")]
         concurrency: Vec<u32>,
-        /// Completions per level (default: 4 x concurrency, at least 32).
+        /// Completions per level (default: 8 x concurrency, at least 64).
         #[arg(long, default_value_t = 0)]
         requests: u32,
     },

@@ -403,7 +403,7 @@ pub fn load(addr: &str, concurrency: u32, requests: u32, max_tokens: u32) -> Ser
 
 /// `handoff bench serve`: starts the cluster of `config` (the built-in default
 /// without one) and sweeps the concurrency levels, `requests` completions of 16
-/// tokens per level (0: 4 x concurrency, at least 32); prints tok/s, TTFT and ITL
+/// tokens per level (0: 8 x concurrency, at least 64); prints tok/s, TTFT and ITL
 /// p50/p99 per level and the ratio of each level's tok/s to the first's.
 pub fn bench_serve(config: Option<&Path>, levels: &[u32], requests: u32) -> anyhow::Result<Vec<ServeLevel>> {
     let port = free_port()?;
@@ -415,7 +415,7 @@ pub fn bench_serve(config: Option<&Path>, levels: &[u32], requests: u32) -> anyh
     println!("{:>11} {:>9} {:>6} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}", "concurrency", "requests", "ok", "failed", "tok/s", "vs C1", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99");
     let mut out = Vec::new();
     for &conc in levels {
-        let n = if requests == 0 { (4 * conc).max(32) } else { requests };
+        let n = if requests == 0 { (8 * conc).max(64) } else { requests };
         let l = load(&c.addr, conc, n, 16);
         let base = out.first().map_or(l.tok_s, |f: &ServeLevel| f.tok_s);
         let failed: u32 = l.failed.values().sum();
