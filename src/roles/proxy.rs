@@ -464,33 +464,37 @@ async fn decode_link(p: &Arc<Proxy>, addr: SocketAddr) -> Result<mpsc::Unbounded
     let (tx, mut out) = mpsc::unbounded_channel::<Msg>();
     let routes = Arc::clone(&p.routes);
     tokio::spawn(async move {
+        // The writer is its own task: a read cancelled half-way by a select would
+        // lose the bytes of a partly read line.
+        let writer = tokio::spawn(async move {
+            while let Some(m) = out.recv().await {
+                if send_line(&mut wr, &m).await.is_err() {
+                    break;
+                }
+            }
+        });
         let mut rd = BufReader::new(rd);
         let mut line = Vec::new();
         loop {
             line.clear();
-            tokio::select! {
-                msg = out.recv() => match msg {
-                    Some(m) => if send_line(&mut wr, &m).await.is_err() { break },
-                    None => break,
-                },
-                n = rd.read_until(b'\n', &mut line) => {
-                    let Ok(n) = n else { break };
-                    if n == 0 { break }
-                    let Ok(m) = serde_json::from_slice::<Msg>(&line) else {
-                        tracing::warn!("proxy: malformed message from decode");
-                        continue;
-                    };
-                    let id = match &m {
-                        Msg::Admitted(a) => a.id,
-                        Msg::Token { id, .. } | Msg::Done { id, .. } | Msg::Error { id, .. } => *id,
-                        _ => continue,
-                    };
-                    if let Some(r) = lock(&routes).get(&id) {
-                        let _ = r.send(m);
-                    }
-                }
+            match rd.read_until(b'\n', &mut line).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+            let Ok(m) = serde_json::from_slice::<Msg>(&line) else {
+                tracing::warn!("proxy: malformed message from decode");
+                continue;
+            };
+            let id = match &m {
+                Msg::Admitted(a) => a.id,
+                Msg::Token { id, .. } | Msg::Done { id, .. } | Msg::Error { id, .. } => *id,
+                _ => continue,
+            };
+            if let Some(r) = lock(&routes).get(&id) {
+                let _ = r.send(m);
             }
         }
+        writer.abort();
         // The link is gone: every request it carried fails, naming decode.
         let lost: Vec<_> = lock(&routes).drain().collect();
         for (id, r) in lost {
