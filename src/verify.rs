@@ -146,7 +146,7 @@ pub fn verify(
 }
 
 fn fail_on_outcomes(engine: &mut Engine) -> Result<(), String> {
-    for Outcome { request, result } in engine.take_outcomes() {
+    for Outcome { request, result, .. } in engine.take_outcomes() {
         if let Err((phase, reason)) = result {
             return Err(format!("request {request} failed in {}: {reason}", phase.name()));
         }

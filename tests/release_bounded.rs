@@ -260,3 +260,24 @@ fn dispatch_phase_computes_stages_in_order_and_failures_name_the_phase() {
         assert_eq!(free_counts(&e), pools);
     }
 }
+
+/// A cancel names the life of the id it cancels: one carrying another nonce (an
+/// earlier request that reused the id) leaves the live request alone; the right
+/// nonce fails it naming the phase, and everything it held is freed.
+#[test]
+fn cancels_of_another_life_of_the_id_are_ignored() {
+    use handoff_components::ecs::{Cancel, PhaseName};
+    let (mut e, _mover) = engine(&Shape::default(), 1, 8);
+    let baseline = e.entity_count();
+    e.submit(3, 8);
+    e.tick();
+    let nonce = e.nonce(3).expect("placed");
+    e.cancel(Cancel { request: 3, phase: PhaseName::Compute, reason: "stale".into(), stage: None, nonce: Some(nonce ^ 1) });
+    e.tick();
+    assert_eq!(e.status(3), Some(Status::Planned));
+    e.cancel(Cancel { request: 3, phase: PhaseName::Compute, reason: "stage 0 died".into(), stage: None, nonce: Some(nonce) });
+    e.tick();
+    let failed: Vec<_> = e.take_outcomes().into_iter().filter_map(|o| o.result.err()).collect();
+    assert_eq!(failed, vec![(PhaseName::Compute, "stage 0 died".to_string())]);
+    assert_eq!(e.entity_count(), baseline);
+}

@@ -174,6 +174,9 @@ pub struct Generation {
     pub max_tokens: u32,
     pub emitted: u32,
     pub last: Option<u8>,
+    /// The decode tick that last stepped it: past `serve.max_batch`, those stepped
+    /// longest ago go first.
+    pub stepped: u64,
 }
 
 /// One plan of a request and where its writes stand.
@@ -299,6 +302,9 @@ pub struct Cancel {
     pub reason: String,
     /// The stage that failed the request, when one did: it writes no more.
     pub stage: Option<u32>,
+    /// The life of the id it cancels, when the sender knows it: a cancel of an
+    /// earlier life does not touch a new request that reuses the id.
+    pub nonce: Option<u64>,
 }
 
 /// A request left the hand-off: handed off (ready to decode), rejected or failed.
@@ -306,6 +312,8 @@ pub struct Cancel {
 #[derive(Message, Debug, Clone, PartialEq)]
 pub struct Outcome {
     pub request: u64,
+    /// The life of the id it ended (None for an id refused before it had one).
+    pub nonce: Option<u64>,
     pub result: Result<(), (PhaseName, String)>,
 }
 

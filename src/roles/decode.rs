@@ -151,11 +151,12 @@ fn engine_loop(
         for n in transport.recv_notifications() {
             match serde_json::from_slice::<Notice>(&n.bytes) {
                 Ok(Notice::Written(r)) => engine.report(r),
-                Ok(Notice::Failed { id, stage, phase, message, .. }) => engine.cancel(Cancel {
+                Ok(Notice::Failed { id, nonce, stage, phase, message }) => engine.cancel(Cancel {
                     request: id,
                     phase,
                     reason: format!("prefill stage {stage}: {message}"),
                     stage: Some(stage),
+                    nonce,
                 }),
                 Err(e) => tracing::warn!(error = %e, "decode: dropped a malformed notification"),
             }
@@ -188,6 +189,6 @@ fn engine_loop(
 fn apply(engine: &mut Engine, cmd: Cmd) {
     match cmd {
         Cmd::Admit { id, tokens, max_tokens } => engine.submit_request(Submit { id, tokens, max_tokens, ..Default::default() }),
-        Cmd::Cancel { id, phase, message } => engine.cancel(Cancel { request: id, phase, reason: message, stage: None }),
+        Cmd::Cancel { id, phase, message } => engine.cancel(Cancel { request: id, phase, reason: message, stage: None, nonce: None }),
     }
 }

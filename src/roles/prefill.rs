@@ -188,7 +188,7 @@ fn engine_loop(mut engine: Engine, stage: u32, transport: &dyn Transport, mover:
                     };
                     if let Err(e) = next.send(addr, &Msg::Prefill(Box::new(job))) {
                         let message = format!("prefill stage {} at {addr} unreachable: {e}", s + 1);
-                        notify(transport, &route, &Notice::Failed { id: request, nonce, stage: s + 1, phase: PhaseName::Compute, message });
+                        notify(transport, &route, &Notice::Failed { id: request, nonce: Some(nonce), stage: s + 1, phase: PhaseName::Compute, message });
                     }
                 }
                 EngineEvent::Written(report) => notify(transport, &route, &Notice::Written(report)),
@@ -198,8 +198,7 @@ fn engine_loop(mut engine: Engine, stage: u32, transport: &dyn Transport, mover:
         for o in engine.take_outcomes() {
             if let Err((phase, message)) = o.result {
                 tracing::warn!(stage, request = o.request, %phase, %message, "prefill failed");
-                let nonce = 0; // decode checks no nonce on a failure notice
-                notify(transport, &route, &Notice::Failed { id: o.request, nonce, stage, phase, message });
+                notify(transport, &route, &Notice::Failed { id: o.request, nonce: o.nonce, stage, phase, message });
             }
         }
         *super::lock(counts) = engine.counts();
@@ -219,7 +218,7 @@ fn submit(engine: &mut Engine, stage: u32, transport: &dyn Transport, mover: &Mo
             && let Err(e) = mover.attach_target(h)
         {
             let message = format!("prefill stage {stage}: attach {h}: {e}");
-            notify(transport, route, &Notice::Failed { id: a.id, nonce: a.nonce, stage, phase: PhaseName::Transfer, message });
+            notify(transport, route, &Notice::Failed { id: a.id, nonce: Some(a.nonce), stage, phase: PhaseName::Transfer, message });
             return;
         }
     }

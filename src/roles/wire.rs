@@ -113,7 +113,8 @@ pub enum Notice {
     /// Every write of the stage for the request completed.
     Written(StageReport),
     /// The stage failed the request in a named phase (and writes no more for it).
-    Failed { id: u64, nonce: u64, stage: u32, phase: PhaseName, message: String },
+    /// `nonce` is the request's life when the stage knew it.
+    Failed { id: u64, nonce: Option<u64>, stage: u32, phase: PhaseName, message: String },
 }
 
 /// What a role tells the proxy about itself (POST /internal/register, repeated as

@@ -80,7 +80,7 @@ pub fn admit_requests(
             validate(&topo.0, s.tokens)
         };
         if let Err(reason) = rejected {
-            outcomes.write(Outcome { request: s.id, result: Err((PhaseName::Admission, reason.to_string())) });
+            outcomes.write(Outcome { request: s.id, nonce: s.nonce, result: Err((PhaseName::Admission, reason.to_string())) });
             continue;
         }
         let nonce = s.nonce.unwrap_or_else(|| nonce_for(s.id));
@@ -103,7 +103,7 @@ pub fn admit_requests(
         // Without tokens to generate (the byte-level checks) a handed-off request
         // waits for its owner to finish it.
         if local.decode && s.max_tokens > 0 {
-            e.insert((Generation { max_tokens: s.max_tokens, emitted: 0, last: None }, Timing { admitted: Instant::now(), handed_off: None, bytes: 0 }));
+            e.insert((Generation { max_tokens: s.max_tokens, emitted: 0, last: None, stepped: 0 }, Timing { admitted: Instant::now(), handed_off: None, bytes: 0 }));
         }
         index.0.insert(s.id, e.id());
     }

@@ -168,7 +168,6 @@ pub fn run_decode(
     leases: Query<&Lease>,
     topo: Res<TopologyRes>,
     mut tick: Local<u64>,
-    mut last_step: Local<std::collections::HashMap<Entity, u64>>,
     mut events: MessageWriter<EngineEvent>,
 ) {
     let Some(mut dispatcher) = dispatcher else { return };
@@ -176,9 +175,8 @@ pub fn run_decode(
     let mut live: Vec<(u64, u64, Entity)> = requests
         .iter()
         .filter(|(_, _, s, g, _)| **s == Status::HandedOff && g.last.is_some() && g.emitted < g.max_tokens)
-        .map(|(e, r, ..)| (last_step.get(&e).copied().unwrap_or(0), r.id, e))
+        .map(|(e, r, _, g, _)| (g.stepped, r.id, e))
         .collect();
-    last_step.retain(|e, _| requests.contains(*e));
     if live.is_empty() {
         return;
     }
@@ -195,8 +193,8 @@ pub fn run_decode(
     let result = dispatcher.0.decode(&batch);
     drop(batch);
     for (i, &(_, _, e)) in live.iter().enumerate() {
-        last_step.insert(e, *tick);
         let Ok((_, req, mut status, mut generation, _)) = requests.get_mut(e) else { continue };
+        generation.stepped = *tick;
         match &result {
             Ok(tokens) => {
                 let Some(&tok) = tokens.get(i) else {

@@ -43,9 +43,12 @@ pub fn receive_reports(
 }
 
 /// Fails cancelled requests, whatever phase they are in (decoding included).
-pub fn apply_cancels(mut cancels: MessageReader<Cancel>, index: Res<RequestIndex>, mut requests: Query<(&mut Status, &mut StagesComputed)>) {
+pub fn apply_cancels(mut cancels: MessageReader<Cancel>, index: Res<RequestIndex>, mut requests: Query<(&Request, &mut Status, &mut StagesComputed)>) {
     for c in cancels.read() {
-        let Some(Ok((mut s, mut computed))) = index.0.get(&c.request).map(|&e| requests.get_mut(e)) else { continue };
+        let Some(Ok((req, mut s, mut computed))) = index.0.get(&c.request).map(|&e| requests.get_mut(e)) else { continue };
+        if c.nonce.is_some_and(|n| n != req.nonce) {
+            continue;
+        }
         if let Some(done) = c.stage.and_then(|st| computed.0.get_mut(st as usize)) {
             *done = true;
         }
@@ -186,7 +189,7 @@ pub fn complete_handoffs(
             // No tokens to generate here: a prefill stage is done with it; a byte-level
             // check finishes it itself.
             *status = if holdings.leases.is_empty() { Status::Finished } else { Status::HandedOff };
-            outcomes.write(Outcome { request: req.id, result: Ok(()) });
+            outcomes.write(Outcome { request: req.id, nonce: Some(req.nonce), result: Ok(()) });
             continue;
         };
         let Some(FirstToken(tok)) = first.copied() else {
@@ -197,7 +200,7 @@ pub fn complete_handoffs(
             continue;
         };
         *status = Status::HandedOff;
-        outcomes.write(Outcome { request: req.id, result: Ok(()) });
+        outcomes.write(Outcome { request: req.id, nonce: Some(req.nonce), result: Ok(()) });
         if let Some(mut t) = timing {
             t.handed_off = Some(Instant::now());
         }
@@ -284,7 +287,7 @@ pub fn retire_requests(
         index.0.remove(&req.id);
         match status {
             Status::Failed { phase, reason } => {
-                outcomes.write(Outcome { request: req.id, result: Err((*phase, reason.clone())) });
+                outcomes.write(Outcome { request: req.id, nonce: Some(req.nonce), result: Err((*phase, reason.clone())) });
             }
             _ => {
                 if let Some(t) = timing {
