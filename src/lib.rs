@@ -8,6 +8,7 @@ pub mod bench_cli;
 pub mod cli;
 pub mod compute;
 pub mod compute_verify;
+pub mod device;
 pub mod engine;
 pub mod model;
 pub mod oracle;

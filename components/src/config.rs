@@ -22,6 +22,60 @@ pub struct Config {
     pub timeouts: TimeoutConfig,
     #[serde(default)]
     pub serve: ServeConfig,
+    /// Where the model's compute runs (`[device]`); the CPU when absent. The
+    /// `--device` flag of the commands that compute overrides it.
+    #[serde(default)]
+    pub device: DeviceConfig,
+}
+
+/// The `[device]` table: the compute backend and its device ordinal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceConfig {
+    #[serde(default)]
+    pub kind: DeviceKind,
+    /// Which GPU of the host (0 = the first); ignored for the CPU.
+    #[serde(default)]
+    pub ordinal: u32,
+}
+
+/// A compute backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    #[default]
+    Cpu,
+    /// NVIDIA, through the CUDA driver and NVRTC (cargo feature `cuda`).
+    Cuda,
+    /// AMD, through HIP (cargo feature `hip`).
+    Hip,
+}
+
+impl DeviceConfig {
+    /// Parses `cpu`, `cuda`, `cuda:N`, `hip` or `hip:N`.
+    pub fn parse(s: &str) -> Result<DeviceConfig, String> {
+        let (kind, ordinal) = match s.split_once(':') {
+            Some((k, n)) => (k, n.parse::<u32>().map_err(|_| format!("device {s:?}: the ordinal after ':' must be a number"))?),
+            None => (s, 0),
+        };
+        let kind = match kind {
+            "cpu" => DeviceKind::Cpu,
+            "cuda" => DeviceKind::Cuda,
+            "hip" => DeviceKind::Hip,
+            _ => return Err(format!("device {s:?}: expected cpu, cuda, cuda:N, hip or hip:N")),
+        };
+        Ok(DeviceConfig { kind, ordinal })
+    }
+}
+
+impl std::fmt::Display for DeviceConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.kind {
+            DeviceKind::Cpu => f.write_str("cpu"),
+            DeviceKind::Cuda => write!(f, "cuda:{}", self.ordinal),
+            DeviceKind::Hip => write!(f, "hip:{}", self.ordinal),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

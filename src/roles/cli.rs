@@ -19,6 +19,9 @@ pub enum RoleCommand {
         /// The proxy to register with (host:port).
         #[arg(long, default_value = "127.0.0.1:8000")]
         proxy: String,
+        /// Compute backend: cpu, cuda[:N] or hip[:N] (default: the topology's [device], else cpu).
+        #[arg(long, env = "HANDOFF_DEVICE")]
+        device: Option<String>,
     },
     /// Run the decode instance (all of its TP x DCP ranks).
     Decode {
@@ -26,6 +29,9 @@ pub enum RoleCommand {
         config: String,
         #[arg(long, default_value = "127.0.0.1:8000")]
         proxy: String,
+        /// Compute backend: cpu, cuda[:N] or hip[:N] (default: the topology's [device], else cpu).
+        #[arg(long, env = "HANDOFF_DEVICE")]
+        device: Option<String>,
     },
     /// Run the HTTP proxy (OpenAI-style /v1/completions, /health, /metrics).
     Proxy {
@@ -46,6 +52,10 @@ pub enum RoleCommand {
         host: String,
         #[arg(long, default_value_t = 8000)]
         port: u16,
+        /// Compute backend of every stage and of decode: cpu, cuda[:N] or hip[:N]
+        /// (handed to the roles as HANDOFF_DEVICE).
+        #[arg(long)]
+        device: Option<String>,
     },
 }
 
@@ -53,14 +63,26 @@ fn load(path: &str) -> anyhow::Result<Topology> {
     Topology::load(path).map_err(|e| anyhow::anyhow!("{e}"))
 }
 
+/// The topology of `path` with `--device` (when given) in force.
+fn load_on(path: &str, device: Option<&str>) -> anyhow::Result<Topology> {
+    let mut topo = load(path)?;
+    topo.config.device = crate::device::resolve(&topo, device)?;
+    Ok(topo)
+}
+
 /// Runs one role subcommand.
 pub fn dispatch(cmd: RoleCommand) -> anyhow::Result<()> {
     super::init_logging();
     match cmd {
-        RoleCommand::Prefill { config, stage, proxy } => super::run_prefill(&load(&config)?, stage, &proxy),
-        RoleCommand::Decode { config, proxy } => super::run_decode(&load(&config)?, &proxy),
+        RoleCommand::Prefill { config, stage, proxy, device } => super::run_prefill(&load_on(&config, device.as_deref())?, stage, &proxy),
+        RoleCommand::Decode { config, proxy, device } => super::run_decode(&load_on(&config, device.as_deref())?, &proxy),
         RoleCommand::Proxy { config, host, port } => super::run_proxy(&load(&config)?, &host, port),
-        RoleCommand::Up { config, host, port } => super::run_up(config.as_deref(), &host, port),
+        RoleCommand::Up { config, host, port, device } => {
+            if let Some(d) = &device {
+                handoff_components::config::DeviceConfig::parse(d).map_err(|e| anyhow::anyhow!("--device: {e}"))?;
+            }
+            super::run_up(config.as_deref(), &host, port, device.as_deref())
+        }
     }
 }
 

@@ -9,16 +9,15 @@
 //! the World, and every message names its request.
 
 use super::wire::{self, Admitted, Msg, Notice};
-use crate::compute::{ModelCompute, TransportRegions, layouts_of};
+use crate::compute::{TransportRegions, layouts_of};
 use crate::engine::{Counts, Engine, NoMover, Role};
 use crate::transport::{PeerAddr, RegionHandle, Transport};
 use anyhow::Context;
 use handoff_components::Topology;
 use handoff_components::ecs::{Cancel, EngineEvent, PhaseName, Submit};
-use handoff_kernels::CpuBackend;
 use handoff_systems::placement::Capacity;
 use std::collections::BTreeMap;
-use std::io::BufReader;
+use std::io::{BufReader, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
@@ -43,7 +42,7 @@ pub fn run_decode(topo: &Topology, proxy: &str) -> anyhow::Result<()> {
     }
     let published: Vec<RegionHandle> = handles.values().cloned().collect();
     let view = Arc::new(TransportRegions { transport: Arc::clone(&transport), handles });
-    engine.set_compute(Box::new(ModelCompute::new(topo, CpuBackend::new(), layouts_of(&regions), view)?));
+    engine.set_compute(crate::device::model_compute(topo.config.device, topo, layouts_of(&regions), view)?);
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
     let (tx, rx) = mpsc::channel();
@@ -71,10 +70,21 @@ pub fn run_decode(topo: &Topology, proxy: &str) -> anyhow::Result<()> {
 /// The proxy's link: where decode's messages go (the latest connection).
 type Link = Arc<Mutex<Option<TcpStream>>>;
 
-fn send(link: &Link, msg: &Msg) {
+/// Queues `msg` for this tick's one write to the proxy.
+fn push(buf: &mut Vec<u8>, msg: &Msg) {
+    if let Err(e) = wire::encode_into(buf, msg) {
+        tracing::warn!(error = %e, "decode: message not encodable");
+    }
+}
+
+/// Writes a tick's queued messages to the proxy's link in one go.
+fn flush(link: &Link, buf: &[u8]) {
+    if buf.is_empty() {
+        return;
+    }
     let mut l = super::lock(link);
     if let Some(w) = l.as_mut()
-        && let Err(e) = wire::send(w, msg)
+        && let Err(e) = w.write_all(buf).and_then(|()| w.flush())
     {
         tracing::warn!(error = %e, "decode: the proxy's link failed");
         *l = None;
@@ -130,6 +140,8 @@ fn engine_loop(
     counts: &Mutex<Counts>,
     rx: &Receiver<Cmd>,
 ) {
+    // One tick's messages to the proxy, written at once.
+    let mut out = Vec::new();
     loop {
         let wait = if engine.decoding() {
             None
@@ -164,24 +176,26 @@ fn engine_loop(
         let t0 = Instant::now();
         engine.tick();
         tracing::trace!(us = t0.elapsed().as_micros() as u64, "decode tick");
+        out.clear();
         for ev in engine.take_events() {
             match ev {
                 EngineEvent::Published { request, nonce, consumers } => {
                     let a = Admitted { id: request, nonce, consumers, handles: handles.to_vec(), endpoint: endpoint.clone() };
-                    send(link, &Msg::Admitted(Box::new(a)));
+                    push(&mut out, &Msg::Admitted(Box::new(a)));
                 }
-                EngineEvent::Token { request, token, .. } => send(link, &Msg::Token { id: request, token }),
+                EngineEvent::Token { request, token, .. } => push(&mut out, &Msg::Token { id: request, token }),
                 EngineEvent::Finished { request, handoff_ms, decode_ms, bytes } => {
-                    send(link, &Msg::Done { id: request, handoff_ms, decode_ms, bytes });
+                    push(&mut out, &Msg::Done { id: request, handoff_ms, decode_ms, bytes });
                 }
                 EngineEvent::Computed { .. } | EngineEvent::Written(_) => {}
             }
         }
         for o in engine.take_outcomes() {
             if let Err((phase, message)) = o.result {
-                send(link, &Msg::Error { id: o.request, phase, message });
+                push(&mut out, &Msg::Error { id: o.request, phase, message });
             }
         }
+        flush(link, &out);
         *super::lock(counts) = engine.counts();
     }
 }

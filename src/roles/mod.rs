@@ -153,12 +153,12 @@ pub fn rss_bytes() -> u64 {
 }
 
 /// A compute that sleeps before each prefill (the test hook of [`prefill::DELAY_ENV`]).
-pub(crate) struct Delayed<C> {
-    pub inner: C,
+pub(crate) struct Delayed {
+    pub inner: Box<dyn handoff_systems::dispatch::Compute>,
     pub delay: Duration,
 }
 
-impl<C: handoff_systems::dispatch::Compute> handoff_systems::dispatch::Compute for Delayed<C> {
+impl handoff_systems::dispatch::Compute for Delayed {
     fn prefill(&mut self, job: handoff_systems::dispatch::PrefillJob<'_>) -> Result<handoff_systems::dispatch::PrefillOutput, handoff_systems::dispatch::ComputeError> {
         std::thread::sleep(self.delay);
         self.inner.prefill(job)

@@ -11,14 +11,13 @@
 //! write-done report (or a failure) to decode over the transport.
 
 use super::wire::{self, Admitted, Msg, Notice, PrefillJob};
-use crate::compute::{ModelCompute, TransportRegions, layouts_of};
+use crate::compute::{TransportRegions, layouts_of};
 use crate::engine::mover::{MoverHandle, MoverOptions, TransportMover};
 use crate::engine::{Counts, Engine, Role};
 use crate::transport::{PeerAddr, RegionHandle, Transport};
 use anyhow::Context;
 use handoff_components::Topology;
 use handoff_components::ecs::{EngineEvent, Inputs, PhaseName, Submit};
-use handoff_kernels::CpuBackend;
 use handoff_systems::placement::Capacity;
 use std::collections::BTreeMap;
 use std::io::BufReader;
@@ -59,10 +58,10 @@ pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str) -> anyhow::Result<(
     }
     let view = Arc::new(TransportRegions { transport: Arc::clone(&transport), handles });
     let delay = std::env::var(DELAY_ENV).ok().and_then(|v| v.parse::<u64>().ok()).map(Duration::from_millis);
-    let compute = ModelCompute::new(topo, CpuBackend::new(), layouts_of(&regions), view)?;
+    let compute = crate::device::model_compute(topo.config.device, topo, layouts_of(&regions), view)?;
     engine.set_compute(match delay {
         Some(d) => Box::new(super::Delayed { inner: compute, delay: d }),
-        None => Box::new(compute),
+        None => compute,
     });
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;

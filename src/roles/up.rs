@@ -100,6 +100,11 @@ impl Cluster {
         Ok(())
     }
 
+    /// CPU time (user + system, clock ticks) summed over every role process.
+    pub fn cpu_ticks(&self) -> u64 {
+        self.roles.iter().filter_map(|r| r.child.as_ref()).filter_map(|c| proc_usage(c.id())).map(|(t, _)| t).sum()
+    }
+
     /// Process id of a role (`"proxy"`, `"decode"`, `"prefill stage 1"`).
     pub fn pid(&self, name: &str) -> Option<u32> {
         self.roles.iter().find(|r| r.name == name)?.child.as_ref().map(Child::id)
@@ -209,13 +214,18 @@ impl Drop for Cluster {
 /// `handoff up`: starts proxy, decode and every prefill stage, waits for health,
 /// prints the URL, and runs until Ctrl-C (or SIGTERM) or until one role dies; then
 /// stops them all. `config` None: the built-in default (config/small.toml).
-pub fn run_up(config: Option<&Path>, host: &str, port: u16) -> anyhow::Result<()> {
+pub fn run_up(config: Option<&Path>, host: &str, port: u16, device: Option<&str>) -> anyhow::Result<()> {
     super::install_signal_handlers();
-    let mut c = Cluster::start(config, host, port, None)?;
+    let envs = device.map(|d| vec![("HANDOFF_DEVICE".to_string(), d.to_string())]).unwrap_or_default();
+    let mut c = Cluster::start_with(config, host, port, None, envs)?;
     let p = c.topo.prefill();
     let d = c.topo.decode();
+    let on = match device {
+        Some(d) => d.to_string(),
+        None => c.topo.config.device.to_string(),
+    };
     eprintln!(
-        "handoff up: {} — prefill PP{} x TP{} -> decode TP{} x DCP{} over {}; starting {} processes",
+        "handoff up: {} — prefill PP{} x TP{} -> decode TP{} x DCP{} over {}, compute on {on}; starting {} processes",
         c.topo.model().name,
         p.pp,
         p.tp,
@@ -354,6 +364,8 @@ pub struct ServeLevel {
     pub ttft_p99: f64,
     pub itl_p50: f64,
     pub itl_p99: f64,
+    /// CPU time of all role processes over the level, per completed request (ms).
+    pub cpu_ms_per_request: f64,
 }
 
 /// `concurrency` clients sending `requests` completions in all to `addr`.
@@ -398,6 +410,7 @@ pub fn load(addr: &str, concurrency: u32, requests: u32, max_tokens: u32) -> Ser
         ttft_p99: percentile(&mut ttft, 0.99),
         itl_p50: percentile(&mut itl, 0.5),
         itl_p99: percentile(&mut itl, 0.99),
+        cpu_ms_per_request: 0.0,
     }
 }
 
@@ -412,16 +425,23 @@ pub fn bench_serve(config: Option<&Path>, levels: &[u32], requests: u32) -> anyh
     c.wait_healthy(Duration::from_secs(60), true)?;
     // Warm-up, so the first level does not pay for the first requests' page faults.
     let _ = load(&c.addr, 2, 4, 16);
-    println!("{:>11} {:>9} {:>6} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}", "concurrency", "requests", "ok", "failed", "tok/s", "vs C1", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99");
+    println!(
+        "{:>11} {:>9} {:>6} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>12}",
+        "concurrency", "requests", "ok", "failed", "tok/s", "vs C1", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "CPU ms/req"
+    );
+    // SAFETY: sysconf has no preconditions.
+    let tick_ms = 1000.0 / (unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64);
     let mut out = Vec::new();
     for &conc in levels {
         let n = if requests == 0 { (8 * conc).max(64) } else { requests };
-        let l = load(&c.addr, conc, n, 16);
+        let t0 = c.cpu_ticks();
+        let mut l = load(&c.addr, conc, n, 16);
+        l.cpu_ms_per_request = (c.cpu_ticks().saturating_sub(t0)) as f64 * tick_ms / f64::from(l.ok.max(1));
         let base = out.first().map_or(l.tok_s, |f: &ServeLevel| f.tok_s);
         let failed: u32 = l.failed.values().sum();
         println!(
-            "{:>11} {:>9} {:>6} {:>7} {:>9.1} {:>8.2}x {:>7.1}ms {:>7.1}ms {:>7.2}ms {:>7.2}ms",
-            conc, l.requests, l.ok, failed, l.tok_s, l.tok_s / base.max(1e-9), l.ttft_p50, l.ttft_p99, l.itl_p50, l.itl_p99
+            "{:>11} {:>9} {:>6} {:>7} {:>9.1} {:>8.2}x {:>7.1}ms {:>7.1}ms {:>7.2}ms {:>7.2}ms {:>10.2}ms",
+            conc, l.requests, l.ok, failed, l.tok_s, l.tok_s / base.max(1e-9), l.ttft_p50, l.ttft_p99, l.itl_p50, l.itl_p99, l.cpu_ms_per_request
         );
         for (status, n) in &l.failed {
             println!("{:>11}   {n} failed with HTTP {status}", "");

@@ -134,10 +134,18 @@ pub struct Register {
 
 /// Writes one message as a JSON line.
 pub fn send(w: &mut impl Write, msg: &Msg) -> io::Result<()> {
-    let mut line = serde_json::to_vec(msg).map_err(io::Error::other)?;
-    line.push(b'\n');
+    let mut line = Vec::new();
+    encode_into(&mut line, msg)?;
     w.write_all(&line)?;
     w.flush()
+}
+
+/// Appends `msg` as one JSON line to `buf`, so that a caller can send the
+/// messages of one engine tick with one write (one syscall, not one a token).
+pub fn encode_into(buf: &mut Vec<u8>, msg: &Msg) -> io::Result<()> {
+    serde_json::to_writer(&mut *buf, msg).map_err(io::Error::other)?;
+    buf.push(b'\n');
+    Ok(())
 }
 
 /// Reads one JSON line; `Ok(None)` at a clean end of stream.

@@ -38,62 +38,96 @@ fn matmul_unchecked(rows: usize, inner: usize, cols: usize, x: &[f32], w: &[f32]
     }
 }
 
-/// Many rows (prefill): w is packed once into column panels `[inner, PANEL]`,
-/// then each task owns ROW_BLOCK rows and keeps a ROW_BLOCK x PANEL block of
-/// out in registers while it streams a panel (contiguous) over k.
+/// Many rows (prefill, batched decode): each task owns ROW_BLOCK rows and keeps
+/// a ROW_BLOCK x PANEL block of out in registers while it walks k, reading the
+/// panel's PANEL contiguous columns of each row of w in place. (An earlier
+/// version packed w into panels first: for the decode batch's small matrices
+/// that copy of every weight on every call cost as much as the products.) Every
+/// output is the plain sum over k in order, so a row's bits do not depend on
+/// which block it lands in.
 fn matmul_many_rows(inner: usize, cols: usize, x: &[f32], w: &[f32], out: &mut [f32]) {
     if inner == 0 {
         out.fill(0.0);
         return;
     }
-    let panels = cols.div_ceil(PANEL);
-    let mut packed = vec![0.0f32; panels * inner * PANEL];
-    packed
-        .par_chunks_mut(inner * PANEL)
-        .enumerate()
-        .with_min_len(super::grain(inner * PANEL))
-        .for_each(|(p, panel)| {
-            let c0 = p * PANEL;
-            let nc = PANEL.min(cols - c0);
-            for k in 0..inner {
-                panel[k * PANEL..k * PANEL + nc]
-                    .copy_from_slice(&w[k * cols + c0..k * cols + c0 + nc]);
-            }
-        });
+    let avx2 = has_avx2();
     out.par_chunks_mut(ROW_BLOCK * cols)
         .enumerate()
         .with_min_len(super::grain(2 * ROW_BLOCK * inner * cols))
         .for_each(|(rb, oblk)| {
-            let r0 = rb * ROW_BLOCK;
-            let nr = oblk.len() / cols;
-            // Short blocks (the last one) read row 0 of the block in place of the
-            // missing rows and drop those results.
-            let xrow = |r: usize| {
-                let r = if r < nr { r0 + r } else { r0 };
-                &x[r * inner..(r + 1) * inner]
-            };
-            let (x0, x1, x2, x3) = (xrow(0), xrow(1), xrow(2), xrow(3));
-            for p in 0..panels {
-                let panel = &packed[p * inner * PANEL..(p + 1) * inner * PANEL];
-                let mut acc = [[0.0f32; PANEL]; ROW_BLOCK];
-                for ((((wk, &a0), &a1), &a2), &a3) in
-                    panel.chunks_exact(PANEL).zip(x0).zip(x1).zip(x2).zip(x3)
-                {
-                    for c in 0..PANEL {
-                        let wc = wk[c];
-                        acc[0][c] += a0 * wc;
-                        acc[1][c] += a1 * wc;
-                        acc[2][c] += a2 * wc;
-                        acc[3][c] += a3 * wc;
-                    }
-                }
-                let c0 = p * PANEL;
-                let nc = PANEL.min(cols - c0);
-                for (r, acc_r) in acc.iter().enumerate().take(nr) {
-                    oblk[r * cols + c0..r * cols + c0 + nc].copy_from_slice(&acc_r[..nc]);
-                }
+            #[cfg(target_arch = "x86_64")]
+            if avx2 {
+                // SAFETY: the CPU has AVX2 (checked at run time just above).
+                unsafe { row_block_avx2(rb, inner, cols, x, w, oblk) };
+                return;
             }
+            let _ = avx2;
+            row_block(rb, inner, cols, x, w, oblk);
         });
+}
+
+/// Whether the CPU has AVX2, so that the dense kernels can take their 8-wide
+/// build. The two builds compute the same IEEE operations in the same order
+/// (Rust never fuses a multiply and an add on its own), so their results are
+/// bit-identical and a machine's choice never changes a token.
+fn has_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx2")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// [`row_block`] compiled for AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn row_block_avx2(rb: usize, inner: usize, cols: usize, x: &[f32], w: &[f32], oblk: &mut [f32]) {
+    row_block(rb, inner, cols, x, w, oblk)
+}
+
+/// Block `rb` (rows `rb*ROW_BLOCK..`) of out = x . w.
+#[inline(always)]
+fn row_block(rb: usize, inner: usize, cols: usize, x: &[f32], w: &[f32], oblk: &mut [f32]) {
+    let full = cols / PANEL;
+    let r0 = rb * ROW_BLOCK;
+    let nr = oblk.len() / cols;
+    // Short blocks (the last one) read row 0 of the block in place of the
+    // missing rows and drop those results.
+    let xrow = |r: usize| {
+        let r = if r < nr { r0 + r } else { r0 };
+        &x[r * inner..(r + 1) * inner]
+    };
+    let (x0, x1, x2, x3) = (xrow(0), xrow(1), xrow(2), xrow(3));
+    for p in 0..full {
+        let c0 = p * PANEL;
+        let mut acc = [[0.0f32; PANEL]; ROW_BLOCK];
+        for ((((&a0, &a1), &a2), &a3), wrow) in x0.iter().zip(x1).zip(x2).zip(x3).zip(w.chunks_exact(cols)) {
+            let Some(wk) = wrow.get(c0..c0 + PANEL).and_then(|p| <&[f32; PANEL]>::try_from(p).ok()) else { return };
+            for c in 0..PANEL {
+                let wc = wk[c];
+                acc[0][c] += a0 * wc;
+                acc[1][c] += a1 * wc;
+                acc[2][c] += a2 * wc;
+                acc[3][c] += a3 * wc;
+            }
+        }
+        for (r, acc_r) in acc.iter().enumerate().take(nr) {
+            oblk[r * cols + c0..r * cols + c0 + PANEL].copy_from_slice(acc_r);
+        }
+    }
+    // The columns past the last full panel, one at a time, in the same order.
+    for c in full * PANEL..cols {
+        for r in 0..nr {
+            let mut acc = 0.0f32;
+            for (k, &a) in xrow(r).iter().enumerate() {
+                acc += a * w[k * cols + c];
+            }
+            oblk[r * cols + c] = acc;
+        }
+    }
 }
 
 /// Few rows (decode): split k into chunks so that every task streams
