@@ -23,7 +23,7 @@ use std::process::ExitCode;
 
 use handoff_kernels::{
     Backend, ColsCopy, ConvShape, CpuBackend, CudaBackend, EmbeddingShape, KdaInputs, KdaParams,
-    KdaPrefillShape, KdaStepShape, KernelError, MatmulShape, MergeShape, MlaShape, MlpShape,
+    KdaKernel, KdaPrefillShape, KdaStepShape, KernelError, MatmulShape, MergeShape, MlaShape, MlpShape,
     MlpWeights, NormShape, ReplayShape, RowSet, SplitMix64, StorageDtype, mla_partial_width,
     replay_record_width,
 };
@@ -722,20 +722,27 @@ fn checks(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
     Ok(())
 }
 
-/// The two KDA step kernels (one or two blocks per multiprocessor) give the same bits.
+/// Every KDA step kernel variant (tile width, blocks per multiprocessor)
+/// gives the same bits; the prefill kernel does not depend on the choice.
 fn check_kda_variants(gpu: &mut CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
     let mut r = SplitMix64::new(seed ^ 0x5eed);
-    let (b, h, dk, dv) = (8usize, 3usize, 128usize, 128usize);
+    let (b, h, dk, dv) = (8usize, 3usize, 128usize, 200usize);
     let steps: Vec<KdaHost> = (0..2).map(|_| KdaHost::new(&mut r, b, h, dk, dv)).collect();
     let s0 = uni(&mut r, b * h * dk * dv, -0.5, 0.5);
-    gpu.set_kda_two_blocks_per_sm(false);
-    let one = run_kda_steps(gpu, b, &steps, &s0)?;
-    gpu.set_kda_two_blocks_per_sm(true);
-    let two = run_kda_steps(gpu, b, &steps, &s0)?;
-    gpu.set_kda_two_blocks_per_sm(false);
-    let a = [one.0, one.1, one.2].concat();
-    let bb = [two.0, two.1, two.2].concat();
-    rep.exact_f32("kda_step 1x = 2x kernel", "B=8 H=3 128x128, 2 steps", &bb, &a);
+    let pre = KdaHost::new(&mut r, 40, h, dk, dv);
+    let p0 = uni(&mut r, h * dk * dv, -0.5, 0.5);
+    let default = gpu.kda_kernel();
+    let flat = |x: (Vec<f32>, Vec<f32>, Vec<f32>)| [x.0, x.1, x.2].concat();
+    let want_step = flat(run_kda_steps(gpu, b, &steps, &s0)?);
+    let want_pre = flat(run_kda_prefill(gpu, 40, &pre, &p0)?);
+    for k in KdaKernel::ALL {
+        gpu.set_kda_kernel(k);
+        let got = flat(run_kda_steps(gpu, b, &steps, &s0)?);
+        rep.exact_f32(&format!("kda {k:?} = {default:?} kernel"), "step B=8 H=3 128x200, 2 steps", &got, &want_step);
+        let got = flat(run_kda_prefill(gpu, 40, &pre, &p0)?);
+        rep.exact_f32(&format!("kda {k:?} = {default:?} kernel"), "prefill T=40 H=3 128x200", &got, &want_pre);
+    }
+    gpu.set_kda_kernel(default);
     Ok(())
 }
 
@@ -759,10 +766,11 @@ fn bench(gpu: &mut CudaBackend, seed: u64) -> R<()> {
         let mut rec = gpu.alloc(b * h * replay_record_width(dk, dv))?;
         let shape = KdaStepShape { batch: b, heads: h, dk, dv };
         let bytes = 2.0 * (b * h * dk * dv * 4) as f64;
-        for two in [false, true] {
-            gpu.set_kda_two_blocks_per_sm(two);
+        let default = gpu.kda_kernel();
+        for k in KdaKernel::ALL {
+            gpu.set_kda_kernel(k);
             for with_rec in [false, true] {
-                // Warm-up, then 50 steps back to back between two events.
+                // Warm-up, then the steps back to back between two events.
                 for _ in 0..3 {
                     gpu.kda_step(shape, &mut state, d.inputs(), d.params(), &mut out, with_rec.then_some(&mut rec))?;
                 }
@@ -773,14 +781,14 @@ fn bench(gpu: &mut CudaBackend, seed: u64) -> R<()> {
                 })?;
                 let gbs = bytes / (us * 1e-6) / 1e9;
                 println!(
-                    "| kda_step {} {} | B={b} H={h} 128x128 f32 | {us:.1} | {gbs:.0} | {:.2} |",
-                    if two { "2x" } else { "1x" },
-                    if with_rec { "+record" } else { "" },
+                    "| kda_step {k:?}{}{} | B={b} H={h} 128x128 f32 | {us:.1} | {gbs:.0} | {:.2} |",
+                    if k == default { " (default)" } else { "" },
+                    if with_rec { " +record" } else { "" },
                     gbs / bw
                 );
             }
         }
-        gpu.set_kda_two_blocks_per_sm(false);
+        gpu.set_kda_kernel(default);
     }
 
     // KDA prefill (recurrent on the device): 8K tokens x 12 heads.

@@ -2,16 +2,18 @@
 // LSE merges. CPU reference: kernels/src/cpu/mla.rs. Needs prelude.h in front.
 //
 // One block per query (token x head, or request x head). Its nw warps split
-// the query's rows round-robin (warp w takes rows w, w + nw, ...); a warp
-// forms a row's score with its 32 lanes (lane-strided products, then the
-// butterfly of the prelude, identical in every lane) and keeps an online
-// softmax: running max m, sum l and accumulator acc[L] (in shared memory,
-// lane-strided columns). At the end the warps' (m, l, acc) merge in warp
-// order. Everything is a fixed order that depends only on the query's own row
+// the query's rows round-robin in groups of MLA_GROUP = 4 consecutive rows
+// (warp w takes groups w, w + nw, ...); a warp forms a group's scores with its
+// 32 lanes (lane-strided products, then the butterfly of the prelude,
+// identical in every lane) and keeps an online softmax: running max m, sum l
+// and accumulator acc[L] (in shared memory, lane-strided columns), rescaled
+// once per group. At the end the warps' (m, l, acc) merge in warp order. Everything is a fixed order that depends only on the query's own row
 // count and the widths: a request's result is the same bits in a batch of any
 // size (the ragged partial relies on it). T is float for the f32 ops and
 // double for the f64 partials, which form scores, exponentials and sums in f64
 // from the f32 inputs, as the CPU does.
+
+#define MLA_GROUP 4
 
 static __device__ __forceinline__ float hk_exp(float x) { return expf(x); }
 static __device__ __forceinline__ double hk_exp(double x) { return exp(x); }
@@ -41,22 +43,48 @@ static __device__ void mla_attend(
     T m = hk_neg_inf<T>();
     T l = (T)0;
     T* acc = sacc + w * L;
-    for (hk_i64 j = w; j < n; j += nw) {
-        const float* r = rows + j * width;
-        T s = (T)0;
-        for (int c = lane; c < width; c += HK_WARP) s += sq[c] * (T)r[c];
-        s = hk_sum32(s) * scale;
-        // s and m are the same in every lane: the branch is warp-uniform.
-        if (s > m) {
-            const T f = hk_exp(m - s);  // 0 on the first row (m = -inf)
-            l = l * f + (T)1;
-            for (int c = lane; c < L; c += HK_WARP) acc[c] = acc[c] * f + (T)r[c];
-            m = s;
-        } else {
-            const T e = hk_exp(s - m);
-            l += e;
-            for (int c = lane; c < L; c += HK_WARP) acc[c] += e * (T)r[c];
+    // Warp w takes groups of MLA_GROUP consecutive rows: w, w + nw, ... (in
+    // groups). The group's scores are formed together (independent loads and
+    // butterflies in flight), then folded into the online softmax at once.
+    for (hk_i64 j0 = (hk_i64)w * MLA_GROUP; j0 < n; j0 += (hk_i64)nw * MLA_GROUP) {
+        const float* r[MLA_GROUP];
+        T d[MLA_GROUP];
+#pragma unroll
+        for (int g = 0; g < MLA_GROUP; ++g) {
+            // Rows past the end re-read the last row (valid memory); their
+            // scores are masked to -inf below, so they add exactly 0.
+            const hk_i64 j = j0 + g < n ? j0 + g : n - 1;
+            r[g] = rows + j * width;
+            d[g] = (T)0;
         }
+        for (int c = lane; c < width; c += HK_WARP) {
+            const T qc = sq[c];
+#pragma unroll
+            for (int g = 0; g < MLA_GROUP; ++g) d[g] += qc * (T)r[g][c];
+        }
+        T mg = m;
+#pragma unroll
+        for (int g = 0; g < MLA_GROUP; ++g) {
+            d[g] = j0 + g < n ? hk_sum32(d[g]) * scale : hk_neg_inf<T>();
+            mg = d[g] > mg ? d[g] : mg;
+        }
+        // d and m are the same in every lane, so this is warp-uniform.
+        const T f = hk_exp(m - mg);  // 0 on the first group (m = -inf), 1 if the max stays
+        T e[MLA_GROUP];
+        T esum = (T)0;
+#pragma unroll
+        for (int g = 0; g < MLA_GROUP; ++g) {
+            e[g] = hk_exp(d[g] - mg);  // 0 for masked rows
+            esum += e[g];
+        }
+        l = l * f + esum;
+        for (int c = lane; c < L; c += HK_WARP) {
+            T a = acc[c] * f;
+#pragma unroll
+            for (int g = 0; g < MLA_GROUP; ++g) a += e[g] * (T)r[g][c];
+            acc[c] = a;
+        }
+        m = mg;
     }
     if (lane == 0) {
         sml[2 * w] = m;

@@ -34,7 +34,7 @@ pub use cpu::{CpuBackend, CpuBuf, CpuF64Buf, CpuIBuf, KDA_CHUNK};
 pub use error::{KernelError, Result};
 pub use gpu::{
     CudaBackend, CudaBuf, CudaF64Buf, CudaIBuf, HIP_CODE_OBJECTS, HIP_PRELUDE, HIP_SOURCES,
-    HipBackend, NoBuf, device_program,
+    HipBackend, KdaKernel, NoBuf, device_program,
 };
 pub use rng::SplitMix64;
 pub use shapes::*;

@@ -30,6 +30,7 @@ use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 
+use super::KdaKernel;
 use crate::backend::Backend;
 use crate::cpu::{kda as cpu_kda, mla as cpu_mla};
 use crate::dtype::StorageDtype;
@@ -44,9 +45,10 @@ use crate::shapes::{
 const EW_THREADS: u32 = 256;
 /// Most blocks of a grid-stride launch (enough to fill any current device).
 const EW_MAX_BLOCKS: usize = 8192;
-/// Key rows per warp and columns per block of the KDA kernels (kda.hip).
+/// Key rows per warp of the KDA kernels (kda.hip).
 const KDA_ROWS: usize = 16;
-const KDA_TILE: usize = 128;
+/// The KDA kernel for dk <= 128 unless set otherwise.
+const DEFAULT_KDA_KERNEL: KdaKernel = KdaKernel::C2;
 /// Largest dk the KDA kernels take: 16 warps of 16 rows in registers.
 const KDA_MAX_DK: usize = 256;
 /// Dynamic shared memory a block may use without opting in to more.
@@ -88,8 +90,9 @@ impl fmt::Debug for CudaF64Buf {
 
 /// The kernels of the loaded module.
 struct Funcs {
-    kda_recurrent: CudaFunction,
-    kda_recurrent_2x: CudaFunction,
+    /// The decode-step kernels, indexed like `KdaKernel::ALL`.
+    kda_step: Vec<CudaFunction>,
+    kda_prefill: CudaFunction,
     kda_recurrent_wide: CudaFunction,
     replay_append: CudaFunction,
     replay_commit: CudaFunction,
@@ -129,7 +132,7 @@ pub struct CudaBackend {
     f: Funcs,
     device_name: String,
     cc: (i32, i32),
-    kda_two_blocks: bool,
+    kda_kernel: KdaKernel,
 }
 
 impl fmt::Debug for CudaBackend {
@@ -323,12 +326,13 @@ fn check_kda(
     Ok(())
 }
 
-/// Block size and dynamic shared memory of the KDA kernels for `dk`: warps of
-/// 16 key rows each. Depends on dk only, never on the batch.
-fn kda_block(dk: usize) -> (u32, u32) {
+/// Block size and dynamic shared memory of the KDA kernels for `dk` and
+/// `cols` value columns per lane: warps of 16 key rows each. Depends on the
+/// widths only, never on the batch.
+fn kda_block(dk: usize, cols: usize) -> (u32, u32) {
     let nw = dk.div_ceil(KDA_ROWS).max(1);
     let kpad = nw * KDA_ROWS;
-    let smem = (4 * kpad + nw * KDA_TILE + nw) * 4;
+    let smem = (4 * kpad + 2 * nw * 32 * cols + 2 * nw) * 4;
     ((nw * 32) as u32, smem as u32)
 }
 
@@ -407,8 +411,8 @@ impl CudaBackend {
                 .map_err(|e| unavailable(&format!("kernel {name} missing from the module"), e))
         };
         let f = Funcs {
-            kda_recurrent: get("kda_recurrent")?,
-            kda_recurrent_2x: get("kda_recurrent_2x")?,
+            kda_step: KdaKernel::ALL.iter().map(|k| get(k.kernel_name())).collect::<Result<_>>()?,
+            kda_prefill: get("kda_prefill")?,
             kda_recurrent_wide: get("kda_recurrent_wide")?,
             replay_append: get("replay_append")?,
             replay_commit: get("replay_commit")?,
@@ -436,7 +440,7 @@ impl CudaBackend {
             f,
             device_name,
             cc,
-            kda_two_blocks: false,
+            kda_kernel: DEFAULT_KDA_KERNEL,
         })
     }
 
@@ -455,12 +459,16 @@ impl CudaBackend {
         self.cc
     }
 
-    /// Which KDA step kernel runs for dk <= 128: one block per multiprocessor
-    /// with every state value in a register (false, the default), or two
-    /// blocks per multiprocessor with a 128-register cap and a few spills
-    /// (true). Both give the same bits; `cuda_check --bench` times both.
-    pub fn set_kda_two_blocks_per_sm(&mut self, on: bool) {
-        self.kda_two_blocks = on;
+    /// Chooses the KDA decode-step kernel for dk <= 128 (see [`KdaKernel`];
+    /// the default is the fastest measured on the H200). All give the same
+    /// bits; `cuda_check --bench` times each.
+    pub fn set_kda_kernel(&mut self, kernel: KdaKernel) {
+        self.kda_kernel = kernel;
+    }
+
+    /// The KDA decode-step kernel in use for dk <= 128.
+    pub fn kda_kernel(&self) -> KdaKernel {
+        self.kda_kernel
     }
 
     /// Waits until every queued op has finished; reports a failed one.
@@ -553,11 +561,21 @@ impl CudaBackend {
             return Ok(());
         }
         let grid_x = int(op, "slots x heads", seqs * heads)? as u32;
-        let tiles = dv.div_ceil(KDA_TILE);
+        // The step kernels are compiled for tokens == 1 (no token loop).
+        let (func, cols) = if dk > 128 {
+            (&self.f.kda_recurrent_wide, 1)
+        } else if tokens == 1 {
+            let k = self.kda_kernel;
+            let at = KdaKernel::ALL.iter().position(|&x| x == k).expect("every variant is loaded");
+            (&self.f.kda_step[at], k.cols_per_lane())
+        } else {
+            (&self.f.kda_prefill, 1)
+        };
+        let tiles = dv.div_ceil(32 * cols);
         if tiles > 65535 {
             return Err(KernelError::InvalidShape { op, reason: format!("dv = {dv} is too wide") });
         }
-        let (threads, smem) = kda_block(dk);
+        let (threads, smem) = kda_block(dk, cols);
         let cfg = LaunchConfig {
             grid_dim: (grid_x, tiles as u32, 1),
             block_dim: (threads, 1, 1),
@@ -565,13 +583,6 @@ impl CudaBackend {
         };
         let (t, h, k, v) = (int(op, "tokens", tokens)?, int(op, "heads", heads)?, int(op, "dk", dk)?, int(op, "dv", dv)?);
         let null: u64 = 0;
-        let func = if dk > 128 {
-            &self.f.kda_recurrent_wide
-        } else if self.kda_two_blocks {
-            &self.f.kda_recurrent_2x
-        } else {
-            &self.f.kda_recurrent
-        };
         let mut b = self.stream.launch_builder(func);
         b.arg(&mut state.data)
             .arg(&x.q.data)
@@ -944,8 +955,8 @@ impl Backend for CudaBackend {
         if batch == 0 {
             return Ok(());
         }
-        let tiles = dv.div_ceil(KDA_TILE);
-        let (threads, _) = kda_block(dk);
+        let tiles = dv.div_ceil(128); // replay_commit's tile: 4 columns per lane
+        let (threads, _) = kda_block(dk, 4);
         let cfg = LaunchConfig {
             grid_dim: (int(op, "slots x heads", batch * heads)? as u32, tiles as u32, 1),
             block_dim: (threads, 1, 1),
@@ -1342,9 +1353,9 @@ mod tests {
 
     #[test]
     fn launch_shapes_depend_on_widths_only() {
-        assert_eq!(kda_block(128), (256, ((4 * 128 + 8 * 128 + 8) * 4) as u32));
-        assert_eq!(kda_block(16).0, 32);
-        assert_eq!(kda_block(7).0, 32);
+        assert_eq!(kda_block(128, 4), (256, ((4 * 128 + 2 * 8 * 128 + 16) * 4) as u32));
+        assert_eq!(kda_block(16, 1).0, 32);
+        assert_eq!(kda_block(7, 1).0, 32);
         assert_eq!(mla_warps("t", 512, 576, 8).unwrap().0, 256);
         assert!(mla_warps("t", 100_000, 100_064, 8).is_err());
     }

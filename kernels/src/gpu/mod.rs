@@ -33,6 +33,49 @@ pub use cuda::{CudaBackend, CudaBuf, CudaF64Buf, CudaIBuf};
 #[cfg(feature = "hip")]
 mod hip;
 
+/// The KDA decode-step kernels of the CUDA backend for dk <= 128
+/// (`kernels/hip/kda.hip`): how wide a column tile one block owns and how many
+/// blocks share a multiprocessor. They differ only in speed: each column is
+/// computed by the same arithmetic in the same order in all of them, so they
+/// give the same bits (`cuda_check` checks it) and the choice never changes a
+/// result. (Prefill always runs the 32-column kernel: one sequence has few
+/// heads, so the narrowest tiles give it the most blocks.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KdaKernel {
+    /// 32-column tiles (16 KB of a 128 x 128 state per block), 4 blocks per multiprocessor.
+    C1,
+    /// 64-column tiles, 3 blocks per multiprocessor (the default: fastest on the H200).
+    C2,
+    /// 64-column tiles, 4 blocks per multiprocessor (64 registers, a few bytes spilled).
+    C2x4,
+    /// 128-column tiles, 1 block per multiprocessor (no register cap).
+    C4x1,
+}
+
+impl KdaKernel {
+    /// Every variant, for benchmarks.
+    pub const ALL: [KdaKernel; 4] = [Self::C1, Self::C2, Self::C2x4, Self::C4x1];
+
+    /// The kernel's name in the sources.
+    pub fn kernel_name(self) -> &'static str {
+        match self {
+            Self::C1 => "kda_step_c1",
+            Self::C2 => "kda_step_c2",
+            Self::C2x4 => "kda_step_c2x4",
+            Self::C4x1 => "kda_step_c4x1",
+        }
+    }
+
+    /// Value columns per lane (the tile is 32 times this wide).
+    pub fn cols_per_lane(self) -> usize {
+        match self {
+            Self::C1 => 1,
+            Self::C2 | Self::C2x4 => 2,
+            Self::C4x1 => 4,
+        }
+    }
+}
+
 /// The prelude every kernel source is compiled behind (spellings that differ
 /// between hipcc and NVRTC, 16-bit conversions, reductions).
 pub const HIP_PRELUDE: &str = include_str!("../../hip/prelude.h");
@@ -187,7 +230,8 @@ mod tests {
         let program = device_program();
         assert!(program.starts_with(HIP_PRELUDE));
         for k in [
-            "kda_recurrent", "kda_recurrent_2x", "kda_recurrent_wide", "replay_append", "replay_commit", "conv_prefill_out",
+            "kda_step_c1", "kda_step_c2", "kda_step_c2x4", "kda_step_c4x1", "kda_prefill",
+            "kda_recurrent_wide", "replay_append", "replay_commit", "conv_prefill_out",
             "conv_prefill_state", "conv_step", "rms_norm", "gated_rms_norm", "mla_attend_f32",
             "mla_partial_f64", "dcp_merge_f32", "dcp_merge_f64", "matmul_f32", "silu_mul",
             "add_inplace", "embedding", "argmax_rows", "fill_f32", "copy_cols", "round_to",

@@ -73,8 +73,13 @@ macro_rules! stub_backend {
             }
 
             /// KDA kernel choice (unreachable: a stub has no values).
-            pub fn set_kda_two_blocks_per_sm(&mut self, on: bool) {
-                let _ = on;
+            pub fn set_kda_kernel(&mut self, kernel: $crate::gpu::KdaKernel) {
+                let _ = kernel;
+                match self.never {}
+            }
+
+            /// The KDA kernel in use (unreachable: a stub has no values).
+            pub fn kda_kernel(&self) -> $crate::gpu::KdaKernel {
                 match self.never {}
             }
         }
