@@ -234,8 +234,10 @@ fn run_kda_prefill<B: Backend>(be: &B, t: usize, c: &KdaHost, s0: &[f32]) -> R<(
     Ok((be.download(&out)?, be.download(&state)?, be.download(&rec)?))
 }
 
-/// Two appends of `tokens` records per slot then a commit; returns (ring after
-/// appends, cursors after appends, committed state, cursors after commit).
+/// (ring after the appends, cursors after the appends, committed state, cursors after the commit).
+type ReplayOut = (Vec<f32>, Vec<i32>, Vec<f32>, Vec<i32>);
+
+/// Two appends of `tokens` records per slot then a commit.
 fn run_replay<B: Backend>(
     be: &B,
     shape: ReplayShape,
@@ -243,7 +245,7 @@ fn run_replay<B: Backend>(
     recs: &[Vec<f32>; 2],
     cursor0: &[i32],
     s0: &[f32],
-) -> R<(Vec<f32>, Vec<i32>, Vec<f32>, Vec<i32>)> {
+) -> R<ReplayOut> {
     let w = replay_record_width(shape.dk, shape.dv);
     let mut ring = be.alloc(shape.batch * shape.capacity * shape.heads * w)?;
     let mut cursor = be.upload_i32(cursor0)?;

@@ -53,7 +53,7 @@
 // Launch: grid (seqs * heads, ceil(dv / (32 * COLS))); block 32 * ceil(dk / 16)
 // threads; dynamic shared memory (4 * nw * 16 + 2 * nw * 32 * COLS + 2 * nw)
 // floats, nw = blockDim.x / 32.
-template <int COLS, bool ONE>
+template <int COLS>
 static __device__ __forceinline__ void kda_recurrent_body(
     float* __restrict__ state,          // [seqs, H, dk, dv], updated in place
     const float* __restrict__ q,        // [seqs * tokens, H, dk]
@@ -116,16 +116,16 @@ static __device__ __forceinline__ void kda_recurrent_body(
         vn[c] = j < dv ? v[th * dv + j] : 0.0f;
     }
 
-    // ONE: a decode step (tokens == 1), compiled without the loop and the
-    // look-ahead loads, which frees their registers for the state.
-    const int nt = ONE ? 1 : tokens;
-    for (int t = 0; t < nt; ++t) {
+    // (A build specialised to one token, without the loop and the look-ahead
+    // loads, was measured slower on the H200: 48.5 against 43.2 us for the
+    // B = 88 x 12-head step; its scheduler issued the state loads later.)
+    for (int t = 0; t < tokens; ++t) {
         const float qi = qn, ki = kn, gr = gn, br = bn;
         float vv[COLS];
 #pragma unroll
         for (int c = 0; c < COLS; ++c) vv[c] = vn[c];
         const hk_i64 tht = th;
-        if (!ONE && t + 1 < nt) {
+        if (t + 1 < tokens) {
             th += heads;
             qn = tid < dk ? q[th * dk + tid] : 0.0f;
             kn = tid < dk ? k[th * dk + tid] : 0.0f;
@@ -254,27 +254,27 @@ static __device__ __forceinline__ void kda_recurrent_body(
     const float* __restrict__ b_raw, const float* __restrict__ a_log,                     \
     const float* __restrict__ dt_bias, float* __restrict__ out, float* __restrict__ record, \
     int tokens, int heads, int dk, int dv
-#define KDA_RECURRENT_CALL(cols, one) \
-    kda_recurrent_body<cols, one>(state, q, k, v, g_raw, b_raw, a_log, dt_bias, out, record, tokens, heads, dk, dv)
+#define KDA_RECURRENT_CALL(cols) \
+    kda_recurrent_body<cols>(state, q, k, v, g_raw, b_raw, a_log, dt_bias, out, record, tokens, heads, dk, dv)
 
 // Entry points. They differ in the tile width (value columns per lane) and in
 // the launch bounds, which set the register budget (65536 / (threads x blocks
 // per multiprocessor)), never in the arithmetic of a column:
 //   decode step (tokens = 1), dk <= 128 (256 threads):
-//     kda_step_c1    32-column tiles, 4 blocks per multiprocessor;
-//     kda_step_c2    64-column tiles, 3 blocks;
-//     kda_step_c2x4  64-column tiles, 4 blocks;
+//     kda_step_c1    32-column tiles, 4 blocks per multiprocessor (64 registers);
+//     kda_step_c2    64-column tiles, 3 blocks (80 registers, 32 bytes spilled): the default;
+//     kda_step_c2x4  64-column tiles, 4 blocks (64 registers, a few bytes spilled);
 //     kda_step_c4x1  128-column tiles, 1 block (no register cap);
-//   kda_prefill      32-column tiles (the most blocks for one sequence), dk <= 128;
+//   kda_prefill      32-column tiles (the most blocks for one sequence), 3 blocks, dk <= 128;
 //   kda_recurrent_wide  step or prefill for 128 < dk <= 256 (up to 512 threads).
 // The backend picks the step kernel (CudaBackend::set_kda_kernel); all give
 // the same bits, and a prefill equals its decode steps bit for bit.
-extern "C" __global__ void __launch_bounds__(256, 4) kda_step_c1(KDA_RECURRENT_ARGS) { KDA_RECURRENT_CALL(1, true); }
-extern "C" __global__ void __launch_bounds__(256, 3) kda_step_c2(KDA_RECURRENT_ARGS) { KDA_RECURRENT_CALL(2, true); }
-extern "C" __global__ void __launch_bounds__(256, 4) kda_step_c2x4(KDA_RECURRENT_ARGS) { KDA_RECURRENT_CALL(2, true); }
-extern "C" __global__ void __launch_bounds__(256, 1) kda_step_c4x1(KDA_RECURRENT_ARGS) { KDA_RECURRENT_CALL(4, true); }
-extern "C" __global__ void __launch_bounds__(256, 3) kda_prefill(KDA_RECURRENT_ARGS) { KDA_RECURRENT_CALL(1, false); }
-extern "C" __global__ void __launch_bounds__(KDA_MAX_THREADS, 2) kda_recurrent_wide(KDA_RECURRENT_ARGS) { KDA_RECURRENT_CALL(1, false); }
+extern "C" __global__ void __launch_bounds__(256, 4) kda_step_c1(KDA_RECURRENT_ARGS) { KDA_RECURRENT_CALL(1); }
+extern "C" __global__ void __launch_bounds__(256, 3) kda_step_c2(KDA_RECURRENT_ARGS) { KDA_RECURRENT_CALL(2); }
+extern "C" __global__ void __launch_bounds__(256, 4) kda_step_c2x4(KDA_RECURRENT_ARGS) { KDA_RECURRENT_CALL(2); }
+extern "C" __global__ void __launch_bounds__(256, 1) kda_step_c4x1(KDA_RECURRENT_ARGS) { KDA_RECURRENT_CALL(4); }
+extern "C" __global__ void __launch_bounds__(256, 3) kda_prefill(KDA_RECURRENT_ARGS) { KDA_RECURRENT_CALL(1); }
+extern "C" __global__ void __launch_bounds__(KDA_MAX_THREADS, 2) kda_recurrent_wide(KDA_RECURRENT_ARGS) { KDA_RECURRENT_CALL(1); }
 
 // ReplaySSM append: copies slot b's `tokens` records to its ring at its cursor.
 // The cursors were checked on the host (in range, room left); the host writes

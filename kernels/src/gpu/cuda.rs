@@ -682,6 +682,7 @@ impl CudaBackend {
         Ok(())
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn matmul_unchecked(&self, op: &'static str, rows: usize, inner: usize, cols: usize, x: &CudaSlice<f32>, w: &CudaSlice<f32>, out: &mut CudaSlice<f32>) -> Result<()> {
         if rows == 0 || cols == 0 {
             return Ok(());
