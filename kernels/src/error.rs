@@ -31,6 +31,16 @@ pub enum KernelError {
         reason: String,
     },
 
+    /// The device runtime failed a call (launch, copy, allocation) after the
+    /// backend was constructed.
+    #[error("{op}: device error: {message}")]
+    Device {
+        /// The op that failed.
+        op: &'static str,
+        /// What the runtime said.
+        message: String,
+    },
+
     /// A shape whose element count does not fit in `usize`.
     #[error("{op}: shape {dims:?} overflows usize")]
     SizeOverflow {

@@ -11,9 +11,11 @@
 //! design.md section 5.
 //!
 //! [`CpuBackend`] is the reference (f32 storage and accumulation, rayon).
-//! [`CudaBackend`] and [`HipBackend`] are stubs that refuse with
-//! [`KernelError::BackendUnavailable`]; the device kernel sources live in
-//! `kernels/hip/` (see [`KDA_DECODE_HIP`]).
+//! [`CudaBackend`] runs the same ops on an NVIDIA GPU with the `cuda` feature
+//! (NVRTC-compiled kernels, driver loaded at run time) and refuses with
+//! [`KernelError::BackendUnavailable`] without it or without a driver;
+//! [`HipBackend`] refuses (compile-checked for gfx90a with `hip`). The device
+//! kernel sources live in `kernels/hip/` (see [`HIP_SOURCES`]).
 
 pub mod backend;
 pub mod cpu;
@@ -30,6 +32,9 @@ pub use backend::Backend;
 pub use dtype::StorageDtype;
 pub use cpu::{CpuBackend, CpuBuf, CpuF64Buf, CpuIBuf, KDA_CHUNK};
 pub use error::{KernelError, Result};
-pub use gpu::{CudaBackend, HipBackend, KDA_DECODE_HIP, NoBuf};
+pub use gpu::{
+    CudaBackend, CudaBuf, CudaF64Buf, CudaIBuf, HIP_CODE_OBJECTS, HIP_PRELUDE, HIP_SOURCES,
+    HipBackend, KdaKernel, NoBuf, device_program,
+};
 pub use rng::SplitMix64;
 pub use shapes::*;

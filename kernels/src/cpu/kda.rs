@@ -492,7 +492,7 @@ fn prefill_head(
 }
 
 /// Reads and validates the cursors of a replay call.
-fn read_cursors(op: &'static str, cursor: &[i32], capacity: usize) -> Result<Vec<usize>> {
+pub(crate) fn read_cursors(op: &'static str, cursor: &[i32], capacity: usize) -> Result<Vec<usize>> {
     cursor
         .iter()
         .enumerate()
@@ -512,7 +512,7 @@ fn read_cursors(op: &'static str, cursor: &[i32], capacity: usize) -> Result<Vec
         .collect()
 }
 
-fn check_replay(
+pub(crate) fn check_replay(
     op: &'static str,
     shape: &ReplayShape,
     ring_len: usize,

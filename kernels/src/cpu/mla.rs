@@ -42,7 +42,7 @@ fn attend(
     m + sum.ln()
 }
 
-fn check_rows(op: &'static str, shape: &MlaShape, rows_len: usize, count: usize) -> Result<usize> {
+pub(crate) fn check_rows(op: &'static str, shape: &MlaShape, rows_len: usize, count: usize) -> Result<usize> {
     check_nonzero(op, "heads", shape.heads)?;
     let width = shape
         .kv_lora_rank

@@ -5,7 +5,7 @@ mod conv;
 mod dense;
 pub(crate) mod kda;
 mod math;
-mod mla;
+pub(crate) mod mla;
 mod norm;
 
 #[cfg(test)]

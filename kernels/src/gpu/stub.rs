@@ -1,65 +1,102 @@
-//! GPU backends. Not wired to a device runtime yet: `CudaBackend` and
-//! `HipBackend` are stubs with the full [`Backend`] API whose constructors
-//! return [`KernelError::BackendUnavailable`], with or without their feature,
-//! so callers compile and fail the same way everywhere (as candle does).
-//! The kernel sources for the device live in `kernels/hip/`.
-
-use crate::backend::Backend;
-use crate::dtype::StorageDtype;
-use crate::error::{KernelError, Result};
-use crate::shapes::{
-    ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape,
-    MatmulShape, MergeShape, MlaShape, MlpShape, MlpWeights, NormShape, ReplayShape, RowSet,
-};
-
-/// HIP/CUDA-common source of the KDA recurrent decode step (`kda_decode_step`),
-/// for hipcc and NVRTC.
-pub const KDA_DECODE_HIP: &str = include_str!("../hip/kda_decode.hip");
+//! Stub backends: the full [`Backend`] API on a type that cannot be
+//! constructed. `new` returns [`KernelError::BackendUnavailable`] saying why, so
+//! callers compile and fail the same way in every build (as candle's disabled
+//! backends do). Used for `CudaBackend` without the `cuda` feature and for
+//! `HipBackend` (which has no launch path yet; with `hip` on, `new` reports
+//! what the HIP runtime says about devices).
 
 /// The buffer type of a backend that cannot exist in this build: it has no
 /// values, so no op of a stub backend can ever receive one.
 #[derive(Debug)]
 pub enum NoBuf {}
 
+/// An uninhabited marker: a stub backend holds one, so it has no values and
+/// every method on it is statically unreachable.
+#[derive(Debug)]
+pub(crate) enum Never {}
+
 macro_rules! stub_backend {
-    ($(#[$doc:meta])* $name:ident, $label:literal, $enabled:expr, $off:literal, $on:literal) => {
+    ($(#[$doc:meta])* $name:ident, $label:literal, $reason:expr) => {
         $(#[$doc])*
         #[derive(Debug)]
         pub struct $name {
-            _unconstructible: (),
+            never: $crate::gpu::stub::Never,
         }
 
         impl $name {
             /// Opens device `device`. In this build it always fails with
             /// `BackendUnavailable`, saying why.
-            pub fn new(device: usize) -> Result<Self> {
-                let _ = device;
-                Err(Self::unavailable())
+            pub fn new(device: usize) -> $crate::error::Result<Self> {
+                let reason: fn(usize) -> String = $reason;
+                Err($crate::error::KernelError::BackendUnavailable(reason(device)))
             }
 
-            /// Whether this build could ever construct the backend.
+            /// Whether `new` could succeed in this build on this machine (never, for a stub).
             pub fn is_available() -> bool {
                 false
             }
 
-            fn unavailable() -> KernelError {
-                KernelError::BackendUnavailable(if $enabled { $on } else { $off }.to_string())
+            /// The device's name (unreachable: a stub has no values).
+            pub fn device_name(&self) -> &str {
+                match self.never {}
+            }
+
+            /// The device ordinal (unreachable: a stub has no values).
+            pub fn ordinal(&self) -> usize {
+                match self.never {}
+            }
+
+            /// Compute capability (unreachable: a stub has no values).
+            pub fn compute_capability(&self) -> (i32, i32) {
+                match self.never {}
+            }
+
+            /// Waits for all queued work (unreachable: a stub has no values).
+            pub fn synchronize(&self) -> $crate::error::Result<()> {
+                match self.never {}
+            }
+
+            /// Device time per call of `f` (unreachable: a stub has no values).
+            pub fn time_us(
+                &self,
+                reps: usize,
+                f: impl FnMut() -> $crate::error::Result<()>,
+            ) -> $crate::error::Result<f64> {
+                let _ = (reps, f);
+                match self.never {}
+            }
+
+            /// Device copy bandwidth (unreachable: a stub has no values).
+            pub fn copy_bandwidth_gbs(&self, bytes: usize, reps: usize) -> $crate::error::Result<f64> {
+                let _ = (bytes, reps);
+                match self.never {}
+            }
+
+            /// KDA kernel choice (unreachable: a stub has no values).
+            pub fn set_kda_kernel(&mut self, kernel: $crate::gpu::KdaKernel) {
+                let _ = kernel;
+                match self.never {}
+            }
+
+            /// The KDA kernel in use (unreachable: a stub has no values).
+            pub fn kda_kernel(&self) -> $crate::gpu::KdaKernel {
+                match self.never {}
             }
         }
 
-        impl Backend for $name {
-            type Buf = NoBuf;
-            type IBuf = NoBuf;
-            type F64Buf = NoBuf;
+        impl $crate::backend::Backend for $name {
+            type Buf = $crate::gpu::NoBuf;
+            type IBuf = $crate::gpu::NoBuf;
+            type F64Buf = $crate::gpu::NoBuf;
 
             fn name(&self) -> &'static str {
                 $label
             }
             fn alloc(&self, _: usize) -> Result<NoBuf> {
-                Err(Self::unavailable())
+                match self.never {}
             }
             fn upload(&self, _: &[f32]) -> Result<NoBuf> {
-                Err(Self::unavailable())
+                match self.never {}
             }
             fn upload_into(&self, dst: &mut NoBuf, _: usize, _: &[f32]) -> Result<()> {
                 match *dst {}
@@ -71,19 +108,19 @@ macro_rules! stub_backend {
                 match *buf {}
             }
             fn alloc_i32(&self, _: usize) -> Result<NoBuf> {
-                Err(Self::unavailable())
+                match self.never {}
             }
             fn upload_i32(&self, _: &[i32]) -> Result<NoBuf> {
-                Err(Self::unavailable())
+                match self.never {}
             }
             fn download_i32(&self, buf: &NoBuf) -> Result<Vec<i32>> {
                 match *buf {}
             }
             fn alloc_f64(&self, _: usize) -> Result<NoBuf> {
-                Err(Self::unavailable())
+                match self.never {}
             }
             fn upload_f64(&self, _: &[f64]) -> Result<NoBuf> {
-                Err(Self::unavailable())
+                match self.never {}
             }
             fn download_f64(&self, buf: &NoBuf) -> Result<Vec<f64>> {
                 match *buf {}
@@ -191,70 +228,4 @@ macro_rules! stub_backend {
     };
 }
 
-stub_backend!(
-    /// NVIDIA backend (the H200 test platform; CUDA runtime loaded at run
-    /// time, kernels through NVRTC). A stub in this build.
-    CudaBackend,
-    "cuda",
-    cfg!(feature = "cuda"),
-    "cuda: built without the `cuda` feature",
-    "cuda: the `cuda` feature is on but the device runtime was not found (no CUDA loader is wired into this build yet)"
-);
-
-stub_backend!(
-    /// AMD backend (hip-sys, kernels from `kernels/hip/` built with hipcc).
-    /// A stub in this build.
-    HipBackend,
-    "hip",
-    cfg!(feature = "hip"),
-    "hip: built without the `hip` feature",
-    "hip: the `hip` feature is on but the device runtime was not found (no HIP runtime is wired into this build yet)"
-);
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn gpu_stubs_refuse_with_a_typed_reason() {
-        let e = HipBackend::new(0).unwrap_err();
-        let KernelError::BackendUnavailable(msg) = &e else {
-            panic!("wrong error {e:?}")
-        };
-        assert!(msg.starts_with("hip: "), "{msg}");
-        if cfg!(feature = "hip") {
-            assert!(msg.contains("runtime was not found"), "{msg}");
-        } else {
-            assert_eq!(msg, "hip: built without the `hip` feature");
-        }
-        let e = CudaBackend::new(0).unwrap_err();
-        let KernelError::BackendUnavailable(msg) = &e else {
-            panic!("wrong error {e:?}")
-        };
-        assert!(msg.starts_with("cuda: "), "{msg}");
-        assert!(!HipBackend::is_available() && !CudaBackend::is_available());
-    }
-
-    /// The ops the batched decode added (ragged MLA partials, f64 copy, storage
-    /// rounding, the SwiGLU activation) exist on the stubs with the same
-    /// signatures: they can only be reached through a constructed backend, and
-    /// construction refuses, so a caller generic over `Backend` fails at `new`.
-    #[test]
-    fn gpu_stubs_carry_the_batched_decode_ops() {
-        fn takes_backend<B: Backend>(_: Option<&B>) -> &'static str {
-            let _ = B::mla_decode_partial_ragged;
-            let _ = B::copy_f64;
-            let _ = B::round_to;
-            let _ = B::silu_mul;
-            "ok"
-        }
-        assert_eq!(takes_backend::<CudaBackend>(None), "ok");
-        assert_eq!(takes_backend::<HipBackend>(None), "ok");
-        assert!(matches!(CudaBackend::new(0), Err(KernelError::BackendUnavailable(_))));
-    }
-
-    #[test]
-    fn hip_source_defines_the_kda_decode_kernel() {
-        assert!(KDA_DECODE_HIP.contains("extern \"C\" __global__ void kda_decode_step("));
-    }
-}
+pub(crate) use stub_backend;

@@ -1,0 +1,177 @@
+// Dense ops: matmul, the SwiGLU activation, embedding, argmax, the residual
+// add. CPU reference: kernels/src/cpu/dense.rs. Needs prelude.h in front.
+
+// ---- matmul -----------------------------------------------------------------
+//
+// out [rows, cols] = x [rows, inner] . w [inner, cols], row-major, as a plain
+// shared-memory tiled kernel: a block computes a 64 x 64 tile of out with 256
+// threads, each thread a 4 x 4 register block (rows ty + 16 i, columns
+// tx + 16 j, so a warp's loads and stores of w and out are contiguous), walking
+// k in steps of 16 through shared-memory tiles of x and w.
+//
+// Batch invariance: every output element is one fmaf chain over k = 0, 1, ...,
+// inner - 1 in that order, whatever tile, block or row count it falls in; rows
+// past the end of x only read zeros into lanes whose results are dropped, and
+// the k padding of the last tile multiplies 0 by 0. So a row's bits never
+// depend on how many rows the call has (decode of a batch equals decode of one).
+// Launch: grid (ceil(cols / 64), ceil(rows / 64)); block 256.
+
+#define MM_BM 64
+#define MM_BN 64
+#define MM_BK 16
+
+extern "C" __global__ void matmul_f32(
+    const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out,
+    int rows, int inner, int cols)
+{
+    __shared__ float xs[MM_BK][MM_BM + 1];  // x tile, k-major (+1: no bank conflicts on the transposed store)
+    __shared__ float ws[MM_BK][MM_BN];
+    const int tid = threadIdx.x;
+    const int tx = tid % 16;
+    const int ty = tid / 16;
+    const int row0 = blockIdx.y * MM_BM;
+    const int col0 = blockIdx.x * MM_BN;
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+
+    for (int k0 = 0; k0 < inner; k0 += MM_BK) {
+        // x tile: 64 rows x 16 k, four elements per thread, k fastest (contiguous reads).
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int idx = tid + 256 * e;
+            const int r = idx / MM_BK;
+            const int kk = idx % MM_BK;
+            const int gr = row0 + r;
+            const int gk = k0 + kk;
+            xs[kk][r] = (gr < rows && gk < inner) ? x[(hk_i64)gr * inner + gk] : 0.0f;
+        }
+        // w tile: 16 k x 64 columns, columns fastest.
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int idx = tid + 256 * e;
+            const int kk = idx / MM_BN;
+            const int c = idx % MM_BN;
+            const int gk = k0 + kk;
+            const int gc = col0 + c;
+            ws[kk][c] = (gk < inner && gc < cols) ? w[(hk_i64)gk * cols + gc] : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < MM_BK; ++kk) {
+            float a[4], b[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) a[i] = xs[kk][ty + 16 * i];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) b[j] = ws[kk][tx + 16 * j];
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int gr = row0 + ty + 16 * i;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int gc = col0 + tx + 16 * j;
+            if (gr < rows && gc < cols) out[(hk_i64)gr * cols + gc] = acc[i][j];
+        }
+    }
+}
+
+// ---- element-wise -------------------------------------------------------------
+// Launch: grid-stride, any grid; block 256.
+
+// out = silu(gate) * up.
+extern "C" __global__ void silu_mul(
+    const float* __restrict__ gate, const float* __restrict__ up, float* __restrict__ out, hk_i64 n)
+{
+    for (hk_i64 e = (hk_i64)blockIdx.x * blockDim.x + threadIdx.x; e < n;
+         e += (hk_i64)gridDim.x * blockDim.x)
+        out[e] = hk_silu(gate[e]) * up[e];
+}
+
+// dst += src.
+extern "C" __global__ void add_inplace(float* __restrict__ dst, const float* __restrict__ src, hk_i64 n)
+{
+    for (hk_i64 e = (hk_i64)blockIdx.x * blockDim.x + threadIdx.x; e < n;
+         e += (hk_i64)gridDim.x * blockDim.x)
+        dst[e] += src[e];
+}
+
+// out[t] = table[ids[t]]; the ids were checked on the host (0 <= id < vocab).
+extern "C" __global__ void embedding(
+    const float* __restrict__ table, const int* __restrict__ ids, float* __restrict__ out,
+    int tokens, int dim)
+{
+    const hk_i64 n = (hk_i64)tokens * dim;
+    for (hk_i64 e = (hk_i64)blockIdx.x * blockDim.x + threadIdx.x; e < n;
+         e += (hk_i64)gridDim.x * blockDim.x) {
+        const hk_i64 t = e / dim;
+        const int c = (int)(e % dim);
+        out[e] = table[(hk_i64)ids[t] * dim + c];
+    }
+}
+
+// ---- argmax ---------------------------------------------------------------------
+//
+// ids[r] = argmax of row r: NaNs skipped, the lowest index wins ties, a row of
+// NaNs picks 0 (the CPU's left-to-right scan). Each thread scans a strided
+// slice left to right, then the block combines candidates in a fixed tree:
+// (found, larger value, lower index) — the same answer as one scan.
+// Launch: grid (rows); block 256 (a power of two).
+
+struct hk_cand {
+    float v;
+    int i;
+    int found;
+};
+
+static __device__ __forceinline__ hk_cand argmax_pick(hk_cand a, hk_cand b) {
+    if (!b.found) return a;
+    if (!a.found) return b;
+    if (b.v > a.v) return b;
+    if (a.v > b.v) return a;
+    return b.i < a.i ? b : a;
+}
+
+extern "C" __global__ void argmax_rows(
+    const float* __restrict__ logits, int* __restrict__ ids, int cols)
+{
+    __shared__ float sv[256];
+    __shared__ int si[256];
+    __shared__ int sf[256];
+    const float* row = logits + (hk_i64)blockIdx.x * cols;
+    hk_cand best;
+    best.v = HK_NEG_INF_F;
+    best.i = 0;
+    best.found = 0;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        const float v = row[c];
+        if (!hk_isnan(v) && (!best.found || v > best.v)) {
+            best.v = v;
+            best.i = c;
+            best.found = 1;
+        }
+    }
+    sv[threadIdx.x] = best.v;
+    si[threadIdx.x] = best.i;
+    sf[threadIdx.x] = best.found;
+    __syncthreads();
+    for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+            hk_cand a, b;
+            a.v = sv[threadIdx.x]; a.i = si[threadIdx.x]; a.found = sf[threadIdx.x];
+            b.v = sv[threadIdx.x + s]; b.i = si[threadIdx.x + s]; b.found = sf[threadIdx.x + s];
+            const hk_cand p = argmax_pick(a, b);
+            sv[threadIdx.x] = p.v; si[threadIdx.x] = p.i; sf[threadIdx.x] = p.found;
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) ids[blockIdx.x] = sf[0] ? si[0] : 0;
+}

@@ -1,0 +1,159 @@
+// Prelude of the HIP/CUDA-common kernel sources in kernels/hip/.
+//
+// Every *.hip file here is written in the subset that both Debian's hipcc
+// (HIP 5.2, clang) and NVRTC (CUDA 13) compile. This header maps the few
+// spellings that differ, so the kernels themselves never test the compiler:
+//   - hipcc: build.rs passes `-include prelude.h`; this hipcc does not put the
+//     HIP runtime header in front of a source by itself, so it is included here
+//     (threadIdx, __syncthreads, __forceinline__ come from it).
+//   - NVRTC: the Rust side (src/gpu/cuda.rs) prepends this text to the sources;
+//     NVRTC has the CUDA builtins without any header, and no standard header is
+//     used anywhere (NVRTC has none).
+//
+// Conventions shared by every kernel:
+//   - A "warp" here is 32 lanes, on both vendors. On AMD's 64-wide waves the
+//     shuffles below run on 32-lane halves (the `width` argument), so a block
+//     of 32 * n threads is n logical warps everywhere and every reduction tree
+//     is the same on both.
+//   - Reductions have a fixed order (no atomics): the same input gives the same
+//     bits on every run, and a row, head or slot is computed by a block whose
+//     shape depends only on the op's widths, never on the batch size.
+//   - 16-bit storage types are `unsigned short` bit patterns with conversions
+//     equal to kernels/src/dtype.rs (round to nearest, ties to even).
+#ifndef HANDOFF_PRELUDE_H
+#define HANDOFF_PRELUDE_H
+
+#ifdef __HIPCC__
+#include <hip/hip_runtime.h>
+#define HK_SHFL_XOR(v, m) __shfl_xor((v), (m), 32)
+#else
+#define HK_SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m), 32)
+#endif
+
+#define HK_WARP 32
+
+typedef long long hk_i64;
+typedef unsigned short hk_bf16;
+typedef unsigned short hk_f16;
+
+// Infinities without <math.h>: bit patterns.
+#define HK_INF_F (__int_as_float(0x7f800000))
+#define HK_NEG_INF_F (__int_as_float((int)0xff800000u))
+#define HK_NEG_INF_D (__longlong_as_double((long long)0xfff0000000000000ull))
+
+// Dynamic shared memory: one declaration of one type for every kernel of the
+// program (NVRTC compiles all sources as one unit, and two `extern __shared__`
+// arrays of one name and different types would conflict). double gives 8-byte
+// alignment; kernels cast.
+#define HK_DYN_SMEM(type, name)                  \
+    extern __shared__ double hk_dyn_smem[];      \
+    type* name = (type*)hk_dyn_smem
+
+// ---- scalar math, in the operation order of the CPU reference -------------
+
+// log(1 + e^x), linear above 20 (as torch, FLA and kernels/src/cpu/math.rs).
+static __device__ __forceinline__ float hk_softplus(float x) {
+    return x > 20.0f ? x : log1pf(expf(x));
+}
+
+static __device__ __forceinline__ float hk_sigmoid(float x) {
+    return 1.0f / (1.0f + expf(-x));
+}
+
+static __device__ __forceinline__ float hk_silu(float x) {
+    return x * hk_sigmoid(x);
+}
+
+static __device__ __forceinline__ bool hk_isnan(float x) {
+    return x != x;
+}
+
+// ---- 16-bit storage conversions (same bit algorithm as src/dtype.rs) ------
+
+static __device__ __forceinline__ hk_bf16 hk_f32_to_bf16(float x) {
+    const unsigned int b = __float_as_uint(x);
+    if (x != x) return (hk_bf16)((b >> 16) | 0x0040u);  // quiet NaN
+    const unsigned int lsb = (b >> 16) & 1u;
+    return (hk_bf16)((b + 0x7fffu + lsb) >> 16);  // unsigned add wraps like wrapping_add
+}
+
+static __device__ __forceinline__ float hk_bf16_to_f32(hk_bf16 h) {
+    return __uint_as_float(((unsigned int)h) << 16);
+}
+
+static __device__ __forceinline__ hk_f16 hk_f32_to_f16(float x) {
+    const unsigned int b = __float_as_uint(x);
+    const unsigned int sign = (b >> 16) & 0x8000u;
+    const int exp = (int)((b >> 23) & 0xffu);
+    const unsigned int man = b & 0x7fffffu;
+    if (exp == 0xff) return (hk_f16)(sign | 0x7c00u | (man != 0 ? 0x200u : 0u));
+    const int e = exp - 112;  // rebias 127 -> 15
+    if (e >= 0x1f) return (hk_f16)(sign | 0x7c00u);
+    if (e <= 0) {
+        if (e < -10) return (hk_f16)sign;
+        const unsigned int m = man | 0x800000u;
+        const unsigned int shift = (unsigned int)(14 - e);
+        const unsigned int half = 1u << (shift - 1);
+        const unsigned int rem = m & ((1u << shift) - 1);
+        unsigned int r = m >> shift;
+        if (rem > half || (rem == half && (r & 1u))) r += 1;
+        return (hk_f16)(sign | r);
+    }
+    unsigned int r = (((unsigned int)e) << 10) | (man >> 13);
+    const unsigned int rem = man & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) r += 1;
+    return (hk_f16)(sign | r);
+}
+
+static __device__ __forceinline__ float hk_f16_to_f32(hk_f16 h) {
+    const unsigned int sign = ((unsigned int)(h & 0x8000u)) << 16;
+    const unsigned int exp = (h >> 10) & 0x1fu;
+    const unsigned int man = h & 0x3ffu;
+    if (exp == 0) {
+        // Subnormal (or zero): exact as man * 2^-24.
+        const float v = (float)man * (1.0f / 16777216.0f);
+        return sign ? -v : v;
+    }
+    if (exp == 0x1f) return __uint_as_float(sign | 0x7f800000u | (man << 13));
+    return __uint_as_float(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+// ---- reductions -------------------------------------------------------------
+
+// Butterfly sum over the 32 lanes of a logical warp. Every lane ends with the
+// same bits: at each level lane x adds v_x + v_(x^m) and its partner adds the
+// same two values (addition commutes exactly), so the lanes stay identical.
+static __device__ __forceinline__ float hk_warp_sum(float v) {
+    v += HK_SHFL_XOR(v, 16);
+    v += HK_SHFL_XOR(v, 8);
+    v += HK_SHFL_XOR(v, 4);
+    v += HK_SHFL_XOR(v, 2);
+    v += HK_SHFL_XOR(v, 1);
+    return v;
+}
+
+static __device__ __forceinline__ double hk_warp_sum_d(double v) {
+    v += HK_SHFL_XOR(v, 16);
+    v += HK_SHFL_XOR(v, 8);
+    v += HK_SHFL_XOR(v, 4);
+    v += HK_SHFL_XOR(v, 2);
+    v += HK_SHFL_XOR(v, 1);
+    return v;
+}
+
+// Sum of `v` over the block (blockDim.x a multiple of 32, at most 1024): each
+// warp's butterfly, then the warp totals in warp order. Every thread returns the
+// total. `red` holds blockDim.x / 32 floats; the trailing barrier lets the
+// caller reuse `red` at once.
+static __device__ float hk_block_sum(float v, float* red) {
+    const unsigned nw = blockDim.x / HK_WARP;
+    v = hk_warp_sum(v);
+    if ((threadIdx.x & (HK_WARP - 1)) == 0) red[threadIdx.x / HK_WARP] = v;
+    __syncthreads();
+    float total = 0.0f;
+    for (unsigned w = 0; w < nw; ++w) total += red[w];
+    __syncthreads();
+    return total;
+}
+
+#endif  // HANDOFF_PRELUDE_H

@@ -1,0 +1,264 @@
+//! GPU backends and their one set of kernel sources.
+//!
+//! The device kernels live in `kernels/hip/*.hip`, HIP/CUDA-common C++ behind
+//! the small `hip/prelude.h`; the same text is compiled by NVRTC for NVIDIA
+//! (at [`CudaBackend::new`], feature `cuda`) and by hipcc for AMD (in
+//! `build.rs`, feature `hip`, to gfx90a code objects).
+//!
+//! - [`CudaBackend`]: with `cuda`, a real backend (cudarc: the driver API and
+//!   NVRTC, both loaded at run time). `new` first checks that `libcuda` and
+//!   `libnvrtc` can be loaded and returns `BackendUnavailable("cuda: no CUDA
+//!   driver: ...")` when not, so the same binary runs its CPU path on a machine
+//!   without a GPU. Without `cuda`, a stub with the same API that refuses.
+//! - [`HipBackend`]: a stub with the same API. With `hip`, `new` asks the HIP
+//!   runtime (hip-sys) for devices and reports "no device" (there is no AMD GPU
+//!   to run on); the kernels are still compiled for gfx90a by the build, see
+//!   [`HIP_CODE_OBJECTS`].
+
+use crate::dtype::StorageDtype;
+use crate::error::Result;
+use crate::shapes::{
+    ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape,
+    MatmulShape, MergeShape, MlaShape, MlpShape, MlpWeights, NormShape, ReplayShape, RowSet,
+};
+
+pub(crate) mod stub;
+pub use stub::NoBuf;
+
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg(feature = "cuda")]
+pub use cuda::{CudaBackend, CudaBuf, CudaF64Buf, CudaIBuf};
+
+#[cfg(feature = "hip")]
+mod hip;
+
+/// The KDA decode-step kernels of the CUDA backend for dk <= 128
+/// (`kernels/hip/kda.hip`): how wide a column tile one block owns and how many
+/// blocks share a multiprocessor. They differ only in speed: each column is
+/// computed by the same arithmetic in the same order in all of them, so they
+/// give the same bits (`cuda_check` checks it) and the choice never changes a
+/// result. (Prefill always runs the 32-column kernel: one sequence has few
+/// heads, so the narrowest tiles give it the most blocks.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KdaKernel {
+    /// 32-column tiles (16 KB of a 128 x 128 state per block), 4 blocks per multiprocessor.
+    C1,
+    /// 64-column tiles, 3 blocks per multiprocessor (the default: fastest on the H200).
+    C2,
+    /// 64-column tiles, 4 blocks per multiprocessor (64 registers, a few bytes spilled).
+    C2x4,
+    /// 128-column tiles, 1 block per multiprocessor (no register cap).
+    C4x1,
+}
+
+impl KdaKernel {
+    /// Every variant, for benchmarks.
+    pub const ALL: [KdaKernel; 4] = [Self::C1, Self::C2, Self::C2x4, Self::C4x1];
+
+    /// The kernel's name in the sources.
+    pub fn kernel_name(self) -> &'static str {
+        match self {
+            Self::C1 => "kda_step_c1",
+            Self::C2 => "kda_step_c2",
+            Self::C2x4 => "kda_step_c2x4",
+            Self::C4x1 => "kda_step_c4x1",
+        }
+    }
+
+    /// Value columns per lane (the tile is 32 times this wide).
+    pub fn cols_per_lane(self) -> usize {
+        match self {
+            Self::C1 => 1,
+            Self::C2 | Self::C2x4 => 2,
+            Self::C4x1 => 4,
+        }
+    }
+}
+
+/// The prelude every kernel source is compiled behind (spellings that differ
+/// between hipcc and NVRTC, 16-bit conversions, reductions).
+pub const HIP_PRELUDE: &str = include_str!("../../hip/prelude.h");
+
+/// Every kernel source of `kernels/hip/`, by file name. build.rs compiles each
+/// `*.hip` file of that directory with hipcc; a test checks that this list
+/// names exactly those files, so NVRTC never misses one.
+pub const HIP_SOURCES: &[(&str, &str)] = &[
+    ("conv.hip", include_str!("../../hip/conv.hip")),
+    ("copy.hip", include_str!("../../hip/copy.hip")),
+    ("dense.hip", include_str!("../../hip/dense.hip")),
+    ("kda.hip", include_str!("../../hip/kda.hip")),
+    ("mla.hip", include_str!("../../hip/mla.hip")),
+    ("norm.hip", include_str!("../../hip/norm.hip")),
+];
+
+/// The NVRTC program: the prelude, then every source, as one translation unit
+/// (NVRTC is given no headers, so the prelude travels as text).
+pub fn device_program() -> String {
+    let mut s = String::with_capacity(
+        HIP_PRELUDE.len() + HIP_SOURCES.iter().map(|(_, t)| t.len() + 64).sum::<usize>(),
+    );
+    s.push_str(HIP_PRELUDE);
+    for (name, text) in HIP_SOURCES {
+        s.push_str("\n// ---- ");
+        s.push_str(name);
+        s.push('\n');
+        s.push_str(text);
+    }
+    s
+}
+
+/// The gfx90a code objects that build.rs made with hipcc from each source
+/// (`(file name, clang offload bundle)`), with the `hip` feature; empty
+/// without it.
+#[cfg(feature = "hip")]
+pub const HIP_CODE_OBJECTS: &[(&str, &[u8])] =
+    include!(concat!(env!("OUT_DIR"), "/hip_code_objects.rs"));
+/// The gfx90a code objects that build.rs made with hipcc from each source
+/// (`(file name, clang offload bundle)`), with the `hip` feature; empty
+/// without it.
+#[cfg(not(feature = "hip"))]
+pub const HIP_CODE_OBJECTS: &[(&str, &[u8])] = &[];
+
+#[cfg(not(feature = "cuda"))]
+stub::stub_backend!(
+    /// NVIDIA backend (CUDA driver and NVRTC loaded at run time). This build
+    /// has no `cuda` feature: a stub whose `new` refuses.
+    CudaBackend,
+    "cuda",
+    |_| "cuda: built without the `cuda` feature".to_string()
+);
+
+/// The f32 buffer of [`CudaBackend`] (no values without the `cuda` feature).
+#[cfg(not(feature = "cuda"))]
+pub type CudaBuf = NoBuf;
+/// The i32 buffer of [`CudaBackend`] (no values without the `cuda` feature).
+#[cfg(not(feature = "cuda"))]
+pub type CudaIBuf = NoBuf;
+/// The f64 buffer of [`CudaBackend`] (no values without the `cuda` feature).
+#[cfg(not(feature = "cuda"))]
+pub type CudaF64Buf = NoBuf;
+
+stub::stub_backend!(
+    /// AMD backend. The kernels compile for gfx90a (build.rs, feature `hip`),
+    /// but no AMD device exists to run them on, so op launches are not wired:
+    /// `new` refuses, saying whether the HIP runtime saw a device.
+    HipBackend,
+    "hip",
+    hip_reason
+);
+
+#[cfg(feature = "hip")]
+fn hip_reason(device: usize) -> String {
+    hip::unavailable_reason(device)
+}
+
+#[cfg(not(feature = "hip"))]
+fn hip_reason(_: usize) -> String {
+    "hip: built without the `hip` feature".to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Backend;
+    use crate::error::KernelError;
+
+    #[test]
+    fn hip_stub_refuses_with_a_typed_reason() {
+        let e = HipBackend::new(0).unwrap_err();
+        let KernelError::BackendUnavailable(msg) = &e else {
+            panic!("wrong error {e:?}")
+        };
+        assert!(msg.starts_with("hip: "), "{msg}");
+        eprintln!("HipBackend::new(0): {msg}");
+        if cfg!(feature = "hip") {
+            // No AMD GPU exists where this runs: the runtime must say so.
+            assert!(msg.contains("no device"), "{msg}");
+        } else {
+            assert_eq!(msg, "hip: built without the `hip` feature");
+        }
+        assert!(!HipBackend::is_available());
+    }
+
+    #[test]
+    fn cuda_refuses_with_a_typed_reason_where_it_cannot_run() {
+        match CudaBackend::new(0) {
+            Ok(be) => {
+                // A machine with a driver and a device (the H200): fine.
+                assert_eq!(be.name(), "cuda");
+            }
+            Err(KernelError::BackendUnavailable(msg)) => {
+                assert!(msg.starts_with("cuda: "), "{msg}");
+                if !cfg!(feature = "cuda") {
+                    assert_eq!(msg, "cuda: built without the `cuda` feature");
+                    assert!(!CudaBackend::is_available());
+                }
+            }
+            Err(e) => panic!("wrong error {e:?}"),
+        }
+    }
+
+    /// The ops the batched decode added exist on every backend type with the
+    /// same signatures, so code generic over `Backend` compiles against each.
+    #[test]
+    fn gpu_backends_carry_the_batched_decode_ops() {
+        fn takes_backend<B: Backend>(_: Option<&B>) -> &'static str {
+            let _ = B::mla_decode_partial_ragged;
+            let _ = B::copy_f64;
+            let _ = B::round_to;
+            let _ = B::silu_mul;
+            "ok"
+        }
+        assert_eq!(takes_backend::<CudaBackend>(None), "ok");
+        assert_eq!(takes_backend::<HipBackend>(None), "ok");
+    }
+
+    #[test]
+    fn the_source_list_is_every_hip_file_and_defines_every_kernel() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("hip");
+        let mut on_disk: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .filter_map(|e| {
+                let name = e.unwrap().file_name().into_string().unwrap();
+                name.ends_with(".hip").then_some(name)
+            })
+            .collect();
+        on_disk.sort();
+        let listed: Vec<String> = HIP_SOURCES.iter().map(|(n, _)| n.to_string()).collect();
+        assert_eq!(listed, on_disk, "HIP_SOURCES must list every kernels/hip/*.hip");
+        let program = device_program();
+        assert!(program.starts_with(HIP_PRELUDE));
+        for k in [
+            "kda_step_c1", "kda_step_c2", "kda_step_c2x4", "kda_step_c4x1", "kda_prefill",
+            "kda_recurrent_wide", "replay_append", "replay_commit", "conv_prefill_out",
+            "conv_prefill_state", "conv_step", "rms_norm", "gated_rms_norm", "mla_attend_f32",
+            "mla_partial_f64", "dcp_merge_f32", "dcp_merge_f64", "matmul_f32", "silu_mul",
+            "add_inplace", "embedding", "argmax_rows", "fill_f32", "copy_cols", "round_to",
+        ] {
+            assert!(
+                program
+                    .lines()
+                    .any(|l| l.starts_with("extern \"C\" __global__") && l.contains(&format!(" {k}("))),
+                "kernel {k} missing"
+            );
+        }
+        // No standard header anywhere: NVRTC has none.
+        for (name, text) in HIP_SOURCES {
+            assert!(!text.contains("#include"), "{name} includes a header");
+        }
+    }
+
+    #[cfg(feature = "hip")]
+    #[test]
+    fn every_source_has_a_gfx90a_code_object() {
+        let names: Vec<&str> = HIP_CODE_OBJECTS.iter().map(|(n, _)| *n).collect();
+        let sources: Vec<&str> = HIP_SOURCES.iter().map(|(n, _)| *n).collect();
+        assert_eq!(names, sources);
+        for (name, co) in HIP_CODE_OBJECTS {
+            assert!(co.starts_with(b"__CLANG_OFFLOAD_BUNDLE__"), "{name}: not an offload bundle");
+            let tail = String::from_utf8_lossy(&co[..co.len().min(4096)]).into_owned();
+            assert!(tail.contains("gfx90a"), "{name}: no gfx90a target in the bundle");
+        }
+    }
+}
