@@ -231,10 +231,16 @@ fn run(cli: Cli) -> Result<()> {
                 );
                 if dev.kind != handoff_components::config::DeviceKind::Cpu {
                     println!(
-                        "  against the CPU reference: greedy tokens equal, max logit relative error {:.2e} (limit {:.0e})",
+                        "  against the CPU reference: greedy tokens equal{}, max logit relative error {:.2e} (limit {:.0e})",
+                        if r.near_ties.is_empty() { "" } else { " up to the near-ties below" },
                         r.device_rel_err,
-                        handoff::compute_verify::DEVICE_TOLERANCE
+                        handoff::compute_verify::device_tolerance(&topo)
                     );
+                    for (req, step) in &r.near_ties {
+                        println!(
+                            "  request {req}: at step {step} the CPU reference's top two logits are within the tolerance and the device picked the other one; compared up to that step"
+                        );
+                    }
                 }
                 println!("  handed off {} bytes in {} descriptors; generated: {:?}", r.bytes_transferred, r.descriptors, String::from_utf8_lossy(&r.tokens));
                 return Ok(());

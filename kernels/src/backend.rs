@@ -27,6 +27,14 @@ pub trait Backend: Send + Sync {
     /// Short name for logs ("cpu", "cuda", "hip").
     fn name(&self) -> &'static str;
 
+    /// Waits until every op queued so far has finished. Device ops are
+    /// asynchronous (a download waits for them; nothing else does), so a
+    /// caller that times ops calls this before reading the clock. The CPU's
+    /// ops finish before they return.
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
     // ---- buffers ---------------------------------------------------------
 
     /// A zeroed f32 buffer of `len` elements.

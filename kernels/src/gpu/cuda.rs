@@ -737,6 +737,10 @@ impl CudaBackend {
 }
 
 impl Backend for CudaBackend {
+    fn synchronize(&self) -> Result<()> {
+        CudaBackend::synchronize(self)
+    }
+
     type Buf = CudaBuf;
     type IBuf = CudaIBuf;
     type F64Buf = CudaF64Buf;

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU run, in one call on the lent H200 (no Rust there): the binaries built
+# here with `--features cuda` and stripped, in $BIN (default .gpu-carry):
+#   handoff        cargo build --release --features cuda
+#   device_matrix  cargo test --release --features cuda --test device_matrix --no-run
+#   cuda_check     cargo build --release -p handoff-kernels --features cuda --example cuda_check
+# and the fla-core and einops wheels in .whl for the FLA peer.
+# Prints each figure next to its peer from the same run; logs go to $OUT.
+set -uo pipefail
+BIN=${BIN:-.gpu-carry}
+OUT=${OUT:-/tmp/h200-out}
+mkdir -p "$OUT"
+export PATH="$BIN:$PATH"
+step() { echo; echo "== $*"; }
+# SKIP_SERVE=1 leaves out the serving runs and the peers (a quick re-check).
+SKIP_SERVE=${SKIP_SERVE:-0}
+fail=0
+
+step "device"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+
+step "kernel check: every op against the CPU reference, batch invariance"
+cuda_check 2>&1 | tee "$OUT/cuda_check.txt" | tail -4 || fail=1
+
+step "verify --compute --device cuda on the shipped configs (4 requests as one batch, 32 steps)"
+for c in config/small.toml config/medium.toml config/pp3-tp2-to-tp4dcp2.toml; do
+  handoff verify --config "$c" --compute --device cuda --requests 4 2>&1 | tee -a "$OUT/verify.txt" | head -2 || fail=1
+done
+
+step "the compute test matrix on the GPU"
+device_matrix --ignored --nocapture 2>&1 | tee "$OUT/device_matrix.txt" | grep -E "ok on|test result|failed|panicked" || fail=1
+
+if [ "$SKIP_SERVE" = 0 ]; then
+step "handoff (the built-in default end to end: up, completions vs the colocated reference) on cuda"
+HANDOFF_DEVICE=cuda timeout 240 handoff 2>&1 | tee "$OUT/demo.txt" | tail -4 || fail=1
+
+step "bench serve on cuda, default cluster"
+HANDOFF_DEVICE=cuda timeout 240 handoff bench serve --concurrency 1,32,88 2>&1 | tee "$OUT/serve.txt" | tail -5 || fail=1
+
+fi
+
+step "bench compute on cuda"
+timeout 120 handoff bench compute --device cuda 2>&1 | tee "$OUT/compute.txt" | tail -12 || fail=1
+
+[ "$SKIP_SERVE" = 0 ] || exit $fail
+
+step "KDA decode step vs device copy (cuda_check --bench)"
+timeout 120 cuda_check --bench 2>&1 | tee "$OUT/kda_bench.txt" | tail -12 || fail=1
+
+step "peers: device copy, FLA fused_recurrent_kda and chunk_kda (same GPU, same call)"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && \
+    PYTHONPATH=/tmp/site timeout 180 python3 benches/peers/fla_kda.py 2>&1 | tee "$OUT/fla.txt" | grep -v Warning || fail=1
+else
+  echo "no .whl: FLA peer not run"; fail=1
+fi
+exit $fail
