@@ -97,6 +97,10 @@ pub struct ModelConfig {
     /// Weight seed of the compute model.
     #[serde(default)]
     pub seed: u64,
+    /// A `safetensors` file of trained weights (docs/weights.md), relative to the
+    /// topology file; without it the compute model draws seeded random weights.
+    #[serde(default)]
+    pub weights: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -352,7 +356,18 @@ impl Config {
     pub fn load(path: &str) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| ConfigError::Io { path: path.to_string(), reason: e.to_string() })?;
-        Config::parse(&text, path)
+        let mut config = Config::parse(&text, path)?;
+        // A relative weights path names a file beside the topology file, so a
+        // config means the same wherever the command runs.
+        if let Some(w) = &config.model.weights {
+            let w = std::path::Path::new(w);
+            if w.is_relative()
+                && let Some(dir) = std::path::Path::new(path).parent()
+            {
+                config.model.weights = Some(dir.join(w).to_string_lossy().into_owned());
+            }
+        }
+        Ok(config)
     }
 
     /// Runs every startup check and derives the topology.

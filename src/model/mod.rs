@@ -19,6 +19,7 @@
 //! [`run_colocated`], the reference verify compares against.
 
 pub mod bench;
+pub mod checkpoint;
 pub mod dtype;
 pub mod forward;
 pub mod ranks;

@@ -206,7 +206,8 @@ fn around(seed: u64, stream: u64, n: usize, center: f32, spread: f32) -> Vec<f32
 }
 
 impl Model {
-    /// Seeded weights for the topology's `[model]` table. Each tensor draws from its
+    /// The weights of the topology's `[model]` table: the `weights` file when it
+    /// names one (src/model/checkpoint.rs), else seeded: each tensor draws from its
     /// own SplitMix64 stream (layer x 32 + tensor), N(0, 1/sqrt(fan_in)).
     pub fn new(topo: &Topology) -> Result<Model, ModelError> {
         let dims = Dims::from_topology(topo);
@@ -226,11 +227,14 @@ impl Model {
                 MAX_WEIGHT_BYTES >> 30
             )));
         }
-        let seed = topo.model().seed;
-        let d = dims.hidden;
         if dims.intermediate == 0 {
             return Err(ModelError::Config("model.intermediate_size must be at least 1".into()));
         }
+        if let Some(path) = &topo.model().weights {
+            return super::checkpoint::load(dims, path);
+        }
+        let seed = topo.model().seed;
+        let d = dims.hidden;
         let (h, dk, dv) = (dims.kda_heads, dims.dk, dims.dv);
         let (hm, l, r, dn, dvh) =
             (dims.mla_heads, dims.kv_lora_rank, dims.rope_dim, dims.nope_dim, dims.v_head_dim);
