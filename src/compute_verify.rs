@@ -169,7 +169,7 @@ pub fn verify_compute_on<B: Backend + 'static>(
         }
     }
     drop(model);
-    let (got, mut report) = run_disaggregated(topo, prompts, steps, fill, be, tamper)?;
+    let (got, mut report) = run_disaggregated(topo, prompts, &[], steps, fill, be, tamper)?;
     report.backend = backend;
     let same_backend = if on_device { &colocated_here } else { &references };
     for (i, (want, got)) in same_backend.iter().zip(&got).enumerate() {
@@ -270,9 +270,10 @@ fn compare(want: &Trace, got: &Trace, tolerance: f32, what: &str, worst: &mut (f
 /// computes the prefill stages and the batched decode through [`ModelCompute`],
 /// its transfer phase hands the plans to this driver, which runs them as the
 /// oracle's counting copy. Returns each request's trace, in prompt order.
-fn run_disaggregated<B: Backend + 'static>(
+pub(crate) fn run_disaggregated<B: Backend + 'static>(
     topo: &Topology,
     prompts: &[Vec<u8>],
+    forced: &[Vec<u8>],
     steps: u32,
     fill: Fill,
     be: B,
@@ -303,7 +304,8 @@ fn run_disaggregated<B: Backend + 'static>(
     for (i, p) in prompts.iter().enumerate() {
         let id = i as u64 + 1;
         let inputs = Inputs { prompt: p.clone(), hidden: None };
-        engine.submit_request(Submit { id, tokens: p.len() as u64, inputs, max_tokens: steps + 1, ..Default::default() });
+        let forced = forced.get(i).cloned().unwrap_or_default();
+        engine.submit_request(Submit { id, tokens: p.len() as u64, inputs, max_tokens: steps + 1, forced, ..Default::default() });
         tokens.insert(id, Vec::new());
     }
     let mut report = ComputeReport { prompt_tokens: prompts[0].len(), steps, ..Default::default() };

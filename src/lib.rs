@@ -10,6 +10,7 @@ pub mod compute;
 pub mod compute_verify;
 pub mod device;
 pub mod engine;
+pub mod eval;
 pub mod model;
 pub mod oracle;
 pub mod profile;

@@ -62,6 +62,28 @@ enum Command {
         #[arg(long)]
         device: Option<String>,
     },
+    /// Teacher-forced bits per byte and next-byte accuracy of held-out text through the
+    /// disaggregated path, next to the colocated run.
+    Eval {
+        #[arg(long)]
+        config: String,
+        /// Text file (bytes are the tokens).
+        #[arg(long)]
+        data: String,
+        /// Windows scored, spread evenly over the file (decoded together as one batch).
+        #[arg(long, default_value_t = 16)]
+        samples: usize,
+        /// Prompt bytes of each window (prefilled, then handed off).
+        #[arg(long, default_value_t = 64)]
+        prefix: usize,
+        /// Bytes scored after the prompt (decode is fed the true bytes).
+        #[arg(long, default_value_t = 64)]
+        continuation: usize,
+        /// Drop one region kind from the hand-off (decode starts from zeroed memory):
+        /// kda.state, kda.conv, replay.records, replay.cursor, mla.kv.
+        #[arg(long)]
+        drop: Option<String>,
+    },
     #[command(flatten)]
     Role(handoff::roles::RoleCommand),
     /// Benchmarks: transfer bandwidth against memcpy, CPU compute against a roofline, serving load.
@@ -273,6 +295,36 @@ fn run(cli: Cli) -> Result<()> {
                 _ => handoff_components::config::TransportKind::Local,
             };
             println!("{}", handoff::bench_cli::bench_transfer_cmd(&config, kind, tokens, requests)?.trim_end());
+        }
+        Command::Eval { config, data, samples, prefix, continuation, drop } => {
+            let topo = load(&config)?;
+            let dropped = match &drop {
+                Some(k) => Some(handoff_components::vocab::RegionKind::from_name(k).ok_or_else(|| {
+                    Refusal(format!("--drop {k:?}: expected kda.state, kda.conv, replay.records, replay.cursor or mla.kv"))
+                })?),
+                None => None,
+            };
+            let text = std::fs::read(&data).map_err(|e| Refusal(format!("--data {data}: {e}")))?;
+            let max_context = topo.config.serve.max_context as usize;
+            if prefix + continuation >= max_context {
+                return Err(Refusal(format!("--prefix {prefix} + --continuation {continuation} must be under serve.max_context {max_context}")).into());
+            }
+            let r = handoff::eval::eval(&topo, &text, samples, prefix, continuation, dropped).map_err(|e| anyhow::anyhow!("eval: {e}"))?;
+            println!(
+                "eval {config} on {data}: {} windows of {} + {} bytes ({} bytes scored){}",
+                r.samples,
+                r.prefix,
+                r.continuation,
+                r.disaggregated.bytes,
+                drop.as_ref().map_or(String::new(), |k| format!(", hand-off without {k}"))
+            );
+            println!("  {:<14} {:>14} {:>10}", "run", "bits per byte", "accuracy");
+            println!("  {:<14} {:>14.4} {:>9.2}%", "disaggregated", r.disaggregated.bits_per_byte, 100.0 * r.disaggregated.accuracy);
+            println!("  {:<14} {:>14.4} {:>9.2}%", "colocated", r.colocated.bits_per_byte, 100.0 * r.colocated.accuracy);
+            println!("  max logit relative error between them: {:.2e} (equivalence limit {:.0e})", r.max_rel_err, handoff::compute_verify::LOGIT_TOLERANCE);
+            if drop.is_none() && !r.equal() {
+                anyhow::bail!("eval: the disaggregated run differs from the colocated run beyond the equivalence tolerance");
+            }
         }
         Command::Role(r) => handoff::roles::cli::dispatch(r)?,
         Command::Bench { what: BenchCommand::Serve { config, concurrency, requests } } => {

@@ -179,6 +179,11 @@ pub struct Generation {
     pub stepped: u64,
 }
 
+/// Teacher forcing (`handoff eval`): the bytes a decode request is fed in place
+/// of its own picks, `0[k]` at position prompt + k (see [`Submit::forced`]).
+#[derive(Component, Debug, Clone, Default)]
+pub struct Forced(pub Vec<u8>);
+
 /// One plan of a request and where its writes stand.
 #[derive(Component, Debug, Clone)]
 pub struct PlanEntry {
@@ -270,6 +275,9 @@ pub struct Submit {
     pub inputs: Inputs,
     /// Tokens decode generates (decode Worlds; 0 elsewhere).
     pub max_tokens: u32,
+    /// Teacher forcing (`handoff eval`): the bytes decode feeds in place of its
+    /// own picks, `forced[k]` at position prompt + k; empty = greedy.
+    pub forced: Vec<u8>,
 }
 
 /// A write-done report: producer (pp, tp) finished its writes into one decode rank.

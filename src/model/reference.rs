@@ -224,11 +224,18 @@ pub fn prefill_local<B: Backend>(be: &B, group: &ShardGroup<B>, prompt: &[u8]) -
 /// Runs the prompt and `steps` greedy decode steps on `group` (any TP, DCP 1),
 /// decoding as a batch of one.
 pub fn run_colocated_on<B: Backend>(be: &B, group: &ShardGroup<B>, prompt: &[u8], steps: u32) -> R<Trace> {
+    run_colocated_forced_on(be, group, prompt, steps, &[])
+}
+
+/// [`run_colocated_on`] under teacher forcing: step i feeds `forced[i]` (the
+/// true byte at position prompt + i) instead of the previous pick, while it
+/// is given; the trace still records the model's own picks and logits.
+pub fn run_colocated_forced_on<B: Backend>(be: &B, group: &ShardGroup<B>, prompt: &[u8], steps: u32, forced: &[u8]) -> R<Trace> {
     let (req, logits, tok) = prefill_local(be, group, prompt)?;
     let mut caches = LocalCaches::new(&group.dims, group.tp(), vec![req]);
     let mut trace = Trace { tokens: vec![tok], logits: vec![logits] };
     for i in 0..steps as usize {
-        let prev = trace.tokens[i];
+        let prev = forced.get(i).copied().unwrap_or(trace.tokens[i]);
         let mut out = forward::decode_batch(be, group, &[prev], &[prompt.len() + i], &mut caches)?;
         let (logits, tok) = out.pop().ok_or_else(|| ModelError::Config("decode step returned nothing".into()))?;
         trace.tokens.push(tok);

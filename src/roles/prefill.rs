@@ -231,6 +231,6 @@ fn submit(engine: &mut Engine, stage: u32, transport: &dyn Transport, mover: &Mo
         nonce: Some(a.nonce),
         consumers: a.consumers,
         inputs: Inputs { prompt: job.prompt, hidden: job.hidden },
-        max_tokens: 0,
+        ..Default::default()
     });
 }

@@ -166,6 +166,7 @@ pub fn run_decode(
     dispatcher: Option<ResMut<Dispatcher>>,
     mut requests: Query<(Entity, &Request, &mut Status, &mut Generation, &Holdings)>,
     leases: Query<&Lease>,
+    forced: Query<&Forced>,
     topo: Res<TopologyRes>,
     mut tick: Local<u64>,
     mut events: MessageWriter<EngineEvent>,
@@ -187,7 +188,9 @@ pub fn run_decode(
         let Ok((_, req, _, generation, holdings)) = requests.get(e) else { continue };
         let mut held: Vec<&Lease> = holdings.leases.iter().filter_map(|&l| leases.get(l).ok()).filter(|l| matches!(l.rank, RankId::Decode(_))).collect();
         held.sort_by_key(|l| l.rank);
-        let token = generation.last.unwrap_or(0);
+        // Teacher forcing feeds the true byte of this position instead of the pick.
+        let truth = forced.get(e).ok().and_then(|f| f.0.get(generation.emitted.saturating_sub(1) as usize).copied());
+        let token = truth.or(generation.last).unwrap_or(0);
         batch.push(DecodeItem { request: req.id, token, pos: req.tokens + generation.emitted as u64 - 1, leases: held });
     }
     let result = dispatcher.0.decode(&batch);
