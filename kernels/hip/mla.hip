@@ -1,7 +1,8 @@
 // Absorbed MLA attention (one latent KV head, rows L + R wide) and the DCP
 // LSE merges. CPU reference: kernels/src/cpu/mla.rs. Needs prelude.h in front.
 //
-// One block per query (token x head, or request x head). Its nw warps split
+// mla_attend_f32 and mla_partial_f64 (every shape): one block per query
+// (token x head, or request x head). Its nw warps split
 // the query's rows round-robin in groups of MLA_GROUP = 4 consecutive rows
 // (warp w takes groups w, w + nw, ...); a warp forms a group's scores with its
 // 32 lanes (lane-strided products, then the butterfly of the prelude,
@@ -11,7 +12,9 @@
 // count and the widths: a request's result is the same bits in a batch of any
 // size (the ragged partial relies on it). T is float for the f32 ops and
 // double for the f64 partials, which form scores, exponentials and sums in f64
-// from the f32 inputs, as the CPU does.
+// from the f32 inputs, as the CPU does. The f64 partials of K3's row shape
+// (L = 512, R = 64, heads a multiple of 8) run mla_partial_tc4/8 below
+// instead: all 8 heads of a group per row read, on the f64 tensor cores.
 
 #define MLA_GROUP 4
 
@@ -264,9 +267,6 @@ static __device__ __forceinline__ void hk_cp_wait_all() {
 #endif
 }
 
-// PROBE: MODE 2 replaces the exact f32 -> f64 conversion by one integer op (wrong values, timing only).
-#define MLA_CVT(x) (MODE == 2 ? __longlong_as_double(((long long)__float_as_int(x)) << 29) : (double)(x))
-
 // Position (in 16-byte pieces) of piece c of tile row r.
 static __device__ __forceinline__ int mla_tc_pos(int r, int c) { return c ^ (((r & 1) << 2) | (r & 2)); }
 
@@ -284,7 +284,7 @@ static __device__ __forceinline__ void mla_tc_load(float* dst, const float* src,
 // work: [chunks, 3] (first row of the chunk in `rows`, its row count, request);
 // parts: [chunks, H, 2 + L]. Launch: grid (chunks, H / 8); block 32 * NW;
 // dynamic shared memory MLA_TC_SMEM(NW).
-template <int NW, int MODE = 0>
+template <int NW>
 static __device__ __forceinline__ void mla_partial_tc(
     const float* __restrict__ q_lat, const float* __restrict__ rows, const hk_i64* __restrict__ work,
     double* __restrict__ parts, int heads, double scale, double* smem)
@@ -350,7 +350,6 @@ static __device__ __forceinline__ void mla_partial_tc(
         }
         const float* tR = sR + (it & 1) * T * W;
 
-        if (MODE == 3) continue;  // PROBE: loads only
         // 1. Partial scores over this warp's column blocks.
         double c[2][4][2];
 #pragma unroll
@@ -365,10 +364,10 @@ static __device__ __forceinline__ void mla_partial_tc(
                 for (int g = 0; g < 2; ++g) {
                     const int r = 8 * g + g4;
                     const float4 v = *(const float4*)(tR + r * W + 4 * mla_tc_pos(r, 4 * jb + k4));
-                    hk_dmma(c[g][0][0], c[g][0][1], qa[t][0], MLA_CVT(v.x));
-                    hk_dmma(c[g][1][0], c[g][1][1], qa[t][1], MLA_CVT(v.y));
-                    hk_dmma(c[g][2][0], c[g][2][1], qa[t][2], MLA_CVT(v.z));
-                    hk_dmma(c[g][3][0], c[g][3][1], qa[t][3], MLA_CVT(v.w));
+                    hk_dmma(c[g][0][0], c[g][0][1], qa[t][0], (double)v.x);
+                    hk_dmma(c[g][1][0], c[g][1][1], qa[t][1], (double)v.y);
+                    hk_dmma(c[g][2][0], c[g][2][1], qa[t][2], (double)v.z);
+                    hk_dmma(c[g][3][0], c[g][3][1], qa[t][3], (double)v.w);
                 }
             }
         }
@@ -406,7 +405,6 @@ static __device__ __forceinline__ void mla_partial_tc(
         }
         __syncthreads();
 
-        if (MODE == 1) continue;  // PROBE: no P . R
         // 3. acc = acc * f + P . R.
         const double f = sF[g4];
         if (HK_ANY(f != 1.0)) {
@@ -425,10 +423,10 @@ static __device__ __forceinline__ void mla_partial_tc(
 #pragma unroll
             for (int u = 0; u < UB; ++u) {
                 const float4 v = *(const float4*)(tR + r * W + 4 * mla_tc_pos(r, 8 * (w + NW * u) + g4));
-                hk_dmma(acc[u][0][0], acc[u][0][1], a, MLA_CVT(v.x));
-                hk_dmma(acc[u][1][0], acc[u][1][1], a, MLA_CVT(v.y));
-                hk_dmma(acc[u][2][0], acc[u][2][1], a, MLA_CVT(v.z));
-                hk_dmma(acc[u][3][0], acc[u][3][1], a, MLA_CVT(v.w));
+                hk_dmma(acc[u][0][0], acc[u][0][1], a, (double)v.x);
+                hk_dmma(acc[u][1][0], acc[u][1][1], a, (double)v.y);
+                hk_dmma(acc[u][2][0], acc[u][2][1], a, (double)v.z);
+                hk_dmma(acc[u][3][0], acc[u][3][1], a, (double)v.w);
             }
         }
     }
@@ -462,19 +460,6 @@ extern "C" __global__ void __launch_bounds__(256) mla_partial_tc8(
     HK_DYN_SMEM(double, smem);
     mla_partial_tc<8>(q_lat, rows, work, parts, heads, scale, smem);
 }
-
-// PROBE kernels (timing only, wrong results): 1 no P . R, 2 integer "conversion", 3 loads only.
-#define MLA_TC_PROBE(m)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(128, 2) mla_partial_tc4_m##m(                                  \
-        const float* __restrict__ q_lat, const float* __restrict__ rows, const hk_i64* __restrict__ work,     \
-        double* __restrict__ parts, int heads, double scale)                                                   \
-    {                                                                                                          \
-        HK_DYN_SMEM(double, smem);                                                                             \
-        mla_partial_tc<4, m>(q_lat, rows, work, parts, heads, scale, smem);                                    \
-    }
-MLA_TC_PROBE(1)
-MLA_TC_PROBE(2)
-MLA_TC_PROBE(3)
 
 // Merge of each request's chunk partials (mla_partial_tc*) in chunk order:
 // M = max m_c, l = sum l_c e^(m_c - M), acc = sum acc_c e^(m_c - M). A request
