@@ -6,6 +6,7 @@
 //! strip target/release/examples/cuda_check
 //! ./cuda_check            # every op: CPU vs CUDA, batch invariance, determinism
 //! ./cuda_check --bench    # timings: KDA step vs device copy bandwidth, and more
+//! ./cuda_check --bench-mla   # the device copy and the MLA partial rows only
 //! ```
 //!
 //! For every op it draws fresh random inputs (SplitMix64, `--seed`), runs
@@ -564,7 +565,16 @@ fn checks(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
 
     // Ragged partials: against the CPU, against each request alone (batch
     // invariance), and twice (determinism).
-    for &(shape, ref counts) in &[(small, vec![3usize, 0, 17, 1]), (k3, vec![0usize, 5, 300, 1, 1024, 64])] {
+    // K3's rows run the tensor-core kernel (chunks of 512 rows by default,
+    // tiles of 16, heads in groups of 8): counts across chunk and tile edges,
+    // 16 heads.
+    let k3h16 = MlaShape { heads: 16, ..k3 };
+    for &(shape, ref counts) in &[
+        (small, vec![3usize, 0, 17, 1]),
+        (k3, vec![0usize, 5, 300, 1, 1024, 64]),
+        (k3, vec![2049usize, 17, 255, 256, 511, 0, 16]),
+        (k3h16, vec![257usize, 0, 15, 600]),
+    ] {
         let wd = shape.row_width();
         let b = counts.len();
         let total: usize = counts.iter().sum();
@@ -750,11 +760,49 @@ fn check_kda_variants(gpu: &mut CudaBackend, rep: &mut Report, seed: u64) -> R<(
 
 // ------------------------------------------------------------------ bench
 
-fn bench(gpu: &mut CudaBackend, seed: u64) -> R<()> {
+/// MLA DCP decode partial on K3's rows (f32 here, 576 wide), 8 heads per rank:
+/// rows read per second against the read half of the device copy. The rows
+/// are random (one request's block uploaded, copied to every request). The
+/// kernel is the backend's (`HANDOFF_CUDA_MLA`, printed).
+fn bench_mla(gpu: &CudaBackend, bw: f64, r: &mut SplitMix64) -> R<()> {
+    let kernel = std::env::var("HANDOFF_CUDA_MLA").unwrap_or_else(|_| "default".to_string());
+    let shape = MlaShape { heads: 8, kv_lora_rank: 512, rope_dim: 64, scale: 1.0 / 192f32.sqrt() };
+    for &(b, n) in &[(88usize, 8192usize), (88, 32768), (8, 8192), (1, 32768)] {
+        let wd = shape.row_width();
+        let q = gpu.upload(&uni(r, b * shape.heads * wd, -1.0, 1.0))?;
+        let one = gpu.upload(&uni(r, n * wd, -1.0, 1.0))?;
+        let mut rows = gpu.alloc(b * n * wd)?;
+        for i in 0..b {
+            gpu.copy(&one, 0, &mut rows, i * n * wd, n * wd)?;
+        }
+        drop(one);
+        let mut p = gpu.alloc_f64(b * shape.heads * mla_partial_width(512))?;
+        let counts = vec![n; b];
+        gpu.mla_decode_partial_ragged(shape, &q, &rows, &counts, &mut p)?;
+        let reps = if b * n >= 88 * 32768 { 3 } else { 10 };
+        let us = gpu.time_us(reps, || gpu.mla_decode_partial_ragged(shape, &q, &rows, &counts, &mut p))?;
+        let bytes = (b * n * wd * 4) as f64;
+        let gbs = bytes / (us * 1e-6) / 1e9;
+        println!(
+            "| mla_decode_partial_ragged f64 [{kernel}] | B={b} x {n} rows x 576 f32, H=8 | {us:.0} | {gbs:.0} (rows read) | {:.2} (vs copy/2) |",
+            gbs / (bw / 2.0)
+        );
+    }
+    Ok(())
+}
+
+fn bench(gpu: &mut CudaBackend, seed: u64, mla_only: bool) -> R<()> {
     println!();
     let copy_bytes = 1usize << 30;
     let bw = gpu.copy_bandwidth_gbs(copy_bytes, 20)?;
     println!("device copy (memcpy_dtod of 1 GiB, read + write counted): {bw:.0} GB/s");
+    if mla_only {
+        let mut r = SplitMix64::new(seed ^ 0x3a1a);
+        println!();
+        println!("| kernel | shape | us/call | GB/s | of copy bw |");
+        println!("|---|---|---|---|---|");
+        return bench_mla(gpu, bw, &mut r);
+    }
     println!();
     println!("| kernel | shape | us/step | state GB/s | of copy bw |");
     println!("|---|---|---|---|---|");
@@ -807,26 +855,7 @@ fn bench(gpu: &mut CudaBackend, seed: u64) -> R<()> {
         println!("| kda_prefill (recurrent) | T={t} H={h} 128x128 | {us:.0} per call | {:.2} M tok/s | - |", t as f64 / us);
     }
 
-    // MLA DCP decode partial on K3's rows (f32 here, 576 wide), 8 heads per rank.
-    {
-        let shape = MlaShape { heads: 8, kv_lora_rank: 512, rope_dim: 64, scale: 1.0 / 192f32.sqrt() };
-        for &(b, n) in &[(88usize, 8192usize), (88, 32768)] {
-            let wd = shape.row_width();
-            let q = gpu.upload(&uni(&mut r, b * shape.heads * wd, -1.0, 1.0))?;
-            let rows = gpu.alloc(b * n * wd)?;
-            let mut p = gpu.alloc_f64(b * shape.heads * mla_partial_width(512))?;
-            let counts = vec![n; b];
-            gpu.mla_decode_partial_ragged(shape, &q, &rows, &counts, &mut p)?;
-            let g = &*gpu;
-            let us = g.time_us(3, || g.mla_decode_partial_ragged(shape, &q, &rows, &counts, &mut p))?;
-            let bytes = (b * n * wd * 4) as f64;
-            let gbs = bytes / (us * 1e-6) / 1e9;
-            println!(
-                "| mla_decode_partial_ragged f64 | B={b} x {n} rows x 576 f32, H=8 | {us:.0} | {gbs:.0} (rows read) | {:.2} (vs copy/2) |",
-                gbs / (bw / 2.0)
-            );
-        }
-    }
+    bench_mla(gpu, bw, &mut r)?;
 
     // Dense: a decode-sized and a prefill-sized matmul.
     for &(rows, inner, cols) in &[(1usize, 7168usize, 7168usize), (88, 7168, 7168), (4096, 4096, 4096)] {
@@ -847,7 +876,8 @@ fn bench(gpu: &mut CudaBackend, seed: u64) -> R<()> {
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let bench_mode = args.iter().any(|a| a == "--bench");
+    let mla_only = args.iter().any(|a| a == "--bench-mla");
+    let bench_mode = mla_only || args.iter().any(|a| a == "--bench");
     let seed = args
         .iter()
         .position(|a| a == "--seed")
@@ -869,7 +899,7 @@ fn main() -> ExitCode {
         t0.elapsed().as_secs_f64() * 1e3
     );
     if bench_mode {
-        return match bench(&mut gpu, seed) {
+        return match bench(&mut gpu, seed, mla_only) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("error: {e}");

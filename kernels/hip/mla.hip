@@ -1,7 +1,8 @@
 // Absorbed MLA attention (one latent KV head, rows L + R wide) and the DCP
 // LSE merges. CPU reference: kernels/src/cpu/mla.rs. Needs prelude.h in front.
 //
-// One block per query (token x head, or request x head). Its nw warps split
+// mla_attend_f32 and mla_partial_f64 (every shape): one block per query
+// (token x head, or request x head). Its nw warps split
 // the query's rows round-robin in groups of MLA_GROUP = 4 consecutive rows
 // (warp w takes groups w, w + nw, ...); a warp forms a group's scores with its
 // 32 lanes (lane-strided products, then the butterfly of the prelude,
@@ -11,7 +12,9 @@
 // count and the widths: a request's result is the same bits in a batch of any
 // size (the ragged partial relies on it). T is float for the f32 ops and
 // double for the f64 partials, which form scores, exponentials and sums in f64
-// from the f32 inputs, as the CPU does.
+// from the f32 inputs, as the CPU does. The f64 partials of K3's row shape
+// (L = 512, R = 64, heads a multiple of 8) run mla_partial_tc4/8 below
+// instead: all 8 heads of a group per row read, on the f64 tensor cores.
 
 #define MLA_GROUP 4
 
@@ -167,6 +170,348 @@ extern "C" __global__ void mla_partial_f64(
     double* p = partial + bh * (L + 2);
     for (int c = threadIdx.x; c < L; c += blockDim.x)
         p[2 + c] = M == HK_NEG_INF_D ? 0.0 : mla_merged_acc<double>(sacc, sml, L, c, M);
+    if (threadIdx.x == 0) {
+        p[0] = M;
+        p[1] = lt;
+    }
+}
+
+// ---- f64 partials on the tensor cores (L = 512, R = 64, heads in groups of 8)
+//
+// The K3 shape of mla_partial_f64, with each row read from memory once for
+// every head of a group of 8 (the M of the f64 MMA, m8n8k4). The rows of a
+// request are cut into chunks of `chunk` rows (request-local: chunk c is rows
+// c * chunk .. of the request, whatever the batch); one block per (chunk, head
+// group) computes the chunk's (m, l, acc) for its 8 heads, and
+// mla_chunk_merge_f64 merges a request's chunks in chunk order. A request's
+// bits depend only on its own rows, count and the chunk size: batch invariant.
+//
+// A block of MLA_TC_NW warps walks its chunk in tiles of MLA_TC_TILE = 16 rows,
+// each tile copied to shared memory once (cp.async, double buffered, 16-byte
+// pieces XOR-swizzled so both fragment reads below are free of bank
+// conflicts). Per tile:
+//   1. scores S = Q . R^T (8 heads x 16 rows, K = 576): warp w takes the
+//      column blocks of 16 jb = w, w + NW, ..; its Q fragments stay in
+//      registers for the whole chunk. Products and sums are f64 (the f32 rows
+//      converted exactly); four accumulator chains per 8 rows, added in order.
+//   2. the warps' partial scores are added in warp order and scaled; 128
+//      threads (one per head x row) update the running max, form e = exp(s - m)
+//      and the rescale factor f = exp(m_old - m) in f64, and the sum l (a
+//      16-lane butterfly, then l = l * f + sum).
+//   3. acc = acc * f + P . R[:, :L] (8 heads x 512 columns, K = 16 rows): warp
+//      w owns the 32-column groups w, w + NW, ..; acc stays in registers.
+// Every sum has a fixed order; no atomics.
+
+#define MLA_TC_L 512
+#define MLA_TC_W 576
+#define MLA_TC_TILE 16
+#define MLA_TC_NBLK (MLA_TC_W / 16)  // column blocks of 16: the score GEMM's K in pieces
+#define MLA_TC_CH (MLA_TC_W / 4)     // 16-byte pieces of a row
+#define MLA_TC_SP 20                 // row stride (doubles) of the score and weight tiles
+
+// Shared memory of mla_partial_tc<NW>, in bytes.
+#define MLA_TC_SMEM(nw) ((((nw) * 8 + 8) * MLA_TC_SP + 8) * 8 + 2 * MLA_TC_TILE * MLA_TC_W * 4)
+
+#ifdef __HIPCC__
+#define HK_SHFL_IDX(v, src) __shfl((v), (src), 32)
+#define HK_ANY(p) __any(p)
+#else
+#define HK_SHFL_IDX(v, src) __shfl_sync(0xffffffffu, (v), (src), 32)
+#define HK_ANY(p) __any_sync(0xffffffffu, (p))
+#endif
+
+// D = A . B + C for one 8x8x4 f64 tile of a warp: lane holds a = A[lane / 4][lane % 4],
+// b = B[lane % 4][lane / 4], c0, c1 = C[lane / 4][2 * (lane % 4) + {0, 1}].
+static __device__ __forceinline__ void hk_dmma(double& c0, double& c1, double a, double b) {
+#ifdef __HIPCC__
+    // Same product, by shuffles (the HIP build is compiled, not run).
+    const int lane = threadIdx.x & 31;
+    const int m = lane >> 2, n0 = 2 * (lane & 3);
+    for (int k = 0; k < 4; ++k) {
+        const double ak = HK_SHFL_IDX(a, 4 * m + k);
+        const double b0 = HK_SHFL_IDX(b, 4 * n0 + k);
+        const double b1 = HK_SHFL_IDX(b, 4 * (n0 + 1) + k);
+        c0 = fma(ak, b0, c0);
+        c1 = fma(ak, b1, c1);
+    }
+#else
+    asm("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%2}, {%3}, {%0, %1};"
+        : "+d"(c0), "+d"(c1)
+        : "d"(a), "d"(b));
+#endif
+}
+
+// 16-byte global -> shared copy (zero-filled when !valid), asynchronous on CUDA.
+static __device__ __forceinline__ void hk_cp16(float* dst, const float* src, bool valid) {
+#ifdef __HIPCC__
+    float4 v;
+    v.x = v.y = v.z = v.w = 0.0f;
+    if (valid) v = *(const float4*)src;
+    *(float4*)dst = v;
+#else
+    unsigned s;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(src), "r"(valid ? 16 : 0) : "memory");
+#endif
+}
+
+static __device__ __forceinline__ void hk_cp_commit() {
+#ifndef __HIPCC__
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+static __device__ __forceinline__ void hk_cp_wait_all() {
+#ifndef __HIPCC__
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+#endif
+}
+
+// Position (in 16-byte pieces) of piece c of tile row r.
+static __device__ __forceinline__ int mla_tc_pos(int r, int c) { return c ^ (((r & 1) << 2) | (r & 2)); }
+
+// Tile rows row0 .. row0 + 15 of a chunk of n rows (past n: zeros).
+static __device__ __forceinline__ void mla_tc_load(float* dst, const float* src, hk_i64 n, hk_i64 row0) {
+    for (int q = threadIdx.x; q < MLA_TC_TILE * MLA_TC_CH; q += blockDim.x) {
+        const int r = q / MLA_TC_CH;
+        const int c = q - r * MLA_TC_CH;
+        const hk_i64 g = row0 + r;
+        const bool valid = g < n;
+        hk_cp16(dst + r * MLA_TC_W + 4 * mla_tc_pos(r, c), src + (valid ? g : 0) * MLA_TC_W + 4 * c, valid);
+    }
+}
+
+// work: [chunks, 3] (first row of the chunk in `rows`, its row count, request);
+// parts: [chunks, H, 2 + L]. Launch: grid (chunks, H / 8); block 32 * NW;
+// dynamic shared memory MLA_TC_SMEM(NW).
+template <int NW>
+static __device__ __forceinline__ void mla_partial_tc(
+    const float* __restrict__ q_lat, const float* __restrict__ rows, const hk_i64* __restrict__ work,
+    double* __restrict__ parts, int heads, double scale, double* smem)
+{
+    constexpr int W = MLA_TC_W;
+    constexpr int L = MLA_TC_L;
+    constexpr int T = MLA_TC_TILE;
+    constexpr int SP = MLA_TC_SP;
+    constexpr int KB = (MLA_TC_NBLK + NW - 1) / NW;  // score column blocks per warp
+    constexpr int UB = L / (32 * NW);                // 32-column groups of acc per warp
+    double* sS = smem;              // [NW][8][SP] the warps' partial scores
+    double* sP = sS + NW * 8 * SP;  // [8][SP] e of the tile
+    double* sF = sP + 8 * SP;       // [8] rescale factor of the tile
+    float* sR = (float*)(sF + 8);   // [2][T][W] row tiles (swizzled pieces)
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int w = tid >> 5;
+    const int g4 = lane >> 2;  // fragment row: head (A, C) or column (B)
+    const int k4 = lane & 3;   // fragment k
+    const hk_i64 chunk = blockIdx.x;
+    const hk_i64 r0 = work[3 * chunk];
+    const hk_i64 n = work[3 * chunk + 1];
+    const hk_i64 b = work[3 * chunk + 2];
+    const int h0 = blockIdx.y * 8;
+    const float* rb = rows + r0 * W;
+    const int ntiles = (int)((n + T - 1) / T);
+
+    mla_tc_load(sR, rb, n, 0);
+    hk_cp_commit();
+
+    // Q fragments: qa[t][i] = q[h0 + g4][16 jb + 4 k4 + i], jb = w + NW t.
+    double qa[KB][4];
+    const float* qh = q_lat + ((b * heads) + h0 + g4) * (hk_i64)W;
+#pragma unroll
+    for (int t = 0; t < KB; ++t) {
+        const int jb = w + NW * t;
+        if (MLA_TC_NBLK % NW == 0 || jb < MLA_TC_NBLK) {
+            const float4 v = *(const float4*)(qh + 16 * jb + 4 * k4);
+            qa[t][0] = (double)v.x;
+            qa[t][1] = (double)v.y;
+            qa[t][2] = (double)v.z;
+            qa[t][3] = (double)v.w;
+        } else {
+            qa[t][0] = qa[t][1] = qa[t][2] = qa[t][3] = 0.0;
+        }
+    }
+    // acc[u][i][j] = acc[h0 + g4][32 (w + NW u) + 4 (2 k4 + j) + i].
+    double acc[UB][4][2];
+#pragma unroll
+    for (int u = 0; u < UB; ++u)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[u][i][0] = acc[u][i][1] = 0.0;
+    double m_run = HK_NEG_INF_D;  // softmax threads (tid < 128): head tid / 16
+    double l_run = 0.0;
+
+    for (int it = 0; it < ntiles; ++it) {
+        hk_cp_wait_all();
+        __syncthreads();  // tile it is in; every warp is done with tile it - 1
+        if (it + 1 < ntiles) {
+            mla_tc_load(sR + ((it + 1) & 1) * T * W, rb, n, (hk_i64)(it + 1) * T);
+            hk_cp_commit();
+        }
+        const float* tR = sR + (it & 1) * T * W;
+
+        // 1. Partial scores over this warp's column blocks.
+        double c[2][4][2];
+#pragma unroll
+        for (int g = 0; g < 2; ++g)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) c[g][i][0] = c[g][i][1] = 0.0;
+#pragma unroll
+        for (int t = 0; t < KB; ++t) {
+            const int jb = w + NW * t;
+            if (MLA_TC_NBLK % NW == 0 || jb < MLA_TC_NBLK) {
+#pragma unroll
+                for (int g = 0; g < 2; ++g) {
+                    const int r = 8 * g + g4;
+                    const float4 v = *(const float4*)(tR + r * W + 4 * mla_tc_pos(r, 4 * jb + k4));
+                    hk_dmma(c[g][0][0], c[g][0][1], qa[t][0], (double)v.x);
+                    hk_dmma(c[g][1][0], c[g][1][1], qa[t][1], (double)v.y);
+                    hk_dmma(c[g][2][0], c[g][2][1], qa[t][2], (double)v.z);
+                    hk_dmma(c[g][3][0], c[g][3][1], qa[t][3], (double)v.w);
+                }
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < 2; ++g)
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+                sS[(w * 8 + g4) * SP + 8 * g + 2 * k4 + j] = ((c[g][0][j] + c[g][1][j]) + c[g][2][j]) + c[g][3][j];
+        __syncthreads();
+
+        // 2. Online softmax of the tile, one thread per (head, row).
+        if (tid < 8 * T) {
+            const int hh = tid >> 4;
+            const int r = tid & 15;
+            double s = sS[hh * SP + r];
+#pragma unroll
+            for (int x = 1; x < NW; ++x) s += sS[(x * 8 + hh) * SP + r];
+            s = (hk_i64)it * T + r < n ? s * scale : HK_NEG_INF_D;
+            double mx = s;
+#pragma unroll
+            for (int o = 8; o >= 1; o >>= 1) {
+                const double y = HK_SHFL_XOR(mx, o);
+                mx = y > mx ? y : mx;
+            }
+            const double mnew = mx > m_run ? mx : m_run;
+            const double e = exp(s - mnew);  // 0 for rows past the end
+            const double f = exp(m_run - mnew);  // 0 on the first tile, 1 if the max stays
+            double es = e;
+#pragma unroll
+            for (int o = 8; o >= 1; o >>= 1) es += HK_SHFL_XOR(es, o);  // same bits in the 16 lanes
+            l_run = l_run * f + es;
+            m_run = mnew;
+            sP[hh * SP + r] = e;
+            if (r == 0) sF[hh] = f;
+        }
+        __syncthreads();
+
+        // 3. acc = acc * f + P . R.
+        const double f = sF[g4];
+        if (HK_ANY(f != 1.0)) {
+#pragma unroll
+            for (int u = 0; u < UB; ++u)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    acc[u][i][0] *= f;
+                    acc[u][i][1] *= f;
+                }
+        }
+#pragma unroll
+        for (int s4 = 0; s4 < T / 4; ++s4) {
+            const int r = 4 * s4 + k4;
+            const double a = sP[g4 * SP + r];
+#pragma unroll
+            for (int u = 0; u < UB; ++u) {
+                const float4 v = *(const float4*)(tR + r * W + 4 * mla_tc_pos(r, 8 * (w + NW * u) + g4));
+                hk_dmma(acc[u][0][0], acc[u][0][1], a, (double)v.x);
+                hk_dmma(acc[u][1][0], acc[u][1][1], a, (double)v.y);
+                hk_dmma(acc[u][2][0], acc[u][2][1], a, (double)v.z);
+                hk_dmma(acc[u][3][0], acc[u][3][1], a, (double)v.w);
+            }
+        }
+    }
+
+    double* p = parts + (chunk * heads + h0) * (L + 2);
+    if (tid < 8 * T && (tid & 15) == 0) {
+        p[(tid >> 4) * (L + 2)] = m_run;
+        p[(tid >> 4) * (L + 2) + 1] = l_run;
+    }
+#pragma unroll
+    for (int u = 0; u < UB; ++u)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+                p[g4 * (L + 2) + 2 + 32 * (w + NW * u) + 4 * (2 * k4 + j) + i] = acc[u][i][j];
+}
+
+extern "C" __global__ void __launch_bounds__(128, 2) mla_partial_tc4(
+    const float* __restrict__ q_lat, const float* __restrict__ rows, const hk_i64* __restrict__ work,
+    double* __restrict__ parts, int heads, double scale)
+{
+    HK_DYN_SMEM(double, smem);
+    mla_partial_tc<4>(q_lat, rows, work, parts, heads, scale, smem);
+}
+
+extern "C" __global__ void __launch_bounds__(256) mla_partial_tc8(
+    const float* __restrict__ q_lat, const float* __restrict__ rows, const hk_i64* __restrict__ work,
+    double* __restrict__ parts, int heads, double scale)
+{
+    HK_DYN_SMEM(double, smem);
+    mla_partial_tc<8>(q_lat, rows, work, parts, heads, scale, smem);
+}
+
+// Merge of each request's chunk partials (mla_partial_tc*) in chunk order:
+// M = max m_c, l = sum l_c e^(m_c - M), acc = sum acc_c e^(m_c - M). A request
+// of no chunks (no rows) gets m = -inf, l = 0, acc = 0.
+// cstart: [B + 1] first chunk of each request; parts [chunks, H, 2 + L];
+// partial [B, H, 2 + L]. Launch: grid (B * heads); block MLA_MERGE_THREADS.
+#define MLA_MERGE_THREADS 128
+extern "C" __global__ void __launch_bounds__(MLA_MERGE_THREADS) mla_chunk_merge_f64(
+    const double* __restrict__ parts, const hk_i64* __restrict__ cstart, double* __restrict__ partial,
+    int heads, int L)
+{
+    __shared__ double swt[MLA_MERGE_THREADS];
+    const hk_i64 bh = blockIdx.x;
+    const hk_i64 b = bh / heads;
+    const hk_i64 h = bh - b * heads;
+    const hk_i64 c0 = cstart[b];
+    const hk_i64 nc = cstart[b + 1] - c0;
+    const int pw = L + 2;
+    const double* base = parts + (c0 * heads + h) * pw;
+    const hk_i64 cs = (hk_i64)heads * pw;  // stride between chunks
+    double M = HK_NEG_INF_D;
+    for (hk_i64 c = 0; c < nc; ++c) {
+        const double x = base[c * cs];
+        M = x > M ? x : M;
+    }
+    double* p = partial + bh * pw;
+    double a[4] = {0.0, 0.0, 0.0, 0.0};  // columns tid + 128 k
+    double lt = 0.0;
+    for (hk_i64 c0p = 0; c0p < nc; c0p += MLA_MERGE_THREADS) {
+        const hk_i64 cn = nc - c0p < MLA_MERGE_THREADS ? nc - c0p : MLA_MERGE_THREADS;
+        __syncthreads();
+        if (threadIdx.x < cn) {
+            const double mc = base[(c0p + threadIdx.x) * cs];
+            swt[threadIdx.x] = mc == HK_NEG_INF_D ? 0.0 : exp(mc - M);
+        }
+        __syncthreads();
+        for (int x = 0; x < cn; ++x) {
+            const double wt = swt[x];
+            const double* pc = base + (c0p + x) * cs;
+            if (threadIdx.x == 0) lt += pc[1] * wt;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const int col = threadIdx.x + MLA_MERGE_THREADS * k;
+                if (col < L) a[k] += pc[2 + col] * wt;
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const int col = threadIdx.x + MLA_MERGE_THREADS * k;
+        if (col < L) p[2 + col] = a[k];
+    }
     if (threadIdx.x == 0) {
         p[0] = M;
         p[1] = lt;

@@ -26,7 +26,7 @@ use std::ffi::CString;
 use std::fmt;
 use std::sync::Arc;
 
-use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::sys::{CUevent_flags, CUfunction_attribute};
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 
@@ -53,6 +53,59 @@ const DEFAULT_KDA_KERNEL: KdaKernel = KdaKernel::C2;
 const KDA_MAX_DK: usize = 256;
 /// Dynamic shared memory a block may use without opting in to more.
 const SMEM_BUDGET: usize = 48 * 1024;
+/// The row shape of the tensor-core MLA partial (mla.hip's MLA_TC_L, MLA_TC_W
+/// - MLA_TC_L); heads go in groups of 8.
+const MLA_TC_L: usize = 512;
+const MLA_TC_R: usize = 64;
+/// Rows per tile of the tensor-core MLA partial (MLA_TC_TILE); chunks are
+/// whole tiles.
+const MLA_TC_TILE: usize = 16;
+/// Shared memory of `mla_partial_tc<nw>` (mla.hip's MLA_TC_SMEM).
+const fn mla_tc_smem(nw: usize) -> usize {
+    ((nw * 8 + 8) * 20 + 8) * 8 + 2 * MLA_TC_TILE * (MLA_TC_L + MLA_TC_R) * 4
+}
+/// Threads of `mla_chunk_merge_f64` (MLA_MERGE_THREADS); it keeps 4 columns
+/// per thread, so L <= 512.
+const MLA_MERGE_THREADS: u32 = 128;
+
+/// Which kernel runs the f64 MLA partials of K3's row shape (L = 512, R = 64,
+/// heads a multiple of 8), and how many rows a chunk (one block) takes. Other
+/// shapes always run the scalar `mla_partial_f64`. The choice changes bits
+/// (another chunking is another sum order) but never batch invariance: a
+/// request's chunks are its own rows. Default `tc8` (8 warps a block) with
+/// 512-row chunks, the fastest measured on the H200 at B = 88; the environment
+/// variable `HANDOFF_CUDA_MLA` (`scalar`, `tc4`, `tc8`, optionally `:<rows per
+/// chunk>`, a multiple of 16) overrides it at `CudaBackend::new`, for
+/// measuring the alternatives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct MlaTc {
+    /// Warps per block: 4 or 8; 0 = the scalar kernel.
+    warps: usize,
+    /// Rows per chunk.
+    chunk: usize,
+}
+
+const DEFAULT_MLA_TC: MlaTc = MlaTc { warps: 8, chunk: 512 };
+
+fn mla_tc_from_env() -> MlaTc {
+    let Ok(v) = std::env::var("HANDOFF_CUDA_MLA") else {
+        return DEFAULT_MLA_TC;
+    };
+    let (kind, chunk) = match v.split_once(':') {
+        Some((k, c)) => (k, c.trim().parse::<usize>().ok()),
+        None => (v.as_str(), None),
+    };
+    let warps = match kind.trim() {
+        "scalar" => 0,
+        "tc4" => 4,
+        "tc8" => 8,
+        _ => DEFAULT_MLA_TC.warps,
+    };
+    let chunk = chunk
+        .filter(|&c| c > 0 && c.is_multiple_of(MLA_TC_TILE))
+        .unwrap_or(DEFAULT_MLA_TC.chunk);
+    MlaTc { warps, chunk }
+}
 
 /// An f32 buffer in device memory.
 pub struct CudaBuf {
@@ -103,6 +156,9 @@ struct Funcs {
     gated_rms_norm: CudaFunction,
     mla_attend_f32: CudaFunction,
     mla_partial_f64: CudaFunction,
+    mla_partial_tc4: CudaFunction,
+    mla_partial_tc8: CudaFunction,
+    mla_chunk_merge_f64: CudaFunction,
     dcp_merge_f32: CudaFunction,
     dcp_merge_f64: CudaFunction,
     matmul_f32: CudaFunction,
@@ -133,6 +189,7 @@ pub struct CudaBackend {
     device_name: String,
     cc: (i32, i32),
     kda_kernel: KdaKernel,
+    mla_tc: MlaTc,
 }
 
 impl fmt::Debug for CudaBackend {
@@ -423,6 +480,9 @@ impl CudaBackend {
             gated_rms_norm: get("gated_rms_norm")?,
             mla_attend_f32: get("mla_attend_f32")?,
             mla_partial_f64: get("mla_partial_f64")?,
+            mla_partial_tc4: get("mla_partial_tc4")?,
+            mla_partial_tc8: get("mla_partial_tc8")?,
+            mla_chunk_merge_f64: get("mla_chunk_merge_f64")?,
             dcp_merge_f32: get("dcp_merge_f32")?,
             dcp_merge_f64: get("dcp_merge_f64")?,
             matmul_f32: get("matmul_f32")?,
@@ -434,6 +494,18 @@ impl CudaBackend {
             copy_cols: get("copy_cols")?,
             round_to: get("round_to")?,
         };
+        // The tensor-core MLA partials take more than 48 KB of shared memory
+        // (two 16-row tiles): opt in, and ask for the largest carveout so two
+        // blocks share a multiprocessor.
+        for (func, nw) in [(&f.mla_partial_tc4, 4usize), (&f.mla_partial_tc8, 8)] {
+            func.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                mla_tc_smem(nw) as i32,
+            )
+            .map_err(|e| unavailable("cannot give the MLA kernel its shared memory", e))?;
+            func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
+                .map_err(|e| unavailable("cannot set the MLA kernel's shared memory carveout", e))?;
+        }
         Ok(Self {
             ctx,
             stream,
@@ -441,6 +513,7 @@ impl CudaBackend {
             device_name,
             cc,
             kda_kernel: DEFAULT_KDA_KERNEL,
+            mla_tc: mla_tc_from_env(),
         })
     }
 
@@ -638,6 +711,121 @@ impl CudaBackend {
         };
         b.arg(&hh).arg(&ll).arg(&ww).arg(&base).arg(&shape.scale);
         // SAFETY: types and order match mla_attend_f32; lengths were checked.
+        unsafe { b.launch(cfg) }.map_err(dev(op))?;
+        Ok(())
+    }
+
+    /// f64 partials of `counts.len()` requests whose rows lie one after the
+    /// other in `rows` (lengths checked by the caller): the tensor-core kernel
+    /// for K3's row shape, else the scalar one.
+    fn mla_partial_any(
+        &self,
+        op: &'static str,
+        shape: MlaShape,
+        q_lat: &CudaBuf,
+        rows: &CudaBuf,
+        counts: &[usize],
+        partial: &mut CudaF64Buf,
+    ) -> Result<()> {
+        let batch = counts.len();
+        if batch == 0 {
+            return Ok(());
+        }
+        let tc = self.mla_tc;
+        if tc.warps != 0
+            && shape.kv_lora_rank == MLA_TC_L
+            && shape.rope_dim == MLA_TC_R
+            && shape.heads.is_multiple_of(8)
+        {
+            return self.mla_partial_tc(op, shape, q_lat, rows, counts, partial, tc);
+        }
+        if batch == 1 {
+            return self.mla_partial(op, shape, 1, q_lat, rows, None, counts[0], partial);
+        }
+        // Row offsets of the requests, uploaded for this call (B + 1 values);
+        // the temporary is freed on the stream after the kernel.
+        let mut starts = Vec::with_capacity(batch + 1);
+        let mut at = 0u64;
+        starts.push(0);
+        for &c in counts {
+            at += c as u64;
+            starts.push(at);
+        }
+        let starts = self.upload_t(op, &starts)?;
+        self.mla_partial(op, shape, batch, q_lat, rows, Some(&starts), 0, partial)
+    }
+
+    /// The tensor-core partial (mla.hip, `mla_partial_tc4/8`): every request's
+    /// rows cut into chunks of `tc.chunk` rows counted from the request's first
+    /// row, one block per (chunk, 8 heads) into a scratch of chunk partials,
+    /// then `mla_chunk_merge_f64` merges each request's chunks in order.
+    #[allow(clippy::too_many_arguments)]
+    fn mla_partial_tc(
+        &self,
+        op: &'static str,
+        shape: MlaShape,
+        q_lat: &CudaBuf,
+        rows: &CudaBuf,
+        counts: &[usize],
+        partial: &mut CudaF64Buf,
+        tc: MlaTc,
+    ) -> Result<()> {
+        let (h, l) = (shape.heads, shape.kv_lora_rank);
+        let batch = counts.len();
+        // One table: [B + 1] first chunk of each request, then per chunk
+        // (first row, rows, request).
+        let nchunks: usize = counts.iter().map(|&n| n.div_ceil(tc.chunk)).sum();
+        let mut table: Vec<i64> = Vec::with_capacity(batch + 1 + 3 * nchunks);
+        let mut c = 0usize;
+        table.push(0);
+        for &n in counts {
+            c += n.div_ceil(tc.chunk);
+            table.push(i64_of(c));
+        }
+        let mut row0 = 0usize;
+        for (b, &n) in counts.iter().enumerate() {
+            let mut r = 0usize;
+            while r < n {
+                let k = tc.chunk.min(n - r);
+                table.extend([i64_of(row0 + r), i64_of(k), i64_of(b)]);
+                r += k;
+            }
+            row0 += n;
+        }
+        let table = self.upload_t(op, &table)?;
+        let pw = mla_partial_width(l);
+        let (hh, ll) = (int(op, "heads", h)?, int(op, "kv_lora_rank", l)?);
+        // SAFETY: every element of the scratch is written by the chunk kernel
+        // (each (chunk, head) block writes its m, l and all L columns) before
+        // the merge reads it; both run on this stream in order.
+        let mut parts = unsafe { self.stream.alloc::<f64>((nchunks * h * pw).max(1)) }.map_err(dev(op))?;
+        if nchunks > 0 {
+            if nchunks > i32::MAX as usize || h / 8 > 65535 {
+                return Err(KernelError::InvalidShape { op, reason: format!("{nchunks} chunks x {h} heads exceed the device grid") });
+            }
+            let nw = tc.warps;
+            let cfg = LaunchConfig {
+                grid_dim: (nchunks as u32, (h / 8) as u32, 1),
+                block_dim: ((32 * nw) as u32, 1, 1),
+                shared_mem_bytes: mla_tc_smem(nw) as u32,
+            };
+            let func = if nw == 8 { &self.f.mla_partial_tc8 } else { &self.f.mla_partial_tc4 };
+            let work = table.slice((batch + 1)..);
+            let scale = shape.scale as f64;
+            let mut b = self.stream.launch_builder(func);
+            b.arg(&q_lat.data).arg(&rows.data).arg(&work).arg(&mut parts).arg(&hh).arg(&scale);
+            // SAFETY: types and order match mla_partial_tc4/8; the table's rows
+            // lie inside `rows` (checked by the caller), q_lat holds B x H rows.
+            unsafe { b.launch(cfg) }.map_err(dev(op))?;
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (int(op, "requests x heads", batch * h)? as u32, 1, 1),
+            block_dim: (MLA_MERGE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&self.f.mla_chunk_merge_f64);
+        b.arg(&parts).arg(&table).arg(&mut partial.data).arg(&hh).arg(&ll);
+        // SAFETY: types and order match mla_chunk_merge_f64; partial holds B x H x (2 + L).
         unsafe { b.launch(cfg) }.map_err(dev(op))?;
         Ok(())
     }
@@ -1157,7 +1345,7 @@ impl Backend for CudaBackend {
         let (h, l) = (shape.heads, shape.kv_lora_rank);
         check_len(op, "q_lat", q_lat.len, elems(op, &[h, width])?)?;
         check_len(op, "partial", partial.len, elems(op, &[h, mla_partial_width(l)])?)?;
-        self.mla_partial(op, shape, 1, q_lat, rows.buf, None, n, partial)
+        self.mla_partial_any(op, shape, q_lat, rows.buf, &[n], partial)
     }
 
     fn mla_decode_partial_ragged(
@@ -1178,20 +1366,7 @@ impl Backend for CudaBackend {
         let batch = counts.len();
         check_len(op, "q_lat", q_lat.len, elems(op, &[batch, h, width])?)?;
         check_len(op, "partial", partial.len, elems(op, &[batch, h, mla_partial_width(l)])?)?;
-        if batch == 0 {
-            return Ok(());
-        }
-        // Row offsets of the requests, uploaded for this call (B + 1 values);
-        // the temporary is freed on the stream after the kernel.
-        let mut starts = Vec::with_capacity(batch + 1);
-        let mut at = 0u64;
-        starts.push(0);
-        for &c in counts {
-            at += c as u64;
-            starts.push(at);
-        }
-        let starts = self.upload_t(op, &starts)?;
-        self.mla_partial(op, shape, batch, q_lat, rows, Some(&starts), 0, partial)
+        self.mla_partial_any(op, shape, q_lat, rows, counts, partial)
     }
 
     fn dcp_merge_partials(&self, shape: MergeShape, partials: &CudaF64Buf, out: &mut CudaBuf, lse: &mut CudaBuf) -> Result<()> {
