@@ -64,3 +64,23 @@ fn the_disaggregated_checkpoint_writes_the_reference_tokens() {
     let r = verify_compute(&topo, &c.prompt, c.logits.len() as u32 - 1, |_| {}).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(r.tokens, c.tokens);
 }
+
+/// `handoff eval` of held-out text on the checkpoint's flagship-shaped topology:
+/// the disaggregated score equals the colocated one, it is far better than
+/// chance (8 bits per byte), and losing the KDA state in the hand-off costs.
+#[test]
+fn eval_of_held_out_text_is_equal_and_lost_state_costs() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let topo = Topology::load(&format!("{root}/config/trained-pp4-tp4dcp4.toml")).expect("config/trained-pp4-tp4dcp4.toml");
+    let text = std::fs::read(format!("{root}/tools/torch_ref/data/heldout.txt")).expect("held-out text");
+    let ok = handoff::eval::eval(&topo, &text, 4, 48, 32, None).unwrap_or_else(|e| panic!("{e}"));
+    assert!(ok.equal(), "disaggregated {:?} vs colocated {:?}", ok.disaggregated, ok.colocated);
+    assert!(ok.colocated.bits_per_byte < 3.0, "a trained model scores well under 8 bits per byte: {:?}", ok.colocated);
+    let lost = handoff::eval::eval(&topo, &text, 4, 48, 32, Some(handoff_components::vocab::RegionKind::KdaState)).unwrap();
+    assert!(
+        lost.disaggregated.bits_per_byte > ok.disaggregated.bits_per_byte + 0.01,
+        "dropping kda.state must cost: {:?} vs {:?}",
+        lost.disaggregated,
+        ok.disaggregated
+    );
+}
