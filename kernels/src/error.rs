@@ -101,6 +101,27 @@ pub enum KernelError {
 /// Result alias of the kernels crate.
 pub type Result<T> = std::result::Result<T, KernelError>;
 
+/// `offset..offset + len` when it lies inside a buffer of `buf_len` elements,
+/// else `RangeOutOfBounds` naming the op and the buffer (every backend's copies).
+pub(crate) fn range(
+    op: &'static str,
+    name: &'static str,
+    offset: usize,
+    len: usize,
+    buf_len: usize,
+) -> Result<std::ops::Range<usize>> {
+    match offset.checked_add(len) {
+        Some(end) if end <= buf_len => Ok(offset..end),
+        _ => Err(KernelError::RangeOutOfBounds {
+            op,
+            name,
+            offset,
+            len,
+            buf_len,
+        }),
+    }
+}
+
 /// Product of `dims`, or a `SizeOverflow` error naming `op`.
 pub(crate) fn elems(op: &'static str, dims: &[usize]) -> Result<usize> {
     dims.iter()

@@ -13,7 +13,7 @@ mod tests;
 
 use crate::backend::Backend;
 use crate::dtype::StorageDtype;
-use crate::error::{KernelError, Result, check_len, elems};
+use crate::error::{Result, check_len, elems, range};
 use crate::shapes::{
     ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape,
     MatmulShape, MergeShape, MlaShape, MlpShape, MlpWeights, NormShape, ReplayShape, RowSet,
@@ -105,25 +105,6 @@ impl CpuBackend {
     /// The CPU backend.
     pub fn new() -> Self {
         Self
-    }
-}
-
-fn range(
-    op: &'static str,
-    name: &'static str,
-    offset: usize,
-    len: usize,
-    buf_len: usize,
-) -> Result<std::ops::Range<usize>> {
-    match offset.checked_add(len) {
-        Some(end) if end <= buf_len => Ok(offset..end),
-        _ => Err(KernelError::RangeOutOfBounds {
-            op,
-            name,
-            offset,
-            len,
-            buf_len,
-        }),
     }
 }
 

@@ -34,7 +34,7 @@ use super::KdaKernel;
 use crate::backend::Backend;
 use crate::cpu::{kda as cpu_kda, mla as cpu_mla};
 use crate::dtype::StorageDtype;
-use crate::error::{KernelError, Result, check_len, check_nonzero, elems};
+use crate::error::{KernelError, Result, check_len, check_nonzero, elems, range};
 use crate::shapes::{
     ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape,
     MatmulShape, MergeShape, MlaShape, MlpShape, MlpWeights, NormShape, ReplayShape, RowSet,
@@ -318,25 +318,6 @@ fn ew_cfg(n: usize) -> LaunchConfig {
         grid_dim: (blocks, 1, 1),
         block_dim: (EW_THREADS, 1, 1),
         shared_mem_bytes: 0,
-    }
-}
-
-fn range(
-    op: &'static str,
-    name: &'static str,
-    offset: usize,
-    len: usize,
-    buf_len: usize,
-) -> Result<std::ops::Range<usize>> {
-    match offset.checked_add(len) {
-        Some(end) if end <= buf_len => Ok(offset..end),
-        _ => Err(KernelError::RangeOutOfBounds {
-            op,
-            name,
-            offset,
-            len,
-            buf_len,
-        }),
     }
 }
 
