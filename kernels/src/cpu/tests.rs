@@ -1,6 +1,7 @@
 //! Unit tests of the CPU backend against direct naive versions in f64.
 
 use super::*;
+use crate::error::KernelError;
 use crate::rng::SplitMix64;
 use crate::shapes::replay_record_width;
 use crate::testutil::{assert_close, coord, f64s, rand};
