@@ -287,6 +287,21 @@ pub fn complete(addr: &str, prompt: &str, max_tokens: u32) -> Result<Completion,
     })
 }
 
+/// The reason of a failed completion: the message of an OpenAI-style error body,
+/// else the body (or the I/O error) itself, cut to one line.
+pub fn failure_reason(body: &str) -> String {
+    let v: Option<serde_json::Value> = serde_json::from_str(body).ok();
+    let msg = v.as_ref().and_then(|v| v["error"]["message"].as_str()).map(str::to_string).unwrap_or_else(|| body.to_string());
+    let line = msg.lines().next().unwrap_or("").trim();
+    let mut out: String = line.chars().take(160).collect();
+    if out.is_empty() {
+        out = "(empty body)".into();
+    } else if line.chars().count() > 160 {
+        out.push_str("...");
+    }
+    out
+}
+
 fn percentile(xs: &mut [f64], q: f64) -> f64 {
     if xs.is_empty() {
         return 0.0;
@@ -359,6 +374,9 @@ pub struct ServeLevel {
     pub ok: u32,
     /// Failures by HTTP status (0: no answer).
     pub failed: BTreeMap<u16, u32>,
+    /// Failures by HTTP status and reason (the error body's message, or why no
+    /// answer came), so a sweep says what went wrong, not only how often.
+    pub reasons: BTreeMap<(u16, String), u32>,
     pub tok_s: f64,
     pub ttft_p50: f64,
     pub ttft_p99: f64,
@@ -392,9 +410,11 @@ pub fn load(addr: &str, concurrency: u32, requests: u32, max_tokens: u32) -> Ser
     let results = results.into_inner().unwrap_or_else(|p| p.into_inner());
     let ok: Vec<&Completion> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
     let mut failed = BTreeMap::new();
+    let mut reasons = BTreeMap::new();
     for r in &results {
-        if let Err((status, _)) = r {
+        if let Err((status, body)) = r {
             *failed.entry(*status).or_default() += 1;
+            *reasons.entry((*status, failure_reason(body))).or_default() += 1;
         }
     }
     let tokens: usize = ok.iter().map(|r| r.token_ids.len()).sum();
@@ -405,6 +425,7 @@ pub fn load(addr: &str, concurrency: u32, requests: u32, max_tokens: u32) -> Ser
         requests,
         ok: ok.len() as u32,
         failed,
+        reasons,
         tok_s: tokens as f64 / wall,
         ttft_p50: percentile(&mut ttft, 0.5),
         ttft_p99: percentile(&mut ttft, 0.99),
@@ -418,6 +439,10 @@ pub fn load(addr: &str, concurrency: u32, requests: u32, max_tokens: u32) -> Ser
 /// without one) and sweeps the concurrency levels, `requests` completions of 16
 /// tokens per level (0: 8 x concurrency, at least 64); prints tok/s, TTFT and ITL
 /// p50/p99 per level and the ratio of each level's tok/s to the first's.
+///
+/// tok/s, TTFT and ITL count the successful requests only; a level with failures
+/// says how many of its requests failed and lists them by HTTP status and reason
+/// (the caller decides whether a failure fails the run: see [`failed_requests`]).
 pub fn bench_serve(config: Option<&Path>, levels: &[u32], requests: u32) -> anyhow::Result<Vec<ServeLevel>> {
     let port = free_port()?;
     let mut c = Cluster::start(config, "127.0.0.1", port, None)?;
@@ -427,7 +452,7 @@ pub fn bench_serve(config: Option<&Path>, levels: &[u32], requests: u32) -> anyh
     let _ = load(&c.addr, 2, 4, 16);
     println!(
         "{:>11} {:>9} {:>6} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>12}",
-        "concurrency", "requests", "ok", "failed", "tok/s", "vs C1", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "CPU ms/req"
+        "concurrency", "requests", "ok", "failed", "ok tok/s", "vs C1", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "CPU ms/req"
     );
     // SAFETY: sysconf has no preconditions.
     let tick_ms = 1000.0 / (unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64);
@@ -443,13 +468,36 @@ pub fn bench_serve(config: Option<&Path>, levels: &[u32], requests: u32) -> anyh
             "{:>11} {:>9} {:>6} {:>7} {:>9.1} {:>8.2}x {:>7.1}ms {:>7.1}ms {:>7.2}ms {:>7.2}ms {:>10.2}ms",
             conc, l.requests, l.ok, failed, l.tok_s, l.tok_s / base.max(1e-9), l.ttft_p50, l.ttft_p99, l.itl_p50, l.itl_p99, l.cpu_ms_per_request
         );
-        for (status, n) in &l.failed {
-            println!("{:>11}   {n} failed with HTTP {status}", "");
+        if failed > 0 {
+            println!("{:>11}   {failed} of {} requests failed; tok/s, TTFT and ITL count the {} that succeeded", "", l.requests, l.ok);
+            print!("{}", failure_lines(&l.reasons, 8));
         }
         out.push(l);
     }
     c.shutdown();
     Ok(out)
+}
+
+/// The failures of `reasons`, most frequent first, one line each (at most
+/// `most` lines, then how many other reasons there were).
+pub fn failure_lines(reasons: &BTreeMap<(u16, String), u32>, most: usize) -> String {
+    let mut rows: Vec<(&(u16, String), &u32)> = reasons.iter().collect();
+    rows.sort_by(|a, b| b.1.cmp(a.1).then_with(|| a.0.cmp(b.0)));
+    let mut out = String::new();
+    for ((status, reason), n) in rows.iter().take(most) {
+        let status = if *status == 0 { "no answer".to_string() } else { format!("HTTP {status}") };
+        out += &format!("{:>11}   {n:>6} x {status}: {reason}\n", "");
+    }
+    if rows.len() > most {
+        let rest: u32 = rows[most..].iter().map(|(_, n)| **n).sum();
+        out += &format!("{:>11}   {rest:>6} x ({} other reasons)\n", "", rows.len() - most);
+    }
+    out
+}
+
+/// Requests that failed over every level of a sweep.
+pub fn failed_requests(levels: &[ServeLevel]) -> u32 {
+    levels.iter().map(|l| l.failed.values().sum::<u32>()).sum()
 }
 
 /// One role's figures in a soak, read from `/metrics`.
