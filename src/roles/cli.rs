@@ -42,8 +42,8 @@ pub enum RoleCommand {
         #[arg(long, default_value_t = 8000)]
         port: u16,
     },
-    /// Start proxy, every prefill stage and decode; stop them all on Ctrl-C or
-    /// when one dies.
+    /// Start proxy, every prefill stage and decode; restart a role that dies;
+    /// drain and stop them all on Ctrl-C (a second Ctrl-C stops at once).
     Up {
         /// Topology file; the built-in default (config/small.toml) when omitted.
         #[arg(long)]
@@ -56,6 +56,12 @@ pub enum RoleCommand {
         /// (handed to the roles as HANDOFF_DEVICE).
         #[arg(long)]
         device: Option<String>,
+        /// Restarts of one role allowed within --restart-window-s; one more death
+        /// and `up` stops every role and exits (0: never restart).
+        #[arg(long, default_value_t = 5)]
+        max_restarts: u32,
+        #[arg(long, default_value_t = 60.0)]
+        restart_window_s: f64,
     },
 }
 
@@ -77,11 +83,15 @@ pub fn dispatch(cmd: RoleCommand) -> anyhow::Result<()> {
         RoleCommand::Prefill { config, stage, proxy, device } => super::run_prefill(&load_on(&config, device.as_deref())?, stage, &proxy),
         RoleCommand::Decode { config, proxy, device } => super::run_decode(&load_on(&config, device.as_deref())?, &proxy),
         RoleCommand::Proxy { config, host, port } => super::run_proxy(&load(&config)?, &host, port),
-        RoleCommand::Up { config, host, port, device } => {
+        RoleCommand::Up { config, host, port, device, max_restarts, restart_window_s } => {
             if let Some(d) = &device {
                 handoff_components::config::DeviceConfig::parse(d).map_err(|e| anyhow::anyhow!("--device: {e}"))?;
             }
-            super::run_up(config.as_deref(), &host, port, device.as_deref())
+            if !(restart_window_s > 0.0 && restart_window_s <= 86_400.0) {
+                anyhow::bail!("--restart-window-s {restart_window_s} must be between 0 and 86400 seconds");
+            }
+            let policy = super::up::RestartPolicy { max_restarts, window: std::time::Duration::from_secs_f64(restart_window_s), ..Default::default() };
+            super::run_up(config.as_deref(), &host, port, device.as_deref(), policy)
         }
     }
 }

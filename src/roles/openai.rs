@@ -29,7 +29,7 @@
 //! `developer`, `user`, `assistant` or `tool`; content is a string or an array of
 //! `{"type": "text", "text": ...}` parts, joined), and the prompt ends with
 //! `<|assistant|>\n`, where the reply starts. `[{"role": "user", "content": "hi"}]`
-//! is the 23 bytes `<|user|>\nhi\n<|assistant|>\n`.
+//! is the 26 bytes `<|user|>\nhi\n<|assistant|>\n`.
 
 use super::sampling::Sampling;
 use handoff_components::Topology;
@@ -514,7 +514,7 @@ mod tests {
         assert!(matches!(parse_c(r#"{"prompt": [1, 256]}"#), Err(BodyError::TokenId(256))));
         let chat = parse(&topo(), Endpoint::Chat, br#"{"messages": [{"role": "user", "content": "hi"}]}"#, 0).expect("chat");
         assert_eq!(chat.prompts[0], b"<|user|>\nhi\n<|assistant|>\n".to_vec());
-        assert_eq!(chat.max_tokens, vec![512 - 23]);
+        assert_eq!(chat.max_tokens, vec![512 - 26]);
         let parts = parse(&topo(), Endpoint::Chat, br#"{"messages": [{"role": "system", "content": [{"type": "text", "text": "s"}]}, {"role": "user", "content": "u"}], "max_completion_tokens": 3}"#, 0).expect("chat");
         assert_eq!(parts.prompts[0], b"<|system|>\ns\n<|user|>\nu\n<|assistant|>\n".to_vec());
         assert_eq!(parts.max_tokens, vec![3]);

@@ -484,6 +484,30 @@ async fn role_down(p: &Arc<Proxy>, slot: usize, dead: bool, why: String) {
     }
 }
 
+/// A role's control port refused a connection: its process is gone. Marks it
+/// dead (when `addr` is still its registered address) and says so as a 503: the
+/// request had not started there, and is worth retrying once the role is back.
+async fn refused(p: &Arc<Proxy>, slot: usize, addr: SocketAddr, e: std::io::Error) -> ServeError {
+    let why = format!("died ({addr} refused: {e})");
+    let changed = {
+        let mut roles = lock(&p.roles);
+        match roles.slots[slot].as_mut() {
+            Some(peer) if peer.reg.addr == addr && peer.state == PeerState::Up => {
+                peer.state = PeerState::Dead;
+                peer.down = Some((Instant::now(), why.clone()));
+                roles.downs[slot] += 1;
+                true
+            }
+            _ => false,
+        }
+    };
+    if changed {
+        tracing::warn!(role = %role_name(slot), %why, "role down");
+        role_down(p, slot, true, why.clone()).await;
+    }
+    ServeError::NotReady(format!("not ready: {} is down: {why}", role_name(slot)))
+}
+
 /// Decode's and every stage's control address, or which roles are down.
 fn peers(p: &Proxy) -> Result<(SocketAddr, Vec<SocketAddr>), String> {
     let roles = lock(&p.roles);
@@ -957,7 +981,7 @@ async fn send_line(s: &mut tokio::net::tcp::OwnedWriteHalf, m: &Msg) -> std::io:
 
 /// The link to decode at `addr`: opened on first use, one reader task routing
 /// decode's messages by request id; a lost link fails every request it carried.
-async fn decode_link(p: &Arc<Proxy>, addr: SocketAddr) -> Result<(u64, mpsc::UnboundedSender<Msg>), String> {
+async fn decode_link(p: &Arc<Proxy>, addr: SocketAddr) -> Result<(u64, mpsc::UnboundedSender<Msg>), ServeError> {
     let mut links = p.links.lock().await;
     if let Some((a, n, tx)) = &links.decode
         && *a == addr
@@ -965,10 +989,17 @@ async fn decode_link(p: &Arc<Proxy>, addr: SocketAddr) -> Result<(u64, mpsc::Unb
     {
         return Ok((*n, tx.clone()));
     }
-    let conn = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(addr))
-        .await
-        .map_err(|_| format!("decode at {addr}: connect timed out"))?
-        .map_err(|e| format!("decode at {addr}: {e}"))?;
+    let conn = match tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(addr)).await {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => {
+            drop(links);
+            return Err(refused(p, 0, addr, e).await);
+        }
+        Err(_) => {
+            let message = format!("decode at {addr}: connect timed out");
+            return Err(ServeError::Failed { phase: PhaseName::Admission, role: "decode".into(), message });
+        }
+    };
     let _ = conn.set_nodelay(true);
     let (rd, mut wr) = conn.into_split();
     let (tx, mut out) = mpsc::unbounded_channel::<Msg>();
@@ -1023,14 +1054,19 @@ async fn decode_link(p: &Arc<Proxy>, addr: SocketAddr) -> Result<(u64, mpsc::Unb
 
 /// Sends a job to stage 0 over its link (reopened when it broke). A write that
 /// does not complete within 2 s fails (a stopped stage 0 must not hold the link).
-async fn send_stage0(p: &Proxy, addr: SocketAddr, msg: &Msg) -> Result<(), String> {
+async fn send_stage0(p: &Arc<Proxy>, addr: SocketAddr, msg: &Msg) -> Result<(), ServeError> {
+    let failed = |message: String| ServeError::Failed { phase: PhaseName::Compute, role: "prefill stage 0".into(), message };
     let mut links = p.links.lock().await;
     for attempt in 0..2 {
         if links.stage0.as_ref().is_none_or(|(a, _)| *a != addr) {
-            let conn = tokio::time::timeout(Duration::from_secs(2), TcpStream::connect(addr))
-                .await
-                .map_err(|_| format!("prefill stage 0 at {addr}: connect timed out"))?
-                .map_err(|e| format!("prefill stage 0 at {addr}: {e}"))?;
+            let conn = match tokio::time::timeout(Duration::from_secs(2), TcpStream::connect(addr)).await {
+                Ok(Ok(c)) => c,
+                Ok(Err(e)) => {
+                    drop(links);
+                    return Err(refused(p, 1, addr, e).await);
+                }
+                Err(_) => return Err(failed(format!("prefill stage 0 at {addr}: connect timed out"))),
+            };
             let _ = conn.set_nodelay(true);
             links.stage0 = Some((addr, conn.into_split().1));
         }
@@ -1040,16 +1076,16 @@ async fn send_stage0(p: &Proxy, addr: SocketAddr, msg: &Msg) -> Result<(), Strin
             Ok(Err(e)) => {
                 links.stage0 = None;
                 if attempt == 1 {
-                    return Err(format!("prefill stage 0 at {addr}: {e}"));
+                    return Err(failed(format!("prefill stage 0 at {addr}: {e}")));
                 }
             }
             Err(_) => {
                 links.stage0 = None;
-                return Err(format!("prefill stage 0 at {addr}: the write did not complete in 2 s"));
+                return Err(failed(format!("prefill stage 0 at {addr}: the write did not complete in 2 s")));
             }
         }
     }
-    Err(format!("prefill stage 0 at {addr}: not reachable"))
+    Err(failed(format!("prefill stage 0 at {addr}: not reachable")))
 }
 
 /// The role a failure names: a stage's own messages start with `prefill stage N`.
@@ -1096,7 +1132,7 @@ async fn run_choice(
     // 1. Decode admission: blocks, slots, published layouts.
     let (link_id, link) = match decode_link(p, decode).await {
         Ok(l) => l,
-        Err(m) => return drop(tx.send(fail(PhaseName::Admission, m)).await),
+        Err(e) => return drop(tx.send((index, Ev::Error(e))).await),
     };
     let (rtx, mut rrx) = mpsc::unbounded_channel();
     lock(&p.routes).insert(id, Route { tx: rtx, phase: PhaseName::Admission, link: link_id });
@@ -1127,9 +1163,9 @@ async fn run_choice(
     };
     set_phase(p, id, PhaseName::Compute);
     let job = PrefillJob { admitted, prompt, stage: 0, stages: stages.clone(), hidden: None, sampling: sampled };
-    if let Err(m) = send_stage0(p, stages[0], &Msg::Prefill(Box::new(job))).await {
-        cancel(PhaseName::Compute, m.clone());
-        return drop(tx.send(fail(PhaseName::Compute, m)).await);
+    if let Err(e) = send_stage0(p, stages[0], &Msg::Prefill(Box::new(job))).await {
+        cancel(PhaseName::Compute, e.to_string());
+        return drop(tx.send((index, Ev::Error(e))).await);
     }
     // 3. Decode's stream.
     let mut summary = Summary { queue_ms, ..Default::default() };

@@ -18,6 +18,47 @@ struct Role {
     name: String,
     args: Vec<String>,
     child: Option<Child>,
+    /// Times this role was restarted (handed to it as `HANDOFF_RESTARTS`).
+    restarts: u32,
+    /// When it died recently (the restart window).
+    deaths: std::collections::VecDeque<Instant>,
+    /// When it is due to start again, after a death.
+    restart_at: Option<Instant>,
+}
+
+impl Role {
+    fn new(name: String, args: Vec<String>) -> Role {
+        Role { name, args, child: None, restarts: 0, deaths: Default::default(), restart_at: None }
+    }
+}
+
+/// When `up` restarts a role that died, and when it gives up.
+#[derive(Debug, Clone, Copy)]
+pub struct RestartPolicy {
+    /// Most restarts of one role within `window`; one more death and `up` stops
+    /// every role and exits. 0: never restart (the first death stops the cluster).
+    pub max_restarts: u32,
+    pub window: Duration,
+    /// The wait before the first restart; it doubles with each death in the
+    /// window, up to `backoff_max`.
+    pub backoff: Duration,
+    pub backoff_max: Duration,
+}
+
+impl Default for RestartPolicy {
+    fn default() -> Self {
+        RestartPolicy { max_restarts: 5, window: Duration::from_secs(60), backoff: Duration::from_millis(250), backoff_max: Duration::from_secs(8) }
+    }
+}
+
+/// What [`Cluster::supervise`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Supervision {
+    /// A role died; it starts again after the backoff.
+    Died { role: String, status: String, restart_in: Duration, restarts: u32 },
+    Restarted { role: String, pid: u32, restarts: u32 },
+    /// A role died more often than the policy allows: nothing was restarted.
+    GaveUp { role: String, status: String, deaths: usize, window: Duration },
 }
 
 /// A running deployment: proxy, decode and one process per prefill stage.
@@ -55,6 +96,7 @@ impl Cluster {
         let (path, tmp) = match config {
             Some(p) => (p.to_path_buf(), None),
             None => {
+                sweep_stale_configs();
                 let p = std::env::temp_dir().join(format!("handoff-up-{}-{port}.toml", std::process::id()));
                 std::fs::write(&p, DEFAULT_CONFIG).with_context(|| format!("write {}", p.display()))?;
                 (p.clone(), Some(p))
@@ -63,18 +105,16 @@ impl Cluster {
         let path_s = path.to_string_lossy().to_string();
         let topo = Topology::load(&path_s).map_err(|e| anyhow::anyhow!("{e}"))?;
         let addr = format!("{host}:{port}");
-        let mut roles = vec![Role {
-            name: "proxy".into(),
-            args: vec!["proxy".into(), "--config".into(), path_s.clone(), "--host".into(), host.into(), "--port".into(), port.to_string()],
-            child: None,
-        }];
-        roles.push(Role { name: "decode".into(), args: vec!["decode".into(), "--config".into(), path_s.clone(), "--proxy".into(), addr.clone()], child: None });
+        let mut roles = vec![Role::new(
+            "proxy".into(),
+            vec!["proxy".into(), "--config".into(), path_s.clone(), "--host".into(), host.into(), "--port".into(), port.to_string()],
+        )];
+        roles.push(Role::new("decode".into(), vec!["decode".into(), "--config".into(), path_s.clone(), "--proxy".into(), addr.clone()]));
         for s in 0..topo.prefill().pp {
-            roles.push(Role {
-                name: format!("prefill stage {s}"),
-                args: vec!["prefill".into(), "--config".into(), path_s.clone(), "--stage".into(), s.to_string(), "--proxy".into(), addr.clone()],
-                child: None,
-            });
+            roles.push(Role::new(
+                format!("prefill stage {s}"),
+                vec!["prefill".into(), "--config".into(), path_s.clone(), "--stage".into(), s.to_string(), "--proxy".into(), addr.clone()],
+            ));
         }
         let mut c = Cluster { roles, addr, topo, program, envs, tmp_config: tmp };
         for i in 0..c.roles.len() {
@@ -87,11 +127,15 @@ impl Cluster {
         let role = &mut self.roles[i];
         let mut cmd = role_command(self.program.as_deref(), &role.args)?;
         cmd.envs(self.envs.iter().map(|(k, v)| (k.as_str(), v.as_str())));
-        // SAFETY: prctl is async-signal-safe; a role dies with its parent, so a
-        // killed `up` leaves nothing running.
+        cmd.env(super::RESTARTS_ENV, role.restarts.to_string());
+        // SAFETY: prctl and setpgid are async-signal-safe. A role dies with its
+        // parent, so a killed `up` leaves nothing running; and it has its own
+        // process group, so a terminal's Ctrl-C reaches `up` alone, which drains
+        // the proxy before it stops the other roles.
         unsafe {
             cmd.pre_exec(|| {
                 libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                libc::setpgid(0, 0);
                 Ok(())
             });
         }
@@ -128,6 +172,96 @@ impl Cluster {
             let _ = c.wait();
         }
         self.spawn(i)
+    }
+
+    /// Restarts of a role so far.
+    pub fn restarts(&self, name: &str) -> u32 {
+        self.roles.iter().find(|r| r.name == name).map_or(0, |r| r.restarts)
+    }
+
+    /// Reaps roles that died and starts them again once their backoff passed
+    /// (see [`RestartPolicy`]); what happened, in order.
+    pub fn supervise(&mut self, policy: &RestartPolicy) -> Vec<Supervision> {
+        let mut out = Vec::new();
+        let now = Instant::now();
+        for i in 0..self.roles.len() {
+            let r = &mut self.roles[i];
+            if let Some(c) = r.child.as_mut()
+                && let Ok(Some(status)) = c.try_wait()
+            {
+                r.child = None;
+                while r.deaths.front().is_some_and(|t| now.duration_since(*t) > policy.window) {
+                    r.deaths.pop_front();
+                }
+                r.deaths.push_back(now);
+                if r.deaths.len() as u32 > policy.max_restarts {
+                    out.push(Supervision::GaveUp { role: r.name.clone(), status: status.to_string(), deaths: r.deaths.len(), window: policy.window });
+                    continue;
+                }
+                let doublings = (r.deaths.len() as u32 - 1).min(16);
+                let wait = policy.backoff.saturating_mul(1 << doublings).min(policy.backoff_max);
+                r.restart_at = Some(now + wait);
+                out.push(Supervision::Died { role: r.name.clone(), status: status.to_string(), restart_in: wait, restarts: r.restarts + 1 });
+            }
+            let r = &mut self.roles[i];
+            if r.child.is_none() && r.restart_at.is_some_and(|t| now >= t) {
+                r.restart_at = None;
+                r.restarts += 1;
+                let (name, restarts) = (r.name.clone(), r.restarts);
+                match self.spawn(i) {
+                    Ok(()) => out.push(Supervision::Restarted { role: name, pid: self.pid_of(i), restarts }),
+                    Err(e) => {
+                        // Starting failed (no process at all): try again after the backoff.
+                        tracing::warn!(role = %name, error = %e, "restart failed");
+                        self.roles[i].restart_at = Some(now + policy.backoff_max);
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn pid_of(&self, i: usize) -> u32 {
+        self.roles[i].child.as_ref().map_or(0, Child::id)
+    }
+
+    /// Sends `signal` to a role's process (a test stops and continues roles).
+    pub fn signal(&self, name: &str, signal: libc::c_int) -> anyhow::Result<()> {
+        let pid = self.pid(name).context("no such running role")?;
+        // SAFETY: kill(2) on our own child's pid.
+        if unsafe { libc::kill(pid as libc::pid_t, signal) } != 0 {
+            anyhow::bail!("kill {pid}: {}", std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Waits up to `timeout` for the proxy to exit (it drains first); true if it did.
+    fn wait_proxy_exit(&mut self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let Some(c) = self.roles[0].child.as_mut() else { return true };
+            if let Ok(Some(_)) = c.try_wait() {
+                self.roles[0].child = None;
+                return true;
+            }
+            if Instant::now() >= deadline || super::signals() >= 2 {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGKILLs every role at once (a second stop signal).
+    pub fn kill_all(&mut self) {
+        for r in &mut self.roles {
+            if let Some(mut c) = r.child.take() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+        if let Some(p) = self.tmp_config.take() {
+            let _ = std::fs::remove_file(p);
+        }
     }
 
     /// A role that exited, with its status.
@@ -212,10 +346,20 @@ impl Drop for Cluster {
 }
 
 /// `handoff up`: starts proxy, decode and every prefill stage, waits for health,
-/// prints the URL, and runs until Ctrl-C (or SIGTERM) or until one role dies; then
-/// stops them all. `config` None: the built-in default (config/small.toml).
-pub fn run_up(config: Option<&Path>, host: &str, port: u16, device: Option<&str>) -> anyhow::Result<()> {
+/// prints the URL, and supervises them: a role that dies is restarted after a
+/// backoff (see [`RestartPolicy`]), and `up` gives up, stopping every role, only
+/// when one dies more often than the policy allows. The first SIGINT/SIGTERM
+/// drains: the proxy refuses new requests and finishes those in flight (up to
+/// `serve.drain_s`), then every role stops; a second signal stops them at once.
+/// `config` None: the built-in default (config/small.toml).
+pub fn run_up(config: Option<&Path>, host: &str, port: u16, device: Option<&str>, policy: RestartPolicy) -> anyhow::Result<()> {
     super::install_signal_handlers();
+    if port == 0 {
+        anyhow::bail!("--port 0: the roles must be told the proxy's port before it listens; pick a free port");
+    }
+    // The port must be free before any role starts: a proxy that cannot listen
+    // would only be restarted until `up` gives up.
+    std::net::TcpListener::bind((host, port)).map_err(|e| anyhow::anyhow!("cannot listen on {host}:{port}: {e}"))?;
     let envs = device.map(|d| vec![("HANDOFF_DEVICE".to_string(), d.to_string())]).unwrap_or_default();
     let mut c = Cluster::start_with(config, host, port, None, envs)?;
     let p = c.topo.prefill();
@@ -235,19 +379,65 @@ pub fn run_up(config: Option<&Path>, host: &str, port: u16, device: Option<&str>
         p.pp + 2
     );
     c.wait_healthy(Duration::from_secs(60), true)?;
-    println!("handoff serving at http://{}  (POST /v1/completions, GET /health, GET /metrics; Ctrl-C stops)", c.addr);
+    println!("handoff serving at http://{}  (POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics; Ctrl-C drains and stops)", c.addr);
     loop {
+        if super::signals() >= 2 {
+            eprintln!("handoff up: second signal; stopping every role now");
+            c.kill_all();
+            return Ok(());
+        }
         if super::shutting_down() {
-            eprintln!("handoff up: stopping");
+            let drain_s = c.topo.config.serve.drain_s;
+            eprintln!("handoff up: draining (new requests get 503; those in flight have up to serve.drain_s = {drain_s} s); a second Ctrl-C stops at once");
+            if let Err(e) = c.signal("proxy", libc::SIGTERM) {
+                tracing::debug!(error = %e, "proxy already gone");
+            }
+            // The proxy exits once its requests finished or drain_s passed.
+            let drained = c.wait_proxy_exit(Duration::from_secs_f64(drain_s.min(86_400.0)) + Duration::from_secs(5));
+            if super::signals() >= 2 {
+                eprintln!("handoff up: second signal; stopping every role now");
+                c.kill_all();
+                return Ok(());
+            }
+            eprintln!("handoff up: {}; stopping every role", if drained { "drained" } else { "the proxy did not stop in time" });
             c.shutdown();
             return Ok(());
         }
-        if let Some(dead) = c.dead_role() {
-            eprintln!("handoff up: {dead}; stopping every role");
-            c.shutdown();
-            anyhow::bail!("{dead}");
+        for ev in c.supervise(&policy) {
+            match ev {
+                Supervision::Died { role, status, restart_in, restarts } => {
+                    eprintln!("handoff up: {role} exited ({status}); restart {restarts} in {:.2} s", restart_in.as_secs_f64());
+                }
+                Supervision::Restarted { role, pid, restarts } => eprintln!("handoff up: {role} restarted (pid {pid}, restart {restarts})"),
+                Supervision::GaveUp { role, status, deaths, window } => {
+                    let msg = format!(
+                        "{role} exited ({status}): {deaths} deaths within {:.0} s is more than --max-restarts {}; giving up",
+                        window.as_secs_f64(),
+                        policy.max_restarts
+                    );
+                    eprintln!("handoff up: {msg}; stopping every role");
+                    c.shutdown();
+                    anyhow::bail!("{msg}");
+                }
+            }
         }
-        std::thread::sleep(Duration::from_millis(100));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Removes default-config files that earlier `up` processes left behind when they
+/// were killed (named `handoff-up-{pid}-{port}.toml`, for a pid that is gone).
+fn sweep_stale_configs() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        let Some(rest) = name.strip_prefix("handoff-up-").and_then(|r| r.strip_suffix(".toml")) else { continue };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<i32>().ok()) else { continue };
+        // SAFETY: kill with signal 0 only checks whether the process exists.
+        let gone = unsafe { libc::kill(pid, 0) } != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        if gone {
+            let _ = std::fs::remove_file(e.path());
+        }
     }
 }
 
