@@ -538,6 +538,8 @@ fn roles_json(p: &Proxy) -> Value {
             None => json!({"role": role_name(i), "state": "unregistered"}),
         })
         .collect();
+    let mut list = list;
+    list.insert(0, json!({"role": "proxy", "pid": std::process::id(), "state": "up", "restarts": p.restarts}));
     json!(list)
 }
 
@@ -659,7 +661,10 @@ impl Drop for Served {
 }
 
 /// The body as JSON bytes: 415 for another content type (a missing one is read as
-/// JSON), 413 past the limit, read chunk by chunk so an oversized body is cut off.
+/// JSON), 413 past the limit. The body is read chunk by chunk, so an oversized one
+/// is never held; one up to 4 times the limit is read to its end (and dropped)
+/// before the 413, so that a client that sends it whole, without waiting for
+/// `100 Continue`, still reads the answer instead of a reset connection.
 async fn read_body(p: &Proxy, headers: &HeaderMap, body: Body) -> Result<Vec<u8>, ServeError> {
     if let Some(ct) = headers.get(header::CONTENT_TYPE) {
         let ct = String::from_utf8_lossy(ct.as_bytes()).to_string();
@@ -669,18 +674,26 @@ async fn read_body(p: &Proxy, headers: &HeaderMap, body: Body) -> Result<Vec<u8>
         }
     }
     let limit = body_limit(&p.topo);
+    let drain_cap = 4 * limit as u64;
     let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit as u64) {
+    if declared.is_some_and(|n| n > drain_cap) {
         return Err(ServeError::TooLarge { limit });
     }
     let mut out = Vec::new();
+    let mut seen = 0u64;
     let mut stream = body.into_data_stream();
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(|e| ServeError::Body(BodyError::Malformed(format!("reading the body: {e}"))))?;
-        if out.len() + chunk.len() > limit {
-            return Err(ServeError::TooLarge { limit });
+        seen += chunk.len() as u64;
+        if seen > drain_cap {
+            break;
         }
-        out.extend_from_slice(&chunk);
+        if seen <= limit as u64 {
+            out.extend_from_slice(&chunk);
+        }
+    }
+    if seen > limit as u64 {
+        return Err(ServeError::TooLarge { limit });
     }
     Ok(out)
 }
