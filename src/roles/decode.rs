@@ -149,6 +149,7 @@ fn engine_loop(
     // One tick's messages to the proxy, written at once.
     let mut out = Vec::new();
     loop {
+        out.clear();
         let wait = if engine.decoding() {
             None
         } else if engine.live_requests() > 0 {
@@ -158,13 +159,13 @@ fn engine_loop(
         };
         if let Some(wait) = wait {
             match rx.recv_timeout(wait) {
-                Ok(cmd) => apply(&mut engine, table, cmd),
+                Ok(cmd) => apply(&mut engine, table, cmd, &mut out),
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => return,
             }
         }
         while let Ok(cmd) = rx.try_recv() {
-            apply(&mut engine, table, cmd);
+            apply(&mut engine, table, cmd, &mut out);
         }
         for n in transport.recv_notifications() {
             match serde_json::from_slice::<Notice>(&n.bytes) {
@@ -182,7 +183,6 @@ fn engine_loop(
         let t0 = Instant::now();
         engine.tick();
         tracing::trace!(us = t0.elapsed().as_micros() as u64, "decode tick");
-        out.clear();
         for ev in engine.take_events() {
             match ev {
                 EngineEvent::Published { request, nonce, consumers } => {
@@ -208,7 +208,9 @@ fn engine_loop(
     }
 }
 
-fn apply(engine: &mut Engine, table: &SamplingTable, cmd: Cmd) {
+/// Applies one command; messages for the proxy that cannot wait for the tick's
+/// outcomes go into `out`.
+fn apply(engine: &mut Engine, table: &SamplingTable, cmd: Cmd, out: &mut Vec<u8>) {
     match cmd {
         Cmd::Admit { id, tokens, max_tokens, sampling } => {
             match sampling.filter(|s| !s.is_greedy()) {
@@ -222,8 +224,11 @@ fn apply(engine: &mut Engine, table: &SamplingTable, cmd: Cmd) {
             // A dead stage writes no more, so its share is settled and the blocks
             // can be freed at once; a stopped one may still write when it resumes,
             // so decode keeps the blocks until the phase deadline (stage: None).
+            // The client hears now: the outcome comes only when decode releases the
+            // request, which for a stopped stage is at the phase deadline.
             for (id, nonce) in engine.awaiting_stage(stage) {
                 let reason = format!("prefill stage {stage}: {message}");
+                push(out, &Msg::Error { id, phase: PhaseName::Compute, message: reason.clone() });
                 engine.cancel(Cancel { request: id, phase: PhaseName::Compute, reason, stage: dead.then_some(stage), nonce: Some(nonce) });
             }
         }
