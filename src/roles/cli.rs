@@ -41,6 +41,10 @@ pub enum RoleCommand {
         host: String,
         #[arg(long, default_value_t = 8000)]
         port: u16,
+        /// Require `Authorization: Bearer KEY` on the /v1 routes (401 otherwise).
+        /// Prefer the variable: an argument is visible to every user in `ps`.
+        #[arg(long, env = "HANDOFF_API_KEY", hide_env_values = true)]
+        api_key: Option<String>,
     },
     /// Start proxy, every prefill stage and decode; restart a role that dies;
     /// drain and stop them all on Ctrl-C (a second Ctrl-C stops at once).
@@ -62,6 +66,10 @@ pub enum RoleCommand {
         max_restarts: u32,
         #[arg(long, default_value_t = 60.0)]
         restart_window_s: f64,
+        /// The proxy requires `Authorization: Bearer KEY` on the /v1 routes (handed
+        /// to it as HANDOFF_API_KEY).
+        #[arg(long, env = "HANDOFF_API_KEY", hide_env_values = true)]
+        api_key: Option<String>,
     },
 }
 
@@ -82,8 +90,8 @@ pub fn dispatch(cmd: RoleCommand) -> anyhow::Result<()> {
     match cmd {
         RoleCommand::Prefill { config, stage, proxy, device } => super::run_prefill(&load_on(&config, device.as_deref())?, stage, &proxy),
         RoleCommand::Decode { config, proxy, device } => super::run_decode(&load_on(&config, device.as_deref())?, &proxy),
-        RoleCommand::Proxy { config, host, port } => super::run_proxy(&load(&config)?, &host, port),
-        RoleCommand::Up { config, host, port, device, max_restarts, restart_window_s } => {
+        RoleCommand::Proxy { config, host, port, api_key } => super::run_proxy(&load(&config)?, &host, port, api_key.filter(|k| !k.is_empty())),
+        RoleCommand::Up { config, host, port, device, max_restarts, restart_window_s, api_key } => {
             if let Some(d) = &device {
                 handoff_components::config::DeviceConfig::parse(d).map_err(|e| anyhow::anyhow!("--device: {e}"))?;
             }
@@ -91,7 +99,7 @@ pub fn dispatch(cmd: RoleCommand) -> anyhow::Result<()> {
                 anyhow::bail!("--restart-window-s {restart_window_s} must be between 0 and 86400 seconds");
             }
             let policy = super::up::RestartPolicy { max_restarts, window: std::time::Duration::from_secs_f64(restart_window_s), ..Default::default() };
-            super::run_up(config.as_deref(), &host, port, device.as_deref(), policy)
+            super::run_up(config.as_deref(), &host, port, device.as_deref(), policy, api_key.as_deref())
         }
     }
 }

@@ -83,6 +83,8 @@ pub enum ServeError {
     AdmissionTimeout(f64),
     #[error("{phase} phase failed: {message}")]
     Failed { phase: PhaseName, role: String, message: String },
+    #[error("missing or wrong API key: send Authorization: Bearer <key>")]
+    Unauthorized,
 }
 
 impl ServeError {
@@ -96,15 +98,19 @@ impl ServeError {
             ServeError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
             ServeError::NotReady(_) | ServeError::Draining | ServeError::AdmissionTimeout(_) => StatusCode::SERVICE_UNAVAILABLE,
             ServeError::Failed { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+            ServeError::Unauthorized => StatusCode::UNAUTHORIZED,
         }
     }
 
     /// OpenAI's error `type`.
     pub fn kind(&self) -> &'static str {
         match self {
-            ServeError::Body(_) | ServeError::NotFound(_) | ServeError::MethodNotAllowed { .. } | ServeError::TooLarge { .. } | ServeError::MediaType(_) => {
-                "invalid_request_error"
-            }
+            ServeError::Body(_)
+            | ServeError::NotFound(_)
+            | ServeError::MethodNotAllowed { .. }
+            | ServeError::TooLarge { .. }
+            | ServeError::MediaType(_)
+            | ServeError::Unauthorized => "invalid_request_error",
             ServeError::Overloaded { .. } => "overloaded_error",
             ServeError::NotReady(_) | ServeError::Draining => "unavailable_error",
             ServeError::AdmissionTimeout(_) => "timeout_error",
@@ -132,6 +138,7 @@ impl ServeError {
             ServeError::Draining => "draining",
             ServeError::AdmissionTimeout(_) => "admission_timeout",
             ServeError::Failed { phase, .. } => phase.name(),
+            ServeError::Unauthorized => "invalid_api_key",
         }
     }
 
@@ -162,8 +169,30 @@ impl ServeError {
 
 impl IntoResponse for ServeError {
     fn into_response(self) -> Response {
+        if matches!(self, ServeError::Unauthorized) {
+            return (self.status(), [(header::WWW_AUTHENTICATE, "Bearer")], axum::Json(self.body())).into_response();
+        }
         (self.status(), axum::Json(self.body())).into_response()
     }
+}
+
+/// Equality that takes as long for any two keys of one length, so the time of a
+/// refusal does not tell how much of a guessed key was right.
+fn same_key(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// The /v1 routes' gate when the proxy has an API key: `Authorization: Bearer KEY`
+/// or 401 (as vLLM's `--api-key`). Health, metrics and the roles' registration
+/// are not behind it.
+async fn require_key(State(p): State<Arc<Proxy>>, req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let Some(key) = &p.api_key else { return next.run(req).await };
+    let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).map(str::trim);
+    if given.is_some_and(|g| same_key(g.as_bytes(), key.as_bytes())) {
+        return next.run(req).await;
+    }
+    *lock(&p.metrics).refusals.entry("invalid_api_key").or_default() += 1;
+    ServeError::Unauthorized.into_response()
 }
 
 /// A heartbeat older than this with the port still open: the role stopped answering.
@@ -251,6 +280,8 @@ struct Proxy {
     inflight: AtomicU32,
     /// This proxy's own restarts (from `up`).
     restarts: u32,
+    /// When set, the /v1 routes require `Authorization: Bearer` with it.
+    api_key: Option<String>,
 }
 
 #[derive(Default)]
@@ -264,10 +295,10 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Serves the proxy on `host:port` until SIGINT/SIGTERM (then drains).
-pub fn run_proxy(topo: &Topology, host: &str, port: u16) -> anyhow::Result<()> {
+pub fn run_proxy(topo: &Topology, host: &str, port: u16, api_key: Option<String>) -> anyhow::Result<()> {
     super::install_signal_handlers();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let r = rt.block_on(serve(topo.clone(), host.to_string(), port));
+    let r = rt.block_on(serve(topo.clone(), host.to_string(), port, api_key));
     // Tasks still holding a stream after the drain deadline are dropped here.
     rt.shutdown_timeout(Duration::from_millis(200));
     r
@@ -279,7 +310,7 @@ fn body_limit(topo: &Topology) -> usize {
     (1 << 20) + 16 * topo.config.serve.max_context as usize
 }
 
-async fn serve(topo: Topology, host: String, port: u16) -> anyhow::Result<()> {
+async fn serve(topo: Topology, host: String, port: u16, api_key: Option<String>) -> anyhow::Result<()> {
     let pp = topo.prefill().pp as usize;
     let places = topo.config.serve.max_requests as usize;
     // Ids differ across restarts of the proxy, so a restarted proxy never reuses an
@@ -298,12 +329,16 @@ async fn serve(topo: Topology, host: String, port: u16) -> anyhow::Result<()> {
         draining: AtomicBool::new(false),
         inflight: AtomicU32::new(0),
         restarts: super::restarts(),
+        api_key,
     });
-    let app = Router::new()
+    let v1 = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model))
+        .route_layer(axum::middleware::from_fn_with_state(Arc::clone(&state), require_key));
+    let app = Router::new()
+        .merge(v1)
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/internal/register", post(register))

@@ -352,7 +352,7 @@ impl Drop for Cluster {
 /// drains: the proxy refuses new requests and finishes those in flight (up to
 /// `serve.drain_s`), then every role stops; a second signal stops them at once.
 /// `config` None: the built-in default (config/small.toml).
-pub fn run_up(config: Option<&Path>, host: &str, port: u16, device: Option<&str>, policy: RestartPolicy) -> anyhow::Result<()> {
+pub fn run_up(config: Option<&Path>, host: &str, port: u16, device: Option<&str>, policy: RestartPolicy, api_key: Option<&str>) -> anyhow::Result<()> {
     super::install_signal_handlers();
     if port == 0 {
         anyhow::bail!("--port 0: the roles must be told the proxy's port before it listens; pick a free port");
@@ -360,7 +360,11 @@ pub fn run_up(config: Option<&Path>, host: &str, port: u16, device: Option<&str>
     // The port must be free before any role starts: a proxy that cannot listen
     // would only be restarted until `up` gives up.
     std::net::TcpListener::bind((host, port)).map_err(|e| anyhow::anyhow!("cannot listen on {host}:{port}: {e}"))?;
-    let envs = device.map(|d| vec![("HANDOFF_DEVICE".to_string(), d.to_string())]).unwrap_or_default();
+    let mut envs = device.map(|d| vec![("HANDOFF_DEVICE".to_string(), d.to_string())]).unwrap_or_default();
+    if let Some(k) = api_key {
+        // Through the environment, not argv: `ps` shows every process's arguments.
+        envs.push(("HANDOFF_API_KEY".to_string(), k.to_string()));
+    }
     let mut c = Cluster::start_with(config, host, port, None, envs)?;
     let p = c.topo.prefill();
     let d = c.topo.decode();

@@ -205,6 +205,11 @@ impl HttpResponse {
 /// One HTTP/1.1 request on a fresh connection (`Connection: close`); reads the
 /// whole response. `addr` is `host:port`.
 pub fn http(addr: &str, method: &str, path: &str, body: Option<&str>, timeout: Duration) -> io::Result<HttpResponse> {
+    http_with(addr, method, path, body, &[], timeout)
+}
+
+/// [`http`] with extra request headers (`("Authorization", "Bearer ...")`).
+pub fn http_with(addr: &str, method: &str, path: &str, body: Option<&str>, headers: &[(&str, &str)], timeout: Duration) -> io::Result<HttpResponse> {
     let sa = addr
         .to_socket_addrs()?
         .next()
@@ -213,8 +218,9 @@ pub fn http(addr: &str, method: &str, path: &str, body: Option<&str>, timeout: D
     s.set_read_timeout(Some(timeout))?;
     s.set_write_timeout(Some(timeout))?;
     let body = body.unwrap_or("");
+    let extra: String = headers.iter().map(|(k, v)| format!("{k}: {v}\r\n")).collect();
     let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{extra}Connection: close\r\n\r\n{body}",
         body.len()
     );
     s.write_all(req.as_bytes())?;
