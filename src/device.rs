@@ -7,7 +7,7 @@
 //! host cannot open (no feature, no driver, no device) is refused with the
 //! backend's own reason, before any work starts.
 
-use crate::compute::ModelCompute;
+use crate::compute::{LogitTrace, ModelCompute};
 use crate::model::regions::RegionView;
 use handoff_components::Topology;
 use handoff_components::config::{DeviceConfig, DeviceKind};
@@ -60,12 +60,13 @@ macro_rules! with_backend {
 }
 
 /// The role processes' [`Compute`]: the model on `dev`, reading and writing the
-/// regions through `view`.
-pub fn model_compute(dev: DeviceConfig, topo: &Topology, layouts: Layouts, view: Arc<dyn RegionView>) -> anyhow::Result<Box<dyn Compute>> {
+/// regions through `view`, recording each step's logits into `trace` (the
+/// sampler reads them).
+pub fn model_compute(dev: DeviceConfig, topo: &Topology, layouts: Layouts, view: Arc<dyn RegionView>, trace: LogitTrace) -> anyhow::Result<Box<dyn Compute>> {
     let boxed: Box<dyn Compute> = match dev.kind {
-        DeviceKind::Cpu => Box::new(ModelCompute::new(topo, CpuBackend::new(), layouts, view)?),
-        DeviceKind::Cuda => Box::new(ModelCompute::new(topo, open_cuda(dev.ordinal)?, layouts, view)?),
-        DeviceKind::Hip => Box::new(ModelCompute::new(topo, open_hip(dev.ordinal)?, layouts, view)?),
+        DeviceKind::Cpu => Box::new(ModelCompute::new(topo, CpuBackend::new(), layouts, view)?.with_trace(trace)),
+        DeviceKind::Cuda => Box::new(ModelCompute::new(topo, open_cuda(dev.ordinal)?, layouts, view)?.with_trace(trace)),
+        DeviceKind::Hip => Box::new(ModelCompute::new(topo, open_hip(dev.ordinal)?, layouts, view)?.with_trace(trace)),
     };
     Ok(boxed)
 }

@@ -106,6 +106,9 @@ enum BenchCommand {
         /// Completions per level (default: 8 x concurrency, at least 64).
         #[arg(long, default_value_t = 0)]
         requests: u32,
+        /// Exit 0 even when requests failed (they are still listed by status and reason).
+        #[arg(long)]
+        allow_failures: bool,
     },
     /// A long load through the cluster: every role's counts back at baseline, resident
     /// memory at the start and the end, and decode idle afterwards.
@@ -327,14 +330,19 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::Role(r) => handoff::roles::cli::dispatch(r)?,
-        Command::Bench { what: BenchCommand::Serve { config, concurrency, requests } } => {
+        Command::Bench { what: BenchCommand::Serve { config, concurrency, requests, allow_failures } } => {
             if concurrency.is_empty() || concurrency.contains(&0) {
                 return Err(Refusal("--concurrency needs levels of at least 1".into()).into());
             }
             if let Some(c) = &config {
                 load(c)?;
             }
-            handoff::roles::bench_serve(config.as_deref().map(std::path::Path::new), &concurrency, requests)?;
+            let levels = handoff::roles::bench_serve(config.as_deref().map(std::path::Path::new), &concurrency, requests)?;
+            let failed = handoff::roles::up::failed_requests(&levels);
+            if failed > 0 && !allow_failures {
+                let total: u32 = levels.iter().map(|l| l.requests).sum();
+                anyhow::bail!("bench serve: {failed} of {total} requests failed (listed above by status and reason); --allow-failures exits 0 anyway");
+            }
         }
         Command::Bench { what: BenchCommand::Soak { config, requests, concurrency, idle_s } } => {
             if requests == 0 || concurrency == 0 || !(idle_s > 0.0 && idle_s < 3600.0) {

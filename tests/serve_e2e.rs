@@ -189,9 +189,17 @@ fn check_topology_end_to_end(name: &str, text: &str) {
         .map(|x| x.as_u64().expect("id") as u8)
         .collect();
     assert_eq!(streamed, reference(&topo, b"stream me", 6), "{name}: streamed tokens differ from the reference");
+    // Seeded sampling: the last stage samples token 0, decode the rest, each from
+    // its own step's logits; the tokens equal the colocated sampled run's.
+    let s = handoff::roles::sampling::Sampling { temperature: 0.8, top_p: 0.9, seed: 42, choice: 0 };
+    let r = complete(&up.addr, &serde_json::json!({"prompt": "sample me", "max_tokens": 12, "temperature": 0.8, "top_p": 0.9, "seed": 42}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let want = handoff::roles::sampling::colocated(&Model::new(&topo).expect("model"), b"sample me", 12, &s).expect("sampled reference");
+    assert_eq!(token_ids(&r), want, "{name}: seeded tokens differ from the colocated sampled run");
+    assert_ne!(want, reference(&topo, b"sample me", 12), "{name}: sampling at 0.8 should leave the greedy path");
     assert_nothing_live(&up.addr, topo.prefill().pp);
     let m = http(&up.addr, "GET", "/metrics", None).body;
-    assert_eq!(metric(&m, "handoff_requests_total{outcome=\"ok\"}"), Some(cases.len() as f64 + 1.0), "{m}");
+    assert_eq!(metric(&m, "handoff_requests_total{outcome=\"ok\"}"), Some(cases.len() as f64 + 2.0), "{m}");
     drop(up);
     let _ = std::fs::remove_file(path);
 }
@@ -223,7 +231,7 @@ fn admission_rejects_each_bad_request_with_400_and_reason() {
     let (c, _) = cluster("admission", &small_with("max_context = 64\nmax_requests = 2\nqueue = 4", ""), vec![]);
     let cases: Vec<(&str, &str, &str)> = vec![
         ("malformed JSON", "{\"prompt\": ", "malformed JSON"),
-        ("wrong field type", "{\"prompt\": 5}", "malformed JSON"),
+        ("wrong field type", "{\"prompt\": 5}", "prompt must be a string or an array"),
         ("empty prompt", "{\"prompt\": \"\", \"max_tokens\": 4}", "empty prompt"),
         ("no prompt", "{\"max_tokens\": 4}", "empty prompt"),
         ("max_tokens 0", "{\"prompt\": \"abc\", \"max_tokens\": 0}", "max_tokens 0 is out of range"),

@@ -262,6 +262,10 @@ pub struct ServeConfig {
     /// among the PP stages and decode, at least one each).
     #[serde(default)]
     pub threads: Option<u32>,
+    /// Seconds a stopping proxy (SIGINT/SIGTERM) lets requests in flight finish
+    /// while it refuses new ones with 503; 0 stops at once.
+    #[serde(default = "default_drain_s")]
+    pub drain_s: f64,
 }
 
 impl ServeConfig {
@@ -280,6 +284,9 @@ fn default_max_requests() -> u32 {
 fn default_queue() -> u32 {
     64
 }
+fn default_drain_s() -> f64 {
+    30.0
+}
 
 impl Default for ServeConfig {
     fn default() -> Self {
@@ -289,6 +296,7 @@ impl Default for ServeConfig {
             queue: default_queue(),
             max_batch: None,
             threads: None,
+            drain_s: default_drain_s(),
         }
     }
 }
@@ -332,6 +340,8 @@ pub enum ConfigError {
     Context { max_context: u32 },
     #[error("timeouts.{field} = {value} must be a positive number of seconds")]
     Timeout { field: &'static str, value: f64 },
+    #[error("serve.drain_s = {value} must be 0 or a positive number of seconds")]
+    Drain { value: f64 },
 }
 
 /// A validated config plus derived facts.
@@ -485,6 +495,9 @@ impl Topology {
             if !(value > 0.0 && value.is_finite()) {
                 return Err(ConfigError::Timeout { field, value });
             }
+        }
+        if !(config.serve.drain_s >= 0.0 && config.serve.drain_s.is_finite()) {
+            return Err(ConfigError::Drain { value: config.serve.drain_s });
         }
         let stage_layers = split_layers(m.num_layers, p.pp, &p.layer_split)?;
         let pattern: Vec<char> = m.pattern.chars().collect();

@@ -153,6 +153,17 @@ impl Engine {
         q.iter(&self.world).any(|(s, g)| *s == Status::HandedOff && g.last.is_some())
     }
 
+    /// The placed requests (id, nonce) still waiting for PP stage `stage` to report:
+    /// published but not handed off, and without that stage's report (decode fails
+    /// them when the stage dies or stops answering).
+    pub fn awaiting_stage(&mut self, stage: u32) -> Vec<(u64, u64)> {
+        let mut q = self.world.query::<(&Request, &Status, &StagesComputed)>();
+        q.iter(&self.world)
+            .filter(|(_, s, c)| matches!(s, Status::Placed | Status::Planned) && !c.0.get(stage as usize).copied().unwrap_or(true))
+            .map(|(r, ..)| (r.id, r.nonce))
+            .collect()
+    }
+
     pub fn entity_of(&self, id: u64) -> Option<Entity> {
         self.world.resource::<RequestIndex>().0.get(&id).copied()
     }

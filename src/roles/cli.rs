@@ -41,9 +41,13 @@ pub enum RoleCommand {
         host: String,
         #[arg(long, default_value_t = 8000)]
         port: u16,
+        /// Require `Authorization: Bearer KEY` on the /v1 routes (401 otherwise).
+        /// Prefer the variable: an argument is visible to every user in `ps`.
+        #[arg(long, env = "HANDOFF_API_KEY", hide_env_values = true)]
+        api_key: Option<String>,
     },
-    /// Start proxy, every prefill stage and decode; stop them all on Ctrl-C or
-    /// when one dies.
+    /// Start proxy, every prefill stage and decode; restart a role that dies;
+    /// drain and stop them all on Ctrl-C (a second Ctrl-C stops at once).
     Up {
         /// Topology file; the built-in default (config/small.toml) when omitted.
         #[arg(long)]
@@ -56,6 +60,16 @@ pub enum RoleCommand {
         /// (handed to the roles as HANDOFF_DEVICE).
         #[arg(long)]
         device: Option<String>,
+        /// Restarts of one role allowed within --restart-window-s; one more death
+        /// and `up` stops every role and exits (0: never restart).
+        #[arg(long, default_value_t = 5)]
+        max_restarts: u32,
+        #[arg(long, default_value_t = 60.0)]
+        restart_window_s: f64,
+        /// The proxy requires `Authorization: Bearer KEY` on the /v1 routes (handed
+        /// to it as HANDOFF_API_KEY).
+        #[arg(long, env = "HANDOFF_API_KEY", hide_env_values = true)]
+        api_key: Option<String>,
     },
 }
 
@@ -76,12 +90,16 @@ pub fn dispatch(cmd: RoleCommand) -> anyhow::Result<()> {
     match cmd {
         RoleCommand::Prefill { config, stage, proxy, device } => super::run_prefill(&load_on(&config, device.as_deref())?, stage, &proxy),
         RoleCommand::Decode { config, proxy, device } => super::run_decode(&load_on(&config, device.as_deref())?, &proxy),
-        RoleCommand::Proxy { config, host, port } => super::run_proxy(&load(&config)?, &host, port),
-        RoleCommand::Up { config, host, port, device } => {
+        RoleCommand::Proxy { config, host, port, api_key } => super::run_proxy(&load(&config)?, &host, port, api_key.filter(|k| !k.is_empty())),
+        RoleCommand::Up { config, host, port, device, max_restarts, restart_window_s, api_key } => {
             if let Some(d) = &device {
                 handoff_components::config::DeviceConfig::parse(d).map_err(|e| anyhow::anyhow!("--device: {e}"))?;
             }
-            super::run_up(config.as_deref(), &host, port, device.as_deref())
+            if !(restart_window_s > 0.0 && restart_window_s <= 86_400.0) {
+                anyhow::bail!("--restart-window-s {restart_window_s} must be between 0 and 86400 seconds");
+            }
+            let policy = super::up::RestartPolicy { max_restarts, window: std::time::Duration::from_secs_f64(restart_window_s), ..Default::default() };
+            super::run_up(config.as_deref(), &host, port, device.as_deref(), policy, api_key.as_deref())
         }
     }
 }

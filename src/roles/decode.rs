@@ -8,6 +8,7 @@
 //! decode regions. The role keeps no table of requests: per-request state lives in
 //! the World, and every message names its request.
 
+use super::sampling::{Live, Sampling, SamplingTable};
 use super::wire::{self, Admitted, Msg, Notice};
 use crate::compute::{TransportRegions, layouts_of};
 use crate::engine::{Counts, Engine, NoMover, Role};
@@ -25,8 +26,9 @@ use std::time::{Duration, Instant};
 
 /// A command from the proxy's link.
 enum Cmd {
-    Admit { id: u64, tokens: u64, max_tokens: u32 },
+    Admit { id: u64, tokens: u64, max_tokens: u32, sampling: Option<Sampling> },
     Cancel { id: u64, phase: PhaseName, message: String },
+    StageDown { stage: u32, dead: bool, message: String },
 }
 
 /// Runs decode until SIGINT/SIGTERM. `proxy` is the proxy's `host:port`.
@@ -42,7 +44,9 @@ pub fn run_decode(topo: &Topology, proxy: &str) -> anyhow::Result<()> {
     }
     let published: Vec<RegionHandle> = handles.values().cloned().collect();
     let view = Arc::new(TransportRegions { transport: Arc::clone(&transport), handles });
-    engine.set_compute(crate::device::model_compute(topo.config.device, topo, layouts_of(&regions), view)?);
+    // Decode samples tokens 1.. of the requests that asked for sampling.
+    let table = SamplingTable::default();
+    engine.set_compute(super::sampling::sampled_compute(topo.config.device, topo, layouts_of(&regions), view, Arc::clone(&table))?);
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
     let (tx, rx) = mpsc::channel();
@@ -57,7 +61,7 @@ pub fn run_decode(topo: &Topology, proxy: &str) -> anyhow::Result<()> {
         let endpoint = transport.endpoint();
         std::thread::Builder::new()
             .name("decode-engine".into())
-            .spawn(move || pool.install(move || engine_loop(engine, transport.as_ref(), &endpoint, &published, &link, &counts, &rx)))?;
+            .spawn(move || pool.install(move || engine_loop(engine, transport.as_ref(), &endpoint, &published, &link, &counts, &table, &rx)))?;
     }
     drop(tx);
     tracing::info!(%addr, "decode listening");
@@ -105,8 +109,9 @@ fn accept(listener: TcpListener, link: Link, tx: Sender<Cmd>) {
             let mut w = Some(w);
             loop {
                 let cmd = match wire::recv(&mut r) {
-                    Ok(Some(Msg::Admit { id, prompt_tokens, max_tokens })) => Cmd::Admit { id, tokens: prompt_tokens, max_tokens },
+                    Ok(Some(Msg::Admit { id, prompt_tokens, max_tokens, sampling })) => Cmd::Admit { id, tokens: prompt_tokens, max_tokens, sampling },
                     Ok(Some(Msg::Cancel { id, phase, message })) => Cmd::Cancel { id, phase, message },
+                    Ok(Some(Msg::StageDown { stage, dead, message })) => Cmd::StageDown { stage, dead, message },
                     Ok(Some(other)) => {
                         tracing::warn!(?other, "decode: unexpected message on the proxy's link");
                         continue;
@@ -138,11 +143,13 @@ fn engine_loop(
     handles: &[RegionHandle],
     link: &Link,
     counts: &Mutex<Counts>,
+    table: &SamplingTable,
     rx: &Receiver<Cmd>,
 ) {
     // One tick's messages to the proxy, written at once.
     let mut out = Vec::new();
     loop {
+        out.clear();
         let wait = if engine.decoding() {
             None
         } else if engine.live_requests() > 0 {
@@ -152,13 +159,13 @@ fn engine_loop(
         };
         if let Some(wait) = wait {
             match rx.recv_timeout(wait) {
-                Ok(cmd) => apply(&mut engine, cmd),
+                Ok(cmd) => apply(&mut engine, table, cmd, &mut out),
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => return,
             }
         }
         while let Ok(cmd) = rx.try_recv() {
-            apply(&mut engine, cmd);
+            apply(&mut engine, table, cmd, &mut out);
         }
         for n in transport.recv_notifications() {
             match serde_json::from_slice::<Notice>(&n.bytes) {
@@ -176,7 +183,6 @@ fn engine_loop(
         let t0 = Instant::now();
         engine.tick();
         tracing::trace!(us = t0.elapsed().as_micros() as u64, "decode tick");
-        out.clear();
         for ev in engine.take_events() {
             match ev {
                 EngineEvent::Published { request, nonce, consumers } => {
@@ -185,6 +191,7 @@ fn engine_loop(
                 }
                 EngineEvent::Token { request, token, .. } => push(&mut out, &Msg::Token { id: request, token }),
                 EngineEvent::Finished { request, handoff_ms, decode_ms, bytes } => {
+                    super::lock(table).remove(&request);
                     push(&mut out, &Msg::Done { id: request, handoff_ms, decode_ms, bytes });
                 }
                 EngineEvent::Computed { .. } | EngineEvent::Written(_) => {}
@@ -192,6 +199,7 @@ fn engine_loop(
         }
         for o in engine.take_outcomes() {
             if let Err((phase, message)) = o.result {
+                super::lock(table).remove(&o.request);
                 push(&mut out, &Msg::Error { id: o.request, phase, message });
             }
         }
@@ -200,9 +208,29 @@ fn engine_loop(
     }
 }
 
-fn apply(engine: &mut Engine, cmd: Cmd) {
+/// Applies one command; messages for the proxy that cannot wait for the tick's
+/// outcomes go into `out`.
+fn apply(engine: &mut Engine, table: &SamplingTable, cmd: Cmd, out: &mut Vec<u8>) {
     match cmd {
-        Cmd::Admit { id, tokens, max_tokens } => engine.submit_request(Submit { id, tokens, max_tokens, ..Default::default() }),
+        Cmd::Admit { id, tokens, max_tokens, sampling } => {
+            match sampling.filter(|s| !s.is_greedy()) {
+                Some(s) => super::lock(table).insert(id, Live { sampling: s, prompt: tokens }),
+                None => super::lock(table).remove(&id),
+            };
+            engine.submit_request(Submit { id, tokens, max_tokens, ..Default::default() })
+        }
         Cmd::Cancel { id, phase, message } => engine.cancel(Cancel { request: id, phase, reason: message, stage: None, nonce: None }),
+        Cmd::StageDown { stage, dead, message } => {
+            // A dead stage writes no more, so its share is settled and the blocks
+            // can be freed at once; a stopped one may still write when it resumes,
+            // so decode keeps the blocks until the phase deadline (stage: None).
+            // The client hears now: the outcome comes only when decode releases the
+            // request, which for a stopped stage is at the phase deadline.
+            for (id, nonce) in engine.awaiting_stage(stage) {
+                let reason = format!("prefill stage {stage}: {message}");
+                push(out, &Msg::Error { id, phase: PhaseName::Compute, message: reason.clone() });
+                engine.cancel(Cancel { request: id, phase: PhaseName::Compute, reason, stage: dead.then_some(stage), nonce: Some(nonce) });
+            }
+        }
     }
 }

@@ -51,8 +51,10 @@
 
 pub mod cli;
 pub mod decode;
+pub mod openai;
 pub mod prefill;
 pub mod proxy;
+pub mod sampling;
 pub mod up;
 pub mod wire;
 
@@ -65,19 +67,21 @@ pub use up::{bench_serve, bench_soak, run_demo, run_up};
 use handoff_components::Topology;
 use handoff_components::config::TransportKind;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-static SHUTDOWN: AtomicBool = AtomicBool::new(false);
+/// Stop signals (SIGINT, SIGTERM) received: the first asks for a stop (the proxy
+/// and `up` drain first), a second for an immediate one.
+static SIGNALS: AtomicU32 = AtomicU32::new(0);
 
 extern "C" fn on_signal(_: libc::c_int) {
-    SHUTDOWN.store(true, Ordering::SeqCst);
+    SIGNALS.fetch_add(1, Ordering::SeqCst);
 }
 
 /// Installs SIGINT/SIGTERM handlers that ask the role to stop (so it drops its
 /// transport and removes its shared-memory files).
 pub fn install_signal_handlers() {
-    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    // SAFETY: the handler only adds to an atomic, which is async-signal-safe.
     unsafe {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
@@ -86,12 +90,17 @@ pub fn install_signal_handlers() {
 
 /// Whether a stop was asked for.
 pub fn shutting_down() -> bool {
-    SHUTDOWN.load(Ordering::SeqCst)
+    SIGNALS.load(Ordering::SeqCst) > 0
+}
+
+/// Stop signals received so far.
+pub fn signals() -> u32 {
+    SIGNALS.load(Ordering::SeqCst)
 }
 
 /// Asks the role (this process) to stop.
 pub fn request_shutdown() {
-    SHUTDOWN.store(true, Ordering::SeqCst);
+    let _ = SIGNALS.compare_exchange(0, 1, Ordering::SeqCst, Ordering::SeqCst);
 }
 
 /// Seconds as a duration, bounded so that a huge configured timeout stays valid.
@@ -203,11 +212,22 @@ pub(crate) fn heartbeat_until_stopped(proxy: &str, role: &str, stage: Option<u32
             pid: std::process::id(),
             counts: lock(counts).clone(),
             rss_bytes: rss_bytes(),
+            restarts: restarts(),
         };
         heartbeat(proxy, &reg);
         sleep_unless_stopping(Duration::from_millis(300));
     }
 }
+
+/// How many times `up` restarted this role process (`HANDOFF_RESTARTS`; 0 by hand).
+pub fn restarts() -> u32 {
+    std::env::var(RESTARTS_ENV).ok().and_then(|v| v.parse().ok()).unwrap_or(0)
+}
+
+/// The variable through which `up` tells a restarted role how many times it was
+/// restarted (the role reports it in its heartbeat, so the count survives a
+/// restart of the proxy).
+pub const RESTARTS_ENV: &str = "HANDOFF_RESTARTS";
 
 /// Sets up `tracing` output on stderr for a role process, once.
 pub fn init_logging() {

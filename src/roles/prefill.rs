@@ -10,6 +10,7 @@
 //! role carries the engine's events out: hidden states to the next stage, the
 //! write-done report (or a failure) to decode over the transport.
 
+use super::sampling::{Live, SamplingTable};
 use super::wire::{self, Admitted, Msg, Notice, PrefillJob};
 use crate::compute::{TransportRegions, layouts_of};
 use crate::engine::mover::{MoverHandle, MoverOptions, TransportMover};
@@ -58,7 +59,9 @@ pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str) -> anyhow::Result<(
     }
     let view = Arc::new(TransportRegions { transport: Arc::clone(&transport), handles });
     let delay = std::env::var(DELAY_ENV).ok().and_then(|v| v.parse::<u64>().ok()).map(Duration::from_millis);
-    let compute = crate::device::model_compute(topo.config.device, topo, layouts_of(&regions), view)?;
+    // The last stage samples token 0 of the requests that asked for sampling.
+    let table = super::sampling::SamplingTable::default();
+    let compute = super::sampling::sampled_compute(topo.config.device, topo, layouts_of(&regions), view, Arc::clone(&table))?;
     engine.set_compute(match delay {
         Some(d) => Box::new(super::Delayed { inner: compute, delay: d }),
         None => compute,
@@ -75,7 +78,7 @@ pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str) -> anyhow::Result<(
         let (transport, counts, pool) = (Arc::clone(&transport), Arc::clone(&counts), super::compute_pool(topo)?);
         std::thread::Builder::new()
             .name("prefill-engine".into())
-            .spawn(move || pool.install(move || engine_loop(engine, stage, transport.as_ref(), &handle, &counts, &rx)))?;
+            .spawn(move || pool.install(move || engine_loop(engine, stage, transport.as_ref(), &handle, &counts, &table, &rx)))?;
     }
     drop(tx);
     tracing::info!(stage, %addr, "prefill stage listening");
@@ -152,7 +155,15 @@ fn notify(transport: &dyn Transport, route: &Route, notice: &Notice) {
 
 /// The engine thread: jobs in, one tick, events out. It blocks while it holds no
 /// request.
-fn engine_loop(mut engine: Engine, stage: u32, transport: &dyn Transport, mover: &MoverHandle, counts: &Mutex<Counts>, rx: &Receiver<Box<PrefillJob>>) {
+fn engine_loop(
+    mut engine: Engine,
+    stage: u32,
+    transport: &dyn Transport,
+    mover: &MoverHandle,
+    counts: &Mutex<Counts>,
+    table: &SamplingTable,
+    rx: &Receiver<Box<PrefillJob>>,
+) {
     let mut route = Route::default();
     let mut next = NextStage::default();
     loop {
@@ -165,12 +176,19 @@ fn engine_loop(mut engine: Engine, stage: u32, transport: &dyn Transport, mover:
         }
         jobs.extend(rx.try_iter());
         for job in jobs {
-            submit(&mut engine, stage, transport, mover, &mut route, *job);
+            let (id, sampling, prompt) = (job.admitted.id, job.sampling.filter(|s| !s.is_greedy()), job.prompt.len() as u64);
+            if submit(&mut engine, stage, transport, mover, &mut route, *job)
+                && let Some(s) = sampling
+            {
+                super::lock(table).insert(id, Live { sampling: s, prompt });
+            }
         }
         engine.tick();
         for ev in engine.take_events() {
             match ev {
                 EngineEvent::Computed { request, nonce, stage: s, hidden, consumers, .. } => {
+                    // This stage is done with the request: its sampling moves on.
+                    let sampling = super::lock(table).remove(&request).map(|l| l.sampling);
                     let Some(&addr) = route.stages.get(s as usize + 1) else { continue };
                     let job = PrefillJob {
                         admitted: Admitted {
@@ -184,6 +202,7 @@ fn engine_loop(mut engine: Engine, stage: u32, transport: &dyn Transport, mover:
                         stage: s + 1,
                         stages: route.stages.clone(),
                         hidden: Some(hidden),
+                        sampling,
                     };
                     if let Err(e) = next.send(addr, &Msg::Prefill(Box::new(job))) {
                         let message = format!("prefill stage {} at {addr} unreachable: {e}", s + 1);
@@ -196,6 +215,7 @@ fn engine_loop(mut engine: Engine, stage: u32, transport: &dyn Transport, mover:
         }
         for o in engine.take_outcomes() {
             if let Err((phase, message)) = o.result {
+                super::lock(table).remove(&o.request);
                 tracing::warn!(stage, request = o.request, %phase, %message, "prefill failed");
                 notify(transport, &route, &Notice::Failed { id: o.request, nonce: o.nonce, stage, phase, message });
             }
@@ -204,8 +224,9 @@ fn engine_loop(mut engine: Engine, stage: u32, transport: &dyn Transport, mover:
     }
 }
 
-/// Attaches decode's regions (once per published handle) and submits the job.
-fn submit(engine: &mut Engine, stage: u32, transport: &dyn Transport, mover: &MoverHandle, route: &mut Route, job: PrefillJob) {
+/// Attaches decode's regions (once per published handle) and submits the job;
+/// false when it could not (decode was told why).
+fn submit(engine: &mut Engine, stage: u32, transport: &dyn Transport, mover: &MoverHandle, route: &mut Route, job: PrefillJob) -> bool {
     let a = job.admitted;
     route.endpoint = Some(a.endpoint.clone());
     route.stages = job.stages;
@@ -218,7 +239,7 @@ fn submit(engine: &mut Engine, stage: u32, transport: &dyn Transport, mover: &Mo
         {
             let message = format!("prefill stage {stage}: attach {h}: {e}");
             notify(transport, route, &Notice::Failed { id: a.id, nonce: Some(a.nonce), stage, phase: PhaseName::Transfer, message });
-            return;
+            return false;
         }
     }
     let tokens = job.hidden.as_ref().map_or(job.prompt.len() as u64, |h| {
@@ -233,4 +254,5 @@ fn submit(engine: &mut Engine, stage: u32, transport: &dyn Transport, mover: &Mo
         inputs: Inputs { prompt: job.prompt, hidden: job.hidden },
         ..Default::default()
     });
+    true
 }

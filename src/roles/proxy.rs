@@ -1,89 +1,249 @@
 //! `handoff proxy --config F`: the HTTP front end (axum).
 //!
-//! - `POST /v1/completions`: OpenAI-style completions. `prompt` (text, one token
-//!   per byte) or `prompt_token_ids` (0..=255), `max_tokens` (default 16), `stream`
-//!   (server-sent events, ending with `data: [DONE]`). Admission rules: see the
-//!   [module docs of `roles`](super).
+//! - `POST /v1/completions` and `POST /v1/chat/completions`: the OpenAI API (fields,
+//!   chat template and refusals: [`super::openai`]; sampling: [`super::sampling`]).
+//!   A body must be `application/json` (415 otherwise) and at most
+//!   1 MiB + 16 bytes per token of `serve.max_context` (413 otherwise).
+//! - `GET /v1/models` (and `/v1/models/{id}`): the served model, `model.name`.
 //! - `GET /health`: 200 once decode and every prefill stage have registered and
-//!   are alive (heartbeat within 2 s), 503 naming what is missing otherwise.
+//!   are alive; 503 naming what is missing, stopped or dead otherwise (and while
+//!   draining). The body lists every role with its pid, state and restarts.
 //! - `GET /metrics`: Prometheus text: requests by outcome, refusals by reason,
-//!   per-phase timings, bytes handed off, live producer entries per stage.
-//! - `POST /internal/register`: the roles' registration and heartbeat.
+//!   per-phase timings, bytes handed off, every role's engine counts, state,
+//!   restarts and deaths.
+//! - `POST /internal/register`: the roles' registration and heartbeat (every
+//!   300 ms).
+//!
+//! Every error body is OpenAI's `{"error": {"message", "type", "param", "code"}}`
+//! (plus `phase` and `role` when a request failed after admission), for every
+//! status: 400, 404, 405, 413, 415, 429, 500 and 503.
+//!
+//! # Liveness
+//!
+//! A watchdog reads the heartbeats: a role whose last heartbeat is late is probed
+//! on its control port; a refused connection means its process is gone (dead), a
+//! heartbeat older than 2 s with the port still open means it stopped answering
+//! (stopped, hung or partitioned). Either way the role is down at once: `/health`
+//! and new requests (503) name it; when decode is down every request on it fails
+//! naming decode and the phase it was in (and is cancelled there, for when decode
+//! resumes); when prefill stage s is down, decode fails every request still
+//! waiting for that stage's writes, naming the stage. A role that registers again
+//! (a restart has a new pid) is up again.
+//!
+//! # Drain
+//!
+//! On SIGINT or SIGTERM the proxy refuses new requests with 503 (`draining`),
+//! lets those in flight finish for up to `serve.drain_s`, fails what is left, and
+//! stops. A second signal stops it at once.
 
-use super::wire::{Admitted, Msg, PrefillJob, Register};
+use super::openai::{self, BodyError, Endpoint, Generation, StopMatcher, StopStep, Utf8Stream};
 use super::secs;
-use handoff_components::ecs::PhaseName;
-use handoff_systems::admission::AdmissionError;
+use super::wire::{Admitted, Msg, PrefillJob, Register};
 use axum::Router;
-use axum::body::Bytes;
-use axum::extract::State;
-use axum::http::StatusCode;
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use futures_util::StreamExt;
 use handoff_components::Topology;
-use serde::Deserialize;
-use serde_json::json;
-use std::collections::{BTreeMap, HashMap};
+use handoff_components::ecs::PhaseName;
+use serde_json::{Value, json};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::sync::{Semaphore, mpsc};
 
-/// Every way a completion request ends badly, and the one place that maps each to
-/// its HTTP status and its metrics label.
+/// Every way a request ends badly, and the one place that maps each to its HTTP
+/// status, OpenAI error type, code (also the metrics label) and parameter.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ServeError {
-    #[error("malformed JSON body: {0}")]
-    Malformed(String),
-    #[error("token id {0} is outside the byte-level vocabulary 0..=255")]
-    TokenId(u64),
     #[error(transparent)]
-    Admission(#[from] AdmissionError),
+    Body(#[from] BodyError),
+    #[error("no route for {0}")]
+    NotFound(String),
+    #[error("method {method} is not allowed on {path}")]
+    MethodNotAllowed { method: String, path: String },
+    #[error("the body is larger than the limit of {limit} bytes")]
+    TooLarge { limit: usize },
+    #[error("content type {0:?} is not supported: send application/json")]
+    MediaType(String),
     #[error("overloaded: all {places} places are taken and the queue holds {queued} of serve.queue = {queue}; retry later")]
     Overloaded { places: u32, queued: u32, queue: u32 },
     #[error("{0}")]
     NotReady(String),
+    #[error("draining: the server is shutting down and takes no new requests")]
+    Draining,
     #[error("admission phase timed out after {0} s waiting for a place")]
     AdmissionTimeout(f64),
     #[error("{phase} phase failed: {message}")]
-    Failed { phase: PhaseName, message: String },
+    Failed { phase: PhaseName, role: String, message: String },
+    #[error("missing or wrong API key: send Authorization: Bearer <key>")]
+    Unauthorized,
 }
 
 impl ServeError {
-    /// HTTP status, error type and metrics label.
-    pub fn classify(&self) -> (StatusCode, &'static str, &'static str) {
+    pub fn status(&self) -> StatusCode {
         match self {
-            ServeError::Malformed(_) => (StatusCode::BAD_REQUEST, "invalid_request_error", "malformed_json"),
-            ServeError::TokenId(_) => (StatusCode::BAD_REQUEST, "invalid_request_error", "token_id"),
-            ServeError::Admission(e) => (StatusCode::BAD_REQUEST, "invalid_request_error", e.label()),
-            ServeError::Overloaded { .. } => (StatusCode::TOO_MANY_REQUESTS, "overloaded_error", "queue_full"),
-            ServeError::NotReady(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable_error", "not_ready"),
-            ServeError::AdmissionTimeout(_) => (StatusCode::SERVICE_UNAVAILABLE, "timeout_error", "admission_timeout"),
-            ServeError::Failed { phase, .. } => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", phase.name()),
+            ServeError::Body(BodyError::ModelNotFound(_)) | ServeError::NotFound(_) => StatusCode::NOT_FOUND,
+            ServeError::Body(_) => StatusCode::BAD_REQUEST,
+            ServeError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
+            ServeError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ServeError::MediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ServeError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            ServeError::NotReady(_) | ServeError::Draining | ServeError::AdmissionTimeout(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ServeError::Failed { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+            ServeError::Unauthorized => StatusCode::UNAUTHORIZED,
+        }
+    }
+
+    /// OpenAI's error `type`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ServeError::Body(_)
+            | ServeError::NotFound(_)
+            | ServeError::MethodNotAllowed { .. }
+            | ServeError::TooLarge { .. }
+            | ServeError::MediaType(_)
+            | ServeError::Unauthorized => "invalid_request_error",
+            ServeError::Overloaded { .. } => "overloaded_error",
+            ServeError::NotReady(_) | ServeError::Draining => "unavailable_error",
+            ServeError::AdmissionTimeout(_) => "timeout_error",
+            ServeError::Failed { .. } => "server_error",
+        }
+    }
+
+    /// OpenAI's error `code`, and the `reason` label of `handoff_refusals_total`.
+    pub fn code(&self) -> &'static str {
+        match self {
+            ServeError::Body(e) => match e {
+                BodyError::Malformed(_) => "malformed_json",
+                BodyError::Invalid { .. } => "invalid_value",
+                BodyError::Unsupported { .. } => "unsupported_parameter",
+                BodyError::TokenId(_) => "token_id",
+                BodyError::ModelNotFound(_) => "model_not_found",
+                BodyError::Admission(a) => a.label(),
+            },
+            ServeError::NotFound(_) => "not_found",
+            ServeError::MethodNotAllowed { .. } => "method_not_allowed",
+            ServeError::TooLarge { .. } => "payload_too_large",
+            ServeError::MediaType(_) => "unsupported_media_type",
+            ServeError::Overloaded { .. } => "queue_full",
+            ServeError::NotReady(_) => "not_ready",
+            ServeError::Draining => "draining",
+            ServeError::AdmissionTimeout(_) => "admission_timeout",
+            ServeError::Failed { phase, .. } => phase.name(),
+            ServeError::Unauthorized => "invalid_api_key",
         }
     }
 
     /// The outcome this error counts as in `handoff_requests_total`.
     fn outcome(&self) -> &'static str {
-        match self.classify().0 {
-            StatusCode::BAD_REQUEST => "rejected",
+        match self.status() {
             StatusCode::TOO_MANY_REQUESTS => "overloaded",
-            _ => "failed",
+            StatusCode::SERVICE_UNAVAILABLE => "unavailable",
+            StatusCode::INTERNAL_SERVER_ERROR => "failed",
+            _ => "rejected",
         }
+    }
+
+    /// The OpenAI error object (`{"error": {...}}`).
+    pub fn body(&self) -> Value {
+        let param = match self {
+            ServeError::Body(e) => e.param(),
+            _ => None,
+        };
+        let mut body = json!({"error": {"message": self.to_string(), "type": self.kind(), "param": param, "code": self.code()}});
+        if let ServeError::Failed { phase, role, .. } = self {
+            body["error"]["phase"] = json!(phase.name());
+            body["error"]["role"] = json!(role);
+        }
+        body
     }
 }
 
-/// How recent a heartbeat must be for a role to count as alive.
+impl IntoResponse for ServeError {
+    fn into_response(self) -> Response {
+        if matches!(self, ServeError::Unauthorized) {
+            return (self.status(), [(header::WWW_AUTHENTICATE, "Bearer")], axum::Json(self.body())).into_response();
+        }
+        (self.status(), axum::Json(self.body())).into_response()
+    }
+}
+
+/// Equality that takes as long for any two keys of one length, so the time of a
+/// refusal does not tell how much of a guessed key was right.
+fn same_key(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// The /v1 routes' gate when the proxy has an API key: `Authorization: Bearer KEY`
+/// or 401 (as vLLM's `--api-key`). Health, metrics and the roles' registration
+/// are not behind it.
+async fn require_key(State(p): State<Arc<Proxy>>, req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let Some(key) = &p.api_key else { return next.run(req).await };
+    let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).map(str::trim);
+    if given.is_some_and(|g| same_key(g.as_bytes(), key.as_bytes())) {
+        return next.run(req).await;
+    }
+    *lock(&p.metrics).refusals.entry("invalid_api_key").or_default() += 1;
+    ServeError::Unauthorized.into_response()
+}
+
+/// A heartbeat older than this with the port still open: the role stopped answering.
 const ALIVE: Duration = Duration::from_secs(2);
+/// A heartbeat this late gets the role's port probed (heartbeats come every 300 ms).
+const LATE: Duration = Duration::from_millis(700);
+
+/// Where a registered role stands, as the watchdog sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PeerState {
+    Up,
+    /// Heartbeats stopped, port open: stopped, hung or partitioned.
+    Stopped,
+    /// Port refused (or replaced by a new process): gone.
+    Dead,
+}
+
+impl PeerState {
+    fn name(self) -> &'static str {
+        match self {
+            PeerState::Up => "up",
+            PeerState::Stopped => "stopped",
+            PeerState::Dead => "dead",
+        }
+    }
+}
 
 #[derive(Clone)]
 struct Peer {
     reg: Register,
     seen: Instant,
+    state: PeerState,
+    /// When it went down, and why.
+    down: Option<(Instant, String)>,
+}
+
+/// One slot per role: 0 is decode, 1 + s is prefill stage s.
+#[derive(Default)]
+struct Roles {
+    slots: Vec<Option<Peer>>,
+    /// Deaths (and stops) the watchdog saw, per slot.
+    downs: Vec<u64>,
+}
+
+fn role_name(slot: usize) -> String {
+    if slot == 0 { "decode".into() } else { format!("prefill stage {}", slot - 1) }
+}
+
+/// The role's label in `/metrics`.
+fn role_label(slot: usize) -> String {
+    if slot == 0 { "decode".into() } else { format!("prefill{}", slot - 1) }
 }
 
 #[derive(Default)]
@@ -96,23 +256,37 @@ struct Metrics {
     tokens: u64,
 }
 
+/// A choice in flight on the decode link: where decode's messages for it go, the
+/// phase it is in (named when decode dies) and which link carries it.
+struct Route {
+    tx: mpsc::UnboundedSender<Msg>,
+    phase: PhaseName,
+    link: u64,
+}
+
 struct Proxy {
     topo: Topology,
-    decode: Mutex<Option<Peer>>,
-    stages: Mutex<Vec<Option<Peer>>>,
+    roles: Mutex<Roles>,
     places: Arc<Semaphore>,
     queued: AtomicU32,
     next_id: AtomicU64,
     metrics: Mutex<Metrics>,
     /// One link to decode and one to stage 0, shared by every request.
     links: tokio::sync::Mutex<Links>,
-    /// Where decode's messages for each request in flight go (its HTTP task).
-    routes: Arc<Mutex<HashMap<u64, mpsc::UnboundedSender<Msg>>>>,
+    routes: Arc<Mutex<HashMap<u64, Route>>>,
+    next_link: AtomicU64,
+    draining: AtomicBool,
+    /// HTTP generation requests being served now.
+    inflight: AtomicU32,
+    /// This proxy's own restarts (from `up`).
+    restarts: u32,
+    /// When set, the /v1 routes require `Authorization: Bearer` with it.
+    api_key: Option<String>,
 }
 
 #[derive(Default)]
 struct Links {
-    decode: Option<(SocketAddr, mpsc::UnboundedSender<Msg>)>,
+    decode: Option<(SocketAddr, u64, mpsc::UnboundedSender<Msg>)>,
     stage0: Option<(SocketAddr, tokio::net::tcp::OwnedWriteHalf)>,
 }
 
@@ -120,100 +294,298 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Serves the proxy on `host:port` until SIGINT/SIGTERM.
-pub fn run_proxy(topo: &Topology, host: &str, port: u16) -> anyhow::Result<()> {
+/// Serves the proxy on `host:port` until SIGINT/SIGTERM (then drains).
+pub fn run_proxy(topo: &Topology, host: &str, port: u16, api_key: Option<String>) -> anyhow::Result<()> {
     super::install_signal_handlers();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    rt.block_on(serve(topo.clone(), host.to_string(), port))
+    let r = rt.block_on(serve(topo.clone(), host.to_string(), port, api_key));
+    // Tasks still holding a stream after the drain deadline are dropped here.
+    rt.shutdown_timeout(Duration::from_millis(200));
+    r
 }
 
-async fn serve(topo: Topology, host: String, port: u16) -> anyhow::Result<()> {
+/// The largest body accepted: room for a prompt of `serve.max_context` tokens as
+/// JSON token ids, and a chat of the same length, with headroom.
+fn body_limit(topo: &Topology) -> usize {
+    (1 << 20) + 16 * topo.config.serve.max_context as usize
+}
+
+async fn serve(topo: Topology, host: String, port: u16, api_key: Option<String>) -> anyhow::Result<()> {
     let pp = topo.prefill().pp as usize;
     let places = topo.config.serve.max_requests as usize;
+    // Ids differ across restarts of the proxy, so a restarted proxy never reuses an
+    // id that decode may still hold from its previous life.
+    let epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
     let state = Arc::new(Proxy {
         topo,
-        decode: Mutex::new(None),
-        stages: Mutex::new(vec![None; pp]),
+        roles: Mutex::new(Roles { slots: vec![None; pp + 1], downs: vec![0; pp + 1] }),
         places: Arc::new(Semaphore::new(places)),
         queued: AtomicU32::new(0),
-        next_id: AtomicU64::new(1),
+        next_id: AtomicU64::new(epoch << 20),
         metrics: Mutex::new(Metrics::default()),
         links: tokio::sync::Mutex::new(Links::default()),
         routes: Arc::new(Mutex::new(HashMap::new())),
+        next_link: AtomicU64::new(1),
+        draining: AtomicBool::new(false),
+        inflight: AtomicU32::new(0),
+        restarts: super::restarts(),
+        api_key,
     });
-    let app = Router::new()
+    let v1 = Router::new()
         .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
+        .route_layer(axum::middleware::from_fn_with_state(Arc::clone(&state), require_key));
+    let app = Router::new()
+        .merge(v1)
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/internal/register", post(register))
-        .with_state(state);
-    let listener = tokio::net::TcpListener::bind((host.as_str(), port)).await?;
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(Arc::clone(&state));
+    let listener = tokio::net::TcpListener::bind((host.as_str(), port))
+        .await
+        .map_err(|e| anyhow::anyhow!("proxy: cannot listen on {host}:{port}: {e}"))?;
     tracing::info!(addr = %listener.local_addr()?, "proxy listening");
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async {
-            while !super::shutting_down() {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-        .await?;
+    tokio::spawn(watchdog(Arc::clone(&state)));
+    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    while !super::shutting_down() {
+        if server.is_finished() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drain(&state).await;
+    server.abort();
     Ok(())
 }
 
-async fn register(State(p): State<Arc<Proxy>>, body: Bytes) -> StatusCode {
-    let Ok(reg) = serde_json::from_slice::<Register>(&body) else { return StatusCode::BAD_REQUEST };
-    let peer = Peer { reg: reg.clone(), seen: Instant::now() };
-    match (reg.role.as_str(), reg.stage) {
-        ("decode", _) => *lock(&p.decode) = Some(peer),
-        ("prefill", Some(s)) => match lock(&p.stages).get_mut(s as usize) {
-            Some(slot) => *slot = Some(peer),
-            None => return StatusCode::BAD_REQUEST,
-        },
-        _ => return StatusCode::BAD_REQUEST,
+/// Refuses new requests, waits for those in flight up to `serve.drain_s` (or a
+/// second signal), then fails what is left.
+async fn drain(p: &Arc<Proxy>) {
+    p.draining.store(true, Ordering::SeqCst);
+    let drain_s = p.topo.config.serve.drain_s;
+    let deadline = Instant::now() + secs(drain_s.max(0.001));
+    let n = p.inflight.load(Ordering::SeqCst);
+    if n > 0 {
+        eprintln!("proxy: draining {n} requests in flight (up to serve.drain_s = {drain_s} s; a second signal stops at once)");
     }
-    StatusCode::NO_CONTENT
+    while p.inflight.load(Ordering::SeqCst) > 0 && Instant::now() < deadline && super::signals() < 2 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let left: Vec<(u64, mpsc::UnboundedSender<Msg>, PhaseName)> = lock(&p.routes).iter().map(|(id, r)| (*id, r.tx.clone(), r.phase)).collect();
+    if !left.is_empty() {
+        let why = if super::signals() >= 2 { "a second signal stopped the proxy".to_string() } else { format!("serve.drain_s = {drain_s} s passed") };
+        eprintln!("proxy: {} requests still in flight; failing them ({why})", left.len());
+        for (id, tx, phase) in left {
+            let _ = tx.send(Msg::Error { id, phase, message: format!("the proxy stopped before the request finished: {why}") });
+        }
+        // Lets the failed requests' answers reach their clients.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
-/// Decode's and every stage's control address, or what is missing.
-fn peers(p: &Proxy) -> Result<(SocketAddr, Vec<SocketAddr>), String> {
-    let mut missing = Vec::new();
-    let decode = lock(&p.decode).clone().filter(|d| d.seen.elapsed() < ALIVE);
-    if decode.is_none() {
-        missing.push("decode".to_string());
+async fn not_found(uri: Uri) -> Response {
+    ServeError::NotFound(uri.path().to_string()).into_response()
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    ServeError::MethodNotAllowed { method: method.to_string(), path: uri.path().to_string() }.into_response()
+}
+
+fn model_object(p: &Proxy) -> Value {
+    json!({"id": p.topo.model().name, "object": "model", "created": 0, "owned_by": "handoff",
+           "max_model_len": p.topo.config.serve.max_context})
+}
+
+async fn models(State(p): State<Arc<Proxy>>) -> Response {
+    axum::Json(json!({"object": "list", "data": [model_object(&p)]})).into_response()
+}
+
+async fn model(State(p): State<Arc<Proxy>>, Path(id): Path<String>) -> Response {
+    if id == p.topo.model().name {
+        axum::Json(model_object(&p)).into_response()
+    } else {
+        ServeError::Body(BodyError::ModelNotFound(id)).into_response()
     }
-    let mut stages = Vec::new();
-    for (i, s) in lock(&p.stages).iter().enumerate() {
-        match s.as_ref().filter(|s| s.seen.elapsed() < ALIVE) {
-            Some(s) => stages.push(s.reg.addr),
-            None => missing.push(format!("prefill stage {i}")),
+}
+
+async fn register(State(p): State<Arc<Proxy>>, body: axum::body::Bytes) -> Response {
+    let reg = match serde_json::from_slice::<Register>(&body) {
+        Ok(r) => r,
+        Err(e) => return ServeError::Body(BodyError::Malformed(e.to_string())).into_response(),
+    };
+    let pp = p.topo.prefill().pp;
+    let slot = match (reg.role.as_str(), reg.stage) {
+        ("decode", _) => 0,
+        ("prefill", Some(s)) if s < pp => 1 + s as usize,
+        _ => {
+            let e = BodyError::Invalid { param: "role", message: format!("no role {:?} stage {:?} in this topology (pp {pp})", reg.role, reg.stage) };
+            return ServeError::Body(e).into_response();
+        }
+    };
+    let (replaced, settled) = {
+        let mut roles = lock(&p.roles);
+        let prev = roles.slots[slot].take();
+        // A new process where a stopped one was: the old one is gone for good, so
+        // what it might still have written is settled.
+        let settled = prev.as_ref().is_some_and(|old| old.reg.pid != reg.pid && old.state == PeerState::Stopped);
+        // A new process in an up slot: the old one died between two watchdog looks.
+        let replaced = prev.as_ref().filter(|old| old.reg.pid != reg.pid && old.state == PeerState::Up).map(|old| old.reg.pid);
+        if let Some(old) = &prev
+            && old.state != PeerState::Up
+        {
+            tracing::info!(role = %role_name(slot), pid = reg.pid, was = old.state.name(), "role is back");
+        }
+        roles.slots[slot] = Some(Peer { reg: reg.clone(), seen: Instant::now(), state: PeerState::Up, down: None });
+        if replaced.is_some() {
+            roles.downs[slot] += 1;
+        }
+        (replaced, settled)
+    };
+    if let Some(old) = replaced {
+        role_down(&p, slot, true, format!("died (pid {old} replaced by pid {})", reg.pid)).await;
+    } else if settled && slot > 0 {
+        role_down(&p, slot, true, format!("was replaced by pid {}", reg.pid)).await;
+    }
+    StatusCode::NO_CONTENT.into_response()
+}
+
+/// Watches every registered role's heartbeat (see the module docs).
+async fn watchdog(p: Arc<Proxy>) {
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let late: Vec<(usize, SocketAddr, Duration, u32)> = lock(&p.roles)
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| s.as_ref().filter(|s| s.state == PeerState::Up && s.seen.elapsed() > LATE).map(|s| (i, s.reg.addr, s.seen.elapsed(), s.reg.pid)))
+            .collect();
+        for (slot, addr, age, pid) in late {
+            let probe = tokio::time::timeout(Duration::from_millis(300), TcpStream::connect(addr)).await;
+            let down = match probe {
+                Ok(Err(e)) => Some((PeerState::Dead, format!("died (pid {pid}: {addr} refused: {e})"))),
+                _ if age > ALIVE => Some((PeerState::Stopped, format!("stopped answering (pid {pid}: no heartbeat for {:.1} s)", age.as_secs_f64()))),
+                _ => None,
+            };
+            let Some((state, why)) = down else { continue };
+            let changed = {
+                let mut roles = lock(&p.roles);
+                match roles.slots[slot].as_mut() {
+                    Some(peer) if peer.state == PeerState::Up && peer.reg.pid == pid => {
+                        peer.state = state;
+                        peer.down = Some((Instant::now(), why.clone()));
+                        roles.downs[slot] += 1;
+                        true
+                    }
+                    _ => false,
+                }
+            };
+            if changed {
+                tracing::warn!(role = %role_name(slot), %why, "role down");
+                role_down(&p, slot, state == PeerState::Dead, why).await;
+            }
         }
     }
-    match decode {
-        Some(d) if missing.is_empty() => Ok((d.reg.addr, stages)),
-        _ => Err(format!("not ready: waiting for {}", missing.join(", "))),
+}
+
+/// A role went down: fail what depended on it (see the module docs).
+async fn role_down(p: &Arc<Proxy>, slot: usize, dead: bool, why: String) {
+    if slot == 0 {
+        let link = p.links.lock().await.decode.as_ref().map(|(_, _, tx)| tx.clone());
+        let routes: Vec<(u64, mpsc::UnboundedSender<Msg>, PhaseName)> = lock(&p.routes).drain().map(|(id, r)| (id, r.tx, r.phase)).collect();
+        for (id, tx, phase) in routes {
+            let message = format!("decode {why}");
+            // A stopped decode reads the cancel when it resumes, and frees the request.
+            if let Some(l) = &link {
+                let _ = l.send(Msg::Cancel { id, phase, message: message.clone() });
+            }
+            let _ = tx.send(Msg::Error { id, phase, message });
+        }
+        if dead {
+            p.links.lock().await.decode = None;
+        }
+    } else {
+        let stage = (slot - 1) as u32;
+        let link = p.links.lock().await.decode.as_ref().map(|(_, _, tx)| tx.clone());
+        if let Some(l) = link {
+            let _ = l.send(Msg::StageDown { stage, dead, message: why });
+        }
+        if stage == 0 && dead {
+            p.links.lock().await.stage0 = None;
+        }
     }
+}
+
+/// A role's control port refused a connection: its process is gone. Marks it
+/// dead (when `addr` is still its registered address) and says so as a 503: the
+/// request had not started there, and is worth retrying once the role is back.
+async fn refused(p: &Arc<Proxy>, slot: usize, addr: SocketAddr, e: std::io::Error) -> ServeError {
+    let why = format!("died ({addr} refused: {e})");
+    let changed = {
+        let mut roles = lock(&p.roles);
+        match roles.slots[slot].as_mut() {
+            Some(peer) if peer.reg.addr == addr && peer.state == PeerState::Up => {
+                peer.state = PeerState::Dead;
+                peer.down = Some((Instant::now(), why.clone()));
+                roles.downs[slot] += 1;
+                true
+            }
+            _ => false,
+        }
+    };
+    if changed {
+        tracing::warn!(role = %role_name(slot), %why, "role down");
+        role_down(p, slot, true, why.clone()).await;
+    }
+    ServeError::NotReady(format!("not ready: {} is down: {why}", role_name(slot)))
+}
+
+/// Decode's and every stage's control address, or which roles are down.
+fn peers(p: &Proxy) -> Result<(SocketAddr, Vec<SocketAddr>), String> {
+    let roles = lock(&p.roles);
+    let mut missing = Vec::new();
+    let mut addrs = Vec::new();
+    for (i, s) in roles.slots.iter().enumerate() {
+        match s {
+            Some(peer) if peer.state == PeerState::Up && peer.seen.elapsed() < ALIVE => addrs.push(peer.reg.addr),
+            Some(peer) => {
+                let why = peer.down.as_ref().map_or_else(|| "stopped answering".to_string(), |(t, w)| format!("{w}, {:.1} s ago", t.elapsed().as_secs_f64()));
+                missing.push(format!("{} is down: {why}", role_name(i)));
+            }
+            None => missing.push(format!("waiting for {} to register", role_name(i))),
+        }
+    }
+    if missing.is_empty() { Ok((addrs[0], addrs[1..].to_vec())) } else { Err(format!("not ready: {}", missing.join("; "))) }
+}
+
+fn roles_json(p: &Proxy) -> Value {
+    let roles = lock(&p.roles);
+    let list: Vec<Value> = roles
+        .slots
+        .iter()
+        .enumerate()
+        .map(|(i, s)| match s {
+            Some(peer) => json!({"role": role_name(i), "pid": peer.reg.pid, "state": peer.state.name(), "restarts": peer.reg.restarts,
+                                 "heartbeat_age_s": peer.seen.elapsed().as_secs_f64(), "down": peer.down.as_ref().map(|d| d.1.clone())}),
+            None => json!({"role": role_name(i), "state": "unregistered"}),
+        })
+        .collect();
+    let mut list = list;
+    list.insert(0, json!({"role": "proxy", "pid": std::process::id(), "state": "up", "restarts": p.restarts}));
+    json!(list)
 }
 
 async fn health(State(p): State<Arc<Proxy>>) -> Response {
-    // A heartbeat is up to ALIVE old: probe each role too, so that a role that just
-    // died (and one restarted but not yet registered) reads as not ready.
-    let probed = match peers(&p) {
-        Ok((decode, stages)) => {
-            let mut missing = Vec::new();
-            let named = std::iter::once(("decode".to_string(), decode))
-                .chain(stages.into_iter().enumerate().map(|(i, a)| (format!("prefill stage {i}"), a)));
-            for (name, addr) in named {
-                let ok = matches!(tokio::time::timeout(Duration::from_millis(500), TcpStream::connect(addr)).await, Ok(Ok(_)));
-                if !ok {
-                    missing.push(format!("{name} (not answering at {addr})"));
-                }
-            }
-            if missing.is_empty() { Ok(()) } else { Err(format!("not ready: waiting for {}", missing.join(", "))) }
-        }
-        Err(m) => Err(m),
-    };
-    match probed {
-        Ok(()) => (StatusCode::OK, axum::Json(json!({"status": "ok"}))).into_response(),
-        Err(m) => (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"status": "starting", "message": m}))).into_response(),
+    if p.draining.load(Ordering::SeqCst) {
+        let m = format!("draining: {} requests in flight", p.inflight.load(Ordering::SeqCst));
+        return (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"status": "draining", "message": m, "roles": roles_json(&p)}))).into_response();
+    }
+    match peers(&p) {
+        Ok(_) => (StatusCode::OK, axum::Json(json!({"status": "ok", "roles": roles_json(&p)}))).into_response(),
+        Err(m) => (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"status": "unavailable", "message": m, "roles": roles_json(&p)}))).into_response(),
     }
 }
 
@@ -221,11 +593,11 @@ async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
     let mut out = String::new();
     {
         let m = lock(&p.metrics);
-        out += "# HELP handoff_requests_total Completion requests by outcome.\n# TYPE handoff_requests_total counter\n";
-        for o in ["ok", "rejected", "overloaded", "failed"] {
+        out += "# HELP handoff_requests_total Generation requests by outcome (cancelled: the client went away).\n# TYPE handoff_requests_total counter\n";
+        for o in ["ok", "rejected", "overloaded", "unavailable", "failed", "cancelled"] {
             out += &format!("handoff_requests_total{{outcome=\"{o}\"}} {}\n", m.outcomes.get(o).copied().unwrap_or(0));
         }
-        out += "# HELP handoff_refusals_total Requests refused at admission, by reason.\n# TYPE handoff_refusals_total counter\n";
+        out += "# HELP handoff_refusals_total Requests refused before generation, by reason.\n# TYPE handoff_refusals_total counter\n";
         for (r, n) in &m.refusals {
             out += &format!("handoff_refusals_total{{reason=\"{r}\"}} {n}\n");
         }
@@ -238,13 +610,27 @@ async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
         out += "# HELP handoff_generated_tokens_total Tokens generated.\n# TYPE handoff_generated_tokens_total counter\n";
         out += &format!("handoff_generated_tokens_total {}\n", m.tokens);
     }
-    // What every role's engine holds now (from its last heartbeat): these return to
-    // their baseline once every request has left, on every rank and stage.
-    let stages = lock(&p.stages).clone();
-    let decode = lock(&p.decode).clone();
-    let roles: Vec<(String, Option<Peer>)> = std::iter::once(("decode".to_string(), decode))
-        .chain(stages.into_iter().enumerate().map(|(i, s)| (format!("prefill{i}"), s)))
-        .collect();
+    let (slots, downs) = {
+        let r = lock(&p.roles);
+        (r.slots.clone(), r.downs.clone())
+    };
+    out += "# HELP handoff_role_up Whether the role is registered and answering (1) or not (0).\n# TYPE handoff_role_up gauge\n";
+    for (i, s) in slots.iter().enumerate() {
+        out += &format!("handoff_role_up{{role=\"{}\"}} {}\n", role_label(i), u8::from(s.as_ref().is_some_and(|s| s.state == PeerState::Up)));
+    }
+    out += "# HELP handoff_role_restarts_total Times `up` restarted the role.\n# TYPE handoff_role_restarts_total counter\n";
+    out += &format!("handoff_role_restarts_total{{role=\"proxy\"}} {}\n", p.restarts);
+    for (i, s) in slots.iter().enumerate() {
+        out += &format!("handoff_role_restarts_total{{role=\"{}\"}} {}\n", role_label(i), s.as_ref().map_or(0, |s| s.reg.restarts));
+    }
+    out += "# HELP handoff_role_down_total Times the proxy saw the role die or stop answering.\n# TYPE handoff_role_down_total counter\n";
+    for (i, n) in downs.iter().enumerate() {
+        out += &format!("handoff_role_down_total{{role=\"{}\"}} {n}\n", role_label(i));
+    }
+    // What every live role's engine holds now (from its last heartbeat): these return
+    // to their baseline once every request has left. A role that is down reports
+    // nothing: its gauges are not its current state.
+    let live: Vec<(String, &Peer)> = slots.iter().enumerate().filter_map(|(i, s)| s.as_ref().filter(|s| s.state == PeerState::Up).map(|s| (role_label(i), s))).collect();
     for (name, help, get) in [
         ("handoff_engine_entities", "Entities in the role's World.", (|c: &crate::engine::Counts| c.entities as u64) as fn(&crate::engine::Counts) -> u64),
         ("handoff_engine_requests", "Requests the role's engine holds.", |c| c.requests as u64),
@@ -254,77 +640,112 @@ async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
         ("handoff_engine_free_slots", "Free slots over the role's ranks.", |c| c.free_slots),
     ] {
         out += &format!("# HELP {name} {help}\n# TYPE {name} gauge\n");
-        for (role, peer) in &roles {
-            if let Some(peer) = peer {
-                out += &format!("{name}{{role=\"{role}\"}} {}\n", get(&peer.reg.counts));
-            }
+        for (role, peer) in &live {
+            out += &format!("{name}{{role=\"{role}\"}} {}\n", get(&peer.reg.counts));
         }
     }
     out += "# HELP handoff_resident_memory_bytes Resident memory of each role process.\n# TYPE handoff_resident_memory_bytes gauge\n";
-    for (role, peer) in &roles {
-        if let Some(peer) = peer {
-            out += &format!("handoff_resident_memory_bytes{{role=\"{role}\"}} {}\n", peer.reg.rss_bytes);
-        }
+    for (role, peer) in &live {
+        out += &format!("handoff_resident_memory_bytes{{role=\"{role}\"}} {}\n", peer.reg.rss_bytes);
     }
-    out += "# HELP handoff_live_requests Requests held by decode's engine.\n# TYPE handoff_live_requests gauge\n";
-    out += &format!("handoff_live_requests {}\n", roles[0].1.as_ref().map_or(0, |d| d.reg.counts.requests));
+    let decode_live = slots[0].as_ref().filter(|s| s.state == PeerState::Up).map_or(0, |d| d.reg.counts.requests);
+    out += "# HELP handoff_live_requests Requests held by decode's engine (0 while decode is down).\n# TYPE handoff_live_requests gauge\n";
+    out += &format!("handoff_live_requests {decode_live}\n");
     out += "# HELP handoff_queued_requests Requests waiting for a place.\n# TYPE handoff_queued_requests gauge\n";
     out += &format!("handoff_queued_requests {}\n", p.queued.load(Ordering::SeqCst));
+    out += "# HELP handoff_inflight_requests Generation requests being served.\n# TYPE handoff_inflight_requests gauge\n";
+    out += &format!("handoff_inflight_requests {}\n", p.inflight.load(Ordering::SeqCst));
     ([("content-type", "text/plain; version=0.0.4")], out).into_response()
 }
 
-#[derive(Deserialize)]
-struct CompletionRequest {
-    #[serde(default)]
-    prompt: Option<String>,
-    #[serde(default)]
-    prompt_token_ids: Option<Vec<u64>>,
-    #[serde(default)]
-    max_tokens: Option<u64>,
-    #[serde(default)]
-    stream: bool,
-    #[serde(default)]
-    model: Option<String>,
+/// One generation request from arrival to its last byte: counts it in flight
+/// (the drain waits for it) and, when dropped, counts its outcome once; dropped
+/// without one, the client went away (`cancelled`).
+struct Served {
+    p: Arc<Proxy>,
+    outcome: Option<&'static str>,
 }
 
-fn error_response(p: &Proxy, e: &ServeError) -> Response {
-    let (status, kind, label) = e.classify();
-    {
-        let mut m = lock(&p.metrics);
-        *m.outcomes.entry(e.outcome()).or_default() += 1;
-        if status != StatusCode::INTERNAL_SERVER_ERROR {
-            *m.refusals.entry(label).or_default() += 1;
-        }
+impl Served {
+    fn new(p: &Arc<Proxy>) -> Served {
+        p.inflight.fetch_add(1, Ordering::SeqCst);
+        Served { p: Arc::clone(p), outcome: None }
     }
-    let mut body = json!({"error": {"message": e.to_string(), "type": kind}});
-    if let ServeError::Failed { phase, .. } = e {
-        body["error"]["phase"] = json!(phase.name());
-    }
-    (status, axum::Json(body)).into_response()
-}
 
-/// Validates a request: the prompt tokens, max_tokens, stream and model.
-fn admit(p: &Proxy, body: &[u8]) -> Result<(Vec<u8>, u32, bool, String), ServeError> {
-    let req: CompletionRequest = serde_json::from_slice(body).map_err(|e| ServeError::Malformed(e.to_string()))?;
-    let tokens: Vec<u8> = match (&req.prompt_token_ids, &req.prompt) {
-        (Some(ids), _) => {
-            if let Some(&bad) = ids.iter().find(|&&t| t > 255) {
-                return Err(ServeError::TokenId(bad));
+    /// The request failed: counts its refusal reason and returns its response.
+    fn fail(&mut self, e: ServeError) -> Response {
+        self.note(&e);
+        e.into_response()
+    }
+
+    fn note(&mut self, e: &ServeError) {
+        if self.outcome.is_none() {
+            self.outcome = Some(e.outcome());
+            if e.status() != StatusCode::INTERNAL_SERVER_ERROR {
+                *lock(&self.p.metrics).refusals.entry(e.code()).or_default() += 1;
             }
-            ids.iter().map(|&t| t as u8).collect()
         }
-        (None, Some(text)) => text.as_bytes().to_vec(),
-        (None, None) => Vec::new(),
-    };
-    let max_tokens = req.max_tokens.unwrap_or(16);
-    handoff_systems::admission::validate_generation(&p.topo, tokens.len() as u64, max_tokens)?;
-    Ok((tokens, max_tokens as u32, req.stream, req.model.unwrap_or_else(|| p.topo.model().name.clone())))
+    }
 }
 
-/// What a request's task reports.
+impl Drop for Served {
+    fn drop(&mut self) {
+        *lock(&self.p.metrics).outcomes.entry(self.outcome.unwrap_or("cancelled")).or_default() += 1;
+        self.p.inflight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// The body as JSON bytes: 415 for another content type (a missing one is read as
+/// JSON), 413 past the limit. The body is read chunk by chunk, so an oversized one
+/// is never held; one up to 4 times the limit is read to its end (and dropped)
+/// before the 413, so that a client that sends it whole, without waiting for
+/// `100 Continue`, still reads the answer instead of a reset connection.
+async fn read_body(p: &Proxy, headers: &HeaderMap, body: Body) -> Result<Vec<u8>, ServeError> {
+    if let Some(ct) = headers.get(header::CONTENT_TYPE) {
+        let ct = String::from_utf8_lossy(ct.as_bytes()).to_string();
+        let mime = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+        if mime != "application/json" {
+            return Err(ServeError::MediaType(ct));
+        }
+    }
+    let limit = body_limit(&p.topo);
+    let drain_cap = 4 * limit as u64;
+    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > drain_cap) {
+        return Err(ServeError::TooLarge { limit });
+    }
+    let mut out = Vec::new();
+    let mut seen = 0u64;
+    let mut stream = body.into_data_stream();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| ServeError::Body(BodyError::Malformed(format!("reading the body: {e}"))))?;
+        seen += chunk.len() as u64;
+        if seen > drain_cap {
+            break;
+        }
+        if seen <= limit as u64 {
+            out.extend_from_slice(&chunk);
+        }
+    }
+    if seen > limit as u64 {
+        return Err(ServeError::TooLarge { limit });
+    }
+    Ok(out)
+}
+
+async fn completions(State(p): State<Arc<Proxy>>, headers: HeaderMap, body: Body) -> Response {
+    generate(p, Endpoint::Completions, headers, body).await
+}
+
+async fn chat_completions(State(p): State<Arc<Proxy>>, headers: HeaderMap, body: Body) -> Response {
+    generate(p, Endpoint::Chat, headers, body).await
+}
+
+/// What a choice's task reports.
 enum Ev {
-    Token(u8),
-    Done(Summary),
+    /// Generated bytes that are final (no stop sequence can claim them).
+    Piece(Vec<u8>),
+    Done { finish: &'static str, tokens: u32, summary: Summary },
     Error(ServeError),
 }
 
@@ -338,9 +759,10 @@ struct Summary {
     bytes_handed_off: u64,
 }
 
-/// Waits for one of `serve.max_requests` places, in the bounded queue.
-async fn place(p: &Arc<Proxy>) -> Result<tokio::sync::OwnedSemaphorePermit, ServeError> {
-    if let Ok(permit) = Arc::clone(&p.places).try_acquire_owned() {
+/// Waits for `k` of the `serve.max_requests` places (one per choice), in the
+/// bounded queue.
+async fn place(p: &Arc<Proxy>, k: u32) -> Result<tokio::sync::OwnedSemaphorePermit, ServeError> {
+    if let Ok(permit) = Arc::clone(&p.places).try_acquire_many_owned(k) {
         return Ok(permit);
     }
     let cap = p.topo.config.serve.queue;
@@ -350,7 +772,7 @@ async fn place(p: &Arc<Proxy>) -> Result<tokio::sync::OwnedSemaphorePermit, Serv
         return Err(ServeError::Overloaded { places: p.topo.config.serve.max_requests, queued: q, queue: cap });
     }
     let wait = secs(p.topo.config.timeouts.admission_s);
-    let got = tokio::time::timeout(wait, Arc::clone(&p.places).acquire_owned()).await;
+    let got = tokio::time::timeout(wait, Arc::clone(&p.places).acquire_many_owned(k)).await;
     p.queued.fetch_sub(1, Ordering::SeqCst);
     match got {
         Ok(Ok(permit)) => Ok(permit),
@@ -358,85 +780,245 @@ async fn place(p: &Arc<Proxy>) -> Result<tokio::sync::OwnedSemaphorePermit, Serv
     }
 }
 
-async fn completions(State(p): State<Arc<Proxy>>, body: Bytes) -> Response {
+fn now_s() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+async fn generate(p: Arc<Proxy>, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
     let arrived = Instant::now();
-    let (prompt, max_tokens, stream, model) = match admit(&p, &body) {
-        Ok(x) => x,
-        Err(e) => return error_response(&p, &e),
-    };
-    let (decode, stages) = match peers(&p) {
-        Ok(x) => x,
-        Err(m) => return error_response(&p, &ServeError::NotReady(m)),
-    };
-    let permit = match place(&p).await {
-        Ok(permit) => permit,
-        Err(e) => return error_response(&p, &e),
-    };
-    let queue_ms = arrived.elapsed().as_secs_f64() * 1e3;
-    let id = p.next_id.fetch_add(1, Ordering::SeqCst);
-    let (tx, mut rx) = mpsc::channel::<Ev>(64);
-    let task_p = Arc::clone(&p);
-    let n_prompt = prompt.len();
-    tokio::spawn(async move {
-        let _permit = permit;
-        run_request(&task_p, id, prompt, max_tokens, decode, stages, arrived, queue_ms, tx).await;
-        lock(&task_p.routes).remove(&id);
-    });
-    let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-    let cid = format!("cmpl-{id}");
-    if stream {
-        let model2 = model.clone();
-        let s = futures_util::stream::unfold(Some(rx), move |rx| {
-            let (cid, model) = (cid.clone(), model2.clone());
-            async move {
-                let mut rx = rx?;
-                let ev = match rx.recv().await {
-                    Some(Ev::Token(t)) => SseEvent::default().data(
-                        json!({"id": cid, "object": "text_completion", "created": created, "model": model,
-                               "choices": [{"index": 0, "text": String::from_utf8_lossy(&[t]), "token_ids": [t], "finish_reason": null}]})
-                        .to_string(),
-                    ),
-                    Some(Ev::Done(sum)) => SseEvent::default().data(
-                        json!({"id": cid, "object": "text_completion", "created": created, "model": model,
-                               "choices": [{"index": 0, "text": "", "token_ids": [], "finish_reason": "length"}], "handoff": sum})
-                        .to_string(),
-                    ),
-                    Some(Ev::Error(e)) => {
-                        let phase = match &e {
-                            ServeError::Failed { phase, .. } => phase.name(),
-                            _ => "admission",
-                        };
-                        SseEvent::default()
-                            .event("error")
-                            .data(json!({"error": {"message": e.to_string(), "type": e.classify().1, "phase": phase}}).to_string())
-                    }
-                    None => return Some((Ok::<_, std::convert::Infallible>(SseEvent::default().data("[DONE]")), None)),
-                };
-                Some((Ok(ev), Some(rx)))
-            }
-        });
-        return Sse::new(s).into_response();
+    let mut served = Served::new(&p);
+    if p.draining.load(Ordering::SeqCst) {
+        return served.fail(ServeError::Draining);
     }
-    let mut toks = Vec::new();
-    loop {
-        match rx.recv().await {
-            Some(Ev::Token(t)) => toks.push(t),
-            Some(Ev::Done(sum)) => {
-                return axum::Json(json!({
-                    "id": cid, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": 0, "text": String::from_utf8_lossy(&toks), "token_ids": toks, "finish_reason": "length"}],
-                    "usage": {"prompt_tokens": n_prompt, "completion_tokens": toks.len(), "total_tokens": n_prompt + toks.len()},
-                    "handoff": sum,
-                }))
-                .into_response();
+    let bytes = match read_body(&p, &headers, body).await {
+        Ok(b) => b,
+        Err(e) => return served.fail(e),
+    };
+    // A sampled request without a seed gets one no other request shares.
+    let clock = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    let fresh_seed = super::sampling::uniform(clock, p.inflight.load(Ordering::SeqCst), 0).to_bits() ^ clock;
+    let req = match openai::parse(&p.topo, endpoint, &bytes, fresh_seed) {
+        Ok(g) => g,
+        Err(e) => return served.fail(ServeError::Body(e)),
+    };
+    if let Err(m) = peers(&p) {
+        return served.fail(ServeError::NotReady(m));
+    }
+    let choices = req.choices();
+    let mut permit = match place(&p, choices.len() as u32).await {
+        Ok(permit) => permit,
+        Err(e) => return served.fail(e),
+    };
+    // A role may have gone down while the request waited for its place.
+    if let Err(m) = peers(&p) {
+        return served.fail(ServeError::NotReady(m));
+    }
+    if p.draining.load(Ordering::SeqCst) {
+        return served.fail(ServeError::Draining);
+    }
+    let queue_ms = arrived.elapsed().as_secs_f64() * 1e3;
+    // One id per choice: decode and the stages know each choice as a request.
+    let id = p.next_id.fetch_add(choices.len() as u64, Ordering::SeqCst);
+    let (tx, rx) = mpsc::channel::<(u32, Ev)>(256);
+    for c in &choices {
+        // Each choice holds its own place and frees it when it ends.
+        let mine = permit.split(1);
+        let (task_p, tx) = (Arc::clone(&p), tx.clone());
+        let cid = id + u64::from(c.index);
+        let prompt = req.prompts[c.prompt].clone();
+        let (index, max_tokens, sampling, stops) = (c.index, c.max_tokens, c.sampling, req.stop.clone());
+        tokio::spawn(async move {
+            let _place = mine;
+            run_choice(&task_p, cid, prompt, max_tokens, sampling, stops, arrived, queue_ms, index, tx).await;
+            lock(&task_p.routes).remove(&cid);
+        });
+    }
+    drop(tx);
+    let created = now_s();
+    let prefix = if endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" };
+    let rid = format!("{prefix}-{id}");
+    let prompt_tokens: usize = req.prompts.iter().map(Vec::len).sum();
+    if req.stream {
+        return stream_response(req, rx, served, rid, created, prompt_tokens);
+    }
+    collect_response(req, rx, served, rid, created, prompt_tokens).await
+}
+
+/// What a choice produced, for a whole (non-streamed) answer.
+#[derive(Default)]
+struct ChoiceOut {
+    bytes: Vec<u8>,
+    finish: Option<&'static str>,
+    tokens: u32,
+    summary: Option<Summary>,
+}
+
+fn usage(prompt_tokens: usize, completion: u32) -> Value {
+    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens as u64 + u64::from(completion)})
+}
+
+async fn collect_response(req: Generation, mut rx: mpsc::Receiver<(u32, Ev)>, mut served: Served, rid: String, created: u64, prompt_tokens: usize) -> Response {
+    let k = req.prompts.len() * req.n as usize;
+    let mut outs: Vec<ChoiceOut> = (0..k).map(|_| ChoiceOut::default()).collect();
+    while let Some((i, ev)) = rx.recv().await {
+        let Some(o) = outs.get_mut(i as usize) else { continue };
+        match ev {
+            Ev::Piece(b) => o.bytes.extend(b),
+            Ev::Done { finish, tokens, summary } => {
+                o.finish = Some(finish);
+                o.tokens = tokens;
+                o.summary = Some(summary);
             }
-            Some(Ev::Error(e)) => return error_response(&p, &e),
-            None => {
-                let e = ServeError::Failed { phase: PhaseName::Decode, message: "request task ended without an answer".into() };
-                return error_response(&p, &e);
+            Ev::Error(e) => return served.fail(e),
+        }
+    }
+    if let Some(i) = outs.iter().position(|o| o.finish.is_none()) {
+        let e = ServeError::Failed { phase: PhaseName::Decode, role: "proxy".into(), message: format!("choice {i} ended without an answer") };
+        return served.fail(e);
+    }
+    served.outcome = Some("ok");
+    let completion: u32 = outs.iter().map(|o| o.tokens).sum();
+    let choices: Vec<Value> = outs
+        .iter()
+        .enumerate()
+        .map(|(i, o)| {
+            let text = String::from_utf8_lossy(&o.bytes);
+            match req.endpoint {
+                Endpoint::Completions => json!({"index": i, "text": text, "token_ids": o.bytes, "logprobs": null, "finish_reason": o.finish}),
+                Endpoint::Chat => json!({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": o.finish}),
+            }
+        })
+        .collect();
+    let object = if req.endpoint == Endpoint::Chat { "chat.completion" } else { "text_completion" };
+    axum::Json(json!({
+        "id": rid, "object": object, "created": created, "model": req.model,
+        "choices": choices,
+        "usage": usage(prompt_tokens, completion),
+        "handoff": outs.first().and_then(|o| o.summary.clone()),
+    }))
+    .into_response()
+}
+
+/// The state of one streamed answer.
+struct Streaming {
+    req: Generation,
+    rx: mpsc::Receiver<(u32, Ev)>,
+    served: Served,
+    rid: String,
+    created: u64,
+    prompt_tokens: usize,
+    text: Vec<Utf8Stream>,
+    /// Chat: whether the choice's first chunk (the assistant role) went out.
+    opened: Vec<bool>,
+    completion: u32,
+    ready: VecDeque<SseEvent>,
+    ended: bool,
+}
+
+impl Streaming {
+    fn chunk(&self, choice: Value) -> SseEvent {
+        let object = if self.req.endpoint == Endpoint::Chat { "chat.completion.chunk" } else { "text_completion" };
+        let mut v = json!({"id": self.rid, "object": object, "created": self.created, "model": self.req.model, "choices": [choice]});
+        if self.req.include_usage {
+            v["usage"] = Value::Null;
+        }
+        SseEvent::default().data(v.to_string())
+    }
+
+    fn piece(&mut self, i: u32, bytes: &[u8], finish: Option<&'static str>) {
+        let Some(dec) = self.text.get_mut(i as usize) else { return };
+        let mut text = dec.push(bytes);
+        if finish.is_some() {
+            text += &dec.finish();
+        }
+        match self.req.endpoint {
+            Endpoint::Completions => {
+                if !bytes.is_empty() || !text.is_empty() || finish.is_some() {
+                    let c = json!({"index": i, "text": text, "token_ids": bytes, "logprobs": null, "finish_reason": finish});
+                    let ev = self.chunk(c);
+                    self.ready.push_back(ev);
+                }
+            }
+            Endpoint::Chat => {
+                if !self.opened[i as usize] {
+                    self.opened[i as usize] = true;
+                    let ev = self.chunk(json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}));
+                    self.ready.push_back(ev);
+                }
+                if !text.is_empty() {
+                    let ev = self.chunk(json!({"index": i, "delta": {"content": text}, "logprobs": null, "finish_reason": null}));
+                    self.ready.push_back(ev);
+                }
+                if finish.is_some() {
+                    let ev = self.chunk(json!({"index": i, "delta": {}, "logprobs": null, "finish_reason": finish}));
+                    self.ready.push_back(ev);
+                }
             }
         }
     }
+
+    /// The next events of the stream, or None at its end.
+    async fn next(&mut self) -> Option<SseEvent> {
+        loop {
+            if let Some(ev) = self.ready.pop_front() {
+                return Some(ev);
+            }
+            if self.ended {
+                return None;
+            }
+            match self.rx.recv().await {
+                Some((i, Ev::Piece(b))) => self.piece(i, &b, None),
+                Some((i, Ev::Done { finish, tokens, .. })) => {
+                    self.completion += tokens;
+                    self.piece(i, &[], Some(finish));
+                }
+                Some((_, Ev::Error(e))) => {
+                    // The stream has begun with 200: the error travels as an event,
+                    // and the other choices are cancelled when the receiver goes.
+                    self.served.note(&e);
+                    self.ready.push_back(SseEvent::default().event("error").data(e.body().to_string()));
+                    self.ready.push_back(SseEvent::default().data("[DONE]"));
+                    self.ended = true;
+                    self.rx.close();
+                }
+                None => {
+                    if self.served.outcome.is_none() {
+                        self.served.outcome = Some("ok");
+                    }
+                    if self.req.include_usage {
+                        let object = if self.req.endpoint == Endpoint::Chat { "chat.completion.chunk" } else { "text_completion" };
+                        let v = json!({"id": self.rid, "object": object, "created": self.created, "model": self.req.model, "choices": [],
+                                       "usage": usage(self.prompt_tokens, self.completion)});
+                        self.ready.push_back(SseEvent::default().data(v.to_string()));
+                    }
+                    self.ready.push_back(SseEvent::default().data("[DONE]"));
+                    self.ended = true;
+                }
+            }
+        }
+    }
+}
+
+fn stream_response(req: Generation, rx: mpsc::Receiver<(u32, Ev)>, served: Served, rid: String, created: u64, prompt_tokens: usize) -> Response {
+    let k = req.prompts.len() * req.n as usize;
+    let st = Streaming {
+        req,
+        rx,
+        served,
+        rid,
+        created,
+        prompt_tokens,
+        text: (0..k).map(|_| Utf8Stream::default()).collect(),
+        opened: vec![false; k],
+        completion: 0,
+        ready: VecDeque::new(),
+        ended: false,
+    };
+    let s = futures_util::stream::unfold(st, |mut st| async move {
+        let ev = st.next().await?;
+        Some((Ok::<_, std::convert::Infallible>(ev), st))
+    });
+    Sse::new(s).into_response()
 }
 
 async fn send_line(s: &mut tokio::net::tcp::OwnedWriteHalf, m: &Msg) -> std::io::Result<()> {
@@ -447,22 +1029,30 @@ async fn send_line(s: &mut tokio::net::tcp::OwnedWriteHalf, m: &Msg) -> std::io:
 
 /// The link to decode at `addr`: opened on first use, one reader task routing
 /// decode's messages by request id; a lost link fails every request it carried.
-async fn decode_link(p: &Arc<Proxy>, addr: SocketAddr) -> Result<mpsc::UnboundedSender<Msg>, String> {
+async fn decode_link(p: &Arc<Proxy>, addr: SocketAddr) -> Result<(u64, mpsc::UnboundedSender<Msg>), ServeError> {
     let mut links = p.links.lock().await;
-    if let Some((a, tx)) = &links.decode
+    if let Some((a, n, tx)) = &links.decode
         && *a == addr
         && !tx.is_closed()
     {
-        return Ok(tx.clone());
+        return Ok((*n, tx.clone()));
     }
-    let conn = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(addr))
-        .await
-        .map_err(|_| format!("decode at {addr}: connect timed out"))?
-        .map_err(|e| format!("decode at {addr}: {e}"))?;
+    let conn = match tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(addr)).await {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => {
+            drop(links);
+            return Err(refused(p, 0, addr, e).await);
+        }
+        Err(_) => {
+            let message = format!("decode at {addr}: connect timed out");
+            return Err(ServeError::Failed { phase: PhaseName::Admission, role: "decode".into(), message });
+        }
+    };
     let _ = conn.set_nodelay(true);
     let (rd, mut wr) = conn.into_split();
     let (tx, mut out) = mpsc::unbounded_channel::<Msg>();
     let routes = Arc::clone(&p.routes);
+    let link = p.next_link.fetch_add(1, Ordering::SeqCst);
     tokio::spawn(async move {
         // The writer is its own task: a read cancelled half-way by a select would
         // lose the bytes of a partly read line.
@@ -491,71 +1081,114 @@ async fn decode_link(p: &Arc<Proxy>, addr: SocketAddr) -> Result<mpsc::Unbounded
                 _ => continue,
             };
             if let Some(r) = lock(&routes).get(&id) {
-                let _ = r.send(m);
+                let _ = r.tx.send(m);
             }
         }
         writer.abort();
-        // The link is gone: every request it carried fails, naming decode.
-        let lost: Vec<_> = lock(&routes).drain().collect();
+        // The link is gone: every request it carried fails, naming decode and the
+        // phase each was in.
+        let lost: Vec<(u64, Route)> = {
+            let mut routes = lock(&routes);
+            let ids: Vec<u64> = routes.iter().filter(|(_, r)| r.link == link).map(|(id, _)| *id).collect();
+            ids.into_iter().filter_map(|id| routes.remove(&id).map(|r| (id, r))).collect()
+        };
         for (id, r) in lost {
-            let _ = r.send(Msg::Error { id, phase: PhaseName::Decode, message: format!("decode at {addr}: connection lost") });
+            let _ = r.tx.send(Msg::Error { id, phase: r.phase, message: format!("decode died (its link at {addr} closed)") });
         }
     });
-    links.decode = Some((addr, tx.clone()));
-    Ok(tx)
+    links.decode = Some((addr, link, tx.clone()));
+    Ok((link, tx))
 }
 
-/// Sends a job to stage 0 over its link (reopened when it broke).
-async fn send_stage0(p: &Proxy, addr: SocketAddr, msg: &Msg) -> Result<(), String> {
+/// Sends a job to stage 0 over its link (reopened when it broke). A write that
+/// does not complete within 2 s fails (a stopped stage 0 must not hold the link).
+async fn send_stage0(p: &Arc<Proxy>, addr: SocketAddr, msg: &Msg) -> Result<(), ServeError> {
+    let failed = |message: String| ServeError::Failed { phase: PhaseName::Compute, role: "prefill stage 0".into(), message };
     let mut links = p.links.lock().await;
     for attempt in 0..2 {
         if links.stage0.as_ref().is_none_or(|(a, _)| *a != addr) {
-            let conn = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(addr))
-                .await
-                .map_err(|_| format!("prefill stage 0 at {addr}: connect timed out"))?
-                .map_err(|e| format!("prefill stage 0 at {addr}: {e}"))?;
+            let conn = match tokio::time::timeout(Duration::from_secs(2), TcpStream::connect(addr)).await {
+                Ok(Ok(c)) => c,
+                Ok(Err(e)) => {
+                    drop(links);
+                    return Err(refused(p, 1, addr, e).await);
+                }
+                Err(_) => return Err(failed(format!("prefill stage 0 at {addr}: connect timed out"))),
+            };
             let _ = conn.set_nodelay(true);
             links.stage0 = Some((addr, conn.into_split().1));
         }
         let Some((_, w)) = links.stage0.as_mut() else { continue };
-        match send_line(w, msg).await {
-            Ok(()) => return Ok(()),
-            Err(e) => {
+        match tokio::time::timeout(Duration::from_secs(2), send_line(w, msg)).await {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(e)) => {
                 links.stage0 = None;
                 if attempt == 1 {
-                    return Err(format!("prefill stage 0 at {addr}: {e}"));
+                    return Err(failed(format!("prefill stage 0 at {addr}: {e}")));
                 }
+            }
+            Err(_) => {
+                links.stage0 = None;
+                return Err(failed(format!("prefill stage 0 at {addr}: the write did not complete in 2 s")));
             }
         }
     }
-    Err(format!("prefill stage 0 at {addr}: not reachable"))
+    Err(failed(format!("prefill stage 0 at {addr}: not reachable")))
 }
 
+/// The role a failure names: a stage's own messages start with `prefill stage N`.
+fn role_of(message: &str) -> String {
+    if let Some(rest) = message.strip_prefix("prefill stage ") {
+        let n: String = rest.chars().take_while(char::is_ascii_digit).collect();
+        if !n.is_empty() {
+            return format!("prefill stage {n}");
+        }
+    }
+    "decode".into()
+}
+
+fn set_phase(p: &Proxy, id: u64, phase: PhaseName) {
+    if let Some(r) = lock(&p.routes).get_mut(&id) {
+        r.phase = phase;
+    }
+}
+
+/// One choice through the cluster: decode's admission, prefill, decode's stream,
+/// with its stop sequences applied.
 #[allow(clippy::too_many_arguments)]
-async fn run_request(
+async fn run_choice(
     p: &Arc<Proxy>,
     id: u64,
     prompt: Vec<u8>,
     max_tokens: u32,
-    decode: SocketAddr,
-    stages: Vec<SocketAddr>,
+    sampling: super::sampling::Sampling,
+    stops: Vec<Vec<u8>>,
     arrived: Instant,
     queue_ms: f64,
-    tx: mpsc::Sender<Ev>,
+    index: u32,
+    tx: mpsc::Sender<(u32, Ev)>,
 ) {
     let t = p.topo.config.timeouts.clone();
-    let fail = |phase: PhaseName, message: String| Ev::Error(ServeError::Failed { phase, message });
-    // 1. Decode admission: blocks, slots, published layouts.
-    let (rtx, mut rrx) = mpsc::unbounded_channel();
-    lock(&p.routes).insert(id, rtx);
-    let link = match decode_link(p, decode).await {
-        Ok(l) => l,
-        Err(m) => return drop(tx.send(fail(PhaseName::Admission, m)).await),
+    let fail = |phase: PhaseName, message: String| {
+        let role = role_of(&message);
+        (index, Ev::Error(ServeError::Failed { phase, role, message }))
     };
+    let decode = match peers(p) {
+        Ok((d, _)) => d,
+        Err(m) => return drop(tx.send((index, Ev::Error(ServeError::NotReady(m)))).await),
+    };
+    // 1. Decode admission: blocks, slots, published layouts.
+    let (link_id, link) = match decode_link(p, decode).await {
+        Ok(l) => l,
+        Err(e) => return drop(tx.send((index, Ev::Error(e))).await),
+    };
+    let (rtx, mut rrx) = mpsc::unbounded_channel();
+    lock(&p.routes).insert(id, Route { tx: rtx, phase: PhaseName::Admission, link: link_id });
     let cancel = |phase: PhaseName, message: String| {
         let _ = link.send(Msg::Cancel { id, phase, message });
     };
-    if link.send(Msg::Admit { id, prompt_tokens: prompt.len() as u64, max_tokens }).is_err() {
+    let sampled = (!sampling.is_greedy()).then_some(sampling);
+    if link.send(Msg::Admit { id, prompt_tokens: prompt.len() as u64, max_tokens, sampling: sampled }).is_err() {
         return drop(tx.send(fail(PhaseName::Admission, format!("decode at {decode}: link closed"))).await);
     }
     let admitted: Admitted = match tokio::time::timeout(secs(t.admission_s + 1.0), rrx.recv()).await {
@@ -567,18 +1200,28 @@ async fn run_request(
             return drop(tx.send(fail(PhaseName::Admission, format!("decode at {decode}: no answer in time"))).await);
         }
     };
-    // 2. Prefill: stage 0, which passes the job on stage by stage; stages report to decode.
-    let job = PrefillJob { admitted, prompt, stage: 0, stages: stages.clone(), hidden: None };
-    if let Err(m) = send_stage0(p, stages[0], &Msg::Prefill(Box::new(job))).await {
-        cancel(PhaseName::Compute, m.clone());
-        return drop(tx.send(fail(PhaseName::Compute, m)).await);
+    // 2. Prefill: stage 0, which passes the job on stage by stage; stages report to
+    // decode. The stages as they are now: one may have restarted meanwhile.
+    let stages = match peers(p) {
+        Ok((_, s)) => s,
+        Err(m) => {
+            cancel(PhaseName::Compute, m.clone());
+            return drop(tx.send((index, Ev::Error(ServeError::NotReady(m)))).await);
+        }
+    };
+    set_phase(p, id, PhaseName::Compute);
+    let job = PrefillJob { admitted, prompt, stage: 0, stages: stages.clone(), hidden: None, sampling: sampled };
+    if let Err(e) = send_stage0(p, stages[0], &Msg::Prefill(Box::new(job))).await {
+        cancel(PhaseName::Compute, e.to_string());
+        return drop(tx.send((index, Ev::Error(e))).await);
     }
     // 3. Decode's stream.
     let mut summary = Summary { queue_ms, ..Default::default() };
     let mut last_tok: Option<Instant> = None;
-    let mut n_tokens = 0u64;
+    let mut n_tokens = 0u32;
+    let mut stop = StopMatcher::new(stops);
     let budget = secs(t.compute_s + t.transfer_s + 60.0);
-    loop {
+    let finish = loop {
         let msg = match tokio::time::timeout(budget, rrx.recv()).await {
             Ok(Some(m)) => m,
             Ok(None) => return drop(tx.send(fail(PhaseName::Decode, "decode's link closed".into())).await),
@@ -591,39 +1234,52 @@ async fn run_request(
             Msg::Token { token, .. } => {
                 let now = Instant::now();
                 match last_tok {
-                    None => summary.ttft_ms = (now - arrived).as_secs_f64() * 1e3,
+                    None => {
+                        summary.ttft_ms = (now - arrived).as_secs_f64() * 1e3;
+                        set_phase(p, id, PhaseName::Decode);
+                    }
                     Some(prev) => summary.itl_ms.push((now - prev).as_secs_f64() * 1e3),
                 }
                 last_tok = Some(now);
                 n_tokens += 1;
-                if tx.send(Ev::Token(token)).await.is_err() {
+                let (piece, stopped) = match stop.push(token) {
+                    StopStep::Release(b) => (b, false),
+                    StopStep::Stopped(b) => (b, true),
+                };
+                if (!piece.is_empty() || stopped) && tx.send((index, Ev::Piece(piece))).await.is_err() {
                     // The client went away: decode frees the request.
                     cancel(PhaseName::Decode, "the client went away".into());
                     return;
+                }
+                if stopped {
+                    // Decode still generates: it frees the request at the cancel.
+                    cancel(PhaseName::Decode, "a stop sequence ended the generation".into());
+                    break "stop";
                 }
             }
             Msg::Done { handoff_ms, decode_ms, bytes, .. } => {
                 summary.handoff_ms = handoff_ms;
                 summary.decode_ms = decode_ms;
                 summary.bytes_handed_off = bytes;
-                {
-                    let mut m = lock(&p.metrics);
-                    *m.outcomes.entry("ok").or_default() += 1;
-                    m.bytes += summary.bytes_handed_off;
-                    m.tokens += n_tokens;
-                    for (ph, ms) in
-                        [("queue", summary.queue_ms), ("handoff", summary.handoff_ms), ("decode", summary.decode_ms), ("ttft", summary.ttft_ms)]
-                    {
-                        let e = m.phases.entry(ph).or_default();
-                        e.0 += ms / 1e3;
-                        e.1 += 1;
-                    }
+                let rest = stop.finish();
+                if !rest.is_empty() {
+                    let _ = tx.send((index, Ev::Piece(rest))).await;
                 }
-                let _ = tx.send(Ev::Done(summary)).await;
-                return;
+                break "length";
             }
             Msg::Error { phase, message, .. } => return drop(tx.send(fail(phase, message)).await),
             other => return drop(tx.send(fail(PhaseName::Decode, format!("decode sent {other:?}"))).await),
         }
+    };
+    {
+        let mut m = lock(&p.metrics);
+        m.bytes += summary.bytes_handed_off;
+        m.tokens += u64::from(n_tokens);
+        for (ph, ms) in [("queue", summary.queue_ms), ("handoff", summary.handoff_ms), ("decode", summary.decode_ms), ("ttft", summary.ttft_ms)] {
+            let e = m.phases.entry(ph).or_default();
+            e.0 += ms / 1e3;
+            e.1 += 1;
+        }
     }
+    let _ = tx.send((index, Ev::Done { finish, tokens: n_tokens, summary })).await;
 }

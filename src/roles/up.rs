@@ -18,6 +18,47 @@ struct Role {
     name: String,
     args: Vec<String>,
     child: Option<Child>,
+    /// Times this role was restarted (handed to it as `HANDOFF_RESTARTS`).
+    restarts: u32,
+    /// When it died recently (the restart window).
+    deaths: std::collections::VecDeque<Instant>,
+    /// When it is due to start again, after a death.
+    restart_at: Option<Instant>,
+}
+
+impl Role {
+    fn new(name: String, args: Vec<String>) -> Role {
+        Role { name, args, child: None, restarts: 0, deaths: Default::default(), restart_at: None }
+    }
+}
+
+/// When `up` restarts a role that died, and when it gives up.
+#[derive(Debug, Clone, Copy)]
+pub struct RestartPolicy {
+    /// Most restarts of one role within `window`; one more death and `up` stops
+    /// every role and exits. 0: never restart (the first death stops the cluster).
+    pub max_restarts: u32,
+    pub window: Duration,
+    /// The wait before the first restart; it doubles with each death in the
+    /// window, up to `backoff_max`.
+    pub backoff: Duration,
+    pub backoff_max: Duration,
+}
+
+impl Default for RestartPolicy {
+    fn default() -> Self {
+        RestartPolicy { max_restarts: 5, window: Duration::from_secs(60), backoff: Duration::from_millis(250), backoff_max: Duration::from_secs(8) }
+    }
+}
+
+/// What [`Cluster::supervise`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Supervision {
+    /// A role died; it starts again after the backoff.
+    Died { role: String, status: String, restart_in: Duration, restarts: u32 },
+    Restarted { role: String, pid: u32, restarts: u32 },
+    /// A role died more often than the policy allows: nothing was restarted.
+    GaveUp { role: String, status: String, deaths: usize, window: Duration },
 }
 
 /// A running deployment: proxy, decode and one process per prefill stage.
@@ -55,6 +96,7 @@ impl Cluster {
         let (path, tmp) = match config {
             Some(p) => (p.to_path_buf(), None),
             None => {
+                sweep_stale_configs();
                 let p = std::env::temp_dir().join(format!("handoff-up-{}-{port}.toml", std::process::id()));
                 std::fs::write(&p, DEFAULT_CONFIG).with_context(|| format!("write {}", p.display()))?;
                 (p.clone(), Some(p))
@@ -63,18 +105,16 @@ impl Cluster {
         let path_s = path.to_string_lossy().to_string();
         let topo = Topology::load(&path_s).map_err(|e| anyhow::anyhow!("{e}"))?;
         let addr = format!("{host}:{port}");
-        let mut roles = vec![Role {
-            name: "proxy".into(),
-            args: vec!["proxy".into(), "--config".into(), path_s.clone(), "--host".into(), host.into(), "--port".into(), port.to_string()],
-            child: None,
-        }];
-        roles.push(Role { name: "decode".into(), args: vec!["decode".into(), "--config".into(), path_s.clone(), "--proxy".into(), addr.clone()], child: None });
+        let mut roles = vec![Role::new(
+            "proxy".into(),
+            vec!["proxy".into(), "--config".into(), path_s.clone(), "--host".into(), host.into(), "--port".into(), port.to_string()],
+        )];
+        roles.push(Role::new("decode".into(), vec!["decode".into(), "--config".into(), path_s.clone(), "--proxy".into(), addr.clone()]));
         for s in 0..topo.prefill().pp {
-            roles.push(Role {
-                name: format!("prefill stage {s}"),
-                args: vec!["prefill".into(), "--config".into(), path_s.clone(), "--stage".into(), s.to_string(), "--proxy".into(), addr.clone()],
-                child: None,
-            });
+            roles.push(Role::new(
+                format!("prefill stage {s}"),
+                vec!["prefill".into(), "--config".into(), path_s.clone(), "--stage".into(), s.to_string(), "--proxy".into(), addr.clone()],
+            ));
         }
         let mut c = Cluster { roles, addr, topo, program, envs, tmp_config: tmp };
         for i in 0..c.roles.len() {
@@ -87,11 +127,15 @@ impl Cluster {
         let role = &mut self.roles[i];
         let mut cmd = role_command(self.program.as_deref(), &role.args)?;
         cmd.envs(self.envs.iter().map(|(k, v)| (k.as_str(), v.as_str())));
-        // SAFETY: prctl is async-signal-safe; a role dies with its parent, so a
-        // killed `up` leaves nothing running.
+        cmd.env(super::RESTARTS_ENV, role.restarts.to_string());
+        // SAFETY: prctl and setpgid are async-signal-safe. A role dies with its
+        // parent, so a killed `up` leaves nothing running; and it has its own
+        // process group, so a terminal's Ctrl-C reaches `up` alone, which drains
+        // the proxy before it stops the other roles.
         unsafe {
             cmd.pre_exec(|| {
                 libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                libc::setpgid(0, 0);
                 Ok(())
             });
         }
@@ -128,6 +172,96 @@ impl Cluster {
             let _ = c.wait();
         }
         self.spawn(i)
+    }
+
+    /// Restarts of a role so far.
+    pub fn restarts(&self, name: &str) -> u32 {
+        self.roles.iter().find(|r| r.name == name).map_or(0, |r| r.restarts)
+    }
+
+    /// Reaps roles that died and starts them again once their backoff passed
+    /// (see [`RestartPolicy`]); what happened, in order.
+    pub fn supervise(&mut self, policy: &RestartPolicy) -> Vec<Supervision> {
+        let mut out = Vec::new();
+        let now = Instant::now();
+        for i in 0..self.roles.len() {
+            let r = &mut self.roles[i];
+            if let Some(c) = r.child.as_mut()
+                && let Ok(Some(status)) = c.try_wait()
+            {
+                r.child = None;
+                while r.deaths.front().is_some_and(|t| now.duration_since(*t) > policy.window) {
+                    r.deaths.pop_front();
+                }
+                r.deaths.push_back(now);
+                if r.deaths.len() as u32 > policy.max_restarts {
+                    out.push(Supervision::GaveUp { role: r.name.clone(), status: status.to_string(), deaths: r.deaths.len(), window: policy.window });
+                    continue;
+                }
+                let doublings = (r.deaths.len() as u32 - 1).min(16);
+                let wait = policy.backoff.saturating_mul(1 << doublings).min(policy.backoff_max);
+                r.restart_at = Some(now + wait);
+                out.push(Supervision::Died { role: r.name.clone(), status: status.to_string(), restart_in: wait, restarts: r.restarts + 1 });
+            }
+            let r = &mut self.roles[i];
+            if r.child.is_none() && r.restart_at.is_some_and(|t| now >= t) {
+                r.restart_at = None;
+                r.restarts += 1;
+                let (name, restarts) = (r.name.clone(), r.restarts);
+                match self.spawn(i) {
+                    Ok(()) => out.push(Supervision::Restarted { role: name, pid: self.pid_of(i), restarts }),
+                    Err(e) => {
+                        // Starting failed (no process at all): try again after the backoff.
+                        tracing::warn!(role = %name, error = %e, "restart failed");
+                        self.roles[i].restart_at = Some(now + policy.backoff_max);
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn pid_of(&self, i: usize) -> u32 {
+        self.roles[i].child.as_ref().map_or(0, Child::id)
+    }
+
+    /// Sends `signal` to a role's process (a test stops and continues roles).
+    pub fn signal(&self, name: &str, signal: libc::c_int) -> anyhow::Result<()> {
+        let pid = self.pid(name).context("no such running role")?;
+        // SAFETY: kill(2) on our own child's pid.
+        if unsafe { libc::kill(pid as libc::pid_t, signal) } != 0 {
+            anyhow::bail!("kill {pid}: {}", std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Waits up to `timeout` for the proxy to exit (it drains first); true if it did.
+    fn wait_proxy_exit(&mut self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let Some(c) = self.roles[0].child.as_mut() else { return true };
+            if let Ok(Some(_)) = c.try_wait() {
+                self.roles[0].child = None;
+                return true;
+            }
+            if Instant::now() >= deadline || super::signals() >= 2 {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGKILLs every role at once (a second stop signal).
+    pub fn kill_all(&mut self) {
+        for r in &mut self.roles {
+            if let Some(mut c) = r.child.take() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+        if let Some(p) = self.tmp_config.take() {
+            let _ = std::fs::remove_file(p);
+        }
     }
 
     /// A role that exited, with its status.
@@ -212,11 +346,25 @@ impl Drop for Cluster {
 }
 
 /// `handoff up`: starts proxy, decode and every prefill stage, waits for health,
-/// prints the URL, and runs until Ctrl-C (or SIGTERM) or until one role dies; then
-/// stops them all. `config` None: the built-in default (config/small.toml).
-pub fn run_up(config: Option<&Path>, host: &str, port: u16, device: Option<&str>) -> anyhow::Result<()> {
+/// prints the URL, and supervises them: a role that dies is restarted after a
+/// backoff (see [`RestartPolicy`]), and `up` gives up, stopping every role, only
+/// when one dies more often than the policy allows. The first SIGINT/SIGTERM
+/// drains: the proxy refuses new requests and finishes those in flight (up to
+/// `serve.drain_s`), then every role stops; a second signal stops them at once.
+/// `config` None: the built-in default (config/small.toml).
+pub fn run_up(config: Option<&Path>, host: &str, port: u16, device: Option<&str>, policy: RestartPolicy, api_key: Option<&str>) -> anyhow::Result<()> {
     super::install_signal_handlers();
-    let envs = device.map(|d| vec![("HANDOFF_DEVICE".to_string(), d.to_string())]).unwrap_or_default();
+    if port == 0 {
+        anyhow::bail!("--port 0: the roles must be told the proxy's port before it listens; pick a free port");
+    }
+    // The port must be free before any role starts: a proxy that cannot listen
+    // would only be restarted until `up` gives up.
+    std::net::TcpListener::bind((host, port)).map_err(|e| anyhow::anyhow!("cannot listen on {host}:{port}: {e}"))?;
+    let mut envs = device.map(|d| vec![("HANDOFF_DEVICE".to_string(), d.to_string())]).unwrap_or_default();
+    if let Some(k) = api_key {
+        // Through the environment, not argv: `ps` shows every process's arguments.
+        envs.push(("HANDOFF_API_KEY".to_string(), k.to_string()));
+    }
     let mut c = Cluster::start_with(config, host, port, None, envs)?;
     let p = c.topo.prefill();
     let d = c.topo.decode();
@@ -235,19 +383,65 @@ pub fn run_up(config: Option<&Path>, host: &str, port: u16, device: Option<&str>
         p.pp + 2
     );
     c.wait_healthy(Duration::from_secs(60), true)?;
-    println!("handoff serving at http://{}  (POST /v1/completions, GET /health, GET /metrics; Ctrl-C stops)", c.addr);
+    println!("handoff serving at http://{}  (POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics; Ctrl-C drains and stops)", c.addr);
     loop {
+        if super::signals() >= 2 {
+            eprintln!("handoff up: second signal; stopping every role now");
+            c.kill_all();
+            return Ok(());
+        }
         if super::shutting_down() {
-            eprintln!("handoff up: stopping");
+            let drain_s = c.topo.config.serve.drain_s;
+            eprintln!("handoff up: draining (new requests get 503; those in flight have up to serve.drain_s = {drain_s} s); a second Ctrl-C stops at once");
+            if let Err(e) = c.signal("proxy", libc::SIGTERM) {
+                tracing::debug!(error = %e, "proxy already gone");
+            }
+            // The proxy exits once its requests finished or drain_s passed.
+            let drained = c.wait_proxy_exit(Duration::from_secs_f64(drain_s.min(86_400.0)) + Duration::from_secs(5));
+            if super::signals() >= 2 {
+                eprintln!("handoff up: second signal; stopping every role now");
+                c.kill_all();
+                return Ok(());
+            }
+            eprintln!("handoff up: {}; stopping every role", if drained { "drained" } else { "the proxy did not stop in time" });
             c.shutdown();
             return Ok(());
         }
-        if let Some(dead) = c.dead_role() {
-            eprintln!("handoff up: {dead}; stopping every role");
-            c.shutdown();
-            anyhow::bail!("{dead}");
+        for ev in c.supervise(&policy) {
+            match ev {
+                Supervision::Died { role, status, restart_in, restarts } => {
+                    eprintln!("handoff up: {role} exited ({status}); restart {restarts} in {:.2} s", restart_in.as_secs_f64());
+                }
+                Supervision::Restarted { role, pid, restarts } => eprintln!("handoff up: {role} restarted (pid {pid}, restart {restarts})"),
+                Supervision::GaveUp { role, status, deaths, window } => {
+                    let msg = format!(
+                        "{role} exited ({status}): {deaths} deaths within {:.0} s is more than --max-restarts {}; giving up",
+                        window.as_secs_f64(),
+                        policy.max_restarts
+                    );
+                    eprintln!("handoff up: {msg}; stopping every role");
+                    c.shutdown();
+                    anyhow::bail!("{msg}");
+                }
+            }
         }
-        std::thread::sleep(Duration::from_millis(100));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Removes default-config files that earlier `up` processes left behind when they
+/// were killed (named `handoff-up-{pid}-{port}.toml`, for a pid that is gone).
+fn sweep_stale_configs() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        let Some(rest) = name.strip_prefix("handoff-up-").and_then(|r| r.strip_suffix(".toml")) else { continue };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<i32>().ok()) else { continue };
+        // SAFETY: kill with signal 0 only checks whether the process exists.
+        let gone = unsafe { libc::kill(pid, 0) } != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        if gone {
+            let _ = std::fs::remove_file(e.path());
+        }
     }
 }
 
@@ -285,6 +479,21 @@ pub fn complete(addr: &str, prompt: &str, max_tokens: u32) -> Result<Completion,
         handoff_ms: f("handoff_ms"),
         decode_ms: f("decode_ms"),
     })
+}
+
+/// The reason of a failed completion: the message of an OpenAI-style error body,
+/// else the body (or the I/O error) itself, cut to one line.
+pub fn failure_reason(body: &str) -> String {
+    let v: Option<serde_json::Value> = serde_json::from_str(body).ok();
+    let msg = v.as_ref().and_then(|v| v["error"]["message"].as_str()).map(str::to_string).unwrap_or_else(|| body.to_string());
+    let line = msg.lines().next().unwrap_or("").trim();
+    let mut out: String = line.chars().take(160).collect();
+    if out.is_empty() {
+        out = "(empty body)".into();
+    } else if line.chars().count() > 160 {
+        out.push_str("...");
+    }
+    out
 }
 
 fn percentile(xs: &mut [f64], q: f64) -> f64 {
@@ -359,6 +568,9 @@ pub struct ServeLevel {
     pub ok: u32,
     /// Failures by HTTP status (0: no answer).
     pub failed: BTreeMap<u16, u32>,
+    /// Failures by HTTP status and reason (the error body's message, or why no
+    /// answer came), so a sweep says what went wrong, not only how often.
+    pub reasons: BTreeMap<(u16, String), u32>,
     pub tok_s: f64,
     pub ttft_p50: f64,
     pub ttft_p99: f64,
@@ -392,9 +604,11 @@ pub fn load(addr: &str, concurrency: u32, requests: u32, max_tokens: u32) -> Ser
     let results = results.into_inner().unwrap_or_else(|p| p.into_inner());
     let ok: Vec<&Completion> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
     let mut failed = BTreeMap::new();
+    let mut reasons = BTreeMap::new();
     for r in &results {
-        if let Err((status, _)) = r {
+        if let Err((status, body)) = r {
             *failed.entry(*status).or_default() += 1;
+            *reasons.entry((*status, failure_reason(body))).or_default() += 1;
         }
     }
     let tokens: usize = ok.iter().map(|r| r.token_ids.len()).sum();
@@ -405,6 +619,7 @@ pub fn load(addr: &str, concurrency: u32, requests: u32, max_tokens: u32) -> Ser
         requests,
         ok: ok.len() as u32,
         failed,
+        reasons,
         tok_s: tokens as f64 / wall,
         ttft_p50: percentile(&mut ttft, 0.5),
         ttft_p99: percentile(&mut ttft, 0.99),
@@ -418,6 +633,10 @@ pub fn load(addr: &str, concurrency: u32, requests: u32, max_tokens: u32) -> Ser
 /// without one) and sweeps the concurrency levels, `requests` completions of 16
 /// tokens per level (0: 8 x concurrency, at least 64); prints tok/s, TTFT and ITL
 /// p50/p99 per level and the ratio of each level's tok/s to the first's.
+///
+/// tok/s, TTFT and ITL count the successful requests only; a level with failures
+/// says how many of its requests failed and lists them by HTTP status and reason
+/// (the caller decides whether a failure fails the run: see [`failed_requests`]).
 pub fn bench_serve(config: Option<&Path>, levels: &[u32], requests: u32) -> anyhow::Result<Vec<ServeLevel>> {
     let port = free_port()?;
     let mut c = Cluster::start(config, "127.0.0.1", port, None)?;
@@ -427,7 +646,7 @@ pub fn bench_serve(config: Option<&Path>, levels: &[u32], requests: u32) -> anyh
     let _ = load(&c.addr, 2, 4, 16);
     println!(
         "{:>11} {:>9} {:>6} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>12}",
-        "concurrency", "requests", "ok", "failed", "tok/s", "vs C1", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "CPU ms/req"
+        "concurrency", "requests", "ok", "failed", "ok tok/s", "vs C1", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "CPU ms/req"
     );
     // SAFETY: sysconf has no preconditions.
     let tick_ms = 1000.0 / (unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64);
@@ -443,13 +662,36 @@ pub fn bench_serve(config: Option<&Path>, levels: &[u32], requests: u32) -> anyh
             "{:>11} {:>9} {:>6} {:>7} {:>9.1} {:>8.2}x {:>7.1}ms {:>7.1}ms {:>7.2}ms {:>7.2}ms {:>10.2}ms",
             conc, l.requests, l.ok, failed, l.tok_s, l.tok_s / base.max(1e-9), l.ttft_p50, l.ttft_p99, l.itl_p50, l.itl_p99, l.cpu_ms_per_request
         );
-        for (status, n) in &l.failed {
-            println!("{:>11}   {n} failed with HTTP {status}", "");
+        if failed > 0 {
+            println!("{:>11}   {failed} of {} requests failed; tok/s, TTFT and ITL count the {} that succeeded", "", l.requests, l.ok);
+            print!("{}", failure_lines(&l.reasons, 8));
         }
         out.push(l);
     }
     c.shutdown();
     Ok(out)
+}
+
+/// The failures of `reasons`, most frequent first, one line each (at most
+/// `most` lines, then how many other reasons there were).
+pub fn failure_lines(reasons: &BTreeMap<(u16, String), u32>, most: usize) -> String {
+    let mut rows: Vec<(&(u16, String), &u32)> = reasons.iter().collect();
+    rows.sort_by(|a, b| b.1.cmp(a.1).then_with(|| a.0.cmp(b.0)));
+    let mut out = String::new();
+    for ((status, reason), n) in rows.iter().take(most) {
+        let status = if *status == 0 { "no answer".to_string() } else { format!("HTTP {status}") };
+        out += &format!("{:>11}   {n:>6} x {status}: {reason}\n", "");
+    }
+    if rows.len() > most {
+        let rest: u32 = rows[most..].iter().map(|(_, n)| **n).sum();
+        out += &format!("{:>11}   {rest:>6} x ({} other reasons)\n", "", rows.len() - most);
+    }
+    out
+}
+
+/// Requests that failed over every level of a sweep.
+pub fn failed_requests(levels: &[ServeLevel]) -> u32 {
+    levels.iter().map(|l| l.failed.values().sum::<u32>()).sum()
 }
 
 /// One role's figures in a soak, read from `/metrics`.

@@ -18,6 +18,7 @@ use crate::engine::Counts;
 use crate::transport::{PeerAddr, RegionHandle};
 use handoff_components::ecs::{PhaseName, StageReport};
 use handoff_components::layout::ConsumerLayout;
+use super::sampling::Sampling;
 use serde::{Deserialize, Serialize};
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
@@ -32,7 +33,14 @@ pub const MAX_LINE: u64 = 256 << 20;
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Msg {
     /// proxy -> decode: admit a request (allocate blocks and slots, publish layouts).
-    Admit { id: u64, prompt_tokens: u64, max_tokens: u32 },
+    /// `sampling`: how decode picks tokens 1.. (None: greedy).
+    Admit {
+        id: u64,
+        prompt_tokens: u64,
+        max_tokens: u32,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        sampling: Option<Sampling>,
+    },
     /// decode -> proxy: the request is placed; what every decode rank published.
     Admitted(Box<Admitted>),
     /// decode -> proxy: one generated token.
@@ -47,6 +55,10 @@ pub enum Msg {
     Cancel { id: u64, phase: PhaseName, message: String },
     /// proxy -> stage 0, stage s -> stage s + 1: compute and hand off.
     Prefill(Box<PrefillJob>),
+    /// proxy -> decode: prefill stage `stage` died (`dead`: its process is gone, so
+    /// it writes no more) or stopped answering; decode fails every request still
+    /// waiting for that stage's writes, naming it.
+    StageDown { stage: u32, dead: bool, message: String },
 }
 
 /// What decode publishes for one admitted request.
@@ -77,6 +89,9 @@ pub struct PrefillJob {
     /// cost the next stage a tenth of its CPU to parse.
     #[serde(with = "f32_base64")]
     pub hidden: Option<Vec<f32>>,
+    /// How the last stage picks token 0 (None: greedy); each stage passes it on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sampling: Option<Sampling>,
 }
 
 /// `Option<Vec<f32>>` as a base64 string of little-endian f32 bytes.
@@ -130,6 +145,9 @@ pub struct Register {
     pub counts: Counts,
     /// Resident memory of the role process, bytes.
     pub rss_bytes: u64,
+    /// How many times `up` restarted this role (its `HANDOFF_RESTARTS`).
+    #[serde(default)]
+    pub restarts: u32,
 }
 
 /// Writes one message as a JSON line.
@@ -187,6 +205,11 @@ impl HttpResponse {
 /// One HTTP/1.1 request on a fresh connection (`Connection: close`); reads the
 /// whole response. `addr` is `host:port`.
 pub fn http(addr: &str, method: &str, path: &str, body: Option<&str>, timeout: Duration) -> io::Result<HttpResponse> {
+    http_with(addr, method, path, body, &[], timeout)
+}
+
+/// [`http`] with extra request headers (`("Authorization", "Bearer ...")`).
+pub fn http_with(addr: &str, method: &str, path: &str, body: Option<&str>, headers: &[(&str, &str)], timeout: Duration) -> io::Result<HttpResponse> {
     let sa = addr
         .to_socket_addrs()?
         .next()
@@ -195,8 +218,9 @@ pub fn http(addr: &str, method: &str, path: &str, body: Option<&str>, timeout: D
     s.set_read_timeout(Some(timeout))?;
     s.set_write_timeout(Some(timeout))?;
     let body = body.unwrap_or("");
+    let extra: String = headers.iter().map(|(k, v)| format!("{k}: {v}\r\n")).collect();
     let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{extra}Connection: close\r\n\r\n{body}",
         body.len()
     );
     s.write_all(req.as_bytes())?;
@@ -255,7 +279,7 @@ mod tests {
     fn hidden_states_round_trip_bit_for_bit_and_bad_lengths_are_refused() {
         let xs = vec![0.0f32, -0.0, 1.5, f32::MIN_POSITIVE / 4.0, f32::from_bits(0x7fc0_1234), -3.25e7];
         let a = Admitted { id: 1, nonce: 2, consumers: vec![], handles: vec![], endpoint: PeerAddr::Local { instance: 3 } };
-        let job = PrefillJob { admitted: a, prompt: vec![1, 2], stage: 1, stages: vec![], hidden: Some(xs.clone()) };
+        let job = PrefillJob { admitted: a, prompt: vec![1, 2], stage: 1, stages: vec![], hidden: Some(xs.clone()), sampling: None };
         let line = serde_json::to_vec(&Msg::Prefill(Box::new(job))).expect("encode");
         let Ok(Msg::Prefill(back)) = serde_json::from_slice::<Msg>(&line) else { panic!("decode") };
         let got: Vec<u32> = back.hidden.expect("hidden").iter().map(|x| x.to_bits()).collect();

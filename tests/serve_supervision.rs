@@ -1,0 +1,383 @@
+//! Serving that survives, through the `handoff up` process: a killed role of each
+//! kind is restarted under load and the requests it broke name it; a stopped
+//! (SIGSTOP) role is found by its missing heartbeats and its requests fail within
+//! seconds, not at their phase timeouts; SIGINT drains; a role that keeps dying
+//! makes `up` give up and say so.
+
+use handoff::roles::up::free_port;
+use handoff::roles::wire::{self, HttpResponse};
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_handoff");
+const SMALL: &str = include_str!("../config/small.toml");
+const DELAY_ENV: &str = handoff::roles::prefill::DELAY_ENV;
+
+/// One cluster at a time: clusters side by side on 2 cores time out each other.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn config(name: &str, extra: &str) -> std::path::PathBuf {
+    let base = SMALL.split("[serve]").next().expect("small.toml");
+    let text = format!("{base}[serve]\nmax_context = 128\nmax_requests = 8\nqueue = 64\n{extra}");
+    let p = std::env::temp_dir().join(format!("handoff-supervision-{}-{name}.toml", std::process::id()));
+    std::fs::write(&p, text).expect("write config");
+    p
+}
+
+/// `handoff up` as a process; its stderr lines are kept. SIGKILLed on drop.
+struct Up {
+    child: Child,
+    addr: String,
+    stderr: Arc<Mutex<Vec<String>>>,
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on our own child.
+        unsafe {
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_up(config: &std::path::Path, envs: &[(&str, &str)], extra: &[&str]) -> Up {
+    let port = free_port().expect("port");
+    let mut cmd = Command::new(BIN);
+    cmd.args(["up", "--config"]).arg(config).args(["--port", &port.to_string()]).args(extra);
+    cmd.envs(envs.iter().copied()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("spawn handoff up");
+    let (out, err) = (child.stdout.take().expect("stdout"), child.stderr.take().expect("stderr"));
+    let stderr = Arc::new(Mutex::new(Vec::new()));
+    {
+        let stderr = Arc::clone(&stderr);
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                stderr.lock().unwrap_or_else(|e| e.into_inner()).push(line);
+            }
+        });
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let up = Up { child, addr: format!("127.0.0.1:{port}"), stderr };
+    let deadline = Instant::now() + Duration::from_secs(50);
+    loop {
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok(line) if line.contains("handoff serving at") => return up,
+            Ok(_) => {}
+            Err(e) => panic!("handoff up did not start: {e}; stderr: {:?}", up.stderr.lock().map(|s| s.clone())),
+        }
+    }
+}
+
+fn http(addr: &str, method: &str, path: &str, body: Option<&str>) -> std::io::Result<HttpResponse> {
+    wire::http(addr, method, path, body, Duration::from_secs(60))
+}
+
+fn complete(addr: &str, prompt: &str, max_tokens: u32) -> (u16, serde_json::Value) {
+    let body = serde_json::json!({"prompt": prompt, "max_tokens": max_tokens}).to_string();
+    match http(addr, "POST", "/v1/completions", Some(&body)) {
+        Ok(r) => (r.status, r.json().unwrap_or_else(|| serde_json::json!({"raw": r.body}))),
+        Err(e) => (0, serde_json::json!({"io": e.to_string()})),
+    }
+}
+
+/// The pid of `role` ("proxy", "decode", "prefill stage N") as /health lists it.
+fn pid_of(addr: &str, role: &str) -> Option<u32> {
+    let v = http(addr, "GET", "/health", None).ok()?.json()?;
+    v["roles"].as_array()?.iter().find(|r| r["role"] == role)?["pid"].as_u64().map(|p| p as u32)
+}
+
+fn health(addr: &str) -> (u16, String) {
+    match http(addr, "GET", "/health", None) {
+        Ok(r) => (r.status, r.body),
+        Err(e) => (0, e.to_string()),
+    }
+}
+
+/// Waits until /health is 200 with `role` at another pid than `old`; the wait.
+fn wait_replaced(addr: &str, role: &str, old: u32, within: Duration) -> Duration {
+    let t0 = Instant::now();
+    loop {
+        if health(addr).0 == 200 && pid_of(addr, role).is_some_and(|p| p != old) {
+            return t0.elapsed();
+        }
+        assert!(t0.elapsed() < within, "{role} not back within {within:?}: {:?}", health(addr));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn metric(addr: &str, key: &str) -> Option<f64> {
+    let m = http(addr, "GET", "/metrics", None).ok()?.body;
+    m.lines().find_map(|l| l.strip_prefix(key).and_then(|v| v.trim().parse().ok()))
+}
+
+fn signal(pid: u32, sig: libc::c_int) {
+    // SAFETY: kill(2) on a role process this test's `up` started.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, sig) }, 0, "kill {pid} {sig}");
+}
+
+/// Waits until no role holds a request or producer entry any more.
+fn assert_nothing_live(addr: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let m = http(addr, "GET", "/metrics", None).map(|r| r.body).unwrap_or_default();
+        let live: Vec<&str> = m
+            .lines()
+            .filter(|l| (l.starts_with("handoff_engine_requests{") || l.starts_with("handoff_producer_entries{")) && !l.ends_with(" 0"))
+            .collect();
+        if live.is_empty() && m.contains("handoff_engine_requests{role=\"decode\"} 0") {
+            return;
+        }
+        assert!(Instant::now() < deadline, "still live: {live:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Clients sending completions until stopped; every answer with its time.
+struct Load {
+    stop: Arc<AtomicBool>,
+    results: Arc<Mutex<Vec<(Instant, u16, serde_json::Value)>>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(addr: &str, clients: usize, max_tokens: u32) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let results = Arc::new(Mutex::new(Vec::new()));
+        let threads = (0..clients)
+            .map(|i| {
+                let (addr, stop, results) = (addr.to_string(), Arc::clone(&stop), Arc::clone(&results));
+                std::thread::spawn(move || {
+                    let mut k = 0;
+                    while !stop.load(Ordering::SeqCst) {
+                        let (s, v) = complete(&addr, &format!("client {i} request {k} under load"), max_tokens);
+                        results.lock().unwrap_or_else(|e| e.into_inner()).push((Instant::now(), s, v));
+                        k += 1;
+                        if s == 0 {
+                            std::thread::sleep(Duration::from_millis(50));
+                        }
+                    }
+                })
+            })
+            .collect();
+        Load { stop, results, threads }
+    }
+
+    fn since(&self, t: Instant) -> Vec<(u16, serde_json::Value)> {
+        self.results.lock().unwrap_or_else(|e| e.into_inner()).iter().filter(|(at, ..)| *at >= t).map(|(_, s, v)| (*s, v.clone())).collect()
+    }
+
+    fn finish(self) {
+        self.stop.store(true, Ordering::SeqCst);
+        for t in self.threads {
+            let _ = t.join();
+        }
+    }
+}
+
+#[test]
+fn each_killed_role_is_restarted_under_load_and_the_requests_it_broke_name_it() {
+    let _serial = serial();
+    // Short phase deadlines: a failed request whose other stages may still write is
+    // freed at its deadline, and the test waits for everything to be freed.
+    let cfg = config("kill", "drain_s = 2\n\n[timeouts]\ncompute_s = 5\ntransfer_s = 5\nadmission_s = 30\n");
+    // Each stage sleeps 100 ms per request, so requests are always in flight there.
+    let up = start_up(&cfg, &[(DELAY_ENV, "100")], &[]);
+    let load = Load::start(&up.addr, 6, 24);
+    for role in ["prefill stage 1", "decode", "prefill stage 0"] {
+        std::thread::sleep(Duration::from_millis(1200));
+        let old = pid_of(&up.addr, role).unwrap_or_else(|| panic!("{role}: no pid in /health"));
+        let killed = Instant::now();
+        signal(old, libc::SIGKILL);
+        let back = wait_replaced(&up.addr, role, old, Duration::from_secs(15));
+        // Requests still running at the kill end within the next seconds.
+        std::thread::sleep(Duration::from_millis(1500));
+        let after = load.since(killed);
+        let failed: Vec<&serde_json::Value> = after.iter().filter(|(s, _)| *s == 500).map(|(_, v)| v).collect();
+        assert!(!failed.is_empty(), "{role}: no request broke when it was killed: {after:?}");
+        for v in &failed {
+            assert_eq!(v["error"]["role"], role, "{role} was killed, the error names another role: {v}");
+            assert!(v["error"]["message"].as_str().unwrap_or("").contains(role), "{v}");
+            assert!(["compute", "transfer", "decode", "admission"].contains(&v["error"]["phase"].as_str().unwrap_or("")), "{v}");
+        }
+        for (s, v) in &after {
+            if *s == 503 {
+                assert!(v["error"]["message"].as_str().unwrap_or("").contains(role), "{role}: a 503 that names another role: {v}");
+            }
+            assert!([200, 500, 503].contains(s), "{role}: unexpected answer {s}: {v}");
+        }
+        let ok_after = load.since(killed + back).iter().filter(|(s, _)| *s == 200).count();
+        assert!(ok_after > 0, "{role}: nothing served after it came back ({back:?})");
+        eprintln!("{role}: killed, back in {:.2} s, {} requests broke naming it, {ok_after} served since", back.as_secs_f64(), failed.len());
+    }
+    // The proxy too: clients see connection errors, then the restarted proxy serves.
+    let old = pid_of(&up.addr, "proxy").expect("proxy pid");
+    let killed = Instant::now();
+    signal(old, libc::SIGKILL);
+    let back = wait_replaced(&up.addr, "proxy", old, Duration::from_secs(15));
+    // The stages first work off the jobs the old proxy sent them.
+    let t0 = Instant::now();
+    while !load.since(killed + back).iter().any(|(s, _)| *s == 200) {
+        assert!(t0.elapsed() < Duration::from_secs(10), "nothing served after the proxy came back: {:?}", load.since(killed + back));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!("proxy: killed, back in {:.2} s, serving again {:.2} s later", back.as_secs_f64(), t0.elapsed().as_secs_f64());
+    load.finish();
+    for label in ["proxy", "decode", "prefill0", "prefill1"] {
+        assert_eq!(metric(&up.addr, &format!("handoff_role_restarts_total{{role=\"{label}\"}}")), Some(1.0), "{label} restarts");
+    }
+    assert_nothing_live(&up.addr);
+    let stderr = up.stderr.lock().map(|s| s.join("\n")).unwrap_or_default();
+    assert!(stderr.contains("decode exited (signal: 9") && stderr.contains("decode restarted"), "{stderr}");
+}
+
+#[test]
+fn a_stopped_stage_or_decode_is_found_by_heartbeat_and_its_requests_fail_within_seconds() {
+    let _serial = serial();
+    // Phase timeouts of a minute: only the heartbeats can fail these requests in time.
+    let cfg = config("stop", "drain_s = 2\n\n[timeouts]\ncompute_s = 60\ntransfer_s = 60\nadmission_s = 60\n");
+    let up = start_up(&cfg, &[(DELAY_ENV, "300")], &[]);
+    for (role, max_tokens) in [("prefill stage 1", 8), ("decode", 60)] {
+        let pid = pid_of(&up.addr, role).expect("pid");
+        let reqs: Vec<_> = (0..4)
+            .map(|i| {
+                let addr = up.addr.clone();
+                std::thread::spawn(move || {
+                    let (s, v) = complete(&addr, &format!("request {i} before the stop"), max_tokens);
+                    (Instant::now(), s, v)
+                })
+            })
+            .collect();
+        // Stage 1 holds requests after stage 0's 300 ms; every request in flight
+        // waits on decode (for its place, the stages' reports, or its tokens).
+        std::thread::sleep(Duration::from_millis(450));
+        let stopped = Instant::now();
+        signal(pid, libc::SIGSTOP);
+        let mut broken = 0;
+        for h in reqs {
+            let (at, s, v) = h.join().expect("thread");
+            if s == 200 {
+                continue; // finished before the stop
+            }
+            broken += 1;
+            let waited = at.saturating_duration_since(stopped);
+            assert!(waited < Duration::from_secs(6), "{role}: a request failed {waited:?} after the stop (not by heartbeat): {v}");
+            assert_eq!(s, 500, "{v}");
+            assert_eq!(v["error"]["role"], role, "{v}");
+            assert!(v["error"]["message"].as_str().unwrap_or("").contains("stopped answering"), "{v}");
+        }
+        assert!(broken > 0, "{role}: no request was in flight at the stop");
+        let (status, body) = health(&up.addr);
+        assert_eq!(status, 503, "{body}");
+        assert!(body.contains(&format!("{role} is down: stopped answering")), "{body}");
+        let (s, v) = complete(&up.addr, "while it is stopped", 4);
+        assert_eq!(s, 503, "{v}");
+        assert!(v["error"]["message"].as_str().unwrap_or("").contains(role), "{v}");
+        signal(pid, libc::SIGCONT);
+        let t0 = Instant::now();
+        while health(&up.addr).0 != 200 {
+            assert!(t0.elapsed() < Duration::from_secs(10), "{role} not healthy after SIGCONT: {:?}", health(&up.addr));
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let (s, v) = complete(&up.addr, "after it continued", 4);
+        assert_eq!(s, 200, "{role}: {v}");
+        assert_eq!(pid_of(&up.addr, role), Some(pid), "{role} was continued, not restarted");
+    }
+    assert_nothing_live(&up.addr);
+}
+
+#[test]
+fn sigint_drains_requests_in_flight_then_stops_and_a_second_signal_stops_at_once() {
+    let _serial = serial();
+    let cfg = config("drain", "drain_s = 20\n");
+    let mut up = start_up(&cfg, &[(DELAY_ENV, "400")], &[]);
+    let reqs: Vec<_> = (0..3)
+        .map(|i| {
+            let addr = up.addr.clone();
+            std::thread::spawn(move || complete(&addr, &format!("in flight {i}"), 4))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let signalled = Instant::now();
+    signal(up.child.id(), libc::SIGINT);
+    std::thread::sleep(Duration::from_millis(200));
+    let (s, v) = complete(&up.addr, "too late", 4);
+    assert_eq!(s, 503, "a new request while draining: {v}");
+    assert_eq!(v["error"]["code"], "draining", "{v}");
+    for h in reqs {
+        let (s, v) = h.join().expect("thread");
+        assert_eq!(s, 200, "a request in flight at SIGINT must finish: {v}");
+    }
+    let status = loop {
+        if let Ok(Some(st)) = up.child.try_wait() {
+            break st;
+        }
+        assert!(signalled.elapsed() < Duration::from_secs(15), "up did not stop after draining");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status}");
+    drop(up);
+
+    // Two signals: stop at once, whatever is in flight.
+    let mut up = start_up(&cfg, &[(DELAY_ENV, "3000")], &[]);
+    let addr = up.addr.clone();
+    let req = std::thread::spawn(move || complete(&addr, "never finishes", 4));
+    std::thread::sleep(Duration::from_millis(300));
+    signal(up.child.id(), libc::SIGINT);
+    std::thread::sleep(Duration::from_millis(300));
+    let second = Instant::now();
+    signal(up.child.id(), libc::SIGINT);
+    loop {
+        if let Ok(Some(_)) = up.child.try_wait() {
+            break;
+        }
+        assert!(second.elapsed() < Duration::from_secs(2), "a second signal must stop up at once");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (s, _) = req.join().expect("thread");
+    assert_ne!(s, 200);
+}
+
+#[test]
+fn a_role_that_keeps_dying_makes_up_give_up_and_say_so() {
+    let _serial = serial();
+    let cfg = config("giveup", "");
+    let mut up = start_up(&cfg, &[], &["--max-restarts", "1", "--restart-window-s", "60"]);
+    let first = pid_of(&up.addr, "decode").expect("pid");
+    signal(first, libc::SIGKILL);
+    wait_replaced(&up.addr, "decode", first, Duration::from_secs(10));
+    let second = pid_of(&up.addr, "decode").expect("pid");
+    signal(second, libc::SIGKILL);
+    let t0 = Instant::now();
+    let status = loop {
+        if let Ok(Some(st)) = up.child.try_wait() {
+            break st;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "up did not give up");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(2), "{status}");
+    std::thread::sleep(Duration::from_millis(100));
+    let stderr = up.stderr.lock().map(|s| s.join("\n")).unwrap_or_default();
+    assert!(stderr.contains("decode exited") && stderr.contains("more than --max-restarts 1; giving up"), "{stderr}");
+}
