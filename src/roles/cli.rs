@@ -49,7 +49,7 @@ pub enum RoleCommand {
     /// Start proxy, every prefill stage and decode; restart a role that dies;
     /// drain and stop them all on Ctrl-C (a second Ctrl-C stops at once).
     Up {
-        /// Topology file; the built-in default (config/small.toml) when omitted.
+        /// Topology file; the built-in default (config/trained.toml) when omitted.
         #[arg(long)]
         config: Option<PathBuf>,
         #[arg(long, default_value = "127.0.0.1")]

@@ -11,8 +11,14 @@ use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::time::{Duration, Instant};
 
-/// The built-in default topology (config/small.toml): PP2 x TP1 -> TP2 x DCP2 over shm.
-pub const DEFAULT_CONFIG: &str = include_str!("../../config/small.toml");
+/// The built-in default topology (config/trained.toml): the trained byte-level
+/// checkpoint, PP2 x TP1 -> TP2 x DCP2 over shm.
+pub const DEFAULT_CONFIG: &str = include_str!("../../config/trained.toml");
+/// The checkpoint it names, built into the binary so that `handoff up` works
+/// from any directory (written beside the temporary topology file).
+pub const DEFAULT_WEIGHTS: &[u8] = include_bytes!("../../config/trained/byte-kkkm.safetensors");
+/// The weights line of [`DEFAULT_CONFIG`], replaced by the written file's path.
+const DEFAULT_WEIGHTS_LINE: &str = "weights = \"trained/byte-kkkm.safetensors\"";
 
 struct Role {
     name: String,
@@ -98,7 +104,11 @@ impl Cluster {
             None => {
                 sweep_stale_configs();
                 let p = std::env::temp_dir().join(format!("handoff-up-{}-{port}.toml", std::process::id()));
-                std::fs::write(&p, DEFAULT_CONFIG).with_context(|| format!("write {}", p.display()))?;
+                let w = p.with_extension("safetensors");
+                std::fs::write(&w, DEFAULT_WEIGHTS).with_context(|| format!("write {}", w.display()))?;
+                anyhow::ensure!(DEFAULT_CONFIG.contains(DEFAULT_WEIGHTS_LINE), "the built-in topology names no weights file");
+                let text = DEFAULT_CONFIG.replace(DEFAULT_WEIGHTS_LINE, &format!("weights = {:?}", w.to_string_lossy()));
+                std::fs::write(&p, text).with_context(|| format!("write {}", p.display()))?;
                 (p.clone(), Some(p))
             }
         };
@@ -260,6 +270,7 @@ impl Cluster {
             }
         }
         if let Some(p) = self.tmp_config.take() {
+            let _ = std::fs::remove_file(p.with_extension("safetensors"));
             let _ = std::fs::remove_file(p);
         }
     }
@@ -334,6 +345,7 @@ impl Cluster {
             }
         }
         if let Some(p) = self.tmp_config.take() {
+            let _ = std::fs::remove_file(p.with_extension("safetensors"));
             let _ = std::fs::remove_file(p);
         }
     }
@@ -351,7 +363,7 @@ impl Drop for Cluster {
 /// when one dies more often than the policy allows. The first SIGINT/SIGTERM
 /// drains: the proxy refuses new requests and finishes those in flight (up to
 /// `serve.drain_s`), then every role stops; a second signal stops them at once.
-/// `config` None: the built-in default (config/small.toml).
+/// `config` None: the built-in default (config/trained.toml).
 pub fn run_up(config: Option<&Path>, host: &str, port: u16, device: Option<&str>, policy: RestartPolicy, api_key: Option<&str>) -> anyhow::Result<()> {
     super::install_signal_handlers();
     if port == 0 {
@@ -430,12 +442,13 @@ pub fn run_up(config: Option<&Path>, host: &str, port: u16, device: Option<&str>
 }
 
 /// Removes default-config files that earlier `up` processes left behind when they
-/// were killed (named `handoff-up-{pid}-{port}.toml`, for a pid that is gone).
+/// were killed (named `handoff-up-{pid}-{port}.toml` and `.safetensors`, for a pid
+/// that is gone).
 fn sweep_stale_configs() {
     let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else { return };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().to_string();
-        let Some(rest) = name.strip_prefix("handoff-up-").and_then(|r| r.strip_suffix(".toml")) else { continue };
+        let Some(rest) = name.strip_prefix("handoff-up-").and_then(|r| r.strip_suffix(".toml").or_else(|| r.strip_suffix(".safetensors"))) else { continue };
         let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<i32>().ok()) else { continue };
         // SAFETY: kill with signal 0 only checks whether the process exists.
         let gone = unsafe { libc::kill(pid, 0) } != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
@@ -508,7 +521,7 @@ fn percentile(xs: &mut [f64], q: f64) -> f64 {
 fn start_default() -> anyhow::Result<Cluster> {
     let port = free_port()?;
     let mut c = Cluster::start(None, "127.0.0.1", port, None)?;
-    eprintln!("starting the built-in default cluster (config/small.toml) at {}", c.addr);
+    eprintln!("starting the built-in default cluster (config/trained.toml, the trained checkpoint) at {}", c.addr);
     c.wait_healthy(Duration::from_secs(60), true)?;
     Ok(c)
 }
@@ -518,13 +531,14 @@ fn start_default() -> anyhow::Result<Cluster> {
 pub fn run_demo() -> anyhow::Result<()> {
     let mut c = start_default()?;
     let model = crate::model::Model::new(&c.topo)?;
+    // The checkpoint learned English from Debian's fortunes: prompts in that style.
     let prompts = [
-        "Prefill and decode, disaggregated.",
-        "KDA state moves head by head;",
-        "MLA rows move token by token",
-        "hello",
+        "The best way to predict the future is",
+        "A friend in need is",
+        "Never put off until tomorrow what",
+        "Computers are",
     ];
-    let max_tokens = 12;
+    let max_tokens = 40;
     println!("\n{:<38} {:>9} {:>9} {:>10} {:>11} {:>9}  reference", "prompt", "TTFT ms", "ITL ms", "bytes", "handoff ms", "decode ms");
     let mut all = Vec::new();
     for p in prompts {
@@ -640,7 +654,7 @@ pub fn load(addr: &str, concurrency: u32, requests: u32, max_tokens: u32) -> Ser
 pub fn bench_serve(config: Option<&Path>, levels: &[u32], requests: u32) -> anyhow::Result<Vec<ServeLevel>> {
     let port = free_port()?;
     let mut c = Cluster::start(config, "127.0.0.1", port, None)?;
-    eprintln!("bench serve: {} at {}", config.map_or("the built-in default (config/small.toml)".to_string(), |p| p.display().to_string()), c.addr);
+    eprintln!("bench serve: {} at {}", config.map_or("the built-in default (config/trained.toml)".to_string(), |p| p.display().to_string()), c.addr);
     c.wait_healthy(Duration::from_secs(60), true)?;
     // Warm-up, so the first level does not pay for the first requests' page faults.
     let _ = load(&c.addr, 2, 4, 16);
