@@ -124,6 +124,10 @@ fn chunked_stateful_transfer_to_dcp_is_refused_at_admission_not_startup() {
 fn shipped_configs_pass_check() {
     for f in std::fs::read_dir("config").unwrap() {
         let p = f.unwrap().path();
+        // Topology files only: config/trained/ holds the checkpoint they name.
+        if p.extension().is_none_or(|e| e != "toml") {
+            continue;
+        }
         let out = Command::new(env!("CARGO_BIN_EXE_handoff")).args(["check", "--config"]).arg(&p).output().unwrap();
         assert!(out.status.success(), "{}: {}", p.display(), String::from_utf8_lossy(&out.stderr));
     }
