@@ -57,8 +57,15 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Profiler {
         let (Some(Label(name)), Some(Entered(t))) = (ext.get::<Label>(), ext.get::<Entered>()) else { return };
         let ns = t.elapsed().as_nanos() as u64;
         if let Ok(mut runs) = self.runs.lock() {
-            let h = runs.entry(name.clone()).or_insert_with(|| Histogram::new(3).expect("histogram"));
-            let _ = h.record(ns.max(1));
+            // A role records every system of every tick: look up before inserting,
+            // so that a run allocates nothing once its system is known.
+            if let Some(h) = runs.get_mut(name.as_str()) {
+                let _ = h.record(ns.max(1));
+            } else {
+                let mut h = Histogram::new(3).expect("histogram");
+                let _ = h.record(ns.max(1));
+                runs.insert(name.clone(), h);
+            }
         }
     }
 }

@@ -21,7 +21,10 @@ pub enum RoleCommand {
         proxy: String,
         /// Compute backend: cpu, cuda[:N] or hip[:N] (default: the topology's [device], else cpu).
         #[arg(long, env = "HANDOFF_DEVICE")]
-        device: Option<String>,
+        device: Option<String>,        /// Write a Chrome/Perfetto trace of this process's spans (every engine
+        /// system of every tick) to FILE; finished when the role stops.
+        #[arg(long)]
+        trace: Option<PathBuf>,
     },
     /// Run the decode instance (all of its TP x DCP ranks).
     Decode {
@@ -31,7 +34,10 @@ pub enum RoleCommand {
         proxy: String,
         /// Compute backend: cpu, cuda[:N] or hip[:N] (default: the topology's [device], else cpu).
         #[arg(long, env = "HANDOFF_DEVICE")]
-        device: Option<String>,
+        device: Option<String>,        /// Write a Chrome/Perfetto trace of this process's spans (every engine
+        /// system of every tick) to FILE; finished when the role stops.
+        #[arg(long)]
+        trace: Option<PathBuf>,
     },
     /// Run the HTTP proxy (OpenAI-style /v1/completions, /health, /metrics).
     Proxy {
@@ -45,6 +51,10 @@ pub enum RoleCommand {
         /// Prefer the variable: an argument is visible to every user in `ps`.
         #[arg(long, env = "HANDOFF_API_KEY", hide_env_values = true)]
         api_key: Option<String>,
+        /// Write a Chrome/Perfetto trace of this process's spans (every engine
+        /// system of every tick) to FILE; finished when the role stops.
+        #[arg(long)]
+        trace: Option<PathBuf>,
     },
     /// Start proxy, every prefill stage and decode; restart a role that dies;
     /// drain and stop them all on Ctrl-C (a second Ctrl-C stops at once).
@@ -70,6 +80,10 @@ pub enum RoleCommand {
         /// to it as HANDOFF_API_KEY).
         #[arg(long, env = "HANDOFF_API_KEY", hide_env_values = true)]
         api_key: Option<String>,
+        /// Every role process writes a Perfetto trace into DIR: proxy.json,
+        /// decode.json, prefill-S.json (a restarted role: NAME.restart-N.json).
+        #[arg(long)]
+        trace_dir: Option<PathBuf>,
     },
 }
 
@@ -86,12 +100,21 @@ fn load_on(path: &str, device: Option<&str>) -> anyhow::Result<Topology> {
 
 /// Runs one role subcommand.
 pub fn dispatch(cmd: RoleCommand) -> anyhow::Result<()> {
-    super::init_logging();
+    let trace = match &cmd {
+        RoleCommand::Prefill { trace, stage, .. } => trace_file(trace.as_deref(), &format!("prefill-{stage}")),
+        RoleCommand::Decode { trace, .. } => trace_file(trace.as_deref(), "decode"),
+        RoleCommand::Proxy { trace, .. } => trace_file(trace.as_deref(), "proxy"),
+        RoleCommand::Up { .. } => None,
+    };
+    let _telemetry = super::init_telemetry(trace.as_deref())?;
     match cmd {
-        RoleCommand::Prefill { config, stage, proxy, device } => super::run_prefill(&load_on(&config, device.as_deref())?, stage, &proxy),
-        RoleCommand::Decode { config, proxy, device } => super::run_decode(&load_on(&config, device.as_deref())?, &proxy),
-        RoleCommand::Proxy { config, host, port, api_key } => super::run_proxy(&load(&config)?, &host, port, api_key.filter(|k| !k.is_empty())),
-        RoleCommand::Up { config, host, port, device, max_restarts, restart_window_s, api_key } => {
+        RoleCommand::Prefill { config, stage, proxy, device, .. } => super::run_prefill(&load_on(&config, device.as_deref())?, stage, &proxy),
+        RoleCommand::Decode { config, proxy, device, .. } => super::run_decode(&load_on(&config, device.as_deref())?, &proxy),
+        RoleCommand::Proxy { config, host, port, api_key, .. } => super::run_proxy(&load(&config)?, &host, port, api_key.filter(|k| !k.is_empty())),
+        RoleCommand::Up { config, host, port, device, max_restarts, restart_window_s, api_key, trace_dir } => {
+            if let Some(dir) = &trace_dir {
+                std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("--trace-dir {}: {e}", dir.display()))?;
+            }
             if let Some(d) = &device {
                 handoff_components::config::DeviceConfig::parse(d).map_err(|e| anyhow::anyhow!("--device: {e}"))?;
             }
@@ -99,9 +122,25 @@ pub fn dispatch(cmd: RoleCommand) -> anyhow::Result<()> {
                 anyhow::bail!("--restart-window-s {restart_window_s} must be between 0 and 86400 seconds");
             }
             let policy = super::up::RestartPolicy { max_restarts, window: std::time::Duration::from_secs_f64(restart_window_s), ..Default::default() };
-            super::run_up(config.as_deref(), &host, port, device.as_deref(), policy, api_key.as_deref())
+            super::run_up(config.as_deref(), &host, port, device.as_deref(), policy, api_key.as_deref(), trace_dir.as_deref())
         }
     }
+}
+
+/// Set by `up --trace-dir DIR` for its children: each role traces into DIR.
+pub const TRACE_DIR_ENV: &str = "HANDOFF_TRACE_DIR";
+
+/// The trace file of a role: `--trace FILE`, else `NAME.json` in the directory of
+/// [`TRACE_DIR_ENV`]; a restarted role writes `NAME.restart-N.json`, so that the
+/// trace of the run that died is kept.
+fn trace_file(flag: Option<&std::path::Path>, name: &str) -> Option<PathBuf> {
+    if let Some(f) = flag {
+        return Some(f.to_path_buf());
+    }
+    let dir = std::env::var_os(TRACE_DIR_ENV).filter(|d| !d.is_empty())?;
+    let n = super::restarts();
+    let file = if n == 0 { format!("{name}.json") } else { format!("{name}.restart-{n}.json") };
+    Some(PathBuf::from(dir).join(file))
 }
 
 /// The command that starts a role process: `program` (the `handoff` binary; None =

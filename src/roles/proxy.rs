@@ -9,8 +9,9 @@
 //!   are alive; 503 naming what is missing, stopped or dead otherwise (and while
 //!   draining). The body lists every role with its pid, state and restarts.
 //! - `GET /metrics`: Prometheus text: requests by outcome, refusals by reason,
-//!   per-phase timings, bytes handed off, every role's engine counts, state,
-//!   restarts and deaths.
+//!   failures and timeouts by phase, latency histograms (TTFT, inter-token,
+//!   end-to-end, per phase), bytes handed off, and every role's engine counts,
+//!   per-system and per-phase timing histograms, state, restarts and deaths.
 //! - `POST /internal/register`: the roles' registration and heartbeat (every
 //!   300 ms).
 //!
@@ -37,6 +38,7 @@
 //! stops. A second signal stops it at once.
 
 use super::openai::{self, BodyError, Endpoint, Generation, StopMatcher, StopStep, Utf8Stream};
+use super::prom::{self, Histogram, REQUEST_BUCKETS_S, SYSTEM_BUCKETS_S};
 use super::secs;
 use super::wire::{Admitted, Msg, PrefillJob, Register};
 use axum::Router;
@@ -246,14 +248,46 @@ fn role_label(slot: usize) -> String {
     if slot == 0 { "decode".into() } else { format!("prefill{}", slot - 1) }
 }
 
-#[derive(Default)]
 struct Metrics {
     outcomes: BTreeMap<&'static str, u64>,
     refusals: BTreeMap<&'static str, u64>,
-    /// phase -> (sum of seconds, count)
-    phases: BTreeMap<&'static str, (f64, u64)>,
+    /// Seconds per phase of each completed choice.
+    phases: BTreeMap<&'static str, Histogram>,
+    ttft: Histogram,
+    itl: Histogram,
+    e2e: Histogram,
+    /// Requests failed after admission, by (phase, role).
+    failures: BTreeMap<(&'static str, String), u64>,
+    /// Requests failed because a phase ran out of time, by phase.
+    timeouts: BTreeMap<&'static str, u64>,
     bytes: u64,
     tokens: u64,
+}
+
+impl Default for Metrics {
+    fn default() -> Metrics {
+        let phases = ["queue", "handoff", "decode"].into_iter().map(|p| (p, Histogram::new(REQUEST_BUCKETS_S))).collect();
+        Metrics {
+            outcomes: BTreeMap::new(),
+            refusals: BTreeMap::new(),
+            phases,
+            ttft: Histogram::new(REQUEST_BUCKETS_S),
+            itl: Histogram::new(REQUEST_BUCKETS_S),
+            e2e: Histogram::new(REQUEST_BUCKETS_S),
+            failures: BTreeMap::new(),
+            timeouts: BTreeMap::new(),
+            bytes: 0,
+            tokens: 0,
+        }
+    }
+}
+
+/// Whether a failure's message says a phase ran out of time: the engines'
+/// deadlines ("... phase timed out after ..."), the proxy's own waits ("no answer
+/// in time", "no token ... in time", "connect timed out") and a peer found stopped
+/// by its heartbeat ("stopped answering").
+fn is_timeout(message: &str) -> bool {
+    message.contains("timed out") || message.contains(" in time") || message.contains("in time:") || message.contains("stopped answering")
 }
 
 /// A choice in flight on the decode link: where decode's messages for it go, the
@@ -601,9 +635,23 @@ async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
         for (r, n) in &m.refusals {
             out += &format!("handoff_refusals_total{{reason=\"{r}\"}} {n}\n");
         }
-        out += "# HELP handoff_phase_seconds Time spent per phase.\n# TYPE handoff_phase_seconds summary\n";
-        for (ph, (sum, n)) in &m.phases {
-            out += &format!("handoff_phase_seconds_sum{{phase=\"{ph}\"}} {sum:.6}\nhandoff_phase_seconds_count{{phase=\"{ph}\"}} {n}\n");
+        prom::family(&mut out, "handoff_request_failures_total", "counter", "Requests failed after admission, by the phase and the role that failed them.");
+        for ((phase, role), n) in &m.failures {
+            out += &format!("handoff_request_failures_total{{phase=\"{phase}\",role=\"{}\"}} {n}\n", prom::escape(role));
+        }
+        prom::family(&mut out, "handoff_request_timeouts_total", "counter", "Requests failed because a phase ran out of time (its deadline, or a peer found stopped), by phase.");
+        for ph in ["admission", "compute", "transfer", "decode"] {
+            out += &format!("handoff_request_timeouts_total{{phase=\"{ph}\"}} {}\n", m.timeouts.get(ph).copied().unwrap_or(0));
+        }
+        prom::family(&mut out, "handoff_time_to_first_token_seconds", "histogram", "From the request's arrival to its first token, per choice.");
+        prom::write_histogram(&mut out, "handoff_time_to_first_token_seconds", "", &m.ttft);
+        prom::family(&mut out, "handoff_inter_token_latency_seconds", "histogram", "Between two tokens of one choice.");
+        prom::write_histogram(&mut out, "handoff_inter_token_latency_seconds", "", &m.itl);
+        prom::family(&mut out, "handoff_e2e_request_latency_seconds", "histogram", "From the request's arrival to its last token, per completed choice.");
+        prom::write_histogram(&mut out, "handoff_e2e_request_latency_seconds", "", &m.e2e);
+        prom::family(&mut out, "handoff_phase_seconds", "histogram", "Seconds per phase of each completed choice: queue (waiting for a place), handoff (admission to the last write-done), decode.");
+        for (ph, h) in &m.phases {
+            prom::write_histogram(&mut out, "handoff_phase_seconds", &format!("phase=\"{ph}\""), h);
         }
         out += "# HELP handoff_handoff_bytes_total Bytes written from prefill into decode regions.\n# TYPE handoff_handoff_bytes_total counter\n";
         out += &format!("handoff_handoff_bytes_total {}\n", m.bytes);
@@ -627,10 +675,13 @@ async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
     for (i, n) in downs.iter().enumerate() {
         out += &format!("handoff_role_down_total{{role=\"{}\"}} {n}\n", role_label(i));
     }
-    // What every live role's engine holds now (from its last heartbeat): these return
-    // to their baseline once every request has left. A role that is down reports
-    // nothing: its gauges are not its current state.
-    let live: Vec<(String, &Peer)> = slots.iter().enumerate().filter_map(|(i, s)| s.as_ref().filter(|s| s.state == PeerState::Up).map(|s| (role_label(i), s))).collect();
+    // What every role's engine holds now (from its last heartbeat): these return to
+    // their baseline once every request has left. A role that is down holds
+    // nothing (its process is gone, or its requests were failed and are freed when
+    // it resumes), so its gauges read 0 until it registers again.
+    let live: Vec<(String, &Peer)> = slots.iter().enumerate().filter_map(|(i, s)| s.as_ref().map(|s| (role_label(i), s))).collect();
+    let zero = crate::engine::Counts::default();
+    let counts = |peer: &Peer| if peer.state == PeerState::Up { peer.reg.counts.clone() } else { zero.clone() };
     for (name, help, get) in [
         ("handoff_engine_entities", "Entities in the role's World.", (|c: &crate::engine::Counts| c.entities as u64) as fn(&crate::engine::Counts) -> u64),
         ("handoff_engine_requests", "Requests the role's engine holds.", |c| c.requests as u64),
@@ -641,12 +692,28 @@ async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
     ] {
         out += &format!("# HELP {name} {help}\n# TYPE {name} gauge\n");
         for (role, peer) in &live {
-            out += &format!("{name}{{role=\"{role}\"}} {}\n", get(&peer.reg.counts));
+            out += &format!("{name}{{role=\"{role}\"}} {}\n", get(&counts(peer)));
         }
     }
     out += "# HELP handoff_resident_memory_bytes Resident memory of each role process.\n# TYPE handoff_resident_memory_bytes gauge\n";
     for (role, peer) in &live {
-        out += &format!("handoff_resident_memory_bytes{{role=\"{role}\"}} {}\n", peer.reg.rss_bytes);
+        let rss = if peer.state == PeerState::Up { peer.reg.rss_bytes } else { 0 };
+        out += &format!("handoff_resident_memory_bytes{{role=\"{role}\"}} {rss}\n");
+    }
+    // Every role's engine timings since its process started (a restarted role
+    // starts again from zero, as a Prometheus counter does after a restart).
+    prom::family(&mut out, "handoff_engine_system_seconds", "histogram", "Run time of each system of the role's engine schedule, per run (the spans `plan --timings` reads).");
+    for (role, peer) in &live {
+        for t in &peer.reg.timings {
+            let labels = format!("role=\"{role}\",phase=\"{}\",system=\"{}\"", prom::escape(&t.phase), prom::escape(&t.system));
+            prom::histogram_series(&mut out, "handoff_engine_system_seconds", &labels, SYSTEM_BUCKETS_S, &t.cumulative, t.count, t.sum_s);
+        }
+    }
+    prom::family(&mut out, "handoff_engine_phase_seconds", "histogram", "Run time of the systems of each phase of the role's engine schedule, per system run.");
+    for (role, peer) in &live {
+        for (phase, cumulative, count, sum) in prom::per_phase(&peer.reg.timings) {
+            prom::histogram_series(&mut out, "handoff_engine_phase_seconds", &format!("role=\"{role}\",phase=\"{phase}\""), SYSTEM_BUCKETS_S, &cumulative, count, sum);
+        }
     }
     let decode_live = slots[0].as_ref().filter(|s| s.state == PeerState::Up).map_or(0, |d| d.reg.counts.requests);
     out += "# HELP handoff_live_requests Requests held by decode's engine (0 while decode is down).\n# TYPE handoff_live_requests gauge\n";
@@ -681,8 +748,20 @@ impl Served {
     fn note(&mut self, e: &ServeError) {
         if self.outcome.is_none() {
             self.outcome = Some(e.outcome());
-            if e.status() != StatusCode::INTERNAL_SERVER_ERROR {
-                *lock(&self.p.metrics).refusals.entry(e.code()).or_default() += 1;
+            let mut m = lock(&self.p.metrics);
+            match e {
+                ServeError::Failed { phase, role, message } => {
+                    *m.failures.entry((phase.name(), role.clone())).or_default() += 1;
+                    if is_timeout(message) {
+                        *m.timeouts.entry(phase.name()).or_default() += 1;
+                    }
+                }
+                _ => {
+                    if let ServeError::AdmissionTimeout(_) = e {
+                        *m.timeouts.entry(PhaseName::Admission.name()).or_default() += 1;
+                    }
+                    *m.refusals.entry(e.code()).or_default() += 1;
+                }
             }
         }
     }
@@ -1236,9 +1315,13 @@ async fn run_choice(
                 match last_tok {
                     None => {
                         summary.ttft_ms = (now - arrived).as_secs_f64() * 1e3;
+                        lock(&p.metrics).ttft.observe((now - arrived).as_secs_f64());
                         set_phase(p, id, PhaseName::Decode);
                     }
-                    Some(prev) => summary.itl_ms.push((now - prev).as_secs_f64() * 1e3),
+                    Some(prev) => {
+                        summary.itl_ms.push((now - prev).as_secs_f64() * 1e3);
+                        lock(&p.metrics).itl.observe((now - prev).as_secs_f64());
+                    }
                 }
                 last_tok = Some(now);
                 n_tokens += 1;
@@ -1275,11 +1358,10 @@ async fn run_choice(
         let mut m = lock(&p.metrics);
         m.bytes += summary.bytes_handed_off;
         m.tokens += u64::from(n_tokens);
-        for (ph, ms) in [("queue", summary.queue_ms), ("handoff", summary.handoff_ms), ("decode", summary.decode_ms), ("ttft", summary.ttft_ms)] {
-            let e = m.phases.entry(ph).or_default();
-            e.0 += ms / 1e3;
-            e.1 += 1;
+        for (ph, ms) in [("queue", summary.queue_ms), ("handoff", summary.handoff_ms), ("decode", summary.decode_ms)] {
+            m.phases.entry(ph).or_insert_with(|| Histogram::new(REQUEST_BUCKETS_S)).observe(ms / 1e3);
         }
+        m.e2e.observe(arrived.elapsed().as_secs_f64());
     }
     let _ = tx.send((index, Ev::Done { finish, tokens: n_tokens, summary })).await;
 }

@@ -364,7 +364,15 @@ impl Drop for Cluster {
 /// drains: the proxy refuses new requests and finishes those in flight (up to
 /// `serve.drain_s`), then every role stops; a second signal stops them at once.
 /// `config` None: the built-in default (config/trained.toml).
-pub fn run_up(config: Option<&Path>, host: &str, port: u16, device: Option<&str>, policy: RestartPolicy, api_key: Option<&str>) -> anyhow::Result<()> {
+pub fn run_up(
+    config: Option<&Path>,
+    host: &str,
+    port: u16,
+    device: Option<&str>,
+    policy: RestartPolicy,
+    api_key: Option<&str>,
+    trace_dir: Option<&Path>,
+) -> anyhow::Result<()> {
     super::install_signal_handlers();
     if port == 0 {
         anyhow::bail!("--port 0: the roles must be told the proxy's port before it listens; pick a free port");
@@ -376,6 +384,11 @@ pub fn run_up(config: Option<&Path>, host: &str, port: u16, device: Option<&str>
     if let Some(k) = api_key {
         // Through the environment, not argv: `ps` shows every process's arguments.
         envs.push(("HANDOFF_API_KEY".to_string(), k.to_string()));
+    }
+    if let Some(dir) = trace_dir {
+        // Absolute: each role opens its file wherever it runs.
+        let abs = std::fs::canonicalize(dir).map_err(|e| anyhow::anyhow!("--trace-dir {}: {e}", dir.display()))?;
+        envs.push((super::cli::TRACE_DIR_ENV.to_string(), abs.to_string_lossy().into_owned()));
     }
     let mut c = Cluster::start_with(config, host, port, None, envs)?;
     let p = c.topo.prefill();

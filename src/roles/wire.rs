@@ -148,6 +148,9 @@ pub struct Register {
     /// How many times `up` restarted this role (its `HANDOFF_RESTARTS`).
     #[serde(default)]
     pub restarts: u32,
+    /// The engine's run times per system, since the process started.
+    #[serde(default)]
+    pub timings: Vec<super::prom::SystemTiming>,
 }
 
 /// Writes one message as a JSON line.
