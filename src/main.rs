@@ -110,18 +110,29 @@ enum BenchCommand {
         #[arg(long)]
         allow_failures: bool,
     },
-    /// A long load through the cluster: every role's counts back at baseline, resident
-    /// memory at the start and the end, and decode idle afterwards.
+    /// A long load through `handoff up` with faults injected: a prefill stage killed
+    /// at 1/4 (restarted by up), decode stopped (SIGSTOP) at 1/2; then requests by
+    /// outcome (0 lost), every role's counts back at baseline, resident memory at the
+    /// start and the end, producer entries at 0, and decode idle afterwards.
     Soak {
         #[arg(long)]
         config: Option<String>,
-        #[arg(long, default_value_t = 5000)]
+        #[arg(long, default_value_t = 10_000)]
         requests: u32,
-        #[arg(long, default_value_t = 32)]
+        #[arg(long, default_value_t = 88)]
         concurrency: u32,
         /// Seconds decode is watched idle after the load.
         #[arg(long, default_value_t = 10.0)]
         idle_s: f64,
+        /// The prefill stage killed (SIGKILL) a quarter of the way through.
+        #[arg(long, default_value_t = 0)]
+        kill_stage: u32,
+        /// Seconds decode is stopped (SIGSTOP) halfway through.
+        #[arg(long, default_value_t = 10.0)]
+        stop_decode_s: f64,
+        /// No faults: a plain long load, where any failure fails the run.
+        #[arg(long)]
+        no_faults: bool,
     },
     /// Hand-off bandwidth over a transport, with this machine's memcpy measured in the same run.
     Transfer {
@@ -344,17 +355,28 @@ fn run(cli: Cli) -> Result<()> {
                 anyhow::bail!("bench serve: {failed} of {total} requests failed (listed above by status and reason); --allow-failures exits 0 anyway");
             }
         }
-        Command::Bench { what: BenchCommand::Soak { config, requests, concurrency, idle_s } } => {
-            if requests == 0 || concurrency == 0 || !(idle_s > 0.0 && idle_s < 3600.0) {
-                return Err(Refusal("--requests and --concurrency must be at least 1, --idle-s between 0 and 3600".into()).into());
+        Command::Bench { what: BenchCommand::Soak { config, requests, concurrency, idle_s, kill_stage, stop_decode_s, no_faults } } => {
+            if requests == 0 || concurrency == 0 || !(idle_s > 0.0 && idle_s < 3600.0) || !(0.0..3600.0).contains(&stop_decode_s) {
+                return Err(Refusal(format!(
+                    "--requests {requests} and --concurrency {concurrency} must be at least 1, --idle-s {idle_s} and --stop-decode-s {stop_decode_s} between 0 and 3600"
+                ))
+                .into());
             }
-            if let Some(c) = &config {
-                load(c)?;
+            let pp = match &config {
+                Some(c) => load(c)?.prefill().pp,
+                None => Topology::parse(handoff::roles::up::DEFAULT_CONFIG).map_err(|e| Refusal(e.to_string()))?.prefill().pp,
+            };
+            if !no_faults && kill_stage >= pp {
+                return Err(Refusal(format!("--kill-stage {kill_stage}: the topology has prefill stages 0..{pp}")).into());
             }
-            let r = handoff::roles::bench_soak(config.as_deref().map(std::path::Path::new), requests, concurrency, std::time::Duration::from_secs_f64(idle_s), None)?;
-            let failed: u32 = r.failed.values().sum();
-            if failed > 0 || !r.leaks.is_empty() {
-                anyhow::bail!("soak: {failed} requests failed, leaks: {:?}", r.leaks);
+            let mut o = handoff::roles::SoakOptions::new(requests, concurrency);
+            o.idle = std::time::Duration::from_secs_f64(idle_s);
+            o.kill_stage = (!no_faults).then_some(kill_stage);
+            o.stop_decode = if no_faults { std::time::Duration::ZERO } else { std::time::Duration::from_secs_f64(stop_decode_s) };
+            let r = handoff::roles::bench_soak(config.as_deref().map(std::path::Path::new), &o)?;
+            let problems = r.problems(!no_faults);
+            if !problems.is_empty() {
+                anyhow::bail!("soak: {}", problems.join("; "));
             }
         }
         Command::Bench { what: BenchCommand::Compute { config, prompt, steps, device } } => {

@@ -159,13 +159,13 @@ fn engine_loop(
         };
         if let Some(wait) = wait {
             match rx.recv_timeout(wait) {
-                Ok(cmd) => apply(&mut engine, table, cmd, &mut out),
+                Ok(cmd) => apply(&mut engine, table, endpoint, cmd, &mut out),
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => return,
             }
         }
         while let Ok(cmd) = rx.try_recv() {
-            apply(&mut engine, table, cmd, &mut out);
+            apply(&mut engine, table, endpoint, cmd, &mut out);
         }
         for n in transport.recv_notifications() {
             match serde_json::from_slice::<Notice>(&n.bytes) {
@@ -210,7 +210,7 @@ fn engine_loop(
 
 /// Applies one command; messages for the proxy that cannot wait for the tick's
 /// outcomes go into `out`.
-fn apply(engine: &mut Engine, table: &SamplingTable, cmd: Cmd, out: &mut Vec<u8>) {
+fn apply(engine: &mut Engine, table: &SamplingTable, endpoint: &PeerAddr, cmd: Cmd, out: &mut Vec<u8>) {
     match cmd {
         Cmd::Admit { id, tokens, max_tokens, sampling } => {
             match sampling.filter(|s| !s.is_greedy()) {
@@ -226,7 +226,23 @@ fn apply(engine: &mut Engine, table: &SamplingTable, cmd: Cmd, out: &mut Vec<u8>
             // so decode keeps the blocks until the phase deadline (stage: None).
             // The client hears now: the outcome comes only when decode releases the
             // request, which for a stopped stage is at the phase deadline.
-            for (id, nonce) in engine.awaiting_stage(stage) {
+            let awaiting = engine.awaiting_stage(stage);
+            if dead {
+                // A later stage that has not reported may never have got the job
+                // (the dead stage had not passed it on), and then never reports:
+                // the proxy asks each such stage to settle them, so that the blocks
+                // are freed now and not at the phase deadline.
+                let pp = engine.topology().prefill().pp;
+                for later in stage + 1..pp {
+                    let waiting = engine.awaiting_stage(later);
+                    let requests: Vec<(u64, u64)> = awaiting.iter().filter(|r| waiting.contains(r)).copied().collect();
+                    if !requests.is_empty() {
+                        let message = format!("prefill stage {stage} {message}");
+                        push(out, &Msg::Orphaned { stage: later, requests, endpoint: endpoint.clone(), message });
+                    }
+                }
+            }
+            for (id, nonce) in awaiting {
                 let reason = format!("prefill stage {stage}: {message}");
                 push(out, &Msg::Error { id, phase: PhaseName::Compute, message: reason.clone() });
                 engine.cancel(Cancel { request: id, phase: PhaseName::Compute, reason, stage: dead.then_some(stage), nonce: Some(nonce) });

@@ -56,6 +56,7 @@ pub mod prefill;
 pub mod prom;
 pub mod proxy;
 pub mod sampling;
+pub mod soak;
 pub mod up;
 pub mod wire;
 
@@ -63,7 +64,8 @@ pub use cli::RoleCommand;
 pub use decode::run_decode;
 pub use prefill::run_prefill;
 pub use proxy::run_proxy;
-pub use up::{bench_serve, bench_soak, run_demo, run_up};
+pub use soak::{SoakOptions, bench_soak};
+pub use up::{bench_serve, run_demo, run_up};
 
 use handoff_components::Topology;
 use handoff_components::config::TransportKind;

@@ -18,14 +18,14 @@ use crate::engine::{Counts, Engine, Role};
 use crate::transport::{PeerAddr, RegionHandle, Transport};
 use anyhow::Context;
 use handoff_components::Topology;
-use handoff_components::ecs::{EngineEvent, Inputs, PhaseName, Submit};
+use handoff_components::ecs::{Cancel, EngineEvent, Inputs, PhaseName, Submit};
 use handoff_systems::placement::Capacity;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::BufReader;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Test hook: sleep this many milliseconds before each compute (a test kills the
 /// stage while it holds a request).
@@ -88,8 +88,15 @@ pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str) -> anyhow::Result<(
     Ok(())
 }
 
+/// What the links bring the engine thread.
+enum StageCmd {
+    Job(Box<PrefillJob>),
+    /// See [`Msg::Settle`].
+    Settle { requests: Vec<(u64, u64)>, endpoint: PeerAddr, message: String },
+}
+
 /// Accepts links from the proxy and the previous stage; their jobs go to the engine.
-fn accept(listener: TcpListener, tx: Sender<Box<PrefillJob>>) {
+fn accept(listener: TcpListener, tx: Sender<StageCmd>) {
     for conn in listener.incoming() {
         let Ok(conn) = conn else { continue };
         let tx = tx.clone();
@@ -98,7 +105,12 @@ fn accept(listener: TcpListener, tx: Sender<Box<PrefillJob>>) {
             loop {
                 match wire::recv(&mut r) {
                     Ok(Some(Msg::Prefill(job))) => {
-                        if tx.send(job).is_err() {
+                        if tx.send(StageCmd::Job(job)).is_err() {
+                            return;
+                        }
+                    }
+                    Ok(Some(Msg::Settle { requests, endpoint, message })) => {
+                        if tx.send(StageCmd::Settle { requests, endpoint, message }).is_err() {
                             return;
                         }
                     }
@@ -162,10 +174,14 @@ fn engine_loop(
     mover: &MoverHandle,
     counts: &Mutex<Counts>,
     table: &SamplingTable,
-    rx: &Receiver<Box<PrefillJob>>,
+    rx: &Receiver<StageCmd>,
 ) {
     let mut route = Route::default();
     let mut next = NextStage::default();
+    // Requests settled before their job came (id -> nonce, when): a job that
+    // arrives for one afterwards is dropped. Kept for two minutes, which bounds
+    // them by the settles of that long.
+    let mut settled: HashMap<u64, (u64, Instant)> = HashMap::new();
     loop {
         let wait = if engine.live_requests() > 0 { Duration::from_micros(200) } else { Duration::from_millis(100) };
         let mut jobs = Vec::new();
@@ -175,7 +191,19 @@ fn engine_loop(
             Err(RecvTimeoutError::Disconnected) => return,
         }
         jobs.extend(rx.try_iter());
-        for job in jobs {
+        settled.retain(|_, (_, at)| at.elapsed() < Duration::from_secs(120));
+        for cmd in jobs {
+            let job = match cmd {
+                StageCmd::Job(job) => job,
+                StageCmd::Settle { requests, endpoint, message } => {
+                    settle(&mut engine, stage, transport, &endpoint, &requests, &message, &mut settled);
+                    continue;
+                }
+            };
+            if settled.get(&job.admitted.id).is_some_and(|&(n, _)| n == job.admitted.nonce) {
+                tracing::info!(stage, request = job.admitted.id, "prefill: dropped the job of a settled request");
+                continue;
+            }
             let (id, sampling, prompt) = (job.admitted.id, job.sampling.filter(|s| !s.is_greedy()), job.prompt.len() as u64);
             if submit(&mut engine, stage, transport, mover, &mut route, *job)
                 && let Some(s) = sampling
@@ -221,6 +249,31 @@ fn engine_loop(
             }
         }
         *super::lock(counts) = engine.counts();
+    }
+}
+
+/// Settles requests an earlier stage's death left waiting for this one: a request
+/// the engine holds is cancelled (it fails once its writes in flight complete, and
+/// its failure notice tells decode); one it does not hold is remembered, so that
+/// its job is dropped if it still comes, and decode is told at once.
+fn settle(
+    engine: &mut Engine,
+    stage: u32,
+    transport: &dyn Transport,
+    endpoint: &PeerAddr,
+    requests: &[(u64, u64)],
+    message: &str,
+    settled: &mut HashMap<u64, (u64, Instant)>,
+) {
+    for &(id, nonce) in requests {
+        let reason = format!("settled: {message}");
+        if engine.nonce(id) == Some(nonce) {
+            engine.cancel(Cancel { request: id, phase: PhaseName::Compute, reason, stage: None, nonce: Some(nonce) });
+        } else {
+            settled.insert(id, (nonce, Instant::now()));
+            let route = Route { endpoint: Some(endpoint.clone()), ..Default::default() };
+            notify(transport, &route, &Notice::Failed { id, nonce: Some(nonce), stage, phase: PhaseName::Compute, message: reason });
+        }
     }
 }
 

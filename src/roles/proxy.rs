@@ -174,6 +174,11 @@ impl IntoResponse for ServeError {
         if matches!(self, ServeError::Unauthorized) {
             return (self.status(), [(header::WWW_AUTHENTICATE, "Bearer")], axum::Json(self.body())).into_response();
         }
+        if matches!(self.status(), StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS) {
+            // Overload and a role that is down (restarting, stopped) pass: a client
+            // that honours Retry-After comes back when the service may be again.
+            return (self.status(), [(header::RETRY_AFTER, "1")], axum::Json(self.body())).into_response();
+        }
         (self.status(), axum::Json(self.body())).into_response()
     }
 }
@@ -696,6 +701,7 @@ async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
         }
     }
     out += "# HELP handoff_resident_memory_bytes Resident memory of each role process.\n# TYPE handoff_resident_memory_bytes gauge\n";
+    out += &format!("handoff_resident_memory_bytes{{role=\"proxy\"}} {}\n", super::rss_bytes());
     for (role, peer) in &live {
         let rss = if peer.state == PeerState::Up { peer.reg.rss_bytes } else { 0 };
         out += &format!("handoff_resident_memory_bytes{{role=\"{role}\"}} {rss}\n");
@@ -1131,6 +1137,7 @@ async fn decode_link(p: &Arc<Proxy>, addr: SocketAddr) -> Result<(u64, mpsc::Unb
     let (rd, mut wr) = conn.into_split();
     let (tx, mut out) = mpsc::unbounded_channel::<Msg>();
     let routes = Arc::clone(&p.routes);
+    let proxy = Arc::clone(p);
     let link = p.next_link.fetch_add(1, Ordering::SeqCst);
     tokio::spawn(async move {
         // The writer is its own task: a read cancelled half-way by a select would
@@ -1157,6 +1164,10 @@ async fn decode_link(p: &Arc<Proxy>, addr: SocketAddr) -> Result<(u64, mpsc::Unb
             let id = match &m {
                 Msg::Admitted(a) => a.id,
                 Msg::Token { id, .. } | Msg::Done { id, .. } | Msg::Error { id, .. } => *id,
+                Msg::Orphaned { stage, requests, endpoint, message } => {
+                    settle(&proxy, *stage, requests.clone(), endpoint.clone(), message.clone());
+                    continue;
+                }
                 _ => continue,
             };
             if let Some(r) = lock(&routes).get(&id) {
@@ -1177,6 +1188,29 @@ async fn decode_link(p: &Arc<Proxy>, addr: SocketAddr) -> Result<(u64, mpsc::Unb
     });
     links.decode = Some((addr, link, tx.clone()));
     Ok((link, tx))
+}
+
+/// Asks prefill stage `stage` to settle requests that an earlier stage's death
+/// left waiting for it (see [`Msg::Settle`]). Best effort, on its own connection:
+/// a stage that is down has its own StageDown, and a stage that cannot be reached
+/// leaves the requests to their phase deadline, as before.
+fn settle(p: &Arc<Proxy>, stage: u32, requests: Vec<(u64, u64)>, endpoint: crate::transport::PeerAddr, message: String) {
+    let addr = lock(&p.roles).slots.get(stage as usize + 1).and_then(|s| s.as_ref().filter(|s| s.state == PeerState::Up).map(|s| s.reg.addr));
+    let Some(addr) = addr else { return };
+    let n = requests.len();
+    tokio::spawn(async move {
+        let sent = async {
+            let conn = TcpStream::connect(addr).await?;
+            let (_rd, mut wr) = conn.into_split();
+            send_line(&mut wr, &Msg::Settle { requests, endpoint, message }).await?;
+            wr.shutdown().await
+        };
+        match tokio::time::timeout(Duration::from_secs(2), sent).await {
+            Ok(Ok(())) => tracing::info!(stage, requests = n, "asked the stage to settle requests an earlier stage's death left waiting"),
+            Ok(Err(e)) => tracing::warn!(stage, error = %e, "settle: stage unreachable"),
+            Err(_) => tracing::warn!(stage, "settle: stage did not take the message in time"),
+        }
+    });
 }
 
 /// Sends a job to stage 0 over its link (reopened when it broke). A write that

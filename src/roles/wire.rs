@@ -59,6 +59,15 @@ pub enum Msg {
     /// it writes no more) or stopped answering; decode fails every request still
     /// waiting for that stage's writes, naming it.
     StageDown { stage: u32, dead: bool, message: String },
+    /// decode -> proxy: these requests (id, nonce) wait for prefill stage `stage`,
+    /// which may never receive them (an earlier stage died before passing them
+    /// on); the proxy asks the stage to settle them. `endpoint`: decode's transport
+    /// address, where the stage sends its answer.
+    Orphaned { stage: u32, requests: Vec<(u64, u64)>, endpoint: PeerAddr, message: String },
+    /// proxy -> prefill stage: settle these requests (id, nonce): one the stage
+    /// holds fails (after its writes in flight complete); one it does not hold it
+    /// will never take. Either way it tells decode it writes no more for them.
+    Settle { requests: Vec<(u64, u64)>, endpoint: PeerAddr, message: String },
 }
 
 /// What decode publishes for one admitted request.
