@@ -77,8 +77,9 @@ pub struct SoakReport {
     /// Per role ("decode", "prefill0", ...): after the warm-up, and at the end.
     pub before: BTreeMap<String, RoleFigures>,
     pub after: BTreeMap<String, RoleFigures>,
-    /// Per role: resident bytes after the first quarter of the load.
-    pub rss_early: BTreeMap<String, u64>,
+    /// Per role: resident bytes halfway through the load (the allocator's and
+    /// the histograms' warm-up is over by then; from there on it must stay flat).
+    pub rss_mid: BTreeMap<String, u64>,
     /// Decode while idle after the load: CPU share of one core, and RSS growth.
     pub idle_cpu: f64,
     pub idle_rss_growth: i64,
@@ -294,8 +295,8 @@ fn wait_for(done: &AtomicU32, n: u32, finished: &AtomicBool, up: &UpProcess, tot
         if d >= *printed + step {
             *printed = d - d % step;
             let now = role_figures(&up.metrics());
-            if report.rss_early.is_empty() && d >= total / 4 {
-                report.rss_early = now.iter().map(|(r, f)| (r.clone(), f.rss_bytes)).collect();
+            if report.rss_mid.is_empty() && d >= total / 2 {
+                report.rss_mid = now.iter().map(|(r, f)| (r.clone(), f.rss_bytes)).collect();
             }
             println!("  {d:>6} answered: {}", rss_line(&now));
         }
