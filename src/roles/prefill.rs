@@ -74,11 +74,17 @@ pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str) -> anyhow::Result<(
         let tx = tx.clone();
         std::thread::Builder::new().name("prefill-accept".into()).spawn(move || accept(listener, tx))?;
     }
+    let (notices, pending) = mpsc::channel();
     {
-        let (transport, counts, pool) = (Arc::clone(&transport), Arc::clone(&counts), super::compute_pool(topo)?);
+        let transport = Arc::clone(&transport);
+        let max_age = Duration::from_secs_f64(topo.config.timeouts.transfer_s.max(topo.config.timeouts.compute_s));
+        std::thread::Builder::new().name("prefill-notices".into()).spawn(move || send_notices(transport.as_ref(), &pending, max_age))?;
+    }
+    {
+        let (counts, pool) = (Arc::clone(&counts), super::compute_pool(topo)?);
         std::thread::Builder::new()
             .name("prefill-engine".into())
-            .spawn(move || pool.install(move || engine_loop(engine, stage, transport.as_ref(), &handle, &counts, &table, &rx)))?;
+            .spawn(move || pool.install(move || engine_loop(engine, stage, &notices, &handle, &counts, &table, &rx)))?;
     }
     drop(tx);
     tracing::info!(stage, %addr, "prefill stage listening");
@@ -153,15 +159,48 @@ impl NextStage {
     }
 }
 
-fn notify(transport: &dyn Transport, route: &Route, notice: &Notice) {
+/// Notices to decode (write-done reports, failures), sent in order by their own
+/// thread ([`send_notices`]) so that the engine never waits on decode.
+type Notices = Sender<(PeerAddr, Vec<u8>, Instant)>;
+
+fn notify(notices: &Notices, route: &Route, notice: &Notice) {
     let Some(endpoint) = &route.endpoint else { return };
     match serde_json::to_vec(notice) {
         Ok(bytes) => {
-            if let Err(e) = transport.notify(endpoint, &bytes) {
-                tracing::warn!(error = %e, "prefill: notice to decode failed");
-            }
+            let _ = notices.send((endpoint.clone(), bytes, Instant::now()));
         }
         Err(e) => tracing::warn!(error = %e, "prefill: notice not encodable"),
+    }
+}
+
+/// Sends the stage's notices to decode in order. A decode that is stopped or
+/// slow (its socket buffer full, a write that times out) loses nothing: the notice
+/// is retried until it goes or is older than `max_age` (decode fails the request
+/// itself by then), and the notices behind it wait, so a report is never passed
+/// by a later one. A decode that is gone (its socket refuses) is not waited for.
+fn send_notices(transport: &dyn Transport, rx: &Receiver<(PeerAddr, Vec<u8>, Instant)>, max_age: Duration) {
+    let mut pending: std::collections::VecDeque<(PeerAddr, Vec<u8>, Instant)> = std::collections::VecDeque::new();
+    loop {
+        if pending.is_empty() {
+            match rx.recv() {
+                Ok(n) => pending.push_back(n),
+                Err(_) => return,
+            }
+        }
+        pending.extend(rx.try_iter());
+        while let Some((peer, bytes, at)) = pending.front() {
+            match transport.notify(peer, bytes) {
+                Ok(()) => {}
+                Err(e @ crate::transport::TransportError::Disconnected { .. }) => tracing::warn!(error = %e, "prefill: decode is gone; notice dropped"),
+                Err(e) if at.elapsed() > max_age => tracing::warn!(error = %e, "prefill: notice to decode dropped after {max_age:?}"),
+                Err(e) => {
+                    tracing::debug!(error = %e, queued = pending.len(), "prefill: notice to decode not taken; retrying");
+                    std::thread::sleep(Duration::from_millis(20));
+                    break;
+                }
+            }
+            pending.pop_front();
+        }
     }
 }
 
@@ -170,7 +209,7 @@ fn notify(transport: &dyn Transport, route: &Route, notice: &Notice) {
 fn engine_loop(
     mut engine: Engine,
     stage: u32,
-    transport: &dyn Transport,
+    notices: &Notices,
     mover: &MoverHandle,
     counts: &Mutex<Counts>,
     table: &SamplingTable,
@@ -196,7 +235,7 @@ fn engine_loop(
             let job = match cmd {
                 StageCmd::Job(job) => job,
                 StageCmd::Settle { requests, endpoint, message } => {
-                    settle(&mut engine, stage, transport, &endpoint, &requests, &message, &mut settled);
+                    settle(&mut engine, stage, notices, &endpoint, &requests, &message, &mut settled);
                     continue;
                 }
             };
@@ -205,7 +244,7 @@ fn engine_loop(
                 continue;
             }
             let (id, sampling, prompt) = (job.admitted.id, job.sampling.filter(|s| !s.is_greedy()), job.prompt.len() as u64);
-            if submit(&mut engine, stage, transport, mover, &mut route, *job)
+            if submit(&mut engine, stage, notices, mover, &mut route, *job)
                 && let Some(s) = sampling
             {
                 super::lock(table).insert(id, Live { sampling: s, prompt });
@@ -234,10 +273,10 @@ fn engine_loop(
                     };
                     if let Err(e) = next.send(addr, &Msg::Prefill(Box::new(job))) {
                         let message = format!("prefill stage {} at {addr} unreachable: {e}", s + 1);
-                        notify(transport, &route, &Notice::Failed { id: request, nonce: Some(nonce), stage: s + 1, phase: PhaseName::Compute, message });
+                        notify(notices, &route, &Notice::Failed { id: request, nonce: Some(nonce), stage: s + 1, phase: PhaseName::Compute, message });
                     }
                 }
-                EngineEvent::Written(report) => notify(transport, &route, &Notice::Written(report)),
+                EngineEvent::Written(report) => notify(notices, &route, &Notice::Written(report)),
                 _ => {}
             }
         }
@@ -245,7 +284,7 @@ fn engine_loop(
             if let Err((phase, message)) = o.result {
                 super::lock(table).remove(&o.request);
                 tracing::warn!(stage, request = o.request, %phase, %message, "prefill failed");
-                notify(transport, &route, &Notice::Failed { id: o.request, nonce: o.nonce, stage, phase, message });
+                notify(notices, &route, &Notice::Failed { id: o.request, nonce: o.nonce, stage, phase, message });
             }
         }
         *super::lock(counts) = engine.counts();
@@ -259,7 +298,7 @@ fn engine_loop(
 fn settle(
     engine: &mut Engine,
     stage: u32,
-    transport: &dyn Transport,
+    notices: &Notices,
     endpoint: &PeerAddr,
     requests: &[(u64, u64)],
     message: &str,
@@ -272,14 +311,14 @@ fn settle(
         } else {
             settled.insert(id, (nonce, Instant::now()));
             let route = Route { endpoint: Some(endpoint.clone()), ..Default::default() };
-            notify(transport, &route, &Notice::Failed { id, nonce: Some(nonce), stage, phase: PhaseName::Compute, message: reason });
+            notify(notices, &route, &Notice::Failed { id, nonce: Some(nonce), stage, phase: PhaseName::Compute, message: reason });
         }
     }
 }
 
 /// Attaches decode's regions (once per published handle) and submits the job;
 /// false when it could not (decode was told why).
-fn submit(engine: &mut Engine, stage: u32, transport: &dyn Transport, mover: &MoverHandle, route: &mut Route, job: PrefillJob) -> bool {
+fn submit(engine: &mut Engine, stage: u32, notices: &Notices, mover: &MoverHandle, route: &mut Route, job: PrefillJob) -> bool {
     let a = job.admitted;
     route.endpoint = Some(a.endpoint.clone());
     route.stages = job.stages;
@@ -291,7 +330,7 @@ fn submit(engine: &mut Engine, stage: u32, transport: &dyn Transport, mover: &Mo
             && let Err(e) = mover.attach_target(h)
         {
             let message = format!("prefill stage {stage}: attach {h}: {e}");
-            notify(transport, route, &Notice::Failed { id: a.id, nonce: Some(a.nonce), stage, phase: PhaseName::Transfer, message });
+            notify(notices, route, &Notice::Failed { id: a.id, nonce: Some(a.nonce), stage, phase: PhaseName::Transfer, message });
             return false;
         }
     }
