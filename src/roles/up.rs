@@ -811,6 +811,10 @@ fn role_figures(metrics: &str) -> BTreeMap<String, RoleFigures> {
     for line in metrics.lines() {
         let Some((name, rest)) = line.split_once("{role=\"") else { continue };
         let Some((role, value)) = rest.split_once("\"} ") else { continue };
+        if role.contains('"') {
+            // More labels than the role: not one of the figures read here.
+            continue;
+        }
         let Ok(v) = value.trim().parse::<u64>() else { continue };
         let f = out.entry(role.to_string()).or_default();
         match name {

@@ -292,6 +292,9 @@ struct Conn {
     writer: Mutex<BufWriter<TcpStream>>,
     /// Batches sent and not yet acked; `None` once the connection is dead.
     pending: Mutex<Option<HashSet<BatchId>>>,
+    /// Why it died (a refusal's reason outlives the connection, so that a batch
+    /// submitted just after still says why).
+    why: Mutex<Option<String>>,
     stream: TcpStream,
 }
 
@@ -302,6 +305,7 @@ impl Conn {
 
     /// Marks the connection dead and fails what it had in flight.
     fn fail(&self, completions: &Completions, reason: &str) {
+        lock(&self.why).get_or_insert_with(|| reason.to_string());
         let pending = lock(&self.pending).take();
         let _ = self.stream.shutdown(Shutdown::Both);
         for batch in pending.into_iter().flatten() {
@@ -702,7 +706,7 @@ impl Inner {
         let nonce = wire::read_challenge(&mut reader)
             .map_err(|e| TransportError::Disconnected { peer: addr.to_string(), reason: format!("no CHALLENGE from the peer: {e}") })?;
         wire::write_hello(&mut writer, &self.core.endpoint, &self.opts.secret, &nonce).and_then(|()| writer.flush()).map_err(io)?;
-        let conn = Arc::new(Conn { addr, writer: Mutex::new(writer), pending: Mutex::new(Some(HashSet::new())), stream });
+        let conn = Arc::new(Conn { addr, writer: Mutex::new(writer), pending: Mutex::new(Some(HashSet::new())), why: Mutex::new(None), stream });
         let (me, c) = (Arc::clone(self), Arc::clone(&conn));
         let handle = std::thread::Builder::new()
             .name(format!("tcp-acks-{addr}"))
@@ -779,7 +783,8 @@ impl Transport for TcpTransport {
         let registered = lock(&conn.pending).as_mut().map(|p| p.insert(batch)).is_some();
         if !registered {
             inner.completions.cancel(batch);
-            return Err(TransportError::Disconnected { peer: att.addr.to_string(), reason: "connection closed".into() });
+            let reason = lock(&conn.why).clone().unwrap_or_else(|| "connection closed".into());
+            return Err(TransportError::Disconnected { peer: att.addr.to_string(), reason });
         }
         let _span = tracing::trace_span!("transport.tcp.send", peer = %att.addr, batch = batch.0, bytes = payload).entered();
         let sent = (|| -> std::io::Result<()> {
