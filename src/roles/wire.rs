@@ -392,6 +392,79 @@ pub fn sse_data(body: &str) -> Vec<String> {
 mod tests {
     use super::*;
 
+    /// A register proof holds for its own body and secret within the window only:
+    /// another body, another secret, a stale or future timestamp, a missing or
+    /// malformed header are each refused, naming why.
+    #[test]
+    fn a_register_proof_holds_only_for_its_body_secret_and_time() {
+        let s = ClusterSecret::from_bytes(&[9; 32]);
+        let now = 1_000_000_000;
+        let h = register_auth(&s, now, b"body");
+        assert_eq!(check_register_auth(&s, Some(&h), b"body", now + 29_000), Ok(()));
+        let refused = |secret: &ClusterSecret, header: Option<&str>, body: &[u8], at: u64| check_register_auth(secret, header, body, at).unwrap_err();
+        assert!(refused(&s, Some(&h), b"bodz", now).contains("does not prove"));
+        assert!(refused(&ClusterSecret::from_bytes(&[8; 32]), Some(&h), b"body", now).contains("does not prove"));
+        assert!(refused(&s, Some(&h), b"body", now + 31_000).contains("more than 30000 ms"));
+        assert!(refused(&s, Some(&h), b"body", now - 31_000).contains("more than 30000 ms"));
+        assert!(refused(&s, None, b"body", now).contains("no x-handoff-auth"));
+        assert!(refused(&s, Some("nodot"), b"body", now).contains("not <unix ms>"));
+        // The timestamp is inside the MAC: moving it breaks the proof.
+        let moved = h.replacen(&now.to_string(), &(now + 1).to_string(), 1);
+        assert!(refused(&s, Some(&moved), b"body", now).contains("does not prove"));
+    }
+
+    /// The control handshake over a real socket: a peer that answers the challenge
+    /// with the secret is let in and its next line is read; a wrong secret, a
+    /// message instead of an answer, and an answer to another nonce are refused;
+    /// a peer that closes at once is `Closed`, not a refusal.
+    #[test]
+    fn the_control_handshake_lets_in_only_a_peer_that_proves_the_secret() {
+        let secret = ClusterSecret::from_bytes(&[4; 32]);
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let client = |f: Box<dyn FnOnce(TcpStream) + Send>| std::thread::spawn(move || f(TcpStream::connect(addr).expect("connect")));
+        let accept = |listener: &std::net::TcpListener, secret: &ClusterSecret| accept_control(listener.accept().expect("accept").0, secret);
+
+        let s2 = secret.clone();
+        let t = client(Box::new(move |mut s| {
+            let mut r = BufReader::new(s.try_clone().expect("clone"));
+            answer_control(&mut s, &mut r, &s2).expect("answer");
+            send(&mut s, &Msg::Token { id: 7, token: 1 }).expect("send");
+        }));
+        let mut r = accept(&listener, &secret).expect("a member is let in");
+        assert!(matches!(recv(&mut r), Ok(Some(Msg::Token { id: 7, .. }))));
+        t.join().expect("client");
+
+        // Each stranger reads until the listener closes, so that its own close
+        // (with the challenge unread) cannot reset the connection first.
+        let t = client(Box::new(|mut s| {
+            let mut r = BufReader::new(s.try_clone().expect("clone"));
+            let _ = answer_control(&mut s, &mut r, &ClusterSecret::from_bytes(&[5; 32]));
+            let _ = r.read_to_end(&mut Vec::new());
+        }));
+        assert!(matches!(accept(&listener, &secret), Err(Admission::Refused(_))), "a wrong secret");
+        t.join().expect("client");
+
+        let t = client(Box::new(|mut s| {
+            let _ = send(&mut s, &Msg::Token { id: 1, token: 1 });
+            let _ = s.read_to_end(&mut Vec::new());
+        }));
+        assert!(matches!(accept(&listener, &secret), Err(Admission::Refused(_))), "a message before the answer");
+        t.join().expect("client");
+
+        let s2 = secret.clone();
+        let t = client(Box::new(move |mut s| {
+            let _ = s.write_all(&answer_line(&s2, &challenge_line(&[0; 32])).expect("answer"));
+            let _ = s.read_to_end(&mut Vec::new());
+        }));
+        assert!(matches!(accept(&listener, &secret), Err(Admission::Refused(_))), "an answer to another nonce");
+        t.join().expect("client");
+
+        let t = client(Box::new(drop));
+        assert!(matches!(accept(&listener, &secret), Err(Admission::Closed)), "a probe");
+        t.join().expect("client");
+    }
+
     /// Hidden states cross the wire bit for bit (NaN payloads, -0.0, subnormals
     /// included), and a body of stray bytes is refused, not truncated.
     #[test]
