@@ -200,7 +200,7 @@ pub fn to_hex(b: &[u8]) -> String {
 
 /// Bytes of an even run of hex digits; None otherwise.
 pub fn from_hex(t: &str) -> Option<Vec<u8>> {
-    if t.len() % 2 != 0 || !t.bytes().all(|c| c.is_ascii_hexdigit()) {
+    if !t.len().is_multiple_of(2) || !t.bytes().all(|c| c.is_ascii_hexdigit()) {
         return None;
     }
     (0..t.len()).step_by(2).map(|i| u8::from_str_radix(&t[i..i + 2], 16).ok()).collect()

@@ -26,6 +26,15 @@
 //!
 //! [`Engine`]: crate::engine::Engine
 //!
+//! # Who may connect
+//!
+//! Every role refuses to start without the cluster secret ([`crate::auth`];
+//! `up` hands its children one). The proxy serves the API on its public listener
+//! and the roles' registration on a separate control listener; each role-to-role
+//! connection (register, control links, transport hello and notifications) proves
+//! the secret before anything it carries is read, and every refusal is counted
+//! and reported in the heartbeat ([`proxy`]'s module docs list them).
+//!
 //! # Admission (HTTP status and reason)
 //!
 //! `POST /v1/completions` refuses a request **before it is enqueued** with HTTP 400

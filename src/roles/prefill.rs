@@ -168,6 +168,7 @@ fn notify(transport: &dyn Transport, route: &Route, notice: &Notice) {
 
 /// The engine thread: jobs in, one tick, events out. It blocks while it holds no
 /// request.
+#[allow(clippy::too_many_arguments)]
 fn engine_loop(
     mut engine: Engine,
     stage: u32,
