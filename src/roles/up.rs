@@ -135,7 +135,15 @@ impl Cluster {
         let secret_file = std::env::temp_dir().join(format!("handoff-up-{}-{port}.secret", std::process::id()));
         write_secret(&secret_file, &secret)?;
         // Loopback only: the roles of one `up` share its host.
-        let control_port = free_port().context("pick a port for the proxy's control listener")?;
+        // A port free now and not the public one (which the caller may have
+        // picked the same way and released).
+        let mut control_port = free_port().context("pick a port for the proxy's control listener")?;
+        for _ in 0..8 {
+            if control_port != port {
+                break;
+            }
+            control_port = free_port().context("pick a port for the proxy's control listener")?;
+        }
         let control_addr = format!("127.0.0.1:{control_port}");
         let mut roles = vec![Role::new(
             "proxy".into(),
