@@ -339,3 +339,41 @@ fn slow_clients_are_cut_off_and_connections_past_the_cap_get_503() {
     assert!(metric(&m, "handoff_connections_closed_total{listener=\"public\",reason=\"header_timeout\"}").is_some_and(|n| n >= 1.0), "{m}");
     assert!(metric(&m, "handoff_refusals_total{reason=\"body_timeout\"}").is_some_and(|n| n >= 1.0), "{m}");
 }
+
+/// The cluster over the tcp transport: the roles' own transports prove the secret
+/// to each other (the completion is served), and a stranger at decode's transport
+/// port and at its control port is refused and counted under each listener.
+#[test]
+fn over_tcp_the_roles_hand_off_and_a_stranger_at_decodes_transport_port_is_counted() {
+    let text = std::fs::read_to_string(SMALL).expect("small.toml").replace("[transport]\nkind = \"shm\"", "[transport]\nkind = \"tcp\"");
+    assert!(text.contains("kind = \"tcp\""), "small.toml's transport table moved");
+    let path = std::env::temp_dir().join(format!("handoff-cluster-secret-tcp-{}.toml", std::process::id()));
+    std::fs::write(&path, text).expect("config");
+    let port = free_port().expect("port");
+    let mut c = Cluster::start(Some(&path), "127.0.0.1", port, Some(PathBuf::from(BIN))).expect("start");
+    c.wait_healthy(Duration::from_secs(60), false).expect("healthy");
+    let r = wire::http(&c.addr, "POST", "/v1/completions", Some(r#"{"prompt": "over tcp", "max_tokens": 3}"#), T).expect("http");
+    assert_eq!(r.status, 200, "{}", r.body);
+
+    let ports = listening_ports(c.pid("decode").expect("decode pid"));
+    assert_eq!(ports.len(), 2, "decode over tcp listens on its control and transport ports: {ports:?}");
+    let mut seen = Vec::new();
+    for p in ports {
+        let mut s = TcpStream::connect(("127.0.0.1", p)).expect("connect");
+        s.set_read_timeout(Some(T)).expect("timeout");
+        let mut first = [0u8; 5];
+        s.read_exact(&mut first).expect("the listener speaks first");
+        seen.push(if first[..4] == tcpwire::MAGIC.to_le_bytes() { "tcp" } else { "control" });
+        // Garbage where the proof should be.
+        let _ = s.write_all(b"not a proof at all, just bytes\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n");
+        let _ = s.read_to_end(&mut Vec::new());
+    }
+    seen.sort();
+    assert_eq!(seen, ["control", "tcp"]);
+    wait_metric(&c.addr, "handoff_unauthenticated_connections_total{role=\"decode\",listener=\"tcp\"}", 1.0);
+    wait_metric(&c.addr, "handoff_unauthenticated_connections_total{role=\"decode\",listener=\"control\"}", 1.0);
+    let r = wire::http(&c.addr, "POST", "/v1/completions", Some(r#"{"prompt": "still over tcp", "max_tokens": 3}"#), T).expect("http");
+    assert_eq!(r.status, 200, "{}", r.body);
+    c.shutdown();
+    let _ = std::fs::remove_file(path);
+}

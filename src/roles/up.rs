@@ -206,6 +206,11 @@ impl Cluster {
         &self.secret
     }
 
+    /// The file (mode 0600) that holds the secret while the cluster runs.
+    pub fn secret_file(&self) -> Option<&Path> {
+        self.secret_file.as_deref()
+    }
+
     fn remove_files(&mut self) {
         if let Some(p) = self.tmp_config.take() {
             let _ = std::fs::remove_file(p.with_extension("safetensors"));
@@ -466,6 +471,10 @@ pub fn run_up(config: Option<&Path>, host: &str, port: u16, device: Option<&str>
         p.pp + 2
     );
     c.wait_healthy(Duration::from_secs(60), true)?;
+    if let Some(f) = c.secret_file() {
+        // What a role started by hand needs to join this cluster.
+        eprintln!("handoff up: roles register at {} with the cluster secret in {} ({})", c.control_addr, f.display(), crate::auth::SECRET_FILE_ENV);
+    }
     println!("handoff serving at http://{}  (POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics; Ctrl-C drains and stops)", c.addr);
     loop {
         if super::signals() >= 2 {
