@@ -4,6 +4,7 @@
 //! transports, the roles and the CLI. Plain data lives in `handoff-components`, the
 //! phase systems in `handoff-systems`, the compute in `handoff-kernels`.
 
+pub mod auth;
 pub mod bench_cli;
 pub mod cli;
 pub mod compute;

@@ -97,6 +97,8 @@ fn child(prefix: &[&str], role: &str) -> Command {
     };
     cmd.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
         .env(ROLE, role)
+        // The child's transports must prove this process's cluster secret.
+        .env(handoff::auth::SECRET_ENV, handoff::auth::ClusterSecret::process().to_hex())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());

@@ -266,6 +266,19 @@ pub struct ServeConfig {
     /// while it refuses new ones with 503; 0 stops at once.
     #[serde(default = "default_drain_s")]
     pub drain_s: f64,
+    /// Seconds a client of the public listener has to send a request's headers
+    /// (the whole head, from its first byte or from the end of the previous
+    /// request); past it the connection is closed. Bounds what a slow client holds.
+    #[serde(default = "default_header_timeout_s")]
+    pub header_timeout_s: f64,
+    /// Seconds a client has to send a request's whole body once its headers
+    /// arrived; past it the proxy answers 408 and closes the connection.
+    #[serde(default = "default_body_timeout_s")]
+    pub body_timeout_s: f64,
+    /// Connections the public listener holds open at once; a connection beyond
+    /// it is answered 503 (`too_many_connections`) and closed at once.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: u32,
 }
 
 impl ServeConfig {
@@ -287,6 +300,15 @@ fn default_queue() -> u32 {
 fn default_drain_s() -> f64 {
     30.0
 }
+fn default_header_timeout_s() -> f64 {
+    10.0
+}
+fn default_body_timeout_s() -> f64 {
+    30.0
+}
+fn default_max_connections() -> u32 {
+    1024
+}
 
 impl Default for ServeConfig {
     fn default() -> Self {
@@ -297,6 +319,9 @@ impl Default for ServeConfig {
             max_batch: None,
             threads: None,
             drain_s: default_drain_s(),
+            header_timeout_s: default_header_timeout_s(),
+            body_timeout_s: default_body_timeout_s(),
+            max_connections: default_max_connections(),
         }
     }
 }
@@ -338,7 +363,7 @@ pub enum ConfigError {
     PpExceedsLayers { pp: u32, num_layers: u32 },
     #[error("serve.max_context {max_context} must be at least 2")]
     Context { max_context: u32 },
-    #[error("timeouts.{field} = {value} must be a positive number of seconds")]
+    #[error("{field} = {value} must be a positive number of seconds")]
     Timeout { field: &'static str, value: f64 },
     #[error("serve.drain_s = {value} must be 0 or a positive number of seconds")]
     Drain { value: f64 },
@@ -416,6 +441,7 @@ impl Topology {
             ("decode.interleave", d.interleave),
             ("decode.block_size", d.block_size),
             ("serve.max_requests", config.serve.max_requests),
+            ("serve.max_connections", config.serve.max_connections),
             ("serve.max_batch", config.serve.max_batch.unwrap_or(1)),
             ("serve.threads", config.serve.threads.unwrap_or(1)),
             ("transport.max_batch", config.transport.max_batch),
@@ -488,9 +514,11 @@ impl Topology {
             return Err(ConfigError::Context { max_context: config.serve.max_context });
         }
         for (field, value) in [
-            ("admission_s", config.timeouts.admission_s),
-            ("compute_s", config.timeouts.compute_s),
-            ("transfer_s", config.timeouts.transfer_s),
+            ("timeouts.admission_s", config.timeouts.admission_s),
+            ("timeouts.compute_s", config.timeouts.compute_s),
+            ("timeouts.transfer_s", config.timeouts.transfer_s),
+            ("serve.header_timeout_s", config.serve.header_timeout_s),
+            ("serve.body_timeout_s", config.serve.body_timeout_s),
         ] {
             if !(value > 0.0 && value.is_finite()) {
                 return Err(ConfigError::Timeout { field, value });

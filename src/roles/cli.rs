@@ -16,8 +16,9 @@ pub enum RoleCommand {
         config: String,
         #[arg(long)]
         stage: u32,
-        /// The proxy to register with (host:port).
-        #[arg(long, default_value = "127.0.0.1:8000")]
+        /// The proxy's control address to register with (host:port; the proxy's
+        /// --control-host/--control-port, not its public port).
+        #[arg(long, default_value = "127.0.0.1:8001")]
         proxy: String,
         /// Compute backend: cpu, cuda[:N] or hip[:N] (default: the topology's [device], else cpu).
         #[arg(long, env = "HANDOFF_DEVICE")]
@@ -30,7 +31,9 @@ pub enum RoleCommand {
     Decode {
         #[arg(long)]
         config: String,
-        #[arg(long, default_value = "127.0.0.1:8000")]
+        /// The proxy's control address to register with (host:port; the proxy's
+        /// --control-host/--control-port, not its public port).
+        #[arg(long, default_value = "127.0.0.1:8001")]
         proxy: String,
         /// Compute backend: cpu, cuda[:N] or hip[:N] (default: the topology's [device], else cpu).
         #[arg(long, env = "HANDOFF_DEVICE")]
@@ -47,6 +50,13 @@ pub enum RoleCommand {
         host: String,
         #[arg(long, default_value_t = 8000)]
         port: u16,
+        /// Where the roles register (`POST /internal/register`); keep it off any
+        /// network clients reach. 0 picks a free port (then start the roles with
+        /// the port the proxy logs).
+        #[arg(long, default_value = "127.0.0.1")]
+        control_host: String,
+        #[arg(long, default_value_t = 8001)]
+        control_port: u16,
         /// Require `Authorization: Bearer KEY` on the /v1 routes (401 otherwise).
         /// Prefer the variable: an argument is visible to every user in `ps`.
         #[arg(long, env = "HANDOFF_API_KEY", hide_env_values = true)]
@@ -98,7 +108,8 @@ fn load_on(path: &str, device: Option<&str>) -> anyhow::Result<Topology> {
     Ok(topo)
 }
 
-/// Runs one role subcommand.
+/// Runs one role subcommand. The roles (not `up`) refuse to start without a
+/// cluster secret ([`crate::auth`]).
 pub fn dispatch(cmd: RoleCommand) -> anyhow::Result<()> {
     let trace = match &cmd {
         RoleCommand::Prefill { trace, stage, .. } => trace_file(trace.as_deref(), &format!("prefill-{stage}")),
@@ -108,9 +119,19 @@ pub fn dispatch(cmd: RoleCommand) -> anyhow::Result<()> {
     };
     let _telemetry = super::init_telemetry(trace.as_deref())?;
     match cmd {
-        RoleCommand::Prefill { config, stage, proxy, device, .. } => super::run_prefill(&load_on(&config, device.as_deref())?, stage, &proxy),
-        RoleCommand::Decode { config, proxy, device, .. } => super::run_decode(&load_on(&config, device.as_deref())?, &proxy),
-        RoleCommand::Proxy { config, host, port, api_key, .. } => super::run_proxy(&load(&config)?, &host, port, api_key.filter(|k| !k.is_empty())),
+        RoleCommand::Prefill { config, stage, proxy, device, .. } => {
+            let secret = super::role_secret()?;
+            super::run_prefill(&load_on(&config, device.as_deref())?, stage, &proxy, &secret)
+        }
+        RoleCommand::Decode { config, proxy, device, .. } => {
+            let secret = super::role_secret()?;
+            super::run_decode(&load_on(&config, device.as_deref())?, &proxy, &secret)
+        }
+        RoleCommand::Proxy { config, host, port, control_host, control_port, api_key, .. } => {
+            let secret = super::role_secret()?;
+            let listen = super::proxy::Listen { host, port, control_host, control_port };
+            super::run_proxy(&load(&config)?, &listen, api_key.filter(|k| !k.is_empty()), secret)
+        }
         RoleCommand::Up { config, host, port, device, max_restarts, restart_window_s, api_key, trace_dir } => {
             if let Some(dir) = &trace_dir {
                 std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("--trace-dir {}: {e}", dir.display()))?;

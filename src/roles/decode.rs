@@ -7,9 +7,15 @@
 //! batched decode step for every handed-off request, in place in the registered
 //! decode regions. The role keeps no table of requests: per-request state lives in
 //! the World, and every message names its request.
+//!
+//! The control listener lets in only connections that prove the cluster secret
+//! ([`wire::accept_control`]), and the transport only producers whose hello
+//! proves it, so a stranger can neither admit requests nor write into decode's
+//! regions.
 
 use super::sampling::{Live, Sampling, SamplingTable};
 use super::wire::{self, Admitted, Msg, Notice};
+use crate::auth::ClusterSecret;
 use crate::compute::{TransportRegions, layouts_of};
 use crate::engine::{Counts, Engine, NoMover, Role};
 use crate::transport::{PeerAddr, RegionHandle, Transport};
@@ -18,7 +24,7 @@ use handoff_components::Topology;
 use handoff_components::ecs::{Cancel, EngineEvent, PhaseName, Submit};
 use handoff_systems::placement::Capacity;
 use std::collections::BTreeMap;
-use std::io::{BufReader, Write};
+use std::io::Write;
 use std::net::{TcpListener, TcpStream};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
@@ -31,10 +37,12 @@ enum Cmd {
     StageDown { stage: u32, dead: bool, message: String },
 }
 
-/// Runs decode until SIGINT/SIGTERM. `proxy` is the proxy's `host:port`.
-pub fn run_decode(topo: &Topology, proxy: &str) -> anyhow::Result<()> {
+/// Runs decode until SIGINT/SIGTERM. `proxy` is the proxy's control address
+/// (`host:port`); `secret` is what every connection of the cluster proves.
+pub fn run_decode(topo: &Topology, proxy: &str, secret: &ClusterSecret) -> anyhow::Result<()> {
     super::install_signal_handlers();
-    let transport = super::open_transport(topo)?;
+    let transport = super::open_transport(topo, secret)?;
+    let refused = super::Refused::new(&transport);
     let mut engine = Engine::for_role(topo.clone(), Role::Decode, Capacity::serving(topo), Box::new(NoMover));
     let regions = engine.regions();
     let mut handles = BTreeMap::new();
@@ -53,8 +61,8 @@ pub fn run_decode(topo: &Topology, proxy: &str) -> anyhow::Result<()> {
     let link: Link = Arc::new(Mutex::new(None));
     let counts = Arc::new(Mutex::new(engine.counts()));
     {
-        let (link, tx) = (Arc::clone(&link), tx.clone());
-        std::thread::Builder::new().name("decode-accept".into()).spawn(move || accept(listener, link, tx))?;
+        let (link, tx, refused, secret) = (Arc::clone(&link), tx.clone(), Arc::clone(&refused), secret.clone());
+        std::thread::Builder::new().name("decode-accept".into()).spawn(move || accept(listener, link, tx, &refused, &secret))?;
     }
     {
         let (transport, link, counts, pool) = (Arc::clone(&transport), Arc::clone(&link), Arc::clone(&counts), super::compute_pool(topo)?);
@@ -65,7 +73,7 @@ pub fn run_decode(topo: &Topology, proxy: &str) -> anyhow::Result<()> {
     }
     drop(tx);
     tracing::info!(%addr, "decode listening");
-    super::heartbeat_until_stopped(proxy, "decode", None, addr, &counts);
+    super::heartbeat_until_stopped(proxy, "decode", None, addr, &counts, &refused, secret);
     tracing::info!("decode stopping");
     super::remove_own_shm_files(topo);
     Ok(())
@@ -95,15 +103,21 @@ fn flush(link: &Link, buf: &[u8]) {
     }
 }
 
-/// Accepts the proxy's links; each one's commands go to the engine thread.
-fn accept(listener: TcpListener, link: Link, tx: Sender<Cmd>) {
+/// Accepts the proxy's links that prove the cluster secret; each one's commands
+/// go to the engine thread.
+fn accept(listener: TcpListener, link: Link, tx: Sender<Cmd>, refused: &Arc<super::Refused>, secret: &ClusterSecret) {
     for conn in listener.incoming() {
         let Ok(conn) = conn else { continue };
         let _ = conn.set_nodelay(true);
         let Ok(w) = conn.try_clone() else { continue };
-        let (tx, link) = (tx.clone(), Arc::clone(&link));
+        let (tx, link, refused, secret) = (tx.clone(), Arc::clone(&link), Arc::clone(refused), secret.clone());
         let _ = std::thread::Builder::new().name("decode-link".into()).spawn(move || {
-            let mut r = BufReader::new(conn);
+            let peer = conn.peer_addr().map_or_else(|_| "unknown".to_string(), |a| a.to_string());
+            let mut r = match wire::accept_control(conn, &secret) {
+                Ok(r) => r,
+                Err(wire::Admission::Closed) => return,
+                Err(wire::Admission::Refused(why)) => return refused.control_refused("decode", &peer, &why),
+            };
             // A connection becomes the link with its first command (a health probe
             // connects and sends nothing).
             let mut w = Some(w);

@@ -26,6 +26,15 @@
 //!
 //! [`Engine`]: crate::engine::Engine
 //!
+//! # Who may connect
+//!
+//! Every role refuses to start without the cluster secret ([`crate::auth`];
+//! `up` hands its children one). The proxy serves the API on its public listener
+//! and the roles' registration on a separate control listener; each role-to-role
+//! connection (register, control links, transport hello and notifications) proves
+//! the secret before anything it carries is read, and every refusal is counted
+//! and reported in the heartbeat ([`proxy`]'s module docs list them).
+//!
 //! # Admission (HTTP status and reason)
 //!
 //! `POST /v1/completions` refuses a request **before it is enqueued** with HTTP 400
@@ -67,6 +76,7 @@ pub use proxy::run_proxy;
 pub use soak::{SoakOptions, bench_soak};
 pub use up::{bench_serve, run_demo, run_up};
 
+use crate::auth::ClusterSecret;
 use handoff_components::Topology;
 use handoff_components::config::TransportKind;
 use std::sync::Arc;
@@ -112,8 +122,10 @@ pub(crate) fn secs(s: f64) -> Duration {
 }
 
 /// Opens this role's transport: the roles are separate processes, so the
-/// in-process `local` transport cannot connect them.
-pub(crate) fn open_transport(topo: &Topology) -> anyhow::Result<Arc<dyn crate::transport::Transport>> {
+/// in-process `local` transport cannot connect them. The transport proves and
+/// requires `secret` (the default [`ClusterSecret::process`] reads the same
+/// variables, so it is passed for clarity, not for difference).
+pub(crate) fn open_transport(topo: &Topology, secret: &ClusterSecret) -> anyhow::Result<Arc<dyn crate::transport::Transport>> {
     let kind = topo.config.transport.kind;
     if kind == TransportKind::Local {
         anyhow::bail!(
@@ -123,7 +135,7 @@ pub(crate) fn open_transport(topo: &Topology) -> anyhow::Result<Arc<dyn crate::t
     if kind == TransportKind::Shm {
         crate::transport::shm::sweep_stale(&crate::transport::shm::default_dir());
     }
-    Ok(crate::transport::open(kind, None)?)
+    Ok(crate::transport::open_with(kind, None, secret.clone())?)
 }
 
 /// Removes this process's shared-memory files (`handoff-{pid}-*`, the shm
@@ -195,18 +207,55 @@ pub(crate) fn compute_pool(topo: &Topology) -> anyhow::Result<rayon::ThreadPool>
     Ok(rayon::ThreadPoolBuilder::new().num_threads(n).thread_name(|i| format!("compute-{i}")).build()?)
 }
 
-/// Registers with the proxy (best effort: the proxy may not be up yet).
-pub(crate) fn heartbeat(proxy: &str, reg: &wire::Register) {
-    if let Ok(body) = serde_json::to_string(reg)
-        && let Err(e) = wire::http(proxy, "POST", "/internal/register", Some(&body), Duration::from_secs(2))
-    {
-        tracing::debug!(proxy, error = %e, "register with the proxy");
+/// Registers with the proxy's control listener (best effort: the proxy may not be
+/// up yet), proving the cluster secret.
+pub(crate) fn heartbeat(proxy: &str, reg: &wire::Register, secret: &ClusterSecret) {
+    let Ok(body) = serde_json::to_string(reg) else { return };
+    let auth = wire::register_auth(secret, wire::unix_ms(), body.as_bytes());
+    match wire::http_with(proxy, "POST", "/internal/register", Some(&body), &[(wire::REGISTER_AUTH_HEADER, &auth)], Duration::from_secs(2)) {
+        Ok(r) if r.status == 401 => tracing::warn!(proxy, body = %r.body, "the proxy refused this role's registration"),
+        Ok(_) => {}
+        Err(e) => tracing::debug!(proxy, error = %e, "register with the proxy"),
     }
 }
 
-/// Registers with the proxy every 300 ms, with the engine's latest counts and this
-/// process's resident memory, until a stop is asked for.
-pub(crate) fn heartbeat_until_stopped(proxy: &str, role: &str, stage: Option<u32>, addr: std::net::SocketAddr, counts: &std::sync::Mutex<crate::engine::Counts>) {
+/// What a role process refused for want of the cluster secret: its control
+/// listener's connections, and what its transport counts.
+pub(crate) struct Refused {
+    pub control: std::sync::atomic::AtomicU64,
+    pub transport: Arc<dyn crate::transport::Transport>,
+}
+
+impl Refused {
+    pub fn new(transport: &Arc<dyn crate::transport::Transport>) -> Arc<Refused> {
+        Arc::new(Refused { control: Default::default(), transport: Arc::clone(transport) })
+    }
+
+    fn by_listener(&self) -> std::collections::BTreeMap<String, u64> {
+        let mut m = std::collections::BTreeMap::new();
+        m.insert("control".to_string(), self.control.load(Ordering::Relaxed));
+        m.insert(self.transport.name().to_string(), self.transport.unauthenticated());
+        m
+    }
+
+    /// Counts and logs one refused control connection.
+    pub fn control_refused(&self, role: &str, peer: &str, why: &str) {
+        self.control.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(role, peer, why, "refused an unauthenticated control connection");
+    }
+}
+
+/// Registers with the proxy every 300 ms, with the engine's latest counts, this
+/// process's resident memory and its refusals, until a stop is asked for.
+pub(crate) fn heartbeat_until_stopped(
+    proxy: &str,
+    role: &str,
+    stage: Option<u32>,
+    addr: std::net::SocketAddr,
+    counts: &std::sync::Mutex<crate::engine::Counts>,
+    refused: &Refused,
+    secret: &ClusterSecret,
+) {
     while !shutting_down() {
         let reg = wire::Register {
             role: role.into(),
@@ -217,10 +266,17 @@ pub(crate) fn heartbeat_until_stopped(proxy: &str, role: &str, stage: Option<u32
             rss_bytes: rss_bytes(),
             restarts: restarts(),
             timings: prom::system_timings(profiler()),
+            unauthenticated: refused.by_listener(),
         };
-        heartbeat(proxy, &reg);
+        heartbeat(proxy, &reg, secret);
         sleep_unless_stopping(Duration::from_millis(300));
     }
+}
+
+/// The cluster secret a role process must have (see [`crate::auth`]): refuses to
+/// start without one, naming the variables.
+pub fn role_secret() -> anyhow::Result<ClusterSecret> {
+    ClusterSecret::from_env().map_err(|e| anyhow::anyhow!("{e}"))
 }
 
 /// How many times `up` restarted this role process (`HANDOFF_RESTARTS`; 0 by hand).

@@ -9,9 +9,14 @@
 //! release phase drops the producer entry when the stage's writes complete. The
 //! role carries the engine's events out: hidden states to the next stage, the
 //! write-done report (or a failure) to decode over the transport.
+//!
+//! The control listener lets in only connections that prove the cluster secret
+//! ([`wire::accept_control`]); the stage proves it in turn to the next stage, to
+//! the proxy's control listener (its heartbeat) and in its transport's hello.
 
 use super::sampling::{Live, SamplingTable};
 use super::wire::{self, Admitted, Msg, Notice, PrefillJob};
+use crate::auth::ClusterSecret;
 use crate::compute::{TransportRegions, layouts_of};
 use crate::engine::mover::{MoverHandle, MoverOptions, TransportMover};
 use crate::engine::{Counts, Engine, Role};
@@ -21,7 +26,6 @@ use handoff_components::Topology;
 use handoff_components::ecs::{Cancel, EngineEvent, Inputs, PhaseName, Submit};
 use handoff_systems::placement::Capacity;
 use std::collections::{BTreeMap, HashMap};
-use std::io::BufReader;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
@@ -41,12 +45,14 @@ struct Route {
 }
 
 /// Runs prefill stage `stage` until SIGINT/SIGTERM. `proxy` is the proxy's
-/// `host:port`, where the stage registers its control address.
-pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str) -> anyhow::Result<()> {
+/// control address (`host:port`), where the stage registers its own control
+/// address; `secret` is what every connection of the cluster proves.
+pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str, secret: &ClusterSecret) -> anyhow::Result<()> {
     let p = topo.prefill();
     anyhow::ensure!(stage < p.pp, "--stage {stage} is outside prefill pp {} (stages 0..{})", p.pp, p.pp);
     super::install_signal_handlers();
-    let transport = super::open_transport(topo)?;
+    let transport = super::open_transport(topo, secret)?;
+    let refused = super::Refused::new(&transport);
     let mover = TransportMover::new(Arc::clone(&transport), MoverOptions::from_topology(topo))?;
     let handle = mover.handle();
     let mut engine = Engine::for_role(topo.clone(), Role::Stage(stage), Capacity::serving(topo), Box::new(mover));
@@ -71,8 +77,8 @@ pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str) -> anyhow::Result<(
     let (tx, rx) = mpsc::channel();
     let counts = Arc::new(Mutex::new(engine.counts()));
     {
-        let tx = tx.clone();
-        std::thread::Builder::new().name("prefill-accept".into()).spawn(move || accept(listener, tx))?;
+        let (tx, refused, secret) = (tx.clone(), Arc::clone(&refused), secret.clone());
+        std::thread::Builder::new().name("prefill-accept".into()).spawn(move || accept(listener, tx, &refused, &secret))?;
     }
     let (notices, pending) = mpsc::channel();
     {
@@ -82,13 +88,14 @@ pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str) -> anyhow::Result<(
     }
     {
         let (counts, pool) = (Arc::clone(&counts), super::compute_pool(topo)?);
+        let next = NextStage { addr: None, conn: None, secret: secret.clone() };
         std::thread::Builder::new()
             .name("prefill-engine".into())
-            .spawn(move || pool.install(move || engine_loop(engine, stage, &notices, &handle, &counts, &table, &rx)))?;
+            .spawn(move || pool.install(move || engine_loop(engine, stage, &notices, &handle, &counts, &table, &rx, next)))?;
     }
     drop(tx);
     tracing::info!(stage, %addr, "prefill stage listening");
-    super::heartbeat_until_stopped(proxy, "prefill", Some(stage), addr, &counts);
+    super::heartbeat_until_stopped(proxy, "prefill", Some(stage), addr, &counts, &refused, secret);
     tracing::info!(stage, "prefill stage stopping");
     super::remove_own_shm_files(topo);
     Ok(())
@@ -101,13 +108,19 @@ enum StageCmd {
     Settle { requests: Vec<(u64, u64)>, endpoint: PeerAddr, message: String },
 }
 
-/// Accepts links from the proxy and the previous stage; their jobs go to the engine.
-fn accept(listener: TcpListener, tx: Sender<StageCmd>) {
+/// Accepts links from the proxy and the previous stage that prove the cluster
+/// secret; their jobs go to the engine.
+fn accept(listener: TcpListener, tx: Sender<StageCmd>, refused: &Arc<super::Refused>, secret: &ClusterSecret) {
     for conn in listener.incoming() {
         let Ok(conn) = conn else { continue };
-        let tx = tx.clone();
+        let (tx, refused, secret) = (tx.clone(), Arc::clone(refused), secret.clone());
         let _ = std::thread::Builder::new().name("prefill-link".into()).spawn(move || {
-            let mut r = BufReader::new(conn);
+            let peer = conn.peer_addr().map_or_else(|_| "unknown".to_string(), |a| a.to_string());
+            let mut r = match wire::accept_control(conn, &secret) {
+                Ok(r) => r,
+                Err(wire::Admission::Closed) => return,
+                Err(wire::Admission::Refused(why)) => return refused.control_refused("prefill", &peer, &why),
+            };
             loop {
                 match wire::recv(&mut r) {
                     Ok(Some(Msg::Prefill(job))) => {
@@ -133,16 +146,16 @@ fn accept(listener: TcpListener, tx: Sender<StageCmd>) {
 }
 
 /// The next stage's link, reconnected when it breaks.
-#[derive(Default)]
 struct NextStage {
     addr: Option<SocketAddr>,
     conn: Option<TcpStream>,
+    secret: ClusterSecret,
 }
 
 impl NextStage {
     fn send(&mut self, addr: SocketAddr, msg: &Msg) -> std::io::Result<()> {
         if self.addr != Some(addr) || self.conn.is_none() {
-            let (w, _r) = wire::connect(addr, Duration::from_secs(5))?;
+            let (w, _r) = wire::connect(addr, Duration::from_secs(5), &self.secret)?;
             w.set_read_timeout(None)?;
             self.conn = Some(w);
             self.addr = Some(addr);
@@ -206,6 +219,7 @@ fn send_notices(transport: &dyn Transport, rx: &Receiver<(PeerAddr, Vec<u8>, Ins
 
 /// The engine thread: jobs in, one tick, events out. It blocks while it holds no
 /// request.
+#[allow(clippy::too_many_arguments)]
 fn engine_loop(
     mut engine: Engine,
     stage: u32,
@@ -214,9 +228,9 @@ fn engine_loop(
     counts: &Mutex<Counts>,
     table: &SamplingTable,
     rx: &Receiver<StageCmd>,
+    mut next: NextStage,
 ) {
     let mut route = Route::default();
-    let mut next = NextStage::default();
     // Requests settled before their job came (id -> nonce, when): a job that
     // arrives for one afterwards is dropped. Kept for two minutes, which bounds
     // them by the settles of that long.

@@ -12,12 +12,41 @@
 //!   failures and timeouts by phase, latency histograms (TTFT, inter-token,
 //!   end-to-end, per phase), bytes handed off, and every role's engine counts,
 //!   per-system and per-phase timing histograms, state, restarts and deaths.
-//! - `POST /internal/register`: the roles' registration and heartbeat (every
-//!   300 ms).
+//!
+//! # Two listeners
+//!
+//! The routes above are the **public** listener (`--host`/`--port`). The roles'
+//! registration and heartbeat (`POST /internal/register`, every 300 ms) is served
+//! only on the **control** listener (`--control-host`/`--control-port`, loopback
+//! and 8001 by default; `handoff up` picks a free port and hands it to the roles
+//! as their `--proxy`). On the public port every `/internal/*` path is a 404 like
+//! any unknown route.
+//!
+//! A register request must carry `X-Handoff-Auth: <unix ms>.<HMAC-SHA256 of the
+//! timestamp and body under the cluster secret>` ([`super::wire::register_auth`];
+//! the timestamp within 30 s of the proxy's clock); otherwise 401
+//! (`invalid_cluster_secret`), counted in
+//! `handoff_unauthenticated_connections_total{role="proxy",listener="register"}`.
+//! The proxy in turn answers each role's control-listener challenge with the
+//! same secret ([`super::wire`]). Every role reports its own refusals (control
+//! listener, transport) in its heartbeat, so `/metrics` shows those of the whole
+//! cluster.
+//!
+//! # Slow clients and the connection cap
+//!
+//! Each listener holds at most `serve.max_connections` connections; one more is
+//! answered at once with 503 `too_many_connections` (JSON, `Connection: close`)
+//! and closed, or, when more than 64 such answers are pending, closed without
+//! one. A connection whose next request's headers do not arrive within
+//! `serve.header_timeout_s` (from its first byte, or from the end of the previous
+//! response on a kept-alive connection) is closed without an answer: no request
+//! was read to answer. A body that does not arrive whole within
+//! `serve.body_timeout_s` of its headers gets 408 `body_timeout` and the
+//! connection is closed. Both are counted in `handoff_connections_closed_total`.
 //!
 //! Every error body is OpenAI's `{"error": {"message", "type", "param", "code"}}`
 //! (plus `phase` and `role` when a request failed after admission), for every
-//! status: 400, 404, 405, 413, 415, 429, 500 and 503.
+//! status: 400, 401, 404, 405, 408, 413, 415, 429, 500 and 503.
 //!
 //! # Liveness
 //!
@@ -41,6 +70,7 @@ use super::openai::{self, BodyError, Endpoint, Generation, StopMatcher, StopStep
 use super::prom::{self, Histogram, REQUEST_BUCKETS_S, SYSTEM_BUCKETS_S};
 use super::secs;
 use super::wire::{Admitted, Msg, PrefillJob, Register};
+use crate::auth::ClusterSecret;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Path, State};
@@ -57,7 +87,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::sync::{Semaphore, mpsc};
 
@@ -87,6 +117,12 @@ pub enum ServeError {
     Failed { phase: PhaseName, role: String, message: String },
     #[error("missing or wrong API key: send Authorization: Bearer <key>")]
     Unauthorized,
+    #[error("refused: {0}; every role must hold the proxy's cluster secret (HANDOFF_CLUSTER_SECRET_FILE or HANDOFF_CLUSTER_SECRET)")]
+    ClusterSecret(String),
+    #[error("the request body did not arrive within serve.body_timeout_s = {0} s")]
+    BodyTimeout(f64),
+    #[error("too many connections: this listener holds serve.max_connections = {0} already; retry later")]
+    TooManyConnections(u32),
 }
 
 impl ServeError {
@@ -100,7 +136,9 @@ impl ServeError {
             ServeError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
             ServeError::NotReady(_) | ServeError::Draining | ServeError::AdmissionTimeout(_) => StatusCode::SERVICE_UNAVAILABLE,
             ServeError::Failed { .. } => StatusCode::INTERNAL_SERVER_ERROR,
-            ServeError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ServeError::Unauthorized | ServeError::ClusterSecret(_) => StatusCode::UNAUTHORIZED,
+            ServeError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
+            ServeError::TooManyConnections(_) => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -112,10 +150,11 @@ impl ServeError {
             | ServeError::MethodNotAllowed { .. }
             | ServeError::TooLarge { .. }
             | ServeError::MediaType(_)
-            | ServeError::Unauthorized => "invalid_request_error",
+            | ServeError::Unauthorized
+            | ServeError::ClusterSecret(_) => "invalid_request_error",
             ServeError::Overloaded { .. } => "overloaded_error",
-            ServeError::NotReady(_) | ServeError::Draining => "unavailable_error",
-            ServeError::AdmissionTimeout(_) => "timeout_error",
+            ServeError::NotReady(_) | ServeError::Draining | ServeError::TooManyConnections(_) => "unavailable_error",
+            ServeError::AdmissionTimeout(_) | ServeError::BodyTimeout(_) => "timeout_error",
             ServeError::Failed { .. } => "server_error",
         }
     }
@@ -141,6 +180,9 @@ impl ServeError {
             ServeError::AdmissionTimeout(_) => "admission_timeout",
             ServeError::Failed { phase, .. } => phase.name(),
             ServeError::Unauthorized => "invalid_api_key",
+            ServeError::ClusterSecret(_) => "invalid_cluster_secret",
+            ServeError::BodyTimeout(_) => "body_timeout",
+            ServeError::TooManyConnections(_) => "too_many_connections",
         }
     }
 
@@ -174,6 +216,10 @@ impl IntoResponse for ServeError {
         if matches!(self, ServeError::Unauthorized) {
             return (self.status(), [(header::WWW_AUTHENTICATE, "Bearer")], axum::Json(self.body())).into_response();
         }
+        if matches!(self, ServeError::BodyTimeout(_)) {
+            // The rest of the body may still be on its way: the connection is done.
+            return (self.status(), [(header::CONNECTION, "close")], axum::Json(self.body())).into_response();
+        }
         if matches!(self.status(), StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS) {
             // Overload and a role that is down (restarting, stopped) pass: a client
             // that honours Retry-After comes back when the service may be again.
@@ -183,11 +229,6 @@ impl IntoResponse for ServeError {
     }
 }
 
-/// Equality that takes as long for any two keys of one length, so the time of a
-/// refusal does not tell how much of a guessed key was right.
-fn same_key(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
 
 /// The /v1 routes' gate when the proxy has an API key: `Authorization: Bearer KEY`
 /// or 401 (as vLLM's `--api-key`). Health, metrics and the roles' registration
@@ -195,7 +236,7 @@ fn same_key(a: &[u8], b: &[u8]) -> bool {
 async fn require_key(State(p): State<Arc<Proxy>>, req: axum::extract::Request, next: axum::middleware::Next) -> Response {
     let Some(key) = &p.api_key else { return next.run(req).await };
     let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).map(str::trim);
-    if given.is_some_and(|g| same_key(g.as_bytes(), key.as_bytes())) {
+    if given.is_some_and(|g| crate::auth::ct_eq(g.as_bytes(), key.as_bytes())) {
         return next.run(req).await;
     }
     *lock(&p.metrics).refusals.entry("invalid_api_key").or_default() += 1;
@@ -267,6 +308,10 @@ struct Metrics {
     timeouts: BTreeMap<&'static str, u64>,
     bytes: u64,
     tokens: u64,
+    /// Register requests refused for not proving the cluster secret.
+    unauthenticated_register: u64,
+    /// Connections closed by a listener's limits: (listener, reason) -> count.
+    closed: BTreeMap<(&'static str, &'static str), u64>,
 }
 
 impl Default for Metrics {
@@ -283,6 +328,8 @@ impl Default for Metrics {
             timeouts: BTreeMap::new(),
             bytes: 0,
             tokens: 0,
+            unauthenticated_register: 0,
+            closed: BTreeMap::new(),
         }
     }
 }
@@ -321,6 +368,10 @@ struct Proxy {
     restarts: u32,
     /// When set, the /v1 routes require `Authorization: Bearer` with it.
     api_key: Option<String>,
+    /// What the roles' registrations prove and what the proxy proves to them.
+    secret: ClusterSecret,
+    /// The public listener's connection places (`serve.max_connections`).
+    public_slots: Arc<Semaphore>,
 }
 
 #[derive(Default)]
@@ -333,11 +384,20 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Serves the proxy on `host:port` until SIGINT/SIGTERM (then drains).
-pub fn run_proxy(topo: &Topology, host: &str, port: u16, api_key: Option<String>) -> anyhow::Result<()> {
+/// Where the proxy listens: the public API and the roles' control listener.
+#[derive(Debug, Clone)]
+pub struct Listen {
+    pub host: String,
+    pub port: u16,
+    pub control_host: String,
+    pub control_port: u16,
+}
+
+/// Serves the proxy (see [`Listen`]) until SIGINT/SIGTERM (then drains).
+pub fn run_proxy(topo: &Topology, listen: &Listen, api_key: Option<String>, secret: ClusterSecret) -> anyhow::Result<()> {
     super::install_signal_handlers();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let r = rt.block_on(serve(topo.clone(), host.to_string(), port, api_key));
+    let r = rt.block_on(serve(topo.clone(), listen.clone(), api_key, secret));
     // Tasks still holding a stream after the drain deadline are dropped here.
     rt.shutdown_timeout(Duration::from_millis(200));
     r
@@ -349,12 +409,13 @@ fn body_limit(topo: &Topology) -> usize {
     (1 << 20) + 16 * topo.config.serve.max_context as usize
 }
 
-async fn serve(topo: Topology, host: String, port: u16, api_key: Option<String>) -> anyhow::Result<()> {
+async fn serve(topo: Topology, listen: Listen, api_key: Option<String>, secret: ClusterSecret) -> anyhow::Result<()> {
     let pp = topo.prefill().pp as usize;
     let places = topo.config.serve.max_requests as usize;
     // Ids differ across restarts of the proxy, so a restarted proxy never reuses an
     // id that decode may still hold from its previous life.
     let epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    let max_connections = topo.config.serve.max_connections;
     let state = Arc::new(Proxy {
         topo,
         roles: Mutex::new(Roles { slots: vec![None; pp + 1], downs: vec![0; pp + 1] }),
@@ -369,6 +430,8 @@ async fn serve(topo: Topology, host: String, port: u16, api_key: Option<String>)
         inflight: AtomicU32::new(0),
         restarts: super::restarts(),
         api_key,
+        secret,
+        public_slots: Arc::new(Semaphore::new(max_connections as usize)),
     });
     let v1 = Router::new()
         .route("/v1/completions", post(completions))
@@ -380,25 +443,121 @@ async fn serve(topo: Topology, host: String, port: u16, api_key: Option<String>)
         .merge(v1)
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(Arc::clone(&state));
+    // The roles' routes, on their own listener: a client of the public API cannot
+    // reach them at all, and what reaches them must prove the cluster secret.
+    let control = Router::new()
         .route("/internal/register", post(register))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(Arc::clone(&state));
+    let Listen { host, port, control_host, control_port } = listen;
     let listener = tokio::net::TcpListener::bind((host.as_str(), port))
         .await
         .map_err(|e| anyhow::anyhow!("proxy: cannot listen on {host}:{port}: {e}"))?;
-    tracing::info!(addr = %listener.local_addr()?, "proxy listening");
+    let control_listener = tokio::net::TcpListener::bind((control_host.as_str(), control_port))
+        .await
+        .map_err(|e| anyhow::anyhow!("proxy: cannot listen on --control-host {control_host} --control-port {control_port}: {e}"))?;
+    tracing::info!(addr = %listener.local_addr()?, control = %control_listener.local_addr()?, "proxy listening");
+    if control_port == 0 {
+        // Port 0 is only useful if the person starting the roles learns the port.
+        eprintln!("proxy: control listener at {} (start the roles with --proxy {0})", control_listener.local_addr()?);
+    }
     tokio::spawn(watchdog(Arc::clone(&state)));
-    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    let public_slots = Arc::clone(&state.public_slots);
+    let server = tokio::spawn(serve_http(listener, app, "public", public_slots, Arc::clone(&state)));
+    let control_slots = Arc::new(Semaphore::new(max_connections as usize));
+    let control_server = tokio::spawn(serve_http(control_listener, control, "control", control_slots, Arc::clone(&state)));
     while !super::shutting_down() {
-        if server.is_finished() {
+        if server.is_finished() || control_server.is_finished() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     drain(&state).await;
     server.abort();
+    control_server.abort();
     Ok(())
+}
+
+/// Connections past the cap that may wait for their 503 at once; past this a
+/// flood's connections are closed without an answer.
+const REFUSALS_PENDING: usize = 64;
+
+fn count_closed(p: &Proxy, listener: &'static str, reason: &'static str) {
+    *lock(&p.metrics).closed.entry((listener, reason)).or_default() += 1;
+}
+
+/// Serves `app` on `listener` over HTTP/1.1 with the `[serve]` limits (see the
+/// module docs): at most `slots` connections, `serve.header_timeout_s` for each
+/// request's headers. axum's own `serve` sets no header timeout and no cap.
+async fn serve_http(listener: tokio::net::TcpListener, app: Router, label: &'static str, slots: Arc<Semaphore>, p: Arc<Proxy>) {
+    let header_timeout = secs(p.topo.config.serve.header_timeout_s);
+    let max = p.topo.config.serve.max_connections;
+    let refusing = Arc::new(Semaphore::new(REFUSALS_PENDING));
+    loop {
+        let stream = match listener.accept().await {
+            Ok((s, _)) => s,
+            Err(e) => {
+                // Out of descriptors, most likely: wait for some to be released.
+                tracing::warn!(listener = label, error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Ok(place) = Arc::clone(&slots).try_acquire_owned() else {
+            count_closed(&p, label, "max_connections");
+            if let Ok(permit) = Arc::clone(&refusing).try_acquire_owned() {
+                tokio::spawn(async move {
+                    refuse_connection(stream, max).await;
+                    drop(permit);
+                });
+            }
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+        let p = Arc::clone(&p);
+        tokio::spawn(async move {
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(header_timeout)
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc);
+            if let Err(e) = conn.await
+                && e.is_timeout()
+            {
+                count_closed(&p, label, "header_timeout");
+            }
+            drop(place);
+        });
+    }
+}
+
+/// Answers a connection past the cap with 503 and closes it. It reads what the
+/// client sent, briefly, so that the close is a FIN after the answer rather than
+/// a reset that could discard it.
+async fn refuse_connection(mut stream: TcpStream, max: u32) {
+    use tokio::io::AsyncReadExt;
+    let body = ServeError::TooManyConnections(max).body().to_string();
+    let answer = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    if tokio::time::timeout(Duration::from_secs(1), stream.write_all(answer.as_bytes())).await.is_err() {
+        return;
+    }
+    let _ = stream.shutdown().await;
+    let mut buf = [0u8; 4096];
+    let _ = tokio::time::timeout(Duration::from_millis(500), async {
+        while let Ok(n) = stream.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+        }
+    })
+    .await;
 }
 
 /// Refuses new requests, waits for those in flight up to `serve.drain_s` (or a
@@ -451,7 +610,13 @@ async fn model(State(p): State<Arc<Proxy>>, Path(id): Path<String>) -> Response 
     }
 }
 
-async fn register(State(p): State<Arc<Proxy>>, body: axum::body::Bytes) -> Response {
+async fn register(State(p): State<Arc<Proxy>>, headers: HeaderMap, body: axum::body::Bytes) -> Response {
+    let auth = headers.get(super::wire::REGISTER_AUTH_HEADER).and_then(|v| v.to_str().ok());
+    if let Err(why) = super::wire::check_register_auth(&p.secret, auth, &body, super::wire::unix_ms()) {
+        lock(&p.metrics).unauthenticated_register += 1;
+        tracing::warn!(%why, "refused an unauthenticated registration");
+        return ServeError::ClusterSecret(why).into_response();
+    }
     let reg = match serde_json::from_slice::<Register>(&body) {
         Ok(r) => r,
         Err(e) => return ServeError::Body(BodyError::Malformed(e.to_string())).into_response(),
@@ -662,7 +827,15 @@ async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
         out += &format!("handoff_handoff_bytes_total {}\n", m.bytes);
         out += "# HELP handoff_generated_tokens_total Tokens generated.\n# TYPE handoff_generated_tokens_total counter\n";
         out += &format!("handoff_generated_tokens_total {}\n", m.tokens);
+        out += "# HELP handoff_connections_closed_total Connections a listener refused past serve.max_connections (max_connections) or closed because a request's headers did not arrive within serve.header_timeout_s (header_timeout).\n# TYPE handoff_connections_closed_total counter\n";
+        for l in ["public", "control"] {
+            for r in ["max_connections", "header_timeout"] {
+                out += &format!("handoff_connections_closed_total{{listener=\"{l}\",reason=\"{r}\"}} {}\n", m.closed.get(&(l, r)).copied().unwrap_or(0));
+            }
+        }
     }
+    out += "# HELP handoff_open_connections Connections the public listener holds now.\n# TYPE handoff_open_connections gauge\n";
+    out += &format!("handoff_open_connections {}\n", (p.topo.config.serve.max_connections as usize).saturating_sub(p.public_slots.available_permits()));
     let (slots, downs) = {
         let r = lock(&p.roles);
         (r.slots.clone(), r.downs.clone())
@@ -698,6 +871,15 @@ async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
         out += &format!("# HELP {name} {help}\n# TYPE {name} gauge\n");
         for (role, peer) in &live {
             out += &format!("{name}{{role=\"{role}\"}} {}\n", get(&counts(peer)));
+        }
+    }
+    // Every role's refusals, from its last heartbeat (a counter of that process:
+    // it restarts from 0 with the process, as Prometheus counters may).
+    out += "# HELP handoff_unauthenticated_connections_total Connections (shm: notification datagrams) refused for not proving the cluster secret, by role and listener.\n# TYPE handoff_unauthenticated_connections_total counter\n";
+    out += &format!("handoff_unauthenticated_connections_total{{role=\"proxy\",listener=\"register\"}} {}\n", lock(&p.metrics).unauthenticated_register);
+    for (i, s) in slots.iter().enumerate() {
+        for (listener, n) in s.as_ref().map(|s| s.reg.unauthenticated.clone()).unwrap_or_default() {
+            out += &format!("handoff_unauthenticated_connections_total{{role=\"{}\",listener=\"{listener}\"}} {n}\n", role_label(i));
         }
     }
     out += "# HELP handoff_resident_memory_bytes Resident memory of each role process.\n# TYPE handoff_resident_memory_bytes gauge\n";
@@ -802,7 +984,13 @@ async fn read_body(p: &Proxy, headers: &HeaderMap, body: Body) -> Result<Vec<u8>
     let mut out = Vec::new();
     let mut seen = 0u64;
     let mut stream = body.into_data_stream();
-    while let Some(chunk) = stream.next().await {
+    let body_timeout = p.topo.config.serve.body_timeout_s;
+    let deadline = tokio::time::Instant::now() + secs(body_timeout);
+    loop {
+        let Ok(next) = tokio::time::timeout_at(deadline, stream.next()).await else {
+            return Err(ServeError::BodyTimeout(body_timeout));
+        };
+        let Some(chunk) = next else { break };
         let chunk = chunk.map_err(|e| ServeError::Body(BodyError::Malformed(format!("reading the body: {e}"))))?;
         seen += chunk.len() as u64;
         if seen > drain_cap {
@@ -1106,6 +1294,20 @@ fn stream_response(req: Generation, rx: mpsc::Receiver<(u32, Ev)>, served: Serve
     Sse::new(s).into_response()
 }
 
+/// The connecting side of a control handshake ([`super::wire::answer_control`]),
+/// each step within [`super::wire::HANDSHAKE_TIMEOUT`].
+async fn answer_challenge(r: &mut (impl AsyncBufRead + Unpin), w: &mut (impl AsyncWrite + Unpin), secret: &ClusterSecret) -> std::io::Result<()> {
+    let t = super::wire::HANDSHAKE_TIMEOUT;
+    let late = |what: &str| std::io::Error::new(std::io::ErrorKind::TimedOut, format!("no {what} within {t:?}"));
+    let mut line = Vec::new();
+    let n = tokio::time::timeout(t, (&mut *r).take(1024).read_until(b'\n', &mut line)).await.map_err(|_| late("challenge"))??;
+    if n == 0 {
+        return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the listener closed before its challenge"));
+    }
+    let answer = super::wire::answer_line(secret, &line)?;
+    tokio::time::timeout(t, w.write_all(&answer)).await.map_err(|_| late("room for the answer"))?
+}
+
 async fn send_line(s: &mut tokio::net::tcp::OwnedWriteHalf, m: &Msg) -> std::io::Result<()> {
     let mut line = serde_json::to_vec(m).map_err(std::io::Error::other)?;
     line.push(b'\n');
@@ -1135,6 +1337,11 @@ async fn decode_link(p: &Arc<Proxy>, addr: SocketAddr) -> Result<(u64, mpsc::Unb
     };
     let _ = conn.set_nodelay(true);
     let (rd, mut wr) = conn.into_split();
+    let mut rd = BufReader::new(rd);
+    if let Err(e) = answer_challenge(&mut rd, &mut wr, &p.secret).await {
+        let message = format!("decode at {addr}: control handshake: {e}");
+        return Err(ServeError::Failed { phase: PhaseName::Admission, role: "decode".into(), message });
+    }
     let (tx, mut out) = mpsc::unbounded_channel::<Msg>();
     let routes = Arc::clone(&p.routes);
     let proxy = Arc::clone(p);
@@ -1149,7 +1356,6 @@ async fn decode_link(p: &Arc<Proxy>, addr: SocketAddr) -> Result<(u64, mpsc::Unb
                 }
             }
         });
-        let mut rd = BufReader::new(rd);
         let mut line = Vec::new();
         loop {
             line.clear();
@@ -1198,10 +1404,12 @@ fn settle(p: &Arc<Proxy>, stage: u32, requests: Vec<(u64, u64)>, endpoint: crate
     let addr = lock(&p.roles).slots.get(stage as usize + 1).and_then(|s| s.as_ref().filter(|s| s.state == PeerState::Up).map(|s| s.reg.addr));
     let Some(addr) = addr else { return };
     let n = requests.len();
+    let secret = p.secret.clone();
     tokio::spawn(async move {
         let sent = async {
             let conn = TcpStream::connect(addr).await?;
-            let (_rd, mut wr) = conn.into_split();
+            let (rd, mut wr) = conn.into_split();
+            answer_challenge(&mut BufReader::new(rd), &mut wr, &secret).await?;
             send_line(&mut wr, &Msg::Settle { requests, endpoint, message }).await?;
             wr.shutdown().await
         };
@@ -1229,7 +1437,11 @@ async fn send_stage0(p: &Arc<Proxy>, addr: SocketAddr, msg: &Msg) -> Result<(), 
                 Err(_) => return Err(failed(format!("prefill stage 0 at {addr}: connect timed out"))),
             };
             let _ = conn.set_nodelay(true);
-            links.stage0 = Some((addr, conn.into_split().1));
+            let (rd, mut wr) = conn.into_split();
+            if let Err(e) = answer_challenge(&mut BufReader::new(rd), &mut wr, &p.secret).await {
+                return Err(failed(format!("prefill stage 0 at {addr}: control handshake: {e}")));
+            }
+            links.stage0 = Some((addr, wr));
         }
         let Some((_, w)) = links.stage0.as_mut() else { continue };
         match tokio::time::timeout(Duration::from_secs(2), send_line(w, msg)).await {

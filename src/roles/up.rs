@@ -1,5 +1,13 @@
 //! `handoff up`, the demo (`cargo run --release`) and `handoff bench`: a whole
 //! deployment as child processes of this one.
+//!
+//! A [`Cluster`] gives its roles one cluster secret ([`crate::auth`]): the one
+//! this process was given (`HANDOFF_CLUSTER_SECRET_FILE` or
+//! `HANDOFF_CLUSTER_SECRET`), else 32 fresh random bytes. It writes the secret
+//! to `{tmp}/handoff-up-{pid}-{port}.secret` (mode 0600, removed at shutdown) and
+//! names that file in every child's `HANDOFF_CLUSTER_SECRET_FILE`; the secret
+//! never appears in an argument. The proxy's control listener gets a free
+//! loopback port, which every other role receives as `--proxy`.
 
 use super::cli::role_command;
 use super::wire::{self, HttpResponse};
@@ -73,6 +81,10 @@ pub struct Cluster {
     roles: Vec<Role>,
     /// `host:port` of the proxy.
     pub addr: String,
+    /// `host:port` of the proxy's control listener (where the roles register).
+    pub control_addr: String,
+    secret: crate::auth::ClusterSecret,
+    secret_file: Option<PathBuf>,
     pub topo: Topology,
     program: Option<PathBuf>,
     envs: Vec<(String, String)>,
@@ -99,10 +111,10 @@ impl Cluster {
         program: Option<PathBuf>,
         envs: Vec<(String, String)>,
     ) -> anyhow::Result<Cluster> {
+        sweep_stale_configs();
         let (path, tmp) = match config {
             Some(p) => (p.to_path_buf(), None),
             None => {
-                sweep_stale_configs();
                 let p = std::env::temp_dir().join(format!("handoff-up-{}-{port}.toml", std::process::id()));
                 let w = p.with_extension("safetensors");
                 std::fs::write(&w, DEFAULT_WEIGHTS).with_context(|| format!("write {}", w.display()))?;
@@ -115,18 +127,50 @@ impl Cluster {
         let path_s = path.to_string_lossy().to_string();
         let topo = Topology::load(&path_s).map_err(|e| anyhow::anyhow!("{e}"))?;
         let addr = format!("{host}:{port}");
+        let secret = match crate::auth::ClusterSecret::from_env() {
+            Ok(s) => s,
+            Err(crate::auth::SecretError::Missing) => crate::auth::ClusterSecret::generate().context("read 32 random bytes from /dev/urandom for the cluster secret")?,
+            Err(e) => anyhow::bail!("{e}"),
+        };
+        let secret_file = std::env::temp_dir().join(format!("handoff-up-{}-{port}.secret", std::process::id()));
+        write_secret(&secret_file, &secret)?;
+        // Loopback only: the roles of one `up` share its host.
+        // A port free now and not the public one (which the caller may have
+        // picked the same way and released).
+        let mut control_port = free_port().context("pick a port for the proxy's control listener")?;
+        for _ in 0..8 {
+            if control_port != port {
+                break;
+            }
+            control_port = free_port().context("pick a port for the proxy's control listener")?;
+        }
+        let control_addr = format!("127.0.0.1:{control_port}");
         let mut roles = vec![Role::new(
             "proxy".into(),
-            vec!["proxy".into(), "--config".into(), path_s.clone(), "--host".into(), host.into(), "--port".into(), port.to_string()],
+            vec![
+                "proxy".into(),
+                "--config".into(),
+                path_s.clone(),
+                "--host".into(),
+                host.into(),
+                "--port".into(),
+                port.to_string(),
+                "--control-host".into(),
+                "127.0.0.1".into(),
+                "--control-port".into(),
+                control_port.to_string(),
+            ],
         )];
-        roles.push(Role::new("decode".into(), vec!["decode".into(), "--config".into(), path_s.clone(), "--proxy".into(), addr.clone()]));
+        roles.push(Role::new("decode".into(), vec!["decode".into(), "--config".into(), path_s.clone(), "--proxy".into(), control_addr.clone()]));
         for s in 0..topo.prefill().pp {
             roles.push(Role::new(
                 format!("prefill stage {s}"),
-                vec!["prefill".into(), "--config".into(), path_s.clone(), "--stage".into(), s.to_string(), "--proxy".into(), addr.clone()],
+                vec!["prefill".into(), "--config".into(), path_s.clone(), "--stage".into(), s.to_string(), "--proxy".into(), control_addr.clone()],
             ));
         }
-        let mut c = Cluster { roles, addr, topo, program, envs, tmp_config: tmp };
+        let mut envs = envs;
+        envs.push((crate::auth::SECRET_FILE_ENV.to_string(), secret_file.to_string_lossy().to_string()));
+        let mut c = Cluster { roles, addr, control_addr, secret, secret_file: Some(secret_file), topo, program, envs, tmp_config: tmp };
         for i in 0..c.roles.len() {
             c.spawn(i)?;
         }
@@ -136,6 +180,9 @@ impl Cluster {
     fn spawn(&mut self, i: usize) -> anyhow::Result<()> {
         let role = &mut self.roles[i];
         let mut cmd = role_command(self.program.as_deref(), &role.args)?;
+        // The file is the one source: a stale secret in this process's environment
+        // must not reach a child.
+        cmd.env_remove(crate::auth::SECRET_ENV);
         cmd.envs(self.envs.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         cmd.env(super::RESTARTS_ENV, role.restarts.to_string());
         // SAFETY: prctl and setpgid are async-signal-safe. A role dies with its
@@ -152,6 +199,26 @@ impl Cluster {
         let child = cmd.spawn().with_context(|| format!("start {}", role.name))?;
         role.child = Some(child);
         Ok(())
+    }
+
+    /// The cluster secret its roles share (tests play a role with it).
+    pub fn secret(&self) -> &crate::auth::ClusterSecret {
+        &self.secret
+    }
+
+    /// The file (mode 0600) that holds the secret while the cluster runs.
+    pub fn secret_file(&self) -> Option<&Path> {
+        self.secret_file.as_deref()
+    }
+
+    fn remove_files(&mut self) {
+        if let Some(p) = self.tmp_config.take() {
+            let _ = std::fs::remove_file(p.with_extension("safetensors"));
+            let _ = std::fs::remove_file(p);
+        }
+        if let Some(p) = self.secret_file.take() {
+            let _ = std::fs::remove_file(p);
+        }
     }
 
     /// CPU time (user + system, clock ticks) summed over every role process.
@@ -269,10 +336,7 @@ impl Cluster {
                 let _ = c.wait();
             }
         }
-        if let Some(p) = self.tmp_config.take() {
-            let _ = std::fs::remove_file(p.with_extension("safetensors"));
-            let _ = std::fs::remove_file(p);
-        }
+        self.remove_files();
     }
 
     /// A role that exited, with its status.
@@ -344,11 +408,23 @@ impl Cluster {
                 }
             }
         }
-        if let Some(p) = self.tmp_config.take() {
-            let _ = std::fs::remove_file(p.with_extension("safetensors"));
-            let _ = std::fs::remove_file(p);
-        }
+        self.remove_files();
     }
+}
+
+/// Writes the secret's hex digits to a new file of mode 0600 (replacing a stale
+/// one of the same name: the name holds this process's pid).
+fn write_secret(path: &Path, secret: &crate::auth::ClusterSecret) -> anyhow::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let _ = std::fs::remove_file(path);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("create the cluster secret file {}", path.display()))?;
+    f.write_all(secret.to_hex().as_bytes()).with_context(|| format!("write {}", path.display()))
 }
 
 impl Drop for Cluster {
@@ -408,6 +484,10 @@ pub fn run_up(
         p.pp + 2
     );
     c.wait_healthy(Duration::from_secs(60), true)?;
+    if let Some(f) = c.secret_file() {
+        // What a role started by hand needs to join this cluster.
+        eprintln!("handoff up: roles register at {} with the cluster secret in {} ({})", c.control_addr, f.display(), crate::auth::SECRET_FILE_ENV);
+    }
     println!("handoff serving at http://{}  (POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics; Ctrl-C drains and stops)", c.addr);
     loop {
         if super::signals() >= 2 {
@@ -454,14 +534,19 @@ pub fn run_up(
     }
 }
 
-/// Removes default-config files that earlier `up` processes left behind when they
-/// were killed (named `handoff-up-{pid}-{port}.toml` and `.safetensors`, for a pid
-/// that is gone).
+/// Removes default-config and secret files that earlier `up` processes left
+/// behind when they were killed (named `handoff-up-{pid}-{port}.toml`,
+/// `.safetensors` and `.secret`, for a pid that is gone).
 fn sweep_stale_configs() {
     let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else { return };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().to_string();
-        let Some(rest) = name.strip_prefix("handoff-up-").and_then(|r| r.strip_suffix(".toml").or_else(|| r.strip_suffix(".safetensors"))) else { continue };
+        let Some(rest) = name
+            .strip_prefix("handoff-up-")
+            .and_then(|r| r.strip_suffix(".toml").or_else(|| r.strip_suffix(".safetensors")).or_else(|| r.strip_suffix(".secret")))
+        else {
+            continue;
+        };
         let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<i32>().ok()) else { continue };
         // SAFETY: kill with signal 0 only checks whether the process exists.
         let gone = unsafe { libc::kill(pid, 0) } != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);

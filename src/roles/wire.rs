@@ -8,12 +8,20 @@
 //! write-done report travels as a transport notification ([`StageReport`]), so a
 //! report is received only after the bytes it reports are in place.
 //!
+//! Every control connection starts with a handshake ([`accept_control`],
+//! [`answer_control`]): the accepting role sends `{"challenge": NONCE}` (64 hex
+//! digits, fresh for each connection), the connecting one answers
+//! `{"auth": HMAC-SHA256(cluster secret, context || nonce)}`; the acceptor reads
+//! nothing else until the answer proved the secret, and closes the connection
+//! (counting it) when it does not.
+//!
 //! [`http`] is a minimal HTTP/1.1 client (one request per connection) that the
 //! roles use to register with the proxy and that tests, `demo` and `bench` use to
 //! talk to the proxy.
 //!
 //! [`Transport`]: crate::transport::Transport
 
+use crate::auth::{ClusterSecret, context};
 use crate::engine::Counts;
 use crate::transport::{PeerAddr, RegionHandle};
 use handoff_components::ecs::{PhaseName, StageReport};
@@ -160,6 +168,115 @@ pub struct Register {
     /// The engine's run times per system, since the process started.
     #[serde(default)]
     pub timings: Vec<super::prom::SystemTiming>,
+    /// Connections (or shm datagrams) this process refused for not proving the
+    /// cluster secret, by listener: `control`, `tcp`, `shm`.
+    #[serde(default)]
+    pub unauthenticated: std::collections::BTreeMap<String, u64>,
+}
+
+/// The header that proves a register request: `<unix ms>.<hex MAC>`.
+pub const REGISTER_AUTH_HEADER: &str = "x-handoff-auth";
+
+/// The [`REGISTER_AUTH_HEADER`] value for `body`, sent at `unix_ms`.
+pub fn register_auth(secret: &ClusterSecret, unix_ms: u64, body: &[u8]) -> String {
+    let ts = unix_ms.to_string();
+    format!("{ts}.{}", crate::auth::to_hex(&secret.mac(context::REGISTER, &[ts.as_bytes(), b"\n", body])))
+}
+
+/// Checks a [`REGISTER_AUTH_HEADER`] value against `body` at `now_ms`; why not, if not.
+pub fn check_register_auth(secret: &ClusterSecret, header: Option<&str>, body: &[u8], now_ms: u64) -> Result<(), String> {
+    let Some(h) = header else { return Err(format!("no {REGISTER_AUTH_HEADER} header")) };
+    let Some((ts, mac)) = h.split_once('.') else { return Err(format!("{REGISTER_AUTH_HEADER} is not <unix ms>.<hex MAC>")) };
+    let Ok(t) = ts.parse::<u64>() else { return Err(format!("{REGISTER_AUTH_HEADER} timestamp {ts:?} is not a number")) };
+    let mac = crate::auth::from_hex(mac).unwrap_or_default();
+    if !secret.verify(context::REGISTER, &[ts.as_bytes(), b"\n", body], &mac) {
+        return Err("the MAC does not prove the cluster secret".into());
+    }
+    let window = crate::auth::REGISTER_WINDOW.as_millis() as u64;
+    if t.abs_diff(now_ms) > window {
+        return Err(format!("timestamp {t} ms is more than {window} ms from the proxy's clock {now_ms} ms"));
+    }
+    Ok(())
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// How long each side of a control handshake waits for the other's line.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+#[derive(Serialize, Deserialize)]
+struct Challenge {
+    challenge: String,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Answer {
+    auth: String,
+}
+
+/// The line an acceptor sends first, for `nonce`.
+pub fn challenge_line(nonce: &[u8; 32]) -> Vec<u8> {
+    let mut line = serde_json::to_vec(&Challenge { challenge: crate::auth::to_hex(nonce) }).unwrap_or_default();
+    line.push(b'\n');
+    line
+}
+
+/// The answer line to an acceptor's challenge line.
+pub fn answer_line(secret: &ClusterSecret, challenge: &[u8]) -> io::Result<Vec<u8>> {
+    let bad = |m: String| io::Error::new(io::ErrorKind::InvalidData, m);
+    let c: Challenge = serde_json::from_slice(challenge).map_err(|e| bad(format!("expected a control challenge line: {e}")))?;
+    let nonce = crate::auth::from_hex(&c.challenge).filter(|n| n.len() == 32).ok_or_else(|| bad(format!("challenge {:?} is not 64 hex digits", c.challenge)))?;
+    let mut line = serde_json::to_vec(&Answer { auth: crate::auth::to_hex(&secret.mac(context::CONTROL, &[&nonce])) }).map_err(io::Error::other)?;
+    line.push(b'\n');
+    Ok(line)
+}
+
+/// The connecting side's handshake: reads the challenge from `r`, answers on `w`.
+pub fn answer_control(w: &mut impl Write, r: &mut impl BufRead, secret: &ClusterSecret) -> io::Result<()> {
+    let mut line = Vec::new();
+    if r.take(1024).read_until(b'\n', &mut line)? == 0 {
+        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the control listener closed before its challenge"));
+    }
+    w.write_all(&answer_line(secret, &line)?)?;
+    w.flush()
+}
+
+/// Why [`accept_control`] let a connection in or not.
+#[derive(Debug)]
+pub enum Admission {
+    /// The peer closed before it answered anything (a liveness probe): not a refusal.
+    Closed,
+    /// The peer did not prove the secret.
+    Refused(String),
+}
+
+/// The accepting side's handshake on a new control connection: the reader to
+/// read its messages from, once the peer proved `secret`.
+pub fn accept_control(conn: TcpStream, secret: &ClusterSecret) -> Result<BufReader<TcpStream>, Admission> {
+    let nonce = crate::auth::nonce();
+    let io = |e: io::Error| Admission::Refused(format!("handshake: {e}"));
+    (&conn).write_all(&challenge_line(&nonce)).map_err(|_| Admission::Closed)?;
+    conn.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(io)?;
+    let mut r = BufReader::new(conn);
+    let mut line = Vec::new();
+    match r.by_ref().take(1024).read_until(b'\n', &mut line) {
+        Ok(0) => return Err(Admission::Closed),
+        Ok(_) => {}
+        Err(e) if matches!(e.kind(), io::ErrorKind::ConnectionReset) => return Err(Admission::Closed),
+        Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+            return Err(Admission::Refused(format!("no answer to the challenge within {HANDSHAKE_TIMEOUT:?}")));
+        }
+        Err(e) => return Err(io(e)),
+    }
+    let given = serde_json::from_slice::<Answer>(&line).ok().and_then(|a| crate::auth::from_hex(&a.auth)).unwrap_or_default();
+    if !secret.verify(context::CONTROL, &[&nonce], &given) {
+        return Err(Admission::Refused("the first line does not prove the cluster secret".into()));
+    }
+    r.get_ref().set_read_timeout(None).map_err(io)?;
+    Ok(r)
 }
 
 /// Writes one message as a JSON line.
@@ -190,13 +307,15 @@ pub fn recv(r: &mut impl BufRead) -> io::Result<Option<Msg>> {
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("bad control message: {e}")))
 }
 
-/// Connects with a timeout and sets both I/O timeouts.
-pub fn connect(addr: SocketAddr, timeout: Duration) -> io::Result<(TcpStream, BufReader<TcpStream>)> {
-    let s = TcpStream::connect_timeout(&addr, timeout)?;
+/// Connects to a role's control listener with a timeout, sets both I/O timeouts
+/// and answers its challenge with `secret`.
+pub fn connect(addr: SocketAddr, timeout: Duration, secret: &ClusterSecret) -> io::Result<(TcpStream, BufReader<TcpStream>)> {
+    let mut s = TcpStream::connect_timeout(&addr, timeout)?;
     s.set_nodelay(true)?;
     s.set_read_timeout(Some(timeout))?;
     s.set_write_timeout(Some(timeout))?;
-    let r = BufReader::new(s.try_clone()?);
+    let mut r = BufReader::new(s.try_clone()?);
+    answer_control(&mut s, &mut r, secret)?;
     Ok((s, r))
 }
 
@@ -284,6 +403,79 @@ pub fn sse_data(body: &str) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A register proof holds for its own body and secret within the window only:
+    /// another body, another secret, a stale or future timestamp, a missing or
+    /// malformed header are each refused, naming why.
+    #[test]
+    fn a_register_proof_holds_only_for_its_body_secret_and_time() {
+        let s = ClusterSecret::from_bytes(&[9; 32]);
+        let now = 1_000_000_000;
+        let h = register_auth(&s, now, b"body");
+        assert_eq!(check_register_auth(&s, Some(&h), b"body", now + 29_000), Ok(()));
+        let refused = |secret: &ClusterSecret, header: Option<&str>, body: &[u8], at: u64| check_register_auth(secret, header, body, at).unwrap_err();
+        assert!(refused(&s, Some(&h), b"bodz", now).contains("does not prove"));
+        assert!(refused(&ClusterSecret::from_bytes(&[8; 32]), Some(&h), b"body", now).contains("does not prove"));
+        assert!(refused(&s, Some(&h), b"body", now + 31_000).contains("more than 30000 ms"));
+        assert!(refused(&s, Some(&h), b"body", now - 31_000).contains("more than 30000 ms"));
+        assert!(refused(&s, None, b"body", now).contains("no x-handoff-auth"));
+        assert!(refused(&s, Some("nodot"), b"body", now).contains("not <unix ms>"));
+        // The timestamp is inside the MAC: moving it breaks the proof.
+        let moved = h.replacen(&now.to_string(), &(now + 1).to_string(), 1);
+        assert!(refused(&s, Some(&moved), b"body", now).contains("does not prove"));
+    }
+
+    /// The control handshake over a real socket: a peer that answers the challenge
+    /// with the secret is let in and its next line is read; a wrong secret, a
+    /// message instead of an answer, and an answer to another nonce are refused;
+    /// a peer that closes at once is `Closed`, not a refusal.
+    #[test]
+    fn the_control_handshake_lets_in_only_a_peer_that_proves_the_secret() {
+        let secret = ClusterSecret::from_bytes(&[4; 32]);
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let client = |f: Box<dyn FnOnce(TcpStream) + Send>| std::thread::spawn(move || f(TcpStream::connect(addr).expect("connect")));
+        let accept = |listener: &std::net::TcpListener, secret: &ClusterSecret| accept_control(listener.accept().expect("accept").0, secret);
+
+        let s2 = secret.clone();
+        let t = client(Box::new(move |mut s| {
+            let mut r = BufReader::new(s.try_clone().expect("clone"));
+            answer_control(&mut s, &mut r, &s2).expect("answer");
+            send(&mut s, &Msg::Token { id: 7, token: 1 }).expect("send");
+        }));
+        let mut r = accept(&listener, &secret).expect("a member is let in");
+        assert!(matches!(recv(&mut r), Ok(Some(Msg::Token { id: 7, .. }))));
+        t.join().expect("client");
+
+        // Each stranger reads until the listener closes, so that its own close
+        // (with the challenge unread) cannot reset the connection first.
+        let t = client(Box::new(|mut s| {
+            let mut r = BufReader::new(s.try_clone().expect("clone"));
+            let _ = answer_control(&mut s, &mut r, &ClusterSecret::from_bytes(&[5; 32]));
+            let _ = r.read_to_end(&mut Vec::new());
+        }));
+        assert!(matches!(accept(&listener, &secret), Err(Admission::Refused(_))), "a wrong secret");
+        t.join().expect("client");
+
+        let t = client(Box::new(|mut s| {
+            let _ = send(&mut s, &Msg::Token { id: 1, token: 1 });
+            let _ = s.read_to_end(&mut Vec::new());
+        }));
+        assert!(matches!(accept(&listener, &secret), Err(Admission::Refused(_))), "a message before the answer");
+        t.join().expect("client");
+
+        let s2 = secret.clone();
+        let t = client(Box::new(move |mut s| {
+            let _ = s.write_all(&answer_line(&s2, &challenge_line(&[0; 32])).expect("answer"));
+            let _ = s.read_to_end(&mut Vec::new());
+        }));
+        assert!(matches!(accept(&listener, &secret), Err(Admission::Refused(_))), "an answer to another nonce");
+        t.join().expect("client");
+
+        let t = client(Box::new(drop));
+        assert!(matches!(accept(&listener, &secret), Err(Admission::Closed)), "a probe");
+        t.join().expect("client");
+    }
 
     /// Hidden states cross the wire bit for bit (NaN payloads, -0.0, subnormals
     /// included), and a body of stray bytes is refused, not truncated.

@@ -269,6 +269,13 @@ pub trait Transport: Send + Sync {
     fn take_incidents(&self) -> Vec<Incident> {
         Vec::new()
     }
+
+    /// Connections (tcp) or messages (shm) refused so far for not proving the
+    /// cluster secret ([`crate::auth`]). Transports that accept nothing from
+    /// outside the process report 0.
+    fn unauthenticated(&self) -> u64 {
+        0
+    }
 }
 
 /// Generic conveniences over any transport.
@@ -332,12 +339,21 @@ pub fn open(
     kind: handoff_components::config::TransportKind,
     tcp_bind: Option<SocketAddr>,
 ) -> Result<Arc<dyn Transport>> {
+    open_with(kind, tcp_bind, crate::auth::ClusterSecret::process())
+}
+
+/// [`open`] with the cluster secret its peers must prove (tcp, shm).
+pub fn open_with(
+    kind: handoff_components::config::TransportKind,
+    tcp_bind: Option<SocketAddr>,
+    secret: crate::auth::ClusterSecret,
+) -> Result<Arc<dyn Transport>> {
     use handoff_components::config::TransportKind;
     Ok(match kind {
         TransportKind::Local => Arc::new(LocalTransport::new()),
-        TransportKind::Shm => Arc::new(ShmTransport::new()?),
+        TransportKind::Shm => Arc::new(ShmTransport::with_secret(shm::default_dir(), secret)?),
         TransportKind::Tcp => {
-            let mut opts = TcpOptions::default();
+            let mut opts = TcpOptions { secret, ..TcpOptions::default() };
             if let Some(bind) = tcp_bind {
                 opts.bind = bind;
             }

@@ -4,7 +4,15 @@
 //! shared with memmap2; the prefix `handoff-{pid}-{nonce}` is unique per transport
 //! instance. A producer maps the file named by the handle and copies into it, so a
 //! write is a memcpy into the consumer's pages. Notifications travel as datagrams on
-//! the Unix socket `{dir}/{prefix}.sock`, each tagged with the sender's endpoint.
+//! the Unix socket `{dir}/{prefix}.sock`, each tagged with the sender's endpoint
+//! and HMAC-SHA256(cluster secret, context || endpoint || bytes) ([`crate::auth`]).
+//!
+//! Who may write: region files and the socket are mode 0600, so only processes of
+//! the same user can map a region or send a datagram at all; a mapping writes
+//! without any handshake, so the file mode is the boundary for region bytes. A
+//! datagram whose tag does not prove the cluster secret is dropped before it is
+//! delivered and counted ([`ShmTransport::unauthenticated`]): a same-user process
+//! that does not hold the secret cannot forge a write-done report.
 //! The files and the socket are removed on drop; [`sweep_stale`] removes those left
 //! by processes that died without dropping.
 
@@ -18,8 +26,10 @@ use handoff_components::vocab::{RankId, RegionKind};
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::net::UnixDatagram;
+use crate::auth::{ClusterSecret, context};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 /// Largest notification, bounded by what one datagram carries on Linux by default.
@@ -31,6 +41,8 @@ pub struct ShmTransport {
     dir: PathBuf,
     prefix: String,
     socket: UnixDatagram,
+    secret: ClusterSecret,
+    unauthenticated: AtomicU64,
 }
 
 fn region_path(dir: &Path, prefix: &str, id: u64) -> PathBuf {
@@ -55,13 +67,37 @@ impl ShmTransport {
 
     /// A transport with its files under `dir` (must be shared by the peers).
     pub fn in_dir(dir: impl Into<PathBuf>) -> Result<Self> {
+        Self::with_secret(dir, ClusterSecret::process())
+    }
+
+    /// A transport under `dir` whose notifications carry and require `secret`.
+    pub fn with_secret(dir: impl Into<PathBuf>, secret: ClusterSecret) -> Result<Self> {
+        use std::os::unix::fs::PermissionsExt;
         let dir = dir.into();
         let prefix = format!("handoff-{}-{:016x}", std::process::id(), super::nonce());
         let sock = socket_path(&dir, &prefix);
         let socket = UnixDatagram::bind(&sock).map_err(|e| TransportError::io(format!("bind {}", sock.display()), e))?;
+        // Only this user may send to it (bind applies the umask, often 0755).
+        std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o600)).map_err(|e| TransportError::io(format!("chmod 600 {}", sock.display()), e))?;
         socket.set_nonblocking(true).map_err(|e| TransportError::io("set_nonblocking", e))?;
         let endpoint = PeerAddr::Shm { dir: dir.clone(), prefix: prefix.clone() };
-        Ok(ShmTransport { core: Arc::new(HostCore::new("shm", endpoint)), dir, prefix, socket })
+        Ok(ShmTransport { core: Arc::new(HostCore::new("shm", endpoint)), dir, prefix, socket, secret, unauthenticated: AtomicU64::new(0) })
+    }
+
+    /// Notification datagrams dropped so far because their tag did not prove the
+    /// cluster secret (or they were not of this protocol).
+    pub fn unauthenticated(&self) -> u64 {
+        self.unauthenticated.load(Ordering::Relaxed)
+    }
+
+    /// The path of this transport's notification socket.
+    pub fn socket_path(&self) -> PathBuf {
+        socket_path(&self.dir, &self.prefix)
+    }
+
+    /// The path of a local region's file.
+    pub fn region_path(&self, handle: &RegionHandle) -> PathBuf {
+        region_path(&self.dir, &self.prefix, handle.id)
     }
 
     fn map(file: &File, len: u64) -> Result<Mem> {
@@ -194,15 +230,17 @@ impl Transport for ShmTransport {
             return Err(TransportError::Unavailable { what: format!("peer {peer}"), reason: "not an shm endpoint".into() });
         };
         let from = serde_json::to_vec(&self.core.endpoint).map_err(|e| TransportError::Protocol { peer: peer.to_string(), message: e.to_string() })?;
-        if bytes.len() + from.len() + 4 > MAX_NOTIFICATION_BYTES {
+        if bytes.len() + from.len() + 4 + 32 > MAX_NOTIFICATION_BYTES {
             return Err(TransportError::Unavailable {
                 what: format!("a {}-byte notification", bytes.len()),
                 reason: format!("shm notifications carry at most {MAX_NOTIFICATION_BYTES} B"),
             });
         }
-        let mut msg = Vec::with_capacity(4 + from.len() + bytes.len());
+        let mac = self.secret.mac(context::SHM_NOTIFY, &[&from, bytes]);
+        let mut msg = Vec::with_capacity(4 + from.len() + 32 + bytes.len());
         msg.extend_from_slice(&(from.len() as u32).to_le_bytes());
         msg.extend_from_slice(&from);
+        msg.extend_from_slice(&mac);
         msg.extend_from_slice(bytes);
         let sock = UnixDatagram::unbound().map_err(|e| TransportError::io("socket", e))?;
         sock.set_write_timeout(Some(Duration::from_secs(5))).map_err(|e| TransportError::io("set_write_timeout", e))?;
@@ -220,14 +258,32 @@ impl Transport for ShmTransport {
         let mut out = self.core.take_inbox();
         let mut buf = vec![0u8; MAX_NOTIFICATION_BYTES];
         while let Ok(n) = self.socket.recv(&mut buf) {
-            let msg = &buf[..n];
-            // A malformed datagram (not from this protocol) is dropped, not trusted.
-            let Some(head) = msg.get(..4) else { continue };
-            let from_len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
-            let Some(from) = msg.get(4..4 + from_len) else { continue };
-            let from = serde_json::from_slice::<PeerAddr>(from).ok();
-            out.push(Notification { from, bytes: msg[4 + from_len..].to_vec() });
+            match authentic(&self.secret, &buf[..n]) {
+                Some(note) => out.push(note),
+                None => {
+                    // Not of this protocol, or not from this cluster: dropped, not trusted.
+                    self.unauthenticated.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(bytes = n, "shm: dropped a notification that does not prove the cluster secret");
+                }
+            }
         }
         out
     }
+
+    fn unauthenticated(&self) -> u64 {
+        ShmTransport::unauthenticated(self)
+    }
+}
+
+/// The notification in datagram `msg` when its tag proves `secret`.
+fn authentic(secret: &ClusterSecret, msg: &[u8]) -> Option<Notification> {
+    let head = msg.get(..4)?;
+    let from_len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
+    let from = msg.get(4..4usize.checked_add(from_len)?)?;
+    let mac = msg.get(4 + from_len..4 + from_len + 32)?;
+    let bytes = &msg[4 + from_len + 32..];
+    if !secret.verify(context::SHM_NOTIFY, &[from, bytes], mac) {
+        return None;
+    }
+    Some(Notification { from: serde_json::from_slice::<PeerAddr>(from).ok(), bytes: bytes.to_vec() })
 }

@@ -8,12 +8,22 @@
 //! region before writing, reads the payload in large chunks and scatters each chunk
 //! under the region's lock, then acks (or rejects, naming the reason).
 //!
+//! Authentication: the accepting side opens every connection with a CHALLENGE
+//! (a fresh random nonce); the connecting side's first frame must be a HELLO whose
+//! MAC is HMAC-SHA256(cluster secret, nonce || endpoint) ([`crate::auth`]). A
+//! connection whose first frame is anything else, or whose MAC is wrong, is
+//! refused before any later frame is read (so no byte of a region is touched),
+//! told why in an ACK of batch 0, closed, and counted
+//! ([`TcpTransport::unauthenticated`]). A connection closed before its first
+//! byte (a port probe) is not counted.
+//!
 //! Failure: a connection that drops fails that connection's pending batches with
 //! [`TransportError::Disconnected`]; a consumer whose producer vanishes or stalls
 //! longer than [`TcpOptions::idle_timeout`] in the middle of a frame records an
 //! [`Incident`] and closes the connection, so nothing waits forever.
 
 use super::host::{HostCore, HostRegion, Mem};
+use crate::auth::ClusterSecret;
 use super::{
     host_only, lock, pieces, read, usize_len, validate, write, BatchId, Completion, Completions, Incident, MemoryKind,
     Notification, PeerAddr, RegionHandle, RemoteRegion, Result, Transport, TransportError,
@@ -42,6 +52,9 @@ pub struct TcpOptions {
     pub socket_buffer: Option<usize>,
     /// Bytes of the producer's write buffer and the consumer's receive chunk.
     pub io_chunk: usize,
+    /// What a peer's HELLO must prove, and what this transport proves to the
+    /// peers it connects to. Default: [`ClusterSecret::process`].
+    pub secret: ClusterSecret,
 }
 
 impl Default for TcpOptions {
@@ -53,6 +66,7 @@ impl Default for TcpOptions {
             connect_timeout: Duration::from_secs(5),
             socket_buffer: None,
             io_chunk: 4 << 20,
+            secret: ClusterSecret::process(),
         }
     }
 }
@@ -60,13 +74,16 @@ impl Default for TcpOptions {
 /// The wire format, public so that tests can play a misbehaving peer.
 ///
 /// Little endian. Every frame starts with [`MAGIC`] and a type byte.
-/// HELLO: u32 n, n bytes of JSON [`PeerAddr`] (the sender's endpoint).
+/// CHALLENGE (acceptor to connector, first): 32 bytes of nonce.
+/// HELLO (connector's first frame): u32 n, n bytes of JSON [`PeerAddr`] (the
+/// sender's endpoint), 32 bytes of HMAC-SHA256(secret, context || nonce || JSON).
 /// WRITE: u64 batch, u64 region, u32 ndesc, u64 payload bytes, then ndesc x
 /// (u8 kind, u64 dst_offset, u64 len, u32 count, u64 dst_stride), then the payload:
 /// every piece of every descriptor, in order.
 /// NOTIFY: u32 n, n bytes. ACK: u64 batch, u8 status (0 ok), u32 n, n bytes of reason.
 pub mod wire {
     use super::Descriptor;
+    use crate::auth::{ClusterSecret, context};
     use crate::transport::PeerAddr;
     use handoff_components::vocab::RegionKind;
     use std::io::{self, Write};
@@ -76,6 +93,10 @@ pub mod wire {
     pub const WRITE: u8 = 2;
     pub const NOTIFY: u8 = 3;
     pub const ACK: u8 = 4;
+    pub const CHALLENGE: u8 = 5;
+    /// The batch id of the ACK that tells a refused connector why (batch ids
+    /// start at 1).
+    pub const REFUSAL_BATCH: u64 = 0;
     /// Bytes of one descriptor on the wire.
     pub const DESC_BYTES: usize = 1 + 8 + 8 + 4 + 8;
     /// Most descriptors one frame may carry (bounds what a peer makes us allocate).
@@ -96,11 +117,31 @@ pub mod wire {
         w.write_all(&[ty])
     }
 
-    pub fn write_hello(w: &mut impl Write, me: &PeerAddr) -> io::Result<()> {
+    pub fn write_challenge(w: &mut impl Write, nonce: &[u8; 32]) -> io::Result<()> {
+        head(w, CHALLENGE)?;
+        w.write_all(nonce)
+    }
+
+    /// Reads the acceptor's CHALLENGE: its nonce.
+    pub fn read_challenge(r: &mut impl io::Read) -> io::Result<[u8; 32]> {
+        let mut h = [0u8; 5];
+        r.read_exact(&mut h)?;
+        if h[..4] != MAGIC.to_le_bytes() || h[4] != CHALLENGE {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("expected a CHALLENGE frame, got magic {:02x?} type {}", &h[..4], h[4])));
+        }
+        let mut nonce = [0u8; 32];
+        r.read_exact(&mut nonce)?;
+        Ok(nonce)
+    }
+
+    /// The HELLO that answers `nonce`: `me`, proved with `secret`.
+    pub fn write_hello(w: &mut impl Write, me: &PeerAddr, secret: &ClusterSecret, nonce: &[u8; 32]) -> io::Result<()> {
         let json = serde_json::to_vec(me).map_err(io::Error::other)?;
+        let mac = secret.mac(context::TCP_HELLO, &[nonce, &json]);
         head(w, HELLO)?;
         w.write_all(&(json.len() as u32).to_le_bytes())?;
-        w.write_all(&json)
+        w.write_all(&json)?;
+        w.write_all(&mac)
     }
 
     /// The header and descriptors of a WRITE frame; the payload follows.
@@ -172,6 +213,9 @@ struct FrameReader<'a> {
     stream: TcpStream,
     shutdown: &'a AtomicBool,
     idle: Duration,
+    /// While set, waiting even at a frame boundary ends here (the HELLO must
+    /// come in time: a silent stranger must not hold a thread).
+    deadline: Option<Instant>,
 }
 
 const TICK: Duration = Duration::from_millis(100);
@@ -179,7 +223,7 @@ const TICK: Duration = Duration::from_millis(100);
 impl FrameReader<'_> {
     fn new(stream: TcpStream, shutdown: &AtomicBool, idle: Duration) -> std::io::Result<FrameReader<'_>> {
         stream.set_read_timeout(Some(TICK.min(idle)))?;
-        Ok(FrameReader { stream, shutdown, idle })
+        Ok(FrameReader { stream, shutdown, idle, deadline: None })
     }
 
     /// Fills `buf`. `boundary`: the first byte of a frame, where waiting is normal.
@@ -200,6 +244,11 @@ impl FrameReader<'_> {
                     }
                     if !(boundary && filled == 0) && last.elapsed() >= self.idle {
                         return Err(ReadStop::Stalled(self.idle));
+                    }
+                    if let Some(d) = self.deadline
+                        && Instant::now() >= d
+                    {
+                        return Err(ReadStop::Stalled(self.idle.min(d.saturating_duration_since(last))));
                     }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -243,6 +292,9 @@ struct Conn {
     writer: Mutex<BufWriter<TcpStream>>,
     /// Batches sent and not yet acked; `None` once the connection is dead.
     pending: Mutex<Option<HashSet<BatchId>>>,
+    /// Why it died (a refusal's reason outlives the connection, so that a batch
+    /// submitted just after still says why).
+    why: Mutex<Option<String>>,
     stream: TcpStream,
 }
 
@@ -253,6 +305,7 @@ impl Conn {
 
     /// Marks the connection dead and fails what it had in flight.
     fn fail(&self, completions: &Completions, reason: &str) {
+        lock(&self.why).get_or_insert_with(|| reason.to_string());
         let pending = lock(&self.pending).take();
         let _ = self.stream.shutdown(Shutdown::Both);
         for batch in pending.into_iter().flatten() {
@@ -271,6 +324,8 @@ struct Inner {
     attachments: RwLock<HashMap<u64, Attachment>>,
     conns: Mutex<HashMap<SocketAddr, Arc<Conn>>>,
     incidents: Mutex<Vec<Incident>>,
+    /// Inbound connections refused for a missing or wrong HELLO.
+    unauthenticated: AtomicU64,
     /// Threads and their streams, joined (after a shutdown of the stream) on drop.
     threads: Mutex<Vec<(Option<TcpStream>, JoinHandle<()>)>>,
 }
@@ -317,6 +372,7 @@ impl TcpTransport {
             attachments: RwLock::new(HashMap::new()),
             conns: Mutex::new(HashMap::new()),
             incidents: Mutex::new(Vec::new()),
+            unauthenticated: AtomicU64::new(0),
             threads: Mutex::new(Vec::new()),
         });
         let acceptor = Arc::clone(&inner);
@@ -335,6 +391,12 @@ impl TcpTransport {
     /// The address peers connect to.
     pub fn addr(&self) -> SocketAddr {
         self.inner.endpoint_addr
+    }
+
+    /// Inbound connections refused so far because their first frame was not a
+    /// HELLO proving the cluster secret.
+    pub fn unauthenticated(&self) -> u64 {
+        self.inner.unauthenticated.load(Ordering::Relaxed)
     }
 }
 
@@ -391,24 +453,30 @@ fn serve_connection(inner: &Inner, stream: TcpStream) {
     let Ok(ack_stream) = stream.try_clone() else { return };
     let mut acks = BufWriter::new(ack_stream);
     let Ok(mut r) = FrameReader::new(stream, &inner.shutdown, inner.opts.idle_timeout) else { return };
-    let mut from: Option<PeerAddr> = None;
+    let nonce = crate::auth::nonce();
+    if wire::write_challenge(&mut acks, &nonce).and_then(|()| acks.flush()).is_err() {
+        return;
+    }
+    r.deadline = Some(Instant::now() + inner.opts.connect_timeout.max(Duration::from_secs(1)));
+    let from = match read_hello(&mut r, &inner.opts.secret, &nonce) {
+        Ok(from) => from,
+        Err(None) => return,
+        Err(Some(reason)) => {
+            inner.unauthenticated.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(peer = %peer_sock, %reason, "tcp: refused an unauthenticated connection");
+            let told = format!("refused: {reason} (do the roles share one cluster secret, {}?)", crate::auth::SECRET_FILE_ENV);
+            let _ = wire::write_ack(&mut acks, wire::REFUSAL_BATCH, Some(&told)).and_then(|()| acks.flush());
+            let _ = r.stream.shutdown(Shutdown::Both);
+            return;
+        }
+    };
+    r.deadline = None;
     let mut chunk = Vec::new();
     let mut current: Option<u64> = None;
     let outcome: std::result::Result<(), (ReadStop, Option<u64>)> = (|| loop {
         current = None;
         let ty = r.frame_type().map_err(|s| (s, None))?;
         match ty {
-            wire::HELLO => {
-                let mut n = [0u8; 4];
-                r.fill(&mut n, false).map_err(|s| (s, None))?;
-                let n = le_u32(&n);
-                if n > 1 << 16 {
-                    return Err((ReadStop::Lost(format!("hello of {n} B")), None));
-                }
-                let mut json = vec![0u8; n as usize];
-                r.fill(&mut json, false).map_err(|s| (s, None))?;
-                from = serde_json::from_slice(&json).ok();
-            }
             wire::NOTIFY => {
                 let mut n = [0u8; 4];
                 r.fill(&mut n, false).map_err(|s| (s, None))?;
@@ -488,6 +556,33 @@ fn serve_connection(inner: &Inner, stream: TcpStream) {
     lock(&inner.incidents).push(Incident { peer: from, error });
 }
 
+/// Reads the connection's first frame, which must be a HELLO proving `secret`
+/// over `nonce`; the peer's endpoint when it does. `Err(None)`: closed before a
+/// byte (not a refusal); `Err(Some(reason))`: refused.
+fn read_hello(r: &mut FrameReader<'_>, secret: &ClusterSecret, nonce: &[u8; 32]) -> std::result::Result<Option<PeerAddr>, Option<String>> {
+    let ty = match r.frame_type() {
+        Ok(t) => t,
+        Err(ReadStop::Closed | ReadStop::Shutdown) => return Err(None),
+        Err(e) => return Err(Some(format!("no HELLO: {}", stop_reason(e)))),
+    };
+    if ty != wire::HELLO {
+        return Err(Some(format!("the first frame is of type {ty}, not a HELLO")));
+    }
+    let mut n = [0u8; 4];
+    r.fill(&mut n, false).map_err(|e| Some(stop_reason(e)))?;
+    let n = le_u32(&n);
+    if n > 1 << 16 {
+        return Err(Some(format!("a HELLO of {n} B")));
+    }
+    let mut json = vec![0u8; n as usize + 32];
+    r.fill(&mut json, false).map_err(|e| Some(stop_reason(e)))?;
+    let (json, mac) = json.split_at(n as usize);
+    if !secret.verify(crate::auth::context::TCP_HELLO, &[nonce, json], mac) {
+        return Err(Some("the HELLO does not prove the cluster secret".into()));
+    }
+    Ok(serde_json::from_slice(json).ok())
+}
+
 /// Reads `payload` bytes in chunks and scatters them over the descriptors' pieces.
 fn receive_payload(
     r: &mut FrameReader<'_>,
@@ -560,6 +655,9 @@ fn read_acks(inner: &Inner, conn: &Conn, stream: TcpStream) {
             if let Err(e) = r.fill(&mut msg, false) {
                 break stop_reason(e);
             }
+            if batch.0 == wire::REFUSAL_BATCH && status != 0 {
+                break format!("{} {}", conn.addr, String::from_utf8_lossy(&msg));
+            }
             let known = lock(&conn.pending).as_mut().is_some_and(|p| p.remove(&batch));
             if known {
                 let result = if status == 0 {
@@ -601,11 +699,14 @@ impl Inner {
         })?;
         tune(&stream, &self.opts);
         let io = |e| TransportError::io(format!("set up connection to {addr}"), e);
-        let reader = stream.try_clone().map_err(io)?;
+        let mut reader = stream.try_clone().map_err(io)?;
         let keep = stream.try_clone().map_err(io)?;
         let mut writer = BufWriter::with_capacity(self.opts.io_chunk.max(64 << 10), stream.try_clone().map_err(io)?);
-        wire::write_hello(&mut writer, &self.core.endpoint).and_then(|()| writer.flush()).map_err(io)?;
-        let conn = Arc::new(Conn { addr, writer: Mutex::new(writer), pending: Mutex::new(Some(HashSet::new())), stream });
+        reader.set_read_timeout(Some(self.opts.connect_timeout)).map_err(io)?;
+        let nonce = wire::read_challenge(&mut reader)
+            .map_err(|e| TransportError::Disconnected { peer: addr.to_string(), reason: format!("no CHALLENGE from the peer: {e}") })?;
+        wire::write_hello(&mut writer, &self.core.endpoint, &self.opts.secret, &nonce).and_then(|()| writer.flush()).map_err(io)?;
+        let conn = Arc::new(Conn { addr, writer: Mutex::new(writer), pending: Mutex::new(Some(HashSet::new())), why: Mutex::new(None), stream });
         let (me, c) = (Arc::clone(self), Arc::clone(&conn));
         let handle = std::thread::Builder::new()
             .name(format!("tcp-acks-{addr}"))
@@ -682,7 +783,8 @@ impl Transport for TcpTransport {
         let registered = lock(&conn.pending).as_mut().map(|p| p.insert(batch)).is_some();
         if !registered {
             inner.completions.cancel(batch);
-            return Err(TransportError::Disconnected { peer: att.addr.to_string(), reason: "connection closed".into() });
+            let reason = lock(&conn.why).clone().unwrap_or_else(|| "connection closed".into());
+            return Err(TransportError::Disconnected { peer: att.addr.to_string(), reason });
         }
         let _span = tracing::trace_span!("transport.tcp.send", peer = %att.addr, batch = batch.0, bytes = payload).entered();
         let sent = (|| -> std::io::Result<()> {
@@ -745,5 +847,9 @@ impl Transport for TcpTransport {
 
     fn take_incidents(&self) -> Vec<Incident> {
         std::mem::take(&mut *lock(&self.inner.incidents))
+    }
+
+    fn unauthenticated(&self) -> u64 {
+        TcpTransport::unauthenticated(self)
     }
 }

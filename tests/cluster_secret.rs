@@ -1,0 +1,379 @@
+//! Only the cluster gets in: every role-to-role connection proves the cluster
+//! secret (see `handoff::auth`), a stranger is refused before it can register,
+//! admit or write a byte, and every refusal is counted in the proxy's /metrics.
+//! Also the public listener's limits: slow clients are cut off and connections
+//! past `serve.max_connections` are refused.
+
+use handoff::auth::{ClusterSecret, SECRET_ENV, SECRET_FILE_ENV};
+use handoff::oracle::fill_canary;
+use handoff::roles::up::{Cluster, free_port};
+use handoff::roles::wire;
+use handoff::transport::tcp::wire as tcpwire;
+use handoff::transport::{PeerAddr, ShmTransport, TcpOptions, TcpTransport, Transport, TransportExt};
+use handoff_components::plan::Descriptor;
+use handoff_components::vocab::RegionKind;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_handoff");
+const SMALL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/config/small.toml");
+const T: Duration = Duration::from_secs(30);
+
+fn metric(text: &str, key: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(key).and_then(|v| v.trim().parse().ok()))
+}
+
+/// Waits until `/metrics` shows `key` at `want` (the roles report every 300 ms).
+fn wait_metric(addr: &str, key: &str, want: f64) -> String {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let m = wire::http(addr, "GET", "/metrics", None, T).expect("metrics").body;
+        if metric(&m, key) == Some(want) || Instant::now() > deadline {
+            assert_eq!(metric(&m, key), Some(want), "{key} in:\n{m}");
+            return m;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The TCP ports `pid` listens on (its sockets' inodes matched in /proc/net/tcp).
+fn listening_ports(pid: u32) -> Vec<u16> {
+    let mut inodes = std::collections::HashSet::new();
+    for e in std::fs::read_dir(format!("/proc/{pid}/fd")).expect("fd dir").flatten() {
+        if let Some(i) = std::fs::read_link(e.path()).ok().and_then(|l| l.to_str()?.strip_prefix("socket:[")?.strip_suffix(']')?.parse::<u64>().ok()) {
+            inodes.insert(i);
+        }
+    }
+    let tcp = std::fs::read_to_string("/proc/net/tcp").expect("/proc/net/tcp");
+    tcp.lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let (local, state, inode) = (f.get(1)?, f.get(3)?, f.get(9)?.parse::<u64>().ok()?);
+            (*state == "0A" && inodes.contains(&inode)).then(|| u16::from_str_radix(local.rsplit(':').next()?, 16).ok())?
+        })
+        .collect()
+}
+
+/// A forged heartbeat: decode at a port nobody listens on.
+fn forged_register(stage: Option<u32>) -> String {
+    let role = if stage.is_some() { "prefill" } else { "decode" };
+    serde_json::json!({"role": role, "stage": stage, "addr": "127.0.0.1:9", "pid": 1, "counts": {}, "rss_bytes": 0}).to_string()
+}
+
+#[test]
+fn a_strangers_register_is_refused_and_the_public_port_has_no_internal_routes() {
+    let port = free_port().expect("port");
+    let mut c = Cluster::start(Some(std::path::Path::new(SMALL)), "127.0.0.1", port, Some(PathBuf::from(BIN))).expect("start");
+    c.wait_healthy(Duration::from_secs(60), false).expect("healthy");
+    let decode_pid = c.pid("decode").expect("decode pid");
+
+    // The public port: /internal/* is a 404 like any unknown route.
+    let body = forged_register(None);
+    let r = wire::http(&c.addr, "POST", "/internal/register", Some(&body), T).expect("http");
+    assert_eq!(r.status, 404, "{}", r.body);
+    assert_eq!(r.json().expect("json")["error"]["code"], "not_found", "{}", r.body);
+
+    // The control listener: no proof, a wrong secret, a stale timestamp.
+    let wrong = ClusterSecret::from_bytes(&[0x5a; 32]);
+    let stale = wire::register_auth(c.secret(), wire::unix_ms() - 120_000, body.as_bytes());
+    let forged = wire::register_auth(&wrong, wire::unix_ms(), body.as_bytes());
+    let cases: [(&str, Vec<(&str, &str)>); 4] = [
+        ("no proof", vec![]),
+        ("a wrong secret", vec![(wire::REGISTER_AUTH_HEADER, &forged)]),
+        ("a stale timestamp", vec![(wire::REGISTER_AUTH_HEADER, &stale)]),
+        ("garbage", vec![(wire::REGISTER_AUTH_HEADER, "12.zz")]),
+    ];
+    for (what, headers) in &cases {
+        let r = wire::http_with(&c.control_addr, "POST", "/internal/register", Some(&body), headers, T).expect("http");
+        assert_eq!(r.status, 401, "{what}: {}", r.body);
+        let v = r.json().unwrap_or_else(|| panic!("{what}: not JSON: {}", r.body));
+        assert_eq!(v["error"]["code"], "invalid_cluster_secret", "{what}: {}", r.body);
+    }
+    // The right secret passes the check (and meets the ordinary validation), so
+    // the refusals above were the secret's.
+    let odd = forged_register(Some(99));
+    let ok = wire::register_auth(c.secret(), wire::unix_ms(), odd.as_bytes());
+    let r = wire::http_with(&c.control_addr, "POST", "/internal/register", Some(&odd), &[(wire::REGISTER_AUTH_HEADER, &ok)], T).expect("http");
+    assert_eq!(r.status, 400, "{}", r.body);
+
+    // The cluster still shows its real roles.
+    let h = wire::http(&c.addr, "GET", "/health", None, T).expect("health");
+    assert_eq!(h.status, 200, "{}", h.body);
+    let roles = h.json().expect("json")["roles"].clone();
+    let decode = roles.as_array().expect("roles").iter().find(|r| r["role"] == "decode").expect("decode listed").clone();
+    assert_eq!(decode["pid"], decode_pid, "{roles}");
+    wait_metric(&c.addr, "handoff_unauthenticated_connections_total{role=\"proxy\",listener=\"register\"}", 4.0);
+
+    // Decode's control listener: a stranger that answers the challenge wrongly,
+    // one that sends a job without answering, and a probe that only connects.
+    let ports = listening_ports(decode_pid);
+    assert_eq!(ports.len(), 1, "decode (over shm) listens on its control port only: {ports:?}");
+    let ctl = format!("127.0.0.1:{}", ports[0]);
+    for first in [r#"{"auth": "00"}"#, r#"{"type": "admit", "id": 1, "prompt_tokens": 4, "max_tokens": 2}"#] {
+        let mut s = TcpStream::connect(&ctl).expect("connect");
+        s.set_read_timeout(Some(T)).expect("timeout");
+        writeln!(s, "{first}").expect("write");
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest);
+        let text = String::from_utf8_lossy(&rest);
+        assert!(text.starts_with("{\"challenge\":"), "only the challenge came back: {text}");
+        assert_eq!(text.lines().count(), 1, "nothing but the challenge: {text}");
+    }
+    drop(TcpStream::connect(&ctl).expect("probe"));
+    // Decode's shm notification socket: a datagram that proves nothing.
+    let sock = std::fs::read_dir(handoff::transport::shm::default_dir())
+        .expect("shm dir")
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(&format!("handoff-{decode_pid}-")) && n.ends_with(".sock")))
+        .expect("decode's notification socket");
+    let stranger = std::os::unix::net::UnixDatagram::unbound().expect("socket");
+    stranger.send_to(b"\x02\x00\x00\x00{}forged written report", &sock).expect("send");
+
+    wait_metric(&c.addr, "handoff_unauthenticated_connections_total{role=\"decode\",listener=\"control\"}", 2.0);
+    let m = wait_metric(&c.addr, "handoff_unauthenticated_connections_total{role=\"decode\",listener=\"shm\"}", 1.0);
+    assert_eq!(metric(&m, "handoff_unauthenticated_connections_total{role=\"prefill0\",listener=\"control\"}"), Some(0.0), "{m}");
+    // And the cluster still serves.
+    let r = wire::http(&c.addr, "POST", "/v1/completions", Some(r#"{"prompt": "still ours", "max_tokens": 3}"#), T).expect("http");
+    assert_eq!(r.status, 200, "{}", r.body);
+    c.shutdown();
+}
+
+mod transport_util;
+use transport_util::{consumer_rank as rank, producer_rank};
+
+/// Reads what the consumer sends until it closes; the frames' types.
+fn frames_until_closed(s: &mut TcpStream) -> Vec<u8> {
+    s.set_read_timeout(Some(T)).expect("timeout");
+    let mut raw = Vec::new();
+    // A reset after the refusal also ends it: the consumer closed with our WRITE unread.
+    let _ = s.read_to_end(&mut raw);
+    let mut types = Vec::new();
+    let mut at = 0;
+    while raw.len() >= at + 5 {
+        types.push(raw[at + 4]);
+        at += 5 + match raw[at + 4] {
+            tcpwire::CHALLENGE => 32,
+            tcpwire::ACK if raw.len() >= at + 18 => 13 + u32::from_le_bytes([raw[at + 14], raw[at + 15], raw[at + 16], raw[at + 17]]) as usize,
+            _ => break,
+        };
+    }
+    types
+}
+
+#[test]
+fn a_strangers_tcp_write_is_refused_before_any_region_byte_moves() {
+    const LEN: u64 = 64 << 10;
+    let consumer = TcpTransport::loopback().expect("tcp");
+    let dst = consumer.register(rank(), RegionKind::MlaKv, LEN).expect("register");
+    consumer.write_region(&dst, |b| fill_canary(rank(), RegionKind::MlaKv, b)).expect("canary");
+    let canary = consumer.region_bytes(&dst).expect("read");
+    let desc = [Descriptor::copy(RegionKind::MlaKv, 0, 0, LEN)];
+    let write_frame = |s: &mut TcpStream| {
+        tcpwire::write_batch_header(s, 1, dst.id, &desc, LEN).expect("header");
+        s.write_all(&vec![0x42u8; LEN as usize]).expect("payload");
+    };
+
+    // No HELLO at all: a WRITE as the first frame.
+    let mut s = TcpStream::connect(consumer.addr()).expect("connect");
+    write_frame(&mut s);
+    assert_eq!(frames_until_closed(&mut s), vec![tcpwire::CHALLENGE, tcpwire::ACK], "challenged, refused, closed");
+    // A HELLO under a wrong secret, then a WRITE.
+    let mut s = TcpStream::connect(consumer.addr()).expect("connect");
+    let nonce = tcpwire::read_challenge(&mut s).expect("challenge");
+    let me = PeerAddr::Tcp { addr: s.local_addr().expect("addr") };
+    tcpwire::write_hello(&mut s, &me, &ClusterSecret::from_bytes(&[1; 32]), &nonce).expect("hello");
+    write_frame(&mut s);
+    assert_eq!(frames_until_closed(&mut s), vec![tcpwire::ACK], "refused, closed");
+    // The right secret answering another connection's nonce (a replay).
+    let mut s = TcpStream::connect(consumer.addr()).expect("connect");
+    let _ = tcpwire::read_challenge(&mut s).expect("challenge");
+    tcpwire::write_hello(&mut s, &me, &ClusterSecret::process(), &[0u8; 32]).expect("hello");
+    write_frame(&mut s);
+    assert_eq!(frames_until_closed(&mut s), vec![tcpwire::ACK], "refused, closed");
+    assert_eq!(consumer.unauthenticated(), 3, "every stranger counted");
+    // A transport configured with another secret: its transfer fails, saying why.
+    let outsider = TcpTransport::bind(TcpOptions { secret: ClusterSecret::from_bytes(&[2; 32]), ..TcpOptions::default() }).expect("tcp");
+    let src = outsider.register(producer_rank(), RegionKind::MlaKv, LEN).expect("src");
+    outsider.write_region(&src, |b| b.fill(0x42)).expect("fill");
+    let err = outsider.attach(&dst).and_then(|r| outsider.transfer(&src, r, &desc, T)).expect_err("an outsider's transfer must fail");
+    assert!(err.to_string().contains("does not prove the cluster secret"), "{err}");
+
+    assert_eq!(consumer.region_bytes(&dst).expect("read"), canary, "the region still holds its canary, byte for byte");
+    let refused = consumer.unauthenticated();
+    assert!(refused > 3, "the outsider counted too: {refused}");
+    assert!(consumer.take_incidents().is_empty(), "a refusal is not a failed batch");
+
+    // A member of the cluster still writes.
+    let member = TcpTransport::loopback().expect("tcp");
+    let src = member.register(producer_rank(), RegionKind::MlaKv, LEN).expect("src");
+    member.write_region(&src, |b| b.fill(0x42)).expect("fill");
+    let r = member.attach(&dst).expect("attach");
+    member.transfer(&src, r, &desc, T).expect("a member's transfer");
+    assert!(consumer.region_bytes(&dst).expect("read").iter().all(|&b| b == 0x42), "the member's bytes landed");
+    assert_eq!(consumer.unauthenticated(), refused, "a member is not counted");
+}
+
+#[test]
+fn a_strangers_shm_notification_is_dropped_and_counted() {
+    use std::os::unix::fs::PermissionsExt;
+    let consumer = ShmTransport::new().expect("shm");
+    let h = consumer.register(rank(), RegionKind::KdaState, 4096).expect("register");
+    for path in [consumer.socket_path(), consumer.region_path(&h)] {
+        let mode = std::fs::metadata(&path).expect("stat").permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "{} is mode {mode:o}", path.display());
+    }
+    let outsider = ShmTransport::with_secret(handoff::transport::shm::default_dir(), ClusterSecret::from_bytes(&[3; 32])).expect("shm");
+    outsider.notify(&consumer.endpoint(), b"forged report").expect("the datagram is sent");
+    let raw = std::os::unix::net::UnixDatagram::unbound().expect("socket");
+    raw.send_to(b"\x00\x00\x00\x00no tag", consumer.socket_path()).expect("send");
+    let member = ShmTransport::new().expect("shm");
+    member.notify(&consumer.endpoint(), b"real report").expect("notify");
+    let got = consumer.wait_notifications(T);
+    let bytes: Vec<&[u8]> = got.iter().map(|n| n.bytes.as_slice()).collect();
+    assert_eq!(bytes, vec![&b"real report"[..]], "only the member's notification is delivered");
+    assert_eq!(got[0].from, Some(member.endpoint()));
+    assert_eq!(consumer.unauthenticated(), 2);
+}
+
+/// A proxy started by hand (no `up`), with `[serve]` limits of its own.
+struct Proxy {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn proxy_with(serve: &str) -> Proxy {
+    let base = std::fs::read_to_string(SMALL).expect("small.toml");
+    let text = base.replace("[serve]\n", &format!("[serve]\n{serve}\n"));
+    let path = std::env::temp_dir().join(format!("handoff-cluster-secret-{}.toml", std::process::id()));
+    std::fs::write(&path, text).expect("config");
+    let (port, control) = (free_port().expect("port"), free_port().expect("port"));
+    let args = ["proxy", "--config", path.to_str().expect("utf8"), "--port", &port.to_string(), "--control-port", &control.to_string()];
+    let child = Command::new(BIN).args(args).env(SECRET_ENV, ClusterSecret::generate().expect("secret").to_hex()).env_remove(SECRET_FILE_ENV).spawn().expect("proxy");
+    let addr = format!("127.0.0.1:{port}");
+    let deadline = Instant::now() + T;
+    while wire::http(&addr, "GET", "/metrics", None, T).is_err() {
+        assert!(Instant::now() < deadline, "the proxy did not come up");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Proxy { child, addr }
+}
+
+#[test]
+fn a_role_started_by_hand_without_a_secret_refuses_to_start_naming_the_variables() {
+    for role in [vec!["proxy", "--config", SMALL], vec!["decode", "--config", SMALL], vec!["prefill", "--config", SMALL, "--stage", "0"]] {
+        let out = Command::new(BIN).args(&role).env_remove(SECRET_ENV).env_remove(SECRET_FILE_ENV).stdin(Stdio::null()).output().expect("run");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{role:?} started without a secret");
+        assert!(err.contains(SECRET_FILE_ENV) && err.contains(SECRET_ENV), "{role:?}: {err}");
+    }
+}
+
+#[test]
+fn slow_clients_are_cut_off_and_connections_past_the_cap_get_503() {
+    let p = proxy_with("header_timeout_s = 1\nbody_timeout_s = 1\nmax_connections = 4");
+
+    // Half a request head, then silence: closed after the header timeout.
+    let mut s = TcpStream::connect(&p.addr).expect("connect");
+    s.set_read_timeout(Some(T)).expect("timeout");
+    let t0 = Instant::now();
+    s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty").expect("half a head");
+    let mut got = Vec::new();
+    let _ = s.read_to_end(&mut got);
+    let took = t0.elapsed();
+    assert!(took >= Duration::from_millis(900) && took < Duration::from_secs(5), "closed after {took:?}");
+    assert!(got.is_empty(), "no answer to a request never read: {:?}", String::from_utf8_lossy(&got));
+
+    // A whole head and a tenth of the body: 408 after the body timeout, then closed.
+    let mut s = TcpStream::connect(&p.addr).expect("connect");
+    s.set_read_timeout(Some(T)).expect("timeout");
+    let t0 = Instant::now();
+    s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\":").expect("part");
+    let mut got = Vec::new();
+    let _ = s.read_to_end(&mut got);
+    let took = t0.elapsed();
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.contains("\"code\":\"body_timeout\""), "{text}");
+    assert!(took >= Duration::from_millis(900) && took < Duration::from_secs(5), "answered after {took:?}");
+
+    // Once the connections above gave their places back (the /metrics request
+    // itself holds one), four connections held open; the fifth is answered 503.
+    let deadline = Instant::now() + T;
+    while metric(&wire::http(&p.addr, "GET", "/metrics", None, T).expect("metrics").body, "handoff_open_connections") != Some(1.0) {
+        assert!(Instant::now() < deadline, "the slow clients' places never came back");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let held: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(&p.addr).expect("connect")).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let mut s = TcpStream::connect(&p.addr).expect("connect");
+    s.set_read_timeout(Some(T)).expect("timeout");
+    let _ = s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n");
+    let mut got = Vec::new();
+    let _ = s.read_to_end(&mut got);
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 503"), "{text}");
+    assert!(text.contains("\"code\":\"too_many_connections\""), "{text}");
+    drop(held);
+    // Their places come back.
+    let deadline = Instant::now() + T;
+    let m = loop {
+        match wire::http(&p.addr, "GET", "/metrics", None, T) {
+            Ok(r) if r.status == 200 => break r.body,
+            _ if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+            other => panic!("the cap did not release: {other:?}"),
+        }
+    };
+    assert!(metric(&m, "handoff_connections_closed_total{listener=\"public\",reason=\"max_connections\"}").is_some_and(|n| n >= 1.0), "{m}");
+    assert!(metric(&m, "handoff_connections_closed_total{listener=\"public\",reason=\"header_timeout\"}").is_some_and(|n| n >= 1.0), "{m}");
+    assert!(metric(&m, "handoff_refusals_total{reason=\"body_timeout\"}").is_some_and(|n| n >= 1.0), "{m}");
+}
+
+/// The cluster over the tcp transport: the roles' own transports prove the secret
+/// to each other (the completion is served), and a stranger at decode's transport
+/// port and at its control port is refused and counted under each listener.
+#[test]
+fn over_tcp_the_roles_hand_off_and_a_stranger_at_decodes_transport_port_is_counted() {
+    let text = std::fs::read_to_string(SMALL).expect("small.toml").replace("[transport]\nkind = \"shm\"", "[transport]\nkind = \"tcp\"");
+    assert!(text.contains("kind = \"tcp\""), "small.toml's transport table moved");
+    let path = std::env::temp_dir().join(format!("handoff-cluster-secret-tcp-{}.toml", std::process::id()));
+    std::fs::write(&path, text).expect("config");
+    let port = free_port().expect("port");
+    let mut c = Cluster::start(Some(&path), "127.0.0.1", port, Some(PathBuf::from(BIN))).expect("start");
+    c.wait_healthy(Duration::from_secs(60), false).expect("healthy");
+    let r = wire::http(&c.addr, "POST", "/v1/completions", Some(r#"{"prompt": "over tcp", "max_tokens": 3}"#), T).expect("http");
+    assert_eq!(r.status, 200, "{}", r.body);
+
+    let ports = listening_ports(c.pid("decode").expect("decode pid"));
+    assert_eq!(ports.len(), 2, "decode over tcp listens on its control and transport ports: {ports:?}");
+    let mut seen = Vec::new();
+    for p in ports {
+        let mut s = TcpStream::connect(("127.0.0.1", p)).expect("connect");
+        s.set_read_timeout(Some(T)).expect("timeout");
+        let mut first = [0u8; 5];
+        s.read_exact(&mut first).expect("the listener speaks first");
+        seen.push(if first[..4] == tcpwire::MAGIC.to_le_bytes() { "tcp" } else { "control" });
+        // Garbage where the proof should be.
+        let _ = s.write_all(b"not a proof at all, just bytes\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n");
+        let _ = s.read_to_end(&mut Vec::new());
+    }
+    seen.sort();
+    assert_eq!(seen, ["control", "tcp"]);
+    wait_metric(&c.addr, "handoff_unauthenticated_connections_total{role=\"decode\",listener=\"tcp\"}", 1.0);
+    wait_metric(&c.addr, "handoff_unauthenticated_connections_total{role=\"decode\",listener=\"control\"}", 1.0);
+    let r = wire::http(&c.addr, "POST", "/v1/completions", Some(r#"{"prompt": "still over tcp", "max_tokens": 3}"#), T).expect("http");
+    assert_eq!(r.status, 200, "{}", r.body);
+    c.shutdown();
+    let _ = std::fs::remove_file(path);
+}
