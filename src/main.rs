@@ -141,7 +141,7 @@ enum BenchCommand {
         /// Cases per target.
         #[arg(long, default_value_t = 5000)]
         cases: u32,
-        #[arg(long, value_parser = ["topology", "wire", "frames", "http", "all"], default_value = "all")]
+        #[arg(long, value_parser = ["topology", "wire", "frames", "http", "layouts", "all"], default_value = "all")]
         target: String,
         /// Seeds the generator; the same seed runs the same cases.
         #[arg(long)]

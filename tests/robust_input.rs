@@ -132,6 +132,34 @@ fn http_bodies_never_panic_and_accepted_ones_fit_the_topology() {
     assert_reached(&r, &["valid, accepted", "mutated, accepted", "refused: malformed", "refused: invalid", "refused: unsupported", "refused: admission"]);
 }
 
+#[test]
+fn published_layouts_never_make_a_prefill_stage_panic_or_plan_outside_them() {
+    let _g = serial();
+    let r = run_asserting(Target::Layouts);
+    assert_reached(&r, &["valid, planned", "edited, planned", "edited, refused"]);
+}
+
+/// Before: a published layout with dcp 0 or interleave 0 divided by zero in the
+/// planner, a block size of 0 likewise, and a reversed head range underflowed,
+/// so a bad job line panicked the prefill stage's engine thread. Each is refused
+/// now, naming the consumer.
+#[test]
+fn a_published_layout_with_zero_dcp_interleave_or_block_size_is_refused_not_a_panic() {
+    let _g = serial();
+    let topo = Topology::parse(SMALL).expect("small");
+    let region = |kind: &str| topo.region_kinds().iter().position(|k| k.name() == kind).expect("region");
+    for edits in [
+        vec![fuzz::LayoutEdit::Instance { field: 1, value: 0 }],
+        vec![fuzz::LayoutEdit::Instance { field: 2, value: 0 }],
+        vec![fuzz::LayoutEdit::Region { region: region("mla.kv"), field: 2, value: 0 }],
+        vec![fuzz::LayoutEdit::Heads { region: region("kda.state"), start: 1, end: 0 }],
+        vec![fuzz::LayoutEdit::Region { region: region("kda.conv"), field: 0, value: u64::MAX }],
+    ] {
+        let case = fuzz::LayoutCase { tokens: 20, consumer: 1, edits };
+        assert_eq!(fuzz::check_layout(&topo, &case), Ok("edited, refused".to_string()), "{case:?}");
+    }
+}
+
 // ---- regressions: topology ----
 
 const SMALL: &str = include_str!("../config/small.toml");
