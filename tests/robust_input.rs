@@ -362,6 +362,17 @@ fn huge_bodies_are_refused_cleanly() {
     assert!(t.elapsed() < Duration::from_secs(30), "took {:?}", t.elapsed());
 }
 
+/// Found by `handoff bench fuzz`: a top_p of 2e-308 is in (0, 1] as the f64 the
+/// body carries but rounded to 0 as the f32 the request kept, outside the range
+/// validation promised. It is kept positive now.
+#[test]
+fn a_tiny_top_p_stays_positive() {
+    let _g = serial();
+    let topo = Topology::parse(handoff::roles::up::DEFAULT_CONFIG).expect("default topology");
+    let g = openai::parse(&topo, Endpoint::Completions, br#"{"prompt": "a", "temperature": 1, "top_p": 2.07e-308}"#, 1).expect("in range");
+    assert!(g.top_p > 0.0 && g.top_p <= 1.0, "top_p {}", g.top_p);
+}
+
 // ---- through a running proxy ----
 
 /// A few hundred fuzzed bodies posted to a real cluster: every answer is a JSON
