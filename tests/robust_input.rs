@@ -1,7 +1,7 @@
 //! Robust input (issue 11, point 7): no topology file, control message, tcp frame or
 //! HTTP body makes handoff panic, hang or allocate by an untrusted length. The
 //! property drivers live in `handoff::fuzz` (shared with `handoff bench fuzz`);
-//! here they run a bounded number of cases (`PROPTEST_CASES`, default 256) and
+//! here they run a bounded number of cases (`PROPTEST_CASES`, default 1024) and
 //! every verdict is asserted, with the regression tests of the bugs they found.
 
 use handoff::fuzz::{self, FrameCase, FrameConsumer, FrameSpec, DescSpec, Options, PeakAlloc, Report, Target};
@@ -33,7 +33,7 @@ fn serial() -> MutexGuard<'static, ()> {
 }
 
 fn cases() -> u32 {
-    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(256)
+    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(1024)
 }
 
 /// No reader needs more than this in one allocation for the inputs fuzzed here
