@@ -135,8 +135,9 @@ enum BenchCommand {
         requests: u32,
     },
     /// Robust input: arbitrary bytes and structured mutations into the topology parser,
-    /// the control messages, the tcp frames and the HTTP bodies; exits 1 on any panic,
-    /// hang or wrong verdict, printing the minimal failing input.
+    /// the control messages, the tcp frames, the HTTP bodies and the published consumer
+    /// layouts; exits 2 on any panic, hang or wrong verdict, printing the minimal
+    /// failing input.
     Fuzz {
         /// Cases per target.
         #[arg(long, default_value_t = 5000)]
