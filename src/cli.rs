@@ -30,7 +30,7 @@ pub fn summary(topo: &Topology, path: &str) -> String {
         "prefill: pp {} x tp {} = {} ranks, block {}, {} transfer\n",
         p.pp,
         p.tp,
-        p.pp * p.tp,
+        u64::from(p.pp) * u64::from(p.tp),
         p.block_size,
         if p.chunked { "chunked" } else { "whole-request" }
     );

@@ -12,6 +12,7 @@ pub mod compute_verify;
 pub mod device;
 pub mod engine;
 pub mod eval;
+pub mod fuzz;
 pub mod model;
 pub mod oracle;
 pub mod profile;

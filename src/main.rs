@@ -145,6 +145,20 @@ enum BenchCommand {
         #[arg(long, default_value_t = 1)]
         requests: u32,
     },
+    /// Robust input: arbitrary bytes and structured mutations into the topology parser,
+    /// the control messages, the tcp frames, the HTTP bodies and the published consumer
+    /// layouts; exits 2 on any panic, hang or wrong verdict, printing the minimal
+    /// failing input.
+    Fuzz {
+        /// Cases per target.
+        #[arg(long, default_value_t = 5000)]
+        cases: u32,
+        #[arg(long, value_parser = ["topology", "wire", "frames", "http", "layouts", "all"], default_value = "all")]
+        target: String,
+        /// Seeds the generator; the same seed runs the same cases.
+        #[arg(long)]
+        seed: Option<u64>,
+    },
     /// Prefill and decode tokens/s of the small model, and decode kernels against the memcpy roofline.
     Compute {
         #[arg(long, default_value = "config/small.toml")]
@@ -377,6 +391,32 @@ fn run(cli: Cli) -> Result<()> {
             let problems = r.problems(!no_faults);
             if !problems.is_empty() {
                 anyhow::bail!("soak: {}", problems.join("; "));
+            }
+        }
+        Command::Bench { what: BenchCommand::Fuzz { cases, target, seed } } => {
+            use handoff::fuzz::{Options, Target};
+            if cases == 0 {
+                return Err(Refusal("--cases 0 runs nothing: give at least 1".into()).into());
+            }
+            let targets = match Target::from_name(&target) {
+                Some(t) => vec![t],
+                None => Target::ALL.to_vec(),
+            };
+            let mut opts = Options::new(cases);
+            if let Some(s) = seed {
+                opts.seed = s;
+            }
+            println!("bench fuzz: {cases} cases per target, seed {}", opts.seed);
+            let mut failed = Vec::new();
+            for t in targets {
+                let r = handoff::fuzz::run(t, &opts);
+                print!("{r}");
+                if r.failure.is_some() {
+                    failed.push(t.name());
+                }
+            }
+            if !failed.is_empty() {
+                anyhow::bail!("bench fuzz: {} failed (minimal inputs above)", failed.join(", "));
             }
         }
         Command::Bench { what: BenchCommand::Compute { config, prompt, steps, device } } => {

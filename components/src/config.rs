@@ -367,6 +367,93 @@ pub enum ConfigError {
     Timeout { field: &'static str, value: f64 },
     #[error("serve.drain_s = {value} must be 0 or a positive number of seconds")]
     Drain { value: f64 },
+    #[error("{field} = {value} is larger than the most handoff accepts, {max}")]
+    TooLarge { field: &'static str, value: u64, max: u64 },
+    #[error("timeouts.{field} = {value} s is longer than the most handoff accepts, {max} s")]
+    TimeoutTooLong { field: &'static str, value: f64, max: f64 },
+    #[error(
+        "{what} would be {value} at serving capacity (serve.max_requests x serve.max_context), more than the most handoff accepts, {max}"
+    )]
+    Footprint { what: &'static str, value: u128, max: u128 },
+}
+
+/// The largest value each count of a topology file may take. They are far above any
+/// real deployment (the flagship K3-like file is 92 layers, 96 heads, a 1.1M-token
+/// context) and exist so that every size derived from a file (rank counts, region
+/// bytes, block counts) fits its integer type and a typo cannot make a role allocate
+/// without bound: a file past one is refused by name, not left to overflow later.
+pub mod limits {
+    pub const LAYERS: u64 = 4096;
+    pub const HIDDEN: u64 = 1 << 20;
+    pub const HEADS: u64 = 4096;
+    /// Any per-head or latent width (kv_lora_rank, rope_dim, head dims, indexer).
+    pub const WIDTH: u64 = 1 << 16;
+    pub const CONV_KERNEL: u64 = 64;
+    pub const REPLAY_CAPACITY: u64 = 1 << 20;
+    /// Prefill stages, and TP ranks of either side.
+    pub const RANKS: u64 = 1024;
+    pub const BLOCK_SIZE: u64 = 1 << 16;
+    pub const MAX_CONTEXT: u64 = 1 << 26;
+    pub const MAX_REQUESTS: u64 = 1 << 16;
+    pub const QUEUE: u64 = 1 << 20;
+    pub const THREADS: u64 = 4096;
+    pub const TRANSPORT_BATCH: u64 = 1 << 22;
+    pub const STAGING_BUFFERS: u64 = 4096;
+    pub const STAGING_BYTES: u64 = 1 << 36;
+    /// Seconds of any timeout or drain (a year): `Duration`s and `Instant`s built
+    /// from them cannot overflow.
+    pub const SECONDS: f64 = 365.0 * 86_400.0;
+    /// Bytes of all registered regions of one rank at serving capacity (1 PiB).
+    pub const RANK_BYTES: u128 = 1 << 50;
+    /// Bytes of one rank's staging pool (1 TiB).
+    pub const STAGING_POOL_BYTES: u128 = 1 << 40;
+}
+
+/// Refuses any count past its [`limits`], naming the field.
+fn check_limits(c: &Config) -> Result<(), ConfigError> {
+    use limits::*;
+    let (m, p, d, s, t) = (&c.model, &c.prefill, &c.decode, &c.serve, &c.transport);
+    let opt = |v: Option<u32>| u64::from(v.unwrap_or(0));
+    for (field, value, max) in [
+        ("model.num_layers", u64::from(m.num_layers), LAYERS),
+        ("model.hidden_size", u64::from(m.hidden_size), HIDDEN),
+        ("model.intermediate_size", opt(m.intermediate_size), HIDDEN * 4),
+        ("model.mla.heads", u64::from(m.mla.heads), HEADS),
+        ("model.mla.kv_lora_rank", u64::from(m.mla.kv_lora_rank), WIDTH),
+        ("model.mla.rope_dim", u64::from(m.mla.rope_dim), WIDTH),
+        ("model.mla.nope_head_dim", u64::from(m.mla.nope_head_dim), WIDTH),
+        ("model.mla.v_head_dim", u64::from(m.mla.v_head_dim), WIDTH),
+        ("model.mla.indexer_dim", u64::from(m.mla.indexer_dim), WIDTH),
+        ("model.kda.heads", u64::from(m.kda.heads), HEADS),
+        ("model.kda.head_k_dim", u64::from(m.kda.head_k_dim), WIDTH),
+        ("model.kda.head_v_dim", u64::from(m.kda.head_v_dim), WIDTH),
+        ("model.kda.conv_kernel", u64::from(m.kda.conv_kernel), CONV_KERNEL),
+        ("model.replay.capacity", opt(m.replay.as_ref().map(|r| r.capacity)), REPLAY_CAPACITY),
+        ("prefill.pp", u64::from(p.pp), RANKS),
+        ("prefill.tp", u64::from(p.tp), RANKS),
+        ("prefill.block_size", u64::from(p.block_size), BLOCK_SIZE),
+        ("decode.tp", u64::from(d.tp), RANKS),
+        ("decode.dcp", u64::from(d.dcp), RANKS),
+        ("decode.interleave", u64::from(d.interleave), BLOCK_SIZE),
+        ("decode.block_size", u64::from(d.block_size), BLOCK_SIZE),
+        ("serve.max_context", u64::from(s.max_context), MAX_CONTEXT),
+        ("serve.max_requests", u64::from(s.max_requests), MAX_REQUESTS),
+        ("serve.queue", u64::from(s.queue), QUEUE),
+        ("serve.max_batch", opt(s.max_batch), MAX_REQUESTS),
+        ("serve.threads", opt(s.threads), THREADS),
+        ("transport.max_batch", u64::from(t.max_batch), TRANSPORT_BATCH),
+        ("transport.staging_buffers", u64::from(t.staging_buffers), STAGING_BUFFERS),
+        ("transport.staging_bytes", t.staging_bytes, STAGING_BYTES),
+    ] {
+        if value > max {
+            return Err(ConfigError::TooLarge { field, value, max });
+        }
+    }
+    let prefill_ranks = u64::from(p.pp) * u64::from(p.tp);
+    if prefill_ranks > RANKS {
+        return Err(ConfigError::TooLarge { field: "prefill.pp x prefill.tp (prefill ranks)", value: prefill_ranks, max: RANKS });
+    }
+    Ok(())
 }
 
 /// A validated config plus derived facts.
@@ -459,6 +546,7 @@ impl Topology {
         if config.transport.staging_bytes == 0 {
             return Err(ConfigError::Zero { field: "transport.staging_bytes" });
         }
+        check_limits(&config)?;
         if m.pattern.is_empty() || !m.pattern.chars().all(|c| c == 'K' || c == 'M') {
             return Err(ConfigError::Pattern { pattern: m.pattern.clone() });
         }
@@ -523,16 +611,61 @@ impl Topology {
             if !(value > 0.0 && value.is_finite()) {
                 return Err(ConfigError::Timeout { field, value });
             }
+            if value > limits::SECONDS {
+                return Err(ConfigError::TimeoutTooLong { field, value, max: limits::SECONDS });
+            }
         }
         if !(config.serve.drain_s >= 0.0 && config.serve.drain_s.is_finite()) {
             return Err(ConfigError::Drain { value: config.serve.drain_s });
+        }
+        if config.serve.drain_s > limits::SECONDS {
+            return Err(ConfigError::TimeoutTooLong { field: "serve.drain_s", value: config.serve.drain_s, max: limits::SECONDS });
         }
         let stage_layers = split_layers(m.num_layers, p.pp, &p.layer_split)?;
         let pattern: Vec<char> = m.pattern.chars().collect();
         let layer_kinds = (0..m.num_layers as usize)
             .map(|i| if pattern[i % pattern.len()] == 'K' { LayerKind::Kda } else { LayerKind::Mla })
             .collect();
-        Ok(Topology { config, layer_kinds, stage_layers })
+        let topo = Topology { config, layer_kinds, stage_layers };
+        topo.check_footprint()?;
+        Ok(topo)
+    }
+
+    /// Refuses a topology whose ranks would need more than [`limits::RANK_BYTES`]
+    /// of regions at serving capacity, or more blocks than a pool counts (u32).
+    /// Computed in u128 over every layer, an upper bound of any one rank's share.
+    fn check_footprint(&self) -> Result<(), ConfigError> {
+        let c = &self.config;
+        let (p, d, s) = (&c.prefill, &c.decode, &c.serve);
+        let ctx = u128::from(s.max_context);
+        let reqs = u128::from(s.max_requests);
+        for (what, block_size) in [("prefill blocks per rank", p.block_size), ("decode blocks per rank", d.block_size)] {
+            let blocks = reqs * ctx.div_ceil(u128::from(block_size));
+            if blocks > u128::from(u32::MAX) {
+                return Err(ConfigError::Footprint { what, value: blocks, max: u128::from(u32::MAX) });
+            }
+        }
+        let layers = u128::from(c.model.num_layers);
+        let token = u128::from(self.token_bytes(RegionKind::MlaKv)) + u128::from(self.token_bytes(RegionKind::MlaIndexer));
+        // Blocks hold whole blocks of tokens: round the context up to the larger block.
+        let block = u128::from(p.block_size.max(d.block_size));
+        let paged = reqs * ctx.div_ceil(block) * block * token;
+        let heads = u128::from(self.prefill_heads().max(self.decode_heads()));
+        let slot: u128 = [RegionKind::KdaState, RegionKind::KdaConv, RegionKind::ReplayRecords]
+            .into_iter()
+            .flat_map(|k| self.head_groups(k))
+            .map(|g| u128::from(g.head_bytes) * u128::from(g.repeat) * heads)
+            .sum::<u128>()
+            + 4;
+        let bytes = layers * (paged + reqs * slot);
+        if bytes > limits::RANK_BYTES {
+            return Err(ConfigError::Footprint { what: "bytes of one rank's regions", value: bytes, max: limits::RANK_BYTES });
+        }
+        let staging = u128::from(c.transport.staging_buffers) * u128::from(c.transport.staging_bytes);
+        if staging > limits::STAGING_POOL_BYTES {
+            return Err(ConfigError::Footprint { what: "bytes of one rank's staging pool", value: staging, max: limits::STAGING_POOL_BYTES });
+        }
+        Ok(())
     }
 
     pub fn model(&self) -> &ModelConfig {
@@ -590,7 +723,7 @@ impl Topology {
     pub fn token_bytes(&self, kind: RegionKind) -> u64 {
         let m = &self.config.model;
         match kind {
-            RegionKind::MlaKv => (m.mla.kv_lora_rank + m.mla.rope_dim) as u64 * m.dtype.bytes(),
+            RegionKind::MlaKv => (u64::from(m.mla.kv_lora_rank) + u64::from(m.mla.rope_dim)) * m.dtype.bytes(),
             RegionKind::MlaIndexer => m.mla.indexer_dim as u64 * m.dtype.bytes(),
             _ => 0,
         }

@@ -370,7 +370,10 @@ pub fn parse(topo: &Topology, endpoint: Endpoint, body: &[u8], fresh_seed: u64) 
         Some(Value::Object(so)) => boolean(so, "include_usage")?,
         Some(other) => return Err(invalid("stream_options", format!("stream_options must be an object, got {other}"))),
     };
-    Ok(Generation { endpoint, model, prompts, max_tokens, n: n as u32, stop, temperature: temperature as f32, top_p: top_p as f32, seed, stream, include_usage })
+    // A top_p in range as f64 may round to 0 as f32 (2e-308): keep it positive, the
+    // nucleus of the single most likely token it asks for.
+    let top_p = (top_p as f32).max(f32::MIN_POSITIVE);
+    Ok(Generation { endpoint, model, prompts, max_tokens, n: n as u32, stop, temperature: temperature as f32, top_p, seed, stream, include_usage })
 }
 
 /// Where a choice's generation stands after one more token.

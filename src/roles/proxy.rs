@@ -1358,10 +1358,15 @@ async fn decode_link(p: &Arc<Proxy>, addr: SocketAddr) -> Result<(u64, mpsc::Unb
         });
         let mut line = Vec::new();
         loop {
-            line.clear();
-            match rd.read_until(b'\n', &mut line).await {
-                Ok(0) | Err(_) => break,
-                Ok(_) => {}
+            // Bounded like every control line: a line without end breaks the link
+            // instead of growing the buffer without bound.
+            match super::wire::read_line_async(&mut rd, &mut line, super::wire::MAX_LINE).await {
+                Ok(true) => {}
+                Ok(false) => break,
+                Err(e) => {
+                    tracing::warn!(error = %e, "proxy: the link from decode failed");
+                    break;
+                }
             }
             let Ok(m) = serde_json::from_slice::<Msg>(&line) else {
                 tracing::warn!("proxy: malformed message from decode");

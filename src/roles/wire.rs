@@ -297,14 +297,49 @@ pub fn encode_into(buf: &mut Vec<u8>, msg: &Msg) -> io::Result<()> {
 
 /// Reads one JSON line; `Ok(None)` at a clean end of stream.
 pub fn recv(r: &mut impl BufRead) -> io::Result<Option<Msg>> {
+    recv_within(r, MAX_LINE)
+}
+
+/// [`recv`] with a line limit of `max_line` bytes (tests use a small one).
+pub fn recv_within(r: &mut impl BufRead, max_line: u64) -> io::Result<Option<Msg>> {
     let mut line = Vec::new();
-    let n = r.take(MAX_LINE).read_until(b'\n', &mut line)?;
+    let n = r.take(max_line).read_until(b'\n', &mut line)?;
     if n == 0 {
         return Ok(None);
+    }
+    if too_long(&line, max_line) {
+        return Err(line_too_long(max_line));
     }
     serde_json::from_slice(&line)
         .map(Some)
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("bad control message: {e}")))
+}
+
+/// Whether a line read under a limit of `max_line` stopped at the limit, not at its
+/// end. Past the limit the rest of the line is still in the stream and the link
+/// cannot be resynchronised, so the reader must give the link up.
+fn too_long(line: &[u8], max_line: u64) -> bool {
+    line.len() as u64 >= max_line && line.last() != Some(&b'\n')
+}
+
+fn line_too_long(max_line: u64) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, format!("control line longer than {max_line} B"))
+}
+
+/// Reads one line of at most `max_line` bytes into `line` (cleared first), for the
+/// proxy's async links; `Ok(false)` at a clean end of stream, an error for a line
+/// past the limit, so a peer cannot make the reader grow without bound.
+pub async fn read_line_async<R: tokio::io::AsyncBufRead + Unpin>(r: &mut R, line: &mut Vec<u8>, max_line: u64) -> io::Result<bool> {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt};
+    line.clear();
+    let n = r.take(max_line).read_until(b'\n', line).await?;
+    if n == 0 {
+        return Ok(false);
+    }
+    if too_long(line, max_line) {
+        return Err(line_too_long(max_line));
+    }
+    Ok(true)
 }
 
 /// Connects to a role's control listener with a timeout, sets both I/O timeouts

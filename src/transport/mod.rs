@@ -426,7 +426,7 @@ pub(crate) fn validate(
 
 /// The contiguous pieces of a (validated) batch, in order, empty ones dropped.
 pub(crate) fn pieces(descriptors: &[Descriptor]) -> Vec<Piece> {
-    let n: usize = descriptors.iter().map(|d| d.count as usize).sum();
+    let n: usize = descriptors.iter().filter(|d| d.len > 0).map(|d| d.count as usize).sum();
     let mut out = Vec::with_capacity(n);
     for d in descriptors {
         if d.len == 0 {

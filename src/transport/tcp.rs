@@ -25,7 +25,7 @@
 use super::host::{HostCore, HostRegion, Mem};
 use crate::auth::ClusterSecret;
 use super::{
-    host_only, lock, pieces, read, usize_len, validate, write, BatchId, Completion, Completions, Incident, MemoryKind,
+    host_only, lock, read, usize_len, validate, write, BatchId, Completion, Completions, Incident, MemoryKind,
     Notification, PeerAddr, RegionHandle, RemoteRegion, Result, Transport, TransportError,
 };
 use handoff_components::plan::Descriptor;
@@ -266,6 +266,21 @@ impl FrameReader<'_> {
         Ok(())
     }
 
+    /// Reads `n` bytes of a frame's body into a fresh buffer that grows as they
+    /// arrive: a length field is the peer's word, so a header announcing megabytes
+    /// and then stalling must not make us allocate them up front.
+    fn fill_vec(&mut self, n: usize) -> std::result::Result<Vec<u8>, ReadStop> {
+        const STEP: usize = 64 << 10;
+        let mut out = Vec::with_capacity(n.min(STEP));
+        while out.len() < n {
+            let at = out.len();
+            out.resize(at + (n - at).min(STEP.max(at)), 0);
+            let end = out.len();
+            self.fill(&mut out[at..end], false)?;
+        }
+        Ok(out)
+    }
+
     /// Reads a frame's magic and type; `None` at a clean end.
     fn frame_type(&mut self) -> std::result::Result<u8, ReadStop> {
         let mut h = [0u8; 5];
@@ -484,8 +499,7 @@ fn serve_connection(inner: &Inner, stream: TcpStream) {
                 if n > wire::MAX_NOTIFY {
                     return Err((ReadStop::Lost(format!("notification of {n} B")), None));
                 }
-                let mut bytes = vec![0u8; n as usize];
-                r.fill(&mut bytes, false).map_err(|s| (s, None))?;
+                let bytes = r.fill_vec(n as usize).map_err(|s| (s, None))?;
                 inner.core.deliver(Notification { from: from.clone(), bytes });
             }
             wire::WRITE => {
@@ -496,8 +510,7 @@ fn serve_connection(inner: &Inner, stream: TcpStream) {
                 if ndesc > wire::MAX_DESCRIPTORS {
                     return Err((ReadStop::Lost(format!("{ndesc} descriptors in one frame")), Some(batch)));
                 }
-                let mut raw = vec![0u8; ndesc as usize * wire::DESC_BYTES];
-                r.fill(&mut raw, false).map_err(|s| (s, Some(batch)))?;
+                let raw = r.fill_vec(ndesc as usize * wire::DESC_BYTES).map_err(|s| (s, Some(batch)))?;
                 let mut descs = Vec::with_capacity(ndesc as usize);
                 for d in raw.chunks_exact(wire::DESC_BYTES) {
                     let Some(kind) = wire::kind_from_code(d[0]) else {
@@ -544,16 +557,30 @@ fn serve_connection(inner: &Inner, stream: TcpStream) {
             other => return Err((ReadStop::Lost(format!("unknown frame type {other}")), current)),
         }
     })();
-    let Err((stop, batch)) = outcome else { return };
+    // Close the socket itself, not only this thread's handles: the accept loop keeps
+    // a clone of the stream, and until it is shut down the producer never sees the
+    // connection end (its batches would wait for their timeout, not fail at once).
+    // After the incident is recorded, so that a peer seeing the end can see why.
+    let close = || {
+        let _ = acks.get_ref().shutdown(Shutdown::Both);
+    };
+    let Err((stop, batch)) = outcome else {
+        close();
+        return;
+    };
     let peer = from.as_ref().map(|p| p.to_string()).unwrap_or_else(|| peer_sock.clone());
     let what = batch.map(|b| format!(" during batch {b}")).unwrap_or_default();
     let error = match stop {
-        ReadStop::Closed | ReadStop::Shutdown => return,
+        ReadStop::Closed | ReadStop::Shutdown => {
+            close();
+            return;
+        }
         ReadStop::Lost(reason) => TransportError::Disconnected { peer, reason: format!("{reason}{what}") },
         ReadStop::Stalled(after) => TransportError::Timeout { what: format!("bytes from {peer}{what}"), after },
     };
     tracing::warn!(%error, "tcp: inbound connection failed");
     lock(&inner.incidents).push(Incident { peer: from, error });
+    close();
 }
 
 /// Reads the connection's first frame, which must be a HELLO proving `secret`
@@ -592,7 +619,10 @@ fn receive_payload(
     io_chunk: usize,
     chunk: &mut Vec<u8>,
 ) -> std::result::Result<(), ReadStop> {
-    let mut ps = pieces(descs).into_iter().map(|p| (p.dst, p.len));
+    // Pieces are walked lazily, and empty descriptors skipped whole: a descriptor's
+    // count is the peer's word (u32::MAX zero-length pieces carry no payload and
+    // pass validation), so collecting them first allocated and looped per piece.
+    let mut ps = descs.iter().filter(|d| d.len > 0).flat_map(|d| d.pieces().map(move |(_, dst)| (dst, d.len)));
     let mut cur: Option<(u64, u64)> = ps.next();
     let mut left = payload;
     while left > 0 {

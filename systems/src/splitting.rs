@@ -34,6 +34,59 @@ pub enum SplitError {
     ShortBlocks { kind: RegionKind, side: &'static str, have: u64, need: u64 },
     #[error("{kind}: {side} {what} {index} is outside its region of {units} units")]
     OutOfRegion { kind: RegionKind, side: &'static str, what: &'static str, index: u32, units: u32 },
+    #[error("decode tp{consumer} published an inconsistent layout: {reason}")]
+    Layout { consumer: u32, reason: String },
+}
+
+/// Refuses a published consumer layout that no placement produces: it came over
+/// the wire, and the planner divides by its DCP figures and block size and adds
+/// its offsets. Every extent is checked against the region's published length
+/// with checked arithmetic, so that planning cannot overflow or divide by zero
+/// (bounds against the real region are the transport's check).
+pub fn check_consumer(consumer: &ConsumerLayout) -> Result<(), SplitError> {
+    let bad = |reason: String| Err(SplitError::Layout { consumer: consumer.rank.tp, reason });
+    if consumer.tp == 0 || consumer.dcp == 0 || consumer.interleave == 0 {
+        return bad(format!("tp {}, dcp {}, interleave {} must be at least 1", consumer.tp, consumer.dcp, consumer.interleave));
+    }
+    if consumer.rank.tp >= consumer.tp {
+        return bad(format!("rank tp{} of a tp {} instance", consumer.rank.tp, consumer.tp));
+    }
+    for r in &consumer.layout.regions {
+        let kind = r.kind.name();
+        // One addressable unit: a block of a paged row, a slot of a per-slot row.
+        let unit = if r.kind.is_paged() {
+            if r.block_size == 0 {
+                return bad(format!("{kind} block size 0"));
+            }
+            u64::from(r.block_size).checked_mul(r.token_bytes)
+        } else {
+            Some(r.unit_bytes)
+        };
+        let Some(unit) = unit else { return bad(format!("{kind} block of {} x {} B", r.block_size, r.token_bytes)) };
+        if r.units > 0 {
+            for row in &r.rows {
+                let end = u64::from(r.units - 1).checked_mul(r.unit_stride).and_then(|x| x.checked_add(row.offset)?.checked_add(unit));
+                if end.is_none_or(|e| e > r.len) {
+                    return bad(format!("{kind} row of layer {} at {} with {} units of {unit} B every {} B exceeds the region's {} B", row.layer.0, row.offset, r.units, r.unit_stride, r.len));
+                }
+            }
+        }
+        if let Some(seg) = &r.segment {
+            if seg.heads.start > seg.heads.end {
+                return bad(format!("{kind} head range {}..{}", seg.heads.start, seg.heads.end));
+            }
+            let heads = u64::from(seg.heads.end - seg.heads.start);
+            for g in &seg.groups {
+                let end = heads.checked_mul(g.head_bytes).and_then(|h| {
+                    u64::from(g.repeat.saturating_sub(1)).checked_mul(g.stride)?.checked_add(g.offset)?.checked_add(h)
+                });
+                if g.repeat > 0 && end.is_none_or(|e| e > unit) {
+                    return bad(format!("{kind} head group at {} ({} x {} B every {} B) exceeds its unit of {unit} B", g.offset, g.repeat, g.head_bytes, g.stride));
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// What a producer sends a consumer: the MLA rows (one TP rank of the stage spreads
@@ -82,6 +135,7 @@ impl<'a> ProducerPlanner<'a> {
     }
 
     pub fn plan(&self, consumer: &ConsumerLayout, share: Share) -> Result<Plan, SplitError> {
+        check_consumer(consumer)?;
         let producer = self.producer;
         let mut out = Coalescer::default();
         let mut uncoalesced = 0u64;
