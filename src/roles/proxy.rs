@@ -336,10 +336,10 @@ impl Default for Metrics {
 
 /// Whether a failure's message says a phase ran out of time: the engines'
 /// deadlines ("... phase timed out after ..."), the proxy's own waits ("no answer
-/// in time", "no token ... in time", "connect timed out") and a peer found stopped
+/// in time", "no token in time", "connect timed out") and a peer found stopped
 /// by its heartbeat ("stopped answering").
 fn is_timeout(message: &str) -> bool {
-    message.contains("timed out") || message.contains(" in time") || message.contains("in time:") || message.contains("stopped answering")
+    message.contains("timed out") || message.contains(" in time") || message.contains("stopped answering")
 }
 
 /// A choice in flight on the decode link: where decode's messages for it go, the
@@ -1557,7 +1557,7 @@ async fn run_choice(
             Ok(None) => return drop(tx.send(fail(PhaseName::Decode, "decode's link closed".into())).await),
             Err(_) => {
                 cancel(PhaseName::Decode, "no token from decode in time".into());
-                return drop(tx.send(fail(PhaseName::Decode, format!("decode at {decode}: no token within {budget:?}"))).await);
+                return drop(tx.send(fail(PhaseName::Decode, format!("decode at {decode}: no token in time (within {budget:?})"))).await);
             }
         };
         match msg {
@@ -1615,4 +1615,23 @@ async fn run_choice(
         m.e2e.observe(arrived.elapsed().as_secs_f64());
     }
     let _ = tx.send((index, Ev::Done { finish, tokens: n_tokens, summary })).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_timeout;
+
+    #[test]
+    fn timeouts_are_told_from_other_failures_by_the_messages_that_make_them() {
+        // The engines' deadline (systems/src/release.rs::expire_requests).
+        assert!(is_timeout("transfer phase timed out after 300 s waiting for prefill stage 1"));
+        // The proxy's own waits and the watchdog.
+        assert!(is_timeout("decode at 127.0.0.1:9: no answer in time"));
+        assert!(is_timeout("decode at 127.0.0.1:9: no token in time (within 420s)"));
+        assert!(is_timeout("prefill stage 0 at 127.0.0.1:9: connect timed out"));
+        assert!(is_timeout("decode stopped answering (pid 7: no heartbeat for 2.1 s)"));
+        // A death or a refusal is not a timeout.
+        assert!(!is_timeout("prefill stage 0: died (127.0.0.1:9 refused: Connection refused)"));
+        assert!(!is_timeout("decode died (its link at 127.0.0.1:9 closed)"));
+    }
 }

@@ -264,7 +264,7 @@ fn run_load(addr: &str, o: &SoakOptions, requests: u32, done: &AtomicU32) -> Vec
                     if i >= requests {
                         return;
                     }
-                    let prompt: String = (0..32 + (i * 37) % 96).map(|j| (b'a' + ((i + j) % 26) as u8) as char).collect();
+                    let prompt = super::up::load_prompt(i);
                     let r = complete(addr, &prompt, o.max_tokens);
                     let retry_after = matches!(r, Err((503 | 429, _)));
                     results.lock().unwrap_or_else(|p| p.into_inner()).push(r);

@@ -692,6 +692,12 @@ pub struct ServeLevel {
     pub cpu_ms_per_request: f64,
 }
 
+/// The prompt of the `i`-th request of a load: 32 to 127 letters, different
+/// per request.
+pub(crate) fn load_prompt(i: u32) -> String {
+    (0..32 + (i * 37) % 96).map(|j| (b'a' + ((i + j) % 26) as u8) as char).collect()
+}
+
 /// `concurrency` clients sending `requests` completions in all to `addr`.
 pub fn load(addr: &str, concurrency: u32, requests: u32, max_tokens: u32) -> ServeLevel {
     let next = std::sync::atomic::AtomicU32::new(0);
@@ -705,7 +711,7 @@ pub fn load(addr: &str, concurrency: u32, requests: u32, max_tokens: u32) -> Ser
                     if i >= requests {
                         return;
                     }
-                    let prompt: String = (0..32 + (i * 37) % 96).map(|j| (b'a' + ((i + j) % 26) as u8) as char).collect();
+                    let prompt = load_prompt(i);
                     let r = complete(addr, &prompt, max_tokens);
                     results.lock().unwrap_or_else(|p| p.into_inner()).push(r);
                 }
