@@ -31,8 +31,14 @@ step "the compute test matrix on the GPU"
 device_matrix --ignored --nocapture 2>&1 | tee "$OUT/device_matrix.txt" | grep -E "ok on|test result|failed|panicked" || fail=1
 
 if [ "$SKIP_SERVE" = 0 ]; then
-step "handoff (the built-in default end to end: up, completions vs the colocated reference) on cuda"
-HANDOFF_DEVICE=cuda timeout 240 handoff 2>&1 | tee "$OUT/demo.txt" | tail -4 || fail=1
+step "handoff (the built-in default end to end: up, completions vs the colocated reference) on cuda; KV and state in device memory, hand-offs through CUDA IPC"
+HANDOFF_LOG=info HANDOFF_DEVICE=cuda timeout 240 handoff > "$OUT/demo.txt" 2> "$OUT/demo.log" || fail=1
+tail -4 "$OUT/demo.txt"
+grep -c "hand-offs through CUDA IPC" "$OUT/demo.log" | sed 's/^/role processes with device regions: /'
+grep -E "ERROR|panicked" "$OUT/demo.log" | head -5
+
+step "hand-off of the flagship request (32K tokens) between two processes through CUDA IPC, oracle-checked, against device copy and IPC copy"
+timeout 240 handoff bench transfer --config config/k3-pp8-tp8dcp8.toml --transport cuda-ipc --tokens 32768 2>&1 | tee "$OUT/ipc.txt" | tail -9 || fail=1
 
 step "bench serve on cuda, default cluster"
 HANDOFF_DEVICE=cuda timeout 240 handoff bench serve --concurrency 1,32,88 2>&1 | tee "$OUT/serve.txt" | tail -5 || fail=1

@@ -74,30 +74,7 @@ pub fn bench_transfer_with(
     }
     topo.admits_transfer_mode().map_err(|r| anyhow!("refused at admission: {r}"))?;
 
-    // The engine's plans, captured by a queue mover.
-    let cap = Capacity::for_requests(&topo, requests, tokens);
-    let queue = QueueMover::default();
-    let mut engine = Engine::new(topo.clone(), cap, Box::new(queue.clone()));
-    let ids: Vec<u64> = (0..requests as u64).map(|i| 1 + i).collect();
-    for &id in &ids {
-        engine.submit(id, tokens);
-    }
-    engine.tick();
-    for o in engine.take_outcomes() {
-        if let Err((phase, reason)) = o.result {
-            bail!("request {} refused in {}: {reason}", o.request, phase.name());
-        }
-    }
-    for &id in &ids {
-        for s in 0..topo.prefill().pp {
-            engine.mark_computed(id, s);
-        }
-    }
-    engine.tick();
-    let jobs: Vec<(Ticket, Plan)> = queue.take_submitted();
-    if jobs.is_empty() {
-        bail!("the engine planned no copies ({:?})", engine.status(ids[0]));
-    }
+    let (mut engine, jobs, ids) = planned(&topo, tokens, requests)?;
 
     // Regions, in the producer and the consumer transport.
     let (producer, consumer) = loopback_pair(kind).context("opening the transports")?;
@@ -138,23 +115,7 @@ pub fn bench_transfer_with(
     let bytes_per_pass: u64 = jobs.iter().map(|(_, p)| p.bytes()).sum();
     let descriptors_per_pass: u64 = jobs.iter().map(|(_, p)| p.descriptors.len() as u64).sum();
     let uncoalesced: u64 = jobs.iter().map(|(_, p)| p.uncoalesced).sum();
-    let pass = |mover: &mut TransportMover| -> anyhow::Result<()> {
-        for (t, p) in &jobs {
-            mover.submit(*t, p).map_err(|e| anyhow!("submit: {e}"))?;
-        }
-        if !mover.handle().wait_idle(Duration::from_secs(600)) {
-            bail!("transfers did not complete within 600 s");
-        }
-        let mut done: Vec<Completion> = Vec::new();
-        mover.poll(&mut done);
-        if done.len() != jobs.len() {
-            bail!("{} completions for {} plans", done.len(), jobs.len());
-        }
-        if let Some(Completion { ticket, result: Err(e) }) = done.into_iter().find(|c| c.result.is_err()) {
-            bail!("write from prefill pp{} tp{} to decode tp{} failed: {e}", ticket.producer.pp, ticket.producer.tp, ticket.consumer.tp);
-        }
-        Ok(())
-    };
+    let pass = |mover: &mut TransportMover| run_pass(mover, &jobs);
     for _ in 0..o.warmup {
         pass(&mut mover)?;
     }
@@ -227,7 +188,56 @@ pub fn bench_transfer_with(
     Ok(s)
 }
 
-fn kinds_line(jobs: &[(Ticket, Plan)]) -> String {
+/// The engine's plans for `requests` requests of `tokens` tokens (captured by a
+/// queue mover), with the engine that placed them and the request ids.
+pub fn planned(topo: &Topology, tokens: u64, requests: u32) -> anyhow::Result<(Engine, Vec<(Ticket, Plan)>, Vec<u64>)> {
+    let cap = Capacity::for_requests(topo, requests, tokens);
+    let queue = QueueMover::default();
+    let mut engine = Engine::new(topo.clone(), cap, Box::new(queue.clone()));
+    let ids: Vec<u64> = (0..requests as u64).map(|i| 1 + i).collect();
+    for &id in &ids {
+        engine.submit(id, tokens);
+    }
+    engine.tick();
+    for o in engine.take_outcomes() {
+        if let Err((phase, reason)) = o.result {
+            bail!("request {} refused in {}: {reason}", o.request, phase.name());
+        }
+    }
+    for &id in &ids {
+        for s in 0..topo.prefill().pp {
+            engine.mark_computed(id, s);
+        }
+    }
+    engine.tick();
+    let jobs: Vec<(Ticket, Plan)> = queue.take_submitted();
+    if jobs.is_empty() {
+        bail!("the engine planned no copies ({:?})", engine.status(ids[0]));
+    }
+    Ok((engine, jobs, ids))
+}
+
+/// Moves every plan once through `mover` and waits for all of them; refuses a
+/// failed or missing completion.
+pub fn run_pass(mover: &mut TransportMover, jobs: &[(Ticket, Plan)]) -> anyhow::Result<()> {
+    for (t, p) in jobs {
+        mover.submit(*t, p).map_err(|e| anyhow!("submit: {e}"))?;
+    }
+    if !mover.handle().wait_idle(Duration::from_secs(600)) {
+        bail!("transfers did not complete within 600 s");
+    }
+    let mut done: Vec<Completion> = Vec::new();
+    mover.poll(&mut done);
+    if done.len() != jobs.len() {
+        bail!("{} completions for {} plans", done.len(), jobs.len());
+    }
+    if let Some(Completion { ticket, result: Err(e) }) = done.into_iter().find(|c| c.result.is_err()) {
+        bail!("write from prefill pp{} tp{} to decode tp{} failed: {e}", ticket.producer.pp, ticket.producer.tp, ticket.consumer.tp);
+    }
+    Ok(())
+}
+
+pub fn kinds_line(jobs: &[(Ticket, Plan)]) -> String {
     let mut by: BTreeMap<RegionKind, u64> = BTreeMap::new();
     for (_, p) in jobs {
         for d in &p.descriptors {

@@ -84,9 +84,13 @@ impl<B: Backend + 'static> Compute for ModelCompute<B> {
                 .iter()
                 .find(|l| l.rank == RankId::Prefill(rank))
                 .ok_or_else(|| ModelError::Region(format!("no lease on prefill pp{stage} tp{tp}")))?;
-            ranks::store_prefill(topo, layouts, view, rank, lease, layer, cache)
+            ranks::store_prefill(be, topo, layouts, view, rank, lease, layer, cache)
         })
         .map_err(model_err)?;
+        // Device regions were written on the backend's stream; the transport's
+        // copies run on their own stream once the engine hands the request off,
+        // so the writes must have landed first.
+        be.synchronize().map_err(|e| model_err(e.into()))?;
         if stage as usize + 1 == self.topo.stage_layers.len() {
             let (logits, first) = forward::logits_of_last(be, group, &h, t).map_err(model_err)?;
             self.record(job.request, logits);
@@ -132,6 +136,9 @@ impl RegionView for TransportRegions {
     fn with_mut(&self, rank: RankId, kind: RegionKind, f: &mut dyn FnMut(&mut [u8])) -> Result<(), ModelError> {
         let h = self.handle(rank, kind)?;
         self.transport.with_region_mut(h, f).map_err(|e| ModelError::Region(e.to_string()))
+    }
+    fn device(&self, rank: RankId, kind: RegionKind) -> Option<handoff_kernels::DeviceRegion> {
+        self.transport.device_region(self.handle(rank, kind).ok()?)
     }
 }
 

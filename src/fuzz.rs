@@ -572,7 +572,7 @@ pub fn valid_lines() -> Vec<(&'static str, Vec<u8>)> {
     let layout = place_rank(&topo, RankId::Decode(DecodeRank { tp: 0 }), 4, 2);
     let consumer = ConsumerLayout { rank: DecodeRank { tp: 0 }, tp: 2, dcp: 2, interleave: 1, blocks: vec![0, 3], slot: 1, layout };
     let endpoint = PeerAddr::Tcp { addr: SocketAddr::from(([127, 0, 0, 1], 4000)) };
-    let handle = RegionHandle { peer: endpoint.clone(), id: 7, rank: RankId::Decode(DecodeRank { tp: 1 }), kind: RegionKind::KdaConv, len: 4096, memory: MemoryKind::Host };
+    let handle = RegionHandle { peer: endpoint.clone(), id: 7, rank: RankId::Decode(DecodeRank { tp: 1 }), kind: RegionKind::KdaConv, len: 4096, memory: MemoryKind::Host, ipc: None };
     let admitted = Admitted { id: 5, nonce: 9, consumers: vec![consumer], handles: vec![handle], endpoint };
     let sampling = Some(Sampling { temperature: 0.7, top_p: 0.9, seed: u64::MAX, choice: 3 });
     let job = PrefillJob {

@@ -6,6 +6,7 @@
 
 pub mod auth;
 pub mod bench_cli;
+pub mod bench_ipc;
 pub mod cli;
 pub mod compute;
 pub mod compute_verify;

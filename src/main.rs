@@ -134,17 +134,24 @@ enum BenchCommand {
         #[arg(long)]
         no_faults: bool,
     },
-    /// Hand-off bandwidth over a transport, with this machine's memcpy measured in the same run.
+    /// Hand-off bandwidth over a transport, with this machine's memcpy measured in the same run
+    /// (cuda-ipc: between two processes on one GPU, against the device copy and the IPC copy).
     Transfer {
         #[arg(long)]
         config: String,
-        #[arg(long, value_parser = ["local", "shm", "tcp"], default_value = "local")]
+        #[arg(long, value_parser = ["local", "shm", "tcp", "cuda-ipc"], default_value = "local")]
         transport: String,
+        /// The GPU of the cuda-ipc transport: cuda or cuda:N.
+        #[arg(long, default_value = "cuda:0")]
+        device: String,
         #[arg(long, default_value_t = 32768)]
         tokens: u64,
         #[arg(long, default_value_t = 1)]
         requests: u32,
     },
+    /// The consumer process of `bench transfer --transport cuda-ipc` (started by it).
+    #[command(hide = true)]
+    TransferConsumer,
     /// Robust input: arbitrary bytes and structured mutations into the topology parser,
     /// the control messages, the tcp frames, the HTTP bodies and the published consumer
     /// layouts; exits 2 on any panic, hang or wrong verdict, printing the minimal
@@ -315,7 +322,17 @@ fn run(cli: Cli) -> Result<()> {
             }
             println!("checked in {:.2} s", t.elapsed().as_secs_f64());
         }
-        Command::Bench { what: BenchCommand::Transfer { config, transport, tokens, requests } } => {
+        Command::Bench { what: BenchCommand::TransferConsumer } => handoff::bench_ipc::transfer_consumer()?,
+        Command::Bench { what: BenchCommand::Transfer { config, transport, tokens, requests, device } } if transport == "cuda-ipc" => {
+            load(&config)?;
+            let dev = handoff_components::config::DeviceConfig::parse(&device).map_err(|e| Refusal(format!("--device: {e}")))?;
+            if dev.kind != handoff_components::config::DeviceKind::Cuda {
+                return Err(Refusal(format!("--transport cuda-ipc needs --device cuda[:N], not {device:?}")).into());
+            }
+            let o = handoff::bench_cli::BenchCmdOptions::default();
+            println!("{}", handoff::bench_ipc::bench_transfer_ipc(&config, dev.ordinal, tokens, requests, &o)?.trim_end());
+        }
+        Command::Bench { what: BenchCommand::Transfer { config, transport, tokens, requests, .. } } => {
             load(&config)?;
             let kind = match transport.as_str() {
                 "shm" => handoff_components::config::TransportKind::Shm,

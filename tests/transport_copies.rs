@@ -25,6 +25,12 @@ fn shm_pair() -> Pair {
 fn tcp_pair() -> Pair {
     (Arc::new(TcpTransport::loopback().expect("tcp")), Arc::new(TcpTransport::loopback().expect("tcp")))
 }
+/// The cuda-ipc transport's descriptor-to-copy path and bookkeeping over a
+/// host stand-in for device memory (the CUDA memory itself is checked on the
+/// GPU by `cuda_check`); copies report done after 3 queries.
+fn device_pair() -> Pair {
+    (host_device_transport(3), host_device_transport(3))
+}
 
 /// Random strided batches, small and large (the large one crosses the parallel
 /// threshold of the in-host copy engine), byte-exact against the reference.
@@ -55,10 +61,15 @@ fn tcp_loopback_random_strided_batches_are_byte_exact() {
     random_batches_match_reference(tcp_pair(), "tcp");
 }
 
+#[test]
+fn device_random_strided_batches_are_byte_exact() {
+    random_batches_match_reference(device_pair(), "cuda-ipc");
+}
+
 /// Overlapping destinations within one batch: later descriptors win, as in the loop.
 #[test]
 fn overlapping_destinations_follow_descriptor_order_on_every_backend() {
-    for (name, pair) in [("local", local_pair()), ("shm", shm_pair()), ("tcp", tcp_pair())] {
+    for (name, pair) in [("local", local_pair()), ("shm", shm_pair()), ("tcp", tcp_pair()), ("cuda-ipc", device_pair())] {
         let k = RegionKind::MlaKv;
         let descs = vec![
             Descriptor { kind: k, src_offset: 0, dst_offset: 0, len: 1 << 20, count: 2, src_stride: 1 << 20, dst_stride: 1 << 19 },
@@ -73,9 +84,9 @@ fn overlapping_destinations_follow_descriptor_order_on_every_backend() {
 /// A copy into one's own region (attach of a local handle) with memmove semantics.
 #[test]
 fn copy_within_one_region_matches_reference() {
-    for t in [Arc::new(LocalTransport::new()) as Arc<dyn Transport>, Arc::new(ShmTransport::new().expect("shm"))] {
+    for t in [Arc::new(LocalTransport::new()) as Arc<dyn Transport>, Arc::new(ShmTransport::new().expect("shm")), host_device_transport(1)] {
         let mut rng = Rng(5);
-        let h = t.register(producer_rank(), RegionKind::KdaConv, 4096).expect("register");
+        let h = register(t.as_ref(), producer_rank(), RegionKind::KdaConv, 4096).expect("register");
         let before = rng.bytes(4096);
         t.write_region(&h, |b| b.copy_from_slice(&before)).expect("fill");
         let descs = [Descriptor::copy(RegionKind::KdaConv, 0, 100, 1000), Descriptor::copy(RegionKind::KdaConv, 2000, 1900, 300)];
@@ -94,10 +105,10 @@ fn copy_within_one_region_matches_reference() {
 /// submit, naming the descriptor and side, and the destination keeps its bytes.
 #[test]
 fn out_of_bounds_and_mismatched_descriptors_are_rejected_without_writes() {
-    for (name, (p, c)) in [("local", local_pair()), ("shm", shm_pair()), ("tcp", tcp_pair())] {
+    for (name, (p, c)) in [("local", local_pair()), ("shm", shm_pair()), ("tcp", tcp_pair()), ("cuda-ipc", device_pair())] {
         let k = RegionKind::KdaState;
-        let src = p.register(producer_rank(), k, 1000).expect("src");
-        let dst = c.register(consumer_rank(), k, 500).expect("dst");
+        let src = register(p.as_ref(), producer_rank(), k, 1000).expect("src");
+        let dst = register(c.as_ref(), consumer_rank(), k, 500).expect("dst");
         p.write_region(&src, |b| b.fill(0xab)).expect("fill");
         let remote = p.attach(&dst).expect("attach");
         let ok = Descriptor::copy(k, 0, 0, 10);
@@ -141,7 +152,7 @@ fn foreign_and_unknown_handles_are_refused() {
 #[test]
 fn device_memory_and_rdma_are_refused_with_a_reason_in_this_build() {
     for t in [Arc::new(LocalTransport::new()) as Arc<dyn Transport>, Arc::new(ShmTransport::new().expect("shm")), Arc::new(TcpTransport::loopback().expect("tcp"))] {
-        let err = t.register_memory(producer_rank(), RegionKind::MlaKv, 64, MemoryKind::Device).expect_err("device memory");
+        let err = t.register_memory(producer_rank(), RegionKind::MlaKv, 64, MemoryKind::Device { ordinal: 0 }).expect_err("device memory");
         assert!(matches!(err, TransportError::Unavailable { .. }), "{err}");
         assert!(err.to_string().contains("device"), "{err}");
     }
@@ -150,12 +161,48 @@ fn device_memory_and_rdma_are_refused_with_a_reason_in_this_build() {
     assert!(err.to_string().contains("rdma"), "{err}");
 }
 
+/// The cuda-ipc transport keeps device memory only, on its own device, opens
+/// device handles only through their IPC handle, and hands the model its own
+/// regions in place.
+#[test]
+fn cuda_ipc_refuses_host_memory_and_foreign_devices_and_exposes_its_regions() {
+    let t = host_device_transport(0);
+    let err = t.register(producer_rank(), RegionKind::MlaKv, 64).expect_err("host memory");
+    assert!(err.to_string().contains("host memory on the cuda-ipc transport"), "{err}");
+    let err = t.register_memory(producer_rank(), RegionKind::MlaKv, 64, MemoryKind::Device { ordinal: 1 }).expect_err("other GPU");
+    assert!(err.to_string().contains("device 1"), "{err}");
+    let h = register(t.as_ref(), consumer_rank(), RegionKind::MlaKv, 256).expect("device region");
+    let ipc = h.ipc.clone().expect("a device handle carries its IPC handle");
+    assert_eq!(ipc.pid, std::process::id());
+    assert_eq!(ipc.handle.len(), 128, "64 bytes, hex");
+    let reg = t.device_region(&h).expect("own device region");
+    assert_eq!((reg.addr, reg.len), (ipc.addr, 256));
+    let other = host_device_transport(0);
+    assert!(other.device_region(&h).is_none(), "another transport's region is not local");
+    let mut bare = h.clone();
+    bare.ipc = None;
+    let err = other.attach(&bare).expect_err("no IPC handle");
+    assert!(err.to_string().contains("without an IPC handle"), "{err}");
+    let mut far = h.clone();
+    far.memory = MemoryKind::Device { ordinal: 3 };
+    assert!(other.attach(&far).expect_err("other GPU").to_string().contains("cuda:3"));
+    let mut foreign = h.clone();
+    foreign.ipc.as_mut().unwrap().pid = std::process::id().wrapping_add(1);
+    let err = other.attach(&foreign).expect_err("the stand-in opens no other process's memory");
+    assert!(err.to_string().contains("ipc open"), "{err}");
+    // Host access copies through: what is written reads back.
+    t.write_region(&h, |b| b[..4].copy_from_slice(b"kv!!")).expect("write");
+    assert_eq!(&t.region_bytes(&h).expect("read")[..4], b"kv!!");
+    t.unregister(&h).expect("unregister");
+    assert!(t.device_region(&h).is_none());
+}
+
 /// Completions: `poll` reports every batch once, `wait` takes one, a taken batch is unknown.
 #[test]
 fn completions_are_reported_once() {
-    for (name, (p, c)) in [("local", local_pair()), ("shm", shm_pair()), ("tcp", tcp_pair())] {
-        let src = p.register(producer_rank(), RegionKind::MlaKv, 4096).expect("src");
-        let dst = c.register(consumer_rank(), RegionKind::MlaKv, 4096).expect("dst");
+    for (name, (p, c)) in [("local", local_pair()), ("shm", shm_pair()), ("tcp", tcp_pair()), ("cuda-ipc", device_pair())] {
+        let src = register(p.as_ref(), producer_rank(), RegionKind::MlaKv, 4096).expect("src");
+        let dst = register(c.as_ref(), consumer_rank(), RegionKind::MlaKv, 4096).expect("dst");
         let r = p.attach(&dst).expect("attach");
         let ids: Vec<_> = (0..4u64).map(|i| p.submit(&src, r, &[Descriptor::copy(RegionKind::MlaKv, i * 8, i * 8, 8)]).expect("submit")).collect();
         p.wait(ids[1], WAIT).expect("wait one");
@@ -176,7 +223,7 @@ fn completions_are_reported_once() {
 /// Notifications arrive with their bytes and, where known, the sender.
 #[test]
 fn notifications_carry_bytes_and_sender() {
-    for (name, (p, c)) in [("local", local_pair()), ("shm", shm_pair()), ("tcp", tcp_pair())] {
+    for (name, (p, c)) in [("local", local_pair()), ("shm", shm_pair()), ("tcp", tcp_pair()), ("cuda-ipc", device_pair())] {
         p.notify(&c.endpoint(), b"write-done 42").expect("notify");
         p.notify(&c.endpoint(), &[]).expect("empty notify");
         let mut got = Vec::new();

@@ -26,8 +26,9 @@ use handoff_kernels::{
     Backend, ColsCopy, ConvShape, CpuBackend, CudaBackend, EmbeddingShape, KdaInputs, KdaParams,
     KdaKernel, KdaPrefillShape, KdaStepShape, KernelError, MatmulShape, MergeShape, MlaShape, MlpShape,
     MlpWeights, NormShape, ReplayShape, RowSet, SplitMix64, StorageDtype, mla_partial_width,
-    replay_record_width,
+    replay_record_width, Copy2d, DeviceRegion, RegionItems,
 };
+use handoff_kernels::dtype::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 
 type R<T> = Result<T, KernelError>;
 
@@ -758,6 +759,106 @@ fn check_kda_variants(gpu: &mut CudaBackend, rep: &mut Report, seed: u64) -> R<(
     Ok(())
 }
 
+/// Device regions: the backend's region ops against the host's byte encoding
+/// (exact), and the device memory's 2D copies against a host loop (exact).
+fn check_regions(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
+    let mut r = SplitMix64::new(seed ^ 0x4e61);
+    let mem = gpu.device_memory()?;
+    let len = 1u64 << 20;
+    let addr = mem.alloc(len)?;
+    let region = DeviceRegion { addr, len };
+    let mut zero = vec![1u8; len as usize];
+    unsafe { mem.read(addr, &mut zero)? };
+    rep.flag("region alloc", "1 MiB, zeroed", zero.iter().all(|&b| b == 0), "all 0");
+    // Items at scattered, aligned offsets, each dtype: scatter then gather.
+    for (dt, vb) in [(StorageDtype::F32, 4u64), (StorageDtype::Bf16, 2), (StorageDtype::F16, 2)] {
+        let values = 576usize;
+        let offsets: Vec<u64> = (0..37u64).map(|i| (i * 7919 * vb * 3) % (len - values as u64 * vb) / vb * vb).collect();
+        // Distinct items (no overlap): keep the first of overlapping ones.
+        let mut items: Vec<u64> = Vec::new();
+        for o in offsets {
+            if items.iter().all(|&p| o + values as u64 * vb <= p || p + values as u64 * vb <= o) {
+                items.push(o);
+            }
+        }
+        let xs = uni(&mut r, items.len() * values, -3.0, 3.0);
+        let it = RegionItems { offsets: &items, values, dtype: dt };
+        gpu.region_scatter(&gpu.upload(&xs)?, region, it)?;
+        let mut host = vec![0u8; len as usize];
+        unsafe { mem.read(addr, &mut host)? };
+        let mut want_bytes = Vec::new();
+        let mut got_bytes = Vec::new();
+        let mut want_vals = Vec::new();
+        for (i, &o) in items.iter().enumerate() {
+            for j in 0..values {
+                let x = xs[i * values + j];
+                let at = (o + j as u64 * vb) as usize;
+                got_bytes.extend_from_slice(&host[at..at + vb as usize]);
+                match dt {
+                    StorageDtype::F32 => {
+                        want_bytes.extend_from_slice(&x.to_le_bytes());
+                        want_vals.push(x);
+                    }
+                    StorageDtype::Bf16 => {
+                        want_bytes.extend_from_slice(&f32_to_bf16(x).to_le_bytes());
+                        want_vals.push(bf16_to_f32(f32_to_bf16(x)));
+                    }
+                    StorageDtype::F16 => {
+                        want_bytes.extend_from_slice(&f32_to_f16(x).to_le_bytes());
+                        want_vals.push(f16_to_f32(f32_to_f16(x)));
+                    }
+                }
+            }
+        }
+        rep.flag("region_scatter", &format!("{} items x {values} {dt:?}: bytes = host encoding", items.len()), got_bytes == want_bytes, "bytes");
+        let back = gpu.download(&gpu.region_gather(region, it)?)?;
+        rep.exact_f32("region_gather", &format!("{} items x {values} {dt:?}", items.len()), &back, &want_vals);
+    }
+    let offs = [8u64, 4000, 123_456 * 4];
+    gpu.region_scatter_i32(&gpu.upload_i32(&[7, -3, 1 << 30])?, region, &offs)?;
+    let got = gpu.download_i32(&gpu.region_gather_i32(region, &offs)?)?;
+    rep.exact_i32("region_gather_i32", "3 cursors", &got, &[7, -3, 1 << 30]);
+    let past = gpu.region_gather(region, RegionItems { offsets: &[len - 8], values: 4, dtype: StorageDtype::F32 });
+    rep.flag("region_gather", "an item past the region's end", past.is_err(), "refused");
+    // 2D copies between two allocations, against the same copies on the host.
+    let dst = mem.alloc(len)?;
+    let mut src_host = vec![0u8; len as usize];
+    for b in src_host.iter_mut() {
+        *b = (r.next_u64() & 0xff) as u8;
+    }
+    unsafe { mem.write(addr, &src_host)? };
+    let copies = [
+        Copy2d { src: addr + 64, src_pitch: 1152, dst: dst + 128, dst_pitch: 4608, width: 1152, height: 100 },
+        Copy2d { src: addr + 300_000, src_pitch: 0, dst: dst + 700_000, dst_pitch: 0, width: 65_536, height: 1 },
+        Copy2d { src: addr, src_pitch: 16, dst: dst + 128, dst_pitch: 16, width: 16, height: 1 },
+    ];
+    let t = unsafe { mem.copy(&copies)? };
+    let mut spins = 0u64;
+    while !mem.done(t)? {
+        spins += 1;
+        std::hint::spin_loop();
+    }
+    let mut want = vec![0u8; len as usize];
+    for c in &copies {
+        for row in 0..c.height {
+            let s = (c.src - addr + row * c.src_pitch) as usize;
+            let d = (c.dst - dst + row * c.dst_pitch) as usize;
+            want[d..d + c.width as usize].copy_from_slice(&src_host[s..s + c.width as usize]);
+        }
+    }
+    let mut got = vec![0u8; len as usize];
+    unsafe { mem.read(dst, &mut got)? };
+    rep.flag("device copy", &format!("2D 100x1152 B, 64 KiB, overlapping 16 B, in order ({spins} polls)"), got == want, "bytes");
+    rep.flag("device copy", "a ticket is forgotten once done", mem.done(t).is_err(), "refused");
+    let handle = mem.export(addr)?;
+    rep.flag("ipc export", "a region's handle", handle.len() == 64, "64 bytes");
+    unsafe {
+        mem.free(dst);
+        mem.free(addr);
+    }
+    Ok(())
+}
+
 // ------------------------------------------------------------------ bench
 
 /// MLA DCP decode partial on K3's rows (f32 here, 576 wide), 8 heads per rank:
@@ -910,7 +1011,9 @@ fn main() -> ExitCode {
     println!("| {:<28} | {:<44} | {:>11} | {:>6} | ok |", "op", "case", "max rel err", "tol");
     println!("|{}|{}|{}|{}|----|", "-".repeat(30), "-".repeat(46), "-".repeat(13), "-".repeat(8));
     let mut rep = Report::new();
-    let res = checks(&gpu, &mut rep, seed).and_then(|()| check_kda_variants(&mut gpu, &mut rep, seed));
+    let res = checks(&gpu, &mut rep, seed)
+        .and_then(|()| check_regions(&gpu, &mut rep, seed))
+        .and_then(|()| check_kda_variants(&mut gpu, &mut rep, seed));
     if let Err(e) = res {
         eprintln!("error: a check could not run: {e}");
         return ExitCode::from(1);

@@ -10,6 +10,8 @@
 
 use crate::dtype::StorageDtype;
 use crate::error::Result;
+use crate::region::{DeviceMemory, DeviceRegion, RegionItems, unsupported};
+use std::sync::Arc;
 use crate::shapes::{
     ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape,
     MatmulShape, MergeShape, MlaShape, MlpShape, MlpWeights, NormShape, ReplayShape, RowSet,
@@ -321,4 +323,43 @@ pub trait Backend: Send + Sync {
 
     /// Residual add: dst += src, element-wise, equal lengths.
     fn add_inplace(&self, dst: &mut Self::Buf, src: &Self::Buf) -> Result<()>;
+
+    // ---- device regions ----------------------------------------------------
+    //
+    // A region registered in device memory (crate::region) is reached in place
+    // by these ops; backends without device regions refuse with `Unsupported`
+    // (their regions are host bytes, which the model reads directly).
+
+    /// Device memory for registered regions on this backend's device, sharing
+    /// its address space (a transport allocates regions from it).
+    fn device_memory(&self) -> Result<Arc<dyn DeviceMemory>> {
+        Err(unsupported(self.name(), "device_memory"))
+    }
+
+    /// `[items, values]`: item i of the region as row i, 16-bit items decoded
+    /// to f32 (exactly).
+    fn region_gather(&self, region: DeviceRegion, items: RegionItems<'_>) -> Result<Self::Buf> {
+        let _ = (region, items);
+        Err(unsupported(self.name(), "region_gather"))
+    }
+
+    /// Writes row i of `src` (`[items, values]`) to item i of the region,
+    /// encoded as `items.dtype` (round to nearest even). Items must not
+    /// overlap.
+    fn region_scatter(&self, src: &Self::Buf, region: DeviceRegion, items: RegionItems<'_>) -> Result<()> {
+        let _ = (src, region, items);
+        Err(unsupported(self.name(), "region_scatter"))
+    }
+
+    /// The little-endian i32 at each byte offset of the region (replay cursors).
+    fn region_gather_i32(&self, region: DeviceRegion, offsets: &[u64]) -> Result<Self::IBuf> {
+        let _ = (region, offsets);
+        Err(unsupported(self.name(), "region_gather_i32"))
+    }
+
+    /// Writes `src[i]` as a little-endian i32 at `offsets[i]` of the region.
+    fn region_scatter_i32(&self, src: &Self::IBuf, region: DeviceRegion, offsets: &[u64]) -> Result<()> {
+        let _ = (src, region, offsets);
+        Err(unsupported(self.name(), "region_scatter_i32"))
+    }
 }

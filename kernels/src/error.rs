@@ -82,6 +82,18 @@ pub enum KernelError {
         buf_len: usize,
     },
 
+    /// The backend has no such facility (device regions on the CPU backend,
+    /// whose regions are host memory).
+    #[error("{op}: not supported by the {backend} backend: {reason}")]
+    Unsupported {
+        /// The op that refused.
+        op: &'static str,
+        /// The backend's name.
+        backend: String,
+        /// Why, and what to use instead.
+        reason: String,
+    },
+
     /// A replay ring has no room for the tokens being recorded: commit first.
     #[error(
         "replay ring of slot {slot} is full: cursor {cursor} + {tokens} tokens > capacity {capacity}"

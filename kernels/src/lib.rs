@@ -22,6 +22,7 @@ pub mod cpu;
 pub mod dtype;
 pub mod error;
 pub mod gpu;
+pub mod region;
 pub mod rng;
 pub mod shapes;
 
@@ -34,7 +35,8 @@ pub use cpu::{CpuBackend, CpuBuf, CpuF64Buf, CpuIBuf, KDA_CHUNK};
 pub use error::{KernelError, Result};
 pub use gpu::{
     CudaBackend, CudaBuf, CudaF64Buf, CudaIBuf, HIP_CODE_OBJECTS, HIP_PRELUDE, HIP_SOURCES,
-    HipBackend, KdaKernel, NoBuf, device_program,
+    HipBackend, KdaKernel, NoBuf, cuda_device_memory, device_program,
 };
+pub use region::{Copy2d, CopyTicket, DeviceMemory, DeviceRegion, RegionItems};
 pub use rng::SplitMix64;
 pub use shapes::*;

@@ -14,7 +14,8 @@
 //! [`Stager`] (gather one destination's rows into contiguous staging, write runs) or
 //! are written as strided descriptors. Staging pays one extra copy to turn many
 //! descriptors into few; it pays off where a descriptor costs a work request or a
-//! wire header (tcp, rdma), not where the transport is itself a memcpy (local, shm),
+//! wire header (tcp, rdma), not where the transport is itself a memcpy (local, shm,
+//! and cuda-ipc, whose strided descriptors are single 2D device copies),
 //! so [`StagingMode::Auto`] stages only on the former.
 //!
 //! Like the transports, a mover knows regions and descriptors: a [`Ticket`] is opaque
@@ -126,7 +127,10 @@ impl MoverHandle {
     /// Attaches a consumer's published region as the destination of its (rank, kind).
     pub fn attach_target(&self, handle: &RegionHandle) -> Result<RemoteRegion, TransportError> {
         let remote = self.shared.transport.attach(handle)?;
-        transport::write(&self.shared.targets).insert((handle.rank, handle.kind), remote);
+        let replaced = transport::write(&self.shared.targets).insert((handle.rank, handle.kind), remote);
+        if let Some(old) = replaced.filter(|&old| old != remote) {
+            self.shared.transport.detach(old);
+        }
         transport::write(&self.shared.attached).insert((handle.rank, handle.kind), handle.clone());
         Ok(remote)
     }
@@ -311,7 +315,7 @@ fn stages(shared: &Shared, kind: RegionKind) -> bool {
         && match shared.opts.staging {
             StagingMode::Always => true,
             StagingMode::Never => false,
-            StagingMode::Auto => !matches!(shared.transport.name(), "local" | "shm"),
+            StagingMode::Auto => !matches!(shared.transport.name(), "local" | "shm" | "cuda-ipc"),
         }
 }
 

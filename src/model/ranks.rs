@@ -30,7 +30,8 @@ use handoff_components::Topology;
 use handoff_components::ecs::Lease;
 use handoff_components::layout::RegionLayout;
 use handoff_components::vocab::{DecodeRank, Dtype, ModuleLayer, PrefillRank, RankId, RegionKind};
-use handoff_kernels::Backend;
+use handoff_kernels::{Backend, RegionItems};
+use super::dtype::storage;
 use handoff_components::layout::owned_tokens;
 use std::collections::BTreeMap;
 
@@ -66,19 +67,14 @@ fn row_offset(l: &RegionLayout, rank: RankId, blocks: &[u32], layer: usize, lp: 
     Ok(off + (lp % bs) as u64 * tb)
 }
 
-fn put_f32(out: &mut [u8], xs: &[f32]) {
-    dtype::encode(Dtype::F32, xs, out)
-}
-
-fn get_f32(b: &[u8]) -> Vec<f32> {
-    dtype::decode(Dtype::F32, b)
-}
-
 /// Writes one prefill rank's cache of one layer into its producer regions: its
 /// MLA rows into `lease.blocks`, its KDA caches into slot `lease.slot`. The
 /// addresses come from `rank`'s layouts (`lease.rank` is not consulted: a stage's
-/// TP ranks share one block table and slot).
-pub fn store_prefill(
+/// TP ranks share one block table and slot). Device regions are written in
+/// place by the backend (`be`), host regions through their bytes.
+#[allow(clippy::too_many_arguments)]
+pub fn store_prefill<B: Backend>(
+    be: &B,
     topo: &Topology,
     layouts: &Layouts,
     view: &dyn RegionView,
@@ -99,32 +95,49 @@ pub fn store_prefill(
                 return Err(ModelError::Region(format!("{id}: {} values are not rows of {width}", rows.len())));
             }
             let offs = (0..rows.len() / width).map(|p| row_offset(l, id, &lease.blocks, layer, p)).collect::<R<Vec<_>>>()?;
-            regions::write(view, id, kind, |bytes| {
-                for (row, &off) in rows.chunks_exact(width).zip(&offs) {
-                    dtype::encode(dt, row, span_mut(bytes, id, kind, off, tb)?);
-                }
-                Ok(())
-            })
+            put_items(be, view, id, kind, &offs, width, dt, rows)
         }
-        PrefillCache::Kda(c) => store_kda(topo, layouts, view, id, lease.slot, layer, c),
+        PrefillCache::Kda(c) => store_kda(be, topo, layouts, view, id, lease.slot, layer, c),
     }
 }
 
-fn store_kda(topo: &Topology, layouts: &Layouts, view: &dyn RegionView, id: RankId, slot: u32, layer: usize, c: &KdaCache) -> R<()> {
+/// Writes `xs` (`offs.len()` items of `values` values) as `dt` at `offs` of a
+/// region: in place on a device region (uploaded, then scattered by the
+/// backend), through the bytes of a host one.
+#[allow(clippy::too_many_arguments)]
+fn put_items<B: Backend>(be: &B, view: &dyn RegionView, id: RankId, kind: RegionKind, offs: &[u64], values: usize, dt: Dtype, xs: &[f32]) -> R<()> {
+    if xs.len() != offs.len() * values {
+        return Err(ModelError::Region(format!("{id} {kind}: {} values for {} items of {values}", xs.len(), offs.len())));
+    }
+    if let Some(reg) = view.device(id, kind) {
+        let buf = be.upload(xs)?;
+        return Ok(be.region_scatter(&buf, reg, RegionItems { offsets: offs, values, dtype: storage(dt) })?);
+    }
+    let all = vec![true; offs.len()];
+    write_items(view, id, kind, offs, values * dt.bytes() as usize, values, xs, &all, |x, o| dtype::encode(dt, x, o))
+}
+
+/// Writes one i32 per offset of a region (replay cursors), on a device or host region.
+fn put_i32s<B: Backend>(be: &B, view: &dyn RegionView, id: RankId, kind: RegionKind, offs: &[u64], xs: &[i32]) -> R<()> {
+    if let Some(reg) = view.device(id, kind) {
+        let buf = be.upload_i32(xs)?;
+        return Ok(be.region_scatter_i32(&buf, reg, offs)?);
+    }
+    regions::write(view, id, kind, |bytes| {
+        for (&off, c) in offs.iter().zip(xs) {
+            span_mut(bytes, id, kind, off, 4)?.copy_from_slice(&c.to_le_bytes());
+        }
+        Ok(())
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn store_kda<B: Backend>(be: &B, topo: &Topology, layouts: &Layouts, view: &dyn RegionView, id: RankId, slot: u32, layer: usize, c: &KdaCache) -> R<()> {
     let dt = topo.model().dtype;
     let kind = RegionKind::KdaState;
-    let off = unit(layouts, id, kind, layer, slot)?;
-    regions::write(view, id, kind, |b| {
-        put_f32(span_mut(b, id, kind, off, c.state.len() * 4)?, &c.state);
-        Ok(())
-    })?;
+    put_items(be, view, id, kind, &[unit(layouts, id, kind, layer, slot)?], c.state.len(), Dtype::F32, &c.state)?;
     let kind = RegionKind::KdaConv;
-    let off = unit(layouts, id, kind, layer, slot)?;
-    let n = c.conv.len() * dt.bytes() as usize;
-    regions::write(view, id, kind, |b| {
-        dtype::encode(dt, &c.conv, span_mut(b, id, kind, off, n)?);
-        Ok(())
-    })?;
+    put_items(be, view, id, kind, &[unit(layouts, id, kind, layer, slot)?], c.conv.len(), dt, &c.conv)?;
     if topo.model().replay.is_some() {
         let kind = RegionKind::ReplayRecords;
         let off = unit(layouts, id, kind, layer, slot)?;
@@ -132,18 +145,12 @@ fn store_kda(topo: &Topology, layouts: &Layouts, view: &dyn RegionView, id: Rank
         if c.records.len() * 4 > len {
             return Err(ModelError::Region(format!("{id} layer {layer}: {} records overflow the ring", c.record_tokens)));
         }
-        regions::write(view, id, kind, |b| {
-            let ring = span_mut(b, id, kind, off, len)?;
-            ring.fill(0);
-            put_f32(&mut ring[..c.records.len() * 4], &c.records);
-            Ok(())
-        })?;
+        // The whole ring: the records, then zeros.
+        let mut ring = c.records.clone();
+        ring.resize(len / 4, 0.0);
+        put_items(be, view, id, kind, &[off], ring.len(), Dtype::F32, &ring)?;
         let kind = RegionKind::ReplayCursor;
-        let off = unit(layouts, id, kind, layer, slot)?;
-        regions::write(view, id, kind, |b| {
-            span_mut(b, id, kind, off, 4)?.copy_from_slice(&(c.record_tokens as i32).to_le_bytes());
-            Ok(())
-        })?;
+        put_i32s(be, view, id, kind, &[unit(layouts, id, kind, layer, slot)?], &[c.record_tokens as i32])?;
     }
     Ok(())
 }
@@ -256,6 +263,55 @@ fn write_items(
     })
 }
 
+/// Items `offs` of a region (`values` values of `dt` each) as a backend buffer
+/// `[items, values]`: gathered in place from a device region, read and uploaded
+/// from a host one.
+#[allow(clippy::too_many_arguments)]
+fn get_items<B: Backend>(be: &B, view: &dyn RegionView, id: RankId, kind: RegionKind, offs: &[u64], values: usize, dt: Dtype) -> R<B::Buf> {
+    if let Some(reg) = view.device(id, kind) {
+        return Ok(be.region_gather(reg, RegionItems { offsets: offs, values, dtype: storage(dt) })?);
+    }
+    Ok(be.upload(&read_items(view, id, kind, offs, values * dt.bytes() as usize, |b| dtype::decode(dt, b))?)?)
+}
+
+/// One i32 per offset of a region (replay cursors), as a backend buffer.
+fn get_i32s<B: Backend>(be: &B, view: &dyn RegionView, id: RankId, kind: RegionKind, offs: &[u64]) -> R<B::IBuf> {
+    if let Some(reg) = view.device(id, kind) {
+        return Ok(be.region_gather_i32(reg, offs)?);
+    }
+    let cursor = regions::read(view, id, kind, |bytes| {
+        offs.iter()
+            .map(|&off| span(bytes, id, kind, off, 4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+            .collect::<R<Vec<i32>>>()
+    })?;
+    Ok(be.upload_i32(&cursor)?)
+}
+
+/// Writes rows `which` of `buf` (`[items, values]`) as `dt` at their offsets
+/// `offs[i]` of a region: scattered in place on a device region (the chosen
+/// rows gathered first when not all are), downloaded and written on a host one.
+#[allow(clippy::too_many_arguments)]
+fn set_items<B: Backend>(be: &B, view: &dyn RegionView, id: RankId, kind: RegionKind, offs: &[u64], values: usize, dt: Dtype, buf: &B::Buf, which: &[bool]) -> R<()> {
+    if !which.iter().any(|&w| w) {
+        return Ok(());
+    }
+    if let Some(reg) = view.device(id, kind) {
+        let dtype = storage(dt);
+        if which.iter().all(|&w| w) {
+            return Ok(be.region_scatter(buf, reg, RegionItems { offsets: offs, values, dtype })?);
+        }
+        let rows: Vec<usize> = (0..offs.len()).filter(|&i| which[i]).collect();
+        let mut sub = be.alloc(rows.len() * values)?;
+        for (j, &i) in rows.iter().enumerate() {
+            be.copy(buf, i * values, &mut sub, j * values, values)?;
+        }
+        let sub_offs: Vec<u64> = rows.iter().map(|&i| offs[i]).collect();
+        return Ok(be.region_scatter(&sub, reg, RegionItems { offsets: &sub_offs, values, dtype })?);
+    }
+    let xs = be.download(buf)?;
+    write_items(view, id, kind, offs, values * dt.bytes() as usize, values, &xs, which, |x, o| dtype::encode(dt, x, o))
+}
+
 impl<B: Backend> BatchCaches<B> for DecodeRanks<'_> {
     fn batch(&self) -> usize {
         self.leases.len()
@@ -268,28 +324,21 @@ impl<B: Backend> BatchCaches<B> for DecodeRanks<'_> {
     fn kda_load(&mut self, be: &B, rank: usize, layer: usize) -> R<KdaBatch<B>> {
         let id = self.id(rank)?;
         let d = &self.dims;
-        let dt = d.dtype;
         let hl = self.hl();
-        let e = dt.bytes() as usize;
-        let state = read_items(self.view, id, RegionKind::KdaState, &self.slot_offsets(rank, RegionKind::KdaState, layer)?, hl * d.dk * d.dv * 4, get_f32)?;
-        let conv_len = (d.conv - 1) * d.conv_channels(hl) * e;
-        let conv = read_items(self.view, id, RegionKind::KdaConv, &self.slot_offsets(rank, RegionKind::KdaConv, layer)?, conv_len, |b| dtype::decode(dt, b))?;
+        let view = self.view;
+        let state = get_items(be, view, id, RegionKind::KdaState, &self.slot_offsets(rank, RegionKind::KdaState, layer)?, hl * d.dk * d.dv, Dtype::F32)?;
+        let conv_values = (d.conv - 1) * d.conv_channels(hl);
+        let conv = get_items(be, view, id, RegionKind::KdaConv, &self.slot_offsets(rank, RegionKind::KdaConv, layer)?, conv_values, d.dtype)?;
         let replay = match d.replay {
             None => None,
             Some(capacity) => {
-                let ring_len = capacity * hl * d.record_width() * 4;
-                let ring = read_items(self.view, id, RegionKind::ReplayRecords, &self.slot_offsets(rank, RegionKind::ReplayRecords, layer)?, ring_len, get_f32)?;
-                let kind = RegionKind::ReplayCursor;
-                let offs = self.slot_offsets(rank, kind, layer)?;
-                let cursor = regions::read(self.view, id, kind, |bytes| {
-                    offs.iter()
-                        .map(|&off| span(bytes, id, kind, off, 4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])))
-                        .collect::<R<Vec<i32>>>()
-                })?;
-                Some(ReplayBatch { ring: be.upload(&ring)?, cursor: be.upload_i32(&cursor)? })
+                let ring_values = capacity * hl * d.record_width();
+                let ring = get_items(be, view, id, RegionKind::ReplayRecords, &self.slot_offsets(rank, RegionKind::ReplayRecords, layer)?, ring_values, Dtype::F32)?;
+                let cursor = get_i32s(be, view, id, RegionKind::ReplayCursor, &self.slot_offsets(rank, RegionKind::ReplayCursor, layer)?)?;
+                Some(ReplayBatch { ring, cursor })
             }
         };
-        Ok(KdaBatch { state: be.upload(&state)?, conv: be.upload(&conv)?, replay })
+        Ok(KdaBatch { state, conv, replay })
     }
 
     fn kda_store(&mut self, be: &B, rank: usize, layer: usize, kda: &KdaBatch<B>, state_changed: &[bool]) -> R<()> {
@@ -299,33 +348,22 @@ impl<B: Backend> BatchCaches<B> for DecodeRanks<'_> {
             return Err(ModelError::Region(format!("{id}: {} state flags for a batch of {nb}", state_changed.len())));
         }
         let d = &self.dims;
-        let dt = d.dtype;
         let hl = self.hl();
+        let view = self.view;
         let all = vec![true; nb];
-        if state_changed.iter().any(|&c| c) {
-            let per = hl * d.dk * d.dv;
-            let state = be.download(&kda.state)?;
-            let offs = self.slot_offsets(rank, RegionKind::KdaState, layer)?;
-            write_items(self.view, id, RegionKind::KdaState, &offs, per * 4, per, &state, state_changed, |x, o| put_f32(o, x))?;
-        }
-        let per = (d.conv - 1) * d.conv_channels(hl);
-        let conv = be.download(&kda.conv)?;
+        let offs = self.slot_offsets(rank, RegionKind::KdaState, layer)?;
+        set_items(be, view, id, RegionKind::KdaState, &offs, hl * d.dk * d.dv, Dtype::F32, &kda.state, state_changed)?;
         let offs = self.slot_offsets(rank, RegionKind::KdaConv, layer)?;
-        write_items(self.view, id, RegionKind::KdaConv, &offs, per * dt.bytes() as usize, per, &conv, &all, |x, o| dtype::encode(dt, x, o))?;
+        set_items(be, view, id, RegionKind::KdaConv, &offs, (d.conv - 1) * d.conv_channels(hl), d.dtype, &kda.conv, &all)?;
         if let (Some(rb), Some(capacity)) = (&kda.replay, d.replay) {
-            let per = capacity * hl * d.record_width();
-            let ring = be.download(&rb.ring)?;
             let offs = self.slot_offsets(rank, RegionKind::ReplayRecords, layer)?;
-            write_items(self.view, id, RegionKind::ReplayRecords, &offs, per * 4, per, &ring, &all, |x, o| put_f32(o, x))?;
-            let cursor = be.download_i32(&rb.cursor)?;
+            set_items(be, view, id, RegionKind::ReplayRecords, &offs, capacity * hl * d.record_width(), Dtype::F32, &rb.ring, &all)?;
             let kind = RegionKind::ReplayCursor;
             let offs = self.slot_offsets(rank, kind, layer)?;
-            regions::write(self.view, id, kind, |bytes| {
-                for (&off, c) in offs.iter().zip(&cursor) {
-                    span_mut(bytes, id, kind, off, 4)?.copy_from_slice(&c.to_le_bytes());
-                }
-                Ok(())
-            })?;
+            match view.device(id, kind) {
+                Some(reg) => be.region_scatter_i32(&rb.cursor, reg, &offs)?,
+                None => put_i32s(be, view, id, kind, &offs, &be.download_i32(&rb.cursor)?)?,
+            }
         }
         Ok(())
     }
@@ -337,11 +375,10 @@ impl<B: Backend> BatchCaches<B> for DecodeRanks<'_> {
         let l = region(self.layouts, id, kind)?;
         let tb = l.token_bytes as usize;
         let (dt, w) = (self.dims.dtype, self.dims.row_width());
-        let new_rows = be.download(new_rows)?;
-        if new_rows.len() != positions.len() * w || positions.len() != self.leases.len() {
+        if be.buf_len(new_rows) != positions.len() * w || positions.len() != self.leases.len() {
             return Err(ModelError::Region(format!(
                 "{id}: {} rows for {} positions of a batch of {}",
-                new_rows.len() / w.max(1),
+                be.buf_len(new_rows) / w.max(1),
                 positions.len(),
                 self.leases.len()
             )));
@@ -363,6 +400,20 @@ impl<B: Backend> BatchCaches<B> for DecodeRanks<'_> {
                 offs.push(row_offset(l, id, blocks, layer, lp)?);
             }
         }
+        if self.view.device(id, kind).is_some() {
+            // In place: scatter the owned new rows, then gather every held row
+            // (one stream, so the gather sees the scatter).
+            let mut which = vec![false; positions.len()];
+            let mut at = vec![0u64; positions.len()];
+            for &(b, off) in &mine {
+                which[b] = true;
+                at[b] = off;
+            }
+            set_items(be, self.view, id, kind, &at, w, dt, new_rows, &which)?;
+            let rows = get_items(be, self.view, id, kind, &offs, w, dt)?;
+            return Ok((rows, counts));
+        }
+        let new_rows = be.download(new_rows)?;
         let rows = regions::write(self.view, id, kind, |bytes| {
             for &(b, off) in &mine {
                 dtype::encode(dt, &new_rows[b * w..(b + 1) * w], span_mut(bytes, id, kind, off, tb)?);

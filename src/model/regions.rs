@@ -9,17 +9,24 @@
 
 use super::ModelError;
 use handoff_components::vocab::{RankId, RegionKind};
+use handoff_kernels::DeviceRegion;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
-/// Byte access to the registered regions of this process's ranks (host memory on
-/// CPU; a device backend implements it later). The roles implement it over
+/// Byte access to the registered regions of this process's ranks: host bytes,
+/// or device regions that the backend's region ops reach in place. The roles implement it over
 /// their transport's registered regions, verify and tests over plain host maps.
 pub trait RegionView: Send + Sync {
     /// Calls `f` with the bytes of `rank`'s `kind` region.
     fn with(&self, rank: RankId, kind: RegionKind, f: &mut dyn FnMut(&[u8])) -> Result<(), ModelError>;
     /// Calls `f` with the bytes of `rank`'s `kind` region, writable.
     fn with_mut(&self, rank: RankId, kind: RegionKind, f: &mut dyn FnMut(&mut [u8])) -> Result<(), ModelError>;
+    /// The region in device memory, when it lives there: then the model reaches
+    /// it with the backend's region ops, in place, and never through `with`.
+    fn device(&self, rank: RankId, kind: RegionKind) -> Option<DeviceRegion> {
+        let _ = (rank, kind);
+        None
+    }
 }
 
 /// Host regions by (rank, kind), as verify and the tests hold them (the shape of

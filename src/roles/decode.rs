@@ -41,13 +41,13 @@ enum Cmd {
 /// (`host:port`); `secret` is what every connection of the cluster proves.
 pub fn run_decode(topo: &Topology, proxy: &str, secret: &ClusterSecret) -> anyhow::Result<()> {
     super::install_signal_handlers();
-    let transport = super::open_transport(topo, secret)?;
+    let super::RoleTransport { transport, memory } = super::open_transport(topo, secret)?;
     let refused = super::Refused::new(&transport);
     let mut engine = Engine::for_role(topo.clone(), Role::Decode, Capacity::serving(topo), Box::new(NoMover));
     let regions = engine.regions();
     let mut handles = BTreeMap::new();
     for r in &regions {
-        let h = transport.register(r.rank, r.layout.kind, r.layout.len).with_context(|| format!("register {} of {}", r.layout.kind, r.rank))?;
+        let h = transport.register_memory(r.rank, r.layout.kind, r.layout.len, memory).with_context(|| format!("register {} of {}", r.layout.kind, r.rank))?;
         handles.insert((r.rank, r.layout.kind), h);
     }
     let published: Vec<RegionHandle> = handles.values().cloned().collect();

@@ -121,11 +121,24 @@ pub(crate) fn secs(s: f64) -> Duration {
     Duration::from_secs_f64(s.clamp(0.001, 86_400.0))
 }
 
+/// This role's transport, and the memory its regions are registered in.
+pub(crate) struct RoleTransport {
+    pub transport: Arc<dyn crate::transport::Transport>,
+    pub memory: crate::transport::MemoryKind,
+}
+
 /// Opens this role's transport: the roles are separate processes, so the
 /// in-process `local` transport cannot connect them. The transport proves and
 /// requires `secret` (the default [`ClusterSecret::process`] reads the same
 /// variables, so it is passed for clarity, not for difference).
-pub(crate) fn open_transport(topo: &Topology, secret: &ClusterSecret) -> anyhow::Result<Arc<dyn crate::transport::Transport>> {
+///
+/// On `device = cuda` with `transport.kind = "shm"` the regions live in GPU
+/// memory and the hand-off is CUDA IPC between the processes of the one GPU
+/// ([`crate::transport::device`]); over tcp (hosts apart) they stay in host
+/// memory and the compute uploads what it reads.
+pub(crate) fn open_transport(topo: &Topology, secret: &ClusterSecret) -> anyhow::Result<RoleTransport> {
+    use crate::transport::MemoryKind;
+    use handoff_components::config::DeviceKind;
     let kind = topo.config.transport.kind;
     if kind == TransportKind::Local {
         anyhow::bail!(
@@ -135,7 +148,17 @@ pub(crate) fn open_transport(topo: &Topology, secret: &ClusterSecret) -> anyhow:
     if kind == TransportKind::Shm {
         crate::transport::shm::sweep_stale(&crate::transport::shm::default_dir());
     }
-    Ok(crate::transport::open_with(kind, None, secret.clone())?)
+    let dev = topo.config.device;
+    if dev.kind == DeviceKind::Cuda && kind == TransportKind::Shm {
+        let mem = handoff_kernels::cuda_device_memory(dev.ordinal as usize).map_err(|e| anyhow::anyhow!("device cuda:{}: {e}", dev.ordinal))?;
+        let t = crate::transport::device::DeviceTransport::new(mem, dev.ordinal, crate::transport::shm::default_dir(), secret.clone())?;
+        tracing::info!(device = %t.device(), "regions in device memory; hand-offs through CUDA IPC");
+        return Ok(RoleTransport { transport: Arc::new(t), memory: MemoryKind::Device { ordinal: dev.ordinal } });
+    }
+    if dev.kind != DeviceKind::Cpu {
+        tracing::info!(transport = kind.name(), "regions in host memory: this transport moves host memory");
+    }
+    Ok(RoleTransport { transport: crate::transport::open_with(kind, None, secret.clone())?, memory: MemoryKind::Host })
 }
 
 /// Removes this process's shared-memory files (`handoff-{pid}-*`, the shm

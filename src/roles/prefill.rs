@@ -51,7 +51,7 @@ pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str, secret: &ClusterSec
     let p = topo.prefill();
     anyhow::ensure!(stage < p.pp, "--stage {stage} is outside prefill pp {} (stages 0..{})", p.pp, p.pp);
     super::install_signal_handlers();
-    let transport = super::open_transport(topo, secret)?;
+    let super::RoleTransport { transport, memory } = super::open_transport(topo, secret)?;
     let refused = super::Refused::new(&transport);
     let mover = TransportMover::new(Arc::clone(&transport), MoverOptions::from_topology(topo))?;
     let handle = mover.handle();
@@ -59,7 +59,7 @@ pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str, secret: &ClusterSec
     let regions = engine.regions();
     let mut handles = BTreeMap::new();
     for r in &regions {
-        let h = transport.register(r.rank, r.layout.kind, r.layout.len).with_context(|| format!("register {} of {}", r.layout.kind, r.rank))?;
+        let h = transport.register_memory(r.rank, r.layout.kind, r.layout.len, memory).with_context(|| format!("register {} of {}", r.layout.kind, r.rank))?;
         handle.add_source(h.clone());
         handles.insert((r.rank, r.layout.kind), h);
     }

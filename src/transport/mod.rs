@@ -8,8 +8,9 @@
 //! small generic messages (write-done reports) travel with [`Transport::notify`].
 //!
 //! Backends: [`local`] (in-process, rayon), [`shm`] (shared memory between processes
-//! on one host), [`tcp`] (streams between hosts), [`rdma`] (stub unless built with the
-//! `rdma` feature). [`staging`] gathers strided batches into contiguous runs through
+//! on one host), [`device`] (device memory between processes of one GPU, CUDA IPC),
+//! [`tcp`] (streams between hosts), [`rdma`] (stub unless built with the `rdma`
+//! feature). [`staging`] gathers strided batches into contiguous runs through
 //! a bounded pool, and [`bench`] measures transfers against this machine's memcpy.
 //!
 //! Every descriptor is bounds-checked against both regions before any byte moves: an
@@ -19,6 +20,7 @@
 
 pub mod bench;
 pub(crate) mod copy;
+pub mod device;
 pub(crate) mod host;
 pub mod local;
 pub mod rdma;
@@ -40,14 +42,33 @@ pub use local::LocalTransport;
 pub use shm::ShmTransport;
 pub use tcp::{TcpOptions, TcpTransport};
 
-/// Where a region's bytes live. Only host memory is backed in this build; device
-/// memory is part of the handle so that a GPU/RDMA backend needs no API change.
+/// Where a region's bytes live: host memory (local, shm, tcp), or the memory of
+/// GPU `ordinal` ([`device::DeviceTransport`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum MemoryKind {
     #[default]
     Host,
-    Device,
+    Device { ordinal: u32 },
+}
+
+impl fmt::Display for MemoryKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MemoryKind::Host => f.write_str("host"),
+            MemoryKind::Device { ordinal } => write!(f, "device {ordinal}"),
+        }
+    }
+}
+
+/// How another process opens a device region: the exporting process, the
+/// allocation's address there (a region of the same process is used as it is),
+/// and the CUDA IPC memory handle, hex.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct IpcHandle {
+    pub pid: u32,
+    pub addr: u64,
+    pub handle: String,
 }
 
 /// The address of a transport endpoint: where its regions live and where its
@@ -88,6 +109,9 @@ pub struct RegionHandle {
     /// Bytes in the region.
     pub len: u64,
     pub memory: MemoryKind,
+    /// Set for device regions: what a producer in another process opens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ipc: Option<IpcHandle>,
 }
 
 impl fmt::Display for RegionHandle {
@@ -240,11 +264,25 @@ pub trait Transport: Send + Sync {
     /// Opens a peer's (or one's own) region for writing.
     fn attach(&self, handle: &RegionHandle) -> Result<RemoteRegion>;
 
+    /// Forgets an attachment that a newer handle of the same (rank, kind)
+    /// replaced (a restarted consumer): the device transport closes its IPC
+    /// mapping so the dead consumer's memory can go. Others keep theirs.
+    fn detach(&self, remote: RemoteRegion) {
+        let _ = remote;
+    }
+
     /// Calls `f` with the bytes of a local region.
     fn with_region(&self, handle: &RegionHandle, f: &mut dyn FnMut(&[u8])) -> Result<()>;
 
     /// Calls `f` with the bytes of a local region, writable.
     fn with_region_mut(&self, handle: &RegionHandle, f: &mut dyn FnMut(&mut [u8])) -> Result<()>;
+
+    /// A local region in device memory, as the compute backend's region ops
+    /// address it; `None` for host regions (reached through `with_region`).
+    fn device_region(&self, handle: &RegionHandle) -> Option<handoff_kernels::DeviceRegion> {
+        let _ = handle;
+        None
+    }
 
     /// One-sided writes from local region `src` into the attached region `dst`.
     /// Every descriptor is checked against both regions (and its kind against the
@@ -534,9 +572,9 @@ pub(crate) fn nonce() -> u64 {
 pub(crate) fn host_only(memory: MemoryKind, transport: &str) -> Result<()> {
     match memory {
         MemoryKind::Host => Ok(()),
-        MemoryKind::Device => Err(TransportError::Unavailable {
+        MemoryKind::Device { .. } => Err(TransportError::Unavailable {
             what: format!("device memory on the {transport} transport"),
-            reason: "this build registers host memory only (device registration needs the cuda/hip and rdma backends)".into(),
+            reason: "it moves host memory only (device regions go through the cuda-ipc transport)".into(),
         }),
     }
 }

@@ -171,7 +171,7 @@ impl Transport for ShmTransport {
             }
         };
         self.core.insert(id, HostRegion::new(kind, len, mem));
-        Ok(RegionHandle { peer: self.endpoint(), id, rank, kind, len, memory })
+        Ok(RegionHandle { peer: self.endpoint(), id, rank, kind, len, memory, ipc: None })
     }
 
     fn unregister(&self, handle: &RegionHandle) -> Result<()> {

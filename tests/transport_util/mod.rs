@@ -2,7 +2,11 @@
 //! batches with disjoint destinations, the naive reference copy, and a byte diff.
 #![allow(dead_code)]
 
-use handoff::transport::{RegionHandle, Transport, TransportExt};
+use handoff::transport::device::DeviceTransport;
+use handoff::transport::{MemoryKind, RegionHandle, Transport, TransportExt};
+use handoff_kernels::{Copy2d, CopyTicket, DeviceMemory};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use handoff_components::plan::Descriptor;
 use handoff_components::vocab::{DecodeRank, PrefillRank, RankId, RegionKind};
 use std::time::Duration;
@@ -126,8 +130,8 @@ pub fn assert_bytes_eq(what: &str, got: &[u8], want: &[u8], descs: &[Descriptor]
 pub fn check_transfer(producer: &dyn Transport, consumer: &dyn Transport, seed: u64, src_len: u64, dst_len: u64, descs: &[Descriptor], what: &str) {
     let kind = descs.first().map(|d| d.kind).unwrap_or(RegionKind::MlaKv);
     let mut rng = Rng(seed);
-    let src = producer.register(producer_rank(), kind, src_len).expect("register src");
-    let dst = consumer.register(consumer_rank(), kind, dst_len).expect("register dst");
+    let src = register(producer, producer_rank(), kind, src_len).expect("register src");
+    let dst = register(consumer, consumer_rank(), kind, dst_len).expect("register dst");
     let src_bytes = rng.bytes(src_len as usize);
     let dst_before = rng.bytes(dst_len as usize);
     producer.write_region(&src, |b| b.copy_from_slice(&src_bytes)).expect("fill src");
@@ -144,6 +148,94 @@ pub fn check_transfer(producer: &dyn Transport, consumer: &dyn Transport, seed: 
     assert_bytes_eq(&format!("{what} (source)"), &producer.region_bytes(&src).expect("read src"), &src_bytes, descs);
     consumer.unregister(&dst).expect("unregister dst");
     producer.unregister(&src).expect("unregister src");
+}
+
+/// Registers a region in the memory the transport keeps: device memory on the
+/// cuda-ipc transport, host memory on the others.
+pub fn register(t: &dyn Transport, rank: RankId, kind: RegionKind, len: u64) -> handoff::transport::Result<RegionHandle> {
+    let memory = if t.name() == "cuda-ipc" { MemoryKind::Device { ordinal: 0 } } else { MemoryKind::Host };
+    t.register_memory(rank, kind, len, memory)
+}
+
+/// A stand-in for GPU memory on machines without one: allocations are host
+/// buffers at their own addresses, copies run at once in queue order, and a
+/// ticket reports done after `lag` queries (so completion by query is
+/// exercised). It cannot open another process's memory.
+pub struct HostDeviceMemory {
+    allocs: Mutex<HashMap<u64, Box<[u8]>>>,
+    tickets: Mutex<HashMap<u64, u32>>,
+    next: Mutex<u64>,
+    pub lag: u32,
+}
+
+impl HostDeviceMemory {
+    pub fn new(lag: u32) -> Arc<Self> {
+        Arc::new(HostDeviceMemory { allocs: Mutex::default(), tickets: Mutex::default(), next: Mutex::new(1), lag })
+    }
+}
+
+impl DeviceMemory for HostDeviceMemory {
+    fn label(&self) -> String {
+        "host-as-device:0".into()
+    }
+    fn alloc(&self, len: u64) -> handoff_kernels::Result<u64> {
+        let b = vec![0u8; len.max(1) as usize].into_boxed_slice();
+        let addr = b.as_ptr() as u64;
+        self.allocs.lock().unwrap().insert(addr, b);
+        Ok(addr)
+    }
+    unsafe fn free(&self, addr: u64) {
+        self.allocs.lock().unwrap().remove(&addr);
+    }
+    fn export(&self, addr: u64) -> handoff_kernels::Result<Vec<u8>> {
+        Ok(addr.to_le_bytes().iter().copied().cycle().take(64).collect())
+    }
+    fn open(&self, _: &[u8]) -> handoff_kernels::Result<u64> {
+        Err(handoff_kernels::KernelError::BackendUnavailable("host-as-device memory cannot open another process's memory".into()))
+    }
+    unsafe fn close(&self, _: u64) {}
+    unsafe fn copy(&self, copies: &[Copy2d]) -> handoff_kernels::Result<CopyTicket> {
+        for c in copies {
+            for r in 0..c.height {
+                // SAFETY: the transport checked every range against live allocations.
+                unsafe { std::ptr::copy((c.src + r * c.src_pitch) as *const u8, (c.dst + r * c.dst_pitch) as *mut u8, c.width as usize) };
+            }
+        }
+        let mut n = self.next.lock().unwrap();
+        *n += 1;
+        self.tickets.lock().unwrap().insert(*n, self.lag);
+        Ok(CopyTicket(*n))
+    }
+    fn done(&self, t: CopyTicket) -> handoff_kernels::Result<bool> {
+        let mut ts = self.tickets.lock().unwrap();
+        match ts.get_mut(&t.0) {
+            None => Err(handoff_kernels::KernelError::BackendUnavailable(format!("unknown ticket {}", t.0))),
+            Some(0) => {
+                ts.remove(&t.0);
+                Ok(true)
+            }
+            Some(n) => {
+                *n -= 1;
+                Ok(false)
+            }
+        }
+    }
+    unsafe fn read(&self, addr: u64, out: &mut [u8]) -> handoff_kernels::Result<()> {
+        // SAFETY: the transport reads whole live regions.
+        unsafe { std::ptr::copy(addr as *const u8, out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+    unsafe fn write(&self, addr: u64, data: &[u8]) -> handoff_kernels::Result<()> {
+        // SAFETY: as above.
+        unsafe { std::ptr::copy(data.as_ptr(), addr as *mut u8, data.len()) };
+        Ok(())
+    }
+}
+
+/// A cuda-ipc transport over [`HostDeviceMemory`].
+pub fn host_device_transport(lag: u32) -> Arc<DeviceTransport> {
+    let mem: Arc<dyn DeviceMemory> = HostDeviceMemory::new(lag);
+    Arc::new(DeviceTransport::new(mem, 0, handoff::transport::shm::default_dir(), handoff::auth::ClusterSecret::process()).expect("device transport"))
 }
 
 pub fn handle_json(h: &RegionHandle) -> String {

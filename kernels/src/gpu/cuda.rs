@@ -35,6 +35,7 @@ use crate::backend::Backend;
 use crate::cpu::{kda as cpu_kda, mla as cpu_mla};
 use crate::dtype::StorageDtype;
 use crate::error::{KernelError, Result, check_len, check_nonzero, elems, range};
+use crate::region::{DeviceMemory, DeviceRegion, RegionItems};
 use crate::shapes::{
     ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape,
     MatmulShape, MergeShape, MlaShape, MlpShape, MlpWeights, NormShape, ReplayShape, RowSet,
@@ -169,6 +170,10 @@ struct Funcs {
     fill_f32: CudaFunction,
     copy_cols: CudaFunction,
     round_to: CudaFunction,
+    region_gather_b32: CudaFunction,
+    region_scatter_b32: CudaFunction,
+    region_gather_b16: CudaFunction,
+    region_scatter_b16: CudaFunction,
 }
 
 /// NVIDIA backend: device memory buffers and the model's ops as NVRTC-compiled
@@ -474,6 +479,10 @@ impl CudaBackend {
             fill_f32: get("fill_f32")?,
             copy_cols: get("copy_cols")?,
             round_to: get("round_to")?,
+            region_gather_b32: get("region_gather_b32")?,
+            region_scatter_b32: get("region_scatter_b32")?,
+            region_gather_b16: get("region_gather_b16")?,
+            region_scatter_b16: get("region_scatter_b16")?,
         };
         // The tensor-core MLA partials take more than 48 KB of shared memory
         // (two 16-row tiles): opt in, and ask for the largest carveout so two
@@ -905,7 +914,121 @@ impl CudaBackend {
     }
 }
 
+/// [`super::cuda_device_memory`]: the device's primary context, checked like
+/// [`CudaBackend::new`] (libraries first, then the device count).
+pub(crate) fn open_memory(device: usize) -> Result<Arc<dyn DeviceMemory>> {
+    if let Some(why) = runtime_missing() {
+        return Err(KernelError::BackendUnavailable(why));
+    }
+    let open = || -> Result<Arc<dyn DeviceMemory>> {
+        let count = CudaContext::device_count().map_err(|e| unavailable("no device (cuInit or device count failed)", e))?;
+        if device >= count.max(0) as usize {
+            return Err(KernelError::BackendUnavailable(format!("cuda: no device {device}: the driver reports {count}")));
+        }
+        let ctx = CudaContext::new(device).map_err(|e| unavailable("cannot open the device context", e))?;
+        Ok(Arc::new(super::CudaMemory::new(ctx)?))
+    };
+    match std::panic::catch_unwind(open) {
+        Ok(r) => r,
+        Err(p) => Err(KernelError::BackendUnavailable(format!("cuda: the CUDA runtime failed while opening device {device}: {}", panic_text(p.as_ref())))),
+    }
+}
+
+/// The region kernels' launch: items, values per item, the device offsets.
+impl CudaBackend {
+    fn region_launch(
+        &self,
+        op: &'static str,
+        region: DeviceRegion,
+        items: RegionItems<'_>,
+        buf_len: usize,
+        launch: impl FnOnce(&CudaSlice<i64>, i64, i64, i32) -> Result<()>,
+    ) -> Result<()> {
+        let n = items.check(op, region)?;
+        check_len(op, "buffer", buf_len, n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let offs: Vec<i64> = items.offsets.iter().map(|&o| o as i64).collect();
+        let offs = self.upload_t::<i64>(op, &offs)?;
+        let code = match items.dtype {
+            StorageDtype::F32 => 0,
+            StorageDtype::Bf16 => 1,
+            StorageDtype::F16 => 2,
+        };
+        launch(&offs, i64_of(items.offsets.len()), i64_of(items.values), code)
+    }
+
+    /// Launches a 4-byte (`code` 0) or 16-bit region kernel over `n` elements.
+    #[allow(clippy::too_many_arguments)]
+    fn region_kernel<T: cudarc::driver::DeviceRepr>(
+        &self,
+        op: &'static str,
+        b32: &CudaFunction,
+        b16: &CudaFunction,
+        region: DeviceRegion,
+        offs: &CudaSlice<i64>,
+        items: i64,
+        per: i64,
+        code: i32,
+        buf: &CudaSlice<T>,
+    ) -> Result<()> {
+        let n = (items * per) as usize;
+        let base = region.addr;
+        let mut b = self.stream.launch_builder(if code == 0 { b32 } else { b16 });
+        b.arg(&base).arg(offs).arg(&items).arg(&per);
+        if code != 0 {
+            b.arg(&code);
+        }
+        b.arg(buf);
+        // SAFETY: argument types and order match region_{gather,scatter}_b{32,16}
+        // (the base is a device address, passed as 8 bytes); every item was
+        // checked against the region by `RegionItems::check`.
+        unsafe { b.launch(ew_cfg(n)) }.map_err(dev(op))?;
+        Ok(())
+    }
+}
+
 impl Backend for CudaBackend {
+    fn device_memory(&self) -> Result<Arc<dyn DeviceMemory>> {
+        Ok(Arc::new(super::CudaMemory::new(Arc::clone(&self.ctx))?))
+    }
+
+    fn region_gather(&self, region: DeviceRegion, items: RegionItems<'_>) -> Result<CudaBuf> {
+        let op = "region_gather";
+        let n = items.check(op, region)?;
+        let out = self.alloc(n)?;
+        self.region_launch(op, region, items, n, |offs, it, per, code| {
+            self.region_kernel(op, &self.f.region_gather_b32, &self.f.region_gather_b16, region, offs, it, per, code, &out.data)
+        })?;
+        Ok(out)
+    }
+
+    fn region_scatter(&self, src: &CudaBuf, region: DeviceRegion, items: RegionItems<'_>) -> Result<()> {
+        let op = "region_scatter";
+        self.region_launch(op, region, items, src.len, |offs, it, per, code| {
+            self.region_kernel(op, &self.f.region_scatter_b32, &self.f.region_scatter_b16, region, offs, it, per, code, &src.data)
+        })
+    }
+
+    fn region_gather_i32(&self, region: DeviceRegion, offsets: &[u64]) -> Result<CudaIBuf> {
+        let op = "region_gather_i32";
+        let items = RegionItems { offsets, values: 1, dtype: StorageDtype::F32 };
+        let out = self.alloc_i32(offsets.len())?;
+        self.region_launch(op, region, items, offsets.len(), |offs, it, per, code| {
+            self.region_kernel(op, &self.f.region_gather_b32, &self.f.region_gather_b16, region, offs, it, per, code, &out.data)
+        })?;
+        Ok(out)
+    }
+
+    fn region_scatter_i32(&self, src: &CudaIBuf, region: DeviceRegion, offsets: &[u64]) -> Result<()> {
+        let op = "region_scatter_i32";
+        let items = RegionItems { offsets, values: 1, dtype: StorageDtype::F32 };
+        self.region_launch(op, region, items, src.len, |offs, it, per, code| {
+            self.region_kernel(op, &self.f.region_scatter_b32, &self.f.region_scatter_b16, region, offs, it, per, code, &src.data)
+        })
+    }
+
     fn synchronize(&self) -> Result<()> {
         CudaBackend::synchronize(self)
     }

@@ -29,9 +29,29 @@ pub use stub::NoBuf;
 mod cuda;
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaBackend, CudaBuf, CudaF64Buf, CudaIBuf};
+#[cfg(feature = "cuda")]
+mod cuda_memory;
+#[cfg(feature = "cuda")]
+pub use cuda_memory::{CudaMemory, IPC_HANDLE_BYTES};
 
 #[cfg(feature = "hip")]
 mod hip;
+
+/// Device memory for registered regions on CUDA GPU `ordinal`, without
+/// compiling the kernels (a transport opens it before the compute backend; both
+/// share the device's primary context, hence one address space). Refuses like
+/// [`CudaBackend::new`] where CUDA cannot run.
+pub fn cuda_device_memory(ordinal: usize) -> Result<std::sync::Arc<dyn crate::region::DeviceMemory>> {
+    #[cfg(feature = "cuda")]
+    {
+        cuda::open_memory(ordinal)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = ordinal;
+        Err(crate::error::KernelError::BackendUnavailable("cuda: built without the `cuda` feature".to_string()))
+    }
+}
 
 /// The KDA decode-step kernels of the CUDA backend for dk <= 128
 /// (`kernels/hip/kda.hip`): how wide a column tile one block owns and how many
@@ -235,6 +255,7 @@ mod tests {
             "conv_prefill_state", "conv_step", "rms_norm", "gated_rms_norm", "mla_attend_f32",
             "mla_partial_f64", "dcp_merge_f32", "dcp_merge_f64", "matmul_f32", "silu_mul",
             "add_inplace", "embedding", "argmax_rows", "fill_f32", "copy_cols", "round_to",
+            "region_gather_b32", "region_scatter_b32", "region_gather_b16", "region_scatter_b16",
         ] {
             assert!(
                 program

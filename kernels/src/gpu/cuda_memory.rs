@@ -1,0 +1,194 @@
+//! [`DeviceMemory`] on CUDA: regions as plain `cuMemAlloc` allocations (the
+//! stream-ordered pools cudarc allocates buffers from cannot be exported), IPC
+//! handles (`cuIpcGetMemHandle` / `cuIpcOpenMemHandle`), and copies queued on
+//! a stream of their own, each batch followed by an event that
+//! [`DeviceMemory::done`] queries. The memory shares its backend's context, so
+//! the backend's kernels and these copies see one address space.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys;
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError};
+
+use crate::error::{KernelError, Result};
+use crate::region::{Copy2d, CopyTicket, DeviceMemory};
+
+/// Bytes of a CUDA IPC memory handle.
+pub const IPC_HANDLE_BYTES: usize = 64;
+
+/// CUDA device memory for a transport's regions (see the module docs).
+pub struct CudaMemory {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    next: AtomicU64,
+    events: Mutex<HashMap<u64, CudaEvent>>,
+}
+
+fn dev(op: &'static str) -> impl Fn(DriverError) -> KernelError {
+    move |e| KernelError::Device { op, message: e.to_string() }
+}
+
+impl CudaMemory {
+    pub(crate) fn new(ctx: Arc<CudaContext>) -> Result<Self> {
+        let stream = ctx.new_stream().map_err(dev("device memory stream"))?;
+        Ok(CudaMemory { ctx, stream, next: AtomicU64::new(1), events: Mutex::new(HashMap::new()) })
+    }
+
+    fn bind(&self, op: &'static str) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(dev(op))
+    }
+
+    fn sync(&self, op: &'static str) -> Result<()> {
+        self.stream.synchronize().map_err(dev(op))
+    }
+}
+
+impl DeviceMemory for CudaMemory {
+    fn label(&self) -> String {
+        format!("cuda:{}", self.ctx.ordinal())
+    }
+
+    fn alloc(&self, len: u64) -> Result<u64> {
+        let op = "region alloc";
+        self.bind(op)?;
+        let n = usize::try_from(len.max(1)).map_err(|_| KernelError::SizeOverflow { op, dims: vec![] })?;
+        let mut p: sys::CUdeviceptr = 0;
+        // SAFETY: p is valid for writes; the context is bound to this thread.
+        unsafe { sys::cuMemAlloc_v2(&mut p, n) }.result().map_err(dev(op))?;
+        // SAFETY: p is a fresh allocation of n bytes.
+        if let Err(e) = unsafe { sys::cuMemsetD8Async(p, 0, n, self.stream.cu_stream()) }.result() {
+            unsafe { sys::cuMemFree_v2(p) };
+            return Err(dev(op)(e));
+        }
+        self.sync(op)?;
+        Ok(p)
+    }
+
+    unsafe fn free(&self, addr: u64) {
+        if self.bind("region free").is_ok() {
+            // SAFETY: the caller guarantees addr came from alloc and is unused.
+            let _ = unsafe { sys::cuMemFree_v2(addr) };
+        }
+    }
+
+    fn export(&self, addr: u64) -> Result<Vec<u8>> {
+        let op = "ipc export";
+        self.bind(op)?;
+        let mut h = sys::CUipcMemHandle_st { reserved: [0; IPC_HANDLE_BYTES] };
+        // SAFETY: h is valid for writes; addr is an allocation of this context.
+        unsafe { sys::cuIpcGetMemHandle(&mut h, addr) }.result().map_err(dev(op))?;
+        Ok(h.reserved.iter().map(|&c| c as u8).collect())
+    }
+
+    fn open(&self, handle: &[u8]) -> Result<u64> {
+        let op = "ipc open";
+        if handle.len() != IPC_HANDLE_BYTES {
+            return Err(KernelError::InvalidShape { op, reason: format!("an IPC handle has {IPC_HANDLE_BYTES} bytes, got {}", handle.len()) });
+        }
+        self.bind(op)?;
+        let mut h = sys::CUipcMemHandle_st { reserved: [0; IPC_HANDLE_BYTES] };
+        for (d, &b) in h.reserved.iter_mut().zip(handle) {
+            *d = b as _;
+        }
+        let mut p: sys::CUdeviceptr = 0;
+        let flags = sys::CUipcMem_flags_enum::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
+        // SAFETY: p is valid for writes; the driver checks the handle.
+        unsafe { sys::cuIpcOpenMemHandle_v2(&mut p, h, flags) }.result().map_err(dev(op))?;
+        Ok(p)
+    }
+
+    unsafe fn close(&self, addr: u64) {
+        if self.bind("ipc close").is_ok() && self.sync("ipc close").is_ok() {
+            // SAFETY: the caller guarantees addr came from open and is unused.
+            let _ = unsafe { sys::cuIpcCloseMemHandle(addr) };
+        }
+    }
+
+    unsafe fn copy(&self, copies: &[Copy2d]) -> Result<CopyTicket> {
+        let op = "region copy";
+        self.bind(op)?;
+        let s = self.stream.cu_stream();
+        for c in copies {
+            if c.width == 0 || c.height == 0 {
+                continue;
+            }
+            let contiguous = c.height == 1 || (c.src_pitch == c.width && c.dst_pitch == c.width);
+            // SAFETY: the caller guarantees every range lies in a live allocation.
+            let r = if contiguous {
+                unsafe { sys::cuMemcpyDtoDAsync_v2(c.dst, c.src, (c.width * c.height) as usize, s) }
+            } else {
+                let m = sys::CUDA_MEMCPY2D_st {
+                    srcXInBytes: 0,
+                    srcY: 0,
+                    srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                    srcHost: std::ptr::null(),
+                    srcDevice: c.src,
+                    srcArray: std::ptr::null_mut(),
+                    srcPitch: c.src_pitch as usize,
+                    dstXInBytes: 0,
+                    dstY: 0,
+                    dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                    dstHost: std::ptr::null_mut(),
+                    dstDevice: c.dst,
+                    dstArray: std::ptr::null_mut(),
+                    dstPitch: c.dst_pitch as usize,
+                    WidthInBytes: c.width as usize,
+                    Height: c.height as usize,
+                };
+                unsafe { sys::cuMemcpy2DAsync_v2(&m, s) }
+            };
+            r.result().map_err(dev(op))?;
+        }
+        let ev = self.ctx.new_event(None).map_err(dev(op))?;
+        ev.record(&self.stream).map_err(dev(op))?;
+        let t = self.next.fetch_add(1, Ordering::Relaxed);
+        self.events.lock().unwrap_or_else(|p| p.into_inner()).insert(t, ev);
+        Ok(CopyTicket(t))
+    }
+
+    fn done(&self, ticket: CopyTicket) -> Result<bool> {
+        let op = "region copy";
+        let mut events = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        let ev = events.get(&ticket.0).ok_or_else(|| KernelError::InvalidShape { op, reason: format!("unknown copy ticket {}", ticket.0) })?;
+        let done = ev.try_is_complete();
+        match done {
+            Ok(false) => Ok(false),
+            Ok(true) => {
+                events.remove(&ticket.0);
+                Ok(true)
+            }
+            Err(e) => {
+                events.remove(&ticket.0);
+                Err(dev(op)(e))
+            }
+        }
+    }
+
+    unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<()> {
+        let op = "region read";
+        if out.is_empty() {
+            return Ok(());
+        }
+        self.bind(op)?;
+        // SAFETY: the caller guarantees the range; out stays borrowed until the sync.
+        unsafe { sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), addr, out.len(), self.stream.cu_stream()) }
+            .result()
+            .map_err(dev(op))?;
+        self.sync(op)
+    }
+
+    unsafe fn write(&self, addr: u64, data: &[u8]) -> Result<()> {
+        let op = "region write";
+        if data.is_empty() {
+            return Ok(());
+        }
+        self.bind(op)?;
+        // SAFETY: the caller guarantees the range; data stays borrowed until the sync.
+        unsafe { sys::cuMemcpyHtoDAsync_v2(addr, data.as_ptr().cast(), data.len(), self.stream.cu_stream()) }
+            .result()
+            .map_err(dev(op))?;
+        self.sync(op)
+    }
+}

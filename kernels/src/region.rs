@@ -1,0 +1,163 @@
+//! Registered regions in device memory.
+//!
+//! A transport that keeps a region on a GPU allocates it through a
+//! [`DeviceMemory`] (raw, IPC-exportable device memory, not a backend buffer:
+//! its bytes are laid out by docs/layout.md, not as f32 values). The model then
+//! reaches those bytes with the backend's region ops
+//! ([`crate::Backend::region_gather`] and friends), which take the region as a
+//! [`DeviceRegion`] and the items they touch as byte offsets. Every offset is
+//! checked against the region's length on the host before a kernel runs, so a
+//! wrong layout is an error, never a wild device write.
+
+use crate::dtype::StorageDtype;
+use crate::error::{KernelError, Result};
+
+/// A registered region in device memory: its device address and its length in
+/// bytes. Only meaningful to a backend on the device that holds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceRegion {
+    pub addr: u64,
+    pub len: u64,
+}
+
+/// The items a region op touches: item i is `values` consecutive values of
+/// `dtype` at byte offset `offsets[i]` (f32 items as 4-byte values, bf16 and
+/// f16 items as 2-byte ones); item i is row i of the backend buffer.
+#[derive(Debug, Clone, Copy)]
+pub struct RegionItems<'a> {
+    pub offsets: &'a [u64],
+    pub values: usize,
+    pub dtype: StorageDtype,
+}
+
+impl RegionItems<'_> {
+    /// Bytes per value.
+    pub fn value_bytes(&self) -> u64 {
+        match self.dtype {
+            StorageDtype::F32 => 4,
+            StorageDtype::Bf16 | StorageDtype::F16 => 2,
+        }
+    }
+
+    /// Checks every item against the region (in bounds, aligned to its value
+    /// size) and returns the element count of the matching buffer.
+    pub fn check(&self, op: &'static str, region: DeviceRegion) -> Result<usize> {
+        let vb = self.value_bytes();
+        let item = (self.values as u64).checked_mul(vb).ok_or(KernelError::SizeOverflow { op, dims: vec![self.values] })?;
+        if region.addr % vb != 0 {
+            return Err(KernelError::InvalidShape { op, reason: format!("region address {:#x} is not {vb}-byte aligned", region.addr) });
+        }
+        for (i, &off) in self.offsets.iter().enumerate() {
+            if off % vb != 0 {
+                return Err(KernelError::InvalidShape { op, reason: format!("item {i} at byte {off} is not {vb}-byte aligned") });
+            }
+            match off.checked_add(item) {
+                Some(end) if end <= region.len => {}
+                _ => {
+                    return Err(KernelError::InvalidShape {
+                        op,
+                        reason: format!("item {i} covers bytes {off}..{off}+{item}, past the end of the {}-byte region", region.len),
+                    });
+                }
+            }
+        }
+        self.offsets
+            .len()
+            .checked_mul(self.values)
+            .ok_or(KernelError::SizeOverflow { op, dims: vec![self.offsets.len(), self.values] })
+    }
+}
+
+/// One strided device-to-device copy: `height` rows of `width` bytes, row r
+/// from `src + r * src_pitch` to `dst + r * dst_pitch` (a 2D copy; a single row
+/// is a plain copy). Addresses are device addresses of one device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Copy2d {
+    pub src: u64,
+    pub src_pitch: u64,
+    pub dst: u64,
+    pub dst_pitch: u64,
+    pub width: u64,
+    pub height: u64,
+}
+
+/// A batch of copies queued on a [`DeviceMemory`]; [`DeviceMemory::done`] says
+/// when every copy of it has completed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CopyTicket(pub u64);
+
+/// Device memory for a transport's regions: allocation that another process
+/// can open (an IPC handle), copies queued in order on the memory's own
+/// stream and completed by events, and host access for setup and checks.
+///
+/// The unsafe methods take raw device addresses: the caller guarantees that
+/// each address range lies inside a live allocation (the transport checks
+/// every descriptor against its regions before it queues a copy).
+pub trait DeviceMemory: Send + Sync {
+    /// The device, as the user names it ("cuda:0").
+    fn label(&self) -> String;
+    /// Allocates `len` bytes, zeroed, exportable to other processes.
+    fn alloc(&self, len: u64) -> Result<u64>;
+    /// Frees an allocation of [`DeviceMemory::alloc`].
+    ///
+    /// # Safety
+    /// `addr` came from `alloc` and no queued copy or kernel still uses it.
+    unsafe fn free(&self, addr: u64);
+    /// The IPC handle another process opens `addr` (an allocation) with.
+    fn export(&self, addr: u64) -> Result<Vec<u8>>;
+    /// Opens another process's exported allocation; returns its address here.
+    fn open(&self, handle: &[u8]) -> Result<u64>;
+    /// Closes an address that [`DeviceMemory::open`] returned.
+    ///
+    /// # Safety
+    /// No queued copy still uses `addr`.
+    unsafe fn close(&self, addr: u64);
+    /// Queues `copies` in order and returns the ticket of the batch.
+    ///
+    /// # Safety
+    /// Every range lies inside a live allocation of this device (or one opened here).
+    unsafe fn copy(&self, copies: &[Copy2d]) -> Result<CopyTicket>;
+    /// Whether every copy of `ticket` has completed (an event query). A
+    /// ticket that reported `true` is forgotten: asking again is an error.
+    fn done(&self, ticket: CopyTicket) -> Result<bool>;
+    /// Copies `out.len()` bytes at `addr` to the host (waits).
+    ///
+    /// # Safety
+    /// The range lies inside a live allocation.
+    unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<()>;
+    /// Copies `data` to `addr` (waits).
+    ///
+    /// # Safety
+    /// The range lies inside a live allocation.
+    unsafe fn write(&self, addr: u64, data: &[u8]) -> Result<()>;
+}
+
+/// The region ops' refusal on a backend without device regions (the CPU's
+/// regions are host memory and go through the host path).
+pub(crate) fn unsupported(backend: &str, op: &'static str) -> KernelError {
+    KernelError::Unsupported {
+        op,
+        backend: backend.to_string(),
+        reason: "its regions are host memory, reached through the region view's bytes".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn items_are_checked_against_the_region() {
+        let region = DeviceRegion { addr: 0x1000, len: 64 };
+        let ok = RegionItems { offsets: &[0, 32], values: 8, dtype: StorageDtype::F32 };
+        assert_eq!(ok.check("t", region).unwrap(), 16);
+        let past = RegionItems { offsets: &[40], values: 8, dtype: StorageDtype::F32 };
+        assert!(past.check("t", region).unwrap_err().to_string().contains("past the end of the 64-byte region"));
+        let odd = RegionItems { offsets: &[3], values: 1, dtype: StorageDtype::Bf16 };
+        assert!(odd.check("t", region).unwrap_err().to_string().contains("not 2-byte aligned"));
+        let half = RegionItems { offsets: &[2, 62], values: 1, dtype: StorageDtype::Bf16 };
+        assert_eq!(half.check("t", region).unwrap(), 2);
+        let huge = RegionItems { offsets: &[u64::MAX - 1], values: 1, dtype: StorageDtype::Bf16 };
+        assert!(huge.check("t", region).is_err());
+    }
+}

@@ -1,0 +1,244 @@
+//! `handoff bench transfer --transport cuda-ipc`: the hand-off between two
+//! processes on one GPU, with its peers measured in the same run.
+//!
+//! This process is the producer; it starts itself again as the consumer
+//! (`handoff bench transfer-consumer`, JSON lines on stdin and stdout). The
+//! consumer registers the decode ranks' regions in device memory, fills them
+//! with the oracle's canary and publishes their handles; the producer fills its
+//! regions with the oracle's pattern, opens the consumer's regions through CUDA
+//! IPC and moves the engine's plans through a [`TransportMover`] on the
+//! [`DeviceTransport`], exactly as a prefill stage does. Peers, over the same
+//! transport and byte count: one contiguous copy into memory of this process
+//! (the device copy) and one into a region of the consumer opened through IPC
+//! (the IPC copy). Afterwards the consumer checks every byte of its regions with
+//! the oracle: a fast wrong hand-off does not report.
+
+use crate::auth::{ClusterSecret, SECRET_ENV};
+use crate::bench_cli::{kinds_line, planned, run_pass, BenchCmdOptions};
+use crate::engine::mover::{MoverOptions, TransportMover};
+use crate::oracle::{self, OracleRequest, Placement};
+use crate::transport::device::DeviceTransport;
+use crate::transport::{shm, MemoryKind, RegionHandle, Transport, TransportExt};
+use anyhow::{anyhow, bail, Context};
+use handoff_components::plan::Descriptor;
+use handoff_components::vocab::{DecodeRank, PrefillRank, RankId, RegionKind};
+use handoff_components::Topology;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// What the producer tells the consumer process first.
+#[derive(Debug, Serialize, Deserialize)]
+struct ConsumerJob {
+    config: String,
+    tokens: u64,
+    requests: u32,
+    ordinal: u32,
+    /// Bytes of the scratch region the IPC-copy peer writes into.
+    scratch: u64,
+}
+
+/// The consumer's regions and its scratch region.
+#[derive(Debug, Serialize, Deserialize)]
+struct Ready {
+    regions: Vec<RegionHandle>,
+    scratch: RegionHandle,
+}
+
+/// Where each request sits on each decode rank: (request, decode tp, blocks, slot).
+type Leases = Vec<(u64, u32, Vec<u32>, u32)>;
+
+fn open(ordinal: u32) -> anyhow::Result<DeviceTransport> {
+    let mem = handoff_kernels::cuda_device_memory(ordinal as usize).map_err(|e| anyhow!("device cuda:{ordinal}: {e}"))?;
+    Ok(DeviceTransport::new(mem, ordinal, shm::default_dir(), ClusterSecret::process())?)
+}
+
+fn load(path: &str, tokens: u64, requests: u32) -> anyhow::Result<Topology> {
+    let topo = Topology::load(path).with_context(|| format!("loading {path}"))?;
+    if requests == 0 || tokens == 0 {
+        bail!("the bench needs at least one request of at least one token");
+    }
+    topo.admits_transfer_mode().map_err(|r| anyhow!("refused at admission: {r}"))?;
+    Ok(topo)
+}
+
+/// Bytes moved per second of `f`, run `reps` times after one warm-up.
+fn rate(bytes: u64, reps: u32, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
+    f()?;
+    let t = Instant::now();
+    for _ in 0..reps.max(1) {
+        f()?;
+    }
+    Ok(bytes as f64 * reps.max(1) as f64 / t.elapsed().as_secs_f64().max(1e-9) / 1e9)
+}
+
+/// The producer side, and the report; its last line is `ratio to device copy: R`.
+pub fn bench_transfer_ipc(config_path: &str, ordinal: u32, tokens: u64, requests: u32, o: &BenchCmdOptions) -> anyhow::Result<String> {
+    let topo = load(config_path, tokens, requests)?;
+    let (mut engine, jobs, ids) = planned(&topo, tokens, requests)?;
+    let bytes_per_pass: u64 = jobs.iter().map(|(_, p)| p.bytes()).sum();
+    let producer = Arc::new(open(ordinal)?);
+    let device = producer.device();
+
+    let exe = std::env::current_exe().context("the bench's own executable")?;
+    let mut child = Command::new(exe)
+        .args(["bench", "transfer-consumer"])
+        .env(SECRET_ENV, ClusterSecret::process().to_hex())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .context("starting the consumer process")?;
+    let mut to_child = child.stdin.take().ok_or_else(|| anyhow!("consumer stdin"))?;
+    let mut from_child = BufReader::new(child.stdout.take().ok_or_else(|| anyhow!("consumer stdout"))?);
+    let job = ConsumerJob { config: config_path.to_string(), tokens, requests, ordinal, scratch: bytes_per_pass };
+    writeln!(to_child, "{}", serde_json::to_string(&job)?)?;
+    let mut line = String::new();
+    from_child.read_line(&mut line)?;
+    let ready: Ready = serde_json::from_str(line.trim()).with_context(|| format!("the consumer said {:?}", line.trim()))?;
+    if ready.regions.iter().chain([&ready.scratch]).any(|h| h.ipc.as_ref().is_none_or(|i| i.pid == std::process::id())) {
+        bail!("the consumer's regions are not another process's device memory");
+    }
+
+    let opts = MoverOptions { staging: o.staging, workers: o.workers.max(1), batch_timeout: Duration::from_secs(120), ..MoverOptions::from_topology(&topo) };
+    let mut mover = TransportMover::new(producer.clone() as Arc<dyn Transport>, opts)?;
+    let memory = MemoryKind::Device { ordinal };
+    for r in engine.regions() {
+        let RankId::Prefill(p) = r.rank else { continue };
+        let (rank, kind) = (r.rank, r.layout.kind);
+        let h = producer.register_memory(rank, kind, r.layout.len, memory)?;
+        for id in &ids {
+            for l in engine.leases(*id).into_iter().filter(|l| l.rank == rank) {
+                let req = OracleRequest { id: *id, tokens };
+                let at = Placement { blocks: &l.blocks, slot: l.slot };
+                producer.write_region(&h, |b| oracle::fill_producer(&topo, p, kind, r.layout.units, &req, &at, b))?;
+            }
+        }
+        mover.add_source(h);
+    }
+    for h in &ready.regions {
+        mover.attach_target(h).with_context(|| format!("opening {h} through CUDA IPC"))?;
+    }
+
+    for _ in 0..o.warmup {
+        run_pass(&mut mover, &jobs)?;
+    }
+    let started = Instant::now();
+    for _ in 0..o.iterations.max(1) {
+        run_pass(&mut mover, &jobs)?;
+    }
+    let seconds = started.elapsed().as_secs_f64().max(1e-9);
+    let handoff_gbs = bytes_per_pass as f64 * o.iterations.max(1) as f64 / seconds / 1e9;
+
+    // Peers: the same bytes as one contiguous copy, here and into the consumer.
+    let kind = RegionKind::MlaKv;
+    let rank = RankId::Prefill(PrefillRank { pp: 0, tp: 0 });
+    let src = producer.register_memory(rank, kind, bytes_per_pass, memory)?;
+    let here = producer.register_memory(RankId::Decode(DecodeRank { tp: 0 }), kind, bytes_per_pass, memory)?;
+    let here = producer.attach(&here)?;
+    let there = producer.attach(&ready.scratch).context("opening the consumer's scratch region")?;
+    let one = [Descriptor::copy(kind, 0, 0, bytes_per_pass)];
+    let timeout = Duration::from_secs(60);
+    let reps = o.iterations.max(1) * 3;
+    let copy_gbs = rate(bytes_per_pass, reps, || Ok(producer.transfer(&src, here, &one, timeout)?))?;
+    let ipc_gbs = rate(bytes_per_pass, reps, || Ok(producer.transfer(&src, there, &one, timeout)?))?;
+
+    // The consumer checks every byte of what it was handed.
+    let leases: Leases = ids
+        .iter()
+        .flat_map(|&id| engine.leases(id).into_iter().map(move |l| (id, l)))
+        .filter_map(|(id, l)| match l.rank {
+            RankId::Decode(d) => Some((id, d.tp, l.blocks, l.slot)),
+            RankId::Prefill(_) => None,
+        })
+        .collect();
+    writeln!(to_child, "{}", serde_json::to_string(&leases)?)?;
+    line.clear();
+    from_child.read_line(&mut line)?;
+    let status = child.wait()?;
+    let verified = match line.trim().strip_prefix("checked ") {
+        Some(n) if status.success() => format!("yes, every consumer byte checked by the oracle in the consumer process ({n} pattern bytes)"),
+        _ => bail!("the hand-off is wrong: the consumer says {:?} ({status})", line.trim()),
+    };
+    drop(mover);
+
+    let (p, d) = (topo.prefill(), topo.decode());
+    let mut s = String::new();
+    writeln!(
+        s,
+        "transfer bench: {config_path} ({}), prefill PP{} x TP{} -> decode TP{} x DCP{}, cuda-ipc transport on {device} (consumer in process {}), {requests} request(s) x {tokens} tokens",
+        topo.model().name,
+        p.pp,
+        p.tp,
+        d.tp,
+        d.dcp,
+        ready.scratch.ipc.as_ref().map_or(0, |i| i.pid)
+    )?;
+    writeln!(s, "plans: {} per pass; {bytes_per_pass} bytes per pass ({})", jobs.len(), kinds_line(&jobs))?;
+    writeln!(s, "descriptors: {} per pass, each one device copy (2D when strided)", jobs.iter().map(|(_, p)| p.descriptors.len()).sum::<usize>())?;
+    writeln!(s, "passes: {} timed after {} warmup, {seconds:.4} s", o.iterations.max(1), o.warmup)?;
+    writeln!(s, "hand-off: {handoff_gbs:.1} GB/s ({:.1} us per pass)", seconds / o.iterations.max(1) as f64 * 1e6)?;
+    writeln!(s, "device copy (same run, {bytes_per_pass} B contiguous, this process): {copy_gbs:.1} GB/s")?;
+    writeln!(s, "IPC copy (same run, {bytes_per_pass} B contiguous into the consumer): {ipc_gbs:.1} GB/s")?;
+    writeln!(s, "byte-exact: {verified}")?;
+    writeln!(s, "ratio to IPC copy: {:.3}", handoff_gbs / ipc_gbs.max(1e-9))?;
+    write!(s, "ratio to device copy: {:.3}", handoff_gbs / copy_gbs.max(1e-9))?;
+    Ok(s)
+}
+
+/// The consumer process of [`bench_transfer_ipc`] (`handoff bench
+/// transfer-consumer`): reads its job, publishes its regions, then checks them
+/// against the leases it is sent and says `checked N` (pattern bytes) or why not.
+pub fn transfer_consumer() -> anyhow::Result<()> {
+    let stdin = std::io::stdin();
+    let mut input = stdin.lock();
+    let mut line = String::new();
+    input.read_line(&mut line)?;
+    let job: ConsumerJob = serde_json::from_str(line.trim()).context("the consumer's job")?;
+    let topo = load(&job.config, job.tokens, job.requests)?;
+    let (mut engine, _, _) = planned(&topo, job.tokens, job.requests)?;
+    let t = open(job.ordinal)?;
+    let memory = MemoryKind::Device { ordinal: job.ordinal };
+    let mut regions = Vec::new();
+    let mut units = BTreeMap::new();
+    for r in engine.regions() {
+        let RankId::Decode(_) = r.rank else { continue };
+        let h = t.register_memory(r.rank, r.layout.kind, r.layout.len, memory)?;
+        t.write_region(&h, |b| oracle::fill_canary(r.rank, r.layout.kind, b))?;
+        units.insert((r.rank, r.layout.kind), r.layout.units);
+        regions.push(h);
+    }
+    let scratch = t.register_memory(RankId::Decode(DecodeRank { tp: 0 }), RegionKind::MlaKv, job.scratch, memory)?;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{}", serde_json::to_string(&Ready { regions: regions.clone(), scratch })?)?;
+    out.flush()?;
+
+    line.clear();
+    input.read_line(&mut line)?;
+    let leases: Leases = serde_json::from_str(line.trim()).context("the leases to check")?;
+    let mut pattern = 0u64;
+    let mut verdict = Ok(());
+    for h in &regions {
+        let RankId::Decode(d) = h.rank else { continue };
+        let mine: Vec<_> = leases.iter().filter(|l| l.1 == d.tp).collect();
+        let reqs: Vec<(OracleRequest, Placement)> =
+            mine.iter().map(|(id, _, blocks, slot)| (OracleRequest { id: *id, tokens: job.tokens }, Placement { blocks, slot: *slot })).collect();
+        match t.read_region(h, |b| oracle::check_consumer(&topo, d, h.kind, units[&(h.rank, h.kind)], &reqs, b))? {
+            Ok(stats) => pattern += stats.pattern_bytes,
+            Err(e) => {
+                verdict = Err(format!("{h}: {e}"));
+                break;
+            }
+        }
+    }
+    match verdict {
+        Ok(()) => writeln!(out, "checked {pattern}")?,
+        Err(e) => writeln!(out, "wrong {e}")?,
+    }
+    out.flush()?;
+    Ok(())
+}

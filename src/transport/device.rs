@@ -1,0 +1,394 @@
+//! Device-resident regions between processes of one host: CUDA IPC.
+//!
+//! [`DeviceTransport`] keeps every region it registers in device memory,
+//! allocated through a [`DeviceMemory`] (the compute backend's device, so the
+//! model's kernels read and write the regions in place). A region's handle
+//! carries the allocation's IPC handle; a producer in another process opens it
+//! once and its descriptors become device-to-device copies into the consumer's
+//! memory: a strided descriptor is one 2D copy, a contiguous one a plain copy.
+//! A batch completes when the event recorded after its copies has (an event
+//! query, never a host-side wait on the bytes), and only then does `wait` or
+//! `poll` report it, so a write-done notice the engine sends after the batch
+//! follows the bytes.
+//!
+//! Notifications and the cluster secret are the shm transport's: its Unix
+//! socket carries the write-done reports, HMAC'd. NCCL refuses two ranks on one
+//! GPU, so IPC is the path between the role processes of one GPU.
+//!
+//! Host access ([`Transport::with_region`]) copies a region to the host and,
+//! for writes, back: for setup and for the oracle's checks, never on the
+//! serving path (the model uses [`Transport::device_region`]).
+
+use super::shm::ShmTransport;
+use super::{
+    lock, read, validate, write, BatchId, Completion, Completions, Incident, IpcHandle, MemoryKind, Notification, PeerAddr,
+    RegionHandle, RemoteRegion, Result, Transport, TransportError,
+};
+use crate::auth::ClusterSecret;
+use handoff_components::plan::Descriptor;
+use handoff_components::vocab::{RankId, RegionKind};
+use handoff_kernels::{Copy2d, CopyTicket, DeviceMemory, DeviceRegion};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+/// Device region ids and attachment ids are tagged so they never collide with
+/// the shm transport's (which carries only notifications here).
+const DEVICE_ID: u64 = 1 << 62;
+
+struct Local {
+    addr: u64,
+    len: u64,
+    kind: RegionKind,
+}
+
+struct Attached {
+    addr: u64,
+    len: u64,
+    kind: RegionKind,
+    /// Opened through IPC (closed on drop); false for this process's own regions.
+    opened: bool,
+}
+
+/// The CUDA IPC transport (see the module docs).
+pub struct DeviceTransport {
+    notes: ShmTransport,
+    mem: Arc<dyn DeviceMemory>,
+    ordinal: u32,
+    next: AtomicU64,
+    regions: RwLock<HashMap<u64, Local>>,
+    attached: RwLock<HashMap<u64, Attached>>,
+    /// (exporting pid, its address) -> attachment id: one IPC open per allocation.
+    opened: Mutex<HashMap<(u32, u64), u64>>,
+    completions: Completions,
+    pending: Mutex<Vec<(BatchId, CopyTicket)>>,
+}
+
+fn device_err(op: &str, e: handoff_kernels::KernelError) -> TransportError {
+    TransportError::Io { op: op.to_string(), kind: std::io::ErrorKind::Other, message: e.to_string() }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok()).collect()
+}
+
+impl DeviceTransport {
+    /// A transport whose regions live in `mem` (device `ordinal`), with its
+    /// notification socket under `dir`, requiring `secret` of its peers.
+    pub fn new(mem: Arc<dyn DeviceMemory>, ordinal: u32, dir: impl Into<PathBuf>, secret: ClusterSecret) -> Result<Self> {
+        Ok(DeviceTransport {
+            notes: ShmTransport::with_secret(dir, secret)?,
+            mem,
+            ordinal,
+            next: AtomicU64::new(1),
+            regions: RwLock::new(HashMap::new()),
+            attached: RwLock::new(HashMap::new()),
+            opened: Mutex::new(HashMap::new()),
+            completions: Completions::default(),
+            pending: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The device this transport allocates on ("cuda:0").
+    pub fn device(&self) -> String {
+        self.mem.label()
+    }
+
+    fn next_id(&self) -> u64 {
+        DEVICE_ID | self.next.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn local(&self, handle: &RegionHandle) -> Result<(u64, u64)> {
+        match read(&self.regions).get(&handle.id) {
+            Some(l) if handle.peer == self.notes.endpoint() && l.kind == handle.kind => Ok((l.addr, l.len)),
+            _ => Err(TransportError::UnknownRegion(handle.to_string())),
+        }
+    }
+
+    /// Reports every batch whose event has completed.
+    fn progress(&self) {
+        let mut pending = lock(&self.pending);
+        pending.retain(|&(batch, ticket)| match self.mem.done(ticket) {
+            Ok(false) => true,
+            Ok(true) => {
+                self.completions.finish(batch, Ok(()));
+                false
+            }
+            Err(e) => {
+                self.completions.finish(batch, Err(device_err("device copy", e)));
+                false
+            }
+        });
+    }
+}
+
+impl Drop for DeviceTransport {
+    fn drop(&mut self) {
+        // Let queued copies finish before their memory goes.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !lock(&self.pending).is_empty() && Instant::now() < deadline {
+            self.progress();
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        for (_, a) in write(&self.attached).drain() {
+            if a.opened {
+                // SAFETY: no copy is queued any more (or we gave up waiting at exit).
+                unsafe { self.mem.close(a.addr) };
+            }
+        }
+        for (_, l) in write(&self.regions).drain() {
+            // SAFETY: as above; peers that opened it keep their own mapping.
+            unsafe { self.mem.free(l.addr) };
+        }
+    }
+}
+
+/// The copies of a validated batch: one 2D copy per strided descriptor, one
+/// plain copy per contiguous one; descriptors whose rows overlap (a stride
+/// below the row length) go piece by piece, which keeps the sequential
+/// semantics every transport gives a batch.
+fn copies(descriptors: &[Descriptor], src: u64, dst: u64) -> Vec<Copy2d> {
+    let mut out = Vec::with_capacity(descriptors.len());
+    for d in descriptors {
+        if d.len == 0 || d.count == 0 {
+            continue;
+        }
+        let rows_apart = d.count == 1 || (d.src_stride >= d.len && d.dst_stride >= d.len);
+        if rows_apart {
+            out.push(Copy2d {
+                src: src + d.src_offset,
+                src_pitch: if d.count == 1 { d.len } else { d.src_stride },
+                dst: dst + d.dst_offset,
+                dst_pitch: if d.count == 1 { d.len } else { d.dst_stride },
+                width: d.len,
+                height: d.count as u64,
+            });
+        } else {
+            for (s, t) in d.pieces() {
+                out.push(Copy2d { src: src + s, src_pitch: d.len, dst: dst + t, dst_pitch: d.len, width: d.len, height: 1 });
+            }
+        }
+    }
+    out
+}
+
+impl Transport for DeviceTransport {
+    fn name(&self) -> &'static str {
+        "cuda-ipc"
+    }
+
+    fn endpoint(&self) -> PeerAddr {
+        self.notes.endpoint()
+    }
+
+    fn register_memory(&self, rank: RankId, kind: RegionKind, len: u64, memory: MemoryKind) -> Result<RegionHandle> {
+        match memory {
+            MemoryKind::Device { ordinal } if ordinal == self.ordinal => {}
+            other => {
+                return Err(TransportError::Unavailable {
+                    what: format!("{other} memory on the cuda-ipc transport"),
+                    reason: format!("it keeps regions in the memory of {} only", self.mem.label()),
+                });
+            }
+        }
+        let addr = self.mem.alloc(len).map_err(|e| device_err("device alloc", e))?;
+        let bytes = match self.mem.export(addr) {
+            Ok(b) => b,
+            Err(e) => {
+                // SAFETY: just allocated, never used.
+                unsafe { self.mem.free(addr) };
+                return Err(device_err("ipc export", e));
+            }
+        };
+        let id = self.next_id();
+        write(&self.regions).insert(id, Local { addr, len, kind });
+        let ipc = IpcHandle { pid: std::process::id(), addr, handle: hex(&bytes) };
+        Ok(RegionHandle { peer: self.endpoint(), id, rank, kind, len, memory, ipc: Some(ipc) })
+    }
+
+    fn unregister(&self, handle: &RegionHandle) -> Result<()> {
+        self.local(handle)?;
+        self.progress();
+        if !lock(&self.pending).is_empty() {
+            return Err(TransportError::Unavailable { what: format!("unregistering {handle}"), reason: "copies are still queued".into() });
+        }
+        if let Some(l) = write(&self.regions).remove(&handle.id) {
+            // SAFETY: nothing is queued; peers keep their own mappings.
+            unsafe { self.mem.free(l.addr) };
+        }
+        Ok(())
+    }
+
+    fn attach(&self, handle: &RegionHandle) -> Result<RemoteRegion> {
+        let MemoryKind::Device { ordinal } = handle.memory else {
+            return Err(TransportError::Unavailable {
+                what: format!("{handle}"),
+                reason: "the cuda-ipc transport writes device regions only".into(),
+            });
+        };
+        if ordinal != self.ordinal {
+            return Err(TransportError::Unavailable {
+                what: format!("{handle} on cuda:{ordinal}"),
+                reason: format!("this transport copies within {} (another GPU needs NCCL)", self.mem.label()),
+            });
+        }
+        let ipc = handle.ipc.as_ref().ok_or_else(|| TransportError::Protocol {
+            peer: handle.peer.to_string(),
+            message: format!("{handle} is a device region without an IPC handle"),
+        })?;
+        let key = (ipc.pid, ipc.addr);
+        let mut opened = lock(&self.opened);
+        if let Some(&id) = opened.get(&key) {
+            if let Some(a) = read(&self.attached).get(&id) {
+                if a.len == handle.len && a.kind == handle.kind {
+                    return Ok(RemoteRegion { id, kind: a.kind, len: a.len });
+                }
+            }
+        }
+        let (addr, by_ipc) = if ipc.pid == std::process::id() {
+            // A region of this process (another transport of it, or this one):
+            // the address is valid here as it is; IPC cannot open it.
+            (ipc.addr, false)
+        } else {
+            let bytes = unhex(&ipc.handle).ok_or_else(|| TransportError::Protocol {
+                peer: handle.peer.to_string(),
+                message: format!("{handle}: the IPC handle is not hex"),
+            })?;
+            (self.mem.open(&bytes).map_err(|e| device_err(&format!("ipc open of {handle}"), e))?, true)
+        };
+        let id = self.next_id();
+        write(&self.attached).insert(id, Attached { addr, len: handle.len, kind: handle.kind, opened: by_ipc });
+        opened.insert(key, id);
+        Ok(RemoteRegion { id, kind: handle.kind, len: handle.len })
+    }
+
+    fn detach(&self, remote: RemoteRegion) {
+        let Some(a) = write(&self.attached).remove(&remote.id) else { return };
+        lock(&self.opened).retain(|_, id| *id != remote.id);
+        if a.opened {
+            // Copies into it may still be queued: `close` waits for the stream first.
+            // SAFETY: the attachment is gone, so nothing new is queued on it.
+            unsafe { self.mem.close(a.addr) };
+        }
+    }
+
+    fn with_region(&self, handle: &RegionHandle, f: &mut dyn FnMut(&[u8])) -> Result<()> {
+        let (addr, len) = self.local(handle)?;
+        let mut bytes = vec![0u8; super::usize_len(len)?];
+        // SAFETY: the whole of a live region of this transport.
+        unsafe { self.mem.read(addr, &mut bytes) }.map_err(|e| device_err("device read", e))?;
+        f(&bytes);
+        Ok(())
+    }
+
+    fn with_region_mut(&self, handle: &RegionHandle, f: &mut dyn FnMut(&mut [u8])) -> Result<()> {
+        let (addr, len) = self.local(handle)?;
+        let mut bytes = vec![0u8; super::usize_len(len)?];
+        // SAFETY: the whole of a live region of this transport.
+        unsafe { self.mem.read(addr, &mut bytes) }.map_err(|e| device_err("device read", e))?;
+        f(&mut bytes);
+        // SAFETY: as above.
+        unsafe { self.mem.write(addr, &bytes) }.map_err(|e| device_err("device write", e))
+    }
+
+    fn device_region(&self, handle: &RegionHandle) -> Option<DeviceRegion> {
+        self.local(handle).ok().map(|(addr, len)| DeviceRegion { addr, len })
+    }
+
+    fn submit(&self, src: &RegionHandle, dst: RemoteRegion, descriptors: &[Descriptor]) -> Result<BatchId> {
+        let (src_addr, src_len) = self.local(src)?;
+        let (dst_addr, dst_len, dst_kind) = match read(&self.attached).get(&dst.id) {
+            Some(a) => (a.addr, a.len, a.kind),
+            None => return Err(TransportError::UnknownRegion(format!("attachment {} ({})", dst.id, dst.kind))),
+        };
+        validate(descriptors, Some(src_len), dst_len, dst_kind)?;
+        let batch = self.completions.begin();
+        let list = copies(descriptors, src_addr, dst_addr);
+        // SAFETY: every descriptor was checked against both regions, which are
+        // live: ours until unregistered (refused while copies are queued), the
+        // peer's for as long as it is opened here.
+        match unsafe { self.mem.copy(&list) } {
+            Ok(ticket) => {
+                lock(&self.pending).push((batch, ticket));
+                Ok(batch)
+            }
+            Err(e) => {
+                self.completions.cancel(batch);
+                Err(device_err("device copy", e))
+            }
+        }
+    }
+
+    fn poll(&self) -> Vec<Completion> {
+        self.progress();
+        self.completions.poll()
+    }
+
+    fn wait(&self, batch: BatchId, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut pause = Duration::from_micros(2);
+        loop {
+            self.progress();
+            match self.completions.wait(batch, Duration::ZERO) {
+                Err(TransportError::Timeout { .. }) if Instant::now() < deadline => {}
+                Err(TransportError::Timeout { .. }) => {
+                    return Err(TransportError::Timeout { what: format!("{batch} (device copies)"), after: timeout });
+                }
+                done => return done,
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_micros(200));
+        }
+    }
+
+    fn notify(&self, peer: &PeerAddr, bytes: &[u8]) -> Result<()> {
+        self.notes.notify(peer, bytes)
+    }
+
+    fn recv_notifications(&self) -> Vec<Notification> {
+        self.notes.recv_notifications()
+    }
+
+    fn take_incidents(&self) -> Vec<Incident> {
+        self.notes.take_incidents()
+    }
+
+    fn unauthenticated(&self) -> u64 {
+        self.notes.unauthenticated()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn descriptors_become_2d_copies_and_overlapping_rows_go_piece_by_piece() {
+        let kind = RegionKind::MlaKv;
+        let strided = Descriptor { kind, src_offset: 8, src_stride: 64, dst_offset: 16, dst_stride: 128, len: 32, count: 4 };
+        let single = Descriptor { kind, src_offset: 0, src_stride: 0, dst_offset: 0, dst_stride: 0, len: 100, count: 1 };
+        let overlapping = Descriptor { kind, src_offset: 0, src_stride: 4, dst_offset: 0, dst_stride: 4, len: 8, count: 3 };
+        let c = copies(&[strided, single, overlapping], 1000, 5000);
+        assert_eq!(c[0], Copy2d { src: 1008, src_pitch: 64, dst: 5016, dst_pitch: 128, width: 32, height: 4 });
+        assert_eq!(c[1], Copy2d { src: 1000, src_pitch: 100, dst: 5000, dst_pitch: 100, width: 100, height: 1 });
+        assert_eq!(c.len(), 2 + 3);
+        assert_eq!(c[4], Copy2d { src: 1008, src_pitch: 8, dst: 5008, dst_pitch: 8, width: 8, height: 1 });
+    }
+
+    #[test]
+    fn ipc_handles_round_trip_through_hex() {
+        let b: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(37)).collect();
+        assert_eq!(unhex(&hex(&b)).unwrap(), b);
+        assert!(unhex("abc").is_none());
+        assert!(unhex("zz").is_none());
+    }
+}
