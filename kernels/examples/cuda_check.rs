@@ -831,6 +831,13 @@ fn check_regions(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
         Copy2d { src: addr + 64, src_pitch: 1152, dst: dst + 128, dst_pitch: 4608, width: 1152, height: 100 },
         Copy2d { src: addr + 300_000, src_pitch: 0, dst: dst + 700_000, dst_pitch: 0, width: 65_536, height: 1 },
         Copy2d { src: addr, src_pitch: 16, dst: dst + 128, dst_pitch: 16, width: 16, height: 1 },
+        // Narrow rows on 4-byte and on byte alignment (the kernel's other
+        // paths), two overlapping narrow copies (must stay in order), and wide
+        // strided rows (the copy engines' 2D copy).
+        Copy2d { src: addr + 4, src_pitch: 1004, dst: dst + 800_004, dst_pitch: 1008, width: 1000, height: 9 },
+        Copy2d { src: addr + 3, src_pitch: 1001, dst: dst + 820_001, dst_pitch: 1003, width: 999, height: 7 },
+        Copy2d { src: addr + 9_000, src_pitch: 64, dst: dst + 820_500, dst_pitch: 64, width: 48, height: 40 },
+        Copy2d { src: addr + 100_000, src_pitch: 70_000, dst: dst + 850_000, dst_pitch: 66_000, width: 65_600, height: 2 },
     ];
     let t = unsafe { mem.copy(&copies)? };
     let mut spins = 0u64;
@@ -848,7 +855,7 @@ fn check_regions(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
     }
     let mut got = vec![0u8; len as usize];
     unsafe { mem.read(dst, &mut got)? };
-    rep.flag("device copy", &format!("2D 100x1152 B, 64 KiB, overlapping 16 B, in order ({spins} polls)"), got == want, "bytes");
+    rep.flag("device copy", &format!("2D narrow (16/4/1-byte words) and wide, contiguous, overlapping, in order ({spins} polls)"), got == want, "bytes");
     rep.flag("device copy", "a ticket is forgotten once done", mem.done(t).is_err(), "refused");
     let handle = mem.export(addr)?;
     rep.flag("ipc export", "a region's handle", handle.len() == 64, "64 bytes");

@@ -255,11 +255,16 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
 
 /// Compiles the device program with NVRTC for `sm_<arch>` and returns the cubin.
 pub(crate) fn nvrtc_cubin(arch: &str) -> Result<Vec<u8>> {
+    nvrtc_cubin_of(&super::device_program(), arch)
+}
+
+/// Compiles `program` (prelude and sources) with NVRTC for `sm_<arch>`.
+pub(crate) fn nvrtc_cubin_of(program: &str, arch: &str) -> Result<Vec<u8>> {
     use cudarc::nvrtc::{result as nr, sys as ns};
     let nvrtc_err = |what: &str, e: nr::NvrtcError| {
         KernelError::BackendUnavailable(format!("cuda: NVRTC {what}: {e:?}"))
     };
-    let src = CString::new(super::device_program()).expect("kernel sources contain no NUL");
+    let src = CString::new(program).expect("kernel sources contain no NUL");
     let name = CString::new("handoff_kernels.cu").expect("no NUL");
     let prog = nr::create_program(&src, Some(&name)).map_err(|e| nvrtc_err("create", e))?;
     let gpu_arch = format!("--gpu-architecture=sm_{arch}");

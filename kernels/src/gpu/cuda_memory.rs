@@ -2,15 +2,18 @@
 //! stream-ordered pools cudarc allocates buffers from cannot be exported), IPC
 //! handles (`cuIpcGetMemHandle` / `cuIpcOpenMemHandle`), and copies queued on
 //! a stream of their own, each batch followed by an event that
-//! [`DeviceMemory::done`] queries. The memory shares its backend's context, so
-//! the backend's kernels and these copies see one address space.
+//! [`DeviceMemory::done`] queries. Narrow strided rows go through one small
+//! kernel of its own (`kernels/hip/memcopy.hip`), wide and single rows through
+//! the copy engines. The memory shares its backend's context, so the backend's
+//! kernels and these copies see one address space.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys;
-use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError};
+use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::Ptx;
 
 use crate::error::{KernelError, Result};
 use crate::region::{Copy2d, CopyTicket, DeviceMemory};
@@ -18,12 +21,20 @@ use crate::region::{Copy2d, CopyTicket, DeviceMemory};
 /// Bytes of a CUDA IPC memory handle.
 pub const IPC_HANDLE_BYTES: usize = 64;
 
+/// Rows narrower than this go through `strided_copy` (the SMs); wider rows and
+/// single rows through the copy engines, which reach bandwidth on them.
+const NARROW_ROW: u64 = 64 << 10;
+/// Threads of `strided_copy`: 8 warps, a row each.
+const COPY_THREADS: u32 = 256;
+
 /// CUDA device memory for a transport's regions (see the module docs).
 pub struct CudaMemory {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    strided_copy: CudaFunction,
     next: AtomicU64,
-    events: Mutex<HashMap<u64, CudaEvent>>,
+    /// Each batch's event, and the copy table its kernel reads (kept until done).
+    events: Mutex<HashMap<u64, (CudaEvent, Vec<CudaSlice<i64>>)>>,
 }
 
 fn dev(op: &'static str) -> impl Fn(DriverError) -> KernelError {
@@ -32,8 +43,41 @@ fn dev(op: &'static str) -> impl Fn(DriverError) -> KernelError {
 
 impl CudaMemory {
     pub(crate) fn new(ctx: Arc<CudaContext>) -> Result<Self> {
-        let stream = ctx.new_stream().map_err(dev("device memory stream"))?;
-        Ok(CudaMemory { ctx, stream, next: AtomicU64::new(1), events: Mutex::new(HashMap::new()) })
+        let op = "device memory";
+        let stream = ctx.new_stream().map_err(dev(op))?;
+        // The one kernel it launches, compiled on its own (a few tens of ms),
+        // so that a transport opens without the model's kernels.
+        let (maj, min) = ctx.compute_capability().map_err(dev(op))?;
+        let program = super::program_of(|name| name == "memcopy.hip");
+        let cubin = super::cuda::nvrtc_cubin_of(&program, &format!("{maj}{min}"))?;
+        let module = ctx.load_module(Ptx::from_binary(cubin)).map_err(dev(op))?;
+        let strided_copy = module.load_function("strided_copy").map_err(dev(op))?;
+        Ok(CudaMemory { ctx, stream, strided_copy, next: AtomicU64::new(1), events: Mutex::new(HashMap::new()) })
+    }
+
+    /// Queues narrow strided copies as one `strided_copy` launch; returns the
+    /// copy table, which must live until the launch has run.
+    fn launch_narrow(&self, op: &'static str, narrow: &[&Copy2d]) -> Result<Option<CudaSlice<i64>>> {
+        if narrow.is_empty() {
+            return Ok(None);
+        }
+        let table: Vec<i64> = narrow
+            .iter()
+            .flat_map(|c| [c.src, c.dst, c.width, c.height, c.src_pitch, c.dst_pitch].map(|v| v as i64))
+            .collect();
+        let table = self.stream.clone_htod(&table).map_err(dev(op))?;
+        let rows = narrow.iter().map(|c| c.height).max().unwrap_or(1);
+        let warps = (COPY_THREADS / 32) as u64;
+        let grid_x = rows.div_ceil(warps).clamp(1, 1024) as u32;
+        let grid_y = (narrow.len() as u64).min(65_535) as u32;
+        let n = narrow.len() as i64;
+        let cfg = LaunchConfig { grid_dim: (grid_x, grid_y, 1), block_dim: (COPY_THREADS, 1, 1), shared_mem_bytes: 0 };
+        let mut b = self.stream.launch_builder(&self.strided_copy);
+        b.arg(&table).arg(&n);
+        // SAFETY: the table matches strided_copy's layout; the caller of `copy`
+        // guarantees every range.
+        unsafe { b.launch(cfg) }.map_err(dev(op))?;
+        Ok(Some(table))
     }
 
     fn bind(&self, op: &'static str) -> Result<()> {
@@ -110,10 +154,25 @@ impl DeviceMemory for CudaMemory {
         let op = "region copy";
         self.bind(op)?;
         let s = self.stream.cu_stream();
-        for c in copies {
-            if c.width == 0 || c.height == 0 {
+        // Runs of narrow strided copies go to the kernel (one launch per run,
+        // so the order of the batch is kept), the rest to the copy engines.
+        let narrow = |c: &Copy2d| c.height > 1 && c.width < NARROW_ROW;
+        // The destination bytes a copy may touch (first to last row).
+        let extent = |c: &Copy2d| (c.dst, c.dst + (c.height - 1) * c.dst_pitch + c.width);
+        let mut tables = Vec::new();
+        let mut run: Vec<&Copy2d> = Vec::new();
+        for c in copies.iter().filter(|c| c.width > 0 && c.height > 0) {
+            if narrow(c) {
+                // One launch runs its copies in parallel: a copy whose
+                // destination may meet one of the run's starts a new launch.
+                let (a, b) = extent(c);
+                if run.len() >= 256 || run.iter().any(|r| { let (x, y) = extent(r); a < y && x < b }) {
+                    tables.extend(self.launch_narrow(op, &std::mem::take(&mut run))?);
+                }
+                run.push(c);
                 continue;
             }
+            tables.extend(self.launch_narrow(op, &std::mem::take(&mut run))?);
             let contiguous = c.height == 1 || (c.src_pitch == c.width && c.dst_pitch == c.width);
             // SAFETY: the caller guarantees every range lies in a live allocation.
             let r = if contiguous {
@@ -141,17 +200,18 @@ impl DeviceMemory for CudaMemory {
             };
             r.result().map_err(dev(op))?;
         }
+        tables.extend(self.launch_narrow(op, &run)?);
         let ev = self.ctx.new_event(None).map_err(dev(op))?;
         ev.record(&self.stream).map_err(dev(op))?;
         let t = self.next.fetch_add(1, Ordering::Relaxed);
-        self.events.lock().unwrap_or_else(|p| p.into_inner()).insert(t, ev);
+        self.events.lock().unwrap_or_else(|p| p.into_inner()).insert(t, (ev, tables));
         Ok(CopyTicket(t))
     }
 
     fn done(&self, ticket: CopyTicket) -> Result<bool> {
         let op = "region copy";
         let mut events = self.events.lock().unwrap_or_else(|p| p.into_inner());
-        let ev = events.get(&ticket.0).ok_or_else(|| KernelError::InvalidShape { op, reason: format!("unknown copy ticket {}", ticket.0) })?;
+        let (ev, _) = events.get(&ticket.0).ok_or_else(|| KernelError::InvalidShape { op, reason: format!("unknown copy ticket {}", ticket.0) })?;
         let done = ev.try_is_complete();
         match done {
             Ok(false) => Ok(false),

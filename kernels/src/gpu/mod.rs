@@ -108,6 +108,7 @@ pub const HIP_SOURCES: &[(&str, &str)] = &[
     ("copy.hip", include_str!("../../hip/copy.hip")),
     ("dense.hip", include_str!("../../hip/dense.hip")),
     ("kda.hip", include_str!("../../hip/kda.hip")),
+    ("memcopy.hip", include_str!("../../hip/memcopy.hip")),
     ("mla.hip", include_str!("../../hip/mla.hip")),
     ("norm.hip", include_str!("../../hip/norm.hip")),
 ];
@@ -115,11 +116,16 @@ pub const HIP_SOURCES: &[(&str, &str)] = &[
 /// The NVRTC program: the prelude, then every source, as one translation unit
 /// (NVRTC is given no headers, so the prelude travels as text).
 pub fn device_program() -> String {
+    program_of(|_| true)
+}
+
+/// The prelude and the sources `keep` names, as one translation unit.
+pub(crate) fn program_of(keep: impl Fn(&str) -> bool) -> String {
     let mut s = String::with_capacity(
         HIP_PRELUDE.len() + HIP_SOURCES.iter().map(|(_, t)| t.len() + 64).sum::<usize>(),
     );
     s.push_str(HIP_PRELUDE);
-    for (name, text) in HIP_SOURCES {
+    for (name, text) in HIP_SOURCES.iter().filter(|(n, _)| keep(n)) {
         s.push_str("\n// ---- ");
         s.push_str(name);
         s.push('\n');
@@ -256,6 +262,7 @@ mod tests {
             "mla_partial_f64", "dcp_merge_f32", "dcp_merge_f64", "matmul_f32", "silu_mul",
             "add_inplace", "embedding", "argmax_rows", "fill_f32", "copy_cols", "round_to",
             "region_gather_b32", "region_scatter_b32", "region_gather_b16", "region_scatter_b16",
+            "strided_copy",
         ] {
             assert!(
                 program
