@@ -120,6 +120,16 @@ pub trait DeviceMemory: Send + Sync {
     /// Whether every copy of `ticket` has completed (an event query). A
     /// ticket that reported `true` is forgotten: asking again is an error.
     fn done(&self, ticket: CopyTicket) -> Result<bool>;
+    /// Waits until every copy of `ticket` has completed and forgets it. A
+    /// device copy cannot be stalled by a peer (the bytes are on this device,
+    /// and an opened allocation stays valid while it is open), so this returns
+    /// once the device has run the batch. The default polls [`DeviceMemory::done`].
+    fn wait(&self, ticket: CopyTicket) -> Result<()> {
+        while !self.done(ticket)? {
+            std::thread::sleep(std::time::Duration::from_micros(20));
+        }
+        Ok(())
+    }
     /// Copies `out.len()` bytes at `addr` to the host (waits).
     ///
     /// # Safety

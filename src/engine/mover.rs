@@ -328,13 +328,17 @@ fn stager<'a>(shared: &'a Shared, rank: RankId) -> Result<&'a Stager, TransportE
     made.as_ref().map_err(Clone::clone)
 }
 
-/// Writes every descriptor of a plan, kind by kind; returns once all batches completed.
+/// Writes every descriptor of a plan; returns once all batches completed. Kinds
+/// that stage go through the stager; every batch of the other kinds is
+/// submitted before the first wait, so an asynchronous transport (tcp, a GPU's
+/// copy queue) has the whole plan in flight at once.
 fn run_plan(shared: &Shared, plan: &Plan) -> Result<(), TransportError> {
     // Descriptors of one kind share a source and a destination region.
     let mut by_kind: BTreeMap<RegionKind, Vec<Descriptor>> = BTreeMap::new();
     for d in &plan.descriptors {
         by_kind.entry(d.kind).or_default().push(*d);
     }
+    let mut direct = Vec::new();
     for (kind, descs) in by_kind {
         let src = transport::read(&shared.sources)
             .get(&(source_rank(plan), kind))
@@ -347,32 +351,40 @@ fn run_plan(shared: &Shared, plan: &Plan) -> Result<(), TransportError> {
         if stages(shared, kind) {
             stager(shared, source_rank(plan))?.transfer(&src, dst, &descs)?;
         } else {
-            write_direct(shared, &src, dst, &descs)?;
+            direct.push((src, dst, descs));
         }
     }
-    Ok(())
+    write_direct(shared, &direct)
 }
 
-/// Submits every batch first (a remote transport keeps them all in flight), then
-/// waits for each; a batch that failed transiently is written again, with backoff.
-fn write_direct(shared: &Shared, src: &RegionHandle, dst: RemoteRegion, descs: &[Descriptor]) -> Result<(), TransportError> {
+/// Submits every batch of `writes` first (a remote or asynchronous transport
+/// keeps them all in flight), then waits for each; a batch that failed
+/// transiently is written again, with backoff.
+fn write_direct(shared: &Shared, writes: &[(RegionHandle, RemoteRegion, Vec<Descriptor>)]) -> Result<(), TransportError> {
     let o = &shared.opts;
     let t = &shared.transport;
-    let chunks: Vec<&[Descriptor]> = descs.chunks(o.max_batch as usize).collect();
-    let submitted: Vec<_> = chunks.iter().map(|c| t.submit(src, dst, c)).collect();
-    for (chunk, batch) in chunks.into_iter().zip(submitted) {
-        match batch.and_then(|b| t.wait(b, o.batch_timeout)) {
-            Ok(()) => {}
-            Err(e) if e.is_transient() && o.retry.attempts > 1 => {
+    let chunks: Vec<(&RegionHandle, RemoteRegion, &[Descriptor])> =
+        writes.iter().flat_map(|(src, dst, descs)| descs.chunks(o.max_batch as usize).map(move |c| (src, *dst, c))).collect();
+    let submitted: Vec<_> = chunks.iter().map(|&(src, dst, c)| t.submit(src, dst, c)).collect();
+    let mut first_err = None;
+    for ((src, dst, chunk), batch) in chunks.into_iter().zip(submitted) {
+        // Every submitted batch is waited for, even after a failure, so none
+        // is left in flight when the plan reports.
+        let r = match batch.and_then(|b| t.wait(b, o.batch_timeout)) {
+            Ok(()) => Ok(()),
+            Err(e) if first_err.is_none() && e.is_transient() && o.retry.attempts > 1 => {
                 tracing::debug!(error = %e, "mover: retrying a batch");
                 std::thread::sleep(o.retry.initial_backoff);
                 let again = RetryPolicy { attempts: o.retry.attempts - 1, ..o.retry };
-                again.run(|_| t.transfer(src, dst, chunk, o.batch_timeout))?;
+                again.run(|_| t.transfer(src, dst, chunk, o.batch_timeout))
             }
-            Err(e) => return Err(e),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = r {
+            first_err.get_or_insert(e);
         }
     }
-    Ok(())
+    first_err.map_or(Ok(()), Err)
 }
 
 // ---------------------------------------------------------------------------

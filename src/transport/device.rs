@@ -333,28 +333,21 @@ impl Transport for DeviceTransport {
         self.completions.poll()
     }
 
+    /// Sleeps in the driver until the batch's copies have run (no peer can
+    /// stall a device copy: see [`DeviceMemory::wait`]), so `timeout` only
+    /// bounds waiting for a batch another thread is reporting.
     fn wait(&self, batch: BatchId, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
-        let start = Instant::now();
-        let mut pause = Duration::from_micros(20);
-        loop {
-            self.progress();
-            match self.completions.wait(batch, Duration::ZERO) {
-                Err(TransportError::Timeout { .. }) if Instant::now() < deadline => {}
-                Err(TransportError::Timeout { .. }) => {
-                    return Err(TransportError::Timeout { what: format!("{batch} (device copies)"), after: timeout });
-                }
-                done => return done,
-            }
-            // A batch takes tens to hundreds of microseconds: yield for the
-            // first 200 us (a sleep costs more than that on Linux), then back off.
-            if start.elapsed() < Duration::from_micros(200) {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(pause);
-                pause = (pause * 2).min(Duration::from_micros(500));
-            }
+        // Taken out of `pending` first, so `poll` never queries a ticket this
+        // thread is waiting on (and forgets).
+        let ticket = {
+            let mut pending = lock(&self.pending);
+            pending.iter().position(|(b, _)| *b == batch).map(|i| pending.swap_remove(i).1)
+        };
+        if let Some(ticket) = ticket {
+            let r = self.mem.wait(ticket).map_err(|e| device_err("device copy", e));
+            self.completions.finish(batch, r);
         }
+        self.completions.wait(batch, timeout)
     }
 
     fn notify(&self, peer: &PeerAddr, bytes: &[u8]) -> Result<()> {

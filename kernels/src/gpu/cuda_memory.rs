@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys;
-use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaStream, DriverError, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 
 use crate::error::{KernelError, Result};
@@ -23,6 +23,8 @@ pub const IPC_HANDLE_BYTES: usize = 64;
 
 /// Rows narrower than this go through `strided_copy` (the SMs); wider rows and
 /// single rows through the copy engines, which reach bandwidth on them.
+/// `HANDOFF_CUDA_COPY=engines` sends every copy to the copy engines (for
+/// measuring the two against each other).
 const NARROW_ROW: u64 = 64 << 10;
 /// Threads of `strided_copy`: 8 warps, a row each.
 const COPY_THREADS: u32 = 256;
@@ -32,9 +34,12 @@ pub struct CudaMemory {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     strided_copy: CudaFunction,
+    /// Rows narrower than this go to `strided_copy` (0: none do).
+    narrow_row: u64,
     next: AtomicU64,
-    /// Each batch's event, and the copy table its kernel reads (kept until done).
-    events: Mutex<HashMap<u64, (CudaEvent, Vec<CudaSlice<i64>>)>>,
+    /// Each batch's event (blocking-sync: a waiting thread sleeps in the
+    /// driver instead of spinning on it).
+    events: Mutex<HashMap<u64, Arc<CudaEvent>>>,
 }
 
 fn dev(op: &'static str) -> impl Fn(DriverError) -> KernelError {
@@ -52,32 +57,8 @@ impl CudaMemory {
         let cubin = super::cuda::nvrtc_cubin_of(&program, &format!("{maj}{min}"))?;
         let module = ctx.load_module(Ptx::from_binary(cubin)).map_err(dev(op))?;
         let strided_copy = module.load_function("strided_copy").map_err(dev(op))?;
-        Ok(CudaMemory { ctx, stream, strided_copy, next: AtomicU64::new(1), events: Mutex::new(HashMap::new()) })
-    }
-
-    /// Queues narrow strided copies as one `strided_copy` launch; returns the
-    /// copy table, which must live until the launch has run.
-    fn launch_narrow(&self, op: &'static str, narrow: &[&Copy2d]) -> Result<Option<CudaSlice<i64>>> {
-        if narrow.is_empty() {
-            return Ok(None);
-        }
-        let table: Vec<i64> = narrow
-            .iter()
-            .flat_map(|c| [c.src, c.dst, c.width, c.height, c.src_pitch, c.dst_pitch].map(|v| v as i64))
-            .collect();
-        let table = self.stream.clone_htod(&table).map_err(dev(op))?;
-        let rows = narrow.iter().map(|c| c.height).max().unwrap_or(1);
-        let warps = (COPY_THREADS / 32) as u64;
-        let grid_x = rows.div_ceil(warps).clamp(1, 1024) as u32;
-        let grid_y = (narrow.len() as u64).min(65_535) as u32;
-        let n = narrow.len() as i64;
-        let cfg = LaunchConfig { grid_dim: (grid_x, grid_y, 1), block_dim: (COPY_THREADS, 1, 1), shared_mem_bytes: 0 };
-        let mut b = self.stream.launch_builder(&self.strided_copy);
-        b.arg(&table).arg(&n);
-        // SAFETY: the table matches strided_copy's layout; the caller of `copy`
-        // guarantees every range.
-        unsafe { b.launch(cfg) }.map_err(dev(op))?;
-        Ok(Some(table))
+        let narrow_row = if std::env::var("HANDOFF_CUDA_COPY").is_ok_and(|v| v == "engines") { 0 } else { NARROW_ROW };
+        Ok(CudaMemory { ctx, stream, strided_copy, narrow_row, next: AtomicU64::new(1), events: Mutex::new(HashMap::new()) })
     }
 
     fn bind(&self, op: &'static str) -> Result<()> {
@@ -86,6 +67,22 @@ impl CudaMemory {
 
     fn sync(&self, op: &'static str) -> Result<()> {
         self.stream.synchronize().map_err(dev(op))
+    }
+
+    /// Queues one narrow strided copy as a `strided_copy` launch.
+    fn launch_narrow(&self, op: &'static str, c: &Copy2d) -> Result<()> {
+        let warps = (COPY_THREADS / 32) as u64;
+        let grid_x = c.height.div_ceil(warps).clamp(1, 2048) as u32;
+        let cfg = LaunchConfig { grid_dim: (grid_x, 1, 1), block_dim: (COPY_THREADS, 1, 1), shared_mem_bytes: 0 };
+        let a = [c.src, c.dst, c.width, c.height, c.src_pitch, c.dst_pitch].map(|v| v as i64);
+        let mut b = self.stream.launch_builder(&self.strided_copy);
+        for v in &a {
+            b.arg(v);
+        }
+        // SAFETY: six i64 arguments as strided_copy takes them; the caller of
+        // `copy` guarantees every range.
+        unsafe { b.launch(cfg) }.map_err(dev(op))?;
+        Ok(())
     }
 }
 
@@ -154,25 +151,14 @@ impl DeviceMemory for CudaMemory {
         let op = "region copy";
         self.bind(op)?;
         let s = self.stream.cu_stream();
-        // Runs of narrow strided copies go to the kernel (one launch per run,
-        // so the order of the batch is kept), the rest to the copy engines.
-        let narrow = |c: &Copy2d| c.height > 1 && c.width < NARROW_ROW;
-        // The destination bytes a copy may touch (first to last row).
-        let extent = |c: &Copy2d| (c.dst, c.dst + (c.height - 1) * c.dst_pitch + c.width);
-        let mut tables = Vec::new();
-        let mut run: Vec<&Copy2d> = Vec::new();
+        // Narrow strided copies go to the kernel, the rest to the copy
+        // engines; all on one stream, so the batch runs in its order.
+        let narrow = |c: &Copy2d| c.height > 1 && c.width < self.narrow_row;
         for c in copies.iter().filter(|c| c.width > 0 && c.height > 0) {
             if narrow(c) {
-                // One launch runs its copies in parallel: a copy whose
-                // destination may meet one of the run's starts a new launch.
-                let (a, b) = extent(c);
-                if run.len() >= 256 || run.iter().any(|r| { let (x, y) = extent(r); a < y && x < b }) {
-                    tables.extend(self.launch_narrow(op, &std::mem::take(&mut run))?);
-                }
-                run.push(c);
+                self.launch_narrow(op, c)?;
                 continue;
             }
-            tables.extend(self.launch_narrow(op, &std::mem::take(&mut run))?);
             let contiguous = c.height == 1 || (c.src_pitch == c.width && c.dst_pitch == c.width);
             // SAFETY: the caller guarantees every range lies in a live allocation.
             let r = if contiguous {
@@ -200,18 +186,17 @@ impl DeviceMemory for CudaMemory {
             };
             r.result().map_err(dev(op))?;
         }
-        tables.extend(self.launch_narrow(op, &run)?);
-        let ev = self.ctx.new_event(None).map_err(dev(op))?;
+        let ev = self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC)).map_err(dev(op))?;
         ev.record(&self.stream).map_err(dev(op))?;
         let t = self.next.fetch_add(1, Ordering::Relaxed);
-        self.events.lock().unwrap_or_else(|p| p.into_inner()).insert(t, (ev, tables));
+        self.events.lock().unwrap_or_else(|p| p.into_inner()).insert(t, Arc::new(ev));
         Ok(CopyTicket(t))
     }
 
     fn done(&self, ticket: CopyTicket) -> Result<bool> {
         let op = "region copy";
         let mut events = self.events.lock().unwrap_or_else(|p| p.into_inner());
-        let (ev, _) = events.get(&ticket.0).ok_or_else(|| KernelError::InvalidShape { op, reason: format!("unknown copy ticket {}", ticket.0) })?;
+        let ev = events.get(&ticket.0).ok_or_else(|| KernelError::InvalidShape { op, reason: format!("unknown copy ticket {}", ticket.0) })?;
         let done = ev.try_is_complete();
         match done {
             Ok(false) => Ok(false),
@@ -224,6 +209,20 @@ impl DeviceMemory for CudaMemory {
                 Err(dev(op)(e))
             }
         }
+    }
+
+    fn wait(&self, ticket: CopyTicket) -> Result<()> {
+        let op = "region copy";
+        let ev = self
+            .events
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&ticket.0)
+            .cloned()
+            .ok_or_else(|| KernelError::InvalidShape { op, reason: format!("unknown copy ticket {}", ticket.0) })?;
+        let r = ev.synchronize().map_err(dev(op));
+        self.events.lock().unwrap_or_else(|p| p.into_inner()).remove(&ticket.0);
+        r
     }
 
     unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<()> {
