@@ -157,9 +157,10 @@ struct Funcs {
     kda_step: Vec<CudaFunction>,
     kda_prefill: CudaFunction,
     kda_recurrent_wide: CudaFunction,
-    /// The chunked prefill's two phases (kda_chunk.hip).
-    kda_chunk_prep: CudaFunction,
-    kda_chunk_state: CudaFunction,
+    /// The chunked prefill's two phases (kda_chunk_prep, kda_chunk_state of
+    /// kda_chunk.hip); None on a device that cannot give their blocks the
+    /// shared memory they take (the prefill stays recurrent there).
+    kda_chunk: Option<(CudaFunction, CudaFunction)>,
     replay_append: CudaFunction,
     replay_commit: CudaFunction,
     conv_prefill_out: CudaFunction,
@@ -470,12 +471,11 @@ impl CudaBackend {
                 .load_function(name)
                 .map_err(|e| unavailable(&format!("kernel {name} missing from the module"), e))
         };
-        let f = Funcs {
+        let mut f = Funcs {
             kda_step: KdaKernel::ALL.iter().map(|k| get(k.kernel_name())).collect::<Result<_>>()?,
             kda_prefill: get("kda_prefill")?,
             kda_recurrent_wide: get("kda_recurrent_wide")?,
-            kda_chunk_prep: get("kda_chunk_prep")?,
-            kda_chunk_state: get("kda_chunk_state")?,
+            kda_chunk: Some((get("kda_chunk_prep")?, get("kda_chunk_state")?)),
             replay_append: get("replay_append")?,
             replay_commit: get("replay_commit")?,
             conv_prefill_out: get("conv_prefill_out")?,
@@ -516,10 +516,16 @@ impl CudaBackend {
                 .map_err(|e| unavailable("cannot set the MLA kernel's shared memory carveout", e))?;
         }
         // The chunked KDA prefill's blocks hold a chunk's 64 x 128 operands in
-        // shared memory (97 and 129 KB, kda_chunk.hip): opt in likewise.
-        for (func, bytes) in [(&f.kda_chunk_prep, KDA_CHUNK_PREP_SMEM), (&f.kda_chunk_state, KDA_CHUNK_STATE_SMEM)] {
-            func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
-                .map_err(|e| unavailable("cannot give the chunked KDA kernel its shared memory", e))?;
+        // shared memory (97 and 129 KB, kda_chunk.hip): opt in likewise; a
+        // device with less per block keeps the recurrent prefill.
+        let chunk_ok = f.kda_chunk.as_ref().is_some_and(|(prep, state)| {
+            [(prep, KDA_CHUNK_PREP_SMEM), (state, KDA_CHUNK_STATE_SMEM)].iter().all(|(func, bytes)| {
+                func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, *bytes as i32)
+                    .is_ok()
+            })
+        });
+        if !chunk_ok {
+            f.kda_chunk = None;
         }
         Ok(Self {
             ctx,
@@ -1201,7 +1207,8 @@ impl Backend for CudaBackend {
     }
 
     /// The chunked form (kda_chunk.hip) where the CPU reference takes it too
-    /// (at least one chunk of 64 tokens and 2 dv >= 3 x 64) and dk <= 128: a
+    /// (at least one chunk of 64 tokens and 2 dv >= 3 x 64), dk <= 128 and the
+    /// device gives the kernels their shared memory (the H200 does): a
     /// parallel pass over all chunks, then one block per (head, 16 value
     /// columns) walks the chunks; it agrees with the CPU's chunked form to
     /// rounding. Otherwise the recurrent form: one block per (head, column
@@ -1220,9 +1227,10 @@ impl Backend for CudaBackend {
         let KdaPrefillShape { tokens, heads, dk, dv } = shape;
         check_kda(op, tokens, heads, dk, dv, state.len, 1, &x, &params, out.len, record.as_ref().map(|r| r.len))?;
         let chunk = cpu_kda::KDA_CHUNK;
-        if tokens < chunk || dk > KDA_CHUNK_DK || 2 * dv < 3 * chunk {
+        let Some((prep, pass)) = self.f.kda_chunk.as_ref().filter(|_| tokens >= chunk && dk <= KDA_CHUNK_DK && 2 * dv >= 3 * chunk)
+        else {
             return self.kda_recurrent(op, 1, tokens, heads, dk, dv, state, x, params, out, record);
-        }
+        };
         // Workspace of kda_chunk.hip (kda_chunk_ws), every element written by
         // kda_chunk_prep before kda_chunk_state reads it.
         let chunks = tokens.div_ceil(chunk);
@@ -1242,7 +1250,7 @@ impl Backend for CudaBackend {
         let (t, h, k, v) = (int(op, "tokens", tokens)?, int(op, "heads", heads)?, int(op, "dk", dk)?, int(op, "dv", dv)?);
         let nch = int(op, "chunks", chunks)?;
         let null: u64 = 0;
-        let mut b = self.stream.launch_builder(&self.f.kda_chunk_prep);
+        let mut b = self.stream.launch_builder(prep);
         b.arg(&x.q.data)
             .arg(&x.k.data)
             .arg(&x.v.data)
@@ -1264,7 +1272,7 @@ impl Backend for CudaBackend {
         // and the record were checked to hold tokens x heads rows, the
         // workspace is sized as kda_chunk_ws lays it out.
         unsafe { b.launch(cfg) }.map_err(dev(op))?;
-        let mut b = self.stream.launch_builder(&self.f.kda_chunk_state);
+        let mut b = self.stream.launch_builder(pass);
         b.arg(&mut state.data).arg(&mut out.data);
         match record {
             Some(r) => b.arg(&mut r.data),
