@@ -13,8 +13,8 @@
 //! `CpuBackend` and `CudaBackend` on them and prints `op | case | max rel err |
 //! tol | ok`. The error is max |gpu - cpu| over max |cpu| (relative to the
 //! output's inf-norm); "exact" rows compare bits. Tolerances: f32 ops 1e-5;
-//! KDA prefill 1e-4 (the CPU runs the chunked form on wide heads, the GPU the
-//! recurrent one); f64 attention partials 1e-12; copies, rounding, embedding,
+//! KDA prefill 1e-4 (the CPU runs the chunked form on wide heads, and so does
+//! the GPU where dk <= 128; both agree to rounding only); f64 attention partials 1e-12; copies, rounding, embedding,
 //! argmax, cursors exact. Batch invariance (matmul, KDA step, ragged MLA
 //! partial: a batch of B against each row alone, bit-equal) and determinism
 //! (two runs, bit-equal) are checked on the GPU. Exits 0 when all pass, 1 on a
@@ -236,6 +236,23 @@ fn run_kda_prefill<B: Backend>(be: &B, t: usize, c: &KdaHost, s0: &[f32]) -> R<(
     Ok((be.download(&out)?, be.download(&state)?, be.download(&rec)?))
 }
 
+/// The prefill without a record; returns (out, final state).
+fn run_kda_prefill_norec<B: Backend>(be: &B, t: usize, c: &KdaHost, s0: &[f32]) -> R<(Vec<f32>, Vec<f32>)> {
+    let (h, dk, dv) = (c.h, c.dk, c.dv);
+    let shape = KdaPrefillShape { tokens: t, heads: h, dk, dv };
+    let mut state = be.upload(s0)?;
+    let mut out = be.alloc(t * h * dv)?;
+    let d = KdaDev::new(be, c)?;
+    be.kda_prefill(shape, &mut state, d.inputs(), d.params(), &mut out, None)?;
+    Ok((be.download(&out)?, be.download(&state)?))
+}
+
+/// Whether CudaBackend::kda_prefill takes the chunked kernels (kda_chunk.hip)
+/// for this shape: the CPU's own rule (a full chunk, 2 dv >= 3 x 64) and dk <= 128.
+fn device_prefill_chunked(t: usize, dk: usize, dv: usize) -> bool {
+    t >= handoff_kernels::KDA_CHUNK && dk <= 128 && 2 * dv >= 3 * handoff_kernels::KDA_CHUNK
+}
+
 /// (ring after the appends, cursors after the appends, committed state, cursors after the commit).
 type ReplayOut = (Vec<f32>, Vec<i32>, Vec<f32>, Vec<i32>);
 
@@ -433,7 +450,10 @@ fn checks(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
     }
 
     // KDA prefill: CPU chunked (wide heads) and recurrent (small heads) forms;
-    // the GPU's recurrent prefill must equal its own steps bit for bit.
+    // where the GPU runs the recurrent prefill too (under a chunk of tokens,
+    // narrow heads) it must equal its own steps bit for bit; its chunked
+    // prefill (T = 65 and up here, and the 40x200 heads) agrees with the CPU
+    // to 1e-4.
     for &(t, h, dk, dv) in &[(1usize, 2usize, 128usize, 128usize), (63, 2, 128, 128), (65, 2, 128, 128), (200, 2, 128, 128), (100, 4, 16, 16), (70, 3, 40, 200)] {
         let c = KdaHost::new(&mut r, t, h, dk, dv);
         let s0 = uni(&mut r, h * dk * dv, -0.5, 0.5);
@@ -443,7 +463,7 @@ fn checks(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
         rep.close("kda_prefill out", &case, &go, &co, 1e-4);
         rep.close("kda_prefill state", &case, &gs, &cs, 1e-4);
         rep.close("kda_prefill record", &case, &gr, &cr, 1e-4);
-        if t <= 65 {
+        if t <= 65 && !device_prefill_chunked(t, dk, dv) {
             // T steps of batch one on the device.
             let steps: Vec<KdaHost> = (0..t).map(|i| c.rows(i, i + 1)).collect();
             let shape = KdaStepShape { batch: 1, heads: h, dk, dv };
@@ -458,6 +478,29 @@ fn checks(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
             rep.exact_f32("kda_prefill = T gpu steps", &format!("{case}: out"), &go, &outs);
             rep.exact_f32("kda_prefill = T gpu steps", &format!("{case}: state"), &gs, &gpu.download(&state)?);
         }
+    }
+
+    // Chunked KDA prefill on the device against the CPU's chunked form: K3's
+    // 128x128 heads, one chunk exactly, one token past it, a short last
+    // chunk, many chunks; a nonzero initial state; with and without the
+    // record (the output must not depend on it); two runs bit-equal.
+    for &(t, h) in &[(64usize, 2usize), (65, 3), (200, 2), (1000, 3)] {
+        let (dk, dv) = (128usize, 128usize);
+        let c = KdaHost::new(&mut r, t, h, dk, dv);
+        let s0 = uni(&mut r, h * dk * dv, -0.5, 0.5);
+        let case = format!("T={t} H={h} dk={dk} dv={dv}");
+        let (go, gs, gr) = run_kda_prefill(gpu, t, &c, &s0)?;
+        let (co, cs, cr) = run_kda_prefill(&cpu, t, &c, &s0)?;
+        rep.close("kda_prefill chunked out", &case, &go, &co, 1e-4);
+        rep.close("kda_prefill chunked state", &case, &gs, &cs, 1e-4);
+        rep.close("kda_prefill chunked record", &case, &gr, &cr, 1e-4);
+        let (no, ns) = run_kda_prefill_norec(gpu, t, &c, &s0)?;
+        let (cno, cns) = run_kda_prefill_norec(&cpu, t, &c, &s0)?;
+        rep.close("kda_prefill chunked no rec", &format!("{case}: out"), &no, &cno, 1e-4);
+        rep.close("kda_prefill chunked no rec", &format!("{case}: state"), &ns, &cns, 1e-4);
+        rep.exact_f32("kda_prefill chunked rec = no rec", &case, &[no, ns].concat(), &[go.clone(), gs.clone()].concat());
+        let (go2, gs2, gr2) = run_kda_prefill(gpu, t, &c, &s0)?;
+        rep.exact_f32("determinism kda_prefill chunk", &format!("{case}, two runs"), &[go2, gs2, gr2].concat(), &[go, gs, gr].concat());
     }
 
     // ReplaySSM: records from real steps, two appends of 3 tokens, commit.
@@ -949,9 +992,39 @@ fn bench(gpu: &mut CudaBackend, seed: u64, mla_only: bool) -> R<()> {
         gpu.set_kda_kernel(default);
     }
 
-    // KDA prefill (recurrent on the device): 8K tokens x 12 heads.
+    // KDA prefill, 8K tokens x 12 heads: the recurrent kernel, for
+    // comparison. A 128x128 prefill of 64 tokens or more now runs chunked, so
+    // the recurrent figure is taken from calls of 63 tokens each (inputs
+    // uploaded per piece beforehand; one launch per 63 tokens, whose launch
+    // cost is small against the 63 dependent steps it runs).
     {
         let (t, h, dk, dv) = (8192usize, 12usize, 128usize, 128usize);
+        let piece = handoff_kernels::KDA_CHUNK - 1;
+        let host = KdaHost::new(&mut r, t, h, dk, dv);
+        type Buf = <CudaBackend as Backend>::Buf;
+        let mut pieces: Vec<(usize, KdaDev<CudaBackend>, Buf)> = (0..t)
+            .step_by(piece)
+            .map(|a| {
+                let b = (a + piece).min(t);
+                Ok((b - a, KdaDev::new(&*gpu, &host.rows(a, b))?, gpu.alloc((b - a) * h * dv)?))
+            })
+            .collect::<R<_>>()?;
+        let mut state = gpu.alloc(h * dk * dv)?;
+        let g = &*gpu;
+        let mut run = || -> R<()> {
+            for (n, d, o) in pieces.iter_mut() {
+                let shape = KdaPrefillShape { tokens: *n, heads: h, dk, dv };
+                g.kda_prefill(shape, &mut state, d.inputs(), d.params(), o, None)?;
+            }
+            Ok(())
+        };
+        run()?;
+        let us = g.time_us(3, &mut run)?;
+        println!("| kda_prefill (recurrent, 63-token calls) | T={t} H={h} 128x128 | {us:.0} per call | {:.2} M tok/s | - |", t as f64 / us);
+    }
+    // KDA prefill, chunked (kda_chunk.hip; the workspace allocation included).
+    for &t in &[8192usize, 32768] {
+        let (h, dk, dv) = (12usize, 128usize, 128usize);
         let host = KdaHost::new(&mut r, t, h, dk, dv);
         let d = KdaDev::new(&*gpu, &host)?;
         let mut state = gpu.alloc(h * dk * dv)?;
@@ -960,7 +1033,7 @@ fn bench(gpu: &mut CudaBackend, seed: u64, mla_only: bool) -> R<()> {
         gpu.kda_prefill(shape, &mut state, d.inputs(), d.params(), &mut out, None)?;
         let g = &*gpu;
         let us = g.time_us(3, || g.kda_prefill(shape, &mut state, d.inputs(), d.params(), &mut out, None))?;
-        println!("| kda_prefill (recurrent) | T={t} H={h} 128x128 | {us:.0} per call | {:.2} M tok/s | - |", t as f64 / us);
+        println!("| kda_prefill (chunked) | T={t} H={h} 128x128 | {us:.0} per call | {:.2} M tok/s | - |", t as f64 / us);
     }
 
     bench_mla(gpu, bw, &mut r)?;

@@ -52,6 +52,15 @@ const KDA_ROWS: usize = 16;
 const DEFAULT_KDA_KERNEL: KdaKernel = KdaKernel::C2;
 /// Largest dk the KDA kernels take: 16 warps of 16 rows in registers.
 const KDA_MAX_DK: usize = 256;
+/// The chunked KDA prefill (kda_chunk.hip): key channels padded to (and at
+/// most) KC_DK, 16 value columns per state block, 256 threads, and the
+/// dynamic shared memory of its two kernels (opted in at open).
+const KDA_CHUNK_DK: usize = 128;
+const KDA_CHUNK_TILE: usize = 16;
+const KDA_CHUNK_THREADS: u32 = 256;
+const KDA_CHUNK_PREP_SMEM: u32 = ((3 * 64 * (KDA_CHUNK_DK + 1) + 64) * 4) as u32;
+const KDA_CHUNK_STATE_SMEM: u32 =
+    ((KDA_CHUNK_DK * KDA_CHUNK_TILE + 64 * KDA_CHUNK_TILE + 64 * 68 + 3 * 64 * (KDA_CHUNK_DK + 4) + KDA_CHUNK_DK) * 4) as u32;
 /// Dynamic shared memory a block may use without opting in to more.
 const SMEM_BUDGET: usize = 48 * 1024;
 /// The row shape of the tensor-core MLA partial (mla.hip's MLA_TC_L, MLA_TC_W
@@ -148,6 +157,10 @@ struct Funcs {
     kda_step: Vec<CudaFunction>,
     kda_prefill: CudaFunction,
     kda_recurrent_wide: CudaFunction,
+    /// The chunked prefill's two phases (kda_chunk_prep, kda_chunk_state of
+    /// kda_chunk.hip); None on a device that cannot give their blocks the
+    /// shared memory they take (the prefill stays recurrent there).
+    kda_chunk: Option<(CudaFunction, CudaFunction)>,
     replay_append: CudaFunction,
     replay_commit: CudaFunction,
     conv_prefill_out: CudaFunction,
@@ -458,10 +471,11 @@ impl CudaBackend {
                 .load_function(name)
                 .map_err(|e| unavailable(&format!("kernel {name} missing from the module"), e))
         };
-        let f = Funcs {
+        let mut f = Funcs {
             kda_step: KdaKernel::ALL.iter().map(|k| get(k.kernel_name())).collect::<Result<_>>()?,
             kda_prefill: get("kda_prefill")?,
             kda_recurrent_wide: get("kda_recurrent_wide")?,
+            kda_chunk: Some((get("kda_chunk_prep")?, get("kda_chunk_state")?)),
             replay_append: get("replay_append")?,
             replay_commit: get("replay_commit")?,
             conv_prefill_out: get("conv_prefill_out")?,
@@ -500,6 +514,18 @@ impl CudaBackend {
             .map_err(|e| unavailable("cannot give the MLA kernel its shared memory", e))?;
             func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
                 .map_err(|e| unavailable("cannot set the MLA kernel's shared memory carveout", e))?;
+        }
+        // The chunked KDA prefill's blocks hold a chunk's 64 x 128 operands in
+        // shared memory (97 and 129 KB, kda_chunk.hip): opt in likewise; a
+        // device with less per block keeps the recurrent prefill.
+        let chunk_ok = f.kda_chunk.as_ref().is_some_and(|(prep, state)| {
+            [(prep, KDA_CHUNK_PREP_SMEM), (state, KDA_CHUNK_STATE_SMEM)].iter().all(|(func, bytes)| {
+                func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, *bytes as i32)
+                    .is_ok()
+            })
+        });
+        if !chunk_ok {
+            f.kda_chunk = None;
         }
         Ok(Self {
             ctx,
@@ -1180,10 +1206,14 @@ impl Backend for CudaBackend {
         self.kda_recurrent(op, batch, 1, heads, dk, dv, state, x, params, out, record)
     }
 
-    /// The recurrent form on the device: one block per (head, column tile)
-    /// walks the tokens with the state in registers, so the result equals
-    /// `tokens` decode steps bit for bit (the CPU may pick the chunked form
-    /// for wide heads; the two agree to rounding).
+    /// The chunked form (kda_chunk.hip) where the CPU reference takes it too
+    /// (at least one chunk of 64 tokens and 2 dv >= 3 x 64), dk <= 128 and the
+    /// device gives the kernels their shared memory (the H200 does): a
+    /// parallel pass over all chunks, then one block per (head, 16 value
+    /// columns) walks the chunks; it agrees with the CPU's chunked form to
+    /// rounding. Otherwise the recurrent form: one block per (head, column
+    /// tile) walks the tokens with the state in registers, so the result
+    /// equals `tokens` decode steps bit for bit.
     fn kda_prefill(
         &self,
         shape: KdaPrefillShape,
@@ -1196,7 +1226,68 @@ impl Backend for CudaBackend {
         let op = "kda_prefill";
         let KdaPrefillShape { tokens, heads, dk, dv } = shape;
         check_kda(op, tokens, heads, dk, dv, state.len, 1, &x, &params, out.len, record.as_ref().map(|r| r.len))?;
-        self.kda_recurrent(op, 1, tokens, heads, dk, dv, state, x, params, out, record)
+        let chunk = cpu_kda::KDA_CHUNK;
+        let Some((prep, pass)) = self.f.kda_chunk.as_ref().filter(|_| tokens >= chunk && dk <= KDA_CHUNK_DK && 2 * dv >= 3 * chunk)
+        else {
+            return self.kda_recurrent(op, 1, tokens, heads, dk, dv, state, x, params, out, record);
+        };
+        // Workspace of kda_chunk.hip (kda_chunk_ws), every element written by
+        // kda_chunk_prep before kda_chunk_state reads it.
+        let chunks = tokens.div_ceil(chunk);
+        let ws_len = (|| {
+            let rows = heads.checked_mul(chunks)?.checked_mul(chunk)?;
+            let per_chunk = heads.checked_mul(chunks)?.checked_mul(chunk * chunk + KDA_CHUNK_DK)?;
+            rows.checked_mul(3 * KDA_CHUNK_DK + dv)?.checked_add(per_chunk)
+        })()
+        .ok_or(KernelError::SizeOverflow { op, dims: vec![tokens, heads, dv] })?;
+        // SAFETY: kda_chunk_prep writes every element before kda_chunk_state,
+        // queued after it on the same stream, reads any.
+        let ws = unsafe { self.stream.alloc::<f32>(ws_len) }.map_err(dev(op))?;
+        let tiles = dv.div_ceil(KDA_CHUNK_TILE);
+        if tiles > 65535 || heads > 65535 {
+            return Err(KernelError::InvalidShape { op, reason: format!("{heads} heads of dv = {dv}: too many blocks") });
+        }
+        let (t, h, k, v) = (int(op, "tokens", tokens)?, int(op, "heads", heads)?, int(op, "dk", dk)?, int(op, "dv", dv)?);
+        let nch = int(op, "chunks", chunks)?;
+        let null: u64 = 0;
+        let mut b = self.stream.launch_builder(prep);
+        b.arg(&x.q.data)
+            .arg(&x.k.data)
+            .arg(&x.v.data)
+            .arg(&x.g_raw.data)
+            .arg(&x.b_raw.data)
+            .arg(&params.a_log.data)
+            .arg(&params.dt_bias.data);
+        match record.as_deref() {
+            Some(r) => b.arg(&r.data),
+            None => b.arg(&null),
+        };
+        b.arg(&ws).arg(&t).arg(&h).arg(&k).arg(&v);
+        let cfg = LaunchConfig {
+            grid_dim: (nch as u32, heads as u32, 1),
+            block_dim: (KDA_CHUNK_THREADS, 1, 1),
+            shared_mem_bytes: KDA_CHUNK_PREP_SMEM,
+        };
+        // SAFETY: argument types and order match kda_chunk_prep; the inputs
+        // and the record were checked to hold tokens x heads rows, the
+        // workspace is sized as kda_chunk_ws lays it out.
+        unsafe { b.launch(cfg) }.map_err(dev(op))?;
+        let mut b = self.stream.launch_builder(pass);
+        b.arg(&mut state.data).arg(&mut out.data);
+        match record {
+            Some(r) => b.arg(&mut r.data),
+            None => b.arg(&null),
+        };
+        b.arg(&ws).arg(&t).arg(&h).arg(&k).arg(&v);
+        let cfg = LaunchConfig {
+            grid_dim: (heads as u32, tiles as u32, 1),
+            block_dim: (KDA_CHUNK_THREADS, 1, 1),
+            shared_mem_bytes: KDA_CHUNK_STATE_SMEM,
+        };
+        // SAFETY: argument types and order match kda_chunk_state; state, out
+        // and record were checked against the shape.
+        unsafe { b.launch(cfg) }.map_err(dev(op))?;
+        Ok(())
     }
 
     fn replay_append(

@@ -108,6 +108,7 @@ pub const HIP_SOURCES: &[(&str, &str)] = &[
     ("copy.hip", include_str!("../../hip/copy.hip")),
     ("dense.hip", include_str!("../../hip/dense.hip")),
     ("kda.hip", include_str!("../../hip/kda.hip")),
+    ("kda_chunk.hip", include_str!("../../hip/kda_chunk.hip")),
     ("memcopy.hip", include_str!("../../hip/memcopy.hip")),
     ("mla.hip", include_str!("../../hip/mla.hip")),
     ("norm.hip", include_str!("../../hip/norm.hip")),
@@ -257,7 +258,8 @@ mod tests {
         assert!(program.starts_with(HIP_PRELUDE));
         for k in [
             "kda_step_c1", "kda_step_c2", "kda_step_c2x4", "kda_step_c4x1", "kda_prefill",
-            "kda_recurrent_wide", "replay_append", "replay_commit", "conv_prefill_out",
+            "kda_recurrent_wide", "kda_chunk_prep", "kda_chunk_state", "replay_append",
+            "replay_commit", "conv_prefill_out",
             "conv_prefill_state", "conv_step", "rms_norm", "gated_rms_norm", "mla_attend_f32",
             "mla_partial_f64", "dcp_merge_f32", "dcp_merge_f64", "matmul_f32", "silu_mul",
             "add_inplace", "embedding", "argmax_rows", "fill_f32", "copy_cols", "round_to",

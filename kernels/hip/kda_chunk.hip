@@ -1,0 +1,360 @@
+// KDA prefill in chunks of 64 tokens on the device: the chunked form of
+// kernels/src/cpu/kda.rs (prefill_chunked, whose doc comment gives the math).
+// Needs prelude.h in front.
+//
+// Why two kernels. The recurrent prefill (kda.hip) walks the tokens one by one:
+// one barrier-separated state update per token, and only heads x dv / 32 blocks
+// for the whole sequence, so a long prompt runs at the latency of T dependent
+// steps. In the chunked form most of the work of a chunk does not need the
+// state entering it: the prepared q^, k^, g, the cumulative decay Gam, the
+// C x C matrices A and P and the triangular solve depend on the chunk's own
+// tokens only. The solve is linear in its right-hand side, so
+//   u = (I + A)^-1 beta (v - S_0^T (e^Gam k^)) = U0 - W S_0,
+//   U0 = (I + A)^-1 diag(beta) V,   W = (I + A)^-1 diag(beta) (e^Gam k^),
+// and the part that does depend on S_0 is three products with it and one with
+// P. So:
+//   kda_chunk_prep   one block per (chunk, head), all chunks at once: the
+//                    per-token preparation, Gam, A and P (exponentials of the
+//                    differences Gam_t - Gam_s <= 0 only, as on the CPU, so no
+//                    decay however strong overflows), the forward substitution
+//                    of the dk + dv columns of [diag(beta) e^Gam k^ | diag(beta) V]
+//                    (one column per thread, the 64 unknowns in registers), and
+//                    e^Gam q^, e^(Gam_last - Gam) k^, e^Gam_last into a workspace;
+//   kda_chunk_state  one block per (head, 16-column tile of the values), walking
+//                    the chunks in order with its state tile in shared memory:
+//                    u = U0 - W S, o = (e^Gam q^) S + P u, S = e^Gam_last S +
+//                    (e^(Gam_last - Gam) k^)^T u. Value columns are independent
+//                    (as in kda.hip), so narrow tiles give more blocks on the
+//                    sequential part without any cross-block reduction.
+// Every sum has a fixed order (key channels, then tokens, in index order, one
+// thread per output element): the result depends on the sequence only, never
+// on the launch, and two runs give the same bits. It agrees with the CPU's
+// chunked form to rounding (fused multiply-adds; the solve applied to the two
+// parts of the right-hand side separately), not bit for bit.
+//
+// Limits (the Rust side keeps the recurrent kernel otherwise): dk <= 128 (key
+// channels are padded to 128 with zeros, which add nothing); any dv (tiles);
+// tokens >= 1 (the last chunk may be short: its missing tokens are zero rows
+// with g = 0, which leave every sum unchanged).
+//
+// Workspace (floats; Tp = chunks * 64), written in full by kda_chunk_prep:
+//   W  [H][Tp][128]   U0 [H][Tp][dv]    e^Gam q^ [H][Tp][128]
+//   e^(Gam_last - Gam) k^ [H][Tp][128]  P [H][chunks][64][64] (zero above the
+//   diagonal)  e^Gam_last [H][chunks][128]
+// in that order (kda_chunk_ws below); the host sizes it the same way.
+
+#define KC_C 64          // chunk length (kernels/src/cpu/kda.rs KDA_CHUNK)
+#define KC_DK 128        // key channels, padded
+#define KC_THREADS 256
+#define KC_LD1 (KC_DK + 1)  // row stride of q^, k^, Gam in kda_chunk_prep (no bank conflicts)
+#define KC_PAIRS (KC_C * (KC_C + 1) / 2)
+#define KC_PAIRS_PER_THREAD ((KC_PAIRS + KC_THREADS - 1) / KC_THREADS)
+#define KC_TILE 16          // value columns per kda_chunk_state block
+#define KC_LDW (KC_DK + 4)  // row stride of W, e^Gam q^, e^(..) k^ in kda_chunk_state
+#define KC_LDP (KC_C + 4)   // row stride of P in kda_chunk_state
+#define KC_L2_EPS 1e-6f
+
+struct KdaChunkWs {
+    float* w;
+    float* u0;
+    float* qg;
+    float* kd;
+    float* p;
+    float* dc;
+};
+
+static __device__ __forceinline__ KdaChunkWs kda_chunk_ws(float* ws, int heads, int chunks, int dv) {
+    const hk_i64 tp = (hk_i64)chunks * KC_C;
+    KdaChunkWs r;
+    r.w = ws;
+    r.u0 = r.w + (hk_i64)heads * tp * KC_DK;
+    r.qg = r.u0 + (hk_i64)heads * tp * dv;
+    r.kd = r.qg + (hk_i64)heads * tp * KC_DK;
+    r.p = r.kd + (hk_i64)heads * tp * KC_DK;
+    r.dc = r.p + (hk_i64)heads * chunks * KC_C * KC_C;
+    return r;
+}
+
+// Phase 1: everything of chunk blockIdx.x, head blockIdx.y that does not need
+// the state. Writes k^ and g of the record (u comes from kda_chunk_state).
+// Launch: grid (chunks, heads); block KC_THREADS; dynamic shared memory
+// (3 * 64 * KC_LD1 + 64) floats.
+// Shared memory: q^, k^, Gam [64][KC_LD1] and beta [64]; after barrier C the
+// q^ region holds A [64][64] (q^ is last read before C).
+extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
+    const float* __restrict__ q,        // [T, H, dk]
+    const float* __restrict__ k,        // [T, H, dk]
+    const float* __restrict__ v,        // [T, H, dv]
+    const float* __restrict__ g_raw,    // [T, H, dk]
+    const float* __restrict__ b_raw,    // [T, H]
+    const float* __restrict__ a_log,    // [H]
+    const float* __restrict__ dt_bias,  // [H, dk]
+    float* __restrict__ record,         // [T, H, 2*dk + dv] or null
+    float* __restrict__ ws,
+    int tokens, int heads, int dk, int dv)
+{
+    HK_DYN_SMEM(float, smem);
+    float* qh = smem;
+    float* kh = qh + KC_C * KC_LD1;
+    float* gm = kh + KC_C * KC_LD1;
+    float* bt = gm + KC_C * KC_LD1;
+    float* am = qh;  // A [64][64], after barrier C
+
+    const int c = blockIdx.x;
+    const int h = blockIdx.y;
+    const int chunks = gridDim.x;
+    const int tid = threadIdx.x;
+    const int lane = tid & (HK_WARP - 1);
+    const int wp = tid / HK_WARP;
+    const int c0 = c * KC_C;
+    const int n = tokens - c0 < KC_C ? tokens - c0 : KC_C;
+    const int wrec = 2 * dk + dv;
+    const KdaChunkWs W = kda_chunk_ws(ws, heads, chunks, dv);
+    const hk_i64 row0 = (hk_i64)h * chunks * KC_C + c0;  // workspace row of token c0
+
+    // Step 1: q^, k^, g, beta; one warp per token (8 warps, 8 tokens each).
+    const float rate = -expf(a_log[h]);
+    const float inv_sqrt_dk = 1.0f / sqrtf((float)dk);
+    for (int t = wp; t < KC_C; t += KC_THREADS / HK_WARP) {
+        float qv[KC_DK / HK_WARP], kv[KC_DK / HK_WARP], gv[KC_DK / HK_WARP];
+        float sq = 0.0f, sk = 0.0f;
+        const hk_i64 th = (hk_i64)(c0 + t) * heads + h;
+#pragma unroll
+        for (int x = 0; x < KC_DK / HK_WARP; ++x) {
+            const int i = lane + HK_WARP * x;
+            const bool on = t < n && i < dk;
+            qv[x] = on ? q[th * dk + i] : 0.0f;
+            kv[x] = on ? k[th * dk + i] : 0.0f;
+            gv[x] = on ? rate * hk_softplus(g_raw[th * dk + i] + dt_bias[(hk_i64)h * dk + i]) : 0.0f;
+            sq += qv[x] * qv[x];
+            sk += kv[x] * kv[x];
+        }
+        sq = hk_warp_sum(sq);
+        sk = hk_warp_sum(sk);
+        const float qs = 1.0f / sqrtf(sq + KC_L2_EPS) * inv_sqrt_dk;
+        const float ks = 1.0f / sqrtf(sk + KC_L2_EPS);
+        float* rec = (record && t < n) ? record + th * wrec : 0;
+#pragma unroll
+        for (int x = 0; x < KC_DK / HK_WARP; ++x) {
+            const int i = lane + HK_WARP * x;
+            const float kk = kv[x] * ks;
+            qh[t * KC_LD1 + i] = qv[x] * qs;
+            kh[t * KC_LD1 + i] = kk;
+            gm[t * KC_LD1 + i] = gv[x];
+            if (rec && i < dk) {
+                rec[i] = kk;
+                rec[dk + dv + i] = gv[x];
+            }
+        }
+        if (lane == 0) bt[t] = t < n ? hk_sigmoid(b_raw[th]) : 0.0f;
+    }
+    __syncthreads();  // A
+
+    // Step 2: Gam, the inclusive cumulative sum of g over the chunk's tokens.
+    if (tid < KC_DK) {
+        float acc = 0.0f;
+        for (int t = 0; t < KC_C; ++t) {
+            acc += gm[t * KC_LD1 + tid];
+            gm[t * KC_LD1 + tid] = acc;
+        }
+    }
+    __syncthreads();  // B
+
+    // Step 3: the pairs s <= t (numbered row by row) spread evenly over the
+    // threads; A (strictly lower, times beta_t) kept in registers until q^'s
+    // region is free, P to the workspace.
+    float aval[KC_PAIRS_PER_THREAD];
+    float* P = W.p + ((hk_i64)h * chunks + c) * KC_C * KC_C;
+#pragma unroll
+    for (int m = 0; m < KC_PAIRS_PER_THREAD; ++m) {
+        const int p = tid + KC_THREADS * m;
+        aval[m] = 0.0f;
+        if (p < KC_PAIRS) {
+            int t = (int)((sqrtf(8.0f * (float)p + 1.0f) - 1.0f) * 0.5f);
+            while (t * (t + 1) / 2 > p) --t;
+            while ((t + 1) * (t + 2) / 2 <= p) ++t;
+            const int s = p - t * (t + 1) / 2;
+            float akk = 0.0f, aqk = 0.0f;
+            for (int i = 0; i < dk; ++i) {
+                const float d = expf(gm[t * KC_LD1 + i] - gm[s * KC_LD1 + i]) * kh[s * KC_LD1 + i];
+                akk = fmaf(kh[t * KC_LD1 + i], d, akk);
+                aqk = fmaf(qh[t * KC_LD1 + i], d, aqk);
+            }
+            aval[m] = s < t ? bt[t] * akk : 0.0f;
+            P[t * KC_C + s] = aqk;
+        }
+    }
+    for (int e = tid; e < KC_C * KC_C; e += KC_THREADS) {
+        if ((e & (KC_C - 1)) > (e / KC_C)) P[e] = 0.0f;
+    }
+    // e^Gam q^ and e^(Gam_last - Gam) k^ (zero on the padding rows and
+    // channels, whose q^ and k^ are zero), and e^Gam_last.
+    const float* glast = gm + (n - 1) * KC_LD1;
+    for (int e = tid; e < KC_C * KC_DK; e += KC_THREADS) {
+        const int t = e / KC_DK, i = e % KC_DK;
+        const float gt = gm[t * KC_LD1 + i];
+        W.qg[(row0 + t) * KC_DK + i] = expf(gt) * qh[t * KC_LD1 + i];
+        W.kd[(row0 + t) * KC_DK + i] = expf(glast[i] - gt) * kh[t * KC_LD1 + i];
+    }
+    if (tid < KC_DK) W.dc[((hk_i64)h * chunks + c) * KC_DK + tid] = expf(glast[tid]);
+    __syncthreads();  // C
+#pragma unroll
+    for (int m = 0; m < KC_PAIRS_PER_THREAD; ++m) {
+        const int p = tid + KC_THREADS * m;
+        if (p < KC_PAIRS) {
+            int t = (int)((sqrtf(8.0f * (float)p + 1.0f) - 1.0f) * 0.5f);
+            while (t * (t + 1) / 2 > p) --t;
+            while ((t + 1) * (t + 2) / 2 <= p) ++t;
+            am[t * KC_C + p - t * (t + 1) / 2] = aval[m];
+        }
+    }
+    for (int e = tid; e < KC_C * KC_C; e += KC_THREADS) {
+        if ((e & (KC_C - 1)) > (e / KC_C)) am[e] = 0.0f;
+    }
+    __syncthreads();  // D
+
+    // Step 4: forward substitution through (I + A), one column per thread:
+    // columns 0..127 of diag(beta) e^Gam k^ give W, the dv columns of
+    // diag(beta) V give U0. In token order, as the CPU's substitution.
+    for (int col = tid; col < KC_DK + dv; col += KC_THREADS) {
+        float x[KC_C];
+        if (col < KC_DK) {
+#pragma unroll
+            for (int t = 0; t < KC_C; ++t)
+                x[t] = bt[t] * (expf(gm[t * KC_LD1 + col]) * kh[t * KC_LD1 + col]);
+        } else {
+            const int j = col - KC_DK;
+#pragma unroll
+            for (int t = 0; t < KC_C; ++t)
+                x[t] = t < n ? bt[t] * v[((hk_i64)(c0 + t) * heads + h) * dv + j] : 0.0f;
+        }
+#pragma unroll
+        for (int t = 1; t < KC_C; ++t) {
+#pragma unroll
+            for (int s = 0; s < t; ++s) x[t] = fmaf(-am[t * KC_C + s], x[s], x[t]);
+        }
+        if (col < KC_DK) {
+#pragma unroll
+            for (int t = 0; t < KC_C; ++t) W.w[(row0 + t) * KC_DK + col] = x[t];
+        } else {
+            const int j = col - KC_DK;
+#pragma unroll
+            for (int t = 0; t < KC_C; ++t) W.u0[(row0 + t) * dv + j] = x[t];
+        }
+    }
+}
+
+// Phase 2: the chunks of head blockIdx.x in order, for value columns
+// blockIdx.y * 16 .. + 15. Thread (tq = tid / 16, j = tid % 16) computes u and o
+// of tokens tq, tq + 16, tq + 32, tq + 48 in column j and owns state rows
+// tq + 16 r (r < 8) of that column.
+// Per chunk three barriers: A the chunk's W, e^Gam q^, e^(..) k^, P and
+// e^Gam_last are in shared memory; B u is; C every thread is done with them
+// and with u (the next chunk overwrites them) and the state tile is updated.
+// Launch: grid (heads, ceil(dv / 16)); block KC_THREADS; dynamic shared memory
+// (128 * 16 + 64 * 16 + 64 * KC_LDP + 3 * 64 * KC_LDW + 128) floats.
+extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
+    float* __restrict__ state,   // [H, dk, dv], updated in place
+    float* __restrict__ out,     // [T, H, dv]
+    float* __restrict__ record,  // [T, H, 2*dk + dv] or null
+    const float* __restrict__ ws,
+    int tokens, int heads, int dk, int dv)
+{
+    HK_DYN_SMEM(float, smem);
+    float* S = smem;                      // [128][16]
+    float* U = S + KC_DK * KC_TILE;       // [64][16]
+    float* Ps = U + KC_C * KC_TILE;       // [64][KC_LDP]
+    float* Ws = Ps + KC_C * KC_LDP;       // [64][KC_LDW]
+    float* Qs = Ws + KC_C * KC_LDW;       // [64][KC_LDW]
+    float* Ks = Qs + KC_C * KC_LDW;       // [64][KC_LDW]
+    float* dc = Ks + KC_C * KC_LDW;       // [128]
+
+    const int h = blockIdx.x;
+    const int tid = threadIdx.x;
+    const int j = tid % KC_TILE;
+    const int tq = tid / KC_TILE;
+    const int col = blockIdx.y * KC_TILE + j;
+    const bool on = col < dv;
+    const int chunks = (tokens + KC_C - 1) / KC_C;
+    const int wrec = 2 * dk + dv;
+    const KdaChunkWs W = kda_chunk_ws((float*)ws, heads, chunks, dv);
+    float* Sg = state + (hk_i64)h * dk * dv;
+
+#pragma unroll
+    for (int r = 0; r < KC_DK / KC_TILE; ++r) {
+        const int i = tq + KC_TILE * r;
+        S[i * KC_TILE + j] = (i < dk && on) ? Sg[(hk_i64)i * dv + col] : 0.0f;
+    }
+
+    for (int c = 0; c < chunks; ++c) {
+        const int c0 = c * KC_C;
+        const int n = tokens - c0 < KC_C ? tokens - c0 : KC_C;
+        const hk_i64 row0 = (hk_i64)h * chunks * KC_C + c0;
+        for (int e = tid; e < KC_C * KC_DK; e += KC_THREADS) {
+            const int t = e / KC_DK, i = e % KC_DK;
+            const hk_i64 src = (row0 + t) * KC_DK + i;
+            Ws[t * KC_LDW + i] = W.w[src];
+            Qs[t * KC_LDW + i] = W.qg[src];
+            Ks[t * KC_LDW + i] = W.kd[src];
+        }
+        const float* Pg = W.p + ((hk_i64)h * chunks + c) * KC_C * KC_C;
+        for (int e = tid; e < KC_C * KC_C; e += KC_THREADS) Ps[(e / KC_C) * KC_LDP + e % KC_C] = Pg[e];
+        if (tid < KC_DK) dc[tid] = W.dc[((hk_i64)h * chunks + c) * KC_DK + tid];
+        float u0[KC_C / KC_TILE];
+#pragma unroll
+        for (int m = 0; m < KC_C / KC_TILE; ++m) {
+            const int t = tq + KC_TILE * m;
+            u0[m] = on ? W.u0[(row0 + t) * dv + col] : 0.0f;
+        }
+        __syncthreads();  // A
+
+        // u = U0 - W S and the inter-chunk part of o, (e^Gam q^) S, over the
+        // key channels in order.
+        float wsum[KC_C / KC_TILE], o[KC_C / KC_TILE];
+#pragma unroll
+        for (int m = 0; m < KC_C / KC_TILE; ++m) {
+            wsum[m] = 0.0f;
+            o[m] = 0.0f;
+        }
+        for (int i = 0; i < dk; ++i) {
+            const float s = S[i * KC_TILE + j];
+#pragma unroll
+            for (int m = 0; m < KC_C / KC_TILE; ++m) {
+                const int t = tq + KC_TILE * m;
+                wsum[m] = fmaf(Ws[t * KC_LDW + i], s, wsum[m]);
+                o[m] = fmaf(Qs[t * KC_LDW + i], s, o[m]);
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < KC_C / KC_TILE; ++m) U[(tq + KC_TILE * m) * KC_TILE + j] = u0[m] - wsum[m];
+        __syncthreads();  // B
+
+        // o += sum_{s <= t} P_ts u_s, in token order.
+#pragma unroll
+        for (int m = 0; m < KC_C / KC_TILE; ++m) {
+            const int t = tq + KC_TILE * m;
+            float acc = o[m];
+            for (int s = 0; s <= t; ++s) acc = fmaf(Ps[t * KC_LDP + s], U[s * KC_TILE + j], acc);
+            if (t < n && on) {
+                const hk_i64 th = (hk_i64)(c0 + t) * heads + h;
+                out[th * dv + col] = acc;
+                if (record) record[th * wrec + dk + col] = U[t * KC_TILE + j];
+            }
+        }
+        // S = e^Gam_last S + sum_s (e^(Gam_last - Gam_s) k^_s) u_s^T, in token order.
+#pragma unroll
+        for (int r = 0; r < KC_DK / KC_TILE; ++r) {
+            const int i = tq + KC_TILE * r;
+            float acc = dc[i] * S[i * KC_TILE + j];
+            for (int s = 0; s < n; ++s) acc = fmaf(Ks[s * KC_LDW + i], U[s * KC_TILE + j], acc);
+            S[i * KC_TILE + j] = acc;
+        }
+        __syncthreads();  // C
+    }
+
+#pragma unroll
+    for (int r = 0; r < KC_DK / KC_TILE; ++r) {
+        const int i = tq + KC_TILE * r;
+        if (i < dk && on) Sg[(hk_i64)i * dv + col] = S[i * KC_TILE + j];
+    }
+}
