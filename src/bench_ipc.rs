@@ -20,7 +20,8 @@ use crate::oracle::{self, OracleRequest, Placement};
 use crate::transport::device::DeviceTransport;
 use crate::transport::{shm, MemoryKind, RegionHandle, Transport, TransportExt};
 use anyhow::{anyhow, bail, Context};
-use handoff_components::plan::Descriptor;
+use handoff_components::plan::{Descriptor, Plan};
+use handoff_systems::transfer::Ticket;
 use handoff_components::vocab::{DecodeRank, PrefillRank, RankId, RegionKind};
 use handoff_components::Topology;
 use serde::{Deserialize, Serialize};
@@ -134,6 +135,29 @@ pub fn bench_transfer_ipc(config_path: &str, ordinal: u32, tokens: u64, requests
     let seconds = started.elapsed().as_secs_f64().max(1e-9);
     let handoff_gbs = bytes_per_pass as f64 * o.iterations.max(1) as f64 / seconds / 1e9;
 
+    // Where the time goes: the same passes, one region kind at a time.
+    let mut by_kind = String::new();
+    for kind in [RegionKind::MlaKv, RegionKind::KdaState, RegionKind::KdaConv, RegionKind::ReplayRecords] {
+        let only: Vec<(Ticket, Plan)> = jobs
+            .iter()
+            .map(|(t, p)| (*t, Plan { descriptors: p.descriptors.iter().filter(|d| d.kind == kind).copied().collect(), ..p.clone() }))
+            .filter(|(_, p)| !p.descriptors.is_empty())
+            .collect();
+        if only.is_empty() {
+            continue;
+        }
+        let bytes: u64 = only.iter().map(|(_, p)| p.bytes()).sum();
+        let descs: Vec<&Descriptor> = only.iter().flat_map(|(_, p)| &p.descriptors).collect();
+        let rows: u64 = descs.iter().map(|d| d.count as u64).sum();
+        run_pass(&mut mover, &only)?;
+        let t = Instant::now();
+        for _ in 0..o.iterations.max(1) {
+            run_pass(&mut mover, &only)?;
+        }
+        let us = t.elapsed().as_secs_f64() / o.iterations.max(1) as f64 * 1e6;
+        write!(by_kind, "{}{kind} {:.0} us ({} descriptors, {} rows of {} B avg, {:.1} GB/s)", if by_kind.is_empty() { "" } else { "; " }, us, descs.len(), rows, bytes / rows.max(1), bytes as f64 / us / 1e3)?;
+    }
+
     // Peers: the same bytes as one contiguous copy, here and into the consumer.
     let kind = RegionKind::MlaKv;
     let rank = RankId::Prefill(PrefillRank { pp: 0, tp: 0 });
@@ -182,6 +206,7 @@ pub fn bench_transfer_ipc(config_path: &str, ordinal: u32, tokens: u64, requests
     writeln!(s, "descriptors: {} per pass, each one device copy (2D when strided)", jobs.iter().map(|(_, p)| p.descriptors.len()).sum::<usize>())?;
     writeln!(s, "passes: {} timed after {} warmup, {seconds:.4} s", o.iterations.max(1), o.warmup)?;
     writeln!(s, "hand-off: {handoff_gbs:.1} GB/s ({:.1} us per pass)", seconds / o.iterations.max(1) as f64 * 1e6)?;
+    writeln!(s, "by kind: {by_kind}")?;
     writeln!(s, "device copy (same run, {bytes_per_pass} B contiguous, this process): {copy_gbs:.1} GB/s")?;
     writeln!(s, "IPC copy (same run, {bytes_per_pass} B contiguous into the consumer): {ipc_gbs:.1} GB/s")?;
     writeln!(s, "byte-exact: {verified}")?;

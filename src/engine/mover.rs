@@ -365,7 +365,7 @@ fn write_direct(shared: &Shared, writes: &[(RegionHandle, RemoteRegion, Vec<Desc
     let t = &shared.transport;
     let chunks: Vec<(&RegionHandle, RemoteRegion, &[Descriptor])> =
         writes.iter().flat_map(|(src, dst, descs)| descs.chunks(o.max_batch as usize).map(move |c| (src, *dst, c))).collect();
-    let submitted: Vec<_> = chunks.iter().map(|&(src, dst, c)| t.submit(src, dst, c)).collect();
+    let submitted = t.submit_all(&chunks);
     let mut first_err = None;
     for ((src, dst, chunk), batch) in chunks.into_iter().zip(submitted) {
         // Every submitted batch is waited for, even after a failure, so none

@@ -6,10 +6,10 @@
 //! carries the allocation's IPC handle; a producer in another process opens it
 //! once and its descriptors become device-to-device copies into the consumer's
 //! memory: a strided descriptor is one 2D copy, a contiguous one a plain copy.
-//! A batch completes when the event recorded after its copies has (an event
-//! query, never a host-side wait on the bytes), and only then does `wait` or
-//! `poll` report it, so a write-done notice the engine sends after the batch
-//! follows the bytes.
+//! A batch completes when the event recorded after its copies has (one
+//! completion thread waits on the events in queue order), and only then does
+//! `wait` or `poll` report it, so a write-done notice the engine sends after
+//! the batch follows the bytes.
 //!
 //! Notifications and the cluster secret are the shm transport's: its Unix
 //! socket carries the write-done reports, HMAC'd. NCCL refuses two ranks on one
@@ -28,10 +28,10 @@ use crate::auth::ClusterSecret;
 use handoff_components::plan::Descriptor;
 use handoff_components::vocab::{RankId, RegionKind};
 use handoff_kernels::{Copy2d, CopyTicket, DeviceMemory, DeviceRegion};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 /// Device region ids and attachment ids are tagged so they never collide with
@@ -62,8 +62,54 @@ pub struct DeviceTransport {
     attached: RwLock<HashMap<u64, Attached>>,
     /// (exporting pid, its address) -> attachment id: one IPC open per allocation.
     opened: Mutex<HashMap<(u32, u64), u64>>,
+    reaper: Arc<Reaper>,
+    reaper_thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// Completes batches in queue order: one thread sleeps on the oldest batch's
+/// event and reports it, then the next (batches on other streams that finished
+/// meanwhile are reported at once), and callers of `wait` sleep on the
+/// completion table's condvar. One driver wait at a time instead of one per
+/// caller: many callers polling or waiting in the driver contend for it.
+struct Reaper {
+    mem: Arc<dyn DeviceMemory>,
     completions: Completions,
-    pending: Mutex<Vec<(BatchId, CopyTicket)>>,
+    queue: Mutex<VecDeque<(BatchId, CopyTicket)>>,
+    work: Condvar,
+    stop: AtomicBool,
+}
+
+impl Reaper {
+    fn run(&self) {
+        let mut last: Option<(CopyTicket, Result<()>)> = None;
+        loop {
+            let next = {
+                let mut q = lock(&self.queue);
+                loop {
+                    if let Some(&front) = q.front() {
+                        break Some(front);
+                    }
+                    if self.stop.load(Ordering::Acquire) {
+                        break None;
+                    }
+                    q = self.work.wait(q).unwrap_or_else(|p| p.into_inner());
+                }
+            };
+            let Some((batch, ticket)) = next else { return };
+            // Batches queued together share a ticket: wait once, report each.
+            let r = match &last {
+                Some((t, r)) if *t == ticket => r.clone(),
+                _ => self.mem.wait(ticket).map_err(|e| device_err("device copy", e)),
+            };
+            last = Some((ticket, r.clone()));
+            lock(&self.queue).pop_front();
+            self.completions.finish(batch, r);
+        }
+    }
+
+    fn idle(&self) -> bool {
+        lock(&self.queue).is_empty()
+    }
 }
 
 fn device_err(op: &str, e: handoff_kernels::KernelError) -> TransportError {
@@ -85,6 +131,20 @@ impl DeviceTransport {
     /// A transport whose regions live in `mem` (device `ordinal`), with its
     /// notification socket under `dir`, requiring `secret` of its peers.
     pub fn new(mem: Arc<dyn DeviceMemory>, ordinal: u32, dir: impl Into<PathBuf>, secret: ClusterSecret) -> Result<Self> {
+        let reaper = Arc::new(Reaper {
+            mem: Arc::clone(&mem),
+            completions: Completions::default(),
+            queue: Mutex::new(VecDeque::new()),
+            work: Condvar::new(),
+            stop: AtomicBool::new(false),
+        });
+        let thread = {
+            let r = Arc::clone(&reaper);
+            std::thread::Builder::new()
+                .name("cuda-ipc-completions".into())
+                .spawn(move || r.run())
+                .map_err(|e| TransportError::io("spawn the completion thread", e))?
+        };
         Ok(DeviceTransport {
             notes: ShmTransport::with_secret(dir, secret)?,
             mem,
@@ -93,8 +153,8 @@ impl DeviceTransport {
             regions: RwLock::new(HashMap::new()),
             attached: RwLock::new(HashMap::new()),
             opened: Mutex::new(HashMap::new()),
-            completions: Completions::default(),
-            pending: Mutex::new(Vec::new()),
+            reaper: Arc::clone(&reaper),
+            reaper_thread: Some(thread),
         })
     }
 
@@ -113,31 +173,21 @@ impl DeviceTransport {
             _ => Err(TransportError::UnknownRegion(handle.to_string())),
         }
     }
-
-    /// Reports every batch whose event has completed.
-    fn progress(&self) {
-        let mut pending = lock(&self.pending);
-        pending.retain(|&(batch, ticket)| match self.mem.done(ticket) {
-            Ok(false) => true,
-            Ok(true) => {
-                self.completions.finish(batch, Ok(()));
-                false
-            }
-            Err(e) => {
-                self.completions.finish(batch, Err(device_err("device copy", e)));
-                false
-            }
-        });
-    }
 }
 
 impl Drop for DeviceTransport {
     fn drop(&mut self) {
         // Let queued copies finish before their memory goes.
         let deadline = Instant::now() + Duration::from_secs(5);
-        while !lock(&self.pending).is_empty() && Instant::now() < deadline {
-            self.progress();
+        while !self.reaper.idle() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_micros(200));
+        }
+        self.reaper.stop.store(true, Ordering::Release);
+        self.reaper.work.notify_all();
+        if self.reaper.idle() {
+            if let Some(t) = self.reaper_thread.take() {
+                let _ = t.join();
+            }
         }
         for (_, a) in write(&self.attached).drain() {
             if a.opened {
@@ -217,8 +267,7 @@ impl Transport for DeviceTransport {
 
     fn unregister(&self, handle: &RegionHandle) -> Result<()> {
         self.local(handle)?;
-        self.progress();
-        if !lock(&self.pending).is_empty() {
+        if !self.reaper.idle() {
             return Err(TransportError::Unavailable { what: format!("unregistering {handle}"), reason: "copies are still queued".into() });
         }
         if let Some(l) = write(&self.regions).remove(&handle.id) {
@@ -305,49 +354,66 @@ impl Transport for DeviceTransport {
     }
 
     fn submit(&self, src: &RegionHandle, dst: RemoteRegion, descriptors: &[Descriptor]) -> Result<BatchId> {
-        let (src_addr, src_len) = self.local(src)?;
-        let (dst_addr, dst_len, dst_kind) = match read(&self.attached).get(&dst.id) {
-            Some(a) => (a.addr, a.len, a.kind),
-            None => return Err(TransportError::UnknownRegion(format!("attachment {} ({})", dst.id, dst.kind))),
-        };
-        validate(descriptors, Some(src_len), dst_len, dst_kind)?;
-        let batch = self.completions.begin();
-        let list = copies(descriptors, src_addr, dst_addr);
+        self.submit_all(&[(src, dst, descriptors)]).pop().unwrap_or_else(|| Err(TransportError::UnknownRegion(src.to_string())))
+    }
+
+    /// Every batch that passes its checks goes into one queued copy list with
+    /// one event; a batch that fails them moves nothing and reports its error.
+    fn submit_all(&self, writes: &[(&RegionHandle, RemoteRegion, &[Descriptor])]) -> Vec<Result<BatchId>> {
+        let mut results: Vec<Result<BatchId>> = Vec::with_capacity(writes.len());
+        let mut list = Vec::new();
+        let mut ok = Vec::new();
+        for (i, &(src, dst, descriptors)) in writes.iter().enumerate() {
+            let checked = self.local(src).and_then(|(src_addr, src_len)| {
+                let (dst_addr, dst_len, dst_kind) = match read(&self.attached).get(&dst.id) {
+                    Some(a) => (a.addr, a.len, a.kind),
+                    None => return Err(TransportError::UnknownRegion(format!("attachment {} ({})", dst.id, dst.kind))),
+                };
+                validate(descriptors, Some(src_len), dst_len, dst_kind)?;
+                Ok(copies(descriptors, src_addr, dst_addr))
+            });
+            match checked {
+                Ok(c) => {
+                    list.extend(c);
+                    ok.push(i);
+                    results.push(Ok(BatchId(0)));
+                }
+                Err(e) => results.push(Err(e)),
+            }
+        }
+        if ok.is_empty() {
+            return results;
+        }
         // SAFETY: every descriptor was checked against both regions, which are
         // live: ours until unregistered (refused while copies are queued), the
         // peer's for as long as it is opened here.
         match unsafe { self.mem.copy(&list) } {
             Ok(ticket) => {
-                lock(&self.pending).push((batch, ticket));
-                Ok(batch)
+                let mut q = lock(&self.reaper.queue);
+                for &i in &ok {
+                    let batch = self.reaper.completions.begin();
+                    q.push_back((batch, ticket));
+                    results[i] = Ok(batch);
+                }
+                drop(q);
+                self.reaper.work.notify_one();
             }
             Err(e) => {
-                self.completions.cancel(batch);
-                Err(device_err("device copy", e))
+                let e = device_err("device copy", e);
+                for &i in &ok {
+                    results[i] = Err(e.clone());
+                }
             }
         }
+        results
     }
 
     fn poll(&self) -> Vec<Completion> {
-        self.progress();
-        self.completions.poll()
+        self.reaper.completions.poll()
     }
 
-    /// Sleeps in the driver until the batch's copies have run (no peer can
-    /// stall a device copy: see [`DeviceMemory::wait`]), so `timeout` only
-    /// bounds waiting for a batch another thread is reporting.
     fn wait(&self, batch: BatchId, timeout: Duration) -> Result<()> {
-        // Taken out of `pending` first, so `poll` never queries a ticket this
-        // thread is waiting on (and forgets).
-        let ticket = {
-            let mut pending = lock(&self.pending);
-            pending.iter().position(|(b, _)| *b == batch).map(|i| pending.swap_remove(i).1)
-        };
-        if let Some(ticket) = ticket {
-            let r = self.mem.wait(ticket).map_err(|e| device_err("device copy", e));
-            self.completions.finish(batch, r);
-        }
-        self.completions.wait(batch, timeout)
+        self.reaper.completions.wait(batch, timeout)
     }
 
     fn notify(&self, peer: &PeerAddr, bytes: &[u8]) -> Result<()> {

@@ -289,6 +289,14 @@ pub trait Transport: Send + Sync {
     /// destination's) before any byte moves; a rejected batch moves nothing.
     fn submit(&self, src: &RegionHandle, dst: RemoteRegion, descriptors: &[Descriptor]) -> Result<BatchId>;
 
+    /// [`Transport::submit`] of several batches at once, each checked on its
+    /// own; one result per batch, in order. A transport whose queueing costs
+    /// per call (the device transport: driver calls and an event per batch)
+    /// queues them as one, and they all complete together.
+    fn submit_all(&self, writes: &[(&RegionHandle, RemoteRegion, &[Descriptor])]) -> Vec<Result<BatchId>> {
+        writes.iter().map(|&(src, dst, d)| self.submit(src, dst, d)).collect()
+    }
+
     /// Takes every completion reported since the last call, in batch order.
     fn poll(&self) -> Vec<Completion>;
 

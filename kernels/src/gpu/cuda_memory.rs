@@ -26,13 +26,21 @@ pub const IPC_HANDLE_BYTES: usize = 64;
 /// `HANDOFF_CUDA_COPY=engines` sends every copy to the copy engines (for
 /// measuring the two against each other).
 const NARROW_ROW: u64 = 64 << 10;
+/// Streams copy batches are spread over.
+const COPY_STREAMS: usize = 8;
 /// Threads of `strided_copy`: 8 warps, a row each.
 const COPY_THREADS: u32 = 256;
 
 /// CUDA device memory for a transport's regions (see the module docs).
 pub struct CudaMemory {
     ctx: Arc<CudaContext>,
+    /// Host-side access and allocation.
     stream: Arc<CudaStream>,
+    /// Copy batches go round robin over these: one batch stays on one stream
+    /// (its copies run in order), batches overlap on the device, since one
+    /// stream would run every small copy and kernel after the other.
+    copy_streams: Vec<Arc<CudaStream>>,
+    next_stream: std::sync::atomic::AtomicUsize,
     strided_copy: CudaFunction,
     /// Rows narrower than this go to `strided_copy` (0: none do).
     narrow_row: u64,
@@ -40,6 +48,9 @@ pub struct CudaMemory {
     /// Each batch's event (blocking-sync: a waiting thread sleeps in the
     /// driver instead of spinning on it).
     events: Mutex<HashMap<u64, Arc<CudaEvent>>>,
+    /// Events of finished batches, recorded again by later ones (creating and
+    /// destroying one per batch costs two driver calls).
+    spare: Mutex<Vec<Arc<CudaEvent>>>,
 }
 
 fn dev(op: &'static str) -> impl Fn(DriverError) -> KernelError {
@@ -58,7 +69,18 @@ impl CudaMemory {
         let module = ctx.load_module(Ptx::from_binary(cubin)).map_err(dev(op))?;
         let strided_copy = module.load_function("strided_copy").map_err(dev(op))?;
         let narrow_row = if std::env::var("HANDOFF_CUDA_COPY").is_ok_and(|v| v == "engines") { 0 } else { NARROW_ROW };
-        Ok(CudaMemory { ctx, stream, strided_copy, narrow_row, next: AtomicU64::new(1), events: Mutex::new(HashMap::new()) })
+        let copy_streams = (0..COPY_STREAMS).map(|_| ctx.new_stream().map_err(dev(op))).collect::<Result<Vec<_>>>()?;
+        Ok(CudaMemory {
+            ctx,
+            stream,
+            copy_streams,
+            next_stream: std::sync::atomic::AtomicUsize::new(0),
+            strided_copy,
+            narrow_row,
+            next: AtomicU64::new(1),
+            events: Mutex::new(HashMap::new()),
+            spare: Mutex::new(Vec::new()),
+        })
     }
 
     fn bind(&self, op: &'static str) -> Result<()> {
@@ -70,12 +92,12 @@ impl CudaMemory {
     }
 
     /// Queues one narrow strided copy as a `strided_copy` launch.
-    fn launch_narrow(&self, op: &'static str, c: &Copy2d) -> Result<()> {
+    fn launch_narrow(&self, op: &'static str, stream: &CudaStream, c: &Copy2d) -> Result<()> {
         let warps = (COPY_THREADS / 32) as u64;
         let grid_x = c.height.div_ceil(warps).clamp(1, 2048) as u32;
         let cfg = LaunchConfig { grid_dim: (grid_x, 1, 1), block_dim: (COPY_THREADS, 1, 1), shared_mem_bytes: 0 };
         let a = [c.src, c.dst, c.width, c.height, c.src_pitch, c.dst_pitch].map(|v| v as i64);
-        let mut b = self.stream.launch_builder(&self.strided_copy);
+        let mut b = stream.launch_builder(&self.strided_copy);
         for v in &a {
             b.arg(v);
         }
@@ -141,7 +163,9 @@ impl DeviceMemory for CudaMemory {
     }
 
     unsafe fn close(&self, addr: u64) {
-        if self.bind("ipc close").is_ok() && self.sync("ipc close").is_ok() {
+        // Copies into it may still be queued on any copy stream.
+        let idle = self.copy_streams.iter().all(|s| s.synchronize().is_ok());
+        if self.bind("ipc close").is_ok() && idle {
             // SAFETY: the caller guarantees addr came from open and is unused.
             let _ = unsafe { sys::cuIpcCloseMemHandle(addr) };
         }
@@ -150,13 +174,14 @@ impl DeviceMemory for CudaMemory {
     unsafe fn copy(&self, copies: &[Copy2d]) -> Result<CopyTicket> {
         let op = "region copy";
         self.bind(op)?;
-        let s = self.stream.cu_stream();
+        let stream = &self.copy_streams[self.next_stream.fetch_add(1, Ordering::Relaxed) % self.copy_streams.len()];
+        let s = stream.cu_stream();
         // Narrow strided copies go to the kernel, the rest to the copy
-        // engines; all on one stream, so the batch runs in its order.
+        // engines; all on the batch's stream, so the batch runs in its order.
         let narrow = |c: &Copy2d| c.height > 1 && c.width < self.narrow_row;
         for c in copies.iter().filter(|c| c.width > 0 && c.height > 0) {
             if narrow(c) {
-                self.launch_narrow(op, c)?;
+                self.launch_narrow(op, stream, c)?;
                 continue;
             }
             let contiguous = c.height == 1 || (c.src_pitch == c.width && c.dst_pitch == c.width);
@@ -186,10 +211,14 @@ impl DeviceMemory for CudaMemory {
             };
             r.result().map_err(dev(op))?;
         }
-        let ev = self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC)).map_err(dev(op))?;
-        ev.record(&self.stream).map_err(dev(op))?;
+        let spare = self.spare.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let ev = match spare {
+            Some(ev) => ev,
+            None => Arc::new(self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC)).map_err(dev(op))?),
+        };
+        ev.record(stream).map_err(dev(op))?;
         let t = self.next.fetch_add(1, Ordering::Relaxed);
-        self.events.lock().unwrap_or_else(|p| p.into_inner()).insert(t, Arc::new(ev));
+        self.events.lock().unwrap_or_else(|p| p.into_inner()).insert(t, ev);
         Ok(CopyTicket(t))
     }
 
@@ -221,7 +250,11 @@ impl DeviceMemory for CudaMemory {
             .cloned()
             .ok_or_else(|| KernelError::InvalidShape { op, reason: format!("unknown copy ticket {}", ticket.0) })?;
         let r = ev.synchronize().map_err(dev(op));
-        self.events.lock().unwrap_or_else(|p| p.into_inner()).remove(&ticket.0);
+        let taken = self.events.lock().unwrap_or_else(|p| p.into_inner()).remove(&ticket.0);
+        drop(ev);
+        if let Some(ev) = taken.filter(|e| r.is_ok() && Arc::strong_count(e) == 1) {
+            self.spare.lock().unwrap_or_else(|p| p.into_inner()).push(ev);
+        }
         r
     }
 
