@@ -40,8 +40,11 @@ grep -E "ERROR|panicked" "$OUT/demo.log" | head -5
 step "hand-off of the flagship request (32K tokens) between two processes through CUDA IPC, oracle-checked, against device copy and IPC copy"
 timeout 240 handoff bench transfer --config config/k3-pp8-tp8dcp8.toml --transport cuda-ipc --tokens 32768 2>&1 | tee "$OUT/ipc.txt" | tail -9 || fail=1
 
-step "bench serve on cuda, default cluster"
+step "bench serve on cuda, default cluster (KV and state in device memory, CUDA IPC hand-offs)"
 HANDOFF_DEVICE=cuda timeout 240 handoff bench serve --concurrency 1,32,88 2>&1 | tee "$OUT/serve.txt" | tail -5 || fail=1
+
+step "bench serve on cuda, config/medium.toml (PP3 -> TP4 x DCP2, 12 layers)"
+HANDOFF_DEVICE=cuda timeout 240 handoff bench serve --config config/medium.toml --concurrency 1,32,88 2>&1 | tee "$OUT/serve-medium.txt" | tail -5 || fail=1
 
 fi
 
@@ -51,7 +54,7 @@ timeout 120 handoff bench compute --device cuda 2>&1 | tee "$OUT/compute.txt" | 
 [ "$SKIP_SERVE" = 0 ] || exit $fail
 
 step "KDA decode step vs device copy (cuda_check --bench)"
-timeout 120 cuda_check --bench 2>&1 | tee "$OUT/kda_bench.txt" | tail -12 || fail=1
+timeout 120 cuda_check --bench 2>&1 | tee "$OUT/kda_bench.txt" | tail -16 || fail=1
 
 step "peers: device copy, FLA fused_recurrent_kda and chunk_kda (same GPU, same call)"
 if ls .whl/*.whl >/dev/null 2>&1; then
