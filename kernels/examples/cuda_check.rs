@@ -918,7 +918,7 @@ fn check_regions(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
 fn bench_mla(gpu: &CudaBackend, bw: f64, r: &mut SplitMix64) -> R<()> {
     let kernel = std::env::var("HANDOFF_CUDA_MLA").unwrap_or_else(|_| "default".to_string());
     let shape = MlaShape { heads: 8, kv_lora_rank: 512, rope_dim: 64, scale: 1.0 / 192f32.sqrt() };
-    for &(b, n) in &[(88usize, 8192usize), (88, 32768), (8, 8192), (1, 32768)] {
+    for &(b, n) in &[(88usize, 8192usize), (88, 32768), (8, 8192), (1, 32768), (88, 131072)] {
         let wd = shape.row_width();
         let q = gpu.upload(&uni(r, b * shape.heads * wd, -1.0, 1.0))?;
         let one = gpu.upload(&uni(r, n * wd, -1.0, 1.0))?;
