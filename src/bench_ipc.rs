@@ -80,9 +80,10 @@ fn rate(bytes: u64, reps: u32, mut f: impl FnMut() -> anyhow::Result<()>) -> any
 /// The producer side, and the report; its last line is `ratio to device copy: R`.
 pub fn bench_transfer_ipc(config_path: &str, ordinal: u32, tokens: u64, requests: u32, o: &BenchCmdOptions) -> anyhow::Result<String> {
     let topo = load(config_path, tokens, requests)?;
+    // The device first: where there is none, that is the answer.
+    let producer = Arc::new(open(ordinal)?);
     let (mut engine, jobs, ids) = planned(&topo, tokens, requests)?;
     let bytes_per_pass: u64 = jobs.iter().map(|(_, p)| p.bytes()).sum();
-    let producer = Arc::new(open(ordinal)?);
     let device = producer.device();
 
     let exe = std::env::current_exe().context("the bench's own executable")?;
