@@ -1523,8 +1523,18 @@ async fn run_choice(
     }
     let admitted: Admitted = match tokio::time::timeout(secs(t.admission_s + 1.0), rrx.recv()).await {
         Ok(Some(Msg::Admitted(a))) => *a,
-        Ok(Some(Msg::Error { phase, message, .. })) => return drop(tx.send(fail(phase, message)).await),
-        Ok(other) => return drop(tx.send(fail(PhaseName::Admission, format!("decode answered {other:?}"))).await),
+        // The error may be the proxy's own (decode went down while this request
+        // was being admitted), whose cancel can have reached decode before the
+        // Admit did; a cancel sent now follows the Admit on the link, so decode
+        // frees what it admitted (it ignores a cancel of a request it never had).
+        Ok(Some(Msg::Error { phase, message, .. })) => {
+            cancel(phase, message.clone());
+            return drop(tx.send(fail(phase, message)).await);
+        }
+        Ok(other) => {
+            cancel(PhaseName::Admission, "unexpected answer to the admission".into());
+            return drop(tx.send(fail(PhaseName::Admission, format!("decode answered {other:?}"))).await);
+        }
         Err(_) => {
             cancel(PhaseName::Admission, "no answer from decode in time".into());
             return drop(tx.send(fail(PhaseName::Admission, format!("decode at {decode}: no answer in time"))).await);
