@@ -8,8 +8,10 @@ use handoff::transport::rdma::RdmaTransport;
 use handoff::transport::{
     LocalTransport, MemoryKind, ShmTransport, Side, TcpTransport, Transport, TransportError, TransportExt,
 };
-use handoff_components::plan::Descriptor;
-use handoff_components::vocab::RegionKind;
+use handoff::engine::mover::{MoverOptions, TransportMover};
+use handoff_components::plan::{Descriptor, Plan};
+use handoff_components::vocab::{DecodeRank, PrefillRank, RegionKind};
+use handoff_systems::transfer::{Mover, Ticket};
 use std::sync::Arc;
 use transport_util::*;
 
@@ -250,4 +252,50 @@ fn shm_files_are_removed_on_drop() {
     assert_eq!(ours(), 2, "one region file and one socket");
     drop(t);
     assert_eq!(ours(), 0, "files left behind after drop");
+}
+
+/// On a transport that queues plans (cuda-ipc), a mover hands the device the
+/// plans waiting in its queue as one submission; a plan whose batch is refused
+/// fails alone and the others land byte for byte.
+#[test]
+fn a_queueing_transport_takes_waiting_plans_in_one_submission_and_a_bad_plan_fails_alone() {
+    // Each submission completes after 2,000 queries (tens of milliseconds), so
+    // whatever the worker did not take with plan 0 queues up behind it.
+    let mem = HostDeviceMemory::new(2000);
+    let t = host_device_transport_on(Arc::clone(&mem));
+    let len = 64 * 1024;
+    let src = register(&*t, producer_rank(), RegionKind::MlaKv, len).expect("src");
+    let dst = register(&*t, consumer_rank(), RegionKind::MlaKv, len).expect("dst");
+    let pattern: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+    t.write_region(&src, |b| b.copy_from_slice(&pattern)).expect("fill");
+    let mut mover = TransportMover::new(t.clone(), MoverOptions { workers: 1, ..MoverOptions::default() }).expect("mover");
+    mover.add_source(src.clone());
+    mover.attach_target(&dst).expect("attach");
+    let (producer, consumer) = (PrefillRank { pp: 0, tp: 0 }, DecodeRank { tp: 0 });
+    let plans = 10u64;
+    for i in 0..plans {
+        // Plan i copies 1 KiB at 4 KiB * i; plan 5 also writes past the end.
+        let mut descriptors = vec![Descriptor::copy(RegionKind::MlaKv, i * 4096, i * 4096, 1024)];
+        if i == 5 {
+            descriptors.push(Descriptor::copy(RegionKind::MlaKv, 0, len - 512, 1024));
+        }
+        let plan = Plan { producer, consumer, descriptors, uncoalesced: 1 };
+        mover.submit(Ticket { request: i, nonce: 0, producer, consumer }, &plan).expect("submit");
+    }
+    assert!(mover.handle().wait_idle(std::time::Duration::from_secs(60)), "plans did not complete");
+    let mut done = Vec::new();
+    mover.poll(&mut done);
+    assert_eq!(done.len(), plans as usize);
+    for c in &done {
+        assert_eq!(c.result.is_err(), c.ticket.request == 5, "request {}: {:?}", c.ticket.request, c.result);
+    }
+    let n = mem.submissions.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(n <= 2, "the worker takes what waits in the queue at once (without grouping: {plans} submissions); got {n}");
+    let mut got = vec![0u8; len as usize];
+    t.read_region(&dst, |b| got.copy_from_slice(b)).expect("read");
+    for i in 0..plans {
+        let at = (i * 4096) as usize;
+        let moved = i != 5;
+        assert_eq!(&got[at..at + 1024] == &pattern[at..at + 1024], moved, "plan {i}'s bytes");
+    }
 }

@@ -756,6 +756,24 @@ fn checks(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
         rep.exact_f32("determinism matmul", "88x1024 . 1024x520, two runs", &run_matmul(gpu, shape, &x, &w)?, &all);
     }
     {
+        // Across the two matmul kernels: 300 rows take the tiled one, 129 too,
+        // 1 and 7 rows the split-k one; inner 1000 ends mid-chunk and mid-tile.
+        let (rows, inner, cols) = (300usize, 1000usize, 200usize);
+        let x = uni(&mut r, rows * inner, -1.0, 1.0);
+        let w = uni(&mut r, inner * cols, -1.0, 1.0);
+        let all = run_matmul(gpu, MatmulShape { rows, inner, cols }, &x, &w)?;
+        let mut alone = Vec::new();
+        for i in [0usize, 17, 150, 299] {
+            alone.extend(run_matmul(gpu, MatmulShape { rows: 1, inner, cols }, &x[i * inner..(i + 1) * inner], &w)?);
+        }
+        let picked: Vec<f32> = [0usize, 17, 150, 299].iter().flat_map(|&i| all[i * cols..(i + 1) * cols].iter().copied()).collect();
+        rep.exact_f32("batch-invariance matmul", "rows of a 300-row (tiled) call vs each alone (split-k)", &picked, &alone);
+        let seven = run_matmul(gpu, MatmulShape { rows: 7, inner, cols }, &x[100 * inner..107 * inner], &w)?;
+        rep.exact_f32("batch-invariance matmul", "rows 100..107 of 300 as a split-k batch of 7", &seven, &all[100 * cols..107 * cols]);
+        let big = run_matmul(gpu, MatmulShape { rows: 129, inner, cols }, &x[..129 * inner], &w)?;
+        rep.exact_f32("batch-invariance matmul", "rows 0..129 of 300 as a tiled batch of 129", &big, &all[..129 * cols]);
+    }
+    {
         let (b, h, dk, dv) = (16usize, 2usize, 128usize, 128usize);
         let step = KdaHost::new(&mut r, b, h, dk, dv);
         let s0 = uni(&mut r, b * h * dk * dv, -0.5, 0.5);
@@ -807,12 +825,12 @@ fn check_kda_variants(gpu: &mut CudaBackend, rep: &mut Report, seed: u64) -> R<(
 fn check_regions(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
     let mut r = SplitMix64::new(seed ^ 0x4e61);
     let mem = gpu.device_memory()?;
-    let len = 1u64 << 20;
+    let len = 8u64 << 20;
     let addr = mem.alloc(len)?;
     let region = DeviceRegion { addr, len };
     let mut zero = vec![1u8; len as usize];
     unsafe { mem.read(addr, &mut zero)? };
-    rep.flag("region alloc", "1 MiB, zeroed", zero.iter().all(|&b| b == 0), "all 0");
+    rep.flag("region alloc", "8 MiB, zeroed", zero.iter().all(|&b| b == 0), "all 0");
     // Items at scattered, aligned offsets, each dtype: scatter then gather.
     for (dt, vb) in [(StorageDtype::F32, 4u64), (StorageDtype::Bf16, 2), (StorageDtype::F16, 2)] {
         let values = 576usize;
@@ -870,7 +888,7 @@ fn check_regions(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
         *b = (r.next_u64() & 0xff) as u8;
     }
     unsafe { mem.write(addr, &src_host)? };
-    let copies = [
+    let mut copies = vec![
         Copy2d { src: addr + 64, src_pitch: 1152, dst: dst + 128, dst_pitch: 4608, width: 1152, height: 100 },
         Copy2d { src: addr + 300_000, src_pitch: 0, dst: dst + 700_000, dst_pitch: 0, width: 65_536, height: 1 },
         Copy2d { src: addr, src_pitch: 16, dst: dst + 128, dst_pitch: 16, width: 16, height: 1 },
@@ -881,7 +899,13 @@ fn check_regions(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
         Copy2d { src: addr + 3, src_pitch: 1001, dst: dst + 820_001, dst_pitch: 1003, width: 999, height: 7 },
         Copy2d { src: addr + 9_000, src_pitch: 64, dst: dst + 820_500, dst_pitch: 64, width: 48, height: 40 },
         Copy2d { src: addr + 100_000, src_pitch: 70_000, dst: dst + 850_000, dst_pitch: 66_000, width: 65_600, height: 2 },
+        // A large contiguous copy (the copy engines) between table launches,
+        // then a table copy over part of what it wrote (must come after it).
+        Copy2d { src: addr + (2 << 20), src_pitch: 4 << 20, dst: dst + (2 << 20), dst_pitch: 4 << 20, width: 4 << 20, height: 1 },
+        Copy2d { src: addr + 100, src_pitch: 500, dst: dst + (2 << 20) + 1000, dst_pitch: 500, width: 500, height: 1 },
     ];
+    // More copies than one table holds.
+    copies.extend((0..100u64).map(|i| Copy2d { src: addr + 1_000_000 + i * 256, src_pitch: 200, dst: dst + 1_000_000 + i * 208, dst_pitch: 200, width: 200, height: 1 }));
     let t = unsafe { mem.copy(&copies)? };
     let mut spins = 0u64;
     while !mem.done(t)? {
@@ -898,7 +922,7 @@ fn check_regions(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
     }
     let mut got = vec![0u8; len as usize];
     unsafe { mem.read(dst, &mut got)? };
-    rep.flag("device copy", &format!("2D narrow (16/4/1-byte words) and wide, contiguous, overlapping, in order ({spins} polls)"), got == want, "bytes");
+    rep.flag("device copy", &format!("{} copies: 2D narrow (16/4/1-byte words) and wide, contiguous, engine and table, overlapping, in order ({spins} polls)", copies.len()), got == want, "bytes");
     rep.flag("device copy", "a ticket is forgotten once done", mem.done(t).is_err(), "refused");
     let handle = mem.export(addr)?;
     rep.flag("ipc export", "a region's handle", handle.len() == 64, "64 bytes");
@@ -1039,7 +1063,7 @@ fn bench(gpu: &mut CudaBackend, seed: u64, mla_only: bool) -> R<()> {
     bench_mla(gpu, bw, &mut r)?;
 
     // Dense: a decode-sized and a prefill-sized matmul.
-    for &(rows, inner, cols) in &[(1usize, 7168usize, 7168usize), (88, 7168, 7168), (4096, 4096, 4096)] {
+    for &(rows, inner, cols) in &[(1usize, 2048usize, 2048usize), (88, 2048, 2048), (1, 7168, 7168), (88, 7168, 7168), (4096, 4096, 4096)] {
         let x = gpu.upload(&uni(&mut r, rows * inner, -1.0, 1.0))?;
         let w = gpu.upload(&uni(&mut r, inner * cols, -1.0, 1.0))?;
         let mut o = gpu.alloc(rows * cols)?;

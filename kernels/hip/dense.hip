@@ -3,19 +3,31 @@
 
 // ---- matmul -----------------------------------------------------------------
 //
-// out [rows, cols] = x [rows, inner] . w [inner, cols], row-major, as a plain
-// shared-memory tiled kernel: a block computes a 64 x 64 tile of out with 256
-// threads, each thread a 4 x 4 register block (rows ty + 16 i, columns
-// tx + 16 j, so a warp's loads and stores of w and out are contiguous), walking
-// k in steps of 16 through shared-memory tiles of x and w.
+// out [rows, cols] = x [rows, inner] . w [inner, cols], row-major.
 //
-// Batch invariance: every output element is one fmaf chain over k = 0, 1, ...,
-// inner - 1 in that order, whatever tile, block or row count it falls in; rows
-// past the end of x only read zeros into lanes whose results are dropped, and
-// the k padding of the last tile multiplies 0 by 0. So a row's bits never
-// depend on how many rows the call has (decode of a batch equals decode of one).
+// The order of the sum, which every kernel below keeps bit for bit: k runs in
+// chunks of MM_KC = 128; within a chunk an output element is one fmaf chain
+// from 0 over k in order, and the chunk sums are added in chunk order to a
+// total that starts at 0. k is padded with zeros to a multiple of MM_BK
+// (fmaf(0, 0, acc) on both paths). So a row's bits never depend on how many
+// rows the call has or on which kernel ran it (decode of a batch equals decode
+// of one).
+//
+// matmul_f32, for many rows: a shared-memory tiled kernel; a block computes a
+// 64 x 64 tile of out with 256 threads, each thread a 4 x 4 register block
+// (rows ty + 16 i, columns tx + 16 j, so a warp's loads and stores of w and out
+// are contiguous), walking k in steps of 16 through shared-memory tiles of x
+// and w and folding its chunk sums into the total every MM_KC.
 // Launch: grid (ceil(cols / 64), ceil(rows / 64)); block 256.
+//
+// matmul_splitk_f32 + matmul_chunk_sum, for decode's few rows: with one tile
+// of rows the tiled kernel has only cols / 64 blocks, each walking all of k
+// one shared tile at a time, which leaves the device latency-bound; here every
+// (column tile, k chunk, 16-row tile) is a block of its own that writes its
+// chunk sums to a scratch [chunks, rows, cols], and matmul_chunk_sum adds them
+// in chunk order.
 
+#define MM_KC 128
 #define MM_BM 64
 #define MM_BN 64
 #define MM_BK 16
@@ -31,11 +43,11 @@ extern "C" __global__ void matmul_f32(
     const int ty = tid / 16;
     const int row0 = blockIdx.y * MM_BM;
     const int col0 = blockIdx.x * MM_BN;
-    float acc[4][4];
+    float acc[4][4], tot[4][4];
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+        for (int j = 0; j < 4; ++j) acc[i][j] = tot[i][j] = 0.0f;
 
     for (int k0 = 0; k0 < inner; k0 += MM_BK) {
         // x tile: 64 rows x 16 k, four elements per thread, k fastest (contiguous reads).
@@ -72,6 +84,15 @@ extern "C" __global__ void matmul_f32(
                 for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
         }
         __syncthreads();
+        if ((k0 + MM_BK) % MM_KC == 0 || k0 + MM_BK >= inner) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    tot[i][j] += acc[i][j];
+                    acc[i][j] = 0.0f;
+                }
+        }
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -79,8 +100,66 @@ extern "C" __global__ void matmul_f32(
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int gc = col0 + tx + 16 * j;
-            if (gr < rows && gc < cols) out[(hk_i64)gr * cols + gc] = acc[i][j];
+            if (gr < rows && gc < cols) out[(hk_i64)gr * cols + gc] = tot[i][j];
         }
+    }
+}
+
+// Chunk sums of the split-k path: block (column tile bx, chunk by, row tile
+// bz) writes part[by][r][c] for rows bz * 16 .. +16 and columns bx * 64 .. +64;
+// thread (tx = column, ty) holds rows ty + 4 i. The chunk's 16 x 128 slice of
+// x is staged in shared memory; w is read straight from memory, a warp's 32
+// columns contiguous. Launch: grid (ceil(cols / 64), ceil(inner / MM_KC),
+// ceil(rows / 16)); block 256.
+#define MS_ROWS 16
+extern "C" __global__ void matmul_splitk_f32(
+    const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ part,
+    int rows, int inner, int cols)
+{
+    __shared__ float xs[MS_ROWS][MM_KC];
+    const int tid = threadIdx.x;
+    const int tx = tid % 64;
+    const int ty = tid / 64;
+    const int col = blockIdx.x * 64 + tx;
+    const int k0 = blockIdx.y * MM_KC;
+    const int row0 = blockIdx.z * MS_ROWS;
+    const int padded = (inner + MM_BK - 1) / MM_BK * MM_BK;
+    const int kn = padded - k0 < MM_KC ? padded - k0 : MM_KC;
+    for (int e = tid; e < MS_ROWS * MM_KC; e += 256) {
+        const int r = e / MM_KC;
+        const int kk = e % MM_KC;
+        const int gr = row0 + r;
+        const int gk = k0 + kk;
+        xs[r][kk] = (gr < rows && gk < inner) ? x[(hk_i64)gr * inner + gk] : 0.0f;
+    }
+    __syncthreads();
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const bool live = col < cols;
+#pragma unroll 8
+    for (int kk = 0; kk < kn; ++kk) {
+        const int gk = k0 + kk;
+        const float b = (live && gk < inner) ? w[(hk_i64)gk * cols + col] : 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[i] = fmaf(xs[ty + 4 * i][kk], b, acc[i]);
+    }
+    if (!live) return;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int gr = row0 + ty + 4 * i;
+        if (gr < rows) part[((hk_i64)blockIdx.y * rows + gr) * cols + col] = acc[i];
+    }
+}
+
+// out[e] = the chunk sums of element e added in chunk order, from 0.
+// Launch: grid-stride, any grid; block 256.
+extern "C" __global__ void matmul_chunk_sum(
+    const float* __restrict__ part, float* __restrict__ out, hk_i64 n, int chunks)
+{
+    for (hk_i64 e = (hk_i64)blockIdx.x * blockDim.x + threadIdx.x; e < n;
+         e += (hk_i64)gridDim.x * blockDim.x) {
+        float t = 0.0f;
+        for (int c = 0; c < chunks; ++c) t += part[(hk_i64)c * n + e];
+        out[e] = t;
     }
 }
 

@@ -279,6 +279,15 @@ pub trait Backend: Send + Sync {
 
     // ---- dense -------------------------------------------------------------
 
+    /// True when [`Backend::matmul`] sums every output element over k in one
+    /// fixed order whatever the row count, so a caller may pass the whole inner
+    /// dimension and still get batch-invariant rows. False (the default) means
+    /// only a call with at most 64 inner rows is row-count invariant (the CPU's
+    /// thread pool sums 64-row chunks in finishing order), and callers chunk.
+    fn matmul_fixed_order(&self) -> bool {
+        false
+    }
+
     /// out = x . w (see [`MatmulShape`]).
     fn matmul(
         &self,

@@ -37,6 +37,6 @@ pub use gpu::{
     CudaBackend, CudaBuf, CudaF64Buf, CudaIBuf, HIP_CODE_OBJECTS, HIP_PRELUDE, HIP_SOURCES,
     HipBackend, KdaKernel, NoBuf, cuda_device_memory, device_program,
 };
-pub use region::{Copy2d, CopyTicket, DeviceMemory, DeviceRegion, RegionItems};
+pub use region::{Copy2d, CopyTicket, DeviceMemory, DeviceRegion, RegionItems, TABLE_COPIES, table_launches};
 pub use rng::SplitMix64;
 pub use shapes::*;

@@ -81,6 +81,64 @@ pub struct Copy2d {
     pub height: u64,
 }
 
+impl Copy2d {
+    /// The byte span `[start, end)` of the rows' destination (`dst`) or
+    /// source: a bound, since the gaps between rows are not touched.
+    fn span(base: u64, pitch: u64, width: u64, height: u64) -> (u64, u64) {
+        (base, base + height.saturating_sub(1) * pitch + width)
+    }
+
+    fn dst_span(&self) -> (u64, u64) {
+        Self::span(self.dst, self.dst_pitch, self.width, self.height)
+    }
+
+    fn src_span(&self) -> (u64, u64) {
+        Self::span(self.src, self.src_pitch, self.width, self.height)
+    }
+
+    /// Whether running `self` and `later` at the same time could differ from
+    /// running them in order: one writes what the other reads or writes.
+    pub fn conflicts_with(&self, later: &Copy2d) -> bool {
+        let meet = |a: (u64, u64), b: (u64, u64)| a.0 < b.1 && b.0 < a.1;
+        meet(self.dst_span(), later.dst_span()) || meet(self.dst_span(), later.src_span()) || meet(self.src_span(), later.dst_span())
+    }
+}
+
+/// Copies one launch of a table copy kernel takes (`CT_COPIES` in
+/// `kernels/hip/memcopy.hip`): the table is the kernel's by-value argument,
+/// which must stay within the 4 KB every driver accepts.
+pub const TABLE_COPIES: usize = 48;
+
+/// Splits a batch of copies, in queue order, into runs that one table launch
+/// may copy all at once: at most [`TABLE_COPIES`] each, and none holding two
+/// copies where one writes bytes the other reads or writes (such a pair goes
+/// into consecutive launches, which a stream runs in order). Empty copies are
+/// left out. Returns index ranges into `copies`.
+pub fn table_launches(copies: &[Copy2d]) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let mut start = None::<usize>;
+    for (i, c) in copies.iter().enumerate() {
+        if c.width == 0 || c.height == 0 {
+            if let Some(s) = start.take() {
+                out.push(s..i);
+            }
+            continue;
+        }
+        if let Some(s) = start {
+            if i - s == TABLE_COPIES || copies[s..i].iter().any(|e| e.conflicts_with(c)) {
+                out.push(s..i);
+                start = Some(i);
+            }
+        } else {
+            start = Some(i);
+        }
+    }
+    if let Some(s) = start {
+        out.push(s..copies.len());
+    }
+    out
+}
+
 /// A batch of copies queued on a [`DeviceMemory`]; [`DeviceMemory::done`] says
 /// when every copy of it has completed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -169,5 +227,36 @@ mod tests {
         assert_eq!(half.check("t", region).unwrap(), 2);
         let huge = RegionItems { offsets: &[u64::MAX - 1], values: 1, dtype: StorageDtype::Bf16 };
         assert!(huge.check("t", region).is_err());
+    }
+
+    fn row(src: u64, dst: u64, width: u64) -> Copy2d {
+        Copy2d { src, src_pitch: width, dst, dst_pitch: width, width, height: 1 }
+    }
+
+    #[test]
+    fn table_launches_keep_conflicting_copies_in_order() {
+        // Strided copies whose rows interleave in one destination conflict (the
+        // spans are bounds), disjoint ones share a launch.
+        let a = Copy2d { src: 0, src_pitch: 64, dst: 10_000, dst_pitch: 128, width: 32, height: 4 };
+        let b = Copy2d { src: 1_000, src_pitch: 64, dst: 10_032, dst_pitch: 128, width: 32, height: 4 };
+        assert!(a.conflicts_with(&b) && b.conflicts_with(&a));
+        let c = row(2_000, 20_000, 100);
+        assert!(!a.conflicts_with(&c));
+        // c then d overwrites c's destination; e reads what d wrote; f writes what e reads.
+        let d = row(3_000, 20_050, 100);
+        let e = row(20_060, 30_000, 10);
+        let f = row(5_000, 20_055, 8);
+        assert_eq!(table_launches(&[a, c, b]), vec![0..2, 2..3]);
+        assert_eq!(table_launches(&[c, d]), vec![0..1, 1..2]);
+        assert_eq!(table_launches(&[row(0, 40_000, 8), e]), vec![0..2]);
+        assert_eq!(table_launches(&[row(9_000, 40_000, 8), e, f]), vec![0..2, 2..3]);
+        // Edges that touch do not conflict; empty copies are dropped.
+        let empty = Copy2d { width: 0, ..row(0, 20_000, 0) };
+        assert_eq!(table_launches(&[row(0, 100, 10), empty, row(0, 110, 10)]), vec![0..1, 2..3]);
+        assert_eq!(table_launches(&[row(0, 100, 10), row(0, 110, 10)]), vec![0..2]);
+        assert!(table_launches(&[]).is_empty());
+        // At most TABLE_COPIES a launch.
+        let many: Vec<Copy2d> = (0..100u64).map(|i| row(i * 8, 1 << 20 | i * 8, 8)).collect();
+        assert_eq!(table_launches(&many), vec![0..48, 48..96, 96..100]);
     }
 }

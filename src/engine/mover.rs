@@ -261,28 +261,49 @@ impl Mover for TransportMover {
     }
 }
 
+/// Plans one worker takes at once from the queue when the transport queues
+/// plans ([`Transport::queues_plans`]): their copies go to the device as one
+/// submission (a few kernel launches and one event), not one each.
+const PLANS_PER_SUBMIT: usize = 64;
+
 fn worker(shared: &Shared, rx: &Mutex<mpsc::Receiver<Job>>) {
+    let group = if shared.transport.queues_plans() { PLANS_PER_SUBMIT } else { 1 };
     loop {
-        let job = match lock(rx).recv() {
-            Ok(j) => j,
-            Err(_) => return,
+        let jobs = {
+            let rx = lock(rx);
+            let mut jobs = match rx.recv() {
+                Ok(j) => vec![j],
+                Err(_) => return,
+            };
+            while jobs.len() < group {
+                match rx.try_recv() {
+                    Ok(j) => jobs.push(j),
+                    Err(_) => break,
+                }
+            }
+            jobs
         };
         let _span = tracing::debug_span!(
-            "mover.plan",
-            request = job.ticket.request,
-            pp = job.plan.producer.pp,
-            tp = job.plan.producer.tp,
-            consumer = job.plan.consumer.tp,
-            bytes = job.plan.bytes()
+            "mover.plans",
+            plans = jobs.len(),
+            request = jobs[0].ticket.request,
+            pp = jobs[0].plan.producer.pp,
+            tp = jobs[0].plan.producer.tp,
+            consumer = jobs[0].plan.consumer.tp,
+            bytes = jobs.iter().map(|j| j.plan.bytes()).sum::<u64>()
         )
         .entered();
-        let result = run_plan(shared, &job.plan).map_err(|e| MoveError::Transport(e.to_string()));
-        if let Err(reason) = &result {
-            tracing::warn!(request = job.ticket.request, %reason, "mover: plan failed");
-        }
+        let plans: Vec<&Plan> = jobs.iter().map(|j| &j.plan).collect();
+        let results = run_plans(shared, &plans);
         let mut book = lock(&shared.book);
-        book.in_flight.remove(&job.ticket);
-        book.done.push(Completion { ticket: job.ticket, result });
+        for (job, result) in jobs.iter().zip(results) {
+            let result = result.map_err(|e| MoveError::Transport(e.to_string()));
+            if let Err(reason) = &result {
+                tracing::warn!(request = job.ticket.request, %reason, "mover: plan failed");
+            }
+            book.in_flight.remove(&job.ticket);
+            book.done.push(Completion { ticket: job.ticket, result });
+        }
         drop(book);
         shared.idle.notify_all();
     }
@@ -328,11 +349,36 @@ fn stager<'a>(shared: &'a Shared, rank: RankId) -> Result<&'a Stager, TransportE
     made.as_ref().map_err(Clone::clone)
 }
 
-/// Writes every descriptor of a plan; returns once all batches completed. Kinds
-/// that stage go through the stager; every batch of the other kinds is
-/// submitted before the first wait, so an asynchronous transport (tcp, a GPU's
-/// copy queue) has the whole plan in flight at once.
-fn run_plan(shared: &Shared, plan: &Plan) -> Result<(), TransportError> {
+/// A batch of direct writes: the plan it belongs to, source, destination and
+/// descriptors.
+type DirectWrite = (usize, RegionHandle, RemoteRegion, Vec<Descriptor>);
+
+/// Writes every descriptor of each plan; returns once all batches completed,
+/// one result per plan. Kinds that stage go through the stager, plan by plan;
+/// every batch of the other kinds, of all the plans, is submitted before the
+/// first wait, so an asynchronous transport (tcp, a GPU's copy queue) has all
+/// of it in flight at once. A plan that fails fails alone: the other plans'
+/// results are their own.
+fn run_plans(shared: &Shared, plans: &[&Plan]) -> Vec<Result<(), TransportError>> {
+    let mut results: Vec<Result<(), TransportError>> = plans.iter().map(|_| Ok(())).collect();
+    let mut direct: Vec<DirectWrite> = Vec::new();
+    for (i, plan) in plans.iter().enumerate() {
+        match plan_writes(shared, plan) {
+            Ok(w) => direct.extend(w.into_iter().map(|(src, dst, descs)| (i, src, dst, descs))),
+            Err(e) => results[i] = Err(e),
+        }
+    }
+    for (i, e) in write_direct(shared, &direct) {
+        if results[i].is_ok() {
+            results[i] = Err(e);
+        }
+    }
+    results
+}
+
+/// Resolves a plan's regions kind by kind, writes the kinds that stage, and
+/// returns the direct writes of the others.
+fn plan_writes(shared: &Shared, plan: &Plan) -> Result<Vec<(RegionHandle, RemoteRegion, Vec<Descriptor>)>, TransportError> {
     // Descriptors of one kind share a source and a destination region.
     let mut by_kind: BTreeMap<RegionKind, Vec<Descriptor>> = BTreeMap::new();
     for d in &plan.descriptors {
@@ -354,25 +400,30 @@ fn run_plan(shared: &Shared, plan: &Plan) -> Result<(), TransportError> {
             direct.push((src, dst, descs));
         }
     }
-    write_direct(shared, &direct)
+    Ok(direct)
 }
 
 /// Submits every batch of `writes` first (a remote or asynchronous transport
 /// keeps them all in flight), then waits for each; a batch that failed
-/// transiently is written again, with backoff.
-fn write_direct(shared: &Shared, writes: &[(RegionHandle, RemoteRegion, Vec<Descriptor>)]) -> Result<(), TransportError> {
+/// transiently is written again, with backoff. Returns the first error of
+/// each plan that had one.
+fn write_direct(shared: &Shared, writes: &[DirectWrite]) -> Vec<(usize, TransportError)> {
     let o = &shared.opts;
     let t = &shared.transport;
-    let chunks: Vec<(&RegionHandle, RemoteRegion, &[Descriptor])> =
-        writes.iter().flat_map(|(src, dst, descs)| descs.chunks(o.max_batch as usize).map(move |c| (src, *dst, c))).collect();
-    let submitted = t.submit_all(&chunks);
-    let mut first_err = None;
-    for ((src, dst, chunk), batch) in chunks.into_iter().zip(submitted) {
+    let chunks: Vec<(usize, &RegionHandle, RemoteRegion, &[Descriptor])> = writes
+        .iter()
+        .flat_map(|(plan, src, dst, descs)| descs.chunks(o.max_batch as usize).map(move |c| (*plan, src, *dst, c)))
+        .collect();
+    let batches: Vec<(&RegionHandle, RemoteRegion, &[Descriptor])> = chunks.iter().map(|&(_, s, d, c)| (s, d, c)).collect();
+    let submitted = t.submit_all(&batches);
+    let mut errors: Vec<(usize, TransportError)> = Vec::new();
+    for ((plan, src, dst, chunk), batch) in chunks.into_iter().zip(submitted) {
         // Every submitted batch is waited for, even after a failure, so none
         // is left in flight when the plan reports.
+        let failed = errors.iter().any(|(p, _)| *p == plan);
         let r = match batch.and_then(|b| t.wait(b, o.batch_timeout)) {
             Ok(()) => Ok(()),
-            Err(e) if first_err.is_none() && e.is_transient() && o.retry.attempts > 1 => {
+            Err(e) if !failed && e.is_transient() && o.retry.attempts > 1 => {
                 tracing::debug!(error = %e, "mover: retrying a batch");
                 std::thread::sleep(o.retry.initial_backoff);
                 let again = RetryPolicy { attempts: o.retry.attempts - 1, ..o.retry };
@@ -381,10 +432,12 @@ fn write_direct(shared: &Shared, writes: &[(RegionHandle, RemoteRegion, Vec<Desc
             Err(e) => Err(e),
         };
         if let Err(e) = r {
-            first_err.get_or_insert(e);
+            if !failed {
+                errors.push((plan, e));
+            }
         }
     }
-    first_err.map_or(Ok(()), Err)
+    errors
 }
 
 // ---------------------------------------------------------------------------

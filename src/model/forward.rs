@@ -58,7 +58,7 @@ impl<B: Backend> ShardGroup<B> {
     }
 }
 
-/// x `[rows, w.inner]` . w = `[rows, w.cols]`, chunk by chunk (see [`K_CHUNK`]).
+/// x `[rows, w.inner]` . w = `[rows, w.cols]`, chunk by chunk (see [`K_CHUNK`] and [`Mat`]).
 fn matmul<B: Backend>(be: &B, x: &B::Buf, w: &Mat<B>, rows: usize) -> R<B::Buf> {
     let (inner, cols) = (w.inner, w.cols);
     let mut out = be.alloc(rows * cols)?;
@@ -68,8 +68,8 @@ fn matmul<B: Backend>(be: &B, x: &B::Buf, w: &Mat<B>, rows: usize) -> R<B::Buf> 
     }
     let mut part = be.alloc(rows * cols)?;
     for (c, wc) in w.chunks.iter().enumerate() {
-        let k0 = c * K_CHUNK;
-        let kn = K_CHUNK.min(inner - k0);
+        let k0 = c * w.chunk_rows;
+        let kn = w.chunk_rows.min(inner - k0);
         let xs = take_cols(be, x, rows, inner, k0, kn)?;
         be.matmul(MatmulShape { rows, inner: kn, cols }, &xs, wc, &mut part)?;
         be.add_inplace(&mut out, &part)?;

@@ -415,15 +415,21 @@ fn pick_cols(w: &[f32], rows: usize, total: usize, which: &[usize]) -> Vec<f32> 
 }
 
 /// A weight matrix `[inner, cols]` on the backend, held as its row chunks of
-/// [`K_CHUNK`] rows (the last one shorter). The forward pass multiplies chunk by
-/// chunk and sums the chunk products in order, so that every output row is the
-/// same sum whatever the row count of the call (see `forward::matmul`); holding
-/// the chunks whole avoids slicing the weights at every call.
+/// `chunk_rows` rows (the last one shorter). On a backend whose matmul is not
+/// row-count invariant past [`K_CHUNK`] inner rows (the CPU), chunks are
+/// [`K_CHUNK`] rows: the forward pass multiplies chunk by chunk and sums the
+/// chunk products in order, so every output row is the same sum whatever the
+/// row count of the call (see `forward::matmul`). A backend that sums in fixed
+/// order ([`Backend::matmul_fixed_order`], the GPU) holds the matrix whole: one
+/// launch a product instead of three a chunk. Holding the chunks avoids slicing
+/// the weights at every call.
 pub struct Mat<B: Backend> {
     pub inner: usize,
     pub cols: usize,
-    /// Rows `c * K_CHUNK ..` of the matrix, each `[rows, cols]`; at least one
-    /// (an empty matrix has one empty chunk).
+    /// Inner rows per chunk (at least 1).
+    pub chunk_rows: usize,
+    /// Rows `c * chunk_rows ..` of the matrix, each `[rows, cols]`; at least
+    /// one (an empty matrix has one empty chunk).
     pub chunks: Vec<B::Buf>,
 }
 
@@ -436,12 +442,13 @@ impl<B: Backend> Mat<B> {
                 w.len()
             )));
         }
+        let chunk_rows = if be.matmul_fixed_order() { inner.max(1) } else { K_CHUNK };
         let chunks = if inner == 0 || cols == 0 {
             vec![be.upload(w)?]
         } else {
-            w.chunks(K_CHUNK * cols).map(|c| be.upload(c)).collect::<Result<_, _>>()?
+            w.chunks(chunk_rows * cols).map(|c| be.upload(c)).collect::<Result<_, _>>()?
         };
-        Ok(Mat { inner, cols, chunks })
+        Ok(Mat { inner, cols, chunk_rows, chunks })
     }
 }
 

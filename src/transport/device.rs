@@ -408,6 +408,11 @@ impl Transport for DeviceTransport {
         results
     }
 
+    /// Copies run on the device's streams after `submit_all` returns.
+    fn queues_plans(&self) -> bool {
+        true
+    }
+
     fn poll(&self) -> Vec<Completion> {
         self.reaper.completions.poll()
     }

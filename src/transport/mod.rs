@@ -297,6 +297,13 @@ pub trait Transport: Send + Sync {
         writes.iter().map(|&(src, dst, d)| self.submit(src, dst, d)).collect()
     }
 
+    /// Whether [`Transport::submit_all`] only queues work that runs without
+    /// the caller (a device's copy queue), so that a mover gains from handing
+    /// it many plans at once instead of running them on many threads.
+    fn queues_plans(&self) -> bool {
+        false
+    }
+
     /// Takes every completion reported since the last call, in batch order.
     fn poll(&self) -> Vec<Completion>;
 

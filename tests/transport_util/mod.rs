@@ -166,11 +166,13 @@ pub struct HostDeviceMemory {
     tickets: Mutex<HashMap<u64, u32>>,
     next: Mutex<u64>,
     pub lag: u32,
+    /// Calls of `copy` (one per submission the transport queued).
+    pub submissions: std::sync::atomic::AtomicUsize,
 }
 
 impl HostDeviceMemory {
     pub fn new(lag: u32) -> Arc<Self> {
-        Arc::new(HostDeviceMemory { allocs: Mutex::default(), tickets: Mutex::default(), next: Mutex::new(1), lag })
+        Arc::new(HostDeviceMemory { allocs: Mutex::default(), tickets: Mutex::default(), next: Mutex::new(1), lag, submissions: Default::default() })
     }
 }
 
@@ -195,6 +197,7 @@ impl DeviceMemory for HostDeviceMemory {
     }
     unsafe fn close(&self, _: u64) {}
     unsafe fn copy(&self, copies: &[Copy2d]) -> handoff_kernels::Result<CopyTicket> {
+        self.submissions.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         for c in copies {
             for r in 0..c.height {
                 // SAFETY: the transport checked every range against live allocations.
@@ -234,7 +237,12 @@ impl DeviceMemory for HostDeviceMemory {
 
 /// A cuda-ipc transport over [`HostDeviceMemory`].
 pub fn host_device_transport(lag: u32) -> Arc<DeviceTransport> {
-    let mem: Arc<dyn DeviceMemory> = HostDeviceMemory::new(lag);
+    host_device_transport_on(HostDeviceMemory::new(lag))
+}
+
+/// A cuda-ipc transport over the given stand-in memory.
+pub fn host_device_transport_on(mem: Arc<HostDeviceMemory>) -> Arc<DeviceTransport> {
+    let mem: Arc<dyn DeviceMemory> = mem;
     Arc::new(DeviceTransport::new(mem, 0, handoff::transport::shm::default_dir(), handoff::auth::ClusterSecret::process()).expect("device transport"))
 }
 

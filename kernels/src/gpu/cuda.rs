@@ -176,6 +176,8 @@ struct Funcs {
     dcp_merge_f32: CudaFunction,
     dcp_merge_f64: CudaFunction,
     matmul_f32: CudaFunction,
+    matmul_splitk_f32: CudaFunction,
+    matmul_chunk_sum: CudaFunction,
     silu_mul: CudaFunction,
     add_inplace: CudaFunction,
     embedding: CudaFunction,
@@ -335,6 +337,12 @@ fn i64_of(v: usize) -> i64 {
 }
 
 /// A grid-stride launch over `n` elements.
+/// Calls with at most this many rows take the split-k matmul (its scratch is
+/// rows x cols x inner / 128 floats).
+const SPLITK_ROWS: usize = 128;
+/// The matmul's k chunk (MM_KC in dense.hip).
+const MATMUL_KC: usize = 128;
+
 fn ew_cfg(n: usize) -> LaunchConfig {
     let blocks = n.div_ceil(EW_THREADS as usize).clamp(1, EW_MAX_BLOCKS) as u32;
     LaunchConfig {
@@ -491,6 +499,8 @@ impl CudaBackend {
             dcp_merge_f32: get("dcp_merge_f32")?,
             dcp_merge_f64: get("dcp_merge_f64")?,
             matmul_f32: get("matmul_f32")?,
+            matmul_splitk_f32: get("matmul_splitk_f32")?,
+            matmul_chunk_sum: get("matmul_chunk_sum")?,
             silu_mul: get("silu_mul")?,
             add_inplace: get("add_inplace")?,
             embedding: get("embedding")?,
@@ -891,22 +901,43 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Both matmul kernels sum in the one order dense.hip describes, so the
+    /// choice between them never changes a bit: few rows (decode) go split
+    /// over k chunks, many rows (prefill) through the tiled kernel.
     #[allow(clippy::too_many_arguments)]
     fn matmul_unchecked(&self, op: &'static str, rows: usize, inner: usize, cols: usize, x: &CudaSlice<f32>, w: &CudaSlice<f32>, out: &mut CudaSlice<f32>) -> Result<()> {
         if rows == 0 || cols == 0 {
             return Ok(());
         }
-        let gx = cols.div_ceil(64);
+        let (r, k, c) = (int(op, "rows", rows)?, int(op, "inner", inner)?, int(op, "cols", cols)?);
+        let gx = int(op, "column tiles", cols.div_ceil(64))? as u32;
+        if rows <= SPLITK_ROWS && inner > 0 {
+            let chunks = inner.div_ceil(MATMUL_KC);
+            // SAFETY: every element is written by matmul_splitk_f32 before it is read.
+            let mut part = unsafe { self.stream.alloc::<f32>(chunks * rows * cols) }.map_err(dev(op))?;
+            let cfg = LaunchConfig {
+                grid_dim: (gx, chunks as u32, rows.div_ceil(16) as u32),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = self.stream.launch_builder(&self.f.matmul_splitk_f32);
+            b.arg(x).arg(w).arg(&mut part).arg(&r).arg(&k).arg(&c);
+            // SAFETY: types and order match matmul_splitk_f32; lengths were
+            // checked; part holds chunks x rows x cols and every one is written.
+            unsafe { b.launch(cfg) }.map_err(dev(op))?;
+            let n = rows * cols;
+            let (nn, nc) = (i64_of(n), chunks as i32);
+            let mut b = self.stream.launch_builder(&self.f.matmul_chunk_sum);
+            b.arg(&part).arg(out).arg(&nn).arg(&nc);
+            // SAFETY: types and order match matmul_chunk_sum.
+            unsafe { b.launch(ew_cfg(n)) }.map_err(dev(op))?;
+            return Ok(());
+        }
         let gy = rows.div_ceil(64);
         if gy > 65535 {
             return Err(KernelError::InvalidShape { op, reason: format!("{rows} rows exceed the device matmul's grid") });
         }
-        let cfg = LaunchConfig {
-            grid_dim: (int(op, "column tiles", gx)? as u32, gy as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (r, k, c) = (int(op, "rows", rows)?, int(op, "inner", inner)?, int(op, "cols", cols)?);
+        let cfg = LaunchConfig { grid_dim: (gx, gy as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let mut b = self.stream.launch_builder(&self.f.matmul_f32);
         b.arg(x).arg(w).arg(out).arg(&r).arg(&k).arg(&c);
         // SAFETY: types and order match matmul_f32; lengths were checked.
@@ -1589,6 +1620,11 @@ impl Backend for CudaBackend {
         // SAFETY: types and order match dcp_merge_f64; lengths checked.
         unsafe { b.launch(cfg) }.map_err(dev(op))?;
         Ok(())
+    }
+
+    /// Both matmul kernels sum in one order whatever the rows (dense.hip).
+    fn matmul_fixed_order(&self) -> bool {
+        true
     }
 
     fn matmul(&self, shape: MatmulShape, x: &CudaBuf, w: &CudaBuf, out: &mut CudaBuf) -> Result<()> {

@@ -1,35 +1,53 @@
 //! [`DeviceMemory`] on CUDA: regions as plain `cuMemAlloc` allocations (the
 //! stream-ordered pools cudarc allocates buffers from cannot be exported), IPC
 //! handles (`cuIpcGetMemHandle` / `cuIpcOpenMemHandle`), and copies queued on
-//! a stream of their own, each batch followed by an event that
-//! [`DeviceMemory::done`] queries. Narrow strided rows go through one small
-//! kernel of its own (`kernels/hip/memcopy.hip`), wide and single rows through
-//! the copy engines. The memory shares its backend's context, so the backend's
-//! kernels and these copies see one address space.
+//! streams of their own, each batch followed by an event that
+//! [`DeviceMemory::done`] queries. A batch's copies go through one small
+//! kernel of its own (`kernels/hip/memcopy.hip`), up to 48 copies a launch
+//! with the table as the launch's argument; only large contiguous copies go
+//! to the copy engines. The memory shares its backend's context, so the
+//! backend's kernels and these copies see one address space.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys;
-use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaStream, DriverError, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaStream, DeviceRepr, DriverError, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 
 use crate::error::{KernelError, Result};
-use crate::region::{Copy2d, CopyTicket, DeviceMemory};
+use crate::region::{Copy2d, CopyTicket, DeviceMemory, TABLE_COPIES, table_launches};
 
 /// Bytes of a CUDA IPC memory handle.
 pub const IPC_HANDLE_BYTES: usize = 64;
 
-/// Rows narrower than this go through `strided_copy` (the SMs); wider rows and
-/// single rows through the copy engines, which reach bandwidth on them.
-/// `HANDOFF_CUDA_COPY=engines` sends every copy to the copy engines (for
-/// measuring the two against each other).
-const NARROW_ROW: u64 = 64 << 10;
+/// Contiguous copies of at least this many bytes go to the copy engines, which
+/// reach bandwidth on them; everything else goes through `copy_table`.
+/// `HANDOFF_CUDA_COPY=engines` sends every copy to the copy engines (one
+/// driver call a copy; for measuring the two against each other).
+const ENGINE_BYTES: u64 = 4 << 20;
 /// Streams copy batches are spread over.
 const COPY_STREAMS: usize = 8;
-/// Threads of `strided_copy`: 8 warps, a row each.
+/// Threads of `copy_table`: 8 warps, a piece each.
 const COPY_THREADS: u32 = 256;
+/// Bytes of a row one warp copies (CT_PIECE in memcopy.hip).
+const COPY_PIECE: u64 = 16 << 10;
+
+/// `hk_copy_table` of memcopy.hip, the by-value argument of `copy_table`.
+#[repr(C)]
+struct CopyTable {
+    /// src, dst, width, height, src pitch, dst pitch.
+    c: [[i64; 6]; TABLE_COPIES],
+    /// First work item (row piece) of each copy; `start[n]` is the count.
+    start: [i64; TABLE_COPIES + 1],
+    n: i32,
+    pad: i32,
+}
+
+// SAFETY: plain integers in the C layout of hk_copy_table (2,704 bytes,
+// within the 4 KB kernel argument limit).
+unsafe impl DeviceRepr for CopyTable {}
 
 /// CUDA device memory for a transport's regions (see the module docs).
 pub struct CudaMemory {
@@ -41,9 +59,9 @@ pub struct CudaMemory {
     /// stream would run every small copy and kernel after the other.
     copy_streams: Vec<Arc<CudaStream>>,
     next_stream: std::sync::atomic::AtomicUsize,
-    strided_copy: CudaFunction,
-    /// Rows narrower than this go to `strided_copy` (0: none do).
-    narrow_row: u64,
+    copy_table: CudaFunction,
+    /// Every copy to the copy engines (`HANDOFF_CUDA_COPY=engines`).
+    engines_only: bool,
     next: AtomicU64,
     /// Each batch's event (blocking-sync: a waiting thread sleeps in the
     /// driver instead of spinning on it).
@@ -67,16 +85,16 @@ impl CudaMemory {
         let program = super::program_of(|name| name == "memcopy.hip");
         let cubin = super::cuda::nvrtc_cubin_of(&program, &format!("{maj}{min}"))?;
         let module = ctx.load_module(Ptx::from_binary(cubin)).map_err(dev(op))?;
-        let strided_copy = module.load_function("strided_copy").map_err(dev(op))?;
-        let narrow_row = if std::env::var("HANDOFF_CUDA_COPY").is_ok_and(|v| v == "engines") { 0 } else { NARROW_ROW };
+        let copy_table = module.load_function("copy_table").map_err(dev(op))?;
+        let engines_only = std::env::var("HANDOFF_CUDA_COPY").is_ok_and(|v| v == "engines");
         let copy_streams = (0..COPY_STREAMS).map(|_| ctx.new_stream().map_err(dev(op))).collect::<Result<Vec<_>>>()?;
         Ok(CudaMemory {
             ctx,
             stream,
             copy_streams,
             next_stream: std::sync::atomic::AtomicUsize::new(0),
-            strided_copy,
-            narrow_row,
+            copy_table,
+            engines_only,
             next: AtomicU64::new(1),
             events: Mutex::new(HashMap::new()),
             spare: Mutex::new(Vec::new()),
@@ -91,20 +109,68 @@ impl CudaMemory {
         self.stream.synchronize().map_err(dev(op))
     }
 
-    /// Queues one narrow strided copy as a `strided_copy` launch.
-    fn launch_narrow(&self, op: &'static str, stream: &CudaStream, c: &Copy2d) -> Result<()> {
-        let warps = (COPY_THREADS / 32) as u64;
-        let grid_x = c.height.div_ceil(warps).clamp(1, 2048) as u32;
-        let cfg = LaunchConfig { grid_dim: (grid_x, 1, 1), block_dim: (COPY_THREADS, 1, 1), shared_mem_bytes: 0 };
-        let a = [c.src, c.dst, c.width, c.height, c.src_pitch, c.dst_pitch].map(|v| v as i64);
-        let mut b = stream.launch_builder(&self.strided_copy);
-        for v in &a {
-            b.arg(v);
+    /// Queues `copies` (no two conflicting, at most TABLE_COPIES, none empty)
+    /// as one `copy_table` launch.
+    fn launch_table(&self, op: &'static str, stream: &CudaStream, copies: &[Copy2d]) -> Result<()> {
+        let mut t = CopyTable { c: [[0; 6]; TABLE_COPIES], start: [0; TABLE_COPIES + 1], n: copies.len() as i32, pad: 0 };
+        let mut items = 0u64;
+        for (i, c) in copies.iter().enumerate() {
+            t.c[i] = [c.src, c.dst, c.width, c.height, c.src_pitch, c.dst_pitch].map(|v| v as i64);
+            t.start[i] = items as i64;
+            items += c.height * c.width.div_ceil(COPY_PIECE);
         }
-        // SAFETY: six i64 arguments as strided_copy takes them; the caller of
-        // `copy` guarantees every range.
+        t.start[copies.len()] = items as i64;
+        let warps = (COPY_THREADS / 32) as u64;
+        let grid_x = items.div_ceil(warps).clamp(1, 2048) as u32;
+        let cfg = LaunchConfig { grid_dim: (grid_x, 1, 1), block_dim: (COPY_THREADS, 1, 1), shared_mem_bytes: 0 };
+        let mut b = stream.launch_builder(&self.copy_table);
+        b.arg(&t);
+        // SAFETY: the table as copy_table takes it; the caller of `copy`
+        // guarantees every range.
         unsafe { b.launch(cfg) }.map_err(dev(op))?;
         Ok(())
+    }
+
+    /// Queues `copies` through `copy_table`, in as many launches as
+    /// [`table_launches`] needs to keep their order.
+    fn launch_tables(&self, op: &'static str, stream: &CudaStream, copies: &[Copy2d]) -> Result<()> {
+        for r in table_launches(copies) {
+            self.launch_table(op, stream, &copies[r])?;
+        }
+        Ok(())
+    }
+
+    /// Queues one copy on the copy engines (a plain or a 2D copy).
+    ///
+    /// # Safety
+    /// As [`DeviceMemory::copy`].
+    unsafe fn engine_copy(&self, op: &'static str, s: sys::CUstream, c: &Copy2d) -> Result<()> {
+        let contiguous = c.height == 1 || (c.src_pitch == c.width && c.dst_pitch == c.width);
+        // SAFETY: the caller guarantees every range lies in a live allocation.
+        let r = if contiguous {
+            unsafe { sys::cuMemcpyDtoDAsync_v2(c.dst, c.src, (c.width * c.height) as usize, s) }
+        } else {
+            let m = sys::CUDA_MEMCPY2D_st {
+                srcXInBytes: 0,
+                srcY: 0,
+                srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                srcHost: std::ptr::null(),
+                srcDevice: c.src,
+                srcArray: std::ptr::null_mut(),
+                srcPitch: c.src_pitch as usize,
+                dstXInBytes: 0,
+                dstY: 0,
+                dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                dstHost: std::ptr::null_mut(),
+                dstDevice: c.dst,
+                dstArray: std::ptr::null_mut(),
+                dstPitch: c.dst_pitch as usize,
+                WidthInBytes: c.width as usize,
+                Height: c.height as usize,
+            };
+            unsafe { sys::cuMemcpy2DAsync_v2(&m, s) }
+        };
+        r.result().map_err(dev(op))
     }
 }
 
@@ -176,41 +242,23 @@ impl DeviceMemory for CudaMemory {
         self.bind(op)?;
         let stream = &self.copy_streams[self.next_stream.fetch_add(1, Ordering::Relaxed) % self.copy_streams.len()];
         let s = stream.cu_stream();
-        // Narrow strided copies go to the kernel, the rest to the copy
-        // engines; all on the batch's stream, so the batch runs in its order.
-        let narrow = |c: &Copy2d| c.height > 1 && c.width < self.narrow_row;
+        // Large contiguous copies go to the copy engines, the rest through
+        // copy_table; all on the batch's stream, in the batch's order (the
+        // table copies before an engine copy are queued before it).
+        let contiguous = |c: &Copy2d| c.height == 1 || (c.src_pitch == c.width && c.dst_pitch == c.width);
+        let engine = |c: &Copy2d| self.engines_only || (contiguous(c) && c.width * c.height >= ENGINE_BYTES);
+        let mut pending: Vec<Copy2d> = Vec::new();
         for c in copies.iter().filter(|c| c.width > 0 && c.height > 0) {
-            if narrow(c) {
-                self.launch_narrow(op, stream, c)?;
-                continue;
-            }
-            let contiguous = c.height == 1 || (c.src_pitch == c.width && c.dst_pitch == c.width);
-            // SAFETY: the caller guarantees every range lies in a live allocation.
-            let r = if contiguous {
-                unsafe { sys::cuMemcpyDtoDAsync_v2(c.dst, c.src, (c.width * c.height) as usize, s) }
+            if engine(c) {
+                self.launch_tables(op, stream, &pending)?;
+                pending.clear();
+                // SAFETY: the caller guarantees every range.
+                unsafe { self.engine_copy(op, s, c)? };
             } else {
-                let m = sys::CUDA_MEMCPY2D_st {
-                    srcXInBytes: 0,
-                    srcY: 0,
-                    srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-                    srcHost: std::ptr::null(),
-                    srcDevice: c.src,
-                    srcArray: std::ptr::null_mut(),
-                    srcPitch: c.src_pitch as usize,
-                    dstXInBytes: 0,
-                    dstY: 0,
-                    dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-                    dstHost: std::ptr::null_mut(),
-                    dstDevice: c.dst,
-                    dstArray: std::ptr::null_mut(),
-                    dstPitch: c.dst_pitch as usize,
-                    WidthInBytes: c.width as usize,
-                    Height: c.height as usize,
-                };
-                unsafe { sys::cuMemcpy2DAsync_v2(&m, s) }
-            };
-            r.result().map_err(dev(op))?;
+                pending.push(*c);
+            }
         }
+        self.launch_tables(op, stream, &pending)?;
         let spare = self.spare.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let ev = match spare {
             Some(ev) => ev,

@@ -264,7 +264,7 @@ mod tests {
             "mla_partial_f64", "dcp_merge_f32", "dcp_merge_f64", "matmul_f32", "silu_mul",
             "add_inplace", "embedding", "argmax_rows", "fill_f32", "copy_cols", "round_to",
             "region_gather_b32", "region_scatter_b32", "region_gather_b16", "region_scatter_b16",
-            "strided_copy",
+            "copy_table", "matmul_splitk_f32", "matmul_chunk_sum",
         ] {
             assert!(
                 program
