@@ -23,7 +23,7 @@ step "kernel check: every op against the CPU reference, batch invariance"
 cuda_check 2>&1 | tee "$OUT/cuda_check.txt" | tail -4 || fail=1
 
 step "verify --compute --device cuda on the shipped configs (4 requests as one batch, 32 steps)"
-for c in config/small.toml config/medium.toml config/pp3-tp2-to-tp4dcp2.toml; do
+for c in config/small.toml config/medium.toml config/pp3-tp2-to-tp4dcp2.toml config/gpu.toml; do
   handoff verify --config "$c" --compute --device cuda --requests 4 2>&1 | tee -a "$OUT/verify.txt" | head -2 || fail=1
 done
 
@@ -45,6 +45,12 @@ HANDOFF_DEVICE=cuda timeout 240 handoff bench serve --concurrency 1,32,88 2>&1 |
 
 step "bench serve on cuda, config/medium.toml (PP3 -> TP4 x DCP2, 12 layers)"
 HANDOFF_DEVICE=cuda timeout 240 handoff bench serve --config config/medium.toml --concurrency 1,32,88 2>&1 | tee "$OUT/serve-medium.txt" | tail -5 || fail=1
+
+step "bench serve on cuda, config/gpu.toml (sized for the GPU: hidden 2048, K3's row and head shapes, PP2 -> TP2 x DCP2)"
+HANDOFF_DEVICE=cuda timeout 240 handoff bench serve --config config/gpu.toml --concurrency 1,32,88 2>&1 | tee "$OUT/serve-gpu.txt" | tail -5 || fail=1
+
+step "the hand-off with every copy on the copy engines (HANDOFF_CUDA_COPY=engines), for comparison"
+HANDOFF_CUDA_COPY=engines timeout 120 handoff bench transfer --config config/k3-pp8-tp8dcp8.toml --transport cuda-ipc --tokens 32768 2>&1 | tee "$OUT/ipc-engines.txt" | grep -E "hand-off|by kind|ratio" || fail=1
 
 fi
 
