@@ -12,8 +12,10 @@ OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
 export PATH="$BIN:$PATH"
 step() { echo; echo "== $*"; }
-# SKIP_SERVE=1 leaves out the serving runs and the peers (a quick re-check).
+# SKIP_SERVE=1 leaves out the serving runs and the peers (a quick re-check);
+# SKIP_KERNELS=1 leaves out the kernel timings and the FLA peers.
 SKIP_SERVE=${SKIP_SERVE:-0}
+SKIP_KERNELS=${SKIP_KERNELS:-0}
 fail=0
 
 step "device"
@@ -57,7 +59,7 @@ fi
 step "bench compute on cuda"
 timeout 120 handoff bench compute --device cuda 2>&1 | tee "$OUT/compute.txt" | tail -12 || fail=1
 
-[ "$SKIP_SERVE" = 0 ] || exit $fail
+[ "$SKIP_SERVE" = 0 ] && [ "$SKIP_KERNELS" = 0 ] || exit $fail
 
 step "KDA decode step vs device copy (cuda_check --bench)"
 timeout 120 cuda_check --bench 2>&1 | tee "$OUT/kda_bench.txt" | tail -16 || fail=1

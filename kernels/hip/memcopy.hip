@@ -7,20 +7,24 @@
 // narrow row (an MLA row is 1,152 bytes) moves at SM speed where the copy
 // engines move it a row at a time.
 //
-// Work items: each row is cut into pieces of at most CT_PIECE bytes, and one
-// warp copies one piece, in 16-byte words when both addresses and the length
-// are multiples of 16, else 4-byte words, else bytes. start[c] is the first
-// item of copy c (prefix sums over height x pieces, filled on the host), and
-// start[n] the item count. The host puts two copies in one table only when
-// neither writes what the other reads or writes (table_launches), so the
-// items of a table may run in any order; tables on one stream run in order.
+// Work items: each copy moves words of 16, 4 or 1 bytes (the largest that
+// divides both addresses, both pitches and the width, chosen on the host),
+// and each thread copies one word per turn of a grid-stride loop over every
+// word of the table, so a narrow row is spread over many threads and every
+// thread has its own load in flight (a warp per row would leave a 1,152-byte
+// row to 2 or 3 dependent turns of one warp). start[c] is the first word of
+// copy c (prefix sums of height x words per row, filled on the host), and
+// start[n] the word count; a copy's words number less than 2^31, so a row and
+// a column come from one 32-bit division. The host puts two copies in one
+// table only when neither writes what the other reads or writes
+// (table_launches), so the words of a table may move in any order; tables on
+// one stream run in order.
 // Launch: any grid, block 256.
 
 #define CT_COPIES 48
-#define CT_PIECE 16384
 
 struct hk_copy_table {
-    hk_i64 c[CT_COPIES][6];  // src, dst, width, height, src pitch, dst pitch
+    hk_i64 c[CT_COPIES][7];  // src, dst, words per row, height, src pitch, dst pitch, word bytes
     hk_i64 start[CT_COPIES + 1];
     int n;
     int pad;
@@ -32,44 +36,25 @@ struct __attribute__((aligned(16))) hk_w16 {
 
 extern "C" __global__ void copy_table(hk_copy_table t)
 {
-    const int lane = threadIdx.x & 31;
-    const hk_i64 warps = (hk_i64)gridDim.x * (blockDim.x >> 5);
-    const hk_i64 items = t.start[t.n];
+    const hk_i64 threads = (hk_i64)gridDim.x * blockDim.x;
+    const hk_i64 words = t.start[t.n];
     int c = 0;
-    // A warp's items only grow, so its copy index only moves forward.
-    for (hk_i64 it = (hk_i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); it < items; it += warps) {
-        while (it >= t.start[c + 1]) ++c;
-        const hk_i64 width = t.c[c][2];
-        const hk_i64 pieces = (width + CT_PIECE - 1) / CT_PIECE;
-        const hk_i64 local = it - t.start[c];
-        const hk_i64 row = local / pieces;
-        const hk_i64 off = (local % pieces) * CT_PIECE;
-        const hk_i64 len = width - off < CT_PIECE ? width - off : CT_PIECE;
-        const hk_i64 src = t.c[c][0] + row * t.c[c][4] + off;
-        const hk_i64 dst = t.c[c][1] + row * t.c[c][5] + off;
-        const hk_i64 align = src | dst | len;
-        if ((align & 15) == 0) {
-            const hk_w16* s16 = (const hk_w16*)src;
-            hk_w16* d16 = (hk_w16*)dst;
-            const hk_i64 n = len / 16;
-            hk_i64 i = lane;
-            // Four loads in flight before their stores.
-            for (; i + 96 < n; i += 128) {
-                const hk_w16 a = s16[i], b = s16[i + 32], e = s16[i + 64], f = s16[i + 96];
-                d16[i] = a;
-                d16[i + 32] = b;
-                d16[i + 64] = e;
-                d16[i + 96] = f;
-            }
-            for (; i < n; i += 32) d16[i] = s16[i];
-        } else if ((align & 3) == 0) {
-            const unsigned int* s4 = (const unsigned int*)src;
-            unsigned int* d4 = (unsigned int*)dst;
-            for (hk_i64 i = lane; i < len / 4; i += 32) d4[i] = s4[i];
+    // A thread's words only grow, so its copy index only moves forward.
+    for (hk_i64 g = (hk_i64)blockIdx.x * blockDim.x + threadIdx.x; g < words; g += threads) {
+        while (g >= t.start[c + 1]) ++c;
+        const unsigned int per_row = (unsigned int)t.c[c][2];
+        const unsigned int local = (unsigned int)(g - t.start[c]);
+        const unsigned int row = local / per_row;
+        const unsigned int col = local - row * per_row;
+        const hk_i64 wb = t.c[c][6];
+        const hk_i64 src = t.c[c][0] + (hk_i64)row * t.c[c][4] + (hk_i64)col * wb;
+        const hk_i64 dst = t.c[c][1] + (hk_i64)row * t.c[c][5] + (hk_i64)col * wb;
+        if (wb == 16) {
+            *(hk_w16*)dst = *(const hk_w16*)src;
+        } else if (wb == 4) {
+            *(unsigned int*)dst = *(const unsigned int*)src;
         } else {
-            const unsigned char* s = (const unsigned char*)src;
-            unsigned char* d = (unsigned char*)dst;
-            for (hk_i64 i = lane; i < len; i += 32) d[i] = s[i];
+            *(unsigned char*)dst = *(const unsigned char*)src;
         }
     }
 }

@@ -29,23 +29,40 @@ pub const IPC_HANDLE_BYTES: usize = 64;
 const ENGINE_BYTES: u64 = 4 << 20;
 /// Streams copy batches are spread over.
 const COPY_STREAMS: usize = 8;
-/// Threads of `copy_table`: 8 warps, a piece each.
+/// Threads of a `copy_table` block; each copies one word per turn.
 const COPY_THREADS: u32 = 256;
-/// Bytes of a row one warp copies (CT_PIECE in memcopy.hip).
-const COPY_PIECE: u64 = 16 << 10;
+/// Blocks of a `copy_table` launch at most (a grid-stride loop covers the rest).
+const COPY_BLOCKS: u64 = 4096;
+/// Words of one copy in a table at most (the kernel's 32-bit row division);
+/// a larger copy is queued in parts of whole rows.
+const COPY_WORDS: u64 = 1 << 31;
 
 /// `hk_copy_table` of memcopy.hip, the by-value argument of `copy_table`.
 #[repr(C)]
 struct CopyTable {
-    /// src, dst, width, height, src pitch, dst pitch.
-    c: [[i64; 6]; TABLE_COPIES],
-    /// First work item (row piece) of each copy; `start[n]` is the count.
+    /// src, dst, words per row, height, src pitch, dst pitch, word bytes.
+    c: [[i64; 7]; TABLE_COPIES],
+    /// First word of each copy; `start[n]` is the count.
     start: [i64; TABLE_COPIES + 1],
     n: i32,
     pad: i32,
 }
 
-// SAFETY: plain integers in the C layout of hk_copy_table (2,704 bytes,
+/// The word a copy moves in: 16, 4 or 1 bytes, the largest dividing both
+/// addresses, both pitches (when there is more than one row) and the width.
+fn word_bytes(c: &Copy2d) -> u64 {
+    let pitches = if c.height > 1 { c.src_pitch | c.dst_pitch } else { 0 };
+    let align = c.src | c.dst | c.width | pitches;
+    if align % 16 == 0 {
+        16
+    } else if align % 4 == 0 {
+        4
+    } else {
+        1
+    }
+}
+
+// SAFETY: plain integers in the C layout of hk_copy_table (3,088 bytes,
 // within the 4 KB kernel argument limit).
 unsafe impl DeviceRepr for CopyTable {}
 
@@ -109,19 +126,20 @@ impl CudaMemory {
         self.stream.synchronize().map_err(dev(op))
     }
 
-    /// Queues `copies` (no two conflicting, at most TABLE_COPIES, none empty)
-    /// as one `copy_table` launch.
+    /// Queues `copies` (no two conflicting, at most TABLE_COPIES, none empty,
+    /// each of fewer than COPY_WORDS words) as one `copy_table` launch.
     fn launch_table(&self, op: &'static str, stream: &CudaStream, copies: &[Copy2d]) -> Result<()> {
-        let mut t = CopyTable { c: [[0; 6]; TABLE_COPIES], start: [0; TABLE_COPIES + 1], n: copies.len() as i32, pad: 0 };
-        let mut items = 0u64;
+        let mut t = CopyTable { c: [[0; 7]; TABLE_COPIES], start: [0; TABLE_COPIES + 1], n: copies.len() as i32, pad: 0 };
+        let mut words = 0u64;
         for (i, c) in copies.iter().enumerate() {
-            t.c[i] = [c.src, c.dst, c.width, c.height, c.src_pitch, c.dst_pitch].map(|v| v as i64);
-            t.start[i] = items as i64;
-            items += c.height * c.width.div_ceil(COPY_PIECE);
+            let wb = word_bytes(c);
+            let per_row = c.width / wb;
+            t.c[i] = [c.src, c.dst, per_row, c.height, c.src_pitch, c.dst_pitch, wb].map(|v| v as i64);
+            t.start[i] = words as i64;
+            words += per_row * c.height;
         }
-        t.start[copies.len()] = items as i64;
-        let warps = (COPY_THREADS / 32) as u64;
-        let grid_x = items.div_ceil(warps).clamp(1, 2048) as u32;
+        t.start[copies.len()] = words as i64;
+        let grid_x = words.div_ceil(COPY_THREADS as u64).clamp(1, COPY_BLOCKS) as u32;
         let cfg = LaunchConfig { grid_dim: (grid_x, 1, 1), block_dim: (COPY_THREADS, 1, 1), shared_mem_bytes: 0 };
         let mut b = stream.launch_builder(&self.copy_table);
         b.arg(&t);
@@ -246,7 +264,9 @@ impl DeviceMemory for CudaMemory {
         // copy_table; all on the batch's stream, in the batch's order (the
         // table copies before an engine copy are queued before it).
         let contiguous = |c: &Copy2d| c.height == 1 || (c.src_pitch == c.width && c.dst_pitch == c.width);
-        let engine = |c: &Copy2d| self.engines_only || (contiguous(c) && c.width * c.height >= ENGINE_BYTES);
+        let engine = |c: &Copy2d| {
+            self.engines_only || (contiguous(c) && c.width * c.height >= ENGINE_BYTES) || c.width / word_bytes(c) >= COPY_WORDS
+        };
         let mut pending: Vec<Copy2d> = Vec::new();
         for c in copies.iter().filter(|c| c.width > 0 && c.height > 0) {
             if engine(c) {
@@ -255,7 +275,14 @@ impl DeviceMemory for CudaMemory {
                 // SAFETY: the caller guarantees every range.
                 unsafe { self.engine_copy(op, s, c)? };
             } else {
-                pending.push(*c);
+                // Whole rows, fewer than COPY_WORDS words a part.
+                let rows = (COPY_WORDS / (c.width / word_bytes(c)).max(1)).max(1);
+                let mut r0 = 0;
+                while r0 < c.height {
+                    let h = rows.min(c.height - r0);
+                    pending.push(Copy2d { src: c.src + r0 * c.src_pitch, dst: c.dst + r0 * c.dst_pitch, height: h, ..*c });
+                    r0 += h;
+                }
             }
         }
         self.launch_tables(op, stream, &pending)?;
