@@ -40,7 +40,7 @@ grep -c "hand-offs through CUDA IPC" "$OUT/demo.log" | sed 's/^/role processes w
 grep -E "ERROR|panicked" "$OUT/demo.log" | head -5
 
 step "hand-off of the flagship request (32K tokens) between two processes through CUDA IPC, oracle-checked, against device copy and IPC copy"
-timeout 240 handoff bench transfer --config config/k3-pp8-tp8dcp8.toml --transport cuda-ipc --tokens 32768 2>&1 | tee "$OUT/ipc.txt" | tail -9 || fail=1
+timeout 240 handoff bench transfer --config config/k3-pp8-tp8dcp8.toml --transport cuda-ipc --tokens 32768 2>&1 | tee "$OUT/ipc.txt" | tail -10 || fail=1
 
 step "bench serve on cuda, default cluster (KV and state in device memory, CUDA IPC hand-offs)"
 HANDOFF_DEVICE=cuda timeout 240 handoff bench serve --concurrency 1,32,88 2>&1 | tee "$OUT/serve.txt" | tail -5 || fail=1

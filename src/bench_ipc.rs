@@ -17,7 +17,7 @@ use crate::auth::{ClusterSecret, SECRET_ENV};
 use crate::bench_cli::{kinds_line, planned, run_pass, BenchCmdOptions};
 use crate::engine::mover::{MoverOptions, TransportMover};
 use crate::oracle::{self, OracleRequest, Placement};
-use crate::transport::device::DeviceTransport;
+use crate::transport::device::{DeviceTransport, Submission};
 use crate::transport::{shm, MemoryKind, RegionHandle, Transport, TransportExt};
 use anyhow::{anyhow, bail, Context};
 use handoff_components::plan::{Descriptor, Plan};
@@ -135,6 +135,12 @@ pub fn bench_transfer_ipc(config_path: &str, ordinal: u32, tokens: u64, requests
     }
     let seconds = started.elapsed().as_secs_f64().max(1e-9);
     let handoff_gbs = bytes_per_pass as f64 * o.iterations.max(1) as f64 / seconds / 1e9;
+    // One more pass with its submissions logged: where its time goes.
+    producer.record_submissions();
+    let pass_start = Instant::now();
+    run_pass(&mut mover, &jobs)?;
+    let pass_us = pass_start.elapsed().as_secs_f64() * 1e6;
+    let timeline = timeline(&producer.take_submissions(), pass_start, pass_us);
 
     // Where the time goes: the same passes, one region kind at a time.
     let mut by_kind = String::new();
@@ -208,12 +214,36 @@ pub fn bench_transfer_ipc(config_path: &str, ordinal: u32, tokens: u64, requests
     writeln!(s, "passes: {} timed after {} warmup, {seconds:.4} s", o.iterations.max(1), o.warmup)?;
     writeln!(s, "hand-off: {handoff_gbs:.1} GB/s ({:.1} us per pass)", seconds / o.iterations.max(1) as f64 * 1e6)?;
     writeln!(s, "by kind: {by_kind}")?;
+    writeln!(s, "timeline of one more pass: {timeline}")?;
     writeln!(s, "device copy (same run, {bytes_per_pass} B contiguous, this process): {copy_gbs:.1} GB/s")?;
     writeln!(s, "IPC copy (same run, {bytes_per_pass} B contiguous into the consumer): {ipc_gbs:.1} GB/s")?;
     writeln!(s, "byte-exact: {verified}")?;
     writeln!(s, "ratio to IPC copy: {:.3}", handoff_gbs / ipc_gbs.max(1e-9))?;
     write!(s, "ratio to device copy: {:.3}", handoff_gbs / copy_gbs.max(1e-9))?;
     Ok(s)
+}
+
+/// One pass's submissions, as times from the pass's start: how many, how
+/// much each queued, how long queueing took on the host, and how long each
+/// waited for its completion to be seen.
+fn timeline(subs: &[Submission], start: Instant, pass_us: f64) -> String {
+    if subs.is_empty() {
+        return format!("{pass_us:.0} us, no submission logged");
+    }
+    let us = |t: Instant| t.saturating_duration_since(start).as_secs_f64() * 1e6;
+    let queue_us: f64 = subs.iter().map(|s| (s.queued - s.called).as_secs_f64() * 1e6).sum();
+    let waits: Vec<f64> = subs.iter().filter_map(|s| s.done.map(|d| (d - s.queued).as_secs_f64() * 1e6)).collect();
+    let first = subs.iter().map(|s| us(s.called)).fold(f64::INFINITY, f64::min);
+    let last_queued = subs.iter().map(|s| us(s.queued)).fold(0.0, f64::max);
+    let last_done = subs.iter().filter_map(|s| s.done.map(us)).fold(0.0, f64::max);
+    format!(
+        "{pass_us:.0} us; {} submissions ({} batches, {} copies); first called at {first:.0} us, last queued at {last_queued:.0} us, last seen done at {last_done:.0} us; host time queueing {queue_us:.0} us in all; queued to seen done {:.0} us mean, {:.0} us max",
+        subs.len(),
+        subs.iter().map(|s| s.batches).sum::<usize>(),
+        subs.iter().map(|s| s.copies).sum::<usize>(),
+        waits.iter().sum::<f64>() / waits.len().max(1) as f64,
+        waits.iter().copied().fold(0.0, f64::max),
+    )
 }
 
 /// The consumer process of [`bench_transfer_ipc`] (`handoff bench

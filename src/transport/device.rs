@@ -77,6 +77,22 @@ struct Reaper {
     queue: Mutex<VecDeque<(BatchId, CopyTicket)>>,
     work: Condvar,
     stop: AtomicBool,
+    /// When on ([`DeviceTransport::record_submissions`]), one entry per queued
+    /// submission, its done time filled in by the completion thread.
+    log: Mutex<Option<Vec<Submission>>>,
+}
+
+/// One `submit_all` that queued copies, for timelines (the hand-off bench).
+#[derive(Debug, Clone, Copy)]
+pub struct Submission {
+    /// When `submit_all` was called and when it had queued everything.
+    pub called: Instant,
+    pub queued: Instant,
+    /// When the completion thread saw its event complete.
+    pub done: Option<Instant>,
+    pub batches: usize,
+    pub copies: usize,
+    ticket: CopyTicket,
 }
 
 impl Reaper {
@@ -101,6 +117,12 @@ impl Reaper {
                 Some((t, r)) if *t == ticket => r.clone(),
                 _ => self.mem.wait(ticket).map_err(|e| device_err("device copy", e)),
             };
+            if last.as_ref().is_none_or(|(t, _)| *t != ticket) {
+                if let Some(log) = lock(&self.log).as_mut() {
+                    let now = Instant::now();
+                    log.iter_mut().filter(|s| s.ticket == ticket).for_each(|s| s.done = Some(now));
+                }
+            }
             last = Some((ticket, r.clone()));
             lock(&self.queue).pop_front();
             self.completions.finish(batch, r);
@@ -137,6 +159,7 @@ impl DeviceTransport {
             queue: Mutex::new(VecDeque::new()),
             work: Condvar::new(),
             stop: AtomicBool::new(false),
+            log: Mutex::new(None),
         });
         let thread = {
             let r = Arc::clone(&reaper);
@@ -156,6 +179,16 @@ impl DeviceTransport {
             reaper: Arc::clone(&reaper),
             reaper_thread: Some(thread),
         })
+    }
+
+    /// Starts (or restarts, empty) the log of submissions.
+    pub fn record_submissions(&self) {
+        *lock(&self.reaper.log) = Some(Vec::new());
+    }
+
+    /// Stops the log and returns it, in queue order.
+    pub fn take_submissions(&self) -> Vec<Submission> {
+        lock(&self.reaper.log).take().unwrap_or_default()
     }
 
     /// The device this transport allocates on ("cuda:0").
@@ -360,6 +393,7 @@ impl Transport for DeviceTransport {
     /// Every batch that passes its checks goes into one queued copy list with
     /// one event; a batch that fails them moves nothing and reports its error.
     fn submit_all(&self, writes: &[(&RegionHandle, RemoteRegion, &[Descriptor])]) -> Vec<Result<BatchId>> {
+        let called = Instant::now();
         let mut results: Vec<Result<BatchId>> = Vec::with_capacity(writes.len());
         let mut list = Vec::new();
         let mut ok = Vec::new();
@@ -389,6 +423,9 @@ impl Transport for DeviceTransport {
         // peer's for as long as it is opened here.
         match unsafe { self.mem.copy(&list) } {
             Ok(ticket) => {
+                if let Some(log) = lock(&self.reaper.log).as_mut() {
+                    log.push(Submission { called, queued: Instant::now(), done: None, batches: ok.len(), copies: list.len(), ticket });
+                }
                 let mut q = lock(&self.reaper.queue);
                 for &i in &ok {
                     let batch = self.reaper.completions.begin();

@@ -79,6 +79,9 @@ pub struct CudaMemory {
     copy_table: CudaFunction,
     /// Every copy to the copy engines (`HANDOFF_CUDA_COPY=engines`).
     engines_only: bool,
+    /// Events a waiter spins on instead of sleeping in the driver
+    /// (`HANDOFF_CUDA_EVENT=spin`, for measuring the wake-up cost).
+    spin_events: bool,
     next: AtomicU64,
     /// Each batch's event (blocking-sync: a waiting thread sleeps in the
     /// driver instead of spinning on it).
@@ -104,6 +107,7 @@ impl CudaMemory {
         let module = ctx.load_module(Ptx::from_binary(cubin)).map_err(dev(op))?;
         let copy_table = module.load_function("copy_table").map_err(dev(op))?;
         let engines_only = std::env::var("HANDOFF_CUDA_COPY").is_ok_and(|v| v == "engines");
+        let spin_events = std::env::var("HANDOFF_CUDA_EVENT").is_ok_and(|v| v == "spin");
         let copy_streams = (0..COPY_STREAMS).map(|_| ctx.new_stream().map_err(dev(op))).collect::<Result<Vec<_>>>()?;
         Ok(CudaMemory {
             ctx,
@@ -112,6 +116,7 @@ impl CudaMemory {
             next_stream: std::sync::atomic::AtomicUsize::new(0),
             copy_table,
             engines_only,
+            spin_events,
             next: AtomicU64::new(1),
             events: Mutex::new(HashMap::new()),
             spare: Mutex::new(Vec::new()),
@@ -289,7 +294,10 @@ impl DeviceMemory for CudaMemory {
         let spare = self.spare.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let ev = match spare {
             Some(ev) => ev,
-            None => Arc::new(self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC)).map_err(dev(op))?),
+            None => {
+                let flags = if self.spin_events { sys::CUevent_flags::CU_EVENT_DISABLE_TIMING } else { sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC };
+                Arc::new(self.ctx.new_event(Some(flags)).map_err(dev(op))?)
+            }
         };
         ev.record(stream).map_err(dev(op))?;
         let t = self.next.fetch_add(1, Ordering::Relaxed);
