@@ -23,6 +23,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 
 step "kernel check: every op against the CPU reference, batch invariance"
 cuda_check 2>&1 | tee "$OUT/cuda_check.txt" | tail -4 || fail=1
+HANDOFF_CUDA_COPY=engines cuda_check 2>&1 | grep -E "device copy.*copies|checks," | sed 's/^/copy engines: /' || fail=1
 
 step "verify --compute --device cuda on the shipped configs (4 requests as one batch, 32 steps)"
 for c in config/small.toml config/medium.toml config/pp3-tp2-to-tp4dcp2.toml config/gpu.toml; do

@@ -899,8 +899,9 @@ fn check_regions(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
         Copy2d { src: addr + 3, src_pitch: 1001, dst: dst + 820_001, dst_pitch: 1003, width: 999, height: 7 },
         Copy2d { src: addr + 9_000, src_pitch: 64, dst: dst + 820_500, dst_pitch: 64, width: 48, height: 40 },
         Copy2d { src: addr + 100_000, src_pitch: 70_000, dst: dst + 850_000, dst_pitch: 66_000, width: 65_600, height: 2 },
-        // A large contiguous copy (the copy engines) between table launches,
-        // then a table copy over part of what it wrote (must come after it).
+        // A large contiguous copy (the copy engines under
+        // HANDOFF_CUDA_COPY=engines, else the table kernel), then a small copy
+        // over part of what it wrote (must come after it).
         Copy2d { src: addr + (2 << 20), src_pitch: 4 << 20, dst: dst + (2 << 20), dst_pitch: 4 << 20, width: 4 << 20, height: 1 },
         Copy2d { src: addr + 100, src_pitch: 500, dst: dst + (2 << 20) + 1000, dst_pitch: 500, width: 500, height: 1 },
     ];
@@ -922,7 +923,7 @@ fn check_regions(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
     }
     let mut got = vec![0u8; len as usize];
     unsafe { mem.read(dst, &mut got)? };
-    rep.flag("device copy", &format!("{} copies: 2D narrow (16/4/1-byte words) and wide, contiguous, engine and table, overlapping, in order ({spins} polls)", copies.len()), got == want, "bytes");
+    rep.flag("device copy", &format!("{} copies: 2D narrow (16/4/1-byte words) and wide, contiguous up to 4 MiB, overlapping, in order ({spins} polls)", copies.len()), got == want, "bytes");
     rep.flag("device copy", "a ticket is forgotten once done", mem.done(t).is_err(), "refused");
     let handle = mem.export(addr)?;
     rep.flag("ipc export", "a region's handle", handle.len() == 64, "64 bytes");

@@ -22,11 +22,16 @@ use crate::region::{Copy2d, CopyTicket, DeviceMemory, TABLE_COPIES, table_launch
 /// Bytes of a CUDA IPC memory handle.
 pub const IPC_HANDLE_BYTES: usize = 64;
 
-/// Contiguous copies of at least this many bytes go to the copy engines, which
-/// reach bandwidth on them; everything else goes through `copy_table`.
+/// Contiguous copies of at least this many bytes go to the copy engines;
+/// everything else goes through `copy_table`. A copy-engine call into memory
+/// opened through IPC cost about 15 us of host time on the H200 (the
+/// hand-off bench's timeline: 64 such calls for the KDA state took most of a
+/// millisecond to queue), where one table launch queues 48 copies.
 /// `HANDOFF_CUDA_COPY=engines` sends every copy to the copy engines (one
 /// driver call a copy; for measuring the two against each other).
-const ENGINE_BYTES: u64 = 4 << 20;
+const ENGINE_BYTES: u64 = 256 << 20;
+/// How long [`DeviceMemory::wait`] queries an event before it sleeps on it.
+const SPIN_BEFORE_SLEEP: std::time::Duration = std::time::Duration::from_micros(500);
 /// Streams copy batches are spread over.
 const COPY_STREAMS: usize = 8;
 /// Threads of a `copy_table` block; each copies one word per turn.
@@ -332,7 +337,18 @@ impl DeviceMemory for CudaMemory {
             .get(&ticket.0)
             .cloned()
             .ok_or_else(|| KernelError::InvalidShape { op, reason: format!("unknown copy ticket {}", ticket.0) })?;
-        let r = ev.synchronize().map_err(dev(op));
+        // Query for a short while first (a copy batch often finishes within
+        // it, and a sleep in the driver costs a wake-up of hundreds of
+        // microseconds on this machine), then sleep in the driver.
+        let started = std::time::Instant::now();
+        let r = loop {
+            match ev.try_is_complete() {
+                Ok(true) => break Ok(()),
+                Ok(false) if started.elapsed() < SPIN_BEFORE_SLEEP => std::thread::yield_now(),
+                Ok(false) => break ev.synchronize().map_err(dev(op)),
+                Err(e) => break Err(dev(op)(e)),
+            }
+        };
         let taken = self.events.lock().unwrap_or_else(|p| p.into_inner()).remove(&ticket.0);
         drop(ev);
         if let Some(ev) = taken.filter(|e| r.is_ok() && Arc::strong_count(e) == 1) {
