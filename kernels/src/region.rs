@@ -82,25 +82,57 @@ pub struct Copy2d {
 }
 
 impl Copy2d {
-    /// The byte span `[start, end)` of the rows' destination (`dst`) or
-    /// source: a bound, since the gaps between rows are not touched.
-    fn span(base: u64, pitch: u64, width: u64, height: u64) -> (u64, u64) {
-        (base, base + height.saturating_sub(1) * pitch + width)
-    }
-
-    fn dst_span(&self) -> (u64, u64) {
-        Self::span(self.dst, self.dst_pitch, self.width, self.height)
-    }
-
-    fn src_span(&self) -> (u64, u64) {
-        Self::span(self.src, self.src_pitch, self.width, self.height)
-    }
-
     /// Whether running `self` and `later` at the same time could differ from
     /// running them in order: one writes what the other reads or writes.
     pub fn conflicts_with(&self, later: &Copy2d) -> bool {
-        let meet = |a: (u64, u64), b: (u64, u64)| a.0 < b.1 && b.0 < a.1;
-        meet(self.dst_span(), later.dst_span()) || meet(self.dst_span(), later.src_span()) || meet(self.src_span(), later.dst_span())
+        let dst = |c: &Copy2d| Rows { base: c.dst, pitch: c.dst_pitch, width: c.width, height: c.height };
+        let src = |c: &Copy2d| Rows { base: c.src, pitch: c.src_pitch, width: c.width, height: c.height };
+        dst(self).meets(&dst(later)) || dst(self).meets(&src(later)) || src(self).meets(&dst(later))
+    }
+}
+
+/// One side of a [`Copy2d`]: `height` rows of `width` bytes, `pitch` apart.
+struct Rows {
+    base: u64,
+    pitch: u64,
+    width: u64,
+    height: u64,
+}
+
+impl Rows {
+    /// `[start, end)` of all the rows: a bound (the gaps are not touched).
+    fn span(&self) -> (u64, u64) {
+        (self.base, self.base + self.height.saturating_sub(1) * self.pitch + self.width)
+    }
+
+    /// Whether some row of `self` shares a byte with some row of `other`.
+    /// Exact when both have one pitch (or one of them a single row), as the
+    /// rows of two layers or two requests interleaved in one region do; a
+    /// bound on the spans otherwise.
+    fn meets(&self, other: &Rows) -> bool {
+        let (a, b) = (self.span(), other.span());
+        if !(a.0 < b.1 && b.0 < a.1) || self.width == 0 || other.width == 0 {
+            return false;
+        }
+        let pitch = match (self.height, other.height) {
+            (1, 1) => return true,
+            (1, _) => other.pitch,
+            (_, 1) => self.pitch,
+            _ if self.pitch == other.pitch => self.pitch,
+            _ => return true,
+        };
+        if pitch < self.width.max(other.width) {
+            return true; // rows of one side overlap each other: keep it simple
+        }
+        // Row j of other starts x = d + k * pitch after row i of self
+        // (k = j - i); the two rows meet when -other.width < x < self.width.
+        let (p, d) = (pitch as i128, other.base as i128 - self.base as i128);
+        let (wa, wb) = (self.width as i128, other.width as i128);
+        let k_lo = (-wb - d).div_euclid(p) + 1;
+        let k_hi = (wa - d + p - 1).div_euclid(p) - 1;
+        let lo = k_lo.max(-(self.height as i128 - 1));
+        let hi = k_hi.min(other.height as i128 - 1);
+        lo <= hi
     }
 }
 
@@ -233,12 +265,46 @@ mod tests {
         Copy2d { src, src_pitch: width, dst, dst_pitch: width, width, height: 1 }
     }
 
+    /// Whether two copies' destinations share a byte, row by row.
+    fn naive_meet(a: &Copy2d, b: &Copy2d) -> bool {
+        let rows = |c: Copy2d| (0..c.height).map(move |r| (c.dst + r * c.dst_pitch, c.dst + r * c.dst_pitch + c.width));
+        rows(*a).any(|(s, e)| rows(*b).any(|(t, f)| s < f && t < e))
+    }
+
     #[test]
-    fn table_launches_keep_conflicting_copies_in_order() {
-        // Strided copies whose rows interleave in one destination conflict (the
-        // spans are bounds), disjoint ones share a launch.
+    fn interleaved_rows_do_not_conflict_and_touching_ones_do() {
+        // Two layers' rows interleaved in one destination, 128 apart: disjoint.
         let a = Copy2d { src: 0, src_pitch: 64, dst: 10_000, dst_pitch: 128, width: 32, height: 4 };
         let b = Copy2d { src: 1_000, src_pitch: 64, dst: 10_032, dst_pitch: 128, width: 32, height: 4 };
+        assert!(!a.conflicts_with(&b) && !b.conflicts_with(&a));
+        // One byte wider and they meet; shifted by a whole pitch they meet.
+        let wide = Copy2d { width: 33, ..a };
+        assert!(wide.conflicts_with(&b) && b.conflicts_with(&wide));
+        let next = Copy2d { dst: 10_000 + 3 * 128, height: 1, ..a };
+        assert!(a.conflicts_with(&next) && next.conflicts_with(&a));
+        let past = Copy2d { dst: 10_000 + 4 * 128, ..a };
+        assert!(!a.conflicts_with(&past));
+        // Against a row-by-row check, over many shapes with one pitch.
+        let mut seed = 7u64;
+        let mut next_u = |n: u64| {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 33) % n
+        };
+        for _ in 0..20_000 {
+            let pitch = 16 + next_u(100);
+            let mk = |base: u64, w: u64, h: u64| Copy2d { src: 1 << 40, src_pitch: pitch, dst: base, dst_pitch: pitch, width: w, height: h };
+            let x = mk(1_000 + next_u(400), 1 + next_u(pitch), 1 + next_u(6));
+            let y = mk(1_000 + next_u(400), 1 + next_u(pitch), 1 + next_u(6));
+            assert_eq!(x.conflicts_with(&y), naive_meet(&x, &y), "{x:?} {y:?}");
+        }
+    }
+
+    #[test]
+    fn table_launches_keep_conflicting_copies_in_order() {
+        // Strided copies whose rows meet in one destination conflict,
+        // disjoint ones share a launch.
+        let a = Copy2d { src: 0, src_pitch: 64, dst: 10_000, dst_pitch: 128, width: 32, height: 4 };
+        let b = Copy2d { src: 1_000, src_pitch: 64, dst: 10_016, dst_pitch: 128, width: 32, height: 4 };
         assert!(a.conflicts_with(&b) && b.conflicts_with(&a));
         let c = row(2_000, 20_000, 100);
         assert!(!a.conflicts_with(&c));

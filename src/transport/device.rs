@@ -492,6 +492,32 @@ mod tests {
         assert_eq!(c[4], Copy2d { src: 1008, src_pitch: 8, dst: 5008, dst_pitch: 8, width: 8, height: 1 });
     }
 
+    /// The flagship's hand-off (PP8 -> TP8 x DCP8, 64 plans) submitted as one
+    /// list goes to the device in as few table launches as the table size
+    /// allows: the plans' rows interleave in the decode regions without
+    /// meeting, so no copy has to wait for another.
+    #[test]
+    fn the_flagship_pass_takes_the_fewest_table_launches() {
+        let topo = handoff_components::Topology::load(concat!(env!("CARGO_MANIFEST_DIR"), "/config/k3-pp8-tp8dcp8.toml")).expect("config");
+        let (_engine, jobs, _) = crate::bench_cli::planned(&topo, 32768, 1).expect("plans");
+        // Every (rank, kind) region its own allocation, far apart.
+        let mut bases: HashMap<(String, RegionKind), u64> = HashMap::new();
+        let mut base = |rank: String, kind| {
+            let n = bases.len() as u64;
+            *bases.entry((rank, kind)).or_insert((n + 1) << 40)
+        };
+        let mut list = Vec::new();
+        for (_, p) in &jobs {
+            for d in &p.descriptors {
+                let (src, dst) = (base(format!("{:?}", p.producer), d.kind), base(format!("{:?}", p.consumer), d.kind));
+                list.extend(copies(std::slice::from_ref(d), src, dst));
+            }
+        }
+        let launches = handoff_kernels::table_launches(&list);
+        assert_eq!(list.len(), 448);
+        assert_eq!(launches.len(), list.len().div_ceil(handoff_kernels::TABLE_COPIES), "{launches:?}");
+    }
+
     #[test]
     fn ipc_handles_round_trip_through_hex() {
         let b: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(37)).collect();
