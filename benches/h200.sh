@@ -57,6 +57,15 @@ HANDOFF_CUDA_COPY=engines timeout 120 handoff bench transfer --config config/k3-
 
 fi
 
+step "the launch-saving paths (HANDOFF_CUDA_UNITS=fused: two launches for a layer's head and MLP-unit products, one for the all-reduce, no round trip for known cursors): verify, the test matrix, gpu.toml serving"
+for c in config/small.toml config/gpu.toml; do
+  HANDOFF_CUDA_UNITS=fused handoff verify --config "$c" --compute --device cuda --requests 4 2>&1 | tee -a "$OUT/verify-fused.txt" | head -2 || fail=1
+done
+HANDOFF_CUDA_UNITS=fused device_matrix --ignored --nocapture 2>&1 | tee "$OUT/device_matrix-fused.txt" | grep -E "test result|failed|panicked" || fail=1
+if [ "$SKIP_SERVE" = 0 ]; then
+  HANDOFF_CUDA_UNITS=fused timeout 240 handoff bench serve --config config/gpu.toml --concurrency 1,32,88 2>&1 | tee "$OUT/serve-gpu-fused.txt" | tail -5 || fail=1
+fi
+
 step "bench compute on cuda"
 timeout 120 handoff bench compute --device cuda 2>&1 | tee "$OUT/compute.txt" | tail -12 || fail=1
 

@@ -258,7 +258,8 @@ fn replay_batch_commits_only_full_rings_and_equals_each_slot_alone() {
         };
         let x = BE.upload(&pick(&xn, dims.hidden)).unwrap();
         let (parts, changed) = forward::kda_decode_batch(&BE, dims, sh, &x, which.len(), &mut kb).expect("kda step");
-        let parts: Vec<Vec<f32>> = parts.iter().map(|p| BE.download(p).unwrap()).collect();
+        let per_head = which.len() * dims.hidden;
+        let parts: Vec<Vec<f32>> = BE.download(&parts.buf).unwrap().chunks(per_head.max(1)).map(<[f32]>::to_vec).collect();
         let rb = kb.replay.as_ref().unwrap();
         (parts, changed, BE.download(&kb.state).unwrap(), BE.download(&kb.conv).unwrap(), BE.download(&rb.ring).unwrap(), BE.download_i32(&rb.cursor).unwrap())
     };

@@ -26,8 +26,9 @@ use handoff_kernels::{
     Backend, ColsCopy, ConvShape, CpuBackend, CudaBackend, EmbeddingShape, KdaInputs, KdaParams,
     KdaKernel, KdaPrefillShape, KdaStepShape, KernelError, MatmulShape, MergeShape, MlaShape, MlpShape,
     MlpWeights, NormShape, ReplayShape, RowSet, SplitMix64, StorageDtype, mla_partial_width,
-    replay_record_width, Copy2d, DeviceRegion, RegionItems,
+    replay_record_width, Copy2d, DeviceRegion, RegionItems, UnitProduct, UnitsOut, UnitsShape,
 };
+use handoff_kernels::backend::matmul_units_each;
 use handoff_kernels::dtype::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 
 type R<T> = Result<T, KernelError>;
@@ -349,6 +350,27 @@ fn run_matmul<B: Backend>(be: &B, shape: MatmulShape, x: &[f32], w: &[f32]) -> R
     let (xb, wb) = (be.upload(x)?, be.upload(w)?);
     let mut out = be.alloc(shape.rows * shape.cols)?;
     be.matmul(shape, &xb, &wb, &mut out)?;
+    be.download(&out)
+}
+
+/// `matmul_units` over products `dims[i]` = (inner, cols) with weights `ws`,
+/// blocks of x and out laid side by side; `each` runs the one-by-one default.
+fn run_units<B: Backend>(be: &B, shape: UnitsShape, x: &[f32], dims: &[(usize, usize)], ws: &[Vec<f32>], each: bool) -> R<Vec<f32>> {
+    let wb: Vec<B::Buf> = ws.iter().map(|w| be.upload(w)).collect::<R<_>>()?;
+    let (mut x_col, mut out_col) = (0, 0);
+    let mut units = Vec::new();
+    for (w, &(inner, cols)) in wb.iter().zip(dims) {
+        units.push(UnitProduct { w, inner, cols, x_col, out_col });
+        x_col += inner;
+        out_col += cols;
+    }
+    let xb = be.upload(x)?;
+    let mut out = be.alloc(shape.out_len("run_units", &units)?)?;
+    if each {
+        matmul_units_each(be, shape, &xb, &units, &mut out)?;
+    } else {
+        be.matmul_units(shape, &xb, &units, &mut out)?;
+    }
     be.download(&out)
 }
 
@@ -796,6 +818,88 @@ fn checks(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
     Ok(())
 }
 
+/// The launch-saving paths (`CudaBackend::set_fused`) against the paths they
+/// replace, bit for bit, whatever HANDOFF_CUDA_UNITS says.
+fn check_fused(gpu: &mut CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
+    let cpu = CpuBackend::new();
+    let mut r = SplitMix64::new(seed ^ 0x0F05_ED00);
+    let fused_default = std::env::var("HANDOFF_CUDA_UNITS").is_ok_and(|v| v.trim() == "fused");
+    {
+        // Several products in one call (matmul_units): every product's bits are
+        // those of matmul on its block alone (the one-by-one default); heads side
+        // by side and stacked, unequal widths ending mid-chunk, 40 products (two
+        // launches), 1, 88 and 200 rows (200 through the tiled kernel).
+        for stacked in [false, true] {
+            for &rows in &[1usize, 88, 200] {
+                let n = 40;
+                let dims: Vec<(usize, usize)> = (0..n).map(|i| (120 + 5 * (i % 3), if stacked { 96 } else { 64 + i % 2 })).collect();
+                let x_width: usize = dims.iter().map(|d| d.0).sum::<usize>() + 3;
+                let width: usize = dims.iter().map(|d| d.1).sum::<usize>() + 5;
+                let out = if stacked { UnitsOut::Stacked } else { UnitsOut::Columns { width } };
+                let shape = UnitsShape { rows, x_width, out };
+                let x = uni(&mut r, rows * x_width, -1.0, 1.0);
+                let ws: Vec<Vec<f32>> = dims.iter().map(|&(k, c)| uni(&mut r, k * c, -1.0, 1.0)).collect();
+                gpu.set_fused(true);
+                let fused = run_units(gpu, shape, &x, &dims, &ws, false)?;
+                gpu.set_fused(false);
+                let unfused = run_units(gpu, shape, &x, &dims, &ws, false)?;
+                let each = run_units(gpu, shape, &x, &dims, &ws, true)?;
+                let case = format!("{n} products of {rows} rows, {}", if stacked { "stacked" } else { "side by side" });
+                rep.exact_f32("matmul_units fused vs each", &case, &fused, &each);
+                rep.exact_f32("matmul_units unfused vs each", &case, &unfused, &each);
+                rep.close("matmul_units", &case, &fused, &run_units(&cpu, shape, &x, &dims, &ws, true)?, 1e-5);
+            }
+        }
+        // The all-reduce's sum of stacked partials: the bits of add_inplace in order.
+        let (n, units) = (5000usize, 9usize);
+        let stacked = uni(&mut r, n * units, -1.0, 1.0);
+        let acc0 = uni(&mut r, n, -1.0, 1.0);
+        let mut want = gpu.upload(&acc0)?;
+        for u in 2..units {
+            gpu.add_inplace(&mut want, &gpu.upload(&stacked[u * n..(u + 1) * n])?)?;
+        }
+        let want = gpu.download(&want)?;
+        for fused in [true, false] {
+            gpu.set_fused(fused);
+            let mut acc = gpu.upload(&acc0)?;
+            gpu.add_units(&mut acc, &gpu.upload(&stacked)?, 2..units)?;
+            let case = format!("units 2..9 of 5000 values, fused {fused}");
+            rep.exact_f32("add_units vs add_inplace", &case, &gpu.download(&acc)?, &want);
+        }
+        // i32 downloads answered from what the host knows: after an upload, after
+        // replay ops set the cursors, and after argmax (which the host does not know).
+        gpu.set_fused(true);
+        let ids = gpu.upload_i32(&[3, 1, 4])?;
+        rep.exact_i32("download_i32 known", "after upload", &gpu.download_i32(&ids)?, &[3, 1, 4]);
+        let logits = uni(&mut r, 3 * 50, -1.0, 1.0);
+        let mut picks = gpu.upload_i32(&[0, 0, 0])?;
+        gpu.argmax(3, 50, &gpu.upload(&logits)?, &mut picks)?;
+        let want_picks = run_argmax(&cpu, 3, 50, &logits)?;
+        rep.exact_i32("download_i32 known", "after argmax (device values)", &gpu.download_i32(&picks)?, &want_picks);
+        let (b, h, dk, dv, cap) = (3usize, 2usize, 16usize, 16usize, 4usize);
+        let cursor0 = [0i32, 2, 3];
+        let state = uni(&mut r, b * h * dk * dv, -0.5, 0.5);
+        let recs = uni(&mut r, b * h * replay_record_width(dk, dv), -0.5, 0.5);
+        let mut got = Vec::new();
+        for fused in [true, false] {
+            gpu.set_fused(fused);
+            let shape = ReplayShape { batch: b, heads: h, dk, dv, capacity: cap };
+            let mut ring = gpu.alloc(b * cap * h * replay_record_width(dk, dv))?;
+            let mut cur = gpu.upload_i32(&cursor0)?;
+            gpu.replay_append(shape, 1, &mut ring, &mut cur, &gpu.upload(&recs)?)?;
+            let after_append = gpu.download_i32(&cur)?;
+            let mut st = gpu.upload(&state)?;
+            gpu.replay_commit(shape, &mut st, &ring, &mut cur)?;
+            got.push((after_append, gpu.download_i32(&cur)?, gpu.download(&st)?));
+        }
+        rep.exact_i32("download_i32 known", "cursors after replay_append", &got[0].0, &got[1].0);
+        rep.exact_i32("download_i32 known", "cursors after replay_commit", &got[0].1, &got[1].1);
+        rep.exact_f32("download_i32 known", "state after replay_commit", &got[0].2, &got[1].2);
+        gpu.set_fused(fused_default);
+    }
+    Ok(())
+}
+
 /// Every KDA step kernel variant (tile width, blocks per multiprocessor)
 /// gives the same bits; the prefill kernel does not depend on the choice.
 fn check_kda_variants(gpu: &mut CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
@@ -1118,7 +1222,8 @@ fn main() -> ExitCode {
     let mut rep = Report::new();
     let res = checks(&gpu, &mut rep, seed)
         .and_then(|()| check_regions(&gpu, &mut rep, seed))
-        .and_then(|()| check_kda_variants(&mut gpu, &mut rep, seed));
+        .and_then(|()| check_kda_variants(&mut gpu, &mut rep, seed))
+        .and_then(|()| check_fused(&mut gpu, &mut rep, seed));
     if let Err(e) = res {
         eprintln!("error: a check could not run: {e}");
         return ExitCode::from(1);

@@ -109,20 +109,20 @@ extern "C" __global__ void matmul_f32(
 // bz) writes part[by][r][c] for rows bz * 16 .. +16 and columns bx * 64 .. +64;
 // thread (tx = column, ty) holds rows ty + 4 i. The chunk's 16 x 128 slice of
 // x is staged in shared memory; w is read straight from memory, a warp's 32
-// columns contiguous. Launch: grid (ceil(cols / 64), ceil(inner / MM_KC),
-// ceil(rows / 16)); block 256.
+// columns contiguous. x's rows are x_row elements apart (inner for a plain
+// matmul, wider when the product reads a column block of x). Launch: grid
+// (ceil(cols / 64), ceil(inner / MM_KC), ceil(rows / 16)); block 256.
 #define MS_ROWS 16
-extern "C" __global__ void matmul_splitk_f32(
-    const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ part,
-    int rows, int inner, int cols)
+__device__ __forceinline__ void splitk_tile(
+    const float* __restrict__ x, hk_i64 x_row, const float* __restrict__ w, float* __restrict__ part,
+    int rows, int inner, int cols, int bx, int by, int bz, float (*xs)[MM_KC])
 {
-    __shared__ float xs[MS_ROWS][MM_KC];
     const int tid = threadIdx.x;
     const int tx = tid % 64;
     const int ty = tid / 64;
-    const int col = blockIdx.x * 64 + tx;
-    const int k0 = blockIdx.y * MM_KC;
-    const int row0 = blockIdx.z * MS_ROWS;
+    const int col = bx * 64 + tx;
+    const int k0 = by * MM_KC;
+    const int row0 = bz * MS_ROWS;
     const int padded = (inner + MM_BK - 1) / MM_BK * MM_BK;
     const int kn = padded - k0 < MM_KC ? padded - k0 : MM_KC;
     for (int e = tid; e < MS_ROWS * MM_KC; e += 256) {
@@ -130,7 +130,7 @@ extern "C" __global__ void matmul_splitk_f32(
         const int kk = e % MM_KC;
         const int gr = row0 + r;
         const int gk = k0 + kk;
-        xs[r][kk] = (gr < rows && gk < inner) ? x[(hk_i64)gr * inner + gk] : 0.0f;
+        xs[r][kk] = (gr < rows && gk < inner) ? x[(hk_i64)gr * x_row + gk] : 0.0f;
     }
     __syncthreads();
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -146,8 +146,16 @@ extern "C" __global__ void matmul_splitk_f32(
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int gr = row0 + ty + 4 * i;
-        if (gr < rows) part[((hk_i64)blockIdx.y * rows + gr) * cols + col] = acc[i];
+        if (gr < rows) part[((hk_i64)by * rows + gr) * cols + col] = acc[i];
     }
+}
+
+extern "C" __global__ void matmul_splitk_f32(
+    const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ part,
+    int rows, int inner, int cols)
+{
+    __shared__ float xs[MS_ROWS][MM_KC];
+    splitk_tile(x, inner, w, part, rows, inner, cols, blockIdx.x, blockIdx.y, blockIdx.z, xs);
 }
 
 // out[e] = the chunk sums of element e added in chunk order, from 0.
@@ -160,6 +168,72 @@ extern "C" __global__ void matmul_chunk_sum(
         float t = 0.0f;
         for (int c = 0; c < chunks; ++c) t += part[(hk_i64)c * n + e];
         out[e] = t;
+    }
+}
+
+// ---- several products in one launch -------------------------------------------
+//
+// matmul_units_splitk + matmul_units_sum: up to MU_UNITS products that read
+// column blocks of one x (the heads of o_proj, W_UK, W_UV; the MLP's units),
+// each exactly the split-k matmul above on its block alone (splitk_tile, the
+// same chunk-sum order), so the bits do not change with how the products are
+// grouped. Entry u of the by-value table: w's address, x's first column, the
+// element of out that takes the product's row 0, the product's first element
+// in part (its [chunks, rows, cols] scratch), inner, cols. Out rows are
+// out_row elements apart.
+// Launch of matmul_units_splitk: grid (max column tiles, max chunks, row tiles
+// x units); block 256; a block past its product's extent exits at once.
+// Launch of matmul_units_sum: grid (any, units); block 256.
+
+#define MU_UNITS 32
+
+struct hk_mm_units {
+    hk_i64 u[MU_UNITS][6];  // w, x column, out offset, part offset, inner, cols
+};
+
+extern "C" __global__ void matmul_units_splitk(
+    hk_mm_units t, const float* __restrict__ x, float* __restrict__ part, int rows, hk_i64 x_row)
+{
+    __shared__ float xs[MS_ROWS][MM_KC];
+    const int tiles = (rows + MS_ROWS - 1) / MS_ROWS;
+    const int u = blockIdx.z / tiles;
+    const int inner = (int)t.u[u][4];
+    const int cols = (int)t.u[u][5];
+    if ((int)blockIdx.x * 64 >= cols || (int)blockIdx.y * MM_KC >= inner) return;
+    splitk_tile(x + t.u[u][1], x_row, (const float*)t.u[u][0], part + t.u[u][3],
+                rows, inner, cols, blockIdx.x, blockIdx.y, blockIdx.z % tiles, xs);
+}
+
+extern "C" __global__ void matmul_units_sum(
+    hk_mm_units t, const float* __restrict__ part, float* __restrict__ out, int rows, hk_i64 out_row)
+{
+    const int u = blockIdx.y;
+    const int inner = (int)t.u[u][4];
+    const int cols = (int)t.u[u][5];
+    const int chunks = (inner + MM_KC - 1) / MM_KC;
+    const hk_i64 n = (hk_i64)rows * cols;
+    const float* p = part + t.u[u][3];
+    float* o = out + t.u[u][2];
+    for (hk_i64 e = (hk_i64)blockIdx.x * blockDim.x + threadIdx.x; e < n;
+         e += (hk_i64)gridDim.x * blockDim.x) {
+        float s = 0.0f;
+        for (int c = 0; c < chunks; ++c) s += p[(hk_i64)c * n + e];
+        const hk_i64 r = e / cols;
+        o[r * out_row + (e - r * cols)] = s;
+    }
+}
+
+// acc[e] += stacked[u * n + e] for u = from .. to - 1 in order: the
+// all-reduce's partials in one pass, each add rounded as add_inplace rounds it.
+// Launch: grid-stride, any grid; block 256.
+extern "C" __global__ void add_units(
+    float* __restrict__ acc, const float* __restrict__ stacked, hk_i64 n, int from, int to)
+{
+    for (hk_i64 e = (hk_i64)blockIdx.x * blockDim.x + threadIdx.x; e < n;
+         e += (hk_i64)gridDim.x * blockDim.x) {
+        float s = acc[e];
+        for (int u = from; u < to; ++u) s += stacked[(hk_i64)u * n + e];
+        acc[e] = s;
     }
 }
 

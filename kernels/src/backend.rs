@@ -15,7 +15,9 @@ use std::sync::Arc;
 use crate::shapes::{
     ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape,
     MatmulShape, MergeShape, MlaShape, MlpShape, MlpWeights, NormShape, ReplayShape, RowSet,
+    UnitProduct, UnitsOut, UnitsShape,
 };
+use std::ops::Range;
 
 /// A compute backend: buffer management plus the model's ops.
 pub trait Backend: Send + Sync {
@@ -333,6 +335,34 @@ pub trait Backend: Send + Sync {
     /// Residual add: dst += src, element-wise, equal lengths.
     fn add_inplace(&self, dst: &mut Self::Buf, src: &Self::Buf) -> Result<()>;
 
+    /// Several products over column blocks of one x in one call (the heads of
+    /// o_proj, W_UK and W_UV, the units of the MLP; see [`UnitsShape`]). Each
+    /// product's bits are those of [`Backend::matmul`] on its block alone; the
+    /// default runs them one by one ([`matmul_units_each`]), a device in one
+    /// launch. The weights are whole (one buffer a product).
+    fn matmul_units(
+        &self,
+        shape: UnitsShape,
+        x: &Self::Buf,
+        units: &[UnitProduct<'_, Self::Buf>],
+        out: &mut Self::Buf,
+    ) -> Result<()> {
+        matmul_units_each(self, shape, x, units, out)
+    }
+
+    /// `acc += stacked[u]` for each `u` of `units` in order, where `stacked` is
+    /// `[*, acc.len()]`: the all-reduce's sum of partials, the same bits as
+    /// that many [`Backend::add_inplace`] calls.
+    fn add_units(&self, acc: &mut Self::Buf, stacked: &Self::Buf, units: Range<usize>) -> Result<()> {
+        let n = self.buf_len(acc);
+        let mut one = self.alloc(n)?;
+        for u in units {
+            self.copy(stacked, u * n, &mut one, 0, n)?;
+            self.add_inplace(acc, &one)?;
+        }
+        Ok(())
+    }
+
     // ---- device regions ----------------------------------------------------
     //
     // A region registered in device memory (crate::region) is reached in place
@@ -371,4 +401,39 @@ pub trait Backend: Send + Sync {
         let _ = (src, region, offsets);
         Err(unsupported(self.name(), "region_scatter_i32"))
     }
+}
+
+/// [`Backend::matmul_units`] one product at a time: the block of x copied out
+/// (unless it is all of x), multiplied, and copied to its place in `out`.
+pub fn matmul_units_each<B: Backend + ?Sized>(
+    be: &B,
+    shape: UnitsShape,
+    x: &B::Buf,
+    units: &[UnitProduct<'_, B::Buf>],
+    out: &mut B::Buf,
+) -> Result<()> {
+    let op = "matmul_units";
+    let UnitsShape { rows, x_width, .. } = shape;
+    crate::error::check_len(op, "x", be.buf_len(x), crate::error::elems(op, &[rows, x_width])?)?;
+    crate::error::check_len(op, "out", be.buf_len(out), shape.out_len(op, units)?)?;
+    for (i, u) in units.iter().enumerate() {
+        let mm = MatmulShape { rows, inner: u.inner, cols: u.cols };
+        let block = if u.x_col == 0 && u.inner == x_width {
+            None
+        } else {
+            let mut b = be.alloc(rows * u.inner)?;
+            be.copy_cols(ColsCopy { rows, src_cols: x_width, src_col: u.x_col, dst_cols: u.inner, dst_col: 0, width: u.inner }, x, &mut b)?;
+            Some(b)
+        };
+        let mut p = be.alloc(rows * u.cols)?;
+        be.matmul(mm, block.as_ref().unwrap_or(x), u.w, &mut p)?;
+        let (at, _) = shape.out_at(i, u);
+        match shape.out {
+            UnitsOut::Stacked => be.copy(&p, 0, out, at, rows * u.cols)?,
+            UnitsOut::Columns { width } => {
+                be.copy_cols(ColsCopy { rows, src_cols: u.cols, src_col: 0, dst_cols: width, dst_col: at, width: u.cols }, &p, out)?
+            }
+        }
+    }
+    Ok(())
 }

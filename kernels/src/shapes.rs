@@ -234,3 +234,68 @@ pub struct ColsCopy {
     /// Columns copied per row.
     pub width: usize,
 }
+
+/// Where [`crate::Backend::matmul_units`] writes its products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnitsOut {
+    /// out `[rows, width]`: a unit's `cols` columns start at its `out_col`
+    /// (heads side by side, as attention lays them out).
+    Columns { width: usize },
+    /// out `[units, rows, cols]`, unit by unit (the partials an all-reduce
+    /// sums); every unit has the same `cols`, and `out_col` is unused.
+    Stacked,
+}
+
+/// The geometry [`crate::Backend::matmul_units`]'s products share: x is `[rows,
+/// x_width]`, and each product reads a column block of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UnitsShape {
+    pub rows: usize,
+    pub x_width: usize,
+    pub out: UnitsOut,
+}
+
+/// One product of [`crate::Backend::matmul_units`]: x's columns `x_col ..
+/// x_col + inner` times `w` `[inner, cols]`.
+#[derive(Debug, Clone, Copy)]
+pub struct UnitProduct<'a, Buf> {
+    pub w: &'a Buf,
+    pub inner: usize,
+    pub cols: usize,
+    pub x_col: usize,
+    pub out_col: usize,
+}
+
+impl UnitsShape {
+    /// Elements of the output of `units` products (checked against the
+    /// layout: column blocks inside x and out, equal widths when stacked).
+    pub fn out_len<Buf>(&self, op: &'static str, units: &[UnitProduct<'_, Buf>]) -> crate::Result<usize> {
+        let bad = |reason: String| crate::KernelError::InvalidShape { op, reason };
+        for (i, u) in units.iter().enumerate() {
+            if u.x_col.checked_add(u.inner).is_none_or(|e| e > self.x_width) {
+                return Err(bad(format!("unit {i}: x columns {}..+{} outside a row of {}", u.x_col, u.inner, self.x_width)));
+            }
+            match self.out {
+                UnitsOut::Columns { width } if u.out_col.checked_add(u.cols).is_none_or(|e| e > width) => {
+                    return Err(bad(format!("unit {i}: out columns {}..+{} outside a row of {width}", u.out_col, u.cols)));
+                }
+                UnitsOut::Stacked if u.cols != units[0].cols => {
+                    return Err(bad(format!("unit {i}: {} columns, stacked with units of {}", u.cols, units[0].cols)));
+                }
+                _ => {}
+            }
+        }
+        match self.out {
+            UnitsOut::Columns { width } => crate::error::elems(op, &[self.rows, width]),
+            UnitsOut::Stacked => crate::error::elems(op, &[units.len(), self.rows, units.first().map_or(0, |u| u.cols)]),
+        }
+    }
+
+    /// Element offset of unit `i`'s row 0 in the output, and its row pitch.
+    pub fn out_at<Buf>(&self, i: usize, u: &UnitProduct<'_, Buf>) -> (usize, usize) {
+        match self.out {
+            UnitsOut::Columns { width } => (u.out_col, width),
+            UnitsOut::Stacked => (i * self.rows * u.cols, u.cols),
+        }
+    }
+}

@@ -23,8 +23,8 @@ use super::weights::{Dims, KdaShard, LayerShard, Mat, MixerShard, MlaShard, NORM
 use handoff_components::vocab::LayerKind;
 use handoff_kernels::{
     Backend, ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape,
-    KdaStepShape, MatmulShape, MergeShape, MlaShape, NormShape, ReplayShape, RowSet,
-    mla_partial_width, replay_record_width,
+    KdaStepShape, MatmulShape, MergeShape, MlaShape, NormShape, ReplayShape, RowSet, UnitProduct,
+    UnitsOut, UnitsShape, mla_partial_width, replay_record_width,
 };
 use std::ops::Range;
 
@@ -77,15 +77,54 @@ fn matmul<B: Backend>(be: &B, x: &B::Buf, w: &Mat<B>, rows: usize) -> R<B::Buf> 
     Ok(out)
 }
 
-/// Per-head o_proj partials: head j's `[t, width]` columns of `y` times its rows.
-fn per_head_out<B: Backend>(be: &B, y: &B::Buf, wo: &[Mat<B>], t: usize, width: usize) -> R<Vec<B::Buf>> {
+/// Products of column blocks of `x` in one backend call (`Backend::matmul_units`):
+/// `units[i]` = (w, first column of x, first column of out). Each product's bits
+/// are what [`matmul`] gives on its block alone: on chunked weights (the CPU)
+/// chunk c of every product is one call, and the chunk products are summed in
+/// chunk order from 0 (a product with fewer chunks adds zeros, which leaves a
+/// sum that started at +0 unchanged).
+fn matmul_units<B: Backend>(be: &B, shape: UnitsShape, x: &B::Buf, units: &[(&Mat<B>, usize, usize)]) -> R<B::Buf> {
+    let empty = be.alloc(0)?;
+    let chunk = |c: usize| -> Vec<UnitProduct<'_, B::Buf>> {
+        units
+            .iter()
+            .map(|&(w, x_col, out_col)| {
+                let k0 = (c * w.chunk_rows).min(w.inner);
+                match w.chunks.get(c) {
+                    Some(wc) => UnitProduct { w: wc, inner: w.chunk_rows.min(w.inner - k0), cols: w.cols, x_col: x_col + k0, out_col },
+                    None => UnitProduct { w: &empty, inner: 0, cols: w.cols, x_col, out_col },
+                }
+            })
+            .collect()
+    };
+    let chunks = units.iter().map(|u| u.0.chunks.len()).max().unwrap_or(1);
+    let first = chunk(0);
+    let mut out = be.alloc(shape.out_len("matmul_units", &first)?)?;
+    if chunks == 1 {
+        be.matmul_units(shape, x, &first, &mut out)?;
+        return Ok(out);
+    }
+    let mut part = be.alloc(be.buf_len(&out))?;
+    for c in 0..chunks {
+        be.matmul_units(shape, x, &chunk(c), &mut part)?;
+        be.add_inplace(&mut out, &part)?;
+    }
+    Ok(out)
+}
+
+/// A rank's contribution to an all-reduce: `units` partials stacked `[units, *]`.
+pub struct Partials<B: Backend> {
+    pub buf: B::Buf,
+    pub units: usize,
+}
+
+/// Per-head o_proj partials: head j's `[t, width]` columns of `y` times its rows,
+/// stacked head by head.
+fn per_head_out<B: Backend>(be: &B, y: &B::Buf, wo: &[Mat<B>], t: usize, width: usize) -> R<Partials<B>> {
     let hl = wo.len();
-    (0..hl)
-        .map(|j| {
-            let yj = take_cols(be, y, t, hl * width, j * width, width)?;
-            matmul(be, &yj, &wo[j], t)
-        })
-        .collect()
+    let units: Vec<_> = wo.iter().enumerate().map(|(j, w)| (w, j * width, 0)).collect();
+    let buf = matmul_units(be, UnitsShape { rows: t, x_width: hl * width, out: UnitsOut::Stacked }, y, &units)?;
+    Ok(Partials { buf, units: hl })
 }
 
 fn take_cols<B: Backend>(be: &B, src: &B::Buf, rows: usize, src_cols: usize, col: usize, width: usize) -> R<B::Buf> {
@@ -115,14 +154,18 @@ fn rms<B: Backend>(be: &B, x: &B::Buf, w: &B::Buf, rows: usize, dim: usize) -> R
 
 /// The in-process all-reduce: every TP rank contributes its partial outputs, one
 /// per reduction unit it holds (a head for o_proj, an MLP unit for the MLP), and
-/// the units are summed one by one in global unit order. Ranks hold contiguous unit
-/// ranges, so rank-major order is global order, and the sum is the same bits for
-/// every TP degree (TP1 included).
-pub fn all_reduce<B: Backend>(be: &B, partials: Vec<Vec<B::Buf>>) -> R<B::Buf> {
-    let mut units = partials.into_iter().flatten();
-    let mut acc = units.next().ok_or_else(|| ModelError::Config("all-reduce over zero units".into()))?;
-    for p in units {
-        be.add_inplace(&mut acc, &p)?;
+/// the units are summed one by one in global unit order (the first unit, then
+/// each next one added). Ranks hold contiguous unit ranges, so rank-major order is
+/// global order, and the sum is the same bits for every TP degree (TP1 included).
+pub fn all_reduce<B: Backend>(be: &B, partials: Vec<Partials<B>>) -> R<B::Buf> {
+    let mut ranks = partials.into_iter().filter(|p| p.units > 0);
+    let first = ranks.next().ok_or_else(|| ModelError::Config("all-reduce over zero units".into()))?;
+    let n = be.buf_len(&first.buf) / first.units;
+    let mut acc = be.alloc(n)?;
+    be.copy(&first.buf, 0, &mut acc, 0, n)?;
+    be.add_units(&mut acc, &first.buf, 1..first.units)?;
+    for p in ranks {
+        be.add_units(&mut acc, &p.buf, 0..p.units)?;
     }
     Ok(acc)
 }
@@ -197,7 +240,7 @@ fn kda_split<B: Backend>(be: &B, dims: &Dims, sh: &KdaShard<B>, xn: &B::Buf, con
     })
 }
 
-fn kda_output<B: Backend>(be: &B, dims: &Dims, sh: &KdaShard<B>, xn: &B::Buf, o: &B::Buf, t: usize) -> R<Vec<B::Buf>> {
+fn kda_output<B: Backend>(be: &B, dims: &Dims, sh: &KdaShard<B>, xn: &B::Buf, o: &B::Buf, t: usize) -> R<Partials<B>> {
     let (hl, dv) = (sh.heads, dims.dv);
     let gate = matmul(be, xn, &sh.wgate, t)?;
     let mut y = be.alloc(t * hl * dv)?;
@@ -215,7 +258,7 @@ pub fn kda_prefill<B: Backend>(
     xn: &B::Buf,
     t: usize,
     record_tail: usize,
-) -> R<(Vec<B::Buf>, KdaCache)> {
+) -> R<(Partials<B>, KdaCache)> {
     let (hl, dk, dv) = (sh.heads, dims.dk, dims.dv);
     let c = dims.conv_channels(hl);
     let qkv = matmul(be, xn, &sh.wqkv, t)?;
@@ -340,7 +383,7 @@ pub fn kda_decode_batch<B: Backend>(
     xn: &B::Buf,
     nb: usize,
     kb: &mut KdaBatch<B>,
-) -> R<(Vec<B::Buf>, Vec<bool>)> {
+) -> R<(Partials<B>, Vec<bool>)> {
     let (hl, dk, dv) = (sh.heads, dims.dk, dims.dv);
     let c = dims.conv_channels(hl);
     let qkv = matmul(be, xn, &sh.wqkv, nb)?;
@@ -410,29 +453,23 @@ pub fn mla_q_lat<B: Backend>(be: &B, dims: &Dims, sh: &MlaShard<B>, xn: &B::Buf,
     let hl = sh.heads;
     let qw = dn + r;
     let q = matmul(be, xn, &sh.wq, t)?;
-    let mut q_lat = be.alloc(t * hl * w)?;
-    for h in 0..hl {
-        let nope = take_cols(be, &q, t, hl * qw, h * qw, dn)?;
-        let lat = matmul(be, &nope, &sh.wuk[h], t)?;
-        put_cols(be, &lat, t, &mut q_lat, hl * w, h * w)?;
-        if r > 0 {
-            let rope = take_cols(be, &q, t, hl * qw, h * qw + dn, r)?;
-            put_cols(be, &rope, t, &mut q_lat, hl * w, h * w + l)?;
+    let units: Vec<_> = sh.wuk.iter().enumerate().map(|(h, wuk)| (wuk, h * qw, h * w)).collect();
+    let mut q_lat = matmul_units(be, UnitsShape { rows: t, x_width: hl * qw, out: UnitsOut::Columns { width: hl * w } }, &q, &units)?;
+    if r > 0 {
+        for h in 0..hl {
+            let rope = ColsCopy { rows: t, src_cols: hl * qw, src_col: h * qw + dn, dst_cols: hl * w, dst_col: h * w + l, width: r };
+            be.copy_cols(rope, &q, &mut q_lat)?;
         }
     }
     Ok(q_lat)
 }
 
 /// W_UV per head on the latent output `[t, hl, L]`, then the rank's o_proj rows.
-pub fn mla_out<B: Backend>(be: &B, dims: &Dims, sh: &MlaShard<B>, o_lat: &B::Buf, t: usize) -> R<Vec<B::Buf>> {
+pub fn mla_out<B: Backend>(be: &B, dims: &Dims, sh: &MlaShard<B>, o_lat: &B::Buf, t: usize) -> R<Partials<B>> {
     let (l, dvh) = (dims.kv_lora_rank, dims.v_head_dim);
     let hl = sh.heads;
-    let mut y = be.alloc(t * hl * dvh)?;
-    for h in 0..hl {
-        let oh = take_cols(be, o_lat, t, hl * l, h * l, l)?;
-        let vh = matmul(be, &oh, &sh.wuv[h], t)?;
-        put_cols(be, &vh, t, &mut y, hl * dvh, h * dvh)?;
-    }
+    let units: Vec<_> = sh.wuv.iter().enumerate().map(|(h, wuv)| (wuv, h * l, h * dvh)).collect();
+    let y = matmul_units(be, UnitsShape { rows: t, x_width: hl * l, out: UnitsOut::Columns { width: hl * dvh } }, o_lat, &units)?;
     per_head_out(be, &y, &sh.wo, t, dvh)
 }
 
@@ -456,7 +493,7 @@ fn mla_decode_batch<B: Backend>(
     xn: &B::Buf,
     positions: &[usize],
     caches: &mut dyn BatchCaches<B>,
-) -> R<Vec<Vec<B::Buf>>> {
+) -> R<Vec<Partials<B>>> {
     let dims = &group.dims;
     let nb = positions.len();
     let (tp, dcp) = (group.tp(), caches.dcp());
@@ -505,23 +542,34 @@ fn mla_decode_batch<B: Backend>(
     Ok(parts)
 }
 
-/// The rank's MLP partials, one per unit: down(silu(gate x) * up x).
-fn mlp<B: Backend>(be: &B, ls: &LayerShard<B>, xn: &B::Buf, t: usize) -> R<Vec<B::Buf>> {
-    ls.mlp
-        .iter()
-        .map(|u| {
-            let g = matmul(be, xn, &u.gate, t)?;
-            let up = matmul(be, xn, &u.up, t)?;
-            let mut act = be.alloc(t * u.width)?;
-            be.silu_mul(&g, &up, &mut act)?;
-            matmul(be, &act, &u.down, t)
-        })
-        .collect()
+/// The rank's MLP partials, one per unit, stacked: down(silu(gate x) * up x). The
+/// units' gate and up columns sit side by side (one call each), so the
+/// activation is one call too.
+fn mlp<B: Backend>(be: &B, ls: &LayerShard<B>, xn: &B::Buf, t: usize, hidden: usize) -> R<Partials<B>> {
+    // Unit u's columns in the side-by-side gate and up outputs start at at[u].
+    let mut at = Vec::with_capacity(ls.mlp.len());
+    let mut width = 0;
+    for u in &ls.mlp {
+        at.push(width);
+        width += u.width;
+    }
+    if ls.mlp.is_empty() {
+        return Ok(Partials { buf: be.alloc(0)?, units: 0 });
+    }
+    let side = UnitsShape { rows: t, x_width: hidden, out: UnitsOut::Columns { width } };
+    let g = matmul_units(be, side, xn, &ls.mlp.iter().zip(&at).map(|(u, &c)| (&u.gate, 0, c)).collect::<Vec<_>>())?;
+    let up = matmul_units(be, side, xn, &ls.mlp.iter().zip(&at).map(|(u, &c)| (&u.up, 0, c)).collect::<Vec<_>>())?;
+    let mut act = be.alloc(t * width)?;
+    be.silu_mul(&g, &up, &mut act)?;
+    let down: Vec<_> = ls.mlp.iter().zip(&at).map(|(u, &c)| (&u.down, c, 0)).collect();
+    let buf = matmul_units(be, UnitsShape { rows: t, x_width: width, out: UnitsOut::Stacked }, &act, &down)?;
+    Ok(Partials { buf, units: ls.mlp.len() })
 }
 
 fn mlp_block<B: Backend>(be: &B, group: &ShardGroup<B>, layer: usize, h: &mut B::Buf, t: usize) -> R<()> {
-    let xn = rms(be, h, &group.ranks[0].layers[layer].mlp_norm, t, group.dims.hidden)?;
-    let parts = group.ranks.iter().map(|s| mlp(be, &s.layers[layer], &xn, t)).collect::<R<Vec<_>>>()?;
+    let d = group.dims.hidden;
+    let xn = rms(be, h, &group.ranks[0].layers[layer].mlp_norm, t, d)?;
+    let parts = group.ranks.iter().map(|s| mlp(be, &s.layers[layer], &xn, t, d)).collect::<R<Vec<_>>>()?;
     let sum = all_reduce(be, parts)?;
     be.add_inplace(h, &sum)?;
     Ok(())
@@ -648,4 +696,54 @@ pub fn decode_batch<B: Backend>(
         mlp_block(be, group, layer, &mut h, nb)?;
     }
     logits_rows(be, group, &h, nb)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use handoff_kernels::{CpuBackend, SplitMix64};
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// The units helper on chunked weights (the CPU's 64-row chunks, products of
+    /// 2 and 1 chunks side by side) gives each product the bits of `matmul` on
+    /// its block alone, laid side by side or stacked.
+    #[test]
+    fn units_of_chunked_weights_equal_each_product_alone() {
+        let be = CpuBackend::new();
+        let mut r = SplitMix64::new(7);
+        let mut uni = |n: usize| (0..n).map(|_| r.next_f32() * 2.0 - 1.0).collect::<Vec<f32>>();
+        let rows = 5;
+        let dims = [(65usize, 9usize), (64, 9), (130, 9)];
+        let x_width: usize = dims.iter().map(|d| d.0).sum();
+        let x = uni(rows * x_width);
+        let ws: Vec<Mat<CpuBackend>> = dims.iter().map(|&(k, c)| Mat::upload(&be, &uni(k * c), k, c).unwrap()).collect();
+        assert!(ws.iter().any(|w| w.chunks.len() > 1), "the weights are chunked");
+        let xb = be.upload(&x).unwrap();
+        let (mut x_col, mut out_col) = (0, 0);
+        let mut units = Vec::new();
+        let mut alone = Vec::new();
+        for (w, &(k, c)) in ws.iter().zip(&dims) {
+            units.push((w, x_col, out_col));
+            let block = take_cols(&be, &xb, rows, x_width, x_col, k).unwrap();
+            alone.push(be.download(&matmul(&be, &block, w, rows).unwrap()).unwrap());
+            x_col += k;
+            out_col += c;
+        }
+        let width = out_col + 2;
+        let side = matmul_units(&be, UnitsShape { rows, x_width, out: UnitsOut::Columns { width } }, &xb, &units).unwrap();
+        let side = be.download(&side).unwrap();
+        let stacked = matmul_units(&be, UnitsShape { rows, x_width, out: UnitsOut::Stacked }, &xb, &units).unwrap();
+        let stacked = be.download(&stacked).unwrap();
+        let mut at = 0;
+        for (i, (a, &(_, c))) in alone.iter().zip(&dims).enumerate() {
+            let cols: Vec<f32> = (0..rows).flat_map(|row| side[row * width + at..row * width + at + c].to_vec()).collect();
+            assert_eq!(bits(&cols), bits(a), "product {i} side by side");
+            assert_eq!(bits(&stacked[i * rows * c..(i + 1) * rows * c]), bits(a), "product {i} stacked");
+            at += c;
+        }
+        assert!((0..rows).all(|row| side[row * width + at..(row + 1) * width].iter().all(|&v| v == 0.0)), "columns no product writes stay 0");
+    }
 }

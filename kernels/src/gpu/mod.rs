@@ -264,7 +264,8 @@ mod tests {
             "mla_partial_f64", "dcp_merge_f32", "dcp_merge_f64", "matmul_f32", "silu_mul",
             "add_inplace", "embedding", "argmax_rows", "fill_f32", "copy_cols", "round_to",
             "region_gather_b32", "region_scatter_b32", "region_gather_b16", "region_scatter_b16",
-            "copy_table", "matmul_splitk_f32", "matmul_chunk_sum",
+            "copy_table", "matmul_splitk_f32", "matmul_chunk_sum", "matmul_units_splitk",
+            "matmul_units_sum", "add_units",
         ] {
             assert!(
                 program

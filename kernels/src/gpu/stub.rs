@@ -72,6 +72,12 @@ macro_rules! stub_backend {
                 match self.never {}
             }
 
+            /// The launch-saving paths (unreachable: a stub has no values).
+            pub fn set_fused(&mut self, on: bool) {
+                let _ = on;
+                match self.never {}
+            }
+
             /// KDA kernel choice (unreachable: a stub has no values).
             pub fn set_kda_kernel(&mut self, kernel: $crate::gpu::KdaKernel) {
                 let _ = kernel;
