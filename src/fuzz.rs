@@ -590,7 +590,7 @@ pub fn valid_lines() -> Vec<(&'static str, Vec<u8>)> {
         Msg::Token { id: 3, token: 255 },
         Msg::Done { id: 3, handoff_ms: 1.5, decode_ms: 0.25, bytes: 1 << 40 },
         Msg::Error { id: 4, phase: PhaseName::Transfer, message: "stage 1 died".into() },
-        Msg::Cancel { id: 4, phase: PhaseName::Admission, message: "client left".into() },
+        Msg::Cancel { id: 4, phase: PhaseName::Admission, message: "client left".into(), unsent: true },
         Msg::Prefill(Box::new(job)),
         Msg::StageDown { stage: 2, dead: true, message: "exited".into() },
     ];

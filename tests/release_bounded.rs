@@ -272,12 +272,51 @@ fn cancels_of_another_life_of_the_id_are_ignored() {
     e.submit(3, 8);
     e.tick();
     let nonce = e.nonce(3).expect("placed");
-    e.cancel(Cancel { request: 3, phase: PhaseName::Compute, reason: "stale".into(), stage: None, nonce: Some(nonce ^ 1) });
+    e.cancel(Cancel { request: 3, phase: PhaseName::Compute, reason: "stale".into(), stage: None, nonce: Some(nonce ^ 1), unsent: false });
     e.tick();
     assert_eq!(e.status(3), Some(Status::Planned));
-    e.cancel(Cancel { request: 3, phase: PhaseName::Compute, reason: "stage 0 died".into(), stage: None, nonce: Some(nonce) });
+    e.cancel(Cancel { request: 3, phase: PhaseName::Compute, reason: "stage 0 died".into(), stage: None, nonce: Some(nonce), unsent: false });
     e.tick();
     let failed: Vec<_> = e.take_outcomes().into_iter().filter_map(|o| o.result.err()).collect();
     assert_eq!(failed, vec![(PhaseName::Compute, "stage 0 died".to_string())]);
     assert_eq!(e.entity_count(), baseline);
+}
+
+/// A decode World whose producers are other processes keeps a failed request's
+/// blocks while a stage may still write into them (until every stage settles or
+/// the phase deadline), but frees them at once when the cancel says no stage was
+/// ever given the job: a decode stopped while the proxy waited for its admission
+/// held such requests until the compute deadline.
+#[test]
+fn a_decode_frees_at_once_a_request_no_stage_was_given() {
+    use handoff::engine::{NoMover, Role};
+    use handoff_components::ecs::{Cancel, PhaseName};
+    let topo = Shape { pp: 2, dtp: 2, ..Default::default() }.topology();
+    let cap = Capacity::for_requests(&topo, 2, 8);
+    let mut e = Engine::for_role(topo, Role::Decode, cap, Box::new(NoMover));
+    e.tick();
+    let (baseline, pools) = (e.entity_count(), free_counts(&e));
+    e.submit(1, 8);
+    e.submit(2, 8);
+    e.tick();
+    for id in [1, 2] {
+        assert!(matches!(e.status(id), Some(Status::Placed | Status::Planned)), "request {id} placed: {:?}", e.status(id));
+    }
+    assert_ne!(free_counts(&e), pools);
+    let cancel = |request, unsent| Cancel { request, phase: PhaseName::Admission, reason: "decode stopped answering".into(), stage: None, nonce: None, unsent };
+    e.cancel(cancel(1, false));
+    e.cancel(cancel(2, true));
+    e.tick();
+    let failed: Vec<u64> = e.take_outcomes().into_iter().filter(|o| o.result.is_err()).map(|o| o.request).collect();
+    assert_eq!(failed, vec![2], "only the request no stage was given is released now");
+    e.tick();
+    assert!(matches!(e.status(1), Some(Status::Failed { .. })), "{:?}", e.status(1));
+    assert_eq!(e.live_requests(), 1, "the other waits for its stages or its deadline");
+    // The same request's stages settling frees it too.
+    e.cancel(Cancel { stage: Some(0), ..cancel(1, false) });
+    e.cancel(Cancel { stage: Some(1), ..cancel(1, false) });
+    e.tick();
+    assert_eq!(e.live_requests(), 0);
+    assert_eq!(e.entity_count(), baseline);
+    assert_eq!(free_counts(&e), pools);
 }

@@ -313,6 +313,10 @@ pub struct Cancel {
     /// The life of the id it cancels, when the sender knows it: a cancel of an
     /// earlier life does not touch a new request that reuses the id.
     pub nonce: Option<u64>,
+    /// No stage was ever given the request (the proxy failed it before it sent
+    /// the prefill job), so none will write or report: every stage counts as
+    /// settled and a decode frees the blocks at once, not at the phase deadline.
+    pub unsent: bool,
 }
 
 /// A request left the hand-off: handed off (ready to decode), rejected or failed.

@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 /// A command from the proxy's link.
 enum Cmd {
     Admit { id: u64, tokens: u64, max_tokens: u32, sampling: Option<Sampling> },
-    Cancel { id: u64, phase: PhaseName, message: String },
+    Cancel { id: u64, phase: PhaseName, message: String, unsent: bool },
     StageDown { stage: u32, dead: bool, message: String },
 }
 
@@ -124,7 +124,7 @@ fn accept(listener: TcpListener, link: Link, tx: Sender<Cmd>, refused: &Arc<supe
             loop {
                 let cmd = match wire::recv(&mut r) {
                     Ok(Some(Msg::Admit { id, prompt_tokens, max_tokens, sampling })) => Cmd::Admit { id, tokens: prompt_tokens, max_tokens, sampling },
-                    Ok(Some(Msg::Cancel { id, phase, message })) => Cmd::Cancel { id, phase, message },
+                    Ok(Some(Msg::Cancel { id, phase, message, unsent })) => Cmd::Cancel { id, phase, message, unsent },
                     Ok(Some(Msg::StageDown { stage, dead, message })) => Cmd::StageDown { stage, dead, message },
                     Ok(Some(other)) => {
                         tracing::warn!(?other, "decode: unexpected message on the proxy's link");
@@ -190,6 +190,7 @@ fn engine_loop(
                     reason: format!("prefill stage {stage}: {message}"),
                     stage: Some(stage),
                     nonce,
+                    unsent: false,
                 }),
                 Err(e) => tracing::warn!(error = %e, "decode: dropped a malformed notification"),
             }
@@ -233,7 +234,7 @@ fn apply(engine: &mut Engine, table: &SamplingTable, endpoint: &PeerAddr, cmd: C
             };
             engine.submit_request(Submit { id, tokens, max_tokens, ..Default::default() })
         }
-        Cmd::Cancel { id, phase, message } => engine.cancel(Cancel { request: id, phase, reason: message, stage: None, nonce: None }),
+        Cmd::Cancel { id, phase, message, unsent } => engine.cancel(Cancel { request: id, phase, reason: message, stage: None, nonce: None, unsent }),
         Cmd::StageDown { stage, dead, message } => {
             // A dead stage writes no more, so its share is settled and the blocks
             // can be freed at once; a stopped one may still write when it resumes,
@@ -259,7 +260,7 @@ fn apply(engine: &mut Engine, table: &SamplingTable, endpoint: &PeerAddr, cmd: C
             for (id, nonce) in awaiting {
                 let reason = format!("prefill stage {stage}: {message}");
                 push(out, &Msg::Error { id, phase: PhaseName::Compute, message: reason.clone() });
-                engine.cancel(Cancel { request: id, phase: PhaseName::Compute, reason, stage: dead.then_some(stage), nonce: Some(nonce) });
+                engine.cancel(Cancel { request: id, phase: PhaseName::Compute, reason, stage: dead.then_some(stage), nonce: Some(nonce), unsent: false });
             }
         }
     }

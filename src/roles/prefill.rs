@@ -321,7 +321,7 @@ fn settle(
     for &(id, nonce) in requests {
         let reason = format!("settled: {message}");
         if engine.nonce(id) == Some(nonce) {
-            engine.cancel(Cancel { request: id, phase: PhaseName::Compute, reason, stage: None, nonce: Some(nonce) });
+            engine.cancel(Cancel { request: id, phase: PhaseName::Compute, reason, stage: None, nonce: Some(nonce), unsent: false });
         } else {
             settled.insert(id, (nonce, Instant::now()));
             let route = Route { endpoint: Some(endpoint.clone()), ..Default::default() };

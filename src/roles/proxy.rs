@@ -704,7 +704,9 @@ async fn role_down(p: &Arc<Proxy>, slot: usize, dead: bool, why: String) {
             let message = format!("decode {why}");
             // A stopped decode reads the cancel when it resumes, and frees the request.
             if let Some(l) = &link {
-                let _ = l.send(Msg::Cancel { id, phase, message: message.clone() });
+                // Not `unsent`: the request's task may be sending its job right
+                // now; the task itself says so when it returns before sending.
+                let _ = l.send(Msg::Cancel { id, phase, message: message.clone(), unsent: false });
             }
             let _ = tx.send(Msg::Error { id, phase, message });
         }
@@ -1514,9 +1516,13 @@ async fn run_choice(
     };
     let (rtx, mut rrx) = mpsc::unbounded_channel();
     lock(&p.routes).insert(id, Route { tx: rtx, phase: PhaseName::Admission, link: link_id });
-    let cancel = |phase: PhaseName, message: String| {
-        let _ = link.send(Msg::Cancel { id, phase, message });
+    // `unsent`: this task returns without having sent the prefill job, so no
+    // stage has the request and decode frees it at once.
+    let cancel_as = |phase: PhaseName, message: String, unsent: bool| {
+        let _ = link.send(Msg::Cancel { id, phase, message, unsent });
     };
+    let cancel = |phase: PhaseName, message: String| cancel_as(phase, message, false);
+    let cancel_unsent = |phase: PhaseName, message: String| cancel_as(phase, message, true);
     let sampled = (!sampling.is_greedy()).then_some(sampling);
     if link.send(Msg::Admit { id, prompt_tokens: prompt.len() as u64, max_tokens, sampling: sampled }).is_err() {
         return drop(tx.send(fail(PhaseName::Admission, format!("decode at {decode}: link closed"))).await);
@@ -1528,15 +1534,15 @@ async fn run_choice(
         // Admit did; a cancel sent now follows the Admit on the link, so decode
         // frees what it admitted (it ignores a cancel of a request it never had).
         Ok(Some(Msg::Error { phase, message, .. })) => {
-            cancel(phase, message.clone());
+            cancel_unsent(phase, message.clone());
             return drop(tx.send(fail(phase, message)).await);
         }
         Ok(other) => {
-            cancel(PhaseName::Admission, "unexpected answer to the admission".into());
+            cancel_unsent(PhaseName::Admission, "unexpected answer to the admission".into());
             return drop(tx.send(fail(PhaseName::Admission, format!("decode answered {other:?}"))).await);
         }
         Err(_) => {
-            cancel(PhaseName::Admission, "no answer from decode in time".into());
+            cancel_unsent(PhaseName::Admission, "no answer from decode in time".into());
             return drop(tx.send(fail(PhaseName::Admission, format!("decode at {decode}: no answer in time"))).await);
         }
     };
@@ -1545,7 +1551,7 @@ async fn run_choice(
     let stages = match peers(p) {
         Ok((_, s)) => s,
         Err(m) => {
-            cancel(PhaseName::Compute, m.clone());
+            cancel_unsent(PhaseName::Compute, m.clone());
             return drop(tx.send((index, Ev::Error(ServeError::NotReady(m)))).await);
         }
     };

@@ -59,8 +59,15 @@ pub enum Msg {
     /// that failed it.
     Error { id: u64, phase: PhaseName, message: String },
     /// proxy -> decode: fail a request (its prefill could not start, its client
-    /// went away); decode frees it.
-    Cancel { id: u64, phase: PhaseName, message: String },
+    /// went away); decode frees it. `unsent`: the proxy never sent its prefill
+    /// job to a stage, so no stage will write (see `ecs::Cancel::unsent`).
+    Cancel {
+        id: u64,
+        phase: PhaseName,
+        message: String,
+        #[serde(default)]
+        unsent: bool,
+    },
     /// proxy -> stage 0, stage s -> stage s + 1: compute and hand off.
     Prefill(Box<PrefillJob>),
     /// proxy -> decode: prefill stage `stage` died (`dead`: its process is gone, so

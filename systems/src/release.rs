@@ -52,6 +52,9 @@ pub fn apply_cancels(mut cancels: MessageReader<Cancel>, index: Res<RequestIndex
         if let Some(done) = c.stage.and_then(|st| computed.0.get_mut(st as usize)) {
             *done = true;
         }
+        if c.unsent {
+            computed.0.iter_mut().for_each(|done| *done = true);
+        }
         if !matches!(*s, Status::Failed { .. } | Status::Finished) {
             *s = Status::Failed { phase: c.phase, reason: c.reason.clone() };
         }
