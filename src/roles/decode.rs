@@ -183,14 +183,20 @@ fn engine_loop(
         }
         for n in transport.recv_notifications() {
             match serde_json::from_slice::<Notice>(&n.bytes) {
-                Ok(Notice::Written(r)) => engine.report(r),
-                Ok(Notice::Failed { id, nonce, stage, phase, message }) => engine.cancel(Cancel {
+                Ok(Notice::Written(r)) => {
+                    tracing::debug!(request = r.request, stage = r.stage, "decode: a stage's writes reported");
+                    engine.report(r)
+                }
+                Ok(Notice::Failed { id, nonce, stage, phase, message }) => engine.cancel({
+                    tracing::debug!(request = id, stage, %message, "decode: a stage failed the request");
+                    Cancel {
                     request: id,
                     phase,
                     reason: format!("prefill stage {stage}: {message}"),
                     stage: Some(stage),
                     nonce,
                     unsent: false,
+                    }
                 }),
                 Err(e) => tracing::warn!(error = %e, "decode: dropped a malformed notification"),
             }
@@ -206,6 +212,7 @@ fn engine_loop(
                 }
                 EngineEvent::Token { request, token, .. } => push(&mut out, &Msg::Token { id: request, token }),
                 EngineEvent::Finished { request, handoff_ms, decode_ms, bytes } => {
+                    tracing::debug!(request, "decode: finished");
                     super::lock(table).remove(&request);
                     push(&mut out, &Msg::Done { id: request, handoff_ms, decode_ms, bytes });
                 }
@@ -214,6 +221,7 @@ fn engine_loop(
         }
         for o in engine.take_outcomes() {
             if let Err((phase, message)) = o.result {
+                tracing::debug!(request = o.request, %message, "decode: released a failed request");
                 super::lock(table).remove(&o.request);
                 push(&mut out, &Msg::Error { id: o.request, phase, message });
             }
@@ -228,13 +236,17 @@ fn engine_loop(
 fn apply(engine: &mut Engine, table: &SamplingTable, endpoint: &PeerAddr, cmd: Cmd, out: &mut Vec<u8>) {
     match cmd {
         Cmd::Admit { id, tokens, max_tokens, sampling } => {
+            tracing::debug!(request = id, tokens, "decode: admit");
             match sampling.filter(|s| !s.is_greedy()) {
                 Some(s) => super::lock(table).insert(id, Live { sampling: s, prompt: tokens }),
                 None => super::lock(table).remove(&id),
             };
             engine.submit_request(Submit { id, tokens, max_tokens, ..Default::default() })
         }
-        Cmd::Cancel { id, phase, message, unsent } => engine.cancel(Cancel { request: id, phase, reason: message, stage: None, nonce: None, unsent }),
+        Cmd::Cancel { id, phase, message, unsent } => engine.cancel({
+            tracing::debug!(request = id, phase = phase.name(), unsent, %message, "decode: cancel");
+            Cancel { request: id, phase, reason: message, stage: None, nonce: None, unsent }
+        }),
         Cmd::StageDown { stage, dead, message } => {
             // A dead stage writes no more, so its share is settled and the blocks
             // can be freed at once; a stopped one may still write when it resumes,

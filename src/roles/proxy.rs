@@ -1430,8 +1430,12 @@ fn settle(p: &Arc<Proxy>, stage: u32, requests: Vec<(u64, u64)>, endpoint: crate
 
 /// Sends a job to stage 0 over its link (reopened when it broke). A write that
 /// does not complete within 2 s fails (a stopped stage 0 must not hold the link).
-async fn send_stage0(p: &Arc<Proxy>, addr: SocketAddr, msg: &Msg) -> Result<(), ServeError> {
+/// An error says whether the job may have reached the stage: not when the stage
+/// could not be connected to, maybe when a write on the link failed or stalled.
+async fn send_stage0(p: &Arc<Proxy>, addr: SocketAddr, msg: &Msg) -> Result<(), (ServeError, Reached)> {
     let failed = |message: String| ServeError::Failed { phase: PhaseName::Compute, role: "prefill stage 0".into(), message };
+    let unsent = |e: ServeError| (e, Reached::No);
+    let maybe = |e: ServeError| (e, Reached::Maybe);
     let mut links = p.links.lock().await;
     for attempt in 0..2 {
         if links.stage0.as_ref().is_none_or(|(a, _)| *a != addr) {
@@ -1439,14 +1443,14 @@ async fn send_stage0(p: &Arc<Proxy>, addr: SocketAddr, msg: &Msg) -> Result<(), 
                 Ok(Ok(c)) => c,
                 Ok(Err(e)) => {
                     drop(links);
-                    return Err(refused(p, 1, addr, e).await);
+                    return Err(unsent(refused(p, 1, addr, e).await));
                 }
-                Err(_) => return Err(failed(format!("prefill stage 0 at {addr}: connect timed out"))),
+                Err(_) => return Err(unsent(failed(format!("prefill stage 0 at {addr}: connect timed out")))),
             };
             let _ = conn.set_nodelay(true);
             let (rd, mut wr) = conn.into_split();
             if let Err(e) = answer_challenge(&mut BufReader::new(rd), &mut wr, &p.secret).await {
-                return Err(failed(format!("prefill stage 0 at {addr}: control handshake: {e}")));
+                return Err(unsent(failed(format!("prefill stage 0 at {addr}: control handshake: {e}"))));
             }
             links.stage0 = Some((addr, wr));
         }
@@ -1456,16 +1460,23 @@ async fn send_stage0(p: &Arc<Proxy>, addr: SocketAddr, msg: &Msg) -> Result<(), 
             Ok(Err(e)) => {
                 links.stage0 = None;
                 if attempt == 1 {
-                    return Err(failed(format!("prefill stage 0 at {addr}: {e}")));
+                    return Err(maybe(failed(format!("prefill stage 0 at {addr}: {e}"))));
                 }
             }
             Err(_) => {
                 links.stage0 = None;
-                return Err(failed(format!("prefill stage 0 at {addr}: the write did not complete in 2 s")));
+                return Err(maybe(failed(format!("prefill stage 0 at {addr}: the write did not complete in 2 s"))));
             }
         }
     }
-    Err(failed(format!("prefill stage 0 at {addr}: not reachable")))
+    Err(maybe(failed(format!("prefill stage 0 at {addr}: not reachable"))))
+}
+
+/// Whether a job that failed to send may have reached its stage.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Reached {
+    No,
+    Maybe,
 }
 
 /// The role a failure names: a stage's own messages start with `prefill stage N`.
@@ -1557,8 +1568,9 @@ async fn run_choice(
     };
     set_phase(p, id, PhaseName::Compute);
     let job = PrefillJob { admitted, prompt, stage: 0, stages: stages.clone(), hidden: None, sampling: sampled };
-    if let Err(e) = send_stage0(p, stages[0], &Msg::Prefill(Box::new(job))).await {
-        cancel(PhaseName::Compute, e.to_string());
+    if let Err((e, reached)) = send_stage0(p, stages[0], &Msg::Prefill(Box::new(job))).await {
+        // A job that never reached stage 0 reaches no stage: decode frees at once.
+        cancel_as(PhaseName::Compute, e.to_string(), reached == Reached::No);
         return drop(tx.send((index, Ev::Error(e))).await);
     }
     // 3. Decode's stream.
