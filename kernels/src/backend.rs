@@ -353,15 +353,8 @@ pub trait Backend: Send + Sync {
     /// `acc += stacked[u]` for each `u` of `units` in order, where `stacked` is
     /// `[*, acc.len()]`: the all-reduce's sum of partials, the same bits as
     /// that many [`Backend::add_inplace`] calls.
-    fn add_units(&self, acc: &mut Self::Buf, stacked: &Self::Buf, units: Range<usize>) -> Result<()> {
-        let n = self.buf_len(acc);
-        let mut one = self.alloc(n)?;
-        for u in units {
-            self.copy(stacked, u * n, &mut one, 0, n)?;
-            self.add_inplace(acc, &one)?;
-        }
-        Ok(())
-    }
+    /// Refuses a range of units outside `stacked`.
+    fn add_units(&self, acc: &mut Self::Buf, stacked: &Self::Buf, units: Range<usize>) -> Result<()>;
 
     // ---- device regions ----------------------------------------------------
     //

@@ -163,6 +163,15 @@ pub(crate) fn check_len(
     }
 }
 
+/// Checks that units `units` of `n` elements each lie in a stacked buffer of
+/// `stacked` elements (`Backend::add_units`).
+pub(crate) fn check_units(op: &'static str, n: usize, stacked: usize, units: &std::ops::Range<usize>) -> Result<()> {
+    if units.start > units.end || units.end.checked_mul(n).is_none_or(|e| e > stacked) {
+        return Err(KernelError::InvalidShape { op, reason: format!("units {units:?} of {n} elements in a buffer of {stacked}") });
+    }
+    Ok(())
+}
+
 /// Refuses a zero dimension where the math needs it positive.
 pub(crate) fn check_nonzero(op: &'static str, what: &'static str, value: usize) -> Result<()> {
     if value == 0 {

@@ -13,7 +13,7 @@ mod tests;
 
 use crate::backend::Backend;
 use crate::dtype::StorageDtype;
-use crate::error::{KernelError, Result, check_len, elems, range};
+use crate::error::{Result, check_len, elems, range};
 use crate::shapes::{
     ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape,
     MatmulShape, MergeShape, MlaShape, MlpShape, MlpWeights, NormShape, ReplayShape, RowSet,
@@ -466,13 +466,7 @@ impl Backend for CpuBackend {
 
     fn add_units(&self, acc: &mut CpuBuf, stacked: &CpuBuf, units: std::ops::Range<usize>) -> Result<()> {
         let n = acc.0.len();
-        let end = units.end.checked_mul(n).filter(|&e| e <= stacked.0.len() && units.start <= units.end);
-        if end.is_none() {
-            return Err(KernelError::InvalidShape {
-                op: "add_units",
-                reason: format!("units {units:?} of {n} elements in a buffer of {}", stacked.0.len()),
-            });
-        }
+        crate::error::check_units("add_units", n, stacked.0.len(), &units)?;
         for u in units {
             dense::add_inplace(&mut acc.0, &stacked.0[u * n..(u + 1) * n])?;
         }

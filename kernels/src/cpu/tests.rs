@@ -1791,3 +1791,22 @@ fn kda_prefill_picks_the_cheaper_form_and_the_recurrent_one_is_the_steps_exactly
         }
     }
 }
+
+/// The all-reduce's sum of stacked partials is, bit for bit, that many
+/// add_inplace calls in order; a range outside the stack is refused naming it.
+#[test]
+fn add_units_is_add_inplace_in_order_and_refuses_units_outside_the_stack() {
+    let (n, units) = (300usize, 5usize);
+    let stacked = rand(&mut SplitMix64::new(9), n * units, -1.0, 1.0);
+    let acc0 = rand(&mut SplitMix64::new(10), n, -1.0, 1.0);
+    let mut want = up(&acc0);
+    for u in 1..4 {
+        BE.add_inplace(&mut want, &up(&stacked[u * n..(u + 1) * n])).unwrap();
+    }
+    let mut acc = up(&acc0);
+    BE.add_units(&mut acc, &up(&stacked), 1..4).unwrap();
+    let bits = |b: &CpuBuf| b.as_slice().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&acc), bits(&want));
+    let err = BE.add_units(&mut acc, &up(&stacked), 3..6).unwrap_err().to_string();
+    assert!(err.contains("3..6") && err.contains("1500"), "{err}");
+}

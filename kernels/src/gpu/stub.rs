@@ -230,6 +230,9 @@ macro_rules! stub_backend {
             fn add_inplace(&self, dst: &mut NoBuf, _: &NoBuf) -> Result<()> {
                 match *dst {}
             }
+            fn add_units(&self, acc: &mut NoBuf, _: &NoBuf, _: std::ops::Range<usize>) -> Result<()> {
+                match *acc {}
+            }
         }
     };
 }
