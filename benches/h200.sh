@@ -1,84 +1,103 @@
 #!/usr/bin/env bash
-# The GPU run, in one call on the lent H200 (no Rust there): the binaries built
-# here with `--features cuda` and stripped, in $BIN (default .gpu-carry):
-#   handoff        cargo build --release --features cuda
+# The GPU run, in one call on the lent H200 (no Rust there). Binaries built here
+# with `--features cuda` and stripped, in $BIN (default .gpu-carry):
+#   handoff        cargo build --release --features cuda --bin handoff
 #   device_matrix  cargo test --release --features cuda --test device_matrix --no-run
 #   cuda_check     cargo build --release -p handoff-kernels --features cuda --example cuda_check
-# and the fla-core and einops wheels in .whl for the FLA peer.
-# Prints each figure next to its peer from the same run; logs go to $OUT.
+# and, for the FLA peer, the fla-core and einops wheels in .whl.
+#
+#   bash benches/h200.sh [STAGE ...]     (no stage: all of them, in this order)
+#
+# Stages:
+#   check    cuda_check: every kernel against the CPU reference, batch invariance
+#   verify   verify --compute --device cuda on the shipped configs (device regions,
+#            the fused decode step, disaggregated vs colocated on the GPU, vs the CPU)
+#   matrix   the compute test matrix on the GPU (device_matrix --ignored)
+#   compute  bench compute --config config/gpu.toml --device cuda (the fused step
+#            at B = 1, 8, 32, 88 against its floor), then the PyTorch peer of the
+#            same model and weights (benches/peers/torch_model.py), side by side
+#   kernels  cuda_check --bench: KDA step, chunked prefill, MLA partial, matmuls
+#            (ours next to torch.matmul from the peer)
+#   fla      FLA's fused_recurrent_kda and chunk_kda (needs .whl)
+#   serve    bench serve on the default and on config/gpu.toml
+#   transfer the flagship hand-off through CUDA IPC
+# Prints each figure next to its peer from the same call; logs go to $OUT.
 set -uo pipefail
 BIN=${BIN:-.gpu-carry}
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
 export PATH="$BIN:$PATH"
 step() { echo; echo "== $*"; }
-# SKIP_SERVE=1 leaves out the serving runs and the peers (a quick re-check);
-# SKIP_KERNELS=1 leaves out the kernel timings and the FLA peers.
-SKIP_SERVE=${SKIP_SERVE:-0}
-SKIP_KERNELS=${SKIP_KERNELS:-0}
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(check verify matrix compute kernels fla serve transfer)
 fail=0
 
 step "device"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 
-step "kernel check: every op against the CPU reference, batch invariance"
-cuda_check 2>&1 | tee "$OUT/cuda_check.txt" | tail -4 || fail=1
-HANDOFF_CUDA_COPY=engines cuda_check 2>&1 | grep -E "device copy.*copies|checks," | sed 's/^/copy engines: /' || fail=1
-
-step "verify --compute --device cuda on the shipped configs (4 requests as one batch, 32 steps)"
-for c in config/small.toml config/medium.toml config/pp3-tp2-to-tp4dcp2.toml config/gpu.toml; do
-  handoff verify --config "$c" --compute --device cuda --requests 4 2>&1 | tee -a "$OUT/verify.txt" | head -2 || fail=1
+for s in "${stages[@]}"; do
+case "$s" in
+check)
+  step "kernel check: every op against the CPU reference, batch invariance"
+  timeout 300 cuda_check 2>&1 | tee "$OUT/cuda_check.txt" | grep -E "FAIL|step matmul|checks," || fail=1
+  ;;
+verify)
+  step "verify --compute --device cuda (4 requests as one batch, 32 steps): regions in device memory, the fused decode step"
+  for c in config/small.toml config/trained.toml config/medium.toml config/pp3-tp2-to-tp4dcp2.toml config/gpu.toml; do
+    timeout 240 handoff verify --config "$c" --compute --device cuda --requests 4 2>&1 | tee -a "$OUT/verify.txt" | head -6 || fail=1
+  done
+  ;;
+matrix)
+  step "the compute test matrix on the GPU"
+  timeout 400 device_matrix --ignored --nocapture 2>&1 | tee "$OUT/device_matrix.txt" | grep -E "ok on|test result|failed|panicked|diverged" || fail=1
+  ;;
+compute)
+  step "bench compute on cuda, config/gpu.toml: the fused decode step through device regions, against its floor"
+  timeout 300 handoff bench compute --config config/gpu.toml --device cuda 2>&1 | tee "$OUT/compute-gpu.txt" | tail -14 || fail=1
+  step "the same model in plain PyTorch (same weights), eager and CUDA graph"
+  handoff weights --config config/gpu.toml --out /tmp/gpu-weights.safetensors >/dev/null || fail=1
+  PYTHONUNBUFFERED=1 timeout 300 python3 benches/peers/torch_model.py --config config/gpu.toml --weights /tmp/gpu-weights.safetensors 2>&1 | tee "$OUT/torch.txt" | grep -v Warning || fail=1
+  step "handoff vs PyTorch (CUDA graph), decode step of config/gpu.toml"
+  for b in 1 8 32 88; do
+    ours=$(grep -E "fused step batch +$b at" "$OUT/compute-gpu.txt" | sed -E 's/.*: +([0-9.]+) us \(graph\).*/\1/')
+    peer=$(grep -E "torch decode step batch $b:" "$OUT/torch.txt" | sed -E 's/.*graph ([0-9.]+) us.*/\1/')
+    [ -n "$ours" ] && [ -n "$peer" ] && awk -v b="$b" -v o="$ours" -v p="$peer" 'BEGIN { printf "  batch %3d: handoff %8.1f us, torch graph %8.1f us: %.2fx the peer\n", b, o, p, o / p }'
+  done
+  ;;
+kernels)
+  step "kernel timings (cuda_check --bench)"
+  timeout 300 cuda_check --bench 2>&1 | tee "$OUT/kernels.txt" | tail -40 || fail=1
+  if [ -f "$OUT/torch.txt" ]; then
+    step "step_matmul (bf16 x bf16, 1 term) vs torch.matmul bf16 in the same call"
+    for shape in "1x7168.7168x7168" "88x7168.7168x7168" "4096x4096.4096x4096"; do
+      ours=$(grep -F "step_matmul bf16 weights, 1 term | ${shape/./ . }" "$OUT/kernels.txt" | awk -F'|' '{print $4}' | tr -d ' ')
+      peer=$(grep -F "torch.matmul bf16 $shape:" "$OUT/torch.txt" | sed -E 's/.*: ([0-9.]+) us.*/\1/')
+      [ -n "$ours" ] && [ -n "$peer" ] && awk -v s="$shape" -v o="$ours" -v p="$peer" 'BEGIN { printf "  %s: ours %.1f us, torch %.1f us: %.2fx of torch\n", s, o, p, p / o }'
+    done
+  fi
+  ;;
+fla)
+  step "peers: FLA fused_recurrent_kda and chunk_kda (same GPU, same call)"
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && \
+      PYTHONPATH=/tmp/site timeout 180 python3 benches/peers/fla_kda.py 2>&1 | tee "$OUT/fla.txt" | grep -v Warning || fail=1
+  else
+    echo "no .whl: FLA peer not run"; fail=1
+  fi
+  ;;
+serve)
+  step "bench serve on cuda, default cluster (KV and state in device memory, CUDA IPC hand-offs)"
+  HANDOFF_DEVICE=cuda timeout 240 handoff bench serve --concurrency 1,32,88 2>&1 | tee "$OUT/serve.txt" | tail -6 || fail=1
+  step "bench serve on cuda, config/gpu.toml"
+  HANDOFF_DEVICE=cuda timeout 240 handoff bench serve --config config/gpu.toml --concurrency 1,32,88 2>&1 | tee "$OUT/serve-gpu.txt" | tail -6 || fail=1
+  ;;
+transfer)
+  step "hand-off of the flagship request (32K tokens) between two processes through CUDA IPC, oracle-checked"
+  timeout 240 handoff bench transfer --config config/k3-pp8-tp8dcp8.toml --transport cuda-ipc --tokens 32768 2>&1 | tee "$OUT/ipc.txt" | tail -10 || fail=1
+  ;;
+*)
+  echo "unknown stage $s"; fail=1
+  ;;
+esac
 done
-
-step "the compute test matrix on the GPU"
-device_matrix --ignored --nocapture 2>&1 | tee "$OUT/device_matrix.txt" | grep -E "ok on|test result|failed|panicked" || fail=1
-
-if [ "$SKIP_SERVE" = 0 ]; then
-step "handoff (the built-in default end to end: up, completions vs the colocated reference) on cuda; KV and state in device memory, hand-offs through CUDA IPC"
-HANDOFF_LOG=info HANDOFF_DEVICE=cuda timeout 240 handoff > "$OUT/demo.txt" 2> "$OUT/demo.log" || fail=1
-tail -4 "$OUT/demo.txt"
-grep -c "hand-offs through CUDA IPC" "$OUT/demo.log" | sed 's/^/role processes with device regions: /'
-grep -E "ERROR|panicked" "$OUT/demo.log" | head -5
-
-step "hand-off of the flagship request (32K tokens) between two processes through CUDA IPC, oracle-checked, against device copy and IPC copy"
-timeout 240 handoff bench transfer --config config/k3-pp8-tp8dcp8.toml --transport cuda-ipc --tokens 32768 2>&1 | tee "$OUT/ipc.txt" | tail -10 || fail=1
-
-step "bench serve on cuda, default cluster (KV and state in device memory, CUDA IPC hand-offs)"
-HANDOFF_DEVICE=cuda timeout 240 handoff bench serve --concurrency 1,32,88 2>&1 | tee "$OUT/serve.txt" | tail -5 || fail=1
-
-step "bench serve on cuda, config/medium.toml (PP3 -> TP4 x DCP2, 12 layers)"
-HANDOFF_DEVICE=cuda timeout 240 handoff bench serve --config config/medium.toml --concurrency 1,32,88 2>&1 | tee "$OUT/serve-medium.txt" | tail -5 || fail=1
-
-step "bench serve on cuda, config/gpu.toml (sized for the GPU: hidden 2048, K3's row and head shapes, PP2 -> TP2 x DCP2)"
-HANDOFF_DEVICE=cuda timeout 240 handoff bench serve --config config/gpu.toml --concurrency 1,32,88 2>&1 | tee "$OUT/serve-gpu.txt" | tail -5 || fail=1
-
-step "the hand-off with every copy on the copy engines (HANDOFF_CUDA_COPY=engines), for comparison"
-HANDOFF_CUDA_COPY=engines timeout 120 handoff bench transfer --config config/k3-pp8-tp8dcp8.toml --transport cuda-ipc --tokens 32768 2>&1 | tee "$OUT/ipc-engines.txt" | grep -E "hand-off|by kind|ratio" || fail=1
-
-fi
-
-step "the launch-saving paths (HANDOFF_CUDA_UNITS=fused: two launches for a layer's head and MLP-unit products, one for the all-reduce, no round trip for known cursors): verify, the test matrix, gpu.toml serving"
-for c in config/small.toml config/gpu.toml; do
-  HANDOFF_CUDA_UNITS=fused handoff verify --config "$c" --compute --device cuda --requests 4 2>&1 | tee -a "$OUT/verify-fused.txt" | head -2 || fail=1
-done
-HANDOFF_CUDA_UNITS=fused device_matrix --ignored --nocapture 2>&1 | tee "$OUT/device_matrix-fused.txt" | grep -E "test result|failed|panicked" || fail=1
-if [ "$SKIP_SERVE" = 0 ]; then
-  HANDOFF_CUDA_UNITS=fused timeout 240 handoff bench serve --config config/gpu.toml --concurrency 1,32,88 2>&1 | tee "$OUT/serve-gpu-fused.txt" | tail -5 || fail=1
-fi
-
-step "bench compute on cuda"
-timeout 120 handoff bench compute --device cuda 2>&1 | tee "$OUT/compute.txt" | tail -12 || fail=1
-
-[ "$SKIP_SERVE" = 0 ] && [ "$SKIP_KERNELS" = 0 ] || exit $fail
-
-step "KDA decode step vs device copy (cuda_check --bench)"
-timeout 120 cuda_check --bench 2>&1 | tee "$OUT/kda_bench.txt" | tail -16 || fail=1
-
-step "peers: device copy, FLA fused_recurrent_kda and chunk_kda (same GPU, same call)"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && \
-    PYTHONPATH=/tmp/site timeout 180 python3 benches/peers/fla_kda.py 2>&1 | tee "$OUT/fla.txt" | grep -v Warning || fail=1
-else
-  echo "no .whl: FLA peer not run"; fail=1
-fi
 exit $fail

@@ -16,7 +16,7 @@ pub fn summary(topo: &Topology, path: &str) -> String {
     let (p, d) = (topo.prefill(), topo.decode());
     let mut s = format!("config {path}: ok\n");
     s += &format!(
-        "model {}: {} layers ({} KDA, {} MLA), pattern {}, hidden {}, dtype {}{}\n",
+        "model {}: {} layers ({} KDA, {} MLA), pattern {}, hidden {}, dtype {}, weights {}{}\n",
         m.name,
         m.num_layers,
         topo.all_layers_of(LayerKind::Kda).len(),
@@ -24,6 +24,7 @@ pub fn summary(topo: &Topology, path: &str) -> String {
         m.pattern,
         m.hidden_size,
         m.dtype.name(),
+        m.weight_dtype.name(),
         m.replay.as_ref().map_or(String::new(), |r| format!(", replay ring {}", r.capacity)),
     );
     s += &format!(
@@ -49,6 +50,15 @@ pub fn summary(topo: &Topology, path: &str) -> String {
         topo.decode_heads()
     );
     s += &format!("transport: {}\n", topo.config.transport.kind.name());
+    let dev = topo.config.device;
+    s += &format!(
+        "device: {dev}{}\n",
+        if dev.kind == handoff_components::config::DeviceKind::Cpu {
+            String::new()
+        } else {
+            format!(", decode step {}", if dev.graphs { "captured as a CUDA graph per batch bucket (graphs = true)" } else { "launched kernel by kernel (graphs = false)" })
+        }
+    );
     s += "bytes moved into one decode rank (tp0):\n";
     let layout = place_rank(topo, RankId::Decode(handoff_components::DecodeRank { tp: 0 }), 0, 0);
     for kind in topo.region_kinds() {

@@ -14,6 +14,7 @@ use handoff_components::Topology;
 use handoff_components::ecs::Lease;
 use handoff_components::vocab::{PrefillRank, RankId, RegionKind};
 use handoff_kernels::Backend;
+use handoff_kernels::step::DecodeStep;
 use handoff_systems::dispatch::{Compute, ComputeError, DecodeItem, PrefillJob, PrefillOutput};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -36,8 +37,19 @@ pub struct ModelCompute<B: Backend> {
     prefill: Option<ShardGroup<B>>,
     /// The decode TP group's weights (a World holding the decode ranks).
     decode: Option<ShardGroup<B>>,
+    /// The fused decode step (a device backend whose decode regions are in its
+    /// memory): decode runs through it instead of the generic forward pass.
+    step: Option<std::sync::Mutex<Box<dyn DecodeStep>>>,
+    /// Why decode runs the generic forward pass, when it does.
+    generic_reason: Option<String>,
     trace: Option<LogitTrace>,
+    /// Which requests' logits the trace keeps (all when None).
+    trace_only: Option<TraceFilter>,
 }
+
+/// Which requests' logits a [`LogitTrace`] keeps: the sampler needs only the
+/// sampled ones, so greedy requests cost no logits download.
+pub type TraceFilter = Arc<dyn Fn(u64) -> bool + Send + Sync>;
 
 impl<B: Backend> ModelCompute<B> {
     /// `layouts`: every local region; the groups are uploaded for the sides present.
@@ -46,8 +58,24 @@ impl<B: Backend> ModelCompute<B> {
         let has_prefill = layouts.keys().any(|(r, _)| matches!(r, RankId::Prefill(_)));
         let has_decode = layouts.keys().any(|(r, _)| matches!(r, RankId::Decode(_)));
         let prefill = if has_prefill { Some(model.upload_group(&be, topo.prefill().tp as usize)?) } else { None };
-        let decode = if has_decode { Some(model.upload_group(&be, topo.decode().tp as usize)?) } else { None };
-        Ok(ModelCompute { topo: topo.clone(), be, layouts, view, prefill, decode, trace: None })
+        let (mut step, mut generic_reason) = (None, None);
+        if has_decode {
+            match crate::model::step::open(&be, topo, &model, &layouts, view.as_ref()) {
+                Ok(s) => {
+                    tracing::info!(backend = be.name(), "{}", s.describe());
+                    step = Some(std::sync::Mutex::new(s));
+                }
+                Err(why) => {
+                    if be.name() != "cpu" {
+                        tracing::info!(backend = be.name(), "decode runs the generic forward pass: {why}");
+                    }
+                    generic_reason = Some(why);
+                }
+            }
+        }
+        // The generic weights serve decode only without a fused step.
+        let decode = if has_decode && step.is_none() { Some(model.upload_group(&be, topo.decode().tp as usize)?) } else { None };
+        Ok(ModelCompute { topo: topo.clone(), be, layouts, view, prefill, decode, step, generic_reason, trace: None, trace_only: None })
     }
 
     /// Keeps every step's logits in `trace` (verify compares them).
@@ -56,10 +84,51 @@ impl<B: Backend> ModelCompute<B> {
         self
     }
 
+    /// Keeps only the logits of the requests `only` accepts.
+    pub fn with_trace_filter(mut self, only: TraceFilter) -> Self {
+        self.trace_only = Some(only);
+        self
+    }
+
+    /// How decode runs here: the fused step's description, or why the generic
+    /// forward pass runs.
+    pub fn decode_path(&self) -> String {
+        match (&self.step, &self.generic_reason) {
+            (Some(s), _) => s.lock().map(|s| s.describe()).unwrap_or_else(|_| "fused decode step".into()),
+            (None, Some(why)) => format!("generic forward pass ({why})"),
+            (None, None) => "no decode ranks in this World".into(),
+        }
+    }
+
+    fn wants_logits(&self, request: u64) -> bool {
+        self.trace.is_some() && self.trace_only.as_ref().is_none_or(|f| f(request))
+    }
+
     fn record(&self, request: u64, logits: Vec<f32>) {
+        if !self.wants_logits(request) {
+            return;
+        }
         if let Some(t) = &self.trace {
             t.lock().unwrap_or_else(|p| p.into_inner()).entry(request).or_default().push(logits);
         }
+    }
+
+    /// One decode step through the fused step.
+    fn decode_fused(&mut self, batch: &[DecodeItem<'_>]) -> Result<Vec<u8>, ComputeError> {
+        let rows: Vec<crate::model::step::TickRows<'_>> = batch.iter().map(|i| crate::model::step::TickRows::of(&i.leases)).collect();
+        let reqs: Vec<_> = batch.iter().zip(&rows).map(|(i, r)| r.request(u32::from(i.token), i.pos)).collect();
+        let want = batch.iter().any(|i| self.wants_logits(i.request));
+        let mut logits = Vec::new();
+        let step = self.step.as_mut().ok_or(ComputeError::MissingInput { stage: 0, what: "the fused decode step" })?;
+        let step = step.get_mut().map_err(|_| ComputeError::Model("the fused decode step's lock is poisoned".into()))?;
+        let ids = step.run(&reqs, want.then_some(&mut logits)).map_err(|e| ComputeError::Model(e.to_string()))?;
+        if want {
+            let v = logits.len() / batch.len().max(1);
+            for (b, item) in batch.iter().enumerate() {
+                self.record(item.request, logits[b * v..(b + 1) * v].to_vec());
+            }
+        }
+        Ok(ids.into_iter().map(|t| t.min(255) as u8).collect())
     }
 }
 
@@ -100,6 +169,9 @@ impl<B: Backend + 'static> Compute for ModelCompute<B> {
     }
 
     fn decode(&mut self, batch: &[DecodeItem<'_>]) -> Result<Vec<u8>, ComputeError> {
+        if self.step.is_some() {
+            return self.decode_fused(batch);
+        }
         let group = self.decode.as_ref().ok_or(ComputeError::MissingInput { stage: 0, what: "decode weights in this World" })?;
         let leases: Vec<Vec<Lease>> = batch.iter().map(|i| i.leases.iter().map(|&l| l.clone()).collect()).collect();
         let tokens: Vec<u8> = batch.iter().map(|i| i.token).collect();

@@ -20,13 +20,15 @@
 
 use crate::compute::{LogitTrace, ModelCompute, layouts_of};
 use crate::engine::{Engine, QueueMover};
-use crate::model::{Model, Trace, run_colocated, run_colocated_on};
+use crate::model::{Model, Trace, run_colocated};
 use crate::oracle::{self, Memory};
 use handoff_components::Topology;
 use handoff_components::ecs::{EngineEvent, Inputs, Submit};
 use handoff_components::plan::Plan;
 use handoff_components::vocab::RegionKind;
-use handoff_kernels::{Backend, CpuBackend};
+use handoff_kernels::{Backend, Copy2d, CpuBackend};
+use crate::model::regions::{DeviceRegions, RegionView};
+use handoff_components::vocab::RankId;
 use handoff_systems::placement::Capacity;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -82,6 +84,15 @@ pub struct ComputeReport {
     /// logits were within the device tolerance and the device picked the other
     /// one; the request's sequences are compared up to that step only.
     pub near_ties: Vec<(u32, usize)>,
+    /// Every logit of the disaggregated run equal bit for bit to the colocated
+    /// run on the same backend.
+    pub bit_equal: bool,
+    /// How decode ran: the fused step's description or why the generic pass ran.
+    pub decode_path: String,
+    /// The same for the colocated run on a device.
+    pub colocated_decode_path: String,
+    /// Where the regions lived: "host memory" or the device's label.
+    pub regions: String,
 }
 
 /// Relative error of one logit vector: max |a - b| / max |b|. NaN anywhere gives infinity.
@@ -142,7 +153,7 @@ pub fn verify_compute_with(
 /// backend it checks two things: the disaggregated run against a colocated run
 /// on the same device (within [`LOGIT_TOLERANCE`], tokens equal), and against
 /// the CPU reference (within [`DEVICE_TOLERANCE`], tokens equal).
-pub fn verify_compute_on<B: Backend + 'static>(
+pub fn verify_compute_on<B: Backend + Clone + 'static>(
     topo: &Topology,
     prompts: &[Vec<u8>],
     steps: u32,
@@ -159,24 +170,35 @@ pub fn verify_compute_on<B: Backend + 'static>(
     for p in prompts {
         references.push(run_colocated(&model, p, steps).map_err(|e| format!("colocated reference: {e}"))?);
     }
+    drop(model);
     let backend = be.name();
     let on_device = backend != CpuBackend::new().name();
+    // On a device, the colocated run is the same engine at PP1 x TP1 -> TP1 x
+    // DCP1 on the same backend, its regions in device memory too, with CUDA
+    // graphs off: the disaggregated run (graphs as the topology says) must
+    // equal it, so a replayed step equals a launched one as well.
     let mut colocated_here = Vec::new();
+    let mut colocated_path = String::new();
     if on_device {
-        let group = model.upload_group(&be, 1).map_err(|e| format!("{backend}: upload the weights: {e}"))?;
-        for p in prompts {
-            colocated_here.push(run_colocated_on(&be, &group, p, steps).map_err(|e| format!("colocated run on {backend}: {e}"))?);
-        }
+        let mut colo = colocated_topology(topo)?;
+        colo.config.device.graphs = false;
+        let (runs, rep) = run_disaggregated(&colo, prompts, &[], steps, Fill::Zeros, be.clone(), |_| {})
+            .map_err(|e| format!("colocated run on {backend}: {e}"))?;
+        colocated_here = runs;
+        colocated_path = rep.decode_path;
     }
-    drop(model);
     let (got, mut report) = run_disaggregated(topo, prompts, &[], steps, fill, be, tamper)?;
     report.backend = backend;
+    report.colocated_decode_path = colocated_path;
     let same_backend = if on_device { &colocated_here } else { &references };
+    report.bit_equal = true;
     for (i, (want, got)) in same_backend.iter().zip(&got).enumerate() {
         let mut worst = (report.max_rel_err, report.worst_step);
         compare(want, got, LOGIT_TOLERANCE, &format!("the colocated run on {backend}"), &mut worst, false)
             .map_err(|e| format!("request {} ({} prompt tokens): {e}", i + 1, prompts[i].len()))?;
         (report.max_rel_err, report.worst_step) = worst;
+        report.bit_equal &= want.logits.len() == got.logits.len()
+            && want.logits.iter().zip(&got.logits).all(|(a, b)| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
     }
     if on_device {
         for (i, (want, got)) in references.iter().zip(&got).enumerate() {
@@ -192,6 +214,19 @@ pub fn verify_compute_on<B: Backend + 'static>(
     report.tokens = references[0].tokens.clone();
     report.requests = prompts.len() as u32;
     Ok(report)
+}
+
+/// `topo`'s model on one prefill rank and one decode rank (PP1 x TP1 -> TP1 x
+/// DCP1): the colocated placement, run through the same engine.
+pub fn colocated_topology(topo: &Topology) -> Result<Topology, String> {
+    let mut c = topo.config.clone();
+    c.prefill.pp = 1;
+    c.prefill.tp = 1;
+    c.prefill.layer_split = Vec::new();
+    c.decode.tp = 1;
+    c.decode.dcp = 1;
+    c.decode.interleave = 1;
+    c.validate().map_err(|e| format!("the colocated placement of this model: {e}"))
 }
 
 /// The gap between the largest and second-largest logit, over max |logit|.
@@ -281,23 +316,22 @@ pub(crate) fn run_disaggregated<B: Backend + 'static>(
 ) -> Result<(Vec<Trace>, ComputeReport), String> {
     topo.admits_transfer_mode().map_err(|reason| format!("refused at admission: {reason}"))?;
     let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(0) as u64;
+    // The run's context: the longest prompt and its steps fit (the fused step
+    // sizes its tables by serve.max_context).
+    let mut topo = topo.clone();
+    let need = (longest + steps as u64 + 2) as u32;
+    topo.config.serve.max_context = topo.config.serve.max_context.max(need);
+    let topo = &topo;
     let cap = Capacity::for_requests(topo, prompts.len() as u32, longest + steps as u64 + 1);
     let mover = QueueMover::default();
     let mut engine = Engine::new(topo.clone(), cap, Box::new(mover.clone()));
     let regions = engine.regions();
-    let mut mem = Memory::new();
-    for r in &regions {
-        let mut buf = vec![0u8; r.layout.len as usize];
-        if fill == Fill::Canary {
-            oracle::fill_canary(r.rank, r.layout.kind, &mut buf);
-        }
-        mem.insert((r.rank, r.layout.kind), buf);
-    }
-    let mem = Arc::new(Mutex::new(mem));
+    let store = Store::new(&be, &regions, fill)?;
     let trace: LogitTrace = Arc::default();
-    let compute = ModelCompute::new(topo, be, layouts_of(&regions), mem.clone())
+    let compute = ModelCompute::new(topo, be, layouts_of(&regions), store.view())
         .map_err(|e| e.to_string())?
         .with_trace(trace.clone());
+    let decode_path = compute.decode_path();
     engine.set_compute(Box::new(compute));
 
     let mut tokens: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
@@ -308,7 +342,7 @@ pub(crate) fn run_disaggregated<B: Backend + 'static>(
         engine.submit_request(Submit { id, tokens: p.len() as u64, inputs, max_tokens: steps + 1, forced, ..Default::default() });
         tokens.insert(id, Vec::new());
     }
-    let mut report = ComputeReport { prompt_tokens: prompts[0].len(), steps, ..Default::default() };
+    let mut report = ComputeReport { prompt_tokens: prompts[0].len(), steps, decode_path, regions: store.label(), ..Default::default() };
     let mut finished = 0;
     // Each tick: the transfer phase's plans run as byte copies before the next.
     let limit = 64 * (topo.prefill().pp as usize + steps as usize + 8);
@@ -319,13 +353,11 @@ pub(crate) fn run_disaggregated<B: Backend + 'static>(
             let mut plans: Vec<Plan> = submitted.iter().map(|(_, p)| p.clone()).collect();
             report.descriptors += plans.iter().map(|p| p.descriptors.len() as u64).sum::<u64>();
             tamper(&mut plans);
-            let mut mem = mem.lock().map_err(|e| e.to_string())?;
-            let exec = oracle::execute_counted(&plans, &mut mem).map_err(|e| format!("plan execution refused: {e}"))?;
+            let exec = store.execute(&plans)?;
             report.bytes_transferred += exec.bytes;
             for ((_, kind), b) in &exec.written {
                 *report.bytes_by_kind.entry(*kind).or_default() += b;
             }
-            drop(mem);
             for (ticket, _) in &submitted {
                 mover.complete(*ticket, Ok(()));
             }
@@ -355,6 +387,92 @@ pub(crate) fn run_disaggregated<B: Backend + 'static>(
         .map(|(id, tokens)| Trace { tokens, logits: logits.get(&id).cloned().unwrap_or_default() })
         .collect();
     Ok((traces, report))
+}
+
+/// Where verify keeps the registered regions: the oracle's host memory, or the
+/// backend's device memory (read and written in place by the model and the
+/// fused decode step, as a role's are; the hand-off runs as device copies
+/// after the oracle's checks).
+enum Store {
+    Host(Arc<Mutex<Memory>>),
+    Device(Arc<DeviceRegions>),
+}
+
+impl Store {
+    fn new<B: Backend>(be: &B, regions: &[handoff_components::ecs::Region], fill: Fill) -> Result<Store, String> {
+        let init = |r: &handoff_components::ecs::Region| {
+            let mut buf = vec![0u8; r.layout.len as usize];
+            if fill == Fill::Canary {
+                oracle::fill_canary(r.rank, r.layout.kind, &mut buf);
+            }
+            buf
+        };
+        match be.device_memory() {
+            Ok(mem) => {
+                let sizes: Vec<_> = regions.iter().map(|r| ((r.rank, r.layout.kind), r.layout.len)).collect();
+                let dev = DeviceRegions::alloc(mem, &sizes).map_err(|e| format!("device regions: {e}"))?;
+                for r in regions {
+                    dev.write_all(r.rank, r.layout.kind, &init(r)).map_err(|e| format!("device regions: {e}"))?;
+                }
+                Ok(Store::Device(Arc::new(dev)))
+            }
+            Err(_) => {
+                let mut mem = Memory::new();
+                for r in regions {
+                    mem.insert((r.rank, r.layout.kind), init(r));
+                }
+                Ok(Store::Host(Arc::new(Mutex::new(mem))))
+            }
+        }
+    }
+
+    fn view(&self) -> Arc<dyn RegionView> {
+        match self {
+            Store::Host(m) => m.clone(),
+            Store::Device(d) => d.clone(),
+        }
+    }
+
+    fn label(&self) -> String {
+        match self {
+            Store::Host(_) => "host memory".into(),
+            Store::Device(d) => format!("{} memory", d.mem.label()),
+        }
+    }
+
+    /// Runs the plans: the oracle's counting copy on the host, or its checks
+    /// followed by the plans' copies on the device.
+    fn execute(&self, plans: &[Plan]) -> Result<oracle::ExecStats, String> {
+        match self {
+            Store::Host(m) => {
+                let mut mem = m.lock().map_err(|e| e.to_string())?;
+                oracle::execute_counted(plans, &mut mem).map_err(|e| format!("plan execution refused: {e}"))
+            }
+            Store::Device(d) => {
+                let lens = d.regions.iter().map(|(k, r)| (*k, r.len)).collect();
+                let stats = oracle::check_counted(plans, &lens).map_err(|e| format!("plan execution refused: {e}"))?;
+                let mut copies = Vec::new();
+                for plan in plans {
+                    let (src_rank, dst_rank) = (RankId::Prefill(plan.producer), RankId::Decode(plan.consumer));
+                    for x in &plan.descriptors {
+                        let (src, dst) = (d.regions[&(src_rank, x.kind)], d.regions[&(dst_rank, x.kind)]);
+                        copies.push(Copy2d {
+                            src: src.addr + x.src_offset,
+                            src_pitch: if x.count > 1 { x.src_stride } else { x.len },
+                            dst: dst.addr + x.dst_offset,
+                            dst_pitch: if x.count > 1 { x.dst_stride } else { x.len },
+                            width: x.len,
+                            height: x.count as u64,
+                        });
+                    }
+                }
+                // SAFETY: check_counted put every range inside its region.
+                let ticket = unsafe { d.mem.copy(&copies) }.map_err(|e| format!("device hand-off: {e}"))?;
+                d.mem.wait(ticket).map_err(|e| format!("device hand-off: {e}"))?;
+                Ok(stats)
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@
 //! host cannot open (no feature, no driver, no device) is refused with the
 //! backend's own reason, before any work starts.
 
-use crate::compute::{LogitTrace, ModelCompute};
+use crate::compute::{LogitTrace, ModelCompute, TraceFilter};
 use crate::model::regions::RegionView;
 use handoff_components::Topology;
 use handoff_components::config::{DeviceConfig, DeviceKind};
@@ -20,7 +20,11 @@ use std::sync::Arc;
 /// topology's `[device]` table.
 pub fn resolve(topo: &Topology, flag: Option<&str>) -> anyhow::Result<DeviceConfig> {
     match flag {
-        Some(s) => DeviceConfig::parse(s).map_err(|e| anyhow::anyhow!("--device: {e}")),
+        // The flag names the backend; the table's other settings stay.
+        Some(s) => {
+            let d = DeviceConfig::parse(s).map_err(|e| anyhow::anyhow!("--device: {e}"))?;
+            Ok(DeviceConfig { kind: d.kind, ordinal: d.ordinal, ..topo.config.device })
+        }
         None => Ok(topo.config.device),
     }
 }
@@ -60,13 +64,16 @@ macro_rules! with_backend {
 }
 
 /// The role processes' [`Compute`]: the model on `dev`, reading and writing the
-/// regions through `view`, recording each step's logits into `trace` (the
-/// sampler reads them).
-pub fn model_compute(dev: DeviceConfig, topo: &Topology, layouts: Layouts, view: Arc<dyn RegionView>, trace: LogitTrace) -> anyhow::Result<Box<dyn Compute>> {
+/// regions through `view`, recording into `trace` the logits of each step of
+/// the requests `only` accepts (the sampler reads them).
+pub fn model_compute(dev: DeviceConfig, topo: &Topology, layouts: Layouts, view: Arc<dyn RegionView>, trace: LogitTrace, only: TraceFilter) -> anyhow::Result<Box<dyn Compute>> {
+    let mut topo = topo.clone();
+    topo.config.device = dev;
+    let topo = &topo;
     let boxed: Box<dyn Compute> = match dev.kind {
-        DeviceKind::Cpu => Box::new(ModelCompute::new(topo, CpuBackend::new(), layouts, view)?.with_trace(trace)),
-        DeviceKind::Cuda => Box::new(ModelCompute::new(topo, open_cuda(dev.ordinal)?, layouts, view)?.with_trace(trace)),
-        DeviceKind::Hip => Box::new(ModelCompute::new(topo, open_hip(dev.ordinal)?, layouts, view)?.with_trace(trace)),
+        DeviceKind::Cpu => Box::new(ModelCompute::new(topo, CpuBackend::new(), layouts, view)?.with_trace(trace).with_trace_filter(only)),
+        DeviceKind::Cuda => Box::new(ModelCompute::new(topo, open_cuda(dev.ordinal)?, layouts, view)?.with_trace(trace).with_trace_filter(only)),
+        DeviceKind::Hip => Box::new(ModelCompute::new(topo, open_hip(dev.ordinal)?, layouts, view)?.with_trace(trace).with_trace_filter(only)),
     };
     Ok(boxed)
 }

@@ -22,6 +22,15 @@ enum Command {
         #[arg(long)]
         config: String,
     },
+    /// Write the topology's model weights (seeded or its checkpoint, rounded as
+    /// `[model] weight_dtype` multiplies) as a safetensors file of F32 tensors
+    /// (docs/weights.md): what the PyTorch peer loads.
+    Weights {
+        #[arg(long)]
+        config: String,
+        #[arg(long)]
+        out: String,
+    },
     /// Show the descriptors of one request's hand-off for every producer/consumer pair.
     Plan {
         #[arg(long)]
@@ -239,6 +248,13 @@ fn run(cli: Cli) -> Result<()> {
             let topo = load(&config)?;
             print!("{}", handoff::cli::summary(&topo, &config));
         }
+        Command::Weights { config, out } => {
+            let topo = load(&config)?;
+            let model = handoff::model::Model::new(&topo).map_err(|e| Refusal(e.to_string()))?;
+            let bytes = handoff::model::checkpoint::to_bytes(&model).map_err(|e| Refusal(e.to_string()))?;
+            std::fs::write(&out, &bytes).map_err(|e| Refusal(format!("cannot write {out}: {e}")))?;
+            println!("wrote {out}: {} bytes, the weights of {config}", bytes.len());
+        }
         Command::Plan { config, tokens, json, timings, trace } => {
             let topo = load(&config)?;
             if tokens == 0 {
@@ -287,6 +303,14 @@ fn run(cli: Cli) -> Result<()> {
                     r.requests, r.prompt_tokens, r.steps, r.max_rel_err, handoff::compute_verify::LOGIT_TOLERANCE, r.worst_step
                 );
                 if dev.kind != handoff_components::config::DeviceKind::Cpu {
+                    println!(
+                        "  regions in {}; disaggregated decode: {}; colocated decode (PP1 x TP1 -> TP1 x DCP1, CUDA graphs off): {}",
+                        r.regions, r.decode_path, r.colocated_decode_path
+                    );
+                    println!(
+                        "  disaggregated {} the colocated run on the same device",
+                        if r.bit_equal { "equals bit for bit" } else { "is within the tolerance of (not bit-equal to)" }
+                    );
                     println!(
                         "  against the CPU reference: greedy tokens equal{}, max logit relative error {:.2e} (limit {:.0e})",
                         if r.near_ties.is_empty() { "" } else { " up to the near-ties below" },

@@ -949,13 +949,12 @@ fn mark(bits: &mut [u64], a: u64, b: u64) -> Option<u64> {
     None
 }
 
-/// Executes `plans` as plain copies in `mem` (the descriptor's kind names the region on
-/// the plan's producer and consumer), after checking every descriptor: `len` and `count`
-/// non-zero, both ranges inside their regions, and every destination byte written at
-/// most once over all the plans (a bit per destination byte). On error nothing is
-/// copied. This reads the descriptors only to check and run them; what the bytes must
-/// be is [`check_consumer`]'s business.
-pub fn execute_counted(plans: &[Plan], mem: &mut Memory) -> Result<ExecStats, ExecError> {
+/// Checks `plans` against the regions' lengths `lens`: every descriptor's `len` and
+/// `count` non-zero, both ranges inside their regions, and every destination byte
+/// written at most once over all the plans (a bit per destination byte). What
+/// [`execute_counted`] checks before it copies, and a device hand-off (verify on a
+/// GPU) before it queues its copies.
+pub fn check_counted(plans: &[Plan], lens: &HashMap<(RankId, RegionKind), u64>) -> Result<ExecStats, ExecError> {
     let mut bits: HashMap<(RankId, RegionKind), Vec<u64>> = HashMap::new();
     let mut stats = ExecStats::default();
     for (pi, plan) in plans.iter().enumerate() {
@@ -965,14 +964,8 @@ pub fn execute_counted(plans: &[Plan], mem: &mut Memory) -> Result<ExecStats, Ex
             if d.len == 0 || d.count == 0 {
                 return Err(ExecError::Empty { plan: pi, desc: di, len: d.len, count: d.count });
             }
-            let src_len = mem
-                .get(&(src_rank, d.kind))
-                .ok_or(ExecError::MissingRegion { rank: src_rank, kind: d.kind })?
-                .len() as u64;
-            let dst_len = mem
-                .get(&(dst_rank, d.kind))
-                .ok_or(ExecError::MissingRegion { rank: dst_rank, kind: d.kind })?
-                .len() as u64;
+            let src_len = *lens.get(&(src_rank, d.kind)).ok_or(ExecError::MissingRegion { rank: src_rank, kind: d.kind })?;
+            let dst_len = *lens.get(&(dst_rank, d.kind)).ok_or(ExecError::MissingRegion { rank: dst_rank, kind: d.kind })?;
             for (side, rank, off, stride, rlen) in [
                 ("source", src_rank, d.src_offset, d.src_stride, src_len),
                 ("destination", dst_rank, d.dst_offset, d.dst_stride, dst_len),
@@ -1009,6 +1002,16 @@ pub fn execute_counted(plans: &[Plan], mem: &mut Memory) -> Result<ExecStats, Ex
             *stats.written.entry((plan.consumer, d.kind)).or_default() += d.bytes();
         }
     }
+    Ok(stats)
+}
+
+/// Executes `plans` as plain copies in `mem` (the descriptor's kind names the region on
+/// the plan's producer and consumer), after [`check_counted`]'s checks. On error
+/// nothing is copied. This reads the descriptors only to check and run them; what the
+/// bytes must be is [`check_consumer`]'s business.
+pub fn execute_counted(plans: &[Plan], mem: &mut Memory) -> Result<ExecStats, ExecError> {
+    let lens: HashMap<(RankId, RegionKind), u64> = mem.iter().map(|(k, v)| (*k, v.len() as u64)).collect();
+    let stats = check_counted(plans, &lens)?;
     for plan in plans {
         let src_rank = RankId::Prefill(plan.producer);
         let dst_rank = RankId::Decode(plan.consumer);

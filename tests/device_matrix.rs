@@ -42,6 +42,15 @@ fn matrix() -> Vec<(String, Case)> {
         m.push((format!("pattern {pattern}"), Case { pattern, layers: 5, pp: 2, dtp: 2, dcp: 2, ..BASE }));
     }
     m.push(("24 KDA + 8 MLA heads".to_string(), Case { kda_heads: 24, mla_heads: 8, pp: 2, dtp: 4, dcp: 2, ..BASE }));
+    // The two shapes the device-vs-CPU check once failed on (bf16 caches, small heads).
+    m.push((
+        "bf16 pp5 -> tp4 dcp2 replay 4, 27 layers, hidden 64".to_string(),
+        Case { dtype: "bf16", layers: 27, hidden: 64, pp: 5, dtp: 4, dcp: 2, replay: Some(4), ..BASE },
+    ));
+    m.push((
+        "bf16 pp6 tp2 -> tp12 dcp4".to_string(),
+        Case { dtype: "bf16", layers: 12, kda_heads: 24, mla_heads: 24, pp: 6, ptp: 2, dtp: 12, dcp: 4, ..BASE },
+    ));
     m
 }
 

@@ -28,8 +28,9 @@ pub struct Config {
     pub device: DeviceConfig,
 }
 
-/// The `[device]` table: the compute backend and its device ordinal.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+/// The `[device]` table: the compute backend, its device ordinal, and how a
+/// GPU runs the decode step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DeviceConfig {
     #[serde(default)]
@@ -37,6 +38,21 @@ pub struct DeviceConfig {
     /// Which GPU of the host (0 = the first); ignored for the CPU.
     #[serde(default)]
     pub ordinal: u32,
+    /// On a GPU, capture the decode step once per batch bucket as a CUDA graph
+    /// and replay it (the default); `false` launches the same kernels one by
+    /// one, for profiling. The bits are the same either way.
+    #[serde(default = "default_graphs")]
+    pub graphs: bool,
+}
+
+fn default_graphs() -> bool {
+    true
+}
+
+impl Default for DeviceConfig {
+    fn default() -> Self {
+        DeviceConfig { kind: DeviceKind::Cpu, ordinal: 0, graphs: true }
+    }
 }
 
 /// A compute backend.
@@ -64,7 +80,7 @@ impl DeviceConfig {
             "hip" => DeviceKind::Hip,
             _ => return Err(format!("device {s:?}: expected cpu, cuda, cuda:N, hip or hip:N")),
         };
-        Ok(DeviceConfig { kind, ordinal })
+        Ok(DeviceConfig { kind, ordinal, ..DeviceConfig::default() })
     }
 }
 
@@ -101,6 +117,16 @@ pub struct ModelConfig {
     /// topology file; without it the compute model draws seeded random weights.
     #[serde(default)]
     pub weights: Option<String>,
+    /// How the dense products hold their weights: `f32` (the default; on a GPU a
+    /// bf16 pair per weight, 16 significant bits) or `bf16`. The CPU reference
+    /// rounds its weights the same way, so every backend multiplies by the same
+    /// numbers.
+    #[serde(default = "default_weight_dtype")]
+    pub weight_dtype: Dtype,
+}
+
+fn default_weight_dtype() -> Dtype {
+    Dtype::F32
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -329,6 +355,8 @@ impl Default for ServeConfig {
 /// Every reason a topology file is refused at startup. Each message names the values.
 #[derive(Debug, Error, PartialEq)]
 pub enum ConfigError {
+    #[error("model.weight_dtype = {dtype:?}: the dense products hold their weights as \"f32\" or \"bf16\"")]
+    WeightDtype { dtype: &'static str },
     #[error("cannot read {path}: {reason}")]
     Io { path: String, reason: String },
     #[error("{path}: {reason}")]
@@ -597,6 +625,9 @@ impl Topology {
                 interleave: d.interleave,
                 block_size: d.block_size,
             });
+        }
+        if m.weight_dtype == Dtype::F16 {
+            return Err(ConfigError::WeightDtype { dtype: m.weight_dtype.name() });
         }
         if config.serve.max_context < 2 {
             return Err(ConfigError::Context { max_context: config.serve.max_context });

@@ -1071,6 +1071,47 @@ fn bench_mla(gpu: &CudaBackend, bw: f64, r: &mut SplitMix64) -> R<()> {
     Ok(())
 }
 
+/// The fused step's tensor-core product: against an f64 reference for each
+/// weight dtype and term count, and batch invariant (row 0's bits, and the
+/// first rows', the same at M = 1, 7, 88 and 4096, for plain and unit-segment
+/// weights).
+fn check_step_matmul(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
+    use handoff_kernels::step::{StepMat, WeightDtype};
+    let mut r = SplitMix64::new(seed ^ 0x7c3);
+    let op = "step matmul (tensor cores)";
+    for &(m, k, n) in &[(1usize, 64usize, 40usize), (37, 256, 200), (130, 512, 96)] {
+        let x = uni(&mut r, m * k, -1.0, 1.0);
+        let w = uni(&mut r, k * n, -1.0, 1.0);
+        for (dtype, terms, tol) in [(WeightDtype::F32, 3u32, 3e-5), (WeightDtype::Bf16, 2, 3e-5), (WeightDtype::Bf16, 1, 1e-5)] {
+            let mat = StepMat::plain(k, n, w.clone());
+            let (got, _) = gpu.step_matmul(&x, m, &mat, dtype, terms, 1)?;
+            // The f64 product of the numbers the device multiplies by: the
+            // rounded weights, and x itself (x rounded to bf16 with one term).
+            let wr: Vec<f64> = w.iter().map(|&v| dtype.round(v) as f64).collect();
+            let xr: Vec<f64> = x.iter().map(|&v| if terms == 1 { WeightDtype::Bf16.round(v) as f64 } else { v as f64 }).collect();
+            let want: Vec<f32> = (0..m * n)
+                .map(|e| {
+                    let (i, j) = (e / n, e % n);
+                    (0..k).map(|kk| xr[i * k + kk] * wr[kk * n + j]).sum::<f64>() as f32
+                })
+                .collect();
+            rep.close(op, &format!("{m}x{k}.{k}x{n} {} weights, {terms} terms", dtype.name()), &got, &want, tol);
+        }
+    }
+    // Batch invariance: one tiling and one reduction order for every M.
+    let (k, n) = (1024usize, 320usize);
+    let x = uni(&mut r, 4096 * k, -1.0, 1.0);
+    let w = uni(&mut r, k * n, -1.0, 1.0);
+    for (name, mat) in [("auto segments", StepMat::plain(k, n, w.clone())), ("16 unit segments", StepMat::units(k, n, 16, w.clone()))] {
+        let (full, _) = gpu.step_matmul(&x, 4096, &mat, WeightDtype::Bf16, 2, 1)?;
+        for m in [1usize, 7, 88] {
+            let (part, _) = gpu.step_matmul(&x[..m * k], m, &mat, WeightDtype::Bf16, 2, 1)?;
+            rep.exact_f32(op, &format!("rows of M = {m} vs M = 4096, {name}"), &part, &full[..m * n]);
+        }
+    }
+    Ok(())
+}
+
 fn bench(gpu: &mut CudaBackend, seed: u64, mla_only: bool) -> R<()> {
     println!();
     let copy_bytes = 1usize << 30;
@@ -1181,6 +1222,28 @@ fn bench(gpu: &mut CudaBackend, seed: u64, mla_only: bool) -> R<()> {
         let wgbs = (inner * cols * 4) as f64 / (us * 1e-6) / 1e9;
         println!("| matmul | {rows}x{inner} . {inner}x{cols} | {us:.0} | w read {wgbs:.0} | {tflops:.1} TFLOP/s |");
     }
+    // The fused step's tensor-core product (hip/step.hip st_mm + st_reduce):
+    // bf16 x bf16 (1 term, torch.matmul's bf16 semantics), the model's bf16
+    // weights (2 terms: f32 activations) and f32 weights (3 terms).
+    {
+        use handoff_kernels::step::{StepMat, WeightDtype};
+        for &(rows, inner, cols) in &[(1usize, 7168usize, 7168usize), (88, 7168, 7168), (4096, 4096, 4096), (1, 2048, 2048), (88, 2048, 2048)] {
+            let x = uni(&mut r, rows * inner, -1.0, 1.0);
+            let mat = StepMat::plain(inner, cols, uni(&mut r, inner * cols, -1.0, 1.0));
+            for (dtype, terms) in [(WeightDtype::Bf16, 1u32), (WeightDtype::Bf16, 2), (WeightDtype::F32, 3)] {
+                let reps = if rows > 1000 { 5 } else { 30 };
+                let (_, us) = gpu.step_matmul(&x, rows, &mat, dtype, terms, reps)?;
+                let tflops = 2.0 * (rows * inner * cols) as f64 / (us * 1e-6) / 1e12;
+                let wgbs = (inner * cols * 2 * dtype.planes()) as f64 / (us * 1e-6) / 1e9;
+                println!(
+                    "| step_matmul {} weights, {terms} term{} | {rows}x{inner} . {inner}x{cols} ({} segments) | {us:.1} | w read {wgbs:.0} | {tflops:.1} TFLOP/s |",
+                    dtype.name(),
+                    if terms > 1 { "s" } else { "" },
+                    mat.segments
+                );
+            }
+        }
+    }
     Ok(())
 }
 
@@ -1223,7 +1286,8 @@ fn main() -> ExitCode {
     let res = checks(&gpu, &mut rep, seed)
         .and_then(|()| check_regions(&gpu, &mut rep, seed))
         .and_then(|()| check_kda_variants(&mut gpu, &mut rep, seed))
-        .and_then(|()| check_fused(&mut gpu, &mut rep, seed));
+        .and_then(|()| check_fused(&mut gpu, &mut rep, seed))
+        .and_then(|()| check_step_matmul(&gpu, &mut rep, seed));
     if let Err(e) = res {
         eprintln!("error: a check could not run: {e}");
         return ExitCode::from(1);

@@ -356,6 +356,21 @@ pub trait Backend: Send + Sync {
     /// Refuses a range of units outside `stacked`.
     fn add_units(&self, acc: &mut Self::Buf, stacked: &Self::Buf, units: Range<usize>) -> Result<()>;
 
+    // ---- the fused decode step ---------------------------------------------
+
+    /// A decode step that runs without the host in the loop (one fixed launch
+    /// sequence a batch bucket, regions read and written in place; see
+    /// [`crate::step`]). Backends without one refuse with `Unsupported`, and
+    /// the model runs its generic forward pass.
+    fn decode_step(&self, spec: &crate::step::StepSpec) -> Result<Box<dyn crate::step::DecodeStep>> {
+        let _ = spec;
+        Err(crate::error::KernelError::Unsupported {
+            op: "decode_step",
+            backend: self.name().to_string(),
+            reason: "no fused decode step on this backend; the generic forward pass runs instead".into(),
+        })
+    }
+
     // ---- device regions ----------------------------------------------------
     //
     // A region registered in device memory (crate::region) is reached in place

@@ -25,6 +25,7 @@ pub mod gpu;
 pub mod region;
 pub mod rng;
 pub mod shapes;
+pub mod step;
 
 #[cfg(test)]
 pub(crate) mod testutil;

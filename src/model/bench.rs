@@ -38,6 +38,27 @@ pub struct BatchFigure {
     pub tokens_per_s: f64,
 }
 
+/// One fused decode step figure: B requests at context [`FUSED_CONTEXT`], their
+/// KV and state in device regions laid out as a decode instance's.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct FusedFigure {
+    pub batch: usize,
+    /// Wall time of one step (tick upload, graph replay, picks download), the
+    /// median of the timed steps.
+    pub graph_us: f64,
+    /// The same step with the kernels launched one by one (graphs off).
+    pub launched_us: f64,
+    /// Bytes a step must move at least: the weights once, every request's KDA
+    /// state read and written, its MLA rows read.
+    pub floor_bytes: u64,
+    /// `floor_bytes` over the device copy bandwidth of this run.
+    pub floor_us: f64,
+}
+
+/// Context (cached tokens) of each request of the fused step figures: the
+/// PyTorch peer (benches/peers/torch_model.py) steps at the same context.
+pub const FUSED_CONTEXT: usize = 192;
+
 /// The figures of one `bench_compute` run.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ComputeFigures {
@@ -61,6 +82,11 @@ pub struct ComputeFigures {
     pub kda_step_bytes: u64,
     pub kda_bytes_per_s: f64,
     pub kda_roofline_fraction: f64,
+    /// On a backend with a fused decode step: the step through device regions
+    /// at each batch of [`BATCHES`], with graphs and without, against the floor.
+    pub fused: Vec<FusedFigure>,
+    /// The fused step's description (launches, buckets, weights).
+    pub fused_path: String,
     /// MLA decode (all heads, one query) over `mla_tokens` cached rows.
     pub mla_tokens: usize,
     pub mla_step_us: f64,
@@ -82,6 +108,22 @@ impl std::fmt::Display for ComputeFigures {
             )?;
         }
         writeln!(f, "  copy            {:>12.2} GB/s (roofline: the backend's own copy, read + write)", self.memcpy_bytes_per_s / 1e9)?;
+        if !self.fused.is_empty() {
+            writeln!(f, "  {}", self.fused_path)?;
+            for x in &self.fused {
+                writeln!(
+                    f,
+                    "  fused step batch {:>3} at context {FUSED_CONTEXT}: {:>8.1} us (graph) {:>8.1} us (launched) {:>9.0} tokens/s; floor {:>7.1} us ({:.2} GB over copy) = {:.2}x the floor",
+                    x.batch,
+                    x.graph_us,
+                    x.launched_us,
+                    x.batch as f64 / (x.graph_us * 1e-6),
+                    x.floor_us,
+                    x.floor_bytes as f64 / 1e9,
+                    x.graph_us / x.floor_us
+                )?;
+            }
+        }
         writeln!(
             f,
             "  KDA decode step {:>9.2} us  batch {} x all heads, {} B of state, {:.2} GB/s = {:.1}% of copy",
@@ -175,8 +217,16 @@ pub fn bench_compute<B: Backend>(be: &B, topo: &Topology, prompt_len: usize, ste
     };
     let decode_s = (total - prefill_s).max(1e-9);
 
-    let batch_prompt: Vec<u8> = (0..BATCH_PROMPT).map(|_| g.below(256) as u8).collect();
-    let batched = BATCHES.iter().map(|&b| batched_step(be, &group, &batch_prompt, b, 4)).collect::<Result<Vec<_>, _>>()?;
+    // Past the caches: 64 MiB on the CPU (20x its L3 here), 1 GiB on a device.
+    let bw = copy_bandwidth(be, if be.name() == "cpu" { 64 << 20 } else { 1 << 30 })?;
+    let (fused, fused_path) = fused_figures(be, topo, &model, bw)?;
+    // The generic pass's batched steps (host caches) where no fused step runs.
+    let batched = if fused.is_empty() {
+        let batch_prompt: Vec<u8> = (0..BATCH_PROMPT).map(|_| g.below(256) as u8).collect();
+        BATCHES.iter().map(|&b| batched_step(be, &group, &batch_prompt, b, 4)).collect::<Result<Vec<_>, _>>()?
+    } else {
+        Vec::new()
+    };
 
     // KDA decode kernel: a batch large enough that the state outgrows the caches.
     let (h, dk, dv) = (dims.kda_heads, dims.dk, dims.dv);
@@ -218,8 +268,6 @@ pub fn bench_compute<B: Backend>(be: &B, topo: &Topology, prompt_len: usize, ste
     })?;
     let mla_bytes = (mla_tokens * w * 4) as u64;
 
-    // Past the caches: 64 MiB on the CPU (20x its L3 here), 1 GiB on a device.
-    let bw = copy_bandwidth(be, if be.name() == "cpu" { 64 << 20 } else { 1 << 30 })?;
     let kda_bw = kda_bytes as f64 / kda_s;
     let mla_bw = mla_bytes as f64 / mla_s;
     Ok(ComputeFigures {
@@ -231,6 +279,8 @@ pub fn bench_compute<B: Backend>(be: &B, topo: &Topology, prompt_len: usize, ste
         batch_prompt_tokens: BATCH_PROMPT,
         batched,
         memcpy_bytes_per_s: bw,
+        fused,
+        fused_path,
         kda_batch: batch,
         kda_step_us: kda_s * 1e6,
         kda_step_bytes: kda_bytes,
@@ -242,4 +292,91 @@ pub fn bench_compute<B: Backend>(be: &B, topo: &Topology, prompt_len: usize, ste
         mla_bytes_per_s: mla_bw,
         mla_roofline_fraction: mla_bw / bw,
     })
+}
+
+/// The fused decode step's figures at each batch of [`BATCHES`]: the decode
+/// ranks' regions laid out as a decode instance lays them out
+/// (`placement::place_rank`) in the backend's device memory, filled with
+/// finite values, every request at [`FUSED_CONTEXT`]; the step timed with
+/// graphs and with plain launches. Empty on a backend without a fused step.
+fn fused_figures<B: Backend>(be: &B, topo: &Topology, model: &Model, bw: f64) -> Result<(Vec<FusedFigure>, String), ModelError> {
+    use super::regions::DeviceRegions;
+    use handoff_components::vocab::{DecodeRank, RankId, RegionKind};
+    let Ok(mem) = be.device_memory() else { return Ok((Vec::new(), String::new())) };
+    let bmax = *BATCHES.iter().max().unwrap_or(&1);
+    let steps = 8usize;
+    let mut t = topo.clone();
+    t.config.serve.max_requests = t.config.serve.max_requests.max(bmax as u32);
+    t.config.serve.max_batch = Some(bmax as u32);
+    t.config.serve.max_context = t.config.serve.max_context.max((FUSED_CONTEXT + 4 * steps + 4) as u32);
+    let d = t.decode();
+    let (tp, dcp, bs) = (d.tp as usize, d.dcp as usize, d.block_size as usize);
+    let local = (t.config.serve.max_context as usize).div_ceil(dcp) + bs;
+    let per_req = local.div_ceil(bs);
+    let blocks = (bmax * per_req) as u32;
+    let mut layouts = super::ranks::Layouts::new();
+    for r in 0..tp {
+        let id = RankId::Decode(DecodeRank { tp: r as u32 });
+        for l in handoff_systems::placement::place_rank(&t, id, blocks, bmax as u32).regions {
+            layouts.insert((id, l.kind), l);
+        }
+    }
+    let sizes: Vec<_> = layouts.iter().map(|(k, l)| (*k, l.len)).collect();
+    let regions = DeviceRegions::alloc(mem, &sizes)?;
+    // Finite contents of the right dtype: small states, unit-scale rows, cursors mid-ring.
+    let mut g = SplitMix64::new(5);
+    let dt = model.dims.dtype;
+    let cap = model.dims.replay.unwrap_or(0);
+    for ((id, kind), l) in &layouts {
+        let n = l.len as usize;
+        let bytes: Vec<u8> = match kind {
+            RegionKind::ReplayCursor => (0..n / 4).flat_map(|_| ((cap / 2) as i32).to_le_bytes()).collect(),
+            RegionKind::KdaState | RegionKind::ReplayRecords => g.vec_normal(n / 4, 0.05).iter().flat_map(|x| x.to_le_bytes()).collect(),
+            _ => {
+                let e = dt.bytes() as usize;
+                let mut out = vec![0u8; n];
+                for (i, v) in g.vec_normal(n / e, 1.0).into_iter().enumerate() {
+                    super::dtype::encode(dt, &[v], &mut out[i * e..(i + 1) * e]);
+                }
+                out
+            }
+        };
+        regions.write_all(*id, *kind, &bytes)?;
+    }
+    let mut step = super::step::open(be, &t, model, &layouts, &regions).map_err(ModelError::Config)?;
+    let path = step.describe();
+    let dims = &model.dims;
+    let kda_layers = dims.layer_kinds.iter().filter(|k| **k == handoff_components::vocab::LayerKind::Kda).count();
+    let mla_layers = dims.num_layers() - kda_layers;
+    let state = (dims.kda_heads * dims.dk * dims.dv * 4 * kda_layers) as u64;
+    let rows = (FUSED_CONTEXT as u64) * (dims.row_width() as u64 * dt.bytes()) * mla_layers as u64;
+    let weights = dims.weight_bytes() as u64 / 4 * dims.weight_dtype.planes() as u64 * 2;
+    let mut out = Vec::new();
+    for &b in BATCHES.iter() {
+        let slots: Vec<Vec<u32>> = (0..b).map(|i| vec![i as u32; tp]).collect();
+        let tables: Vec<Vec<u32>> = (0..b).map(|i| ((i * per_req) as u32..((i + 1) * per_req) as u32).collect()).collect();
+        let rank_tables: Vec<Vec<&[u32]>> = (0..b).map(|i| vec![tables[i].as_slice(); tp]).collect();
+        let mut time = |graphs: bool| -> Result<f64, ModelError> {
+            step.set_graphs(graphs);
+            let mut samples = Vec::with_capacity(steps);
+            for s in 0..steps + 2 {
+                let reqs: Vec<_> = (0..b)
+                    .map(|i| handoff_kernels::step::StepRequest { token: (i % 256) as u32, pos: (FUSED_CONTEXT + s) as u64, slots: &slots[i], blocks: &rank_tables[i] })
+                    .collect();
+                let t0 = Instant::now();
+                step.run(&reqs, None)?;
+                if s >= 2 {
+                    samples.push(t0.elapsed().as_secs_f64());
+                }
+            }
+            samples.sort_by(f64::total_cmp);
+            Ok(samples[samples.len() / 2] * 1e6)
+        };
+        let graph_us = time(true)?;
+        let launched_us = time(false)?;
+        let floor_bytes = weights + b as u64 * (2 * state + rows);
+        out.push(FusedFigure { batch: b, graph_us, launched_us, floor_bytes, floor_us: floor_bytes as f64 / bw * 1e6 });
+    }
+    step.set_graphs(true);
+    Ok((out, path))
 }

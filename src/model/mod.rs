@@ -25,6 +25,7 @@ pub mod forward;
 pub mod ranks;
 pub mod reference;
 pub mod regions;
+pub mod step;
 pub mod weights;
 
 pub use bench::{ComputeFigures, bench_compute};

@@ -100,3 +100,76 @@ pub fn span_mut(bytes: &mut [u8], rank: RankId, kind: RegionKind, off: u64, len:
         .and_then(move |(o, e)| bytes.get_mut(o..e))
         .ok_or_else(|| ModelError::Region(format!("{rank} {kind}: {off}+{len} outside {total} bytes")))
 }
+
+/// Registered regions in a backend's device memory, by (rank, kind), as verify
+/// and the compute bench hold them on a GPU: the model reaches them in place
+/// through the backend's region ops and the fused decode step, exactly as the
+/// roles' regions; `with` and `with_mut` copy a whole region to the host and
+/// back (for setup and the oracle's checks only).
+pub struct DeviceRegions {
+    pub mem: std::sync::Arc<dyn handoff_kernels::DeviceMemory>,
+    pub regions: BTreeMap<(RankId, RegionKind), DeviceRegion>,
+}
+
+impl DeviceRegions {
+    /// Allocates every region of `sizes` (zeroed) in `mem`.
+    pub fn alloc(mem: std::sync::Arc<dyn handoff_kernels::DeviceMemory>, sizes: &[((RankId, RegionKind), u64)]) -> Result<DeviceRegions, ModelError> {
+        let mut regions = BTreeMap::new();
+        for &(key, len) in sizes {
+            let addr = mem.alloc(len.max(1)).map_err(|e| ModelError::Region(format!("{} {}: {e}", key.0, key.1)))?;
+            regions.insert(key, DeviceRegion { addr, len });
+        }
+        Ok(DeviceRegions { mem, regions })
+    }
+
+    fn get(&self, rank: RankId, kind: RegionKind) -> Result<DeviceRegion, ModelError> {
+        self.regions.get(&(rank, kind)).copied().ok_or_else(|| ModelError::Region(format!("{rank} has no {kind} region")))
+    }
+
+    /// The bytes of a region, copied to the host.
+    pub fn read_all(&self, rank: RankId, kind: RegionKind) -> Result<Vec<u8>, ModelError> {
+        let r = self.get(rank, kind)?;
+        let mut out = vec![0u8; r.len as usize];
+        // SAFETY: the range is the whole of a live allocation of `mem`.
+        unsafe { self.mem.read(r.addr, &mut out) }.map_err(|e| ModelError::Region(format!("{rank} {kind}: {e}")))?;
+        Ok(out)
+    }
+
+    /// Overwrites a whole region with `data` (its length).
+    pub fn write_all(&self, rank: RankId, kind: RegionKind, data: &[u8]) -> Result<(), ModelError> {
+        let r = self.get(rank, kind)?;
+        if data.len() as u64 != r.len {
+            return Err(ModelError::Region(format!("{rank} {kind}: {} bytes for a region of {}", data.len(), r.len)));
+        }
+        // SAFETY: as in read_all.
+        unsafe { self.mem.write(r.addr, data) }.map_err(|e| ModelError::Region(format!("{rank} {kind}: {e}")))
+    }
+}
+
+impl Drop for DeviceRegions {
+    fn drop(&mut self) {
+        for r in self.regions.values() {
+            // SAFETY: every region came from `mem.alloc`; whoever dropped the
+            // regions waited for the copies and kernels that used them.
+            unsafe { self.mem.free(r.addr) };
+        }
+    }
+}
+
+impl RegionView for DeviceRegions {
+    fn with(&self, rank: RankId, kind: RegionKind, f: &mut dyn FnMut(&[u8])) -> Result<(), ModelError> {
+        let bytes = self.read_all(rank, kind)?;
+        f(&bytes);
+        Ok(())
+    }
+
+    fn with_mut(&self, rank: RankId, kind: RegionKind, f: &mut dyn FnMut(&mut [u8])) -> Result<(), ModelError> {
+        let mut bytes = self.read_all(rank, kind)?;
+        f(&mut bytes);
+        self.write_all(rank, kind, &bytes)
+    }
+
+    fn device(&self, rank: RankId, kind: RegionKind) -> Option<DeviceRegion> {
+        self.regions.get(&(rank, kind)).copied()
+    }
+}

@@ -5,6 +5,7 @@ use super::ModelError;
 use super::forward::{K_CHUNK, ShardGroup};
 use handoff_components::Topology;
 use handoff_components::vocab::{Dtype, LayerKind};
+use handoff_kernels::step::WeightDtype;
 use handoff_kernels::{Backend, SplitMix64};
 use std::ops::Range;
 
@@ -38,6 +39,8 @@ pub struct Dims {
     pub v_head_dim: usize,
     /// ReplaySSM ring capacity, when configured.
     pub replay: Option<usize>,
+    /// How the dense products hold their weights (`[model] weight_dtype`).
+    pub weight_dtype: WeightDtype,
 }
 
 impl Dims {
@@ -60,6 +63,10 @@ impl Dims {
             nope_dim: m.mla.nope_head_dim as usize,
             v_head_dim: m.mla.v_head_dim as usize,
             replay: m.replay.as_ref().map(|r| r.capacity as usize),
+            weight_dtype: match m.weight_dtype {
+                Dtype::Bf16 => WeightDtype::Bf16,
+                _ => WeightDtype::F32,
+            },
         }
     }
 
@@ -231,7 +238,9 @@ impl Model {
             return Err(ModelError::Config("model.intermediate_size must be at least 1".into()));
         }
         if let Some(path) = &topo.model().weights {
-            return super::checkpoint::load(dims, path);
+            let mut model = super::checkpoint::load(dims, path)?;
+            model.round_weights();
+            return Ok(model);
         }
         let seed = topo.model().seed;
         let d = dims.hidden;
@@ -276,13 +285,43 @@ impl Model {
                 mixer,
             });
         }
-        Ok(Model {
+        let mut model = Model {
             embed: SplitMix64::with_stream(seed, 1).vec_normal(VOCAB * d, 1.0),
             final_norm: around(seed, 2, d, 1.0, 0.1),
             lm_head: normal(seed, 3, d * VOCAB, d),
             layers,
             dims,
-        })
+        };
+        model.round_weights();
+        Ok(model)
+    }
+
+    /// Rounds every dense product's weights to what a device multiplies by
+    /// under `[model] weight_dtype` ([`WeightDtype::round`]: bf16, or an f32
+    /// weight's bf16 pair), so the CPU reference and the GPU use the same
+    /// numbers. Embedding, norms, conv and the KDA decay parameters are not
+    /// products and stay f32.
+    pub fn round_weights(&mut self) {
+        let wd = self.dims.weight_dtype;
+        let round = |w: &mut Vec<f32>| w.iter_mut().for_each(|x| *x = wd.round(*x));
+        for l in &mut self.layers {
+            for w in [&mut l.gate, &mut l.up, &mut l.down] {
+                round(w);
+            }
+            match &mut l.mixer {
+                Mixer::Kda(k) => {
+                    for w in [&mut k.wqkv, &mut k.wg, &mut k.wb, &mut k.wgate, &mut k.wo] {
+                        round(w);
+                    }
+                }
+                Mixer::Mla(a) => {
+                    for w in [&mut a.wkva, &mut a.wq, &mut a.wuk, &mut a.wuv, &mut a.wo] {
+                        round(w);
+                    }
+                }
+            }
+        }
+        round(&mut self.lm_head);
     }
 
     /// Refuses a TP degree the heads cannot be split over (naming the heads).

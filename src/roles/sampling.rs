@@ -178,7 +178,9 @@ impl Compute for Sampler {
 /// `device::model_compute` builds it) with the sampler around it.
 pub fn sampled_compute(dev: DeviceConfig, topo: &Topology, layouts: Layouts, view: Arc<dyn RegionView>, table: SamplingTable) -> anyhow::Result<Box<dyn Compute>> {
     let trace = LogitTrace::default();
-    let inner = crate::device::model_compute(dev, topo, layouts, view, trace.clone())?;
+    let sampled = Arc::clone(&table);
+    let only: crate::compute::TraceFilter = Arc::new(move |request| super::lock(&sampled).contains_key(&request));
+    let inner = crate::device::model_compute(dev, topo, layouts, view, trace.clone(), only)?;
     Ok(Box::new(Sampler { inner, trace, table }))
 }
 

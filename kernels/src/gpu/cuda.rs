@@ -177,6 +177,7 @@ impl fmt::Debug for CudaF64Buf {
 }
 
 /// The kernels of the loaded module.
+#[derive(Clone)]
 struct Funcs {
     /// The decode-step kernels, indexed like `KdaKernel::ALL`.
     kda_step: Vec<CudaFunction>,
@@ -230,6 +231,9 @@ struct Funcs {
 ///     assert_eq!(be.download(&x).unwrap(), vec![1.0, 2.0]);
 /// }
 /// ```
+///
+/// Cloning shares the context, stream and compiled program (no recompile).
+#[derive(Clone)]
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -240,6 +244,8 @@ pub struct CudaBackend {
     mla_tc: MlaTc,
     /// The launch-saving paths ([`CudaBackend::set_fused`]).
     fused: bool,
+    /// The compiled program (the fused decode step loads its kernels from it).
+    module: Arc<cudarc::driver::CudaModule>,
 }
 
 impl fmt::Debug for CudaBackend {
@@ -593,7 +599,23 @@ impl CudaBackend {
             kda_kernel: DEFAULT_KDA_KERNEL,
             mla_tc: mla_tc_from_env(),
             fused: std::env::var("HANDOFF_CUDA_UNITS").is_ok_and(|v| v.trim() == "fused"),
+            module,
         })
+    }
+
+    /// The fused decode step's tensor-core product alone (see
+    /// `step_cuda::tc_matmul`): the product and its mean device time in us.
+    #[allow(clippy::too_many_arguments)]
+    pub fn step_matmul(
+        &self,
+        x: &[f32],
+        m: usize,
+        w: &crate::step::StepMat,
+        dtype: crate::step::WeightDtype,
+        terms: u32,
+        reps: usize,
+    ) -> Result<(Vec<f32>, f64)> {
+        super::step_cuda::tc_matmul(&self.ctx, &self.stream, &self.module, x, m, w, dtype, terms, reps)
     }
 
     /// The device's name, e.g. "NVIDIA H200".
@@ -1190,6 +1212,11 @@ impl CudaBackend {
 }
 
 impl Backend for CudaBackend {
+    fn decode_step(&self, spec: &crate::step::StepSpec) -> Result<Box<dyn crate::step::DecodeStep>> {
+        let step = super::step_cuda::CudaStep::new(self.ctx.clone(), self.stream.clone(), self.module.clone(), spec)?;
+        Ok(Box::new(step))
+    }
+
     fn device_memory(&self) -> Result<Arc<dyn DeviceMemory>> {
         Ok(Arc::new(super::CudaMemory::new(Arc::clone(&self.ctx))?))
     }

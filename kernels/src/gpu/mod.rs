@@ -32,6 +32,8 @@ pub use cuda::{CudaBackend, CudaBuf, CudaF64Buf, CudaIBuf};
 #[cfg(feature = "cuda")]
 mod cuda_memory;
 #[cfg(feature = "cuda")]
+mod step_cuda;
+#[cfg(feature = "cuda")]
 pub use cuda_memory::{CudaMemory, IPC_HANDLE_BYTES};
 
 #[cfg(feature = "hip")]
@@ -112,6 +114,7 @@ pub const HIP_SOURCES: &[(&str, &str)] = &[
     ("memcopy.hip", include_str!("../../hip/memcopy.hip")),
     ("mla.hip", include_str!("../../hip/mla.hip")),
     ("norm.hip", include_str!("../../hip/norm.hip")),
+    ("step.hip", include_str!("../../hip/step.hip")),
 ];
 
 /// The NVRTC program: the prelude, then every source, as one translation unit

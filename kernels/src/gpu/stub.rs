@@ -12,13 +12,13 @@ pub enum NoBuf {}
 
 /// An uninhabited marker: a stub backend holds one, so it has no values and
 /// every method on it is statically unreachable.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) enum Never {}
 
 macro_rules! stub_backend {
     ($(#[$doc:meta])* $name:ident, $label:literal, $reason:expr) => {
         $(#[$doc])*
-        #[derive(Debug)]
+        #[derive(Debug, Clone)]
         pub struct $name {
             never: $crate::gpu::stub::Never,
         }
@@ -86,6 +86,20 @@ macro_rules! stub_backend {
 
             /// The KDA kernel in use (unreachable: a stub has no values).
             pub fn kda_kernel(&self) -> $crate::gpu::KdaKernel {
+                match self.never {}
+            }
+
+            /// The fused step's product alone (unreachable: a stub has no values).
+            pub fn step_matmul(
+                &self,
+                x: &[f32],
+                m: usize,
+                w: &$crate::step::StepMat,
+                dtype: $crate::step::WeightDtype,
+                terms: u32,
+                reps: usize,
+            ) -> $crate::error::Result<(Vec<f32>, f64)> {
+                let _ = (x, m, w, dtype, terms, reps);
                 match self.never {}
             }
         }

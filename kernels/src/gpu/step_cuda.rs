@@ -1,0 +1,994 @@
+//! The fused decode step on CUDA ([`crate::step`], kernels in `hip/step.hip`).
+//!
+//! Built once per decode process: the weights are packed into the tensor-core
+//! layout and uploaded, one workspace is allocated for the largest bucket (the
+//! buckets never run at once, so every bucket's graph shares it), and the
+//! regions' row addresses go into one table on the device. A step is then the
+//! tick upload, one graph replay (or the same launches one by one) and the
+//! download of the picks.
+//!
+//! The launch list is plain data ([`Launch`]): the graph of a bucket is that
+//! list captured on the backend's stream, and a step without graphs launches
+//! the same list, so the two give the same bits by construction.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::sys::{self, CUfunction_attribute, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaModule, CudaStream, DriverError, result};
+
+use crate::dtype::StorageDtype;
+use crate::error::{KernelError, Result};
+use crate::step::{
+    DecodeStep, StepMat, StepMixer, StepRequest, StepSpec, TickLayout, bucket_of, pack_weight, plane_len,
+};
+
+fn dev(op: &'static str) -> impl Fn(DriverError) -> KernelError {
+    move |e| KernelError::Device { op, message: e.to_string() }
+}
+
+/// Device memory owned by the step, freed with it.
+struct DevAlloc {
+    ctx: Arc<CudaContext>,
+    ptr: u64,
+}
+
+impl Drop for DevAlloc {
+    fn drop(&mut self) {
+        if self.ptr != 0 && self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: ptr came from cuMemAlloc in `Arena::alloc` and is freed once.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// The step's allocations: each zeroed at allocation.
+struct Arena {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    allocs: Vec<DevAlloc>,
+    bytes: u64,
+}
+
+impl Arena {
+    fn alloc(&mut self, bytes: usize) -> Result<u64> {
+        let op = "decode_step alloc";
+        self.ctx.bind_to_thread().map_err(dev(op))?;
+        let n = bytes.max(16).next_multiple_of(256);
+        // SAFETY: a plain device allocation, zeroed on the stream before any use.
+        let ptr = unsafe { result::malloc_sync(n) }.map_err(dev(op))?;
+        self.allocs.push(DevAlloc { ctx: self.ctx.clone(), ptr });
+        unsafe { result::memset_d8_async(ptr, 0, n, self.stream.cu_stream()) }.map_err(dev(op))?;
+        self.bytes += n as u64;
+        Ok(ptr)
+    }
+
+    fn upload<T: Copy>(&mut self, data: &[T]) -> Result<u64> {
+        let ptr = self.alloc(std::mem::size_of_val(data))?;
+        if !data.is_empty() {
+            // SAFETY: ptr holds at least size_of_val(data) bytes; the copy is
+            // synchronous for pageable memory before the call returns the data.
+            unsafe { result::memcpy_htod_async(ptr, data, self.stream.cu_stream()) }.map_err(dev("decode_step upload"))?;
+        }
+        Ok(ptr)
+    }
+}
+
+/// One kernel argument, by value.
+#[derive(Debug, Clone, Copy)]
+enum Arg {
+    P(u64),
+    L(i64),
+    I(i32),
+    F(f32),
+    D(f64),
+}
+
+/// One launch of the step's fixed sequence.
+struct Launch {
+    f: sys::CUfunction,
+    name: &'static str,
+    grid: (u32, u32, u32),
+    block: u32,
+    smem: u32,
+    args: Vec<Arg>,
+}
+
+/// What a product's segment sum feeds (`st_reduce`'s modes).
+#[derive(Clone, Copy)]
+enum Epi {
+    /// `out[m * ldo + g * gcol + n] = sum`.
+    Store { out: u64, ldo: usize, gcol: usize },
+    /// `out[m * ldo + n] += sum` (the residual add of an all-reduce).
+    Resid { out: u64, ldo: usize },
+    /// `silu(gate) * up` as the A operand of the down projection (`akt` k
+    /// tiles, column n in unit n / uw padded to uwp).
+    Swiglu { a: u64, akt: usize, uw: usize, uwp: usize, n: usize },
+    /// The sum as the A operand of the next product, group g at column `g * gcol`.
+    Pack { a: u64, akt: usize, gcol: usize },
+}
+
+/// A packed weight on the device.
+#[derive(Clone, Copy)]
+struct DevMat {
+    addr: u64,
+    groups: usize,
+    kt: usize,
+    nt: usize,
+    cols: usize,
+    segments: usize,
+    /// Logical and padded inner rows of a segment.
+    unit: usize,
+    unit_padded: usize,
+    /// bf16 values of one plane of one group.
+    plane: usize,
+    planes: usize,
+}
+
+struct Funcs {
+    mm: CudaFunction,
+    reduce: CudaFunction,
+    embed: CudaFunction,
+    rms_pack: CudaFunction,
+    gnorm_pack: CudaFunction,
+    argmax: CudaFunction,
+    conv: CudaFunction,
+    kda: CudaFunction,
+    cursor: CudaFunction,
+    mla_prep: CudaFunction,
+    mla_part: CudaFunction,
+    mla_merge: CudaFunction,
+}
+
+/// The captured graph of one bucket (cudarc's graph is not Send; the step is
+/// used by one thread at a time, through `&mut`).
+struct Graph(CudaGraph);
+// SAFETY: the graph and its exec are only touched through `&mut CudaStep`.
+unsafe impl Send for Graph {}
+
+/// The fused decode step on one CUDA device.
+pub struct CudaStep {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    _module: Arc<CudaModule>,
+    _arena: Arena,
+    lists: HashMap<usize, Vec<Launch>>,
+    graphs: HashMap<usize, Graph>,
+    graphs_on: bool,
+    /// Why graphs are off after a failed capture (said once in the log).
+    graph_failure: Option<String>,
+    buckets: Vec<usize>,
+    lay: TickLayout,
+    tick_host: Vec<i32>,
+    tick_dev: u64,
+    ids_dev: u64,
+    logits_dev: u64,
+    ids_host: Vec<i32>,
+    vocab: usize,
+    max_context: usize,
+    slots: u32,
+    blocks: u32,
+    block_size: usize,
+    weight_bytes: u64,
+}
+
+// SAFETY: the raw CUfunction handles in the launch lists belong to the module
+// the step keeps alive; the step is used through `&mut` by one thread at a time.
+unsafe impl Send for CudaStep {}
+
+/// Launches `list` in order on `stream`.
+fn launch_all(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, list: &[Launch]) -> Result<()> {
+    let op = "decode_step launch";
+    ctx.bind_to_thread().map_err(dev(op))?;
+    let cu_stream = stream.cu_stream();
+    let mut vals: Vec<u64> = Vec::with_capacity(32);
+    let mut params: Vec<*mut c_void> = Vec::with_capacity(32);
+    for l in list {
+        vals.clear();
+        params.clear();
+        // Every argument as 8 bytes of storage, read by the driver at the
+        // width the kernel declares (little-endian: an i32 or f32 is its
+        // first 4 bytes).
+        for a in &l.args {
+            vals.push(match *a {
+                Arg::P(x) => x,
+                Arg::L(x) => x as u64,
+                Arg::I(x) => x as u32 as u64,
+                Arg::F(x) => x.to_bits() as u64,
+                Arg::D(x) => x.to_bits(),
+            });
+        }
+        for v in vals.iter_mut() {
+            params.push(v as *mut u64 as *mut c_void);
+        }
+        // SAFETY: each argument list matches its kernel's signature in
+        // hip/step.hip (built next to it); every address is an allocation of
+        // the step or a registered region checked by StepSpec::check and the
+        // tick's index checks.
+        unsafe { result::launch_kernel(l.f, l.grid, (l.block, 1, 1), l.smem, cu_stream, &mut params) }
+            .map_err(|e| KernelError::Device { op, message: format!("{}: {e}", l.name) })?;
+    }
+    Ok(())
+}
+
+fn dt_code(d: StorageDtype) -> i32 {
+    match d {
+        StorageDtype::F32 => 0,
+        StorageDtype::Bf16 => 1,
+        StorageDtype::F16 => 2,
+    }
+}
+
+fn r16(x: usize) -> usize {
+    x.next_multiple_of(16)
+}
+
+impl CudaStep {
+    pub(crate) fn new(ctx: Arc<CudaContext>, stream: Arc<CudaStream>, module: Arc<CudaModule>, spec: &StepSpec) -> Result<CudaStep> {
+        spec.check()?;
+        let op = "decode_step";
+        let get = |name: &str| {
+            module.load_function(name).map_err(|e| KernelError::BackendUnavailable(format!("cuda: kernel {name} missing: {e}")))
+        };
+        let f = Funcs {
+            mm: get("st_mm")?,
+            reduce: get("st_reduce")?,
+            embed: get("st_embed")?,
+            rms_pack: get("st_rms_pack")?,
+            gnorm_pack: get("st_gnorm_pack")?,
+            argmax: get("st_argmax")?,
+            conv: get("st_conv")?,
+            kda: get("st_kda")?,
+            cursor: get("st_cursor")?,
+            mla_prep: get("st_mla_prep")?,
+            mla_part: get("st_mla_part")?,
+            mla_merge: get("st_mla_merge")?,
+        };
+        let m = &spec.model;
+        let p = &spec.place;
+        let bmax = spec.options.max_batch;
+        let mp = r16(bmax);
+        let wd = m.weights;
+        let mut arena = Arena { ctx: ctx.clone(), stream: stream.clone(), allocs: Vec::new(), bytes: 0 };
+
+        // ---- weights ------------------------------------------------------
+        let pack = |arena: &mut Arena, mat: &StepMat| -> Result<DevMat> {
+            let data = pack_weight(mat, wd);
+            let addr = arena.upload(&data)?;
+            Ok(DevMat {
+                addr,
+                groups: mat.groups,
+                kt: mat.kt(),
+                nt: mat.nt(),
+                cols: mat.cols,
+                segments: mat.segments,
+                unit: mat.unit(),
+                unit_padded: mat.unit_padded(),
+                plane: plane_len(mat),
+                planes: wd.planes(),
+            })
+        };
+        let embed = arena.upload(&m.embed)?;
+        let final_norm = arena.upload(&m.final_norm)?;
+        let lm_head = pack(&mut arena, &m.lm_head)?;
+        enum LayerDev {
+            Kda { in_proj: DevMat, conv: u64, a_log: u64, dt_bias: u64, onorm: u64, wo: DevMat },
+            Mla { in_proj: DevMat, kv_norm: u64, wuk: DevMat, wuv: DevMat, wo: DevMat },
+        }
+        struct Layer {
+            attn_norm: u64,
+            mlp_norm: u64,
+            mixer: LayerDev,
+            gate_up: DevMat,
+            down: DevMat,
+        }
+        let mut layers = Vec::with_capacity(m.layers.len());
+        for l in &m.layers {
+            let mixer = match &l.mixer {
+                StepMixer::Kda(k) => LayerDev::Kda {
+                    in_proj: pack(&mut arena, &k.in_proj)?,
+                    conv: arena.upload(&k.conv)?,
+                    a_log: arena.upload(&k.a_log)?,
+                    dt_bias: arena.upload(&k.dt_bias)?,
+                    onorm: arena.upload(&k.onorm)?,
+                    wo: pack(&mut arena, &k.wo)?,
+                },
+                StepMixer::Mla(a) => LayerDev::Mla {
+                    in_proj: pack(&mut arena, &a.in_proj)?,
+                    kv_norm: arena.upload(&a.kv_norm)?,
+                    wuk: pack(&mut arena, &a.wuk)?,
+                    wuv: pack(&mut arena, &a.wuv)?,
+                    wo: pack(&mut arena, &a.wo)?,
+                },
+            };
+            layers.push(Layer {
+                attn_norm: arena.upload(&l.attn_norm)?,
+                mlp_norm: arena.upload(&l.mlp_norm)?,
+                mixer,
+                gate_up: pack(&mut arena, &l.gate_up)?,
+                down: pack(&mut arena, &l.down)?,
+            });
+        }
+        let weight_bytes = arena.bytes;
+
+        // ---- the regions' row addresses, one table ------------------------
+        let tp = p.tp;
+        let mut table: Vec<u64> = Vec::new();
+        let mut kda_rows = Vec::new(); // per layer: offset of [3][tp] and of conv [tp]
+        let mut mla_rows = Vec::new();
+        let mut cursor_rows: Vec<u64> = Vec::new();
+        for (i, l) in m.layers.iter().enumerate() {
+            match l.mixer {
+                StepMixer::Kda(_) => {
+                    let at = table.len();
+                    for rk in &p.ranks {
+                        table.push(rk.state.row(i)?);
+                    }
+                    for rk in &p.ranks {
+                        table.push(rk.ring.as_ref().map(|x| x.row(i)).transpose()?.unwrap_or(0));
+                    }
+                    for rk in &p.ranks {
+                        let c = rk.cursor.as_ref().map(|x| x.row(i)).transpose()?.unwrap_or(0);
+                        table.push(c);
+                        if m.replay > 0 {
+                            cursor_rows.push(c);
+                        }
+                    }
+                    let conv_at = table.len();
+                    for rk in &p.ranks {
+                        table.push(rk.conv.row(i)?);
+                    }
+                    kda_rows.push((i, at, conv_at));
+                }
+                StepMixer::Mla(_) => {
+                    let at = table.len();
+                    for rk in &p.ranks {
+                        table.push(rk.mla.row(i)?);
+                    }
+                    mla_rows.push((i, at));
+                }
+            }
+        }
+        let cursor_at = table.len();
+        table.extend_from_slice(&cursor_rows);
+        let table_dev = arena.upload(&table)?;
+        let tab = |at: usize| table_dev + 8 * at as u64;
+
+        // ---- workspace (largest bucket) ------------------------------------
+        let (d, v, inter) = (m.hidden, m.vocab, m.intermediate);
+        let (h, dk, dv) = (m.kda_heads, m.dk, m.dv);
+        let c = h * (2 * dk + dv);
+        let (hm, ll, rr, dn) = (m.mla_heads, m.kv_lora_rank, m.rope_dim, m.nope_dim);
+        let w_row = ll + rr;
+        let has_mla = m.layers.iter().any(|l| matches!(l.mixer, StepMixer::Mla(_)));
+        let planes_a = 2usize; // activations: x_hi, x_lo
+        let mut all_mats: Vec<DevMat> = vec![lm_head];
+        let mut proj_n = 0usize;
+        for l in &layers {
+            all_mats.push(l.gate_up);
+            all_mats.push(l.down);
+            match &l.mixer {
+                LayerDev::Kda { in_proj, wo, .. } => {
+                    all_mats.extend([*in_proj, *wo]);
+                    proj_n = proj_n.max(in_proj.cols);
+                }
+                LayerDev::Mla { in_proj, wuk, wuv, wo, .. } => {
+                    all_mats.extend([*in_proj, *wuk, *wuv, *wo]);
+                    proj_n = proj_n.max(in_proj.cols);
+                }
+            }
+        }
+        let part_len = all_mats.iter().map(|w| w.segments * w.groups * mp * w.nt * 16).max().unwrap_or(0);
+        // The widest A operand any product reads (inner dimensions padded).
+        let k_max = all_mats.iter().filter(|w| w.groups == 1).map(|w| w.kt * 16).max().unwrap_or(16);
+        let dkt = lm_head.kt; // every product of a normed hidden state: [hidden, *]
+        let (mut qkt, mut okt) = (1usize, 1usize); // W_UK, W_UV inner tiles
+        for l in &layers {
+            if let LayerDev::Mla { wuk, wuv, .. } = &l.mixer {
+                qkt = wuk.kt;
+                okt = wuv.kt;
+            }
+        }
+        let h_buf = arena.alloc(mp * d * 4)?;
+        let a_in = arena.alloc(planes_a * mp * k_max * 2)?;
+        let a_mid = arena.alloc(planes_a * mp * k_max * 2)?;
+        let proj = arena.alloc(mp * proj_n.max(1) * 4)?;
+        let part = arena.alloc(part_len * 4)?;
+        let cv = arena.alloc(mp * c.max(1) * 4)?;
+        let o_buf = arena.alloc(mp * (h * dv).max(1) * 4)?;
+        let q_lat = arena.alloc(mp * (hm * w_row).max(1) * 4)?;
+        let aq = arena.alloc(hm.max(1) * planes_a * mp * qkt * 16 * 2)?;
+        let ao = arena.alloc(hm.max(1) * planes_a * mp * okt * 16 * 2)?;
+        let maxc = spec.max_chunks();
+        let chunk = StepSpec::MLA_CHUNK;
+        let parts = if has_mla { arena.alloc(bmax * hm * p.dcp * maxc * (ll + 2) * 8)? } else { 0 };
+        let logits_dev = arena.alloc(mp * v * 4)?;
+        let ids_dev = arena.alloc(mp * 4)?;
+        let lay = spec.tick_layout();
+        let tick_dev = arena.alloc(lay.len() * 4)?;
+        stream.synchronize().map_err(dev(op))?;
+
+        // ---- kernel attributes ----------------------------------------------
+        let kda_nw = dk.div_ceil(16);
+        let kda_threads = (kda_nw * 32) as u32;
+        let kda_smem = ((4 * kda_nw * 16 + 2 * kda_nw * 64 + 2 * kda_nw) * 4) as u32;
+        let mla_nw = 8usize;
+        let mla_smem = ((w_row + mla_nw * ll + 2 * mla_nw) * 8) as u32;
+        if mla_smem > 48 * 1024 {
+            f.mla_part
+                .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, mla_smem as i32)
+                .map_err(|e| KernelError::InvalidShape { op, reason: format!("MLA rows of {w_row} need {mla_smem} bytes of shared memory: {e}") })?;
+        }
+
+        // ---- the launch list of each bucket ------------------------------------
+        let eps = m.eps;
+        let terms = wd.terms() as i32;
+        let dt = dt_code(m.cache);
+        let hl = h / tp.max(1);
+        let hg = (hm / tp.max(1)) * p.dcp;
+        let state_stride = p.ranks[0].state.unit_stride as i64;
+        let conv_stride = p.ranks[0].conv.unit_stride as i64;
+        let ring_stride = p.ranks[0].ring.as_ref().map_or(0, |r| r.unit_stride) as i64;
+        let cursor_stride = p.ranks[0].cursor.as_ref().map_or(0, |r| r.unit_stride) as i64;
+        let mla_stride = p.ranks[0].mla.unit_stride as i64;
+        let ew = |n: usize| -> (u32, u32, u32) { (n.div_ceil(256).clamp(1, 4096) as u32, 1, 1) };
+        let buckets = spec.buckets();
+        let mut lists = HashMap::new();
+        for &bp in &buckets {
+            let mut list: Vec<Launch> = Vec::new();
+            let fun = |x: &CudaFunction| x.cu_function();
+            // GEMM over bp rows: A (packed, k tiles w.kt) times w into part, then
+            // the segment sum into what `epi` says.
+            let gemm = |list: &mut Vec<Launch>, a: u64, w: &DevMat, epi: Epi| {
+                let a_plane = (mp * w.kt * 16 / 8) as i64; // uint4 units
+                let a_group = planes_a as i64 * a_plane;
+                let w_plane = (w.plane / 8) as i64;
+                let w_group = w.planes as i64 * w_plane;
+                let ldp = w.nt * 16;
+                let part_group = (mp * ldp) as i64;
+                let part_seg = w.groups as i64 * part_group;
+                list.push(Launch {
+                    f: fun(&f.mm),
+                    name: "st_mm",
+                    grid: (w.nt.div_ceil(4) as u32, (w.segments * w.groups) as u32, bp.div_ceil(64) as u32),
+                    block: 128,
+                    smem: 0,
+                    args: vec![
+                        Arg::P(a),
+                        Arg::L(a_plane),
+                        Arg::L(a_group),
+                        Arg::P(w.addr),
+                        Arg::L(w_plane),
+                        Arg::L(w_group),
+                        Arg::P(part),
+                        Arg::L(part_seg),
+                        Arg::L(part_group),
+                        Arg::I(ldp as i32),
+                        Arg::I(bp as i32),
+                        Arg::I(w.nt as i32),
+                        Arg::I(w.kt as i32),
+                        Arg::I(w.segments as i32),
+                        Arg::I(terms),
+                    ],
+                });
+                // (mode, n, out, ldo, gcol, apack, akt, uw, uwp)
+                let (mode, n, out, ldo, gcol, apack, akt, uw, uwp) = match epi {
+                    Epi::Store { out, ldo, gcol } => (0, w.cols, out, ldo, gcol, 0, 1, 1, 1),
+                    Epi::Resid { out, ldo } => (1, w.cols, out, ldo, 0, 0, 1, 1, 1),
+                    Epi::Swiglu { a, akt, uw, uwp, n } => (2, n, 0, 0, 0, a, akt, uw, uwp),
+                    Epi::Pack { a, akt, gcol } => (3, w.cols, 0, 0, gcol, a, akt, 1, 1),
+                };
+                list.push(Launch {
+                    f: fun(&f.reduce),
+                    name: "st_reduce",
+                    grid: ew(w.groups * bp * n),
+                    block: 256,
+                    smem: 0,
+                    args: vec![
+                        Arg::P(part),
+                        Arg::L(part_seg),
+                        Arg::L(part_group),
+                        Arg::I(ldp as i32),
+                        Arg::I(bp as i32),
+                        Arg::I(n as i32),
+                        Arg::I(w.segments as i32),
+                        Arg::I(w.groups as i32),
+                        Arg::I(mode),
+                        Arg::P(out),
+                        Arg::I(ldo as i32),
+                        Arg::I(gcol as i32),
+                        Arg::P(apack),
+                        Arg::L((mp * akt * 16) as i64),
+                        Arg::I(planes_a as i32),
+                        Arg::I(akt as i32),
+                        Arg::I(uw as i32),
+                        Arg::I(uwp as i32),
+                    ],
+                });
+            };
+            let rms_pack = |list: &mut Vec<Launch>, w: u64, a: u64| {
+                list.push(Launch {
+                    f: fun(&f.rms_pack),
+                    name: "st_rms_pack",
+                    grid: (bp as u32, 1, 1),
+                    block: 256,
+                    smem: 0,
+                    args: vec![
+                        Arg::P(h_buf),
+                        Arg::P(w),
+                        Arg::P(a),
+                        Arg::L((mp * dkt * 16) as i64),
+                        Arg::I(planes_a as i32),
+                        Arg::I(d as i32),
+                        Arg::I(dkt as i32),
+                        Arg::F(eps),
+                    ],
+                });
+            };
+            list.push(Launch {
+                f: fun(&f.embed),
+                name: "st_embed",
+                grid: (bp as u32, 1, 1),
+                block: 256,
+                smem: 0,
+                args: vec![Arg::P(embed), Arg::P(tick_dev), Arg::I(lay.tok() as i32), Arg::P(h_buf), Arg::I(d as i32), Arg::I(v as i32)],
+            });
+            let (mut ki, mut mi) = (0usize, 0usize);
+            for l in layers.iter() {
+                rms_pack(&mut list, l.attn_norm, a_in);
+                match &l.mixer {
+                    LayerDev::Kda { in_proj, conv, a_log, dt_bias, onorm, wo } => {
+                        let (_, at, conv_at) = kda_rows[ki];
+                        ki += 1;
+                        let n_in = in_proj.cols;
+                        gemm(&mut list, a_in, in_proj, Epi::Store { out: proj, ldo: n_in, gcol: 0 });
+                        list.push(Launch {
+                            f: fun(&f.conv),
+                            name: "st_conv",
+                            grid: ew(bp * c),
+                            block: 256,
+                            smem: 0,
+                            args: vec![
+                                Arg::P(proj),
+                                Arg::I(n_in as i32),
+                                Arg::P(*conv),
+                                Arg::P(tick_dev),
+                                Arg::I(lay.slot() as i32),
+                                Arg::I(tp as i32),
+                                Arg::P(tab(conv_at)),
+                                Arg::L(conv_stride),
+                                Arg::I(dt),
+                                Arg::P(cv),
+                                Arg::I(bmax as i32),
+                                Arg::I(h as i32),
+                                Arg::I(hl as i32),
+                                Arg::I(dk as i32),
+                                Arg::I(dv as i32),
+                                Arg::I(m.conv as i32),
+                            ],
+                        });
+                        list.push(Launch {
+                            f: fun(&f.kda),
+                            name: "st_kda",
+                            grid: ((bp * h) as u32, dv.div_ceil(64) as u32, 1),
+                            block: kda_threads,
+                            smem: kda_smem,
+                            args: vec![
+                                Arg::P(cv),
+                                Arg::P(proj),
+                                Arg::I(n_in as i32),
+                                Arg::I(c as i32),
+                                Arg::I((c + h * dk) as i32),
+                                Arg::P(*a_log),
+                                Arg::P(*dt_bias),
+                                Arg::P(o_buf),
+                                Arg::P(tick_dev),
+                                Arg::I(lay.slot() as i32),
+                                Arg::I(tp as i32),
+                                Arg::P(tab(at)),
+                                Arg::L(state_stride),
+                                Arg::L(ring_stride),
+                                Arg::L(cursor_stride),
+                                Arg::I(h as i32),
+                                Arg::I(hl as i32),
+                                Arg::I(dk as i32),
+                                Arg::I(dv as i32),
+                                Arg::I(m.replay as i32),
+                            ],
+                        });
+                        list.push(Launch {
+                            f: fun(&f.gnorm_pack),
+                            name: "st_gnorm_pack",
+                            grid: ((bp * h) as u32, 1, 1),
+                            block: 128,
+                            smem: 0,
+                            args: vec![
+                                Arg::P(o_buf),
+                                Arg::P(proj),
+                                Arg::I(n_in as i32),
+                                Arg::I((c + h * dk + h) as i32),
+                                Arg::P(*onorm),
+                                Arg::P(a_mid),
+                                Arg::L((mp * wo.kt * 16) as i64),
+                                Arg::I(planes_a as i32),
+                                Arg::I(h as i32),
+                                Arg::I(dv as i32),
+                                Arg::I(wo.unit_padded as i32),
+                                Arg::F(eps),
+                            ],
+                        });
+                        gemm(&mut list, a_mid, wo, Epi::Resid { out: h_buf, ldo: d });
+                    }
+                    LayerDev::Mla { in_proj, kv_norm, wuk, wuv, wo } => {
+                        let (_, at) = mla_rows[mi];
+                        mi += 1;
+                        let n_in = in_proj.cols;
+                        gemm(&mut list, a_in, in_proj, Epi::Store { out: proj, ldo: n_in, gcol: 0 });
+                        list.push(Launch {
+                            f: fun(&f.mla_prep),
+                            name: "st_mla_prep",
+                            grid: (bp as u32, 1, 1),
+                            block: 256,
+                            smem: 0,
+                            args: vec![
+                                Arg::P(proj),
+                                Arg::I(n_in as i32),
+                                Arg::P(*kv_norm),
+                                Arg::I(ll as i32),
+                                Arg::I(rr as i32),
+                                Arg::I(hm as i32),
+                                Arg::I(dn as i32),
+                                Arg::F(eps),
+                                Arg::I(dt),
+                                Arg::P(tick_dev),
+                                Arg::I(lay.pos() as i32),
+                                Arg::I(lay.blk() as i32),
+                                Arg::I(lay.maxblk as i32),
+                                Arg::I(bmax as i32),
+                                Arg::I(tp as i32),
+                                Arg::I(p.dcp as i32),
+                                Arg::I(p.interleave as i32),
+                                Arg::I(p.block_size as i32),
+                                Arg::P(tab(at)),
+                                Arg::L(mla_stride),
+                                Arg::I(p.token_bytes as i32),
+                                Arg::P(q_lat),
+                                Arg::P(aq),
+                                Arg::L((mp * wuk.kt * 16) as i64),
+                                Arg::L((planes_a * mp * wuk.kt * 16) as i64),
+                                Arg::I(planes_a as i32),
+                                Arg::I(wuk.kt as i32),
+                            ],
+                        });
+                        // q_lat[:, h, :L] = q_nope_h . W_UK[h]
+                        gemm(&mut list, aq, wuk, Epi::Store { out: q_lat, ldo: hm * w_row, gcol: w_row });
+                        list.push(Launch {
+                            f: fun(&f.mla_part),
+                            name: "st_mla_part",
+                            grid: ((bp * p.dcp * maxc) as u32, hm as u32, 1),
+                            block: (mla_nw * 32) as u32,
+                            smem: mla_smem,
+                            args: vec![
+                                Arg::P(q_lat),
+                                Arg::P(tick_dev),
+                                Arg::I(lay.pos() as i32),
+                                Arg::I(lay.blk() as i32),
+                                Arg::I(lay.maxblk as i32),
+                                Arg::I(bmax as i32),
+                                Arg::I(p.dcp as i32),
+                                Arg::I(p.interleave as i32),
+                                Arg::I(p.block_size as i32),
+                                Arg::I(hg as i32),
+                                Arg::P(tab(at)),
+                                Arg::L(mla_stride),
+                                Arg::I(p.token_bytes as i32),
+                                Arg::I(dt),
+                                Arg::P(parts),
+                                Arg::I(maxc as i32),
+                                Arg::I(chunk as i32),
+                                Arg::I(hm as i32),
+                                Arg::I(ll as i32),
+                                Arg::I(w_row as i32),
+                                Arg::D(m.mla_scale as f64),
+                            ],
+                        });
+                        list.push(Launch {
+                            f: fun(&f.mla_merge),
+                            name: "st_mla_merge",
+                            grid: ((bp * hm) as u32, 1, 1),
+                            block: 128,
+                            smem: 0,
+                            args: vec![
+                                Arg::P(parts),
+                                Arg::P(tick_dev),
+                                Arg::I(lay.pos() as i32),
+                                Arg::I(p.dcp as i32),
+                                Arg::I(p.interleave as i32),
+                                Arg::I(maxc as i32),
+                                Arg::I(chunk as i32),
+                                Arg::I(hm as i32),
+                                Arg::I(ll as i32),
+                                Arg::P(ao),
+                                Arg::L((mp * wuv.kt * 16) as i64),
+                                Arg::L((planes_a * mp * wuv.kt * 16) as i64),
+                                Arg::I(planes_a as i32),
+                                Arg::I(wuv.kt as i32),
+                            ],
+                        });
+                        // y[:, h * dvh ..] = o_lat_h . W_UV[h], packed for o_proj (a head a unit).
+                        gemm(&mut list, ao, wuv, Epi::Pack { a: a_mid, akt: wo.kt, gcol: wo.unit_padded });
+                        gemm(&mut list, a_mid, wo, Epi::Resid { out: h_buf, ldo: d });
+                    }
+                }
+                rms_pack(&mut list, l.mlp_norm, a_in);
+                let dn_ = &l.down;
+                gemm(&mut list, a_in, &l.gate_up, Epi::Swiglu { a: a_mid, akt: dn_.kt, uw: dn_.unit, uwp: dn_.unit_padded, n: inter });
+                gemm(&mut list, a_mid, &l.down, Epi::Resid { out: h_buf, ldo: d });
+            }
+            rms_pack(&mut list, final_norm, a_in);
+            gemm(&mut list, a_in, &lm_head, Epi::Store { out: logits_dev, ldo: v, gcol: 0 });
+            list.push(Launch {
+                f: fun(&f.argmax),
+                name: "st_argmax",
+                grid: (bp as u32, 1, 1),
+                block: 256,
+                smem: 0,
+                args: vec![Arg::P(logits_dev), Arg::I(v as i32), Arg::P(ids_dev)],
+            });
+            if m.replay > 0 {
+                let nk = cursor_rows.len() / tp.max(1);
+                list.push(Launch {
+                    f: fun(&f.cursor),
+                    name: "st_cursor",
+                    grid: ew(bp * tp * nk),
+                    block: 256,
+                    smem: 0,
+                    args: vec![
+                        Arg::P(tick_dev),
+                        Arg::I(lay.slot() as i32),
+                        Arg::I(tp as i32),
+                        Arg::P(tab(cursor_at)),
+                        Arg::I(nk as i32),
+                        Arg::L(cursor_stride),
+                        Arg::I(m.replay as i32),
+                    ],
+                });
+            }
+            lists.insert(bp, list);
+        }
+        let slots = p.ranks[0].state.units;
+        let blocks = p.ranks[0].mla.units;
+        Ok(CudaStep {
+            ctx,
+            stream,
+            _module: module,
+            _arena: arena,
+            lists,
+            graphs: HashMap::new(),
+            graphs_on: spec.options.graphs,
+            graph_failure: None,
+            buckets,
+            lay,
+            tick_host: vec![0; lay.len()],
+            tick_dev,
+            ids_dev,
+            logits_dev,
+            ids_host: vec![0; mp],
+            vocab: v,
+            max_context: p.max_context,
+            slots,
+            blocks,
+            block_size: p.block_size,
+            weight_bytes,
+        })
+    }
+
+    /// Launches the bucket's list on the stream, one by one.
+    fn launch_list(&self, bp: usize) -> Result<()> {
+        let list = self
+            .lists
+            .get(&bp)
+            .ok_or_else(|| KernelError::InvalidShape { op: "decode_step launch", reason: format!("no launch list for bucket {bp}") })?;
+        launch_all(&self.ctx, &self.stream, list)
+    }
+
+    /// The bucket's graph, captured on first use; None when capture failed
+    /// (said once; the step then launches the list).
+    fn graph(&mut self, bp: usize) -> Option<&Graph> {
+        if self.graph_failure.is_some() {
+            return None;
+        }
+        if !self.graphs.contains_key(&bp) {
+            match self.capture(bp) {
+                Ok(g) => {
+                    self.graphs.insert(bp, g);
+                }
+                Err(e) => {
+                    tracing::warn!("decode step: CUDA graph capture of bucket {bp} failed ({e}); launching the step's kernels one by one from now on");
+                    self.graph_failure = Some(e.to_string());
+                    return None;
+                }
+            }
+        }
+        self.graphs.get(&bp)
+    }
+
+    fn capture(&self, bp: usize) -> Result<Graph> {
+        let op = "decode_step capture";
+        self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(dev(op))?;
+        let launched = self.launch_list(bp);
+        let ended = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        launched?;
+        let g = ended.map_err(dev(op))?.ok_or_else(|| KernelError::Device { op, message: "the capture produced no graph".into() })?;
+        g.upload().map_err(dev(op))?;
+        Ok(Graph(g))
+    }
+}
+
+impl DecodeStep for CudaStep {
+    fn run(&mut self, batch: &[StepRequest<'_>], logits: Option<&mut Vec<f32>>) -> Result<Vec<u32>> {
+        let op = "decode_step";
+        if batch.is_empty() {
+            return Ok(Vec::new());
+        }
+        let bp = bucket_of(&self.buckets, batch.len()).ok_or_else(|| KernelError::InvalidShape {
+            op,
+            reason: format!("a batch of {} requests, more than the step's largest bucket {}", batch.len(), self.buckets.last().copied().unwrap_or(0)),
+        })?;
+        self.lay.fill(batch, self.vocab, self.max_context, self.slots, self.blocks, self.block_size, &mut self.tick_host)?;
+        self.ctx.bind_to_thread().map_err(dev(op))?;
+        let s = self.stream.cu_stream();
+        // SAFETY: tick_dev holds lay.len() i32s.
+        unsafe { result::memcpy_htod_async(self.tick_dev, &self.tick_host, s) }.map_err(dev(op))?;
+        let replayed = if self.graphs_on {
+            match self.graph(bp) {
+                Some(g) => {
+                    g.0.launch().map_err(dev("decode_step graph launch"))?;
+                    true
+                }
+                None => false,
+            }
+        } else {
+            false
+        };
+        if !replayed {
+            self.launch_list(bp)?;
+        }
+        let n = batch.len();
+        // SAFETY: ids_dev holds at least bmax i32s, logits_dev bmax * vocab floats.
+        unsafe { result::memcpy_dtoh_async(&mut self.ids_host[..n], self.ids_dev, s) }.map_err(dev(op))?;
+        if let Some(out) = logits {
+            out.resize(n * self.vocab, 0.0);
+            unsafe { result::memcpy_dtoh_async(&mut out[..], self.logits_dev, s) }.map_err(dev(op))?;
+        }
+        self.stream.synchronize().map_err(dev(op))?;
+        Ok(self.ids_host[..n].iter().map(|&x| x.max(0) as u32).collect())
+    }
+
+    fn describe(&self) -> String {
+        let per = self.lists.get(self.buckets.last().unwrap_or(&1)).map_or(0, |l| l.len());
+        format!(
+            "fused decode step: {per} launches a step, buckets {:?}, CUDA graphs {}{}, {:.1} MiB of weights, {:.1} MiB in all",
+            self.buckets,
+            if self.graphs_on { "on" } else { "off" },
+            self.graph_failure.as_ref().map_or(String::new(), |e| format!(" (capture failed: {e})")),
+            self.weight_bytes as f64 / (1 << 20) as f64,
+            self._arena.bytes as f64 / (1 << 20) as f64
+        )
+    }
+
+    fn set_graphs(&mut self, on: bool) {
+        self.graphs_on = on;
+    }
+
+    fn launches(&self) -> usize {
+        self.lists.get(self.buckets.last().unwrap_or(&1)).map_or(0, |l| l.len())
+    }
+}
+
+/// The step's tensor-core product on its own, for checks and timings
+/// (`cuda_check`): `x` `[m, w.inner]` (row-major f32) times `w` with `terms`
+/// products a k-step (1: x rounded to bf16, as a plain bf16 matmul; 2 and 3 as
+/// the model runs them), the segments summed by `st_reduce`. Returns the
+/// product `[m, w.cols]` and the mean device time of `reps` runs in
+/// microseconds (partials and sum; events around back-to-back runs).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn tc_matmul(
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+    module: &Arc<CudaModule>,
+    x: &[f32],
+    m: usize,
+    w: &StepMat,
+    dtype: crate::step::WeightDtype,
+    terms: u32,
+    reps: usize,
+) -> Result<(Vec<f32>, f64)> {
+    use crate::dtype::{bf16_to_f32, f32_to_bf16};
+    let op = "step matmul";
+    if x.len() != m * w.inner || w.groups != 1 || m == 0 || !(1..=3).contains(&terms) || (terms == 3 && dtype.planes() < 2) {
+        return Err(KernelError::InvalidShape { op, reason: format!("x of {} values for [{m} x {}], {} groups, {terms} terms", x.len(), w.inner, w.groups) });
+    }
+    let get = |name: &str| module.load_function(name).map_err(|e| KernelError::BackendUnavailable(format!("cuda: kernel {name} missing: {e}")));
+    let (f_mm, f_red) = (get("st_mm")?, get("st_reduce")?);
+    let mp = r16(m);
+    let (kt, nt) = (w.kt(), w.nt());
+    let plane = mp * kt * 16;
+    let mut a = vec![0u16; 2 * plane];
+    for i in 0..m {
+        for k in 0..w.inner {
+            let v = x[i * w.inner + k];
+            let hi = f32_to_bf16(v);
+            let at = crate::step::a_index(i, w.kp(k), kt);
+            a[at] = hi;
+            a[plane + at] = f32_to_bf16(v - bf16_to_f32(hi));
+        }
+    }
+    let mut arena = Arena { ctx: ctx.clone(), stream: stream.clone(), allocs: Vec::new(), bytes: 0 };
+    let a_dev = arena.upload(&a)?;
+    let w_dev = arena.upload(&pack_weight(w, dtype))?;
+    let ldp = nt * 16;
+    let part_group = mp * ldp;
+    let part = arena.alloc(w.segments * part_group * 4)?;
+    let out = arena.alloc(m * w.cols * 4)?;
+    let w_plane = plane_len(w) / 8;
+    let args_mm = [
+        Arg::P(a_dev),
+        Arg::L((plane / 8) as i64),
+        Arg::L((2 * plane / 8) as i64),
+        Arg::P(w_dev),
+        Arg::L(w_plane as i64),
+        Arg::L((dtype.planes() * w_plane) as i64),
+        Arg::P(part),
+        Arg::L(part_group as i64),
+        Arg::L(part_group as i64),
+        Arg::I(ldp as i32),
+        Arg::I(m as i32),
+        Arg::I(nt as i32),
+        Arg::I(kt as i32),
+        Arg::I(w.segments as i32),
+        Arg::I(terms as i32),
+    ];
+    let n = m * w.cols;
+    let args_red = [
+        Arg::P(part),
+        Arg::L(part_group as i64),
+        Arg::L(part_group as i64),
+        Arg::I(ldp as i32),
+        Arg::I(m as i32),
+        Arg::I(w.cols as i32),
+        Arg::I(w.segments as i32),
+        Arg::I(1),
+        Arg::I(0),
+        Arg::P(out),
+        Arg::I(w.cols as i32),
+        Arg::I(0),
+        Arg::P(0),
+        Arg::L(0),
+        Arg::I(1),
+        Arg::I(1),
+        Arg::I(1),
+        Arg::I(1),
+    ];
+    let list = [
+        Launch { f: f_mm.cu_function(), name: "st_mm", grid: (nt.div_ceil(4) as u32, w.segments as u32, m.div_ceil(64) as u32), block: 128, smem: 0, args: args_mm.to_vec() },
+        Launch { f: f_red.cu_function(), name: "st_reduce", grid: (n.div_ceil(256).clamp(1, 4096) as u32, 1, 1), block: 256, smem: 0, args: args_red.to_vec() },
+    ];
+    let run = || launch_all(ctx, stream, &list);
+    run()?;
+    stream.synchronize().map_err(dev(op))?;
+    let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let start = stream.record_event(flags).map_err(dev(op))?;
+    for _ in 0..reps.max(1) {
+        run()?;
+    }
+    let end = stream.record_event(flags).map_err(dev(op))?;
+    let ms = start.elapsed_ms(&end).map_err(dev(op))?;
+    let mut host = vec![0f32; n];
+    // SAFETY: out holds n floats.
+    unsafe { result::memcpy_dtoh_async(&mut host[..], out, stream.cu_stream()) }.map_err(dev(op))?;
+    stream.synchronize().map_err(dev(op))?;
+    drop(arena);
+    Ok((host, ms as f64 * 1e3 / reps.max(1) as f64))
+}
