@@ -7,6 +7,7 @@
 //! ./cuda_check            # every op: CPU vs CUDA, batch invariance, determinism
 //! ./cuda_check --bench    # timings: KDA step vs device copy bandwidth, and more
 //! ./cuda_check --bench-mla   # the device copy and the MLA partial rows only
+//! ./cuda_check --bench-matmul   # the device copy and the fused step's tensor-core products only
 //! ```
 //!
 //! For every op it draws fresh random inputs (SplitMix64, `--seed`), runs
@@ -1112,11 +1113,15 @@ fn check_step_matmul(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
     Ok(())
 }
 
-fn bench(gpu: &mut CudaBackend, seed: u64, mla_only: bool) -> R<()> {
+fn bench(gpu: &mut CudaBackend, seed: u64, mla_only: bool, matmul_only: bool) -> R<()> {
     println!();
     let copy_bytes = 1usize << 30;
     let bw = gpu.copy_bandwidth_gbs(copy_bytes, 20)?;
     println!("device copy (memcpy_dtod of 1 GiB, read + write counted): {bw:.0} GB/s");
+    if matmul_only {
+        let mut r = SplitMix64::new(seed ^ 0xbe7c);
+        return bench_step_matmul(gpu, &mut r);
+    }
     if mla_only {
         let mut r = SplitMix64::new(seed ^ 0x3a1a);
         println!();
@@ -1222,14 +1227,18 @@ fn bench(gpu: &mut CudaBackend, seed: u64, mla_only: bool) -> R<()> {
         let wgbs = (inner * cols * 4) as f64 / (us * 1e-6) / 1e9;
         println!("| matmul | {rows}x{inner} . {inner}x{cols} | {us:.0} | w read {wgbs:.0} | {tflops:.1} TFLOP/s |");
     }
-    // The fused step's tensor-core product (hip/step.hip st_mm + st_reduce):
-    // bf16 x bf16 (1 term, torch.matmul's bf16 semantics), the model's bf16
-    // weights (2 terms: f32 activations) and f32 weights (3 terms).
+    bench_step_matmul(gpu, &mut r)
+}
+
+/// The fused step's tensor-core product (hip/step.hip st_mm + st_reduce):
+/// bf16 x bf16 (1 term, torch.matmul's bf16 semantics), the model's bf16
+/// weights (2 terms: f32 activations) and f32 weights (3 terms).
+fn bench_step_matmul(gpu: &CudaBackend, r: &mut SplitMix64) -> R<()> {
     {
         use handoff_kernels::step::{StepMat, WeightDtype};
         for &(rows, inner, cols) in &[(1usize, 7168usize, 7168usize), (88, 7168, 7168), (4096, 4096, 4096), (1, 2048, 2048), (88, 2048, 2048)] {
-            let x = uni(&mut r, rows * inner, -1.0, 1.0);
-            let mat = StepMat::plain(inner, cols, uni(&mut r, inner * cols, -1.0, 1.0));
+            let x = uni(r, rows * inner, -1.0, 1.0);
+            let mat = StepMat::plain(inner, cols, uni(r, inner * cols, -1.0, 1.0));
             for (dtype, terms) in [(WeightDtype::Bf16, 1u32), (WeightDtype::Bf16, 2), (WeightDtype::F32, 3)] {
                 let reps = if rows > 1000 { 5 } else { 30 };
                 let (_, us) = gpu.step_matmul(&x, rows, &mat, dtype, terms, reps)?;
@@ -1250,7 +1259,8 @@ fn bench(gpu: &mut CudaBackend, seed: u64, mla_only: bool) -> R<()> {
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mla_only = args.iter().any(|a| a == "--bench-mla");
-    let bench_mode = mla_only || args.iter().any(|a| a == "--bench");
+    let matmul_only = args.iter().any(|a| a == "--bench-matmul");
+    let bench_mode = mla_only || matmul_only || args.iter().any(|a| a == "--bench");
     let seed = args
         .iter()
         .position(|a| a == "--seed")
@@ -1272,7 +1282,7 @@ fn main() -> ExitCode {
         t0.elapsed().as_secs_f64() * 1e3
     );
     if bench_mode {
-        return match bench(&mut gpu, seed, mla_only) {
+        return match bench(&mut gpu, seed, mla_only, matmul_only) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("error: {e}");

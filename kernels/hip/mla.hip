@@ -212,14 +212,6 @@ extern "C" __global__ void mla_partial_f64(
 // Shared memory of mla_partial_tc<NW>, in bytes.
 #define MLA_TC_SMEM(nw) ((((nw) * 8 + 8) * MLA_TC_SP + 8) * 8 + 2 * MLA_TC_TILE * MLA_TC_W * 4)
 
-#ifdef __HIPCC__
-#define HK_SHFL_IDX(v, src) __shfl((v), (src), 32)
-#define HK_ANY(p) __any(p)
-#else
-#define HK_SHFL_IDX(v, src) __shfl_sync(0xffffffffu, (v), (src), 32)
-#define HK_ANY(p) __any_sync(0xffffffffu, (p))
-#endif
-
 // D = A . B + C for one 8x8x4 f64 tile of a warp: lane holds a = A[lane / 4][lane % 4],
 // b = B[lane % 4][lane / 4], c0, c1 = C[lane / 4][2 * (lane % 4) + {0, 1}].
 static __device__ __forceinline__ void hk_dmma(double& c0, double& c1, double a, double b) {
@@ -241,32 +233,6 @@ static __device__ __forceinline__ void hk_dmma(double& c0, double& c1, double a,
 #endif
 }
 
-// 16-byte global -> shared copy (zero-filled when !valid), asynchronous on CUDA.
-static __device__ __forceinline__ void hk_cp16(float* dst, const float* src, bool valid) {
-#ifdef __HIPCC__
-    float4 v;
-    v.x = v.y = v.z = v.w = 0.0f;
-    if (valid) v = *(const float4*)src;
-    *(float4*)dst = v;
-#else
-    unsigned s;
-    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(src), "r"(valid ? 16 : 0) : "memory");
-#endif
-}
-
-static __device__ __forceinline__ void hk_cp_commit() {
-#ifndef __HIPCC__
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-static __device__ __forceinline__ void hk_cp_wait_all() {
-#ifndef __HIPCC__
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-#endif
-}
-
 // Position (in 16-byte pieces) of piece c of tile row r.
 static __device__ __forceinline__ int mla_tc_pos(int r, int c) { return c ^ (((r & 1) << 2) | (r & 2)); }
 
@@ -281,13 +247,35 @@ static __device__ __forceinline__ void mla_tc_load(float* dst, const float* src,
     }
 }
 
-// work: [chunks, 3] (first row of the chunk in `rows`, its row count, request);
-// parts: [chunks, H, 2 + L]. Launch: grid (chunks, H / 8); block 32 * NW;
-// dynamic shared memory MLA_TC_SMEM(NW).
-template <int NW>
-static __device__ __forceinline__ void mla_partial_tc(
-    const float* __restrict__ q_lat, const float* __restrict__ rows, const hk_i64* __restrict__ work,
-    double* __restrict__ parts, int heads, double scale, double* smem)
+// Where a chunk's rows come from: `Src` fills the double-buffered row tiles.
+//   start(sR)      tile 0 into buffer 0 (complete after wait() and a barrier)
+//   wait()         the tile begun last is in (cp.async sources)
+//   begin(sR, t)   starts tile t into buffer t & 1 (after the barrier that
+//                  freed it)
+//   land(sR, t)    finishes tile t (register-staged sources store it here;
+//                  the next barrier publishes it)
+// The math below is one code for every source, so a chunk's partial is the
+// same bits wherever its rows live.
+//
+// Contiguous f32 rows (the ragged partial of the generic path): cp.async.
+struct MlaRowsF32 {
+    const float* rb;
+    hk_i64 n;
+    __device__ void start(float* sR) { mla_tc_load(sR, rb, n, 0); hk_cp_commit(); }
+    __device__ void wait() { hk_cp_wait_all(); }
+    __device__ void begin(float* sR, int t) {
+        mla_tc_load(sR + (t & 1) * MLA_TC_TILE * MLA_TC_W, rb, n, (hk_i64)t * MLA_TC_TILE);
+        hk_cp_commit();
+    }
+    __device__ void land(float*, int) {}
+};
+
+// The chunk's partial (m, l, acc) for heads h0 .. h0 + 7 of request b over
+// n rows from `src`, written to p (head x at p + x * head_stride).
+template <int NW, typename Src>
+static __device__ __forceinline__ void mla_partial_tc_body(
+    const float* __restrict__ q_lat, Src& src, hk_i64 n, hk_i64 b, int h0,
+    double* __restrict__ p, hk_i64 head_stride, int heads, double scale, double* smem)
 {
     constexpr int W = MLA_TC_W;
     constexpr int L = MLA_TC_L;
@@ -305,16 +293,9 @@ static __device__ __forceinline__ void mla_partial_tc(
     const int w = tid >> 5;
     const int g4 = lane >> 2;  // fragment row: head (A, C) or column (B)
     const int k4 = lane & 3;   // fragment k
-    const hk_i64 chunk = blockIdx.x;
-    const hk_i64 r0 = work[3 * chunk];
-    const hk_i64 n = work[3 * chunk + 1];
-    const hk_i64 b = work[3 * chunk + 2];
-    const int h0 = blockIdx.y * 8;
-    const float* rb = rows + r0 * W;
     const int ntiles = (int)((n + T - 1) / T);
 
-    mla_tc_load(sR, rb, n, 0);
-    hk_cp_commit();
+    src.start(sR);
 
     // Q fragments: qa[t][i] = q[h0 + g4][16 jb + 4 k4 + i], jb = w + NW t.
     double qa[KB][4];
@@ -342,12 +323,9 @@ static __device__ __forceinline__ void mla_partial_tc(
     double l_run = 0.0;
 
     for (int it = 0; it < ntiles; ++it) {
-        hk_cp_wait_all();
+        src.wait();
         __syncthreads();  // tile it is in; every warp is done with tile it - 1
-        if (it + 1 < ntiles) {
-            mla_tc_load(sR + ((it + 1) & 1) * T * W, rb, n, (hk_i64)(it + 1) * T);
-            hk_cp_commit();
-        }
+        if (it + 1 < ntiles) src.begin(sR, it + 1);
         const float* tR = sR + (it & 1) * T * W;
 
         // 1. Partial scores over this warp's column blocks.
@@ -429,12 +407,12 @@ static __device__ __forceinline__ void mla_partial_tc(
                 hk_dmma(acc[u][3][0], acc[u][3][1], a, (double)v.w);
             }
         }
+        if (it + 1 < ntiles) src.land(sR, it + 1);
     }
 
-    double* p = parts + (chunk * heads + h0) * (L + 2);
     if (tid < 8 * T && (tid & 15) == 0) {
-        p[(tid >> 4) * (L + 2)] = m_run;
-        p[(tid >> 4) * (L + 2) + 1] = l_run;
+        p[(tid >> 4) * head_stride] = m_run;
+        p[(tid >> 4) * head_stride + 1] = l_run;
     }
 #pragma unroll
     for (int u = 0; u < UB; ++u)
@@ -442,7 +420,22 @@ static __device__ __forceinline__ void mla_partial_tc(
         for (int i = 0; i < 4; ++i)
 #pragma unroll
             for (int j = 0; j < 2; ++j)
-                p[g4 * (L + 2) + 2 + 32 * (w + NW * u) + 4 * (2 * k4 + j) + i] = acc[u][i][j];
+                p[g4 * head_stride + 2 + 32 * (w + NW * u) + 4 * (2 * k4 + j) + i] = acc[u][i][j];
+}
+
+// work: [chunks, 3] (first row of the chunk in `rows`, its row count, request);
+// parts: [chunks, H, 2 + L]. Launch: grid (chunks, H / 8); block 32 * NW;
+// dynamic shared memory MLA_TC_SMEM(NW).
+template <int NW>
+static __device__ __forceinline__ void mla_partial_tc(
+    const float* __restrict__ q_lat, const float* __restrict__ rows, const hk_i64* __restrict__ work,
+    double* __restrict__ parts, int heads, double scale, double* smem)
+{
+    const hk_i64 chunk = blockIdx.x;
+    MlaRowsF32 src{rows + work[3 * chunk] * MLA_TC_W, work[3 * chunk + 1]};
+    const int h0 = blockIdx.y * 8;
+    mla_partial_tc_body<NW>(q_lat, src, src.n, work[3 * chunk + 2], h0, parts + (chunk * heads + h0) * (MLA_TC_L + 2),
+                            MLA_TC_L + 2, heads, scale, smem);
 }
 
 extern "C" __global__ void __launch_bounds__(128, 2) mla_partial_tc4(
@@ -586,4 +579,270 @@ extern "C" __global__ void dcp_merge_f64(
         o[c] = (float)(a / total);
     }
     if (threadIdx.x == 0) lse[hd] = (float)(m + log(total));
+}
+
+// ---- the fused decode step: attention over the paged rows of the regions ------------
+//
+// The f64 partials (m, l, acc[L]) of every (request b, head h, DCP member j,
+// chunk c): member j of head h's TP group (rank (h / hg) dcp + j) holds the
+// request's tokens it owns, its local rows 0 .. n_j - 1 paged through its
+// block table; chunk c is local rows c * chunk .. (c + 1) * chunk - 1. A
+// chunk's partial depends only on its own rows (batch invariant). st_mla_merge
+// merges a (b, h)'s partials in (member, chunk) order, in f64, rounding once at
+// the end, as mla.hip's DCP merge does. parts: [(b * H + h) * dcp + j][maxc][2 + L].
+
+// The rows a DCP member of a request holds (layout.rs's owned_tokens).
+static __device__ __forceinline__ int st_owned(int tokens, int dcp, int d, int s) {
+    const int round = s * dcp;
+    const int full = tokens / round;
+    const int rem = tokens % round;
+    int extra = rem - d * s;
+    extra = extra < 0 ? 0 : (extra > s ? s : extra);
+    return full * s + extra;
+}
+
+// Address of local row lp of (rank rk, request b).
+static __device__ __forceinline__ const unsigned char* st_mla_row(
+    const int* tick, int blk, int maxblk, int bmax, int rk, int b, int lp, int bs,
+    const unsigned long long* mla_rows, hk_i64 block_stride, int tb)
+{
+    const int bl = tick[blk + (rk * bmax + b) * maxblk + lp / bs];
+    return (const unsigned char*)(mla_rows[rk] + (unsigned long long)bl * block_stride) + (hk_i64)(lp % bs) * tb;
+}
+
+// 16-bit rows of the rank's mla.kv region, paged through the request's block
+// table (the fused decode step, K3's row shape): each thread holds its
+// 16-byte pieces of the next tile in registers while the current one is
+// computed, then widens them to f32 into the tile (bf16 and f16 widen exactly).
+#define MLA_PG_PIECES ((MLA_TC_TILE * (MLA_TC_W / 8) + 255) / 256)  // per thread, 256 threads
+struct MlaRowsPaged {
+    const int* tick;
+    int blk, maxblk, bmax, rk, b, r0, bs, tb, dt;
+    const unsigned long long* mla_rows;
+    hk_i64 block_stride;
+    hk_i64 n;
+    uint4 reg[MLA_PG_PIECES];
+    __device__ const unsigned char* row(int lp) const {
+        return st_mla_row(tick, blk, maxblk, bmax, rk, b, lp, bs, mla_rows, block_stride, tb);
+    }
+    __device__ void fetch(int t) {
+#pragma unroll
+        for (int i = 0; i < MLA_PG_PIECES; ++i) {
+            const int q = threadIdx.x + 256 * i;
+            const int r = q / (MLA_TC_W / 8);
+            const int c = q % (MLA_TC_W / 8);
+            const hk_i64 g = (hk_i64)t * MLA_TC_TILE + r;
+            reg[i] = make_uint4(0u, 0u, 0u, 0u);
+            if (r < MLA_TC_TILE && g < n) reg[i] = *(const uint4*)(row(r0 + (int)g) + 16 * c);
+        }
+    }
+    __device__ void store(float* dst) {
+#pragma unroll
+        for (int i = 0; i < MLA_PG_PIECES; ++i) {
+            const int q = threadIdx.x + 256 * i;
+            const int r = q / (MLA_TC_W / 8);
+            const int c = q % (MLA_TC_W / 8);
+            if (r >= MLA_TC_TILE) continue;
+            const unsigned u[4] = {reg[i].x, reg[i].y, reg[i].z, reg[i].w};
+            float v[8];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const unsigned short lo = (unsigned short)(u[k] & 0xffffu), hi = (unsigned short)(u[k] >> 16);
+                v[2 * k] = dt == 1 ? hk_bf16_to_f32(lo) : hk_f16_to_f32(lo);
+                v[2 * k + 1] = dt == 1 ? hk_bf16_to_f32(hi) : hk_f16_to_f32(hi);
+            }
+            *(float4*)(dst + r * MLA_TC_W + 4 * mla_tc_pos(r, 2 * c)) = make_float4(v[0], v[1], v[2], v[3]);
+            *(float4*)(dst + r * MLA_TC_W + 4 * mla_tc_pos(r, 2 * c + 1)) = make_float4(v[4], v[5], v[6], v[7]);
+        }
+    }
+    __device__ void start(float* sR) { fetch(0); store(sR); }
+    __device__ void wait() {}
+    __device__ void begin(float*, int t) { fetch(t); }
+    __device__ void land(float* sR, int t) { store(sR + (t & 1) * MLA_TC_TILE * MLA_TC_W); }
+};
+
+// The fused step's partials on the f64 tensor cores (L = 512, R = 64, 16-bit
+// rows, heads in groups of 8 within one TP group): one block per (request,
+// DCP member, chunk, 8 heads), the math of mla_partial_tc. parts as
+// st_mla_part's. Launch: grid (bmax * dcp * maxc, H / 8); block 256; dynamic
+// shared memory MLA_TC_SMEM(8).
+extern "C" __global__ void __launch_bounds__(256) st_mla_part_tc(
+    const float* __restrict__ q_lat, const int* __restrict__ tick, int pos, int blk, int maxblk, int bmax,
+    int dcp, int interleave, int bs, int hg,
+    const unsigned long long* __restrict__ mla_rows, hk_i64 block_stride, int tb, int dt,
+    double* __restrict__ parts, int maxc, int chunk, int heads, double scale)
+{
+    HK_DYN_SMEM(double, smem);
+    const int c = blockIdx.x % maxc;
+    const int j = (blockIdx.x / maxc) % dcp;
+    const int b = blockIdx.x / (maxc * dcp);
+    const int h0 = blockIdx.y * 8;
+    if (b >= tick[0]) return;
+    const int nj = st_owned(tick[pos + b] + 1, dcp, j, interleave);
+    const int r0 = c * chunk;
+    if (r0 >= nj) return;
+    MlaRowsPaged src;
+    src.tick = tick;
+    src.blk = blk;
+    src.maxblk = maxblk;
+    src.bmax = bmax;
+    src.rk = (h0 / hg) * dcp + j;
+    src.b = b;
+    src.r0 = r0;
+    src.bs = bs;
+    src.tb = tb;
+    src.dt = dt;
+    src.mla_rows = mla_rows;
+    src.block_stride = block_stride;
+    src.n = nj - r0 < chunk ? nj - r0 : chunk;
+    const hk_i64 head_stride = (hk_i64)dcp * maxc * (MLA_TC_L + 2);
+    double* p = parts + ((((hk_i64)b * heads + h0) * dcp + j) * maxc + c) * (MLA_TC_L + 2);
+    mla_partial_tc_body<8>(q_lat, src, src.n, b, h0, p, head_stride, heads, scale, smem);
+}
+
+// Scalar f64 partials, every shape: one block per (b, member, chunk, head),
+// nw warps taking groups of 4 rows round-robin, an online softmax per warp,
+// the warps merged in warp order (mla.hip's mla_attend in f64).
+// Launch: grid (bmax * dcp * maxc, H); block 32 * nw; dynamic shared memory
+// (W + nw L + 2 nw) doubles.
+extern "C" __global__ void st_mla_part(
+    const float* __restrict__ q_lat, const int* __restrict__ tick, int pos, int blk, int maxblk, int bmax,
+    int dcp, int interleave, int bs, int hg,
+    const unsigned long long* __restrict__ mla_rows, hk_i64 block_stride, int tb, int dt,
+    double* __restrict__ parts, int maxc, int chunk, int heads, int L, int W, double scale)
+{
+    HK_DYN_SMEM(double, smem);
+    const int nw = blockDim.x / HK_WARP;
+    double* sq = smem;
+    double* sacc = sq + W;
+    double* sml = sacc + nw * L;
+    const int lane = threadIdx.x & (HK_WARP - 1);
+    const int w = threadIdx.x / HK_WARP;
+    const int c = blockIdx.x % maxc;
+    const int j = (blockIdx.x / maxc) % dcp;
+    const int b = blockIdx.x / (maxc * dcp);
+    const int h = blockIdx.y;
+    if (b >= tick[0]) return;
+    const int nj = st_owned(tick[pos + b] + 1, dcp, j, interleave);
+    const int r0 = c * chunk;
+    if (r0 >= nj) return;
+    const int n = nj - r0 < chunk ? nj - r0 : chunk;
+    const int rk = (h / hg) * dcp + j;
+    const int eb = st_ebytes(dt);
+    const float* q = q_lat + ((hk_i64)b * heads + h) * W;
+    for (int x = threadIdx.x; x < W; x += blockDim.x) sq[x] = (double)q[x];
+    for (int x = threadIdx.x; x < nw * L; x += blockDim.x) sacc[x] = 0.0;
+    __syncthreads();
+    double m = HK_NEG_INF_D;
+    double l = 0.0;
+    double* acc = sacc + w * L;
+    for (int j0 = w * 4; j0 < n; j0 += nw * 4) {
+        const unsigned char* rp[4];
+        double d4[4];
+#pragma unroll
+        for (int g = 0; g < 4; ++g) {
+            const int jj = j0 + g < n ? j0 + g : n - 1;
+            rp[g] = st_mla_row(tick, blk, maxblk, bmax, rk, b, r0 + jj, bs, mla_rows, block_stride, tb);
+            d4[g] = 0.0;
+        }
+        for (int x = lane; x < W; x += HK_WARP) {
+            const double qc = sq[x];
+#pragma unroll
+            for (int g = 0; g < 4; ++g) d4[g] += qc * (double)st_ld(rp[g] + (hk_i64)x * eb, dt);
+        }
+        double mg = m;
+#pragma unroll
+        for (int g = 0; g < 4; ++g) {
+            d4[g] = j0 + g < n ? hk_warp_sum_d(d4[g]) * scale : HK_NEG_INF_D;
+            mg = d4[g] > mg ? d4[g] : mg;
+        }
+        const double f = exp(m - mg);
+        double e4[4];
+        double es = 0.0;
+#pragma unroll
+        for (int g = 0; g < 4; ++g) {
+            e4[g] = exp(d4[g] - mg);
+            es += e4[g];
+        }
+        l = l * f + es;
+        for (int x = lane; x < L; x += HK_WARP) {
+            double a = acc[x] * f;
+#pragma unroll
+            for (int g = 0; g < 4; ++g) a += e4[g] * (double)st_ld(rp[g] + (hk_i64)x * eb, dt);
+            acc[x] = a;
+        }
+        m = mg;
+    }
+    if (lane == 0) {
+        sml[2 * w] = m;
+        sml[2 * w + 1] = l;
+    }
+    __syncthreads();
+    double M = HK_NEG_INF_D;
+    for (int x = 0; x < nw; ++x) M = sml[2 * x] > M ? sml[2 * x] : M;
+    double lt = 0.0;
+    for (int x = 0; x < nw; ++x)
+        if (sml[2 * x] != HK_NEG_INF_D) lt += sml[2 * x + 1] * exp(sml[2 * x] - M);
+    double* p = parts + ((((hk_i64)b * heads + h) * dcp + j) * maxc + c) * (L + 2);
+    for (int x = threadIdx.x; x < L; x += blockDim.x) {
+        double a = 0.0;
+        for (int y = 0; y < nw; ++y)
+            if (sml[2 * y] != HK_NEG_INF_D) a += sacc[y * L + x] * exp(sml[2 * y] - M);
+        p[2 + x] = a;
+    }
+    if (threadIdx.x == 0) {
+        p[0] = M;
+        p[1] = lt;
+    }
+}
+
+// Merge of (b, h)'s partials in (member, chunk) order, in f64:
+// M = max m, l = sum l e^(m - M), o = (sum acc e^(m - M)) / l rounded to f32,
+// written as the A operand of head h's W_UV product (group h). No rows: o = 0.
+// Launch: grid (rows * H); block 128.
+extern "C" __global__ void st_mla_merge(
+    const double* __restrict__ parts, const int* __restrict__ tick, int pos, int dcp, int interleave,
+    int maxc, int chunk, int heads, int L,
+    unsigned short* __restrict__ a, hk_i64 a_plane, hk_i64 a_group, int planes, int akt)
+{
+    const int b = blockIdx.x / heads;
+    const int h = blockIdx.x % heads;
+    unsigned short* ag = a + (hk_i64)h * a_group;
+    if (b >= tick[0]) {
+        for (int x = threadIdx.x; x < L; x += blockDim.x) st_pack(ag, a_plane, planes, b, x, akt, 0.0f);
+        return;
+    }
+    const int tokens = tick[pos + b] + 1;
+    const double* base = parts + ((hk_i64)b * heads + h) * dcp * maxc * (L + 2);
+    double M = HK_NEG_INF_D;
+    for (int j = 0; j < dcp; ++j) {
+        const int nc = (st_owned(tokens, dcp, j, interleave) + chunk - 1) / chunk;
+        for (int c = 0; c < nc; ++c) {
+            const double x = base[((hk_i64)j * maxc + c) * (L + 2)];
+            M = x > M ? x : M;
+        }
+    }
+    double lt = 0.0;
+    double acc[4] = {0.0, 0.0, 0.0, 0.0};  // columns tid + 128 k (L <= 512)
+    if (M != HK_NEG_INF_D) {
+        for (int j = 0; j < dcp; ++j) {
+            const int nc = (st_owned(tokens, dcp, j, interleave) + chunk - 1) / chunk;
+            for (int c = 0; c < nc; ++c) {
+                const double* p = base + ((hk_i64)j * maxc + c) * (L + 2);
+                if (p[0] == HK_NEG_INF_D) continue;
+                const double wt = exp(p[0] - M);
+                lt += p[1] * wt;
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    const int col = threadIdx.x + 128 * k;
+                    if (col < L) acc[k] += p[2 + col] * wt;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const int col = threadIdx.x + 128 * k;
+        if (col < L) st_pack(ag, a_plane, planes, b, col, akt, M == HK_NEG_INF_D ? 0.0f : (float)(acc[k] / lt));
+    }
 }

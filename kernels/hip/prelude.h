@@ -156,4 +156,89 @@ static __device__ float hk_block_sum(float v, float* red) {
     return total;
 }
 
+// ---- lane exchange and asynchronous copies ---------------------------------------
+
+#ifdef __HIPCC__
+#define HK_SHFL_IDX(v, src) __shfl((v), (src), 32)
+#define HK_ANY(p) __any(p)
+#else
+#define HK_SHFL_IDX(v, src) __shfl_sync(0xffffffffu, (v), (src), 32)
+#define HK_ANY(p) __any_sync(0xffffffffu, (p))
+#endif
+
+// 16-byte global -> shared copy (zero-filled when !valid), asynchronous on
+// CUDA (cp.async, completed by hk_cp_wait*), a plain copy on HIP.
+static __device__ __forceinline__ void hk_cp16(void* dst, const void* src, bool valid) {
+#ifdef __HIPCC__
+    uint4 v;
+    v.x = v.y = v.z = v.w = 0u;
+    if (valid) v = *(const uint4*)src;
+    *(uint4*)dst = v;
+#else
+    unsigned s;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(src), "r"(valid ? 16 : 0) : "memory");
+#endif
+}
+
+static __device__ __forceinline__ void hk_cp_commit() {
+#ifndef __HIPCC__
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+// Waits for every committed copy group.
+static __device__ __forceinline__ void hk_cp_wait_all() {
+#ifndef __HIPCC__
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+#endif
+}
+
+// Waits for every committed copy group but the latest.
+static __device__ __forceinline__ void hk_cp_wait_but_last() {
+#ifndef __HIPCC__
+    asm volatile("cp.async.wait_group 1;" ::: "memory");
+#endif
+}
+
+// ---- the fused decode step's operands and cache values (step.hip, mla.hip) ------
+//
+// Packed A operand of the tensor-core products: kernels/src/step.rs's a_index.
+
+// bf16 element index of A[m][k] within one plane of a [*, 16 KT] operand.
+static __device__ __forceinline__ hk_i64 st_a_at(int m, int k, int KT) {
+    const int mt = m >> 4, r = m & 15, kt = k >> 4, c = k & 15;
+    const int g = r & 7, rh = r >> 3, ch = c >> 3, cc = c & 7;
+    const int lane = g * 4 + (cc >> 1);
+    const int reg = rh + 2 * ch;
+    return ((((hk_i64)mt * KT + kt) * 32 + lane) * 4 + reg) * 2 + (cc & 1);
+}
+
+// Writes x as the A operand element (m, k): its bf16 rounding in plane 0 and,
+// with two planes, the bf16 rounding of the rest in plane 1.
+static __device__ __forceinline__ void st_pack(
+    unsigned short* a, hk_i64 plane, int planes, int m, int k, int KT, float x)
+{
+    const hk_i64 at = st_a_at(m, k, KT);
+    const unsigned short hi = hk_f32_to_bf16(x);
+    a[at] = hi;
+    if (planes > 1) a[plane + at] = hk_f32_to_bf16(x - hk_bf16_to_f32(hi));
+}
+
+// ---- region values --------------------------------------------------------------
+
+// Storage dtype codes: 0 f32, 1 bf16, 2 f16 (kernels/src/dtype.rs).
+static __device__ __forceinline__ float st_ld(const unsigned char* p, int dt) {
+    if (dt == 0) return *(const float*)p;
+    const unsigned short v = *(const unsigned short*)p;
+    return dt == 1 ? hk_bf16_to_f32(v) : hk_f16_to_f32(v);
+}
+
+static __device__ __forceinline__ void st_st(unsigned char* p, int dt, float x) {
+    if (dt == 0) *(float*)p = x;
+    else *(unsigned short*)p = dt == 1 ? hk_f32_to_bf16(x) : hk_f32_to_f16(x);
+}
+
+static __device__ __forceinline__ int st_ebytes(int dt) { return dt == 0 ? 4 : 2; }
+
 #endif  // HANDOFF_PRELUDE_H

@@ -24,7 +24,8 @@
 //     of 16 in increasing order, each k-step 1 to 3 products in a fixed order
 //     (f32 weights: x_hi w_hi, x_lo w_hi, x_hi w_lo; bf16 weights: x_hi w,
 //     x_lo w; x = x_hi + x_lo and w = w_hi + w_lo split into bf16 pairs);
-//   - st_reduce adds the segment partials in segment order.
+//   - the last block of a column group adds the segment partials in segment
+//     order (st_mm).
 // A tensor-core instruction computes each output element from that element's
 // row and column only, so tiling over rows changes nothing of a row's result.
 //
@@ -39,47 +40,6 @@
 //     index nt * KT + kt, lane 4g + t holding the two B registers of column
 //     g and of column 8 + g; a warp walking k reads one contiguous stream.
 
-#define ST_WARPS 4   // warps per GEMM block, one 16-column tile each
-#define ST_MT 4      // 16-row tiles per GEMM block (64 rows)
-#define ST_UNROLL 4  // k-steps whose weights are loaded before the first product
-
-// ---- packed operands ----------------------------------------------------------
-
-// bf16 element index of A[m][k] within one plane of a [*, 16 KT] operand.
-static __device__ __forceinline__ hk_i64 st_a_at(int m, int k, int KT) {
-    const int mt = m >> 4, r = m & 15, kt = k >> 4, c = k & 15;
-    const int g = r & 7, rh = r >> 3, ch = c >> 3, cc = c & 7;
-    const int lane = g * 4 + (cc >> 1);
-    const int reg = rh + 2 * ch;
-    return ((((hk_i64)mt * KT + kt) * 32 + lane) * 4 + reg) * 2 + (cc & 1);
-}
-
-// Writes x as the A operand element (m, k): its bf16 rounding in plane 0 and,
-// with two planes, the bf16 rounding of the rest in plane 1.
-static __device__ __forceinline__ void st_pack(
-    unsigned short* a, hk_i64 plane, int planes, int m, int k, int KT, float x)
-{
-    const hk_i64 at = st_a_at(m, k, KT);
-    const unsigned short hi = hk_f32_to_bf16(x);
-    a[at] = hi;
-    if (planes > 1) a[plane + at] = hk_f32_to_bf16(x - hk_bf16_to_f32(hi));
-}
-
-// ---- region values --------------------------------------------------------------
-
-// Storage dtype codes: 0 f32, 1 bf16, 2 f16 (kernels/src/dtype.rs).
-static __device__ __forceinline__ float st_ld(const unsigned char* p, int dt) {
-    if (dt == 0) return *(const float*)p;
-    const unsigned short v = *(const unsigned short*)p;
-    return dt == 1 ? hk_bf16_to_f32(v) : hk_f16_to_f32(v);
-}
-
-static __device__ __forceinline__ void st_st(unsigned char* p, int dt, float x) {
-    if (dt == 0) *(float*)p = x;
-    else *(unsigned short*)p = dt == 1 ? hk_f32_to_bf16(x) : hk_f32_to_f16(x);
-}
-
-static __device__ __forceinline__ int st_ebytes(int dt) { return dt == 0 ? 4 : 2; }
 
 // ---- the tensor-core product --------------------------------------------------------
 
@@ -120,126 +80,234 @@ static __device__ __forceinline__ void st_mma(float* c, uint4 a, unsigned b0, un
 #endif
 }
 
-// Segment partials of out = A . W for G groups (group g: A_g [M, 16 KT] and
-// W_g [16 KT, 16 nt16]): part[s][g][m][n] = the products over segment s. A warp
-// owns one 16-column tile of one segment of one group for up to 64 rows (the
-// block's M-block); terms 1 = x_hi w, 2 = + x_lo w, 3 = + x_hi w_lo.
-// Launch: grid (ceil(nt16 / ST_WARPS), S * G, ceil(M / 64)); block 32 * ST_WARPS.
-// Pointers and strides in 16-byte units (8 bf16).
-extern "C" __global__ void __launch_bounds__(32 * ST_WARPS) st_mm(
+// A 16-byte weight load that bypasses L1 (each weight is read once a step;
+// the A operand keeps L1 and shared memory).
+static __device__ __forceinline__ uint4 st_ld_stream(const uint4* p) {
+#ifdef __HIPCC__
+    return *p;
+#else
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+#endif
+}
+
+// A float written by another block of this grid (read past L1).
+static __device__ __forceinline__ float st_ld_cg(const float* p) {
+#ifdef __HIPCC__
+    return *(volatile const float*)p;
+#else
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+#endif
+}
+
+// out = A . W for G groups (group g: A_g [M, 16 KT] and W_g [16 KT, 16 nt16]),
+// then what the product feeds (mode):
+//   0 store     out[m * ldo + g * gcol + n] = sum
+//   1 residual  out[m * ldo + n] += sum            (h = h + the all-reduce)
+//   2 swiglu    the weight's columns interleave gate and up in blocks of 8
+//               (tile t: gate of channels 8t .. 8t + 7, then their up):
+//               silu(gate) * up -> A operand (m, channel) of the next product,
+//               channel c placed in MLP unit c / uw padded to uwp (ncols: channels)
+//   3 pack      sum -> A operand (m, g * gcol + n) of the next product
+//
+// A block owns 8 column tiles of 16 (one a warp) of one segment of one group
+// for up to 128 rows (8 row tiles, the block's M-block). It walks its
+// segment's k-steps in chunks of ST_KC: the chunk's A tiles go to shared
+// memory (cp.async, double buffered, shared by the 8 warps), each warp's
+// weight tiles come straight from global memory one chunk ahead, and every
+// k-step is 1 to 3 tensor-core products per (row tile, 8 columns) in a fixed
+// order. The block writes its segment's partial sums; the last of the S
+// blocks of a column group to finish (a counter) adds the S partials in
+// segment order and applies the mode, then resets the counter for the next
+// launch. So a product is one launch, and every output element is the same
+// sum in the same order whatever M, the tiling or which block came last.
+// Launch: grid (ceil(nt16 / 8), S * G, ceil(M / 128)); block 256; dynamic
+// shared memory 2 * planes * mrows * ST_KC * 512 bytes (mrows: row tiles of
+// the first M-block, planes: 2 when terms >= 2). Pointers and strides of A and
+// W in 16-byte units.
+#define ST_KC 4
+extern "C" __global__ void __launch_bounds__(256, 1) st_mm(
     const uint4* __restrict__ A, hk_i64 a_plane, hk_i64 a_group,
     const uint4* __restrict__ W, hk_i64 w_plane, hk_i64 w_group,
-    float* __restrict__ part, hk_i64 part_seg, hk_i64 part_group, int ldp,
-    int M, int nt16, int KT, int S, int terms)
+    float* __restrict__ part, hk_i64 part_seg, hk_i64 part_group, int ldp, unsigned* __restrict__ counters,
+    int M, int nt16, int KT, int S, int terms,
+    int mode, int ncols, float* __restrict__ out, int ldo, int gcol,
+    unsigned short* __restrict__ ap, hk_i64 ap_plane, int akt, int uw, int uwp)
 {
-    const int lane = threadIdx.x & 31;
-    const int nt = blockIdx.x * ST_WARPS + (threadIdx.x >> 5);
-    if (nt >= nt16) return;
+    HK_DYN_SMEM(uint4, sA);
+    __shared__ int s_last;
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int nt = blockIdx.x * 8 + warp;
+    const bool active = nt < nt16;
     const int s = blockIdx.y % S;
     const int g = blockIdx.y / S;
     const int mb = blockIdx.z;
-    const int rows = M - mb * 64;
-    const int mts = rows >= 64 ? ST_MT : (rows + 15) >> 4;
+    const int rows = M - mb * 128;
+    const int mts = rows >= 128 ? 8 : (rows + 15) >> 4;
+    const int mrows = M >= 128 ? 8 : (M + 15) >> 4;  // the smem layout's row tiles
+    const int planes = terms >= 2 ? 2 : 1;
     const int seg = KT / S;
     const int kt0 = s * seg;
     const int kend = kt0 + seg;
-    const uint4* Wt = W + (hk_i64)g * w_group + (hk_i64)nt * KT * 32 + lane;
-    const uint4* At = A + (hk_i64)g * a_group + (hk_i64)(mb * ST_MT) * KT * 32 + lane;
+    const int nchunks = (seg + ST_KC - 1) / ST_KC;
+    const uint4* Ag = A + (hk_i64)g * a_group + (hk_i64)(mb * 8) * KT * 32;
+    const uint4* Wt = W + (hk_i64)g * w_group + (hk_i64)(active ? nt : 0) * KT * 32 + lane;
+    const int chunk_tiles = planes * mrows * ST_KC;  // 512-byte tiles of one buffer
 
-    float acc[ST_MT][2][4];
+    // Chunk c's A tiles -> buffer b (rows past the M-block's tiles are not read).
+    auto load_a = [&](int c, int b) {
+        uint4* dst = sA + (hk_i64)b * chunk_tiles * 32;
+        const int n = planes * mts * ST_KC * 32;
+        for (int q = tid; q < n; q += 256) {
+            const int l = q & 31;
+            const int t = q >> 5;
+            const int kk = t % ST_KC;
+            const int mt = (t / ST_KC) % mts;
+            const int p = t / (ST_KC * mts);
+            const int kt = kt0 + c * ST_KC + kk;
+            const bool ok = kt < kend;
+            hk_cp16(dst + (((hk_i64)p * mrows + mt) * ST_KC + kk) * 32 + l,
+                    Ag + (hk_i64)p * a_plane + ((hk_i64)mt * KT + (ok ? kt : kt0)) * 32 + l, ok);
+        }
+        hk_cp_commit();
+    };
+
+    float acc[8][2][4];
 #pragma unroll
-    for (int mt = 0; mt < ST_MT; ++mt)
+    for (int mt = 0; mt < 8; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[mt][h][i] = 0.0f;
 
-    for (int kt = kt0; kt < kend; kt += ST_UNROLL) {
-        uint4 bh[ST_UNROLL], bl[ST_UNROLL];
+    uint4 bh[ST_KC], bl[ST_KC], nh[ST_KC], nl[ST_KC];
 #pragma unroll
-        for (int u = 0; u < ST_UNROLL; ++u) {
-            if (kt + u < kend) {
-                bh[u] = Wt[(hk_i64)(kt + u) * 32];
-                if (terms == 3) bl[u] = Wt[w_plane + (hk_i64)(kt + u) * 32];
+    for (int kk = 0; kk < ST_KC; ++kk) {
+        const int kt = kt0 + kk;
+        bh[kk] = (active && kt < kend) ? st_ld_stream(Wt + (hk_i64)kt * 32) : make_uint4(0u, 0u, 0u, 0u);
+        bl[kk] = (active && kt < kend && terms == 3) ? st_ld_stream(Wt + w_plane + (hk_i64)kt * 32) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    load_a(0, 0);
+    for (int c = 0; c < nchunks; ++c) {
+        const bool more = c + 1 < nchunks;
+        if (more) {
+            load_a(c + 1, (c + 1) & 1);
+#pragma unroll
+            for (int kk = 0; kk < ST_KC; ++kk) {
+                const int kt = kt0 + (c + 1) * ST_KC + kk;
+                nh[kk] = (active && kt < kend) ? st_ld_stream(Wt + (hk_i64)kt * 32) : make_uint4(0u, 0u, 0u, 0u);
+                nl[kk] = (active && kt < kend && terms == 3) ? st_ld_stream(Wt + w_plane + (hk_i64)kt * 32) : make_uint4(0u, 0u, 0u, 0u);
             }
+            hk_cp_wait_but_last();
+        } else {
+            hk_cp_wait_all();
         }
+        __syncthreads();  // chunk c's A tiles are in
+        const uint4* sa = sA + (hk_i64)(c & 1) * chunk_tiles * 32 + lane;
+        if (active) {
 #pragma unroll
-        for (int u = 0; u < ST_UNROLL; ++u) {
-            if (kt + u >= kend) break;
+            for (int kk = 0; kk < ST_KC; ++kk) {
+                if (kt0 + c * ST_KC + kk < kend) {
 #pragma unroll
-            for (int mt = 0; mt < ST_MT; ++mt) {
-                if (mt < mts) {
-                    const hk_i64 at = ((hk_i64)mt * KT + kt + u) * 32;
-                    const uint4 ah = At[at];
-                    st_mma(acc[mt][0], ah, bh[u].x, bh[u].y);
-                    st_mma(acc[mt][1], ah, bh[u].z, bh[u].w);
-                    if (terms >= 2) {
-                        const uint4 al = At[a_plane + at];
-                        st_mma(acc[mt][0], al, bh[u].x, bh[u].y);
-                        st_mma(acc[mt][1], al, bh[u].z, bh[u].w);
-                    }
-                    if (terms == 3) {
-                        st_mma(acc[mt][0], ah, bl[u].x, bl[u].y);
-                        st_mma(acc[mt][1], ah, bl[u].z, bl[u].w);
+                    for (int mt = 0; mt < 8; ++mt) {
+                        if (mt < mts) {
+                            const uint4 ah = sa[((hk_i64)mt * ST_KC + kk) * 32];
+                            st_mma(acc[mt][0], ah, bh[kk].x, bh[kk].y);
+                            st_mma(acc[mt][1], ah, bh[kk].z, bh[kk].w);
+                            if (terms >= 2) {
+                                const uint4 al = sa[(((hk_i64)mrows + mt) * ST_KC + kk) * 32];
+                                st_mma(acc[mt][0], al, bh[kk].x, bh[kk].y);
+                                st_mma(acc[mt][1], al, bh[kk].z, bh[kk].w);
+                            }
+                            if (terms == 3) {
+                                st_mma(acc[mt][0], ah, bl[kk].x, bl[kk].y);
+                                st_mma(acc[mt][1], ah, bl[kk].z, bl[kk].w);
+                            }
+                        }
                     }
                 }
             }
         }
-    }
-    float* p = part + (hk_i64)s * part_seg + (hk_i64)g * part_group;
-    const int gq = lane >> 2, t = lane & 3;
+        __syncthreads();  // every warp is done with this buffer before it is refilled
+        if (more) {
 #pragma unroll
-    for (int mt = 0; mt < ST_MT; ++mt) {
-        if (mt < mts) {
-            const int r0 = mb * 64 + mt * 16 + gq;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int col = nt * 16 + h * 8 + 2 * t;
-                *(float2*)(p + (hk_i64)r0 * ldp + col) = make_float2(acc[mt][h][0], acc[mt][h][1]);
-                *(float2*)(p + (hk_i64)(r0 + 8) * ldp + col) = make_float2(acc[mt][h][2], acc[mt][h][3]);
+            for (int kk = 0; kk < ST_KC; ++kk) {
+                bh[kk] = nh[kk];
+                bl[kk] = nl[kk];
             }
         }
     }
-}
 
-// The segment sum of st_mm's partials in segment order, and what the product
-// feeds (mode):
-//   0 store     out[m * ldo + g * gcol + n] = sum
-//   1 residual  out[m * ldo + n] += sum            (h = h + all-reduce)
-//   2 swiglu    silu(sum(n)) * sum(n + N) -> A operand (m, n) of the next product
-//               (gate and up side by side, N = the intermediate width), its
-//               column n placed in MLP unit n / uw, each unit padded to uwp
-//   3 pack      sum -> A operand (m, g * gcol + n) of the next product (gcol:
-//               a group's width padded to whole k-steps)
-// Launch: grid-stride over G * M * N.
-extern "C" __global__ void st_reduce(
-    const float* __restrict__ part, hk_i64 part_seg, hk_i64 part_group, int ldp,
-    int M, int N, int S, int G, int mode,
-    float* __restrict__ out, int ldo, int gcol,
-    unsigned short* __restrict__ a, hk_i64 a_plane, int planes, int akt, int uw, int uwp)
-{
-    const hk_i64 total = (hk_i64)G * M * N;
-    for (hk_i64 e = (hk_i64)blockIdx.x * blockDim.x + threadIdx.x; e < total;
-         e += (hk_i64)gridDim.x * blockDim.x) {
-        const int n = (int)(e % N);
-        const int m = (int)((e / N) % M);
-        const int g = (int)(e / ((hk_i64)N * M));
-        const float* p = part + (hk_i64)g * part_group + (hk_i64)m * ldp + n;
-        float v = p[0];
-        for (int s = 1; s < S; ++s) v += p[(hk_i64)s * part_seg];
-        if (mode == 0) {
-            out[(hk_i64)m * ldo + (hk_i64)g * gcol + n] = v;
-        } else if (mode == 1) {
-            float* o = out + (hk_i64)m * ldo + n;
-            *o = *o + v;
-        } else if (mode == 2) {
-            float u = p[N];
-            for (int s = 1; s < S; ++s) u += p[(hk_i64)s * part_seg + N];
-            st_pack(a, a_plane, planes, m, (n / uw) * uwp + n % uw, akt, hk_silu(v) * u);
-        } else {
-            st_pack(a, a_plane, planes, m, g * gcol + n, akt, v);
+    // This segment's partial sums.
+    float* p = part + (hk_i64)s * part_seg + (hk_i64)g * part_group;
+    const int gq = lane >> 2, t4 = lane & 3;
+    if (active) {
+#pragma unroll
+        for (int mt = 0; mt < 8; ++mt) {
+            if (mt < mts) {
+                const int r0 = mb * 128 + mt * 16 + gq;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int col = nt * 16 + h * 8 + 2 * t4;
+                    *(float2*)(p + (hk_i64)r0 * ldp + col) = make_float2(acc[mt][h][0], acc[mt][h][1]);
+                    *(float2*)(p + (hk_i64)(r0 + 8) * ldp + col) = make_float2(acc[mt][h][2], acc[mt][h][3]);
+                }
+            }
         }
     }
+    // The last of the S blocks of this column group sums the partials.
+    __threadfence();
+    __syncthreads();
+    unsigned* cnt = counters + ((hk_i64)g * gridDim.x + blockIdx.x) * gridDim.z + mb;
+    if (tid == 0) s_last = atomicAdd(cnt, 1u) == (unsigned)(S - 1);
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    const int nrow = rows < 128 ? rows : 128;
+    const int c0 = blockIdx.x * 128;
+    const float* pg = part + (hk_i64)g * part_group;
+    if (mode == 2) {
+        // 8 channels a tile: thread -> (row, tile, channel).
+        for (int e = tid; e < nrow * 64; e += 256) {
+            const int r = mb * 128 + e / 64;
+            const int tl = (e % 64) / 8;
+            const int j = e % 8;
+            const int col = c0 + tl * 16 + j;
+            const int ch = (blockIdx.x * 8 + tl) * 8 + j;
+            if (blockIdx.x * 8 + tl >= nt16 || ch >= ncols) continue;
+            const float* q = pg + (hk_i64)r * ldp + col;
+            float gv = st_ld_cg(q), uv = st_ld_cg(q + 8);
+            for (int x = 1; x < S; ++x) {
+                gv += st_ld_cg(q + (hk_i64)x * part_seg);
+                uv += st_ld_cg(q + (hk_i64)x * part_seg + 8);
+            }
+            st_pack(ap, ap_plane, 2, r, (ch / uw) * uwp + ch % uw, akt, hk_silu(gv) * uv);
+        }
+    } else {
+        for (int e = tid; e < nrow * 128; e += 256) {
+            const int r = mb * 128 + e / 128;
+            const int col = c0 + e % 128;
+            if (col >= ncols) continue;
+            const float* q = pg + (hk_i64)r * ldp + col;
+            float v = st_ld_cg(q);
+            for (int x = 1; x < S; ++x) v += st_ld_cg(q + (hk_i64)x * part_seg);
+            if (mode == 0) {
+                out[(hk_i64)r * ldo + (hk_i64)g * gcol + col] = v;
+            } else if (mode == 1) {
+                float* o = out + (hk_i64)r * ldo + col;
+                *o = *o + v;
+            } else {
+                st_pack(ap, ap_plane, 2, r, g * gcol + col, akt, v);
+            }
+        }
+    }
+    if (tid == 0) *cnt = 0u;  // ready for the next launch
 }
 
 // ---- embedding, norms, argmax ---------------------------------------------------------
@@ -405,25 +473,37 @@ extern "C" __global__ void st_conv(
 #define ST_KDA_COLS 2
 #define ST_KDA_TILE (HK_WARP * ST_KDA_COLS)
 
+// Records staged in shared memory at a time by st_kda_rebuild.
+#define ST_KDA_RC 16
+
 // s (S_0 on entry) := exp(G) S_0 + sum_j exp(G - G_j) k_j u_j^T over n ring
 // records of this head (oldest first in memory, applied newest first so that
 // G - G_j is a suffix sum of g), then, when `local` is set, one more record
 // newest of all from shared memory (k^ kl, g gl) and registers (u ul).
+// The records go through shared memory ST_KDA_RC at a time (k^, g of every
+// key row, u of the block's columns), loaded by the whole block at once, so
+// the serial walk reads shared memory, not the ring. srec holds ST_KDA_RC * (2
+// kpad + TILE) floats, stot kpad. Every thread of the block calls it.
 static __device__ __forceinline__ void st_kda_rebuild(
     float (&s)[ST_KDA_ROWS][ST_KDA_COLS], const float* __restrict__ rec0, hk_i64 rstride, int n,
     bool local, const float* kl, const float* gl, const float* ul,
-    int w, int lane, int col0, int dk, int dv)
+    int w, int lane, int col0, int dk, int dv, int kpad, float* srec, float* stot)
 {
+    const int tid = threadIdx.x;
+    // G over every record, oldest first, one thread a key row.
+    if (tid < kpad) {
+        float total = 0.0f;
+        if (tid < dk) {
+            for (int j = 0; j < n; ++j) total += rec0[j * rstride + dk + dv + tid];
+            if (local) total += gl[tid];
+        }
+        stot[tid] = total;
+    }
+    __syncthreads();
     float suffix[ST_KDA_ROWS];
 #pragma unroll
     for (int r = 0; r < ST_KDA_ROWS; ++r) {
-        const int i = w * ST_KDA_ROWS + r;
-        float total = 0.0f;
-        if (i < dk) {
-            for (int j = 0; j < n; ++j) total += rec0[j * rstride + dk + dv + i];
-            if (local) total += gl[i];
-        }
-        const float e = expf(total);
+        const float e = expf(stot[w * ST_KDA_ROWS + r]);
         suffix[r] = 0.0f;
 #pragma unroll
         for (int c = 0; c < ST_KDA_COLS; ++c) s[r][c] *= e;
@@ -440,22 +520,40 @@ static __device__ __forceinline__ void st_kda_rebuild(
             }
         }
     }
-    for (int j = n - 1; j >= 0; --j) {
-        const float* rj = rec0 + j * rstride;
-        float uu[ST_KDA_COLS];
-#pragma unroll
-        for (int c = 0; c < ST_KDA_COLS; ++c) {
-            const int jc = col0 + lane + HK_WARP * c;
-            uu[c] = jc < dv ? rj[dk + jc] : 0.0f;
+    const int per = 2 * kpad + ST_KDA_TILE;
+    for (int hi = n; hi > 0; hi -= ST_KDA_RC) {
+        const int lo = hi > ST_KDA_RC ? hi - ST_KDA_RC : 0;
+        __syncthreads();  // the previous records are consumed
+        for (int q = tid; q < (hi - lo) * per; q += blockDim.x) {
+            const int j = lo + q / per;
+            const int x = q % per;
+            const float* rj = rec0 + j * rstride;
+            float v = 0.0f;
+            if (x < kpad) {
+                if (x < dk) v = rj[x];
+            } else if (x < 2 * kpad) {
+                if (x - kpad < dk) v = rj[dk + dv + (x - kpad)];
+            } else {
+                const int jc = col0 + (x - 2 * kpad);
+                if (jc < dv) v = rj[dk + jc];
+            }
+            srec[(j - lo) * per + x] = v;
         }
+        __syncthreads();
+        for (int j = hi - 1; j >= lo; --j) {
+            const float* rj = srec + (j - lo) * per;
+            float uu[ST_KDA_COLS];
 #pragma unroll
-        for (int r = 0; r < ST_KDA_ROWS; ++r) {
-            const int i = w * ST_KDA_ROWS + r;
-            if (i < dk) {
-                const float coef = expf(suffix[r]) * rj[i];
+            for (int c = 0; c < ST_KDA_COLS; ++c) uu[c] = rj[2 * kpad + lane + HK_WARP * c];
 #pragma unroll
-                for (int c = 0; c < ST_KDA_COLS; ++c) s[r][c] += coef * uu[c];
-                suffix[r] += rj[dk + dv + i];
+            for (int r = 0; r < ST_KDA_ROWS; ++r) {
+                const int i = w * ST_KDA_ROWS + r;
+                if (i < dk) {
+                    const float coef = expf(suffix[r]) * rj[i];
+#pragma unroll
+                    for (int c = 0; c < ST_KDA_COLS; ++c) s[r][c] += coef * uu[c];
+                    suffix[r] += rj[kpad + i];
+                }
             }
         }
     }
@@ -479,7 +577,8 @@ static __device__ __forceinline__ void st_kda_load(
 // gate in proj; out [rows, H, dv]. rows3: this layer's row addresses of the
 // state, ring and cursor regions, [3][tp] (ring and cursor 0 without replay).
 // Launch: grid (rows * H, ceil(dv / 64)); block 32 * ceil(dk / 16) (dk <= 128);
-// dynamic shared memory (4 kpad + 2 nw 64 + 2 nw) floats, kpad = 16 nw.
+// dynamic shared memory (4 kpad + 2 nw 64 + 2 nw) floats, kpad = 16 nw, and
+// under ReplaySSM (ST_KDA_RC (2 kpad + 64) + kpad) more.
 extern "C" __global__ void __launch_bounds__(256, 3) st_kda(
     const float* __restrict__ cv, const float* __restrict__ proj, int ldproj, int g_off, int b_off,
     const float* __restrict__ a_log, const float* __restrict__ dt_bias, float* __restrict__ out,
@@ -498,6 +597,8 @@ extern "C" __global__ void __launch_bounds__(256, 3) st_kda(
     float* part1 = al + kpad;
     float* part2 = part1 + nw * TILE;
     float* red = part2 + nw * TILE;
+    float* srec = red + 2 * nw;                   // replay records (ST_KDA_RC at a time)
+    float* stot = srec + ST_KDA_RC * (2 * kpad + TILE);
 
     const int b = blockIdx.x / heads;
     const int h = blockIdx.x % heads;
@@ -540,7 +641,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) st_kda(
         rec0 = (float*)(rows3[tp + r] + sl * ring_stride) + (hk_i64)lh * wrec;
         n = *(const int*)(rows3[2 * tp + r] + sl * cursor_stride);
         n = n < 0 ? 0 : (n > cap - 1 ? cap - 1 : n);
-        st_kda_rebuild(s, rec0, rstride, n, false, 0, 0, 0, w, lane, col0, dk, dv);
+        st_kda_rebuild(s, rec0, rstride, n, false, 0, 0, 0, w, lane, col0, dk, dv, kpad, srec, stot);
     }
 
     // Step 1: L2 norms of q and k, one fixed-order block sum for both.
@@ -639,7 +740,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) st_kda(
         if (n + 1 < cap) return;  // the committed state stays; the ring holds the step
         // The ring is full: S_0 := the state rebuilt from S_0 over all its records.
         st_kda_load(s, S, w, lane, col0, dk, dv);
-        st_kda_rebuild(s, rec0, rstride, n, true, kh, gs, u, w, lane, col0, dk, dv);
+        st_kda_rebuild(s, rec0, rstride, n, true, kh, gs, u, w, lane, col0, dk, dv, kpad, srec, stot);
     }
 #pragma unroll
     for (int rr = 0; rr < ST_KDA_ROWS; ++rr) {
@@ -718,178 +819,3 @@ extern "C" __global__ void st_mla_prep(
     }
 }
 
-// ---- MLA attention over the paged rows ---------------------------------------------------
-//
-// The f64 partials (m, l, acc[L]) of every (request b, head h, DCP member j,
-// chunk c): member j of head h's TP group (rank (h / hg) dcp + j) holds the
-// request's tokens it owns, its local rows 0 .. n_j - 1 paged through its
-// block table; chunk c is local rows c * chunk .. (c + 1) * chunk - 1. A
-// chunk's partial depends only on its own rows (batch invariant). st_mla_merge
-// merges a (b, h)'s partials in (member, chunk) order, in f64, rounding once at
-// the end, as mla.hip's DCP merge does. parts: [(b * H + h) * dcp + j][maxc][2 + L].
-
-// The rows a DCP member of a request holds (layout.rs's owned_tokens).
-static __device__ __forceinline__ int st_owned(int tokens, int dcp, int d, int s) {
-    const int round = s * dcp;
-    const int full = tokens / round;
-    const int rem = tokens % round;
-    int extra = rem - d * s;
-    extra = extra < 0 ? 0 : (extra > s ? s : extra);
-    return full * s + extra;
-}
-
-// Address of local row lp of (rank rk, request b).
-static __device__ __forceinline__ const unsigned char* st_mla_row(
-    const int* tick, int blk, int maxblk, int bmax, int rk, int b, int lp, int bs,
-    const unsigned long long* mla_rows, hk_i64 block_stride, int tb)
-{
-    const int bl = tick[blk + (rk * bmax + b) * maxblk + lp / bs];
-    return (const unsigned char*)(mla_rows[rk] + (unsigned long long)bl * block_stride) + (hk_i64)(lp % bs) * tb;
-}
-
-// Scalar f64 partials, every shape: one block per (b, member, chunk, head),
-// nw warps taking groups of 4 rows round-robin, an online softmax per warp,
-// the warps merged in warp order (mla.hip's mla_attend in f64).
-// Launch: grid (bmax * dcp * maxc, H); block 32 * nw; dynamic shared memory
-// (W + nw L + 2 nw) doubles.
-extern "C" __global__ void st_mla_part(
-    const float* __restrict__ q_lat, const int* __restrict__ tick, int pos, int blk, int maxblk, int bmax,
-    int dcp, int interleave, int bs, int hg,
-    const unsigned long long* __restrict__ mla_rows, hk_i64 block_stride, int tb, int dt,
-    double* __restrict__ parts, int maxc, int chunk, int heads, int L, int W, double scale)
-{
-    HK_DYN_SMEM(double, smem);
-    const int nw = blockDim.x / HK_WARP;
-    double* sq = smem;
-    double* sacc = sq + W;
-    double* sml = sacc + nw * L;
-    const int lane = threadIdx.x & (HK_WARP - 1);
-    const int w = threadIdx.x / HK_WARP;
-    const int c = blockIdx.x % maxc;
-    const int j = (blockIdx.x / maxc) % dcp;
-    const int b = blockIdx.x / (maxc * dcp);
-    const int h = blockIdx.y;
-    if (b >= tick[0]) return;
-    const int nj = st_owned(tick[pos + b] + 1, dcp, j, interleave);
-    const int r0 = c * chunk;
-    if (r0 >= nj) return;
-    const int n = nj - r0 < chunk ? nj - r0 : chunk;
-    const int rk = (h / hg) * dcp + j;
-    const int eb = st_ebytes(dt);
-    const float* q = q_lat + ((hk_i64)b * heads + h) * W;
-    for (int x = threadIdx.x; x < W; x += blockDim.x) sq[x] = (double)q[x];
-    for (int x = threadIdx.x; x < nw * L; x += blockDim.x) sacc[x] = 0.0;
-    __syncthreads();
-    double m = HK_NEG_INF_D;
-    double l = 0.0;
-    double* acc = sacc + w * L;
-    for (int j0 = w * 4; j0 < n; j0 += nw * 4) {
-        const unsigned char* rp[4];
-        double d4[4];
-#pragma unroll
-        for (int g = 0; g < 4; ++g) {
-            const int jj = j0 + g < n ? j0 + g : n - 1;
-            rp[g] = st_mla_row(tick, blk, maxblk, bmax, rk, b, r0 + jj, bs, mla_rows, block_stride, tb);
-            d4[g] = 0.0;
-        }
-        for (int x = lane; x < W; x += HK_WARP) {
-            const double qc = sq[x];
-#pragma unroll
-            for (int g = 0; g < 4; ++g) d4[g] += qc * (double)st_ld(rp[g] + (hk_i64)x * eb, dt);
-        }
-        double mg = m;
-#pragma unroll
-        for (int g = 0; g < 4; ++g) {
-            d4[g] = j0 + g < n ? hk_warp_sum_d(d4[g]) * scale : HK_NEG_INF_D;
-            mg = d4[g] > mg ? d4[g] : mg;
-        }
-        const double f = exp(m - mg);
-        double e4[4];
-        double es = 0.0;
-#pragma unroll
-        for (int g = 0; g < 4; ++g) {
-            e4[g] = exp(d4[g] - mg);
-            es += e4[g];
-        }
-        l = l * f + es;
-        for (int x = lane; x < L; x += HK_WARP) {
-            double a = acc[x] * f;
-#pragma unroll
-            for (int g = 0; g < 4; ++g) a += e4[g] * (double)st_ld(rp[g] + (hk_i64)x * eb, dt);
-            acc[x] = a;
-        }
-        m = mg;
-    }
-    if (lane == 0) {
-        sml[2 * w] = m;
-        sml[2 * w + 1] = l;
-    }
-    __syncthreads();
-    double M = HK_NEG_INF_D;
-    for (int x = 0; x < nw; ++x) M = sml[2 * x] > M ? sml[2 * x] : M;
-    double lt = 0.0;
-    for (int x = 0; x < nw; ++x)
-        if (sml[2 * x] != HK_NEG_INF_D) lt += sml[2 * x + 1] * exp(sml[2 * x] - M);
-    double* p = parts + ((((hk_i64)b * heads + h) * dcp + j) * maxc + c) * (L + 2);
-    for (int x = threadIdx.x; x < L; x += blockDim.x) {
-        double a = 0.0;
-        for (int y = 0; y < nw; ++y)
-            if (sml[2 * y] != HK_NEG_INF_D) a += sacc[y * L + x] * exp(sml[2 * y] - M);
-        p[2 + x] = a;
-    }
-    if (threadIdx.x == 0) {
-        p[0] = M;
-        p[1] = lt;
-    }
-}
-
-// Merge of (b, h)'s partials in (member, chunk) order, in f64:
-// M = max m, l = sum l e^(m - M), o = (sum acc e^(m - M)) / l rounded to f32,
-// written as the A operand of head h's W_UV product (group h). No rows: o = 0.
-// Launch: grid (rows * H); block 128.
-extern "C" __global__ void st_mla_merge(
-    const double* __restrict__ parts, const int* __restrict__ tick, int pos, int dcp, int interleave,
-    int maxc, int chunk, int heads, int L,
-    unsigned short* __restrict__ a, hk_i64 a_plane, hk_i64 a_group, int planes, int akt)
-{
-    const int b = blockIdx.x / heads;
-    const int h = blockIdx.x % heads;
-    unsigned short* ag = a + (hk_i64)h * a_group;
-    if (b >= tick[0]) {
-        for (int x = threadIdx.x; x < L; x += blockDim.x) st_pack(ag, a_plane, planes, b, x, akt, 0.0f);
-        return;
-    }
-    const int tokens = tick[pos + b] + 1;
-    const double* base = parts + ((hk_i64)b * heads + h) * dcp * maxc * (L + 2);
-    double M = HK_NEG_INF_D;
-    for (int j = 0; j < dcp; ++j) {
-        const int nc = (st_owned(tokens, dcp, j, interleave) + chunk - 1) / chunk;
-        for (int c = 0; c < nc; ++c) {
-            const double x = base[((hk_i64)j * maxc + c) * (L + 2)];
-            M = x > M ? x : M;
-        }
-    }
-    double lt = 0.0;
-    double acc[4] = {0.0, 0.0, 0.0, 0.0};  // columns tid + 128 k (L <= 512)
-    if (M != HK_NEG_INF_D) {
-        for (int j = 0; j < dcp; ++j) {
-            const int nc = (st_owned(tokens, dcp, j, interleave) + chunk - 1) / chunk;
-            for (int c = 0; c < nc; ++c) {
-                const double* p = base + ((hk_i64)j * maxc + c) * (L + 2);
-                if (p[0] == HK_NEG_INF_D) continue;
-                const double wt = exp(p[0] - M);
-                lt += p[1] * wt;
-#pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    const int col = threadIdx.x + 128 * k;
-                    if (col < L) acc[k] += p[2 + col] * wt;
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const int col = threadIdx.x + 128 * k;
-        if (col < L) st_pack(ag, a_plane, planes, b, col, akt, M == HK_NEG_INF_D ? 0.0f : (float)(acc[k] / lt));
-    }
-}

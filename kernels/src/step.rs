@@ -274,7 +274,9 @@ pub struct StepLayer {
     pub attn_norm: Vec<f32>,
     pub mlp_norm: Vec<f32>,
     pub mixer: StepMixer,
-    /// `[hidden, 2 I]`: gate, then up.
+    /// `[hidden, 16 ceil(I / 8)]`: gate and up interleaved in blocks of 8
+    /// channels (columns 16q .. 16q + 7 the gate of channels 8q .., the next 8
+    /// their up), so one 16-column tile holds what SwiGLU combines.
     pub gate_up: StepMat,
     /// `[I, hidden]`, one unit per MLP reduction unit.
     pub down: StepMat,
@@ -600,6 +602,19 @@ pub trait DecodeStep: Send {
 
     /// Kernel launches of one step.
     fn launches(&self) -> usize;
+
+    /// Runs one step for `batch` with every launch timed on its own (device
+    /// events around each), and returns the time per kernel: where a step's
+    /// microseconds go. The launches are those of the step (the bits are too).
+    fn profile(&mut self, batch: &[StepRequest<'_>]) -> Result<Vec<KernelTime>>;
+}
+
+/// One kernel's share of a profiled step: its launches and their device time.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KernelTime {
+    pub name: &'static str,
+    pub launches: usize,
+    pub us: f64,
 }
 
 #[cfg(test)]

@@ -53,6 +53,8 @@ pub struct FusedFigure {
     pub floor_bytes: u64,
     /// `floor_bytes` over the device copy bandwidth of this run.
     pub floor_us: f64,
+    /// One step with every launch timed on its own: (kernel, launches, us).
+    pub profile: Vec<(String, usize, f64)>,
 }
 
 /// Context (cached tokens) of each request of the fused step figures: the
@@ -122,6 +124,9 @@ impl std::fmt::Display for ComputeFigures {
                     x.floor_bytes as f64 / 1e9,
                     x.graph_us / x.floor_us
                 )?;
+                let total: f64 = x.profile.iter().map(|p| p.2).sum();
+                let parts: Vec<String> = x.profile.iter().map(|(n, c, us)| format!("{n} {us:.0} us/{c}")).collect();
+                writeln!(f, "    kernels one by one ({total:.0} us in all): {}", parts.join(", "))?;
             }
         }
         writeln!(
@@ -375,7 +380,11 @@ fn fused_figures<B: Backend>(be: &B, topo: &Topology, model: &Model, bw: f64) ->
         let graph_us = time(true)?;
         let launched_us = time(false)?;
         let floor_bytes = weights + b as u64 * (2 * state + rows);
-        out.push(FusedFigure { batch: b, graph_us, launched_us, floor_bytes, floor_us: floor_bytes as f64 / bw * 1e6 });
+        let reqs: Vec<_> = (0..b)
+            .map(|i| handoff_kernels::step::StepRequest { token: (i % 256) as u32, pos: FUSED_CONTEXT as u64, slots: &slots[i], blocks: &rank_tables[i] })
+            .collect();
+        let profile = step.profile(&reqs)?.into_iter().map(|k| (k.name.to_string(), k.launches, k.us)).collect();
+        out.push(FusedFigure { batch: b, graph_us, launched_us, floor_bytes, floor_us: floor_bytes as f64 / bw * 1e6, profile });
     }
     step.set_graphs(true);
     Ok((out, path))

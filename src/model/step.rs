@@ -33,6 +33,23 @@ fn side_by_side(rows: usize, parts: &[(&[f32], usize)]) -> Vec<f32> {
     out
 }
 
+/// Gate and up `[rows, i]` interleaved in blocks of 8 channels, so that a 16-column
+/// tile of the product holds a block's gate and its up (the fused step applies
+/// SwiGLU where the product's sums land): columns 16q .. 16q + 7 are gate
+/// channels 8q .. 8q + 7, the next 8 their up; a short last block is zeros.
+fn interleave_gate_up(rows: usize, i: usize, gate: &[f32], up: &[f32]) -> Vec<f32> {
+    let blocks = i.div_ceil(8);
+    let mut out = vec![0.0f32; rows * 16 * blocks];
+    for r in 0..rows {
+        for c in 0..i {
+            let (q, j) = (c / 8, c % 8);
+            out[r * 16 * blocks + 16 * q + j] = gate[r * i + c];
+            out[r * 16 * blocks + 16 * q + 8 + j] = up[r * i + c];
+        }
+    }
+    out
+}
+
 /// The model's weights as the step computes with them (already rounded by
 /// `[model] weight_dtype`, as the CPU reference's are).
 pub fn step_model(model: &Model) -> StepModel {
@@ -71,7 +88,7 @@ pub fn step_model(model: &Model) -> StepModel {
                 attn_norm: lw.attn_norm.clone(),
                 mlp_norm: lw.mlp_norm.clone(),
                 mixer,
-                gate_up: StepMat::plain(hid, 2 * i, side_by_side(hid, &[(&lw.gate, i), (&lw.up, i)])),
+                gate_up: StepMat::plain(hid, 16 * i.div_ceil(8), interleave_gate_up(hid, i, &lw.gate, &lw.up)),
                 down: StepMat::units(i, hid, d.mlp_units(), lw.down.clone()),
             }
         })

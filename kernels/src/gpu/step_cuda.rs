@@ -21,7 +21,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaModule, CudaStrea
 use crate::dtype::StorageDtype;
 use crate::error::{KernelError, Result};
 use crate::step::{
-    DecodeStep, StepMat, StepMixer, StepRequest, StepSpec, TickLayout, bucket_of, pack_weight, plane_len,
+    DecodeStep, KernelTime, StepMat, StepMixer, StepRequest, StepSpec, TickLayout, bucket_of, pack_weight, plane_len,
 };
 
 fn dev(op: &'static str) -> impl Fn(DriverError) -> KernelError {
@@ -95,7 +95,7 @@ struct Launch {
     args: Vec<Arg>,
 }
 
-/// What a product's segment sum feeds (`st_reduce`'s modes).
+/// What a product's segment sum feeds (`st_mm`'s modes).
 #[derive(Clone, Copy)]
 enum Epi {
     /// `out[m * ldo + g * gcol + n] = sum`.
@@ -128,7 +128,6 @@ struct DevMat {
 
 struct Funcs {
     mm: CudaFunction,
-    reduce: CudaFunction,
     embed: CudaFunction,
     rms_pack: CudaFunction,
     gnorm_pack: CudaFunction,
@@ -138,8 +137,20 @@ struct Funcs {
     cursor: CudaFunction,
     mla_prep: CudaFunction,
     mla_part: CudaFunction,
+    mla_part_tc: CudaFunction,
     mla_merge: CudaFunction,
 }
+
+/// Dynamic shared memory of `st_mm` for a product over `m` rows (double
+/// buffered A chunks of ST_KC k-steps, two planes, up to 8 row tiles).
+fn mm_smem(m: usize) -> u32 {
+    (2 * 2 * m.div_ceil(16).min(8) * 4 * 512) as u32
+}
+
+/// The largest st_mm shared memory (8 row tiles), opted in at build.
+const MM_SMEM_MAX: u32 = 2 * 2 * 8 * 4 * 512;
+/// MLA_TC_SMEM(8) of mla.hip: the tensor-core partial's shared memory.
+const MLA_TC_SMEM8: u32 = (((8 * 8 + 8) * 20 + 8) * 8 + 2 * 16 * 576 * 4) as u32;
 
 /// The captured graph of one bucket (cudarc's graph is not Send; the step is
 /// used by one thread at a time, through `&mut`).
@@ -233,7 +244,6 @@ impl CudaStep {
         };
         let f = Funcs {
             mm: get("st_mm")?,
-            reduce: get("st_reduce")?,
             embed: get("st_embed")?,
             rms_pack: get("st_rms_pack")?,
             gnorm_pack: get("st_gnorm_pack")?,
@@ -243,8 +253,13 @@ impl CudaStep {
             cursor: get("st_cursor")?,
             mla_prep: get("st_mla_prep")?,
             mla_part: get("st_mla_part")?,
+            mla_part_tc: get("st_mla_part_tc")?,
             mla_merge: get("st_mla_merge")?,
         };
+        for (func, bytes, what) in [(&f.mm, MM_SMEM_MAX, "st_mm"), (&f.mla_part_tc, MLA_TC_SMEM8, "st_mla_part_tc")] {
+            func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
+                .map_err(|e| KernelError::BackendUnavailable(format!("cuda: cannot give {what} {bytes} bytes of shared memory: {e}")))?;
+        }
         let m = &spec.model;
         let p = &spec.place;
         let bmax = spec.options.max_batch;
@@ -380,6 +395,8 @@ impl CudaStep {
             }
         }
         let part_len = all_mats.iter().map(|w| w.segments * w.groups * mp * w.nt * 16).max().unwrap_or(0);
+        // One counter a (group, column block, M-block) of the widest product.
+        let counters_len = all_mats.iter().map(|w| w.groups * w.nt.div_ceil(8) * mp.div_ceil(128)).max().unwrap_or(1);
         // The widest A operand any product reads (inner dimensions padded).
         let k_max = all_mats.iter().filter(|w| w.groups == 1).map(|w| w.kt * 16).max().unwrap_or(16);
         let dkt = lm_head.kt; // every product of a normed hidden state: [hidden, *]
@@ -395,6 +412,7 @@ impl CudaStep {
         let a_mid = arena.alloc(planes_a * mp * k_max * 2)?;
         let proj = arena.alloc(mp * proj_n.max(1) * 4)?;
         let part = arena.alloc(part_len * 4)?;
+        let counters = arena.alloc(counters_len * 4)?;
         let cv = arena.alloc(mp * c.max(1) * 4)?;
         let o_buf = arena.alloc(mp * (h * dv).max(1) * 4)?;
         let q_lat = arena.alloc(mp * (hm * w_row).max(1) * 4)?;
@@ -412,7 +430,16 @@ impl CudaStep {
         // ---- kernel attributes ----------------------------------------------
         let kda_nw = dk.div_ceil(16);
         let kda_threads = (kda_nw * 32) as u32;
-        let kda_smem = ((4 * kda_nw * 16 + 2 * kda_nw * 64 + 2 * kda_nw) * 4) as u32;
+        let kpad = kda_nw * 16;
+        let replay_smem = if m.replay > 0 { 16 * (2 * kpad + 64) + kpad } else { 0 };
+        let kda_smem = ((4 * kpad + 2 * kda_nw * 64 + 2 * kda_nw + replay_smem) * 4) as u32;
+        if kda_smem > 48 * 1024 {
+            f.kda
+                .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, kda_smem as i32)
+                .map_err(|e| KernelError::InvalidShape { op, reason: format!("the KDA step needs {kda_smem} bytes of shared memory: {e}") })?;
+        }
+        // The tensor-core MLA partial: K3's rows in 16-bit, 8 heads of one TP group a block.
+        let mla_tc = ll == 512 && rr == 64 && ((hm / tp.max(1)) * p.dcp).is_multiple_of(8) && m.cache != StorageDtype::F32;
         let mla_nw = 8usize;
         let mla_smem = ((w_row + mla_nw * ll + 2 * mla_nw) * 8) as u32;
         if mla_smem > 48 * 1024 {
@@ -438,9 +465,9 @@ impl CudaStep {
         for &bp in &buckets {
             let mut list: Vec<Launch> = Vec::new();
             let fun = |x: &CudaFunction| x.cu_function();
-            // GEMM over bp rows: A (packed, k tiles w.kt) times w into part, then
-            // the segment sum into what `epi` says.
-            let gemm = |list: &mut Vec<Launch>, a: u64, w: &DevMat, epi: Epi| {
+            // One product over bp rows: A (packed, k tiles w.kt) times w, the
+            // segment sum and what `epi` says, in one launch (st_mm).
+            let gemm = |list: &mut Vec<Launch>, name: &'static str, a: u64, w: &DevMat, epi: Epi| {
                 let a_plane = (mp * w.kt * 16 / 8) as i64; // uint4 units
                 let a_group = planes_a as i64 * a_plane;
                 let w_plane = (w.plane / 8) as i64;
@@ -448,12 +475,18 @@ impl CudaStep {
                 let ldp = w.nt * 16;
                 let part_group = (mp * ldp) as i64;
                 let part_seg = w.groups as i64 * part_group;
+                let (mode, ncols, out, ldo, gcol, apack, akt, uw, uwp) = match epi {
+                    Epi::Store { out, ldo, gcol } => (0, w.cols, out, ldo, gcol, 0, 1, 1, 1),
+                    Epi::Resid { out, ldo } => (1, w.cols, out, ldo, 0, 0, 1, 1, 1),
+                    Epi::Swiglu { a, akt, uw, uwp, n } => (2, n, 0, 0, 0, a, akt, uw, uwp),
+                    Epi::Pack { a, akt, gcol } => (3, w.cols, 0, 0, gcol, a, akt, 1, 1),
+                };
                 list.push(Launch {
                     f: fun(&f.mm),
-                    name: "st_mm",
-                    grid: (w.nt.div_ceil(4) as u32, (w.segments * w.groups) as u32, bp.div_ceil(64) as u32),
-                    block: 128,
-                    smem: 0,
+                    name,
+                    grid: (w.nt.div_ceil(8) as u32, (w.segments * w.groups) as u32, bp.div_ceil(128) as u32),
+                    block: 256,
+                    smem: mm_smem(bp),
                     args: vec![
                         Arg::P(a),
                         Arg::L(a_plane),
@@ -465,42 +498,19 @@ impl CudaStep {
                         Arg::L(part_seg),
                         Arg::L(part_group),
                         Arg::I(ldp as i32),
+                        Arg::P(counters),
                         Arg::I(bp as i32),
                         Arg::I(w.nt as i32),
                         Arg::I(w.kt as i32),
                         Arg::I(w.segments as i32),
                         Arg::I(terms),
-                    ],
-                });
-                // (mode, n, out, ldo, gcol, apack, akt, uw, uwp)
-                let (mode, n, out, ldo, gcol, apack, akt, uw, uwp) = match epi {
-                    Epi::Store { out, ldo, gcol } => (0, w.cols, out, ldo, gcol, 0, 1, 1, 1),
-                    Epi::Resid { out, ldo } => (1, w.cols, out, ldo, 0, 0, 1, 1, 1),
-                    Epi::Swiglu { a, akt, uw, uwp, n } => (2, n, 0, 0, 0, a, akt, uw, uwp),
-                    Epi::Pack { a, akt, gcol } => (3, w.cols, 0, 0, gcol, a, akt, 1, 1),
-                };
-                list.push(Launch {
-                    f: fun(&f.reduce),
-                    name: "st_reduce",
-                    grid: ew(w.groups * bp * n),
-                    block: 256,
-                    smem: 0,
-                    args: vec![
-                        Arg::P(part),
-                        Arg::L(part_seg),
-                        Arg::L(part_group),
-                        Arg::I(ldp as i32),
-                        Arg::I(bp as i32),
-                        Arg::I(n as i32),
-                        Arg::I(w.segments as i32),
-                        Arg::I(w.groups as i32),
                         Arg::I(mode),
+                        Arg::I(ncols as i32),
                         Arg::P(out),
                         Arg::I(ldo as i32),
                         Arg::I(gcol as i32),
                         Arg::P(apack),
                         Arg::L((mp * akt * 16) as i64),
-                        Arg::I(planes_a as i32),
                         Arg::I(akt as i32),
                         Arg::I(uw as i32),
                         Arg::I(uwp as i32),
@@ -542,7 +552,7 @@ impl CudaStep {
                         let (_, at, conv_at) = kda_rows[ki];
                         ki += 1;
                         let n_in = in_proj.cols;
-                        gemm(&mut list, a_in, in_proj, Epi::Store { out: proj, ldo: n_in, gcol: 0 });
+                        gemm(&mut list, "mm kda.in", a_in, in_proj, Epi::Store { out: proj, ldo: n_in, gcol: 0 });
                         list.push(Launch {
                             f: fun(&f.conv),
                             name: "st_conv",
@@ -618,13 +628,13 @@ impl CudaStep {
                                 Arg::F(eps),
                             ],
                         });
-                        gemm(&mut list, a_mid, wo, Epi::Resid { out: h_buf, ldo: d });
+                        gemm(&mut list, "mm kda.o", a_mid, wo, Epi::Resid { out: h_buf, ldo: d });
                     }
                     LayerDev::Mla { in_proj, kv_norm, wuk, wuv, wo } => {
                         let (_, at) = mla_rows[mi];
                         mi += 1;
                         let n_in = in_proj.cols;
-                        gemm(&mut list, a_in, in_proj, Epi::Store { out: proj, ldo: n_in, gcol: 0 });
+                        gemm(&mut list, "mm mla.in", a_in, in_proj, Epi::Store { out: proj, ldo: n_in, gcol: 0 });
                         list.push(Launch {
                             f: fun(&f.mla_prep),
                             name: "st_mla_prep",
@@ -662,37 +672,50 @@ impl CudaStep {
                             ],
                         });
                         // q_lat[:, h, :L] = q_nope_h . W_UK[h]
-                        gemm(&mut list, aq, wuk, Epi::Store { out: q_lat, ldo: hm * w_row, gcol: w_row });
-                        list.push(Launch {
-                            f: fun(&f.mla_part),
-                            name: "st_mla_part",
-                            grid: ((bp * p.dcp * maxc) as u32, hm as u32, 1),
-                            block: (mla_nw * 32) as u32,
-                            smem: mla_smem,
-                            args: vec![
-                                Arg::P(q_lat),
-                                Arg::P(tick_dev),
-                                Arg::I(lay.pos() as i32),
-                                Arg::I(lay.blk() as i32),
-                                Arg::I(lay.maxblk as i32),
-                                Arg::I(bmax as i32),
-                                Arg::I(p.dcp as i32),
-                                Arg::I(p.interleave as i32),
-                                Arg::I(p.block_size as i32),
-                                Arg::I(hg as i32),
-                                Arg::P(tab(at)),
-                                Arg::L(mla_stride),
-                                Arg::I(p.token_bytes as i32),
-                                Arg::I(dt),
-                                Arg::P(parts),
-                                Arg::I(maxc as i32),
-                                Arg::I(chunk as i32),
-                                Arg::I(hm as i32),
-                                Arg::I(ll as i32),
-                                Arg::I(w_row as i32),
-                                Arg::D(m.mla_scale as f64),
-                            ],
-                        });
+                        gemm(&mut list, "mm mla.wuk", aq, wuk, Epi::Store { out: q_lat, ldo: hm * w_row, gcol: w_row });
+                        let tick_args = [
+                            Arg::P(q_lat),
+                            Arg::P(tick_dev),
+                            Arg::I(lay.pos() as i32),
+                            Arg::I(lay.blk() as i32),
+                            Arg::I(lay.maxblk as i32),
+                            Arg::I(bmax as i32),
+                            Arg::I(p.dcp as i32),
+                            Arg::I(p.interleave as i32),
+                            Arg::I(p.block_size as i32),
+                            Arg::I(hg as i32),
+                            Arg::P(tab(at)),
+                            Arg::L(mla_stride),
+                            Arg::I(p.token_bytes as i32),
+                            Arg::I(dt),
+                            Arg::P(parts),
+                            Arg::I(maxc as i32),
+                            Arg::I(chunk as i32),
+                            Arg::I(hm as i32),
+                        ];
+                        if mla_tc {
+                            let mut args = tick_args.to_vec();
+                            args.push(Arg::D(m.mla_scale as f64));
+                            list.push(Launch {
+                                f: fun(&f.mla_part_tc),
+                                name: "st_mla_part_tc",
+                                grid: ((bp * p.dcp * maxc) as u32, (hm / 8) as u32, 1),
+                                block: 256,
+                                smem: MLA_TC_SMEM8,
+                                args,
+                            });
+                        } else {
+                            let mut args = tick_args.to_vec();
+                            args.extend([Arg::I(ll as i32), Arg::I(w_row as i32), Arg::D(m.mla_scale as f64)]);
+                            list.push(Launch {
+                                f: fun(&f.mla_part),
+                                name: "st_mla_part",
+                                grid: ((bp * p.dcp * maxc) as u32, hm as u32, 1),
+                                block: (mla_nw * 32) as u32,
+                                smem: mla_smem,
+                                args,
+                            });
+                        }
                         list.push(Launch {
                             f: fun(&f.mla_merge),
                             name: "st_mla_merge",
@@ -717,17 +740,17 @@ impl CudaStep {
                             ],
                         });
                         // y[:, h * dvh ..] = o_lat_h . W_UV[h], packed for o_proj (a head a unit).
-                        gemm(&mut list, ao, wuv, Epi::Pack { a: a_mid, akt: wo.kt, gcol: wo.unit_padded });
-                        gemm(&mut list, a_mid, wo, Epi::Resid { out: h_buf, ldo: d });
+                        gemm(&mut list, "mm mla.wuv", ao, wuv, Epi::Pack { a: a_mid, akt: wo.kt, gcol: wo.unit_padded });
+                        gemm(&mut list, "mm mla.o", a_mid, wo, Epi::Resid { out: h_buf, ldo: d });
                     }
                 }
                 rms_pack(&mut list, l.mlp_norm, a_in);
                 let dn_ = &l.down;
-                gemm(&mut list, a_in, &l.gate_up, Epi::Swiglu { a: a_mid, akt: dn_.kt, uw: dn_.unit, uwp: dn_.unit_padded, n: inter });
-                gemm(&mut list, a_mid, &l.down, Epi::Resid { out: h_buf, ldo: d });
+                gemm(&mut list, "mm mlp.gate_up", a_in, &l.gate_up, Epi::Swiglu { a: a_mid, akt: dn_.kt, uw: dn_.unit, uwp: dn_.unit_padded, n: inter });
+                gemm(&mut list, "mm mlp.down", a_mid, &l.down, Epi::Resid { out: h_buf, ldo: d });
             }
             rms_pack(&mut list, final_norm, a_in);
-            gemm(&mut list, a_in, &lm_head, Epi::Store { out: logits_dev, ldo: v, gcol: 0 });
+            gemm(&mut list, "mm lm_head", a_in, &lm_head, Epi::Store { out: logits_dev, ldo: v, gcol: 0 });
             list.push(Launch {
                 f: fun(&f.argmax),
                 name: "st_argmax",
@@ -885,12 +908,44 @@ impl DecodeStep for CudaStep {
     fn launches(&self) -> usize {
         self.lists.get(self.buckets.last().unwrap_or(&1)).map_or(0, |l| l.len())
     }
+
+    fn profile(&mut self, batch: &[StepRequest<'_>]) -> Result<Vec<KernelTime>> {
+        let op = "decode_step profile";
+        let bp = bucket_of(&self.buckets, batch.len().max(1))
+            .ok_or_else(|| KernelError::InvalidShape { op, reason: format!("a batch of {} requests", batch.len()) })?;
+        self.lay.fill(batch, self.vocab, self.max_context, self.slots, self.blocks, self.block_size, &mut self.tick_host)?;
+        self.ctx.bind_to_thread().map_err(dev(op))?;
+        // SAFETY: tick_dev holds lay.len() i32s.
+        unsafe { result::memcpy_htod_async(self.tick_dev, &self.tick_host, self.stream.cu_stream()) }.map_err(dev(op))?;
+        let list = self.lists.get(&bp).ok_or_else(|| KernelError::InvalidShape { op, reason: format!("no bucket {bp}") })?;
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let mut events = Vec::with_capacity(list.len() + 1);
+        events.push(self.stream.record_event(flags).map_err(dev(op))?);
+        for l in list {
+            launch_all(&self.ctx, &self.stream, std::slice::from_ref(l))?;
+            events.push(self.stream.record_event(flags).map_err(dev(op))?);
+        }
+        self.stream.synchronize().map_err(dev(op))?;
+        let mut out: Vec<KernelTime> = Vec::new();
+        for (i, l) in list.iter().enumerate() {
+            let us = events[i].elapsed_ms(&events[i + 1]).map_err(dev(op))? as f64 * 1e3;
+            match out.iter_mut().find(|k| k.name == l.name) {
+                Some(k) => {
+                    k.launches += 1;
+                    k.us += us;
+                }
+                None => out.push(KernelTime { name: l.name, launches: 1, us }),
+            }
+        }
+        out.sort_by(|a, b| b.us.total_cmp(&a.us));
+        Ok(out)
+    }
 }
 
 /// The step's tensor-core product on its own, for checks and timings
 /// (`cuda_check`): `x` `[m, w.inner]` (row-major f32) times `w` with `terms`
 /// products a k-step (1: x rounded to bf16, as a plain bf16 matmul; 2 and 3 as
-/// the model runs them), the segments summed by `st_reduce`. Returns the
+/// the model runs them), the segments summed in the same launch. Returns the
 /// product `[m, w.cols]` and the mean device time of `reps` runs in
 /// microseconds (partials and sum; events around back-to-back runs).
 #[allow(clippy::too_many_arguments)]
@@ -910,8 +965,9 @@ pub(crate) fn tc_matmul(
     if x.len() != m * w.inner || w.groups != 1 || m == 0 || !(1..=3).contains(&terms) || (terms == 3 && dtype.planes() < 2) {
         return Err(KernelError::InvalidShape { op, reason: format!("x of {} values for [{m} x {}], {} groups, {terms} terms", x.len(), w.inner, w.groups) });
     }
-    let get = |name: &str| module.load_function(name).map_err(|e| KernelError::BackendUnavailable(format!("cuda: kernel {name} missing: {e}")));
-    let (f_mm, f_red) = (get("st_mm")?, get("st_reduce")?);
+    let f_mm = module.load_function("st_mm").map_err(|e| KernelError::BackendUnavailable(format!("cuda: kernel st_mm missing: {e}")))?;
+    f_mm.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, MM_SMEM_MAX as i32)
+        .map_err(|e| KernelError::BackendUnavailable(format!("cuda: st_mm shared memory: {e}")))?;
     let mp = r16(m);
     let (kt, nt) = (w.kt(), w.nt());
     let plane = mp * kt * 16;
@@ -931,9 +987,11 @@ pub(crate) fn tc_matmul(
     let ldp = nt * 16;
     let part_group = mp * ldp;
     let part = arena.alloc(w.segments * part_group * 4)?;
+    let counters = arena.alloc(nt.div_ceil(8) * mp.div_ceil(128) * 4)?;
     let out = arena.alloc(m * w.cols * 4)?;
     let w_plane = plane_len(w) / 8;
-    let args_mm = [
+    let n = m * w.cols;
+    let args = vec![
         Arg::P(a_dev),
         Arg::L((plane / 8) as i64),
         Arg::L((2 * plane / 8) as i64),
@@ -944,23 +1002,14 @@ pub(crate) fn tc_matmul(
         Arg::L(part_group as i64),
         Arg::L(part_group as i64),
         Arg::I(ldp as i32),
+        Arg::P(counters),
         Arg::I(m as i32),
         Arg::I(nt as i32),
         Arg::I(kt as i32),
         Arg::I(w.segments as i32),
         Arg::I(terms as i32),
-    ];
-    let n = m * w.cols;
-    let args_red = [
-        Arg::P(part),
-        Arg::L(part_group as i64),
-        Arg::L(part_group as i64),
-        Arg::I(ldp as i32),
-        Arg::I(m as i32),
-        Arg::I(w.cols as i32),
-        Arg::I(w.segments as i32),
-        Arg::I(1),
         Arg::I(0),
+        Arg::I(w.cols as i32),
         Arg::P(out),
         Arg::I(w.cols as i32),
         Arg::I(0),
@@ -969,12 +1018,15 @@ pub(crate) fn tc_matmul(
         Arg::I(1),
         Arg::I(1),
         Arg::I(1),
-        Arg::I(1),
     ];
-    let list = [
-        Launch { f: f_mm.cu_function(), name: "st_mm", grid: (nt.div_ceil(4) as u32, w.segments as u32, m.div_ceil(64) as u32), block: 128, smem: 0, args: args_mm.to_vec() },
-        Launch { f: f_red.cu_function(), name: "st_reduce", grid: (n.div_ceil(256).clamp(1, 4096) as u32, 1, 1), block: 256, smem: 0, args: args_red.to_vec() },
-    ];
+    let list = [Launch {
+        f: f_mm.cu_function(),
+        name: "st_mm",
+        grid: (nt.div_ceil(8) as u32, w.segments as u32, m.div_ceil(128) as u32),
+        block: 256,
+        smem: mm_smem(m),
+        args,
+    }];
     let run = || launch_all(ctx, stream, &list);
     run()?;
     stream.synchronize().map_err(dev(op))?;
