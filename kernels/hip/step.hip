@@ -104,33 +104,110 @@ static __device__ __forceinline__ float st_ld_cg(const float* p) {
 #endif
 }
 
-// out = A . W for G groups (group g: A_g [M, 16 KT] and W_g [16 KT, 16 nt16]),
-// then what the product feeds (mode):
+// What a product's sums feed (mode), one output element at a time:
 //   0 store     out[m * ldo + g * gcol + n] = sum
 //   1 residual  out[m * ldo + n] += sum            (h = h + the all-reduce)
 //   2 swiglu    the weight's columns interleave gate and up in blocks of 8
-//               (tile t: gate of channels 8t .. 8t + 7, then their up):
-//               silu(gate) * up -> A operand (m, channel) of the next product,
-//               channel c placed in MLP unit c / uw padded to uwp (ncols: channels)
+//               (tile t: gate of channels 8t .. 8t + 7, then their up); for
+//               channel n: silu(gate) * up -> A operand (m, n) of the next
+//               product, channel n placed in MLP unit n / uw padded to uwp
 //   3 pack      sum -> A operand (m, g * gcol + n) of the next product
-//
-// A block owns 8 column tiles of 16 (one a warp) of one segment of one group
-// for up to 128 rows (8 row tiles, the block's M-block). It walks its
-// segment's k-steps in chunks of ST_KC: the chunk's A tiles go to shared
-// memory (cp.async, double buffered, shared by the 8 warps), each warp's
-// weight tiles come straight from global memory one chunk ahead, and every
-// k-step is 1 to 3 tensor-core products per (row tile, 8 columns) in a fixed
-// order. The block writes its segment's partial sums; the last of the S
-// blocks of a column group to finish (a counter) adds the S partials in
-// segment order and applies the mode, then resets the counter for the next
-// launch. So a product is one launch, and every output element is the same
-// sum in the same order whatever M, the tiling or which block came last.
-// Launch: grid (ceil(nt16 / 8), S * G, ceil(M / 128)); block 256; dynamic
-// shared memory 2 * planes * mrows * ST_KC * 512 bytes (mrows: row tiles of
-// the first M-block, planes: 2 when terms >= 2). Pointers and strides of A and
-// W in 16-byte units.
-#define ST_KC 4
-extern "C" __global__ void __launch_bounds__(256, 1) st_mm(
+// The sum of element (m, col) is its S segment partials added in segment
+// order: p_0 + p_1 + ... (st_seg_sum), whichever kernel adds them.
+struct StEpi {
+    int mode;
+    float* out;
+    int ldo, gcol;
+    unsigned short* ap;
+    hk_i64 ap_plane;
+    int akt, uw, uwp;
+};
+
+// The partials of one element, in segment order, eight loads in flight.
+static __device__ __forceinline__ float st_seg_sum(const float* q, hk_i64 seg, int S) {
+    float v = st_ld_cg(q);
+    int x = 1;
+    for (; x + 8 <= S; x += 8) {
+        float t[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) t[i] = st_ld_cg(q + (hk_i64)(x + i) * seg);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v += t[i];
+    }
+    for (; x < S; ++x) v += st_ld_cg(q + (hk_i64)x * seg);
+    return v;
+}
+
+// Element (row r, column or channel n) of group g: its sum(s) and what the mode does.
+static __device__ __forceinline__ void st_finish(
+    const float* pg, hk_i64 part_seg, int ldp, int S, int r, int n, int g, const StEpi& e)
+{
+    if (e.mode == 2) {
+        const int col = (n / 8) * 16 + n % 8;
+        const float* q = pg + (hk_i64)r * ldp + col;
+        const float gv = st_seg_sum(q, part_seg, S);
+        const float uv = st_seg_sum(q + 8, part_seg, S);
+        st_pack(e.ap, e.ap_plane, 2, r, (n / e.uw) * e.uwp + n % e.uw, e.akt, hk_silu(gv) * uv);
+        return;
+    }
+    const float v = st_seg_sum(pg + (hk_i64)r * ldp + n, part_seg, S);
+    if (e.mode == 0) {
+        e.out[(hk_i64)r * e.ldo + (hk_i64)g * e.gcol + n] = v;
+    } else if (e.mode == 1) {
+        float* o = e.out + (hk_i64)r * e.ldo + n;
+        *o = *o + v;
+    } else {
+        st_pack(e.ap, e.ap_plane, 2, r, g * e.gcol + n, e.akt, v);
+    }
+}
+
+// The k-steps of one segment for up to 8 row tiles and 16 columns: the same
+// products in the same order in every kernel below.
+#define ST_MMA_KSTEP(acc, ah, al, b_hi, b_lo, terms)         \
+    do {                                                      \
+        st_mma((acc)[0], (ah), (b_hi).x, (b_hi).y);           \
+        st_mma((acc)[1], (ah), (b_hi).z, (b_hi).w);           \
+        if ((terms) >= 2) {                                   \
+            st_mma((acc)[0], (al), (b_hi).x, (b_hi).y);       \
+            st_mma((acc)[1], (al), (b_hi).z, (b_hi).w);       \
+        }                                                     \
+        if ((terms) == 3) {                                   \
+            st_mma((acc)[0], (ah), (b_lo).x, (b_lo).y);       \
+            st_mma((acc)[1], (ah), (b_lo).z, (b_lo).w);       \
+        }                                                     \
+    } while (0)
+
+// A block's partial sums of 16-column tiles (one a warp) for rows
+// row0 .. row0 + 16 mts - 1 into part[s][g].
+static __device__ __forceinline__ void st_store_partials(
+    float* p, int ldp, int nt, int row0, int mts, const float (&acc)[8][2][4], int lane)
+{
+    const int gq = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < 8; ++mt) {
+        if (mt < mts) {
+            const int r0 = row0 + mt * 16 + gq;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int col = nt * 16 + h * 8 + 2 * t4;
+                *(float2*)(p + (hk_i64)r0 * ldp + col) = make_float2(acc[mt][h][0], acc[mt][h][1]);
+                *(float2*)(p + (hk_i64)(r0 + 8) * ldp + col) = make_float2(acc[mt][h][2], acc[mt][h][3]);
+            }
+        }
+    }
+}
+
+// Few rows (M <= 16, the memory-bound decode of small batches): a warp owns
+// one 16-column tile of one segment of one group, reads its A tile straight
+// from memory (L1 serves the block's 4 warps) and its weights 8 k-steps ahead
+// in registers, so enough bytes are in flight to read the weights at the copy
+// rate. The last of the S blocks of a column group to finish (a counter) adds
+// the S partials in segment order and applies the mode, then resets the
+// counter for the next launch: one launch a product.
+// Launch: grid (ceil(nt16 / 4), S * G); block 128. A and W pointers and
+// strides in 16-byte units; ncols: columns (channels for mode 2).
+#define ST_SK 8
+extern "C" __global__ void __launch_bounds__(128, 4) st_mm_few(
     const uint4* __restrict__ A, hk_i64 a_plane, hk_i64 a_group,
     const uint4* __restrict__ W, hk_i64 w_plane, hk_i64 w_group,
     float* __restrict__ part, hk_i64 part_seg, hk_i64 part_group, int ldp, unsigned* __restrict__ counters,
@@ -138,8 +215,80 @@ extern "C" __global__ void __launch_bounds__(256, 1) st_mm(
     int mode, int ncols, float* __restrict__ out, int ldo, int gcol,
     unsigned short* __restrict__ ap, hk_i64 ap_plane, int akt, int uw, int uwp)
 {
-    HK_DYN_SMEM(uint4, sA);
     __shared__ int s_last;
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int nt = blockIdx.x * 4 + (tid >> 5);
+    const bool active = nt < nt16;
+    const int s = blockIdx.y % S;
+    const int g = blockIdx.y / S;
+    const int seg = KT / S;
+    const int kt0 = s * seg;
+    const int kend = kt0 + seg;
+    const uint4* Wt = W + (hk_i64)g * w_group + (hk_i64)(active ? nt : 0) * KT * 32 + lane;
+    const uint4* At = A + (hk_i64)g * a_group + lane;
+    float acc[8][2][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[0][h][i] = 0.0f;
+    if (active) {
+        for (int kt = kt0; kt < kend; kt += ST_SK) {
+            uint4 bh[ST_SK], bl[ST_SK];
+#pragma unroll
+            for (int u = 0; u < ST_SK; ++u) {
+                if (kt + u < kend) {
+                    bh[u] = st_ld_stream(Wt + (hk_i64)(kt + u) * 32);
+                    if (terms == 3) bl[u] = st_ld_stream(Wt + w_plane + (hk_i64)(kt + u) * 32);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < ST_SK; ++u) {
+                if (kt + u < kend) {
+                    const uint4 ah = At[(hk_i64)(kt + u) * 32];
+                    const uint4 al = terms >= 2 ? At[a_plane + (hk_i64)(kt + u) * 32] : ah;
+                    ST_MMA_KSTEP(acc[0], ah, al, bh[u], bl[u], terms);
+                }
+            }
+        }
+        st_store_partials(part + (hk_i64)s * part_seg + (hk_i64)g * part_group, ldp, nt, 0, 1, acc, lane);
+    }
+    __threadfence();
+    __syncthreads();
+    unsigned* cnt = counters + (hk_i64)g * gridDim.x + blockIdx.x;
+    if (tid == 0) s_last = atomicAdd(cnt, 1u) == (unsigned)(S - 1);
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    const StEpi e{mode, out, ldo, gcol, ap, ap_plane, akt, uw, uwp};
+    const float* pg = part + (hk_i64)g * part_group;
+    const int per = mode == 2 ? 32 : 64;  // the block's columns (channels: 8 a tile)
+    const int n0 = blockIdx.x * per;
+    for (int x = tid; x < M * per; x += 128) {
+        const int r = x / per;
+        const int n = n0 + x % per;
+        if (n < ncols) st_finish(pg, part_seg, ldp, S, r, n, g, e);
+    }
+    if (tid == 0) *cnt = 0u;  // ready for the next launch
+}
+
+// Many rows (M > 16): a block owns 8 column tiles of 16 (one a warp) of one
+// segment of one group for up to 128 rows (8 row tiles, the block's
+// M-block), and walks the segment in chunks of ST_KC k-steps: the chunk's A
+// tiles go to shared memory (cp.async, double buffered, shared by the 8
+// warps), each warp's weights come straight from memory a chunk ahead. It
+// writes the segment's partial sums; st_reduce adds them.
+// Launch: grid (ceil(nt16 / 8), S * G, ceil(M / 128)); block 256; dynamic
+// shared memory 2 * planes * mrows * ST_KC * 512 bytes (mrows: row tiles of
+// the first M-block, planes: 2 when terms >= 2).
+#define ST_KC 4
+extern "C" __global__ void __launch_bounds__(256, 1) st_mm(
+    const uint4* __restrict__ A, hk_i64 a_plane, hk_i64 a_group,
+    const uint4* __restrict__ W, hk_i64 w_plane, hk_i64 w_group,
+    float* __restrict__ part, hk_i64 part_seg, hk_i64 part_group, int ldp,
+    int M, int nt16, int KT, int S, int terms)
+{
+    HK_DYN_SMEM(uint4, sA);
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
@@ -150,7 +299,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) st_mm(
     const int mb = blockIdx.z;
     const int rows = M - mb * 128;
     const int mts = rows >= 128 ? 8 : (rows + 15) >> 4;
-    const int mrows = M >= 128 ? 8 : (M + 15) >> 4;  // the smem layout's row tiles
+    const int mrows = M >= 128 ? 8 : (M + 15) >> 4;
     const int planes = terms >= 2 ? 2 : 1;
     const int seg = KT / S;
     const int kt0 = s * seg;
@@ -158,9 +307,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) st_mm(
     const int nchunks = (seg + ST_KC - 1) / ST_KC;
     const uint4* Ag = A + (hk_i64)g * a_group + (hk_i64)(mb * 8) * KT * 32;
     const uint4* Wt = W + (hk_i64)g * w_group + (hk_i64)(active ? nt : 0) * KT * 32 + lane;
-    const int chunk_tiles = planes * mrows * ST_KC;  // 512-byte tiles of one buffer
+    const int chunk_tiles = planes * mrows * ST_KC;
 
-    // Chunk c's A tiles -> buffer b (rows past the M-block's tiles are not read).
     auto load_a = [&](int c, int b) {
         uint4* dst = sA + (hk_i64)b * chunk_tiles * 32;
         const int n = planes * mts * ST_KC * 32;
@@ -218,17 +366,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) st_mm(
                     for (int mt = 0; mt < 8; ++mt) {
                         if (mt < mts) {
                             const uint4 ah = sa[((hk_i64)mt * ST_KC + kk) * 32];
-                            st_mma(acc[mt][0], ah, bh[kk].x, bh[kk].y);
-                            st_mma(acc[mt][1], ah, bh[kk].z, bh[kk].w);
-                            if (terms >= 2) {
-                                const uint4 al = sa[(((hk_i64)mrows + mt) * ST_KC + kk) * 32];
-                                st_mma(acc[mt][0], al, bh[kk].x, bh[kk].y);
-                                st_mma(acc[mt][1], al, bh[kk].z, bh[kk].w);
-                            }
-                            if (terms == 3) {
-                                st_mma(acc[mt][0], ah, bl[kk].x, bl[kk].y);
-                                st_mma(acc[mt][1], ah, bl[kk].z, bl[kk].w);
-                            }
+                            const uint4 al = terms >= 2 ? sa[(((hk_i64)mrows + mt) * ST_KC + kk) * 32] : ah;
+                            ST_MMA_KSTEP(acc[mt], ah, al, bh[kk], bl[kk], terms);
                         }
                     }
                 }
@@ -243,71 +382,25 @@ extern "C" __global__ void __launch_bounds__(256, 1) st_mm(
             }
         }
     }
+    if (active) st_store_partials(part + (hk_i64)s * part_seg + (hk_i64)g * part_group, ldp, nt, mb * 128, mts, acc, lane);
+}
 
-    // This segment's partial sums.
-    float* p = part + (hk_i64)s * part_seg + (hk_i64)g * part_group;
-    const int gq = lane >> 2, t4 = lane & 3;
-    if (active) {
-#pragma unroll
-        for (int mt = 0; mt < 8; ++mt) {
-            if (mt < mts) {
-                const int r0 = mb * 128 + mt * 16 + gq;
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int col = nt * 16 + h * 8 + 2 * t4;
-                    *(float2*)(p + (hk_i64)r0 * ldp + col) = make_float2(acc[mt][h][0], acc[mt][h][1]);
-                    *(float2*)(p + (hk_i64)(r0 + 8) * ldp + col) = make_float2(acc[mt][h][2], acc[mt][h][3]);
-                }
-            }
-        }
+// The segment sums of st_mm's partials and what they feed (StEpi), every
+// element of every group. Launch: grid-stride over G * M * ncols.
+extern "C" __global__ void st_reduce(
+    const float* __restrict__ part, hk_i64 part_seg, hk_i64 part_group, int ldp,
+    int M, int ncols, int S, int G,
+    int mode, float* __restrict__ out, int ldo, int gcol,
+    unsigned short* __restrict__ ap, hk_i64 ap_plane, int akt, int uw, int uwp)
+{
+    const StEpi e{mode, out, ldo, gcol, ap, ap_plane, akt, uw, uwp};
+    const hk_i64 total = (hk_i64)G * M * ncols;
+    for (hk_i64 x = (hk_i64)blockIdx.x * blockDim.x + threadIdx.x; x < total; x += (hk_i64)gridDim.x * blockDim.x) {
+        const int n = (int)(x % ncols);
+        const int r = (int)((x / ncols) % M);
+        const int g = (int)(x / ((hk_i64)ncols * M));
+        st_finish(part + (hk_i64)g * part_group, part_seg, ldp, S, r, n, g, e);
     }
-    // The last of the S blocks of this column group sums the partials.
-    __threadfence();
-    __syncthreads();
-    unsigned* cnt = counters + ((hk_i64)g * gridDim.x + blockIdx.x) * gridDim.z + mb;
-    if (tid == 0) s_last = atomicAdd(cnt, 1u) == (unsigned)(S - 1);
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-    const int nrow = rows < 128 ? rows : 128;
-    const int c0 = blockIdx.x * 128;
-    const float* pg = part + (hk_i64)g * part_group;
-    if (mode == 2) {
-        // 8 channels a tile: thread -> (row, tile, channel).
-        for (int e = tid; e < nrow * 64; e += 256) {
-            const int r = mb * 128 + e / 64;
-            const int tl = (e % 64) / 8;
-            const int j = e % 8;
-            const int col = c0 + tl * 16 + j;
-            const int ch = (blockIdx.x * 8 + tl) * 8 + j;
-            if (blockIdx.x * 8 + tl >= nt16 || ch >= ncols) continue;
-            const float* q = pg + (hk_i64)r * ldp + col;
-            float gv = st_ld_cg(q), uv = st_ld_cg(q + 8);
-            for (int x = 1; x < S; ++x) {
-                gv += st_ld_cg(q + (hk_i64)x * part_seg);
-                uv += st_ld_cg(q + (hk_i64)x * part_seg + 8);
-            }
-            st_pack(ap, ap_plane, 2, r, (ch / uw) * uwp + ch % uw, akt, hk_silu(gv) * uv);
-        }
-    } else {
-        for (int e = tid; e < nrow * 128; e += 256) {
-            const int r = mb * 128 + e / 128;
-            const int col = c0 + e % 128;
-            if (col >= ncols) continue;
-            const float* q = pg + (hk_i64)r * ldp + col;
-            float v = st_ld_cg(q);
-            for (int x = 1; x < S; ++x) v += st_ld_cg(q + (hk_i64)x * part_seg);
-            if (mode == 0) {
-                out[(hk_i64)r * ldo + (hk_i64)g * gcol + col] = v;
-            } else if (mode == 1) {
-                float* o = out + (hk_i64)r * ldo + col;
-                *o = *o + v;
-            } else {
-                st_pack(ap, ap_plane, 2, r, g * gcol + col, akt, v);
-            }
-        }
-    }
-    if (tid == 0) *cnt = 0u;  // ready for the next launch
 }
 
 // ---- embedding, norms, argmax ---------------------------------------------------------
@@ -490,11 +583,35 @@ static __device__ __forceinline__ void st_kda_rebuild(
     int w, int lane, int col0, int dk, int dv, int kpad, float* srec, float* stot)
 {
     const int tid = threadIdx.x;
+    const int per = 2 * kpad + ST_KDA_TILE;
+    // Records lo .. hi - 1 into shared memory: k^ (kpad), g (kpad), u (the tile's columns).
+    auto stage = [&](int lo, int hi) {
+#pragma unroll 4
+        for (int q = tid; q < (hi - lo) * per; q += blockDim.x) {
+            const int j = lo + q / per;
+            const int x = q % per;
+            const float* rj = rec0 + j * rstride;
+            float v = 0.0f;
+            if (x < kpad) {
+                if (x < dk) v = rj[x];
+            } else if (x < 2 * kpad) {
+                if (x - kpad < dk) v = rj[dk + dv + (x - kpad)];
+            } else {
+                const int jc = col0 + (x - 2 * kpad);
+                if (jc < dv) v = rj[dk + jc];
+            }
+            srec[(j - lo) * per + x] = v;
+        }
+        __syncthreads();
+    };
+    // One staging for the usual ring (every record fits), else ST_KDA_RC at a time.
+    const bool all = n <= ST_KDA_RC;
+    if (all && n > 0) stage(0, n);
     // G over every record, oldest first, one thread a key row.
     if (tid < kpad) {
         float total = 0.0f;
         if (tid < dk) {
-            for (int j = 0; j < n; ++j) total += rec0[j * rstride + dk + dv + tid];
+            for (int j = 0; j < n; ++j) total += all ? srec[j * per + kpad + tid] : rec0[j * rstride + dk + dv + tid];
             if (local) total += gl[tid];
         }
         stot[tid] = total;
@@ -520,26 +637,12 @@ static __device__ __forceinline__ void st_kda_rebuild(
             }
         }
     }
-    const int per = 2 * kpad + ST_KDA_TILE;
     for (int hi = n; hi > 0; hi -= ST_KDA_RC) {
         const int lo = hi > ST_KDA_RC ? hi - ST_KDA_RC : 0;
-        __syncthreads();  // the previous records are consumed
-        for (int q = tid; q < (hi - lo) * per; q += blockDim.x) {
-            const int j = lo + q / per;
-            const int x = q % per;
-            const float* rj = rec0 + j * rstride;
-            float v = 0.0f;
-            if (x < kpad) {
-                if (x < dk) v = rj[x];
-            } else if (x < 2 * kpad) {
-                if (x - kpad < dk) v = rj[dk + dv + (x - kpad)];
-            } else {
-                const int jc = col0 + (x - 2 * kpad);
-                if (jc < dv) v = rj[dk + jc];
-            }
-            srec[(j - lo) * per + x] = v;
+        if (!all) {
+            __syncthreads();  // the previous records are consumed
+            stage(lo, hi);
         }
-        __syncthreads();
         for (int j = hi - 1; j >= lo; --j) {
             const float* rj = srec + (j - lo) * per;
             float uu[ST_KDA_COLS];
@@ -557,6 +660,8 @@ static __device__ __forceinline__ void st_kda_rebuild(
             }
         }
     }
+    // The caller may reuse srec after the next barrier.
+    __syncthreads();
 }
 
 static __device__ __forceinline__ void st_kda_load(

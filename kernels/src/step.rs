@@ -483,7 +483,7 @@ impl TickLayout {
 
 impl StepSpec {
     /// Rows of a chunk of the MLA partials (each chunk one block per head).
-    pub const MLA_CHUNK: usize = 256;
+    pub const MLA_CHUNK: usize = 64;
 
     /// The batch buckets of this step.
     pub fn buckets(&self) -> Vec<usize> {

@@ -128,6 +128,8 @@ struct DevMat {
 
 struct Funcs {
     mm: CudaFunction,
+    mm_few: CudaFunction,
+    reduce: CudaFunction,
     embed: CudaFunction,
     rms_pack: CudaFunction,
     gnorm_pack: CudaFunction,
@@ -244,6 +246,8 @@ impl CudaStep {
         };
         let f = Funcs {
             mm: get("st_mm")?,
+            mm_few: get("st_mm_few")?,
+            reduce: get("st_reduce")?,
             embed: get("st_embed")?,
             rms_pack: get("st_rms_pack")?,
             gnorm_pack: get("st_gnorm_pack")?,
@@ -395,8 +399,8 @@ impl CudaStep {
             }
         }
         let part_len = all_mats.iter().map(|w| w.segments * w.groups * mp * w.nt * 16).max().unwrap_or(0);
-        // One counter a (group, column block, M-block) of the widest product.
-        let counters_len = all_mats.iter().map(|w| w.groups * w.nt.div_ceil(8) * mp.div_ceil(128)).max().unwrap_or(1);
+        // One counter a (group, column block) of the widest few-row product.
+        let counters_len = all_mats.iter().map(|w| w.groups * w.nt.div_ceil(4)).max().unwrap_or(1);
         // The widest A operand any product reads (inner dimensions padded).
         let k_max = all_mats.iter().filter(|w| w.groups == 1).map(|w| w.kt * 16).max().unwrap_or(16);
         let dkt = lm_head.kt; // every product of a normed hidden state: [hidden, *]
@@ -466,7 +470,9 @@ impl CudaStep {
             let mut list: Vec<Launch> = Vec::new();
             let fun = |x: &CudaFunction| x.cu_function();
             // One product over bp rows: A (packed, k tiles w.kt) times w, the
-            // segment sum and what `epi` says, in one launch (st_mm).
+            // segment sum and what `epi` says. Few rows (bp <= 16): one launch
+            // (st_mm_few sums the segments itself); more: st_mm's partials, then
+            // st_reduce. Both sum every element in the same order.
             let gemm = |list: &mut Vec<Launch>, name: &'static str, a: u64, w: &DevMat, epi: Epi| {
                 let a_plane = (mp * w.kt * 16 / 8) as i64; // uint4 units
                 let a_group = planes_a as i64 * a_plane;
@@ -481,41 +487,69 @@ impl CudaStep {
                     Epi::Swiglu { a, akt, uw, uwp, n } => (2, n, 0, 0, 0, a, akt, uw, uwp),
                     Epi::Pack { a, akt, gcol } => (3, w.cols, 0, 0, gcol, a, akt, 1, 1),
                 };
-                list.push(Launch {
-                    f: fun(&f.mm),
-                    name,
-                    grid: (w.nt.div_ceil(8) as u32, (w.segments * w.groups) as u32, bp.div_ceil(128) as u32),
-                    block: 256,
-                    smem: mm_smem(bp),
-                    args: vec![
-                        Arg::P(a),
-                        Arg::L(a_plane),
-                        Arg::L(a_group),
-                        Arg::P(w.addr),
-                        Arg::L(w_plane),
-                        Arg::L(w_group),
+                let operands = [
+                    Arg::P(a),
+                    Arg::L(a_plane),
+                    Arg::L(a_group),
+                    Arg::P(w.addr),
+                    Arg::L(w_plane),
+                    Arg::L(w_group),
+                    Arg::P(part),
+                    Arg::L(part_seg),
+                    Arg::L(part_group),
+                    Arg::I(ldp as i32),
+                ];
+                let shape = [Arg::I(bp as i32), Arg::I(w.nt as i32), Arg::I(w.kt as i32), Arg::I(w.segments as i32), Arg::I(terms)];
+                let epilogue = [
+                    Arg::I(mode),
+                    Arg::I(ncols as i32),
+                    Arg::P(out),
+                    Arg::I(ldo as i32),
+                    Arg::I(gcol as i32),
+                    Arg::P(apack),
+                    Arg::L((mp * akt * 16) as i64),
+                    Arg::I(akt as i32),
+                    Arg::I(uw as i32),
+                    Arg::I(uwp as i32),
+                ];
+                if bp <= 16 {
+                    let mut args = operands.to_vec();
+                    args.push(Arg::P(counters));
+                    args.extend(shape);
+                    args.extend(epilogue);
+                    list.push(Launch {
+                        f: fun(&f.mm_few),
+                        name,
+                        grid: (w.nt.div_ceil(4) as u32, (w.segments * w.groups) as u32, 1),
+                        block: 128,
+                        smem: 0,
+                        args,
+                    });
+                } else {
+                    let mut args = operands.to_vec();
+                    args.extend(shape);
+                    list.push(Launch {
+                        f: fun(&f.mm),
+                        name,
+                        grid: (w.nt.div_ceil(8) as u32, (w.segments * w.groups) as u32, bp.div_ceil(128) as u32),
+                        block: 256,
+                        smem: mm_smem(bp),
+                        args,
+                    });
+                    let mut args = vec![
                         Arg::P(part),
                         Arg::L(part_seg),
                         Arg::L(part_group),
                         Arg::I(ldp as i32),
-                        Arg::P(counters),
                         Arg::I(bp as i32),
-                        Arg::I(w.nt as i32),
-                        Arg::I(w.kt as i32),
-                        Arg::I(w.segments as i32),
-                        Arg::I(terms),
-                        Arg::I(mode),
                         Arg::I(ncols as i32),
-                        Arg::P(out),
-                        Arg::I(ldo as i32),
-                        Arg::I(gcol as i32),
-                        Arg::P(apack),
-                        Arg::L((mp * akt * 16) as i64),
-                        Arg::I(akt as i32),
-                        Arg::I(uw as i32),
-                        Arg::I(uwp as i32),
-                    ],
-                });
+                        Arg::I(w.segments as i32),
+                        Arg::I(w.groups as i32),
+                    ];
+                    args.push(epilogue[0]);
+                    args.extend_from_slice(&epilogue[2..]);
+                    list.push(Launch { f: fun(&f.reduce), name: "st_reduce", grid: ew(w.groups * bp * ncols), block: 256, smem: 0, args });
+                }
             };
             let rms_pack = |list: &mut Vec<Launch>, w: u64, a: u64| {
                 list.push(Launch {
@@ -965,7 +999,8 @@ pub(crate) fn tc_matmul(
     if x.len() != m * w.inner || w.groups != 1 || m == 0 || !(1..=3).contains(&terms) || (terms == 3 && dtype.planes() < 2) {
         return Err(KernelError::InvalidShape { op, reason: format!("x of {} values for [{m} x {}], {} groups, {terms} terms", x.len(), w.inner, w.groups) });
     }
-    let f_mm = module.load_function("st_mm").map_err(|e| KernelError::BackendUnavailable(format!("cuda: kernel st_mm missing: {e}")))?;
+    let get = |name: &str| module.load_function(name).map_err(|e| KernelError::BackendUnavailable(format!("cuda: kernel {name} missing: {e}")));
+    let (f_mm, f_few, f_red) = (get("st_mm")?, get("st_mm_few")?, get("st_reduce")?);
     f_mm.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, MM_SMEM_MAX as i32)
         .map_err(|e| KernelError::BackendUnavailable(format!("cuda: st_mm shared memory: {e}")))?;
     let mp = r16(m);
@@ -987,11 +1022,11 @@ pub(crate) fn tc_matmul(
     let ldp = nt * 16;
     let part_group = mp * ldp;
     let part = arena.alloc(w.segments * part_group * 4)?;
-    let counters = arena.alloc(nt.div_ceil(8) * mp.div_ceil(128) * 4)?;
+    let counters = arena.alloc(nt.div_ceil(4) * 4)?;
     let out = arena.alloc(m * w.cols * 4)?;
     let w_plane = plane_len(w) / 8;
     let n = m * w.cols;
-    let args = vec![
+    let operands = [
         Arg::P(a_dev),
         Arg::L((plane / 8) as i64),
         Arg::L((2 * plane / 8) as i64),
@@ -1002,31 +1037,36 @@ pub(crate) fn tc_matmul(
         Arg::L(part_group as i64),
         Arg::L(part_group as i64),
         Arg::I(ldp as i32),
-        Arg::P(counters),
-        Arg::I(m as i32),
-        Arg::I(nt as i32),
-        Arg::I(kt as i32),
-        Arg::I(w.segments as i32),
-        Arg::I(terms as i32),
-        Arg::I(0),
-        Arg::I(w.cols as i32),
-        Arg::P(out),
-        Arg::I(w.cols as i32),
-        Arg::I(0),
-        Arg::P(0),
-        Arg::L(0),
-        Arg::I(1),
-        Arg::I(1),
-        Arg::I(1),
     ];
-    let list = [Launch {
-        f: f_mm.cu_function(),
-        name: "st_mm",
-        grid: (nt.div_ceil(8) as u32, w.segments as u32, m.div_ceil(128) as u32),
-        block: 256,
-        smem: mm_smem(m),
-        args,
-    }];
+    let shape = [Arg::I(m as i32), Arg::I(nt as i32), Arg::I(kt as i32), Arg::I(w.segments as i32), Arg::I(terms as i32)];
+    // mode 0 (store), out [m, cols]
+    let store = [Arg::I(0), Arg::P(out), Arg::I(w.cols as i32), Arg::I(0), Arg::P(0), Arg::L(0), Arg::I(1), Arg::I(1), Arg::I(1)];
+    let list: Vec<Launch> = if m <= 16 {
+        let mut args = operands.to_vec();
+        args.push(Arg::P(counters));
+        args.extend(shape);
+        args.push(store[0]);
+        args.push(Arg::I(w.cols as i32));
+        args.extend_from_slice(&store[1..]);
+        vec![Launch { f: f_few.cu_function(), name: "st_mm_few", grid: (nt.div_ceil(4) as u32, w.segments as u32, 1), block: 128, smem: 0, args }]
+    } else {
+        let mut args = operands.to_vec();
+        args.extend(shape);
+        let mm = Launch { f: f_mm.cu_function(), name: "st_mm", grid: (nt.div_ceil(8) as u32, w.segments as u32, m.div_ceil(128) as u32), block: 256, smem: mm_smem(m), args };
+        let mut args = vec![
+            Arg::P(part),
+            Arg::L(part_group as i64),
+            Arg::L(part_group as i64),
+            Arg::I(ldp as i32),
+            Arg::I(m as i32),
+            Arg::I(w.cols as i32),
+            Arg::I(w.segments as i32),
+            Arg::I(1),
+        ];
+        args.extend(store);
+        let red = Launch { f: f_red.cu_function(), name: "st_reduce", grid: (n.div_ceil(256).clamp(1, 4096) as u32, 1, 1), block: 256, smem: 0, args };
+        vec![mm, red]
+    };
     let run = || launch_all(ctx, stream, &list);
     run()?;
     stream.synchronize().map_err(dev(op))?;
