@@ -290,7 +290,7 @@ fn compare(want: &Trace, got: &Trace, tolerance: f32, what: &str, worst: &mut (f
         );
     }
     if let Some((i, e)) = first_bad_logits {
-        msg += &format!(" logits diverged first at step {i} (relative error {e:.3e} > {tolerance:.0e});");
+        msg += &format!(" logits diverged first at step {i} (relative error {e:.3e} > {tolerance:.1e});");
     }
     msg += &format!(
         " max logit relative error {:.3e} at step {} of {} (step 0 = prefill)",

@@ -312,7 +312,7 @@ fn run(cli: Cli) -> Result<()> {
                         if r.bit_equal { "equals bit for bit" } else { "is within the tolerance of (not bit-equal to)" }
                     );
                     println!(
-                        "  against the CPU reference: greedy tokens equal{}, max logit relative error {:.2e} (limit {:.0e})",
+                        "  against the CPU reference: greedy tokens equal{}, max logit relative error {:.2e} (limit {:.1e})",
                         if r.near_ties.is_empty() { "" } else { " up to the near-ties below" },
                         r.device_rel_err,
                         handoff::compute_verify::device_tolerance(&topo)

@@ -617,14 +617,14 @@ static __device__ __forceinline__ void st_kda_rebuild(
         stot[tid] = total;
     }
     __syncthreads();
-    float suffix[ST_KDA_ROWS];
 #pragma unroll
     for (int r = 0; r < ST_KDA_ROWS; ++r) {
         const float e = expf(stot[w * ST_KDA_ROWS + r]);
-        suffix[r] = 0.0f;
 #pragma unroll
         for (int c = 0; c < ST_KDA_COLS; ++c) s[r][c] *= e;
     }
+    // Key row tid's suffix of g (records newer than the one applied next).
+    float suf = 0.0f;
     if (local) {
 #pragma unroll
         for (int r = 0; r < ST_KDA_ROWS; ++r) {
@@ -633,9 +633,9 @@ static __device__ __forceinline__ void st_kda_rebuild(
                 const float coef = kl[i];  // expf(0) * k
 #pragma unroll
                 for (int c = 0; c < ST_KDA_COLS; ++c) s[r][c] += coef * ul[c];
-                suffix[r] += gl[i];
             }
         }
+        if (tid < dk) suf = gl[tid];
     }
     for (int hi = n; hi > 0; hi -= ST_KDA_RC) {
         const int lo = hi > ST_KDA_RC ? hi - ST_KDA_RC : 0;
@@ -643,6 +643,17 @@ static __device__ __forceinline__ void st_kda_rebuild(
             __syncthreads();  // the previous records are consumed
             stage(lo, hi);
         }
+        // Each record's coefficient exp(G - G_j) k_j, newest first, one thread
+        // a key row (in place of k_j): every lane of a warp needs the same ones.
+        if (tid < dk) {
+            for (int j = hi - 1; j >= lo; --j) {
+                float* rj = srec + (j - lo) * per;
+                const float coef = expf(suf) * rj[tid];
+                suf += rj[kpad + tid];
+                rj[tid] = coef;
+            }
+        }
+        __syncthreads();
         for (int j = hi - 1; j >= lo; --j) {
             const float* rj = srec + (j - lo) * per;
             float uu[ST_KDA_COLS];
@@ -650,13 +661,9 @@ static __device__ __forceinline__ void st_kda_rebuild(
             for (int c = 0; c < ST_KDA_COLS; ++c) uu[c] = rj[2 * kpad + lane + HK_WARP * c];
 #pragma unroll
             for (int r = 0; r < ST_KDA_ROWS; ++r) {
-                const int i = w * ST_KDA_ROWS + r;
-                if (i < dk) {
-                    const float coef = expf(suffix[r]) * rj[i];
+                const float coef = rj[w * ST_KDA_ROWS + r];  // 0 past dk
 #pragma unroll
-                    for (int c = 0; c < ST_KDA_COLS; ++c) s[r][c] += coef * uu[c];
-                    suffix[r] += rj[kpad + i];
-                }
+                for (int c = 0; c < ST_KDA_COLS; ++c) s[r][c] += coef * uu[c];
             }
         }
     }
