@@ -8,6 +8,7 @@
 //! ./cuda_check --bench    # timings: KDA step vs device copy bandwidth, and more
 //! ./cuda_check --bench-mla   # the device copy and the MLA partial rows only
 //! ./cuda_check --bench-matmul   # the device copy and the fused step's tensor-core products only
+//! ./cuda_check --bench-mla --mla tc4:256   # another MLA partial kernel (scalar, tc4, tc8[:rows])
 //! ```
 //!
 //! For every op it draws fresh random inputs (SplitMix64, `--seed`), runs
@@ -819,12 +820,12 @@ fn checks(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
     Ok(())
 }
 
-/// The launch-saving paths (`CudaBackend::set_fused`) against the paths they
-/// replace, bit for bit, whatever HANDOFF_CUDA_UNITS says.
+/// The launch-saving paths (`CudaBackend::set_fused`, on by default) against
+/// the paths they replace, bit for bit.
 fn check_fused(gpu: &mut CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
     let cpu = CpuBackend::new();
     let mut r = SplitMix64::new(seed ^ 0x0F05_ED00);
-    let fused_default = std::env::var("HANDOFF_CUDA_UNITS").is_ok_and(|v| v.trim() == "fused");
+    let fused_default = true;
     {
         // Several products in one call (matmul_units): every product's bits are
         // those of matmul on its block alone (the one-by-one default); heads side
@@ -1004,9 +1005,8 @@ fn check_regions(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
         Copy2d { src: addr + 3, src_pitch: 1001, dst: dst + 820_001, dst_pitch: 1003, width: 999, height: 7 },
         Copy2d { src: addr + 9_000, src_pitch: 64, dst: dst + 820_500, dst_pitch: 64, width: 48, height: 40 },
         Copy2d { src: addr + 100_000, src_pitch: 70_000, dst: dst + 850_000, dst_pitch: 66_000, width: 65_600, height: 2 },
-        // A large contiguous copy (the copy engines under
-        // HANDOFF_CUDA_COPY=engines, else the table kernel), then a small copy
-        // over part of what it wrote (must come after it).
+        // A large contiguous copy (the table kernel: below the copy-engine
+        // size), then a small copy over part of what it wrote (must come after it).
         Copy2d { src: addr + (2 << 20), src_pitch: 4 << 20, dst: dst + (2 << 20), dst_pitch: 4 << 20, width: 4 << 20, height: 1 },
         Copy2d { src: addr + 100, src_pitch: 500, dst: dst + (2 << 20) + 1000, dst_pitch: 500, width: 500, height: 1 },
     ];
@@ -1044,9 +1044,8 @@ fn check_regions(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
 /// MLA DCP decode partial on K3's rows (f32 here, 576 wide), 8 heads per rank:
 /// rows read per second against the read half of the device copy. The rows
 /// are random (one request's block uploaded, copied to every request). The
-/// kernel is the backend's (`HANDOFF_CUDA_MLA`, printed).
-fn bench_mla(gpu: &CudaBackend, bw: f64, r: &mut SplitMix64) -> R<()> {
-    let kernel = std::env::var("HANDOFF_CUDA_MLA").unwrap_or_else(|_| "default".to_string());
+/// kernel is the backend's (`--mla`, printed).
+fn bench_mla(gpu: &CudaBackend, bw: f64, r: &mut SplitMix64, kernel: &str) -> R<()> {
     let shape = MlaShape { heads: 8, kv_lora_rank: 512, rope_dim: 64, scale: 1.0 / 192f32.sqrt() };
     for &(b, n) in &[(88usize, 8192usize), (88, 32768), (8, 8192), (1, 32768), (88, 131072)] {
         let wd = shape.row_width();
@@ -1113,7 +1112,7 @@ fn check_step_matmul(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
     Ok(())
 }
 
-fn bench(gpu: &mut CudaBackend, seed: u64, mla_only: bool, matmul_only: bool) -> R<()> {
+fn bench(gpu: &mut CudaBackend, seed: u64, mla_only: bool, matmul_only: bool, mla_kernel: &str) -> R<()> {
     println!();
     let copy_bytes = 1usize << 30;
     let bw = gpu.copy_bandwidth_gbs(copy_bytes, 20)?;
@@ -1127,7 +1126,7 @@ fn bench(gpu: &mut CudaBackend, seed: u64, mla_only: bool, matmul_only: bool) ->
         println!();
         println!("| kernel | shape | us/call | GB/s | of copy bw |");
         println!("|---|---|---|---|---|");
-        return bench_mla(gpu, bw, &mut r);
+        return bench_mla(gpu, bw, &mut r, mla_kernel);
     }
     println!();
     println!("| kernel | shape | us/step | state GB/s | of copy bw |");
@@ -1211,7 +1210,7 @@ fn bench(gpu: &mut CudaBackend, seed: u64, mla_only: bool, matmul_only: bool) ->
         println!("| kda_prefill (chunked) | T={t} H={h} 128x128 | {us:.0} per call | {:.2} M tok/s | - |", t as f64 / us);
     }
 
-    bench_mla(gpu, bw, &mut r)?;
+    bench_mla(gpu, bw, &mut r, mla_kernel)?;
 
     // Dense: a decode-sized and a prefill-sized matmul.
     for &(rows, inner, cols) in &[(1usize, 2048usize, 2048usize), (88, 2048, 2048), (1, 7168, 7168), (88, 7168, 7168), (4096, 4096, 4096)] {
@@ -1281,8 +1280,15 @@ fn main() -> ExitCode {
         gpu.device_name(),
         t0.elapsed().as_secs_f64() * 1e3
     );
+    let mla_kernel = args.iter().position(|a| a == "--mla").and_then(|i| args.get(i + 1)).cloned().unwrap_or_else(|| "default".to_string());
+    if mla_kernel != "default"
+        && let Err(e) = gpu.set_mla_kernel(&mla_kernel)
+    {
+        eprintln!("error: --mla {e}");
+        return ExitCode::from(2);
+    }
     if bench_mode {
-        return match bench(&mut gpu, seed, mla_only, matmul_only) {
+        return match bench(&mut gpu, seed, mla_only, matmul_only, &mla_kernel) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("error: {e}");

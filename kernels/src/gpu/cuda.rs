@@ -84,10 +84,9 @@ const MLA_MERGE_THREADS: u32 = 128;
 /// shapes always run the scalar `mla_partial_f64`. The choice changes bits
 /// (another chunking is another sum order) but never batch invariance: a
 /// request's chunks are its own rows. Default `tc8` (8 warps a block) with
-/// 512-row chunks, the fastest measured on the H200 at B = 88; the environment
-/// variable `HANDOFF_CUDA_MLA` (`scalar`, `tc4`, `tc8`, optionally `:<rows per
-/// chunk>`, a multiple of 16) overrides it at `CudaBackend::new`, for
-/// measuring the alternatives.
+/// 512-row chunks, the fastest measured on the H200 at B = 88;
+/// [`CudaBackend::set_mla_kernel`] picks another, for measuring the
+/// alternatives (`cuda_check --mla`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct MlaTc {
     /// Warps per block: 4 or 8; 0 = the scalar kernel.
@@ -98,24 +97,23 @@ struct MlaTc {
 
 const DEFAULT_MLA_TC: MlaTc = MlaTc { warps: 8, chunk: 512 };
 
-fn mla_tc_from_env() -> MlaTc {
-    let Ok(v) = std::env::var("HANDOFF_CUDA_MLA") else {
-        return DEFAULT_MLA_TC;
-    };
-    let (kind, chunk) = match v.split_once(':') {
-        Some((k, c)) => (k, c.trim().parse::<usize>().ok()),
-        None => (v.as_str(), None),
-    };
-    let warps = match kind.trim() {
-        "scalar" => 0,
-        "tc4" => 4,
-        "tc8" => 8,
-        _ => DEFAULT_MLA_TC.warps,
-    };
-    let chunk = chunk
-        .filter(|&c| c > 0 && c.is_multiple_of(MLA_TC_TILE))
-        .unwrap_or(DEFAULT_MLA_TC.chunk);
-    MlaTc { warps, chunk }
+impl MlaTc {
+    /// Parses `scalar`, `tc4` or `tc8`, optionally `:<rows per chunk>` (a
+    /// multiple of 16); None for anything else.
+    fn parse(v: &str) -> Option<MlaTc> {
+        let (kind, chunk) = match v.split_once(':') {
+            Some((k, c)) => (k, Some(c.trim().parse::<usize>().ok()?)),
+            None => (v, None),
+        };
+        let warps = match kind.trim() {
+            "scalar" => 0,
+            "tc4" => 4,
+            "tc8" => 8,
+            _ => return None,
+        };
+        let chunk = chunk.unwrap_or(DEFAULT_MLA_TC.chunk);
+        (chunk > 0 && chunk.is_multiple_of(MLA_TC_TILE)).then_some(MlaTc { warps, chunk })
+    }
 }
 
 /// An f32 buffer in device memory.
@@ -597,8 +595,8 @@ impl CudaBackend {
             device_name,
             cc,
             kda_kernel: DEFAULT_KDA_KERNEL,
-            mla_tc: mla_tc_from_env(),
-            fused: std::env::var("HANDOFF_CUDA_UNITS").is_ok_and(|v| v.trim() == "fused"),
+            mla_tc: DEFAULT_MLA_TC,
+            fused: true,
             module,
         })
     }
@@ -616,6 +614,18 @@ impl CudaBackend {
         reps: usize,
     ) -> Result<(Vec<f32>, f64)> {
         super::step_cuda::tc_matmul(&self.ctx, &self.stream, &self.module, x, m, w, dtype, terms, reps)
+    }
+
+    /// Picks the generic path's MLA partial kernel: `scalar`, `tc4` or `tc8`,
+    /// optionally `:<rows per chunk>` (a multiple of 16). Another kernel or
+    /// chunk gives other bits (another sum order), each batch invariant; for
+    /// measuring. A name it does not know is refused.
+    pub fn set_mla_kernel(&mut self, kernel: &str) -> Result<()> {
+        self.mla_tc = MlaTc::parse(kernel).ok_or_else(|| KernelError::InvalidShape {
+            op: "set_mla_kernel",
+            reason: format!("{kernel:?}: expected scalar, tc4 or tc8, optionally :<rows per chunk, a multiple of 16>"),
+        })?;
+        Ok(())
     }
 
     /// The device's name, e.g. "NVIDIA H200".
@@ -645,14 +655,12 @@ impl CudaBackend {
         self.kda_kernel
     }
 
-    /// Turns on the paths that save launches and round trips on a decode step
-    /// (`HANDOFF_CUDA_UNITS=fused` at start-up): `matmul_units` as two
-    /// launches for up to 32 products, `add_units` as one, and i32 downloads
-    /// answered from what the host already knows of the buffer. Off by default:
-    /// they are checked by `cuda_check` but were written after the last GPU
-    /// run of this project, so the default stays on the paths measured there
-    /// (one matmul a product, one add a unit, a round trip a download), which
-    /// give the same bits.
+    /// The paths that save launches and round trips in the generic forward
+    /// pass (on by default): `matmul_units` as two launches for up to 32
+    /// products, `add_units` as one, and i32 downloads answered from what the
+    /// host already knows of the buffer. Off, one matmul a product, one add a
+    /// unit and a round trip a download: the same bits (`cuda_check` checks it),
+    /// kept for that comparison.
     pub fn set_fused(&mut self, on: bool) {
         self.fused = on;
     }

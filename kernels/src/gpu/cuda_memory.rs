@@ -27,8 +27,6 @@ pub const IPC_HANDLE_BYTES: usize = 64;
 /// opened through IPC cost about 15 us of host time on the H200 (the
 /// hand-off bench's timeline: 64 such calls for the KDA state took most of a
 /// millisecond to queue), where one table launch queues 48 copies.
-/// `HANDOFF_CUDA_COPY=engines` sends every copy to the copy engines (one
-/// driver call a copy; for measuring the two against each other).
 const ENGINE_BYTES: u64 = 256 << 20;
 /// How long [`DeviceMemory::wait`] queries an event before it sleeps on it.
 const SPIN_BEFORE_SLEEP: std::time::Duration = std::time::Duration::from_micros(500);
@@ -82,11 +80,6 @@ pub struct CudaMemory {
     copy_streams: Vec<Arc<CudaStream>>,
     next_stream: std::sync::atomic::AtomicUsize,
     copy_table: CudaFunction,
-    /// Every copy to the copy engines (`HANDOFF_CUDA_COPY=engines`).
-    engines_only: bool,
-    /// Events a waiter spins on instead of sleeping in the driver
-    /// (`HANDOFF_CUDA_EVENT=spin`, for measuring the wake-up cost).
-    spin_events: bool,
     next: AtomicU64,
     /// Each batch's event (blocking-sync: a waiting thread sleeps in the
     /// driver instead of spinning on it).
@@ -111,8 +104,6 @@ impl CudaMemory {
         let cubin = super::cuda::nvrtc_cubin_of(&program, &format!("{maj}{min}"))?;
         let module = ctx.load_module(Ptx::from_binary(cubin)).map_err(dev(op))?;
         let copy_table = module.load_function("copy_table").map_err(dev(op))?;
-        let engines_only = std::env::var("HANDOFF_CUDA_COPY").is_ok_and(|v| v == "engines");
-        let spin_events = std::env::var("HANDOFF_CUDA_EVENT").is_ok_and(|v| v == "spin");
         let copy_streams = (0..COPY_STREAMS).map(|_| ctx.new_stream().map_err(dev(op))).collect::<Result<Vec<_>>>()?;
         Ok(CudaMemory {
             ctx,
@@ -120,8 +111,6 @@ impl CudaMemory {
             copy_streams,
             next_stream: std::sync::atomic::AtomicUsize::new(0),
             copy_table,
-            engines_only,
-            spin_events,
             next: AtomicU64::new(1),
             events: Mutex::new(HashMap::new()),
             spare: Mutex::new(Vec::new()),
@@ -275,7 +264,7 @@ impl DeviceMemory for CudaMemory {
         // table copies before an engine copy are queued before it).
         let contiguous = |c: &Copy2d| c.height == 1 || (c.src_pitch == c.width && c.dst_pitch == c.width);
         let engine = |c: &Copy2d| {
-            self.engines_only || (contiguous(c) && c.width * c.height >= ENGINE_BYTES) || c.width / word_bytes(c) >= COPY_WORDS
+            (contiguous(c) && c.width * c.height >= ENGINE_BYTES) || c.width / word_bytes(c) >= COPY_WORDS
         };
         let mut pending: Vec<Copy2d> = Vec::new();
         for c in copies.iter().filter(|c| c.width > 0 && c.height > 0) {
@@ -300,7 +289,7 @@ impl DeviceMemory for CudaMemory {
         let ev = match spare {
             Some(ev) => ev,
             None => {
-                let flags = if self.spin_events { sys::CUevent_flags::CU_EVENT_DISABLE_TIMING } else { sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC };
+                let flags = sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC;
                 Arc::new(self.ctx.new_event(Some(flags)).map_err(dev(op))?)
             }
         };

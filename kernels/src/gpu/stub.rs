@@ -78,6 +78,12 @@ macro_rules! stub_backend {
                 match self.never {}
             }
 
+            /// MLA kernel choice (unreachable: a stub has no values).
+            pub fn set_mla_kernel(&mut self, kernel: &str) -> $crate::error::Result<()> {
+                let _ = kernel;
+                match self.never {}
+            }
+
             /// KDA kernel choice (unreachable: a stub has no values).
             pub fn set_kda_kernel(&mut self, kernel: $crate::gpu::KdaKernel) {
                 let _ = kernel;
