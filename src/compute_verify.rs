@@ -21,6 +21,8 @@
 use crate::compute::{LogitTrace, ModelCompute, layouts_of};
 use crate::engine::{Engine, QueueMover};
 use crate::model::{Model, Trace, run_colocated};
+use crate::model::reference::{LocalCaches, LocalRequest};
+use handoff_systems::dispatch::{Compute, ComputeError, DecodeItem, PrefillJob, PrefillOutput};
 use crate::oracle::{self, Memory};
 use handoff_components::Topology;
 use handoff_components::ecs::{EngineEvent, Inputs, Submit};
@@ -50,6 +52,10 @@ pub const DEVICE_TOLERANCE: f32 = 2e-3;
 /// 4.2e-3 over 32 steps of the shipped bf16 configs. Four bf16 steps.
 pub const DEVICE_TOLERANCE_16BIT: f32 = 1.6e-2;
 
+/// Decode steps over which a device run must also agree with the free-running
+/// CPU reference (besides the per-step check of every step).
+pub const FREE_RUNNING_STEPS: usize = 4;
+
 /// The device tolerance for `topo`'s cache dtype.
 pub fn device_tolerance(topo: &Topology) -> f32 {
     match topo.model().dtype {
@@ -76,13 +82,13 @@ pub struct ComputeReport {
     pub bytes_by_kind: BTreeMap<RegionKind, u64>,
     /// The backend the disaggregated run computed on ("cpu", "cuda", "hip").
     pub backend: &'static str,
-    /// On a device backend: largest relative logit error against the CPU
-    /// reference (limit [`DEVICE_TOLERANCE`]); 0 on the CPU, where the reference
-    /// is the colocated run itself.
+    /// On a device backend: the largest relative logit error of the per-step
+    /// check against the CPU (each step re-run on the CPU from the device's
+    /// caches and token; limit [`device_tolerance`]); 0 on the CPU, where the
+    /// reference is the colocated run itself.
     pub device_rel_err: f32,
-    /// On a device backend: (request, step) where the CPU reference's top two
-    /// logits were within the device tolerance and the device picked the other
-    /// one; the request's sequences are compared up to that step only.
+    /// On a device backend: (request, step) where the CPU's top two logits were
+    /// within the device tolerance and the device picked the runner-up.
     pub near_ties: Vec<(u32, usize)>,
     /// Every logit of the disaggregated run equal bit for bit to the colocated
     /// run on the same backend.
@@ -93,6 +99,12 @@ pub struct ComputeReport {
     pub colocated_decode_path: String,
     /// Where the regions lived: "host memory" or the device's label.
     pub regions: String,
+    /// On a device backend: the per-step check's largest relative error at
+    /// each step (0 = prefill), over the requests.
+    pub device_steps: Vec<f32>,
+    /// On a device backend: the largest relative error of the free-running
+    /// comparison with the CPU reference (compounding; for information).
+    pub free_running_err: f32,
 }
 
 /// Relative error of one logit vector: max |a - b| / max |b|. NaN anywhere gives infinity.
@@ -170,19 +182,20 @@ pub fn verify_compute_on<B: Backend + Clone + 'static>(
     for p in prompts {
         references.push(run_colocated(&model, p, steps).map_err(|e| format!("colocated reference: {e}"))?);
     }
-    drop(model);
     let backend = be.name();
     let on_device = backend != CpuBackend::new().name();
     // On a device, the colocated run is the same engine at PP1 x TP1 -> TP1 x
     // DCP1 on the same backend, its regions in device memory too, with CUDA
     // graphs off: the disaggregated run (graphs as the topology says) must
-    // equal it, so a replayed step equals a launched one as well.
+    // equal it, so a replayed step equals a launched one as well. Its caches
+    // are snapshotted before every decode step for the per-step CPU check.
     let mut colocated_here = Vec::new();
     let mut colocated_path = String::new();
+    let probes: Probes = Arc::default();
     if on_device {
         let mut colo = colocated_topology(topo)?;
         colo.config.device.graphs = false;
-        let (runs, rep) = run_disaggregated(&colo, prompts, &[], steps, Fill::Zeros, be.clone(), |_| {})
+        let (runs, rep) = run_probed(&colo, prompts, &[], steps, Fill::Zeros, be.clone(), |_| {}, Some(probes.clone()))
             .map_err(|e| format!("colocated run on {backend}: {e}"))?;
         colocated_here = runs;
         colocated_path = rep.decode_path;
@@ -201,19 +214,110 @@ pub fn verify_compute_on<B: Backend + Clone + 'static>(
             && want.logits.iter().zip(&got.logits).all(|(a, b)| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
     }
     if on_device {
+        let probes = std::mem::take(&mut *probes.lock().map_err(|e| e.to_string())?);
+        let check = per_step_check(&model, topo, &references, &colocated_here, probes)?;
+        report.device_rel_err = check.worst;
+        report.device_steps = check.per_step;
+        report.near_ties = check.near_ties;
+        // The free-running comparison with the CPU reference (its caches never
+        // went through a hand-off): it must hold over the first steps, where a
+        // lost or misplaced hand-off already shows and 16-bit rounding has not
+        // yet compounded; past them it is reported, not judged (the per-step
+        // check above judges every step).
         for (i, (want, got)) in references.iter().zip(&got).enumerate() {
-            let mut worst = (report.device_rel_err, 0);
-            let tie = compare(want, got, device_tolerance(topo), "the CPU reference", &mut worst, true)
+            let head = |t: &Trace| Trace { tokens: t.tokens.iter().take(FREE_RUNNING_STEPS + 1).copied().collect(), logits: t.logits.iter().take(FREE_RUNNING_STEPS + 1).cloned().collect() };
+            let mut first = (0.0, 0);
+            compare(&head(want), &head(got), device_tolerance(topo), "the CPU reference (free-running, first steps)", &mut first, true)
                 .map_err(|e| format!("request {} ({} prompt tokens): {e}", i + 1, prompts[i].len()))?;
-            report.device_rel_err = worst.0;
-            if let Some(step) = tie {
-                report.near_ties.push((i as u32 + 1, step));
-            }
+            let mut worst = (report.free_running_err, 0);
+            let _ = compare(want, got, f32::INFINITY, "the CPU reference", &mut worst, true);
+            report.free_running_err = worst.0;
         }
     }
     report.tokens = references[0].tokens.clone();
     report.requests = prompts.len() as u32;
     Ok(report)
+}
+
+/// What the per-step check saw.
+struct StepCheck {
+    worst: f32,
+    per_step: Vec<f32>,
+    near_ties: Vec<(u32, usize)>,
+}
+
+/// The device against the CPU, one step at a time: step 0 (prefill's logits)
+/// against the CPU reference's, and every decode step of the colocated device
+/// run against the CPU fed that step's input, the token the device fed and the
+/// caches the device held before it (read back from its regions). The error
+/// of a step is the step's own: nothing compounds over the steps, and no pick
+/// sends the two down different sequences, so every step is compared. A step
+/// passes when its logits are within the device tolerance and the picks are
+/// equal, or the CPU's top two are within the tolerance of each other and the
+/// device picked the CPU's runner-up (a near-tie, reported).
+fn per_step_check(model: &Model, topo: &Topology, references: &[Trace], device: &[Trace], probes: Vec<StepProbe>) -> Result<StepCheck, String> {
+    let tol = device_tolerance(topo);
+    let cpu = CpuBackend::new();
+    let group = model.upload_group(&cpu, 1).map_err(|e| format!("CPU reference: {e}"))?;
+    let mut out = StepCheck { worst: 0.0, per_step: Vec::new(), near_ties: Vec::new() };
+    let mut judge = |req: usize, step: usize, dev: &[f32], dev_pick: u8, cpu_logits: &[f32], cpu_pick: u8| -> Result<(), String> {
+        let e = rel_err(dev, cpu_logits);
+        if out.per_step.len() <= step {
+            out.per_step.resize(step + 1, 0.0);
+        }
+        out.per_step[step] = out.per_step[step].max(e);
+        out.worst = if e.is_nan() { f32::INFINITY } else { out.worst.max(e) };
+        if e.is_nan() || e > tol {
+            return Err(format!("request {}: at step {step} the device's logits are {e:.3e} from the CPU fed the same caches and token (limit {tol:.1e})", req + 1));
+        }
+        if dev_pick != cpu_pick {
+            let runner_up = runner_up(cpu_logits);
+            if top2_gap(cpu_logits) <= tol && usize::from(dev_pick) == runner_up {
+                out.near_ties.push((req as u32 + 1, step));
+            } else {
+                return Err(format!(
+                    "request {}: at step {step} the device picked {dev_pick} where the CPU fed the same caches and token picked {cpu_pick} (top-two gap {:.2e}, limit {tol:.1e})",
+                    req + 1,
+                    top2_gap(cpu_logits)
+                ));
+            }
+        }
+        Ok(())
+    };
+    for (i, (want, got)) in references.iter().zip(device).enumerate() {
+        let (Some(dl), Some(cl)) = (got.logits.first(), want.logits.first()) else {
+            return Err(format!("request {}: no prefill logits", i + 1));
+        };
+        judge(i, 0, dl, got.tokens[0], cl, want.tokens[0])?;
+    }
+    let mut seen: BTreeMap<u64, usize> = BTreeMap::new();
+    for p in probes {
+        let k = seen.entry(p.request).or_insert(0);
+        *k += 1;
+        let step = *k;
+        let i = p.request as usize - 1;
+        let trace = device.get(i).ok_or_else(|| format!("a probe of request {} that the run does not have", p.request))?;
+        let (Some(dl), Some(&dp)) = (trace.logits.get(step), trace.tokens.get(step)) else {
+            return Err(format!("request {}: step {step} probed but not in the device trace", p.request));
+        };
+        let mut caches = LocalCaches::new(&group.dims, 1, vec![p.caches]);
+        let mut stepped = crate::model::forward::decode_batch(&cpu, &group, &[p.token], &[p.pos], &mut caches).map_err(|e| format!("CPU step: {e}"))?;
+        let (cl, cp) = stepped.pop().ok_or("the CPU step returned nothing")?;
+        judge(i, step, dl, dp, &cl, cp)?;
+    }
+    Ok(out)
+}
+
+/// The index of the second largest logit (the first of the ties after the top).
+fn runner_up(logits: &[f32]) -> usize {
+    let top = crate::roles::sampling::argmax(logits) as usize;
+    let mut best = None::<usize>;
+    for (i, &x) in logits.iter().enumerate() {
+        if i != top && !x.is_nan() && best.is_none_or(|b| x > logits[b]) {
+            best = Some(i);
+        }
+    }
+    best.unwrap_or(top)
 }
 
 /// `topo`'s model on one prefill rank and one decode rank (PP1 x TP1 -> TP1 x
@@ -312,7 +416,23 @@ pub(crate) fn run_disaggregated<B: Backend + 'static>(
     steps: u32,
     fill: Fill,
     be: B,
+    tamper: impl FnMut(&mut Vec<Plan>),
+) -> Result<(Vec<Trace>, ComputeReport), String> {
+    run_probed(topo, prompts, forced, steps, fill, be, tamper, None)
+}
+
+/// [`run_disaggregated`], and with `probes` (a single-rank decode) each
+/// request's caches snapshotted from its regions before every decode step.
+#[allow(clippy::too_many_arguments)]
+fn run_probed<B: Backend + 'static>(
+    topo: &Topology,
+    prompts: &[Vec<u8>],
+    forced: &[Vec<u8>],
+    steps: u32,
+    fill: Fill,
+    be: B,
     mut tamper: impl FnMut(&mut Vec<Plan>),
+    probes: Option<Probes>,
 ) -> Result<(Vec<Trace>, ComputeReport), String> {
     topo.admits_transfer_mode().map_err(|reason| format!("refused at admission: {reason}"))?;
     let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(0) as u64;
@@ -332,7 +452,16 @@ pub(crate) fn run_disaggregated<B: Backend + 'static>(
         .map_err(|e| e.to_string())?
         .with_trace(trace.clone());
     let decode_path = compute.decode_path();
-    engine.set_compute(Box::new(compute));
+    match probes {
+        Some(probes) => engine.set_compute(Box::new(Probing {
+            inner: Box::new(compute),
+            topo: topo.clone(),
+            layouts: layouts_of(&regions),
+            view: store.view(),
+            probes,
+        })),
+        None => engine.set_compute(Box::new(compute)),
+    }
 
     let mut tokens: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
     for (i, p) in prompts.iter().enumerate() {
@@ -387,6 +516,44 @@ pub(crate) fn run_disaggregated<B: Backend + 'static>(
         .map(|(id, tokens)| Trace { tokens, logits: logits.get(&id).cloned().unwrap_or_default() })
         .collect();
     Ok((traces, report))
+}
+
+/// One decode step of a single-rank device run as the CPU re-runs it: the
+/// request's caches before the step, read back from its regions, and the token
+/// and position the step fed.
+pub(crate) struct StepProbe {
+    request: u64,
+    token: u8,
+    pos: usize,
+    caches: LocalRequest,
+}
+
+type Probes = Arc<Mutex<Vec<StepProbe>>>;
+
+/// The compute of the colocated device run, snapshotting every request's caches
+/// before each decode step (the per-step check against the CPU).
+struct Probing {
+    inner: Box<dyn Compute>,
+    topo: Topology,
+    layouts: crate::model::ranks::Layouts,
+    view: Arc<dyn RegionView>,
+    probes: Probes,
+}
+
+impl Compute for Probing {
+    fn prefill(&mut self, job: PrefillJob<'_>) -> Result<PrefillOutput, ComputeError> {
+        self.inner.prefill(job)
+    }
+
+    fn decode(&mut self, batch: &[DecodeItem<'_>]) -> Result<Vec<u8>, ComputeError> {
+        for item in batch {
+            let lease = item.leases.first().ok_or(ComputeError::MissingInput { stage: 0, what: "a decode lease" })?;
+            let caches = crate::model::ranks::snapshot_single_rank(&self.topo, &self.layouts, self.view.as_ref(), lease, item.pos as usize)
+                .map_err(|e| ComputeError::Model(format!("snapshot for the per-step check: {e}")))?;
+            self.probes.lock().unwrap_or_else(|p| p.into_inner()).push(StepProbe { request: item.request, token: item.token, pos: item.pos as usize, caches });
+        }
+        self.inner.decode(batch)
+    }
 }
 
 /// Where verify keeps the registered regions: the oracle's host memory, or the
@@ -481,6 +648,35 @@ mod tests {
 
     fn trace(tokens: &[u8], logits: &[[f32; 3]]) -> Trace {
         Trace { tokens: tokens.to_vec(), logits: logits.iter().map(|l| l.to_vec()).collect() }
+    }
+
+    /// The per-step check re-runs each decode step on the CPU from the caches
+    /// the run held before it: on a CPU run that reproduces every step exactly
+    /// (the snapshot reads back what the regions hold, byte for byte), and a
+    /// step whose logits the run got wrong fails it, naming the step.
+    #[test]
+    fn the_per_step_check_reruns_every_step_exactly_and_names_a_wrong_one() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/config/small.toml");
+        let topo = colocated_topology(&Topology::load(path).unwrap()).unwrap();
+        let prompts = batch_prompts(b"the per-step check", 2);
+        let model = Model::new(&topo).unwrap();
+        let refs: Vec<Trace> = prompts.iter().map(|p| run_colocated(&model, p, 5).unwrap()).collect();
+        let probes: Probes = Arc::default();
+        let (runs, _) = run_probed(&topo, &prompts, &[], 5, Fill::Zeros, CpuBackend::new(), |_| {}, Some(probes.clone())).unwrap();
+        let taken = |p: &Probes| std::mem::take(&mut *p.lock().unwrap());
+        let ps = taken(&probes);
+        assert_eq!(ps.len(), 2 * 5, "a probe per request per decode step");
+        let check = per_step_check(&model, &topo, &refs, &runs, ps).unwrap();
+        assert_eq!(check.worst, 0.0, "the CPU re-run of a CPU run is exact: {:?}", check.per_step);
+        assert_eq!(check.per_step.len(), 6);
+        let mut wrong = runs.clone();
+        for x in wrong[1].logits[3].iter_mut() {
+            *x = -*x;
+        }
+        let (_, again) = run_probed(&topo, &prompts, &[], 5, Fill::Zeros, CpuBackend::new(), |_| {}, Some(probes.clone())).unwrap();
+        drop(again);
+        let e = per_step_check(&model, &topo, &refs, &wrong, taken(&probes)).map(|_| ()).unwrap_err();
+        assert!(e.contains("request 2") && e.contains("step 3"), "{e}");
     }
 
     #[test]

@@ -427,3 +427,52 @@ impl<B: Backend> BatchCaches<B> for DecodeRanks<'_> {
         Ok((be.upload(&rows)?, counts))
     }
 }
+
+/// The caches a single-rank decode (TP1 x DCP1) holds for one request before
+/// the step at position `pos`, read back from its regions: per layer the KDA
+/// state, conv state (decoded to f32) and ReplaySSM ring and cursor, or the
+/// MLA rows of positions `0 .. pos`. The check of a device run against the CPU
+/// (verify) re-runs the step on the CPU from exactly these bytes.
+pub fn snapshot_single_rank(topo: &Topology, layouts: &Layouts, view: &dyn RegionView, lease: &Lease, pos: usize) -> R<super::reference::LocalRequest> {
+    let d = topo.decode();
+    if d.tp != 1 || d.dcp != 1 {
+        return Err(ModelError::Region(format!("a single-rank snapshot of a decode of tp {} x dcp {}", d.tp, d.dcp)));
+    }
+    let dims = Dims::from_topology(topo);
+    let id = RankId::Decode(DecodeRank { tp: 0 });
+    let dt = dims.dtype;
+    let f32s = |b: Vec<u8>| b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<f32>>();
+    let (mut kda, mut mla) = (Vec::new(), Vec::new());
+    for (layer, kind) in dims.layer_kinds.iter().enumerate() {
+        match kind {
+            handoff_components::vocab::LayerKind::Kda => {
+                let c = dims.conv_channels(dims.kda_heads);
+                let state = f32s(view.read_bytes(id, RegionKind::KdaState, unit(layouts, id, RegionKind::KdaState, layer, lease.slot)?, dims.kda_heads * dims.dk * dims.dv * 4)?);
+                let conv_len = (dims.conv - 1) * c * dt.bytes() as usize;
+                let conv = dtype::decode(dt, &view.read_bytes(id, RegionKind::KdaConv, unit(layouts, id, RegionKind::KdaConv, layer, lease.slot)?, conv_len)?);
+                let replay = match dims.replay {
+                    None => None,
+                    Some(cap) => {
+                        let ring_len = cap * dims.kda_heads * dims.record_width() * 4;
+                        let ring = f32s(view.read_bytes(id, RegionKind::ReplayRecords, unit(layouts, id, RegionKind::ReplayRecords, layer, lease.slot)?, ring_len)?);
+                        let cur = view.read_bytes(id, RegionKind::ReplayCursor, unit(layouts, id, RegionKind::ReplayCursor, layer, lease.slot)?, 4)?;
+                        Some((ring, i32::from_le_bytes([cur[0], cur[1], cur[2], cur[3]])))
+                    }
+                };
+                kda.push(Some((state, conv, replay)));
+                mla.push(Vec::new());
+            }
+            handoff_components::vocab::LayerKind::Mla => {
+                let l = region(layouts, id, RegionKind::MlaKv)?;
+                let mut rows = Vec::with_capacity(pos * dims.row_width());
+                for lp in 0..pos {
+                    let off = row_offset(l, id, &lease.blocks, layer, lp)?;
+                    rows.extend(dtype::decode(dt, &view.read_bytes(id, RegionKind::MlaKv, off, l.token_bytes as usize)?));
+                }
+                kda.push(None);
+                mla.push(rows);
+            }
+        }
+    }
+    Ok(super::reference::LocalRequest::from_parts(kda, mla))
+}

@@ -70,6 +70,17 @@ impl LocalRequest {
         LocalRequest { kda, mla: vec![Vec::new(); dims.num_layers()] }
     }
 
+    /// A single-rank request's caches from their parts: per layer, its KDA
+    /// state `[H, Dk, Dv]`, conv state `[W-1, C]` and ReplaySSM ring and cursor
+    /// (None for MLA layers), and its MLA rows `[n, L+R]` (empty for KDA
+    /// layers). What a check reads back from a device run's regions.
+    pub fn from_parts(kda: Vec<Option<(Vec<f32>, Vec<f32>, Option<(Vec<f32>, i32)>)>>, mla: Vec<Vec<f32>>) -> LocalRequest {
+        let kda = kda
+            .into_iter()
+            .map(|k| vec![k.map(|(state, conv, replay)| KdaLocal { state, conv, replay })])
+            .collect();
+        LocalRequest { kda, mla }
+    }
 }
 
 /// Plain host caches of a batch of requests on one TP group (DCP 1).

@@ -27,6 +27,14 @@ pub trait RegionView: Send + Sync {
         let _ = (rank, kind);
         None
     }
+
+    /// `len` bytes at `off` of a region, copied out (a check's snapshot of
+    /// what a request holds).
+    fn read_bytes(&self, rank: RankId, kind: RegionKind, off: u64, len: usize) -> Result<Vec<u8>, ModelError> {
+        let mut out = Err(ModelError::Region(format!("{rank} {kind}: the region view did not call back")));
+        self.with(rank, kind, &mut |bytes| out = span(bytes, rank, kind, off, len).map(|b| b.to_vec()))?;
+        out
+    }
 }
 
 /// Host regions by (rank, kind), as verify and the tests hold them (the shape of
@@ -171,5 +179,16 @@ impl RegionView for DeviceRegions {
 
     fn device(&self, rank: RankId, kind: RegionKind) -> Option<DeviceRegion> {
         self.regions.get(&(rank, kind)).copied()
+    }
+
+    fn read_bytes(&self, rank: RankId, kind: RegionKind, off: u64, len: usize) -> Result<Vec<u8>, ModelError> {
+        let r = self.get(rank, kind)?;
+        if off.checked_add(len as u64).is_none_or(|e| e > r.len) {
+            return Err(ModelError::Region(format!("{rank} {kind}: {off}+{len} outside {} bytes", r.len)));
+        }
+        let mut out = vec![0u8; len];
+        // SAFETY: the range lies inside the region, a live allocation of `mem`.
+        unsafe { self.mem.read(r.addr + off, &mut out) }.map_err(|e| ModelError::Region(format!("{rank} {kind}: {e}")))?;
+        Ok(out)
     }
 }
