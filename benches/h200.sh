@@ -16,8 +16,9 @@
 #   compute  bench compute --config config/gpu.toml --device cuda (the fused step
 #            at B = 1, 8, 32, 88 against its floor), then the PyTorch peer of the
 #            same model and weights (benches/peers/torch_model.py), side by side
+#   matmul   cuda_check --bench-matmul: the fused step's tensor-core products,
+#            next to torch.matmul from the peer (run `compute` first in the call)
 #   kernels  cuda_check --bench: KDA step, chunked prefill, MLA partial, matmuls
-#            (ours next to torch.matmul from the peer)
 #   fla      FLA's fused_recurrent_kda and chunk_kda (needs .whl)
 #   serve    bench serve on the default and on config/gpu.toml
 #   transfer the flagship hand-off through CUDA IPC
@@ -29,7 +30,7 @@ mkdir -p "$OUT"
 export PATH="$BIN:$PATH"
 step() { echo; echo "== $*"; }
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(check verify matrix compute kernels fla serve transfer)
+[ ${#stages[@]} -eq 0 ] && stages=(check verify matrix compute matmul kernels fla serve transfer)
 fail=0
 
 step "device"
@@ -64,17 +65,24 @@ compute)
     [ -n "$ours" ] && [ -n "$peer" ] && awk -v b="$b" -v o="$ours" -v p="$peer" 'BEGIN { printf "  batch %3d: handoff %8.1f us, torch graph %8.1f us: %.2fx the peer\n", b, o, p, o / p }'
   done
   ;;
+matmul)
+  step "the fused step's tensor-core products (cuda_check --bench-matmul)"
+  timeout 120 cuda_check --bench-matmul 2>&1 | tee "$OUT/matmul.txt" | tail -16 || fail=1
+  if [ -f "$OUT/torch.txt" ]; then
+    step "step_matmul vs torch.matmul in the same call (ours bf16 x bf16 = 1 term; f32: ours 3 terms vs cuBLAS f32)"
+    for shape in "1x7168.7168x7168" "88x7168.7168x7168" "4096x4096.4096x4096" "1x2048.2048x2048" "88x2048.2048x2048"; do
+      for kind in "bf16 weights, 1 term|bf16" "f32 weights, 3 terms|f32"; do
+        ours_k=${kind%%|*}; peer_k=${kind##*|}
+        ours=$(grep -F "step_matmul $ours_k | ${shape/./ . }" "$OUT/matmul.txt" | awk -F'|' '{print $4}' | tr -d ' ')
+        peer=$(grep -F "torch.matmul $peer_k $shape:" "$OUT/torch.txt" | sed -E 's/.*: ([0-9.]+) us.*/\1/')
+        [ -n "$ours" ] && [ -n "$peer" ] && awk -v s="$shape" -v k="$peer_k" -v o="$ours" -v p="$peer" 'BEGIN { printf "  %s %s: ours %.1f us, torch %.1f us: %.2fx of torch\n", k, s, o, p, p / o }'
+      done
+    done
+  fi
+  ;;
 kernels)
   step "kernel timings (cuda_check --bench)"
   timeout 300 cuda_check --bench 2>&1 | tee "$OUT/kernels.txt" | tail -40 || fail=1
-  if [ -f "$OUT/torch.txt" ]; then
-    step "step_matmul (bf16 x bf16, 1 term) vs torch.matmul bf16 in the same call"
-    for shape in "1x7168.7168x7168" "88x7168.7168x7168" "4096x4096.4096x4096"; do
-      ours=$(grep -F "step_matmul bf16 weights, 1 term | ${shape/./ . }" "$OUT/kernels.txt" | awk -F'|' '{print $4}' | tr -d ' ')
-      peer=$(grep -F "torch.matmul bf16 $shape:" "$OUT/torch.txt" | sed -E 's/.*: ([0-9.]+) us.*/\1/')
-      [ -n "$ours" ] && [ -n "$peer" ] && awk -v s="$shape" -v o="$ours" -v p="$peer" 'BEGIN { printf "  %s: ours %.1f us, torch %.1f us: %.2fx of torch\n", s, o, p, p / o }'
-    done
-  fi
   ;;
 fla)
   step "peers: FLA fused_recurrent_kda and chunk_kda (same GPU, same call)"

@@ -13,11 +13,11 @@
 //! starts decode from zeroed memory, so the lost state shows as a number: the
 //! silent failure of design.md made visible.
 
-use crate::compute_verify::{Fill, LOGIT_TOLERANCE, rel_err, run_disaggregated};
+use crate::compute_verify::{Fill, LOGIT_TOLERANCE, colocated_topology, rel_err, run_disaggregated};
 use crate::model::{Model, Trace, run_colocated_forced_on};
 use handoff_components::Topology;
 use handoff_components::vocab::RegionKind;
-use handoff_kernels::CpuBackend;
+use handoff_kernels::{Backend, CpuBackend};
 
 /// Bits per byte and next-byte accuracy of one run.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -80,24 +80,42 @@ pub fn score(traces: &[Trace], windows: &[&[u8]], prefix: usize) -> Score {
 
 /// Runs the eval of `text` on `topo` (CPU backend).
 pub fn eval(topo: &Topology, text: &[u8], samples: usize, prefix: usize, continuation: usize, dropped: Option<RegionKind>) -> Result<EvalReport, String> {
+    eval_on(topo, text, samples, prefix, continuation, dropped, CpuBackend::new())
+}
+
+/// [`eval`] on backend `be`. On a device both runs are on it: the
+/// disaggregated one, and the colocated one as the same engine at PP1 x TP1 ->
+/// TP1 x DCP1 (its regions in device memory, the fused decode step where the
+/// backend has one), teacher-forced alike.
+pub fn eval_on<B: Backend + Clone + 'static>(
+    topo: &Topology,
+    text: &[u8],
+    samples: usize,
+    prefix: usize,
+    continuation: usize,
+    dropped: Option<RegionKind>,
+    be: B,
+) -> Result<EvalReport, String> {
     let windows = windows(text, samples, prefix, continuation)?;
     let prompts: Vec<Vec<u8>> = windows.iter().map(|w| w[..prefix].to_vec()).collect();
     // Step k (k >= 1) feeds byte prefix + k - 1; the last window byte is only scored.
     let forced: Vec<Vec<u8>> = windows.iter().map(|w| w[prefix..prefix + continuation - 1].to_vec()).collect();
     let steps = (continuation - 1) as u32;
 
-    let model = Model::new(topo).map_err(|e| e.to_string())?;
-    let be = CpuBackend::new();
-    let group = model.upload_group(&be, 1).map_err(|e| e.to_string())?;
-    let colocated: Vec<Trace> = prompts
-        .iter()
-        .zip(&forced)
-        .map(|(p, f)| run_colocated_forced_on(&be, &group, p, steps, f))
-        .collect::<Result<_, _>>()
-        .map_err(|e| format!("colocated run: {e}"))?;
-    // The disaggregated run builds its own weights on every rank.
-    drop(group);
-    drop(model);
+    let colocated: Vec<Trace> = if be.name() == CpuBackend::new().name() {
+        let model = Model::new(topo).map_err(|e| e.to_string())?;
+        let cpu = CpuBackend::new();
+        let group = model.upload_group(&cpu, 1).map_err(|e| e.to_string())?;
+        prompts
+            .iter()
+            .zip(&forced)
+            .map(|(p, f)| run_colocated_forced_on(&cpu, &group, p, steps, f))
+            .collect::<Result<_, _>>()
+            .map_err(|e| format!("colocated run: {e}"))?
+    } else {
+        let colo = colocated_topology(topo)?;
+        run_disaggregated(&colo, &prompts, &forced, steps, Fill::Zeros, be.clone(), |_| {}).map_err(|e| format!("colocated run: {e}"))?.0
+    };
 
     let fill = if dropped.is_some() { Fill::Zeros } else { Fill::Canary };
     let tamper = move |plans: &mut Vec<handoff_components::plan::Plan>| {
@@ -107,7 +125,7 @@ pub fn eval(topo: &Topology, text: &[u8], samples: usize, prefix: usize, continu
             }
         }
     };
-    let (disaggregated, _) = run_disaggregated(topo, &prompts, &forced, steps, fill, CpuBackend::new(), tamper)?;
+    let (disaggregated, _) = run_disaggregated(topo, &prompts, &forced, steps, fill, be, tamper)?;
 
     let mut max_rel_err = 0.0f32;
     for (a, b) in disaggregated.iter().zip(&colocated) {

@@ -92,6 +92,9 @@ enum Command {
         /// kda.state, kda.conv, replay.records, replay.cursor, mla.kv.
         #[arg(long)]
         drop: Option<String>,
+        /// Backend: cpu, cuda[:N] or hip[:N] (default: the topology's [device], else cpu).
+        #[arg(long)]
+        device: Option<String>,
     },
     #[command(flatten)]
     Role(handoff::roles::RoleCommand),
@@ -365,7 +368,7 @@ fn run(cli: Cli) -> Result<()> {
             };
             println!("{}", handoff::bench_cli::bench_transfer_cmd(&config, kind, tokens, requests)?.trim_end());
         }
-        Command::Eval { config, data, samples, prefix, continuation, drop } => {
+        Command::Eval { config, data, samples, prefix, continuation, drop, device } => {
             let topo = load(&config)?;
             let dropped = match &drop {
                 Some(k) => Some(handoff_components::vocab::RegionKind::from_name(k).ok_or_else(|| {
@@ -378,7 +381,9 @@ fn run(cli: Cli) -> Result<()> {
             if prefix + continuation >= max_context {
                 return Err(Refusal(format!("--prefix {prefix} + --continuation {continuation} must be under serve.max_context {max_context}")).into());
             }
-            let r = handoff::eval::eval(&topo, &text, samples, prefix, continuation, dropped).map_err(|e| anyhow::anyhow!("eval: {e}"))?;
+            let dev = handoff::device::resolve(&topo, device.as_deref())?;
+            let r = handoff::with_backend!(dev, |be| handoff::eval::eval_on(&topo, &text, samples, prefix, continuation, dropped, be))
+                .map_err(|e| anyhow::anyhow!("eval: {e}"))?;
             println!(
                 "eval {config} on {data}: {} windows of {} + {} bytes ({} bytes scored){}",
                 r.samples,
