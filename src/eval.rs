@@ -11,7 +11,7 @@
 //!
 //! `--drop KIND` removes one region kind's descriptors from the hand-off and
 //! starts decode from zeroed memory, so the lost state shows as a number: the
-//! silent failure of design.md made visible.
+//! silent failure of docs/design.md made visible.
 
 use crate::compute_verify::{Fill, LOGIT_TOLERANCE, colocated_topology, rel_err, run_disaggregated};
 use crate::model::{Model, Trace, run_colocated_forced_on};

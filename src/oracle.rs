@@ -1,5 +1,5 @@
 //! The hand-off oracle: a byte-exact check of a transfer, written only from the rules of
-//! design.md section 4 and the layout convention of docs/layout.md, never from planner
+//! docs/design.md section 4 and the layout convention of docs/layout.md, never from planner
 //! output.
 //!
 //! How it is used:

@@ -1,6 +1,6 @@
 //! The independent check of the model's math: the Rust CPU path on the trained
 //! checkpoint against logits that the PyTorch reference (tools/torch_ref/,
-//! written from docs/weights.md and design.md section 5, sharing no code with
+//! written from docs/weights.md and docs/design.md section 5, sharing no code with
 //! src/model) computed on the same weights: for each held-out prompt, the
 //! prefill logits and 32 greedy decode steps. Also through the disaggregated
 //! path of the checkpoint's topology (PP2 x TP1 -> TP2 x DCP2, replay on), which

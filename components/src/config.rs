@@ -1,7 +1,7 @@
 //! The topology file (TOML) and its validated form.
 //!
 //! `Config` mirrors the file; every table refuses unknown fields. `Topology` is a
-//! config that passed every startup check of design.md section 3, with the derived
+//! config that passed every startup check of docs/design.md section 3, with the derived
 //! facts (layer kinds, the layers of each stage, bytes per row and per head) that the
 //! rest of the engine reads.
 

@@ -132,7 +132,7 @@ pub struct Published(pub ConsumerLayout);
 
 /// Which (pp, producer tp) have reported their writes into this decode rank, and
 /// how many must: the producers whose share reaches this rank (the rules of
-/// design.md section 4, from the topology), set when the rank publishes.
+/// docs/design.md section 4, from the topology), set when the rank publishes.
 #[derive(Component, Debug, Clone, Default)]
 pub struct ConsumerProgress {
     pub expected: u32,

@@ -114,7 +114,7 @@ pub struct ProducerLayout {
 }
 
 /// Tokens of a sequence of `tokens` that dcp rank `dcp_rank` owns under the DCP
-/// rule of design.md section 4 (token p on dcp rank `(p / S) % dcp`). A rule of the
+/// rule of docs/design.md section 4 (token p on dcp rank `(p / S) % dcp`). A rule of the
 /// layout, shared by placement, the model and the oracle's checks.
 pub fn owned_tokens(tokens: u64, dcp: u32, dcp_rank: u32, interleave: u32) -> u64 {
     let (s, dcp, d) = (interleave as u64, dcp as u64, dcp_rank as u64);

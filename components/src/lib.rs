@@ -1,5 +1,5 @@
 //! Plain data of handoff. Everything here is a value type: the topology file and its
-//! validated form, the vocabulary of design.md (ranks, module layers, regions, segments,
+//! validated form, the vocabulary of docs/design.md (ranks, module layers, regions, segments,
 //! descriptors, plans) and the ECS components that carry them. Logic beyond
 //! constructors and invariants lives in the `handoff-systems` crate.
 

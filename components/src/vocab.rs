@@ -1,4 +1,4 @@
-//! The vocabulary of design.md section 1 as small value types.
+//! The vocabulary of docs/design.md section 1 as small value types.
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -48,7 +48,7 @@ impl Dtype {
     }
 }
 
-/// The kind of a registered memory region (design.md section 1).
+/// The kind of a registered memory region (docs/design.md section 1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum RegionKind {
     /// MLA latent KV rows, paged per block; replicated over TP, sharded by token over DCP.

@@ -1,5 +1,5 @@
 // KDA on the device: the recurrent step (batched decode) and prefill, and the
-// ReplaySSM ring (append, commit). Math: design.md section 5; CPU reference:
+// ReplaySSM ring (append, commit). Math: docs/design.md section 5; CPU reference:
 // kernels/src/cpu/kda.rs. Needs prelude.h in front.
 //
 // Layout of the state work (kda_recurrent_* and replay_commit). The value

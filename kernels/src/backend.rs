@@ -94,7 +94,7 @@ pub trait Backend: Send + Sync {
 
     // ---- KDA -------------------------------------------------------------
 
-    /// One recurrent KDA step for a batch (design.md section 5, steps 1-7).
+    /// One recurrent KDA step for a batch (docs/design.md section 5, steps 1-7).
     ///
     /// `state` `[B, H, Dk, Dv]` is updated in place; inputs are `[B, H, *]` (see
     /// [`KdaInputs`]); `out` `[B, H, Dv]`. When `record` is given, it receives

@@ -8,7 +8,7 @@
 //! on the DCP decomposition),
 //! matmul, SwiGLU (and its activation alone), embedding, argmax, the residual
 //! add, and the copies and storage rounding the model needs between them. The math is
-//! design.md section 5.
+//! docs/design.md section 5.
 //!
 //! [`CpuBackend`] is the reference (f32 storage and accumulation, rayon).
 //! [`CudaBackend`] runs the same ops on an NVIDIA GPU with the `cuda` feature

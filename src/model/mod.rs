@@ -1,4 +1,4 @@
-//! The compute path: a small hybrid MLA + KDA model (design.md section 5) that the
+//! The compute path: a small hybrid MLA + KDA model (docs/design.md section 5) that the
 //! PP prefill stages and the TP x DCP decode ranks actually run, and the colocated
 //! single-rank reference it must agree with.
 //!

@@ -249,7 +249,7 @@ pub fn blocks_needed(topo: &Topology, rank: RankId, tokens: u64) -> u32 {
 }
 
 /// How many producers report their writes into decode rank `consumer`: every
-/// (stage, tp) whose share reaches it (design.md section 4). Decode knows this from
+/// (stage, tp) whose share reaches it (docs/design.md section 4). Decode knows this from
 /// the topology alone, without planning pairs it never executes.
 pub fn expected_reports(topo: &Topology, consumer: DecodeRank) -> u32 {
     let (p, d) = (topo.prefill(), topo.decode());

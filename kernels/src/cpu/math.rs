@@ -1,6 +1,6 @@
 //! Scalar helpers shared by the CPU kernels.
 
-/// Epsilon inside the L2 norms of q and k (design.md section 5, step 1).
+/// Epsilon inside the L2 norms of q and k (docs/design.md section 5, step 1).
 pub(crate) const L2_EPS: f32 = 1e-6;
 
 /// log(1 + e^x), linear above 20 as torch and FLA do.

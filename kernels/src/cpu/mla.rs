@@ -201,7 +201,7 @@ pub(crate) fn dcp_merge(
             .map(|r| lse_shards[r * heads + hd])
             .fold(f32::NEG_INFINITY, f32::max);
         if m == f32::NEG_INFINITY {
-            // Every shard is empty for this head (design.md: m = 0, nothing to add).
+            // Every shard is empty for this head (docs/design.md: m = 0, nothing to add).
             lse[hd] = f32::NEG_INFINITY;
             continue;
         }

@@ -24,7 +24,7 @@ fn silu64(x: f64) -> f64 {
     x * sigmoid64(x)
 }
 
-/// One naive KDA step of one head, straight from design.md section 5.
+/// One naive KDA step of one head, straight from docs/design.md section 5.
 /// Returns (o, k^, u, g).
 #[allow(clippy::too_many_arguments)]
 fn kda_step64(
@@ -518,7 +518,7 @@ fn replay_commit_equals_recurrent_steps() {
         |i| coord(&["slot", "h", "key", "val"], &[b, h, dk, dv], i),
     );
 
-    // Against the closed form in f64, straight from design.md.
+    // Against the closed form in f64, straight from docs/design.md.
     let ring_h = ring.as_slice();
     let mut want = vec![0.0f64; b * h * dk * dv];
     for bi in 0..b {
