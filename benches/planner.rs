@@ -5,9 +5,9 @@
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use handoff::engine::{Engine, NoMover, QueueMover, Role};
+use handoff_components::Topology;
 use handoff_components::layout::{ConsumerLayout, ProducerLayout};
 use handoff_components::vocab::{DecodeRank, PrefillRank, RankId};
-use handoff_components::Topology;
 use handoff_systems::placement::{Capacity, blocks_for, owned_tokens, place_rank};
 use handoff_systems::splitting::{ProducerPlanner, share};
 use std::hint::black_box;

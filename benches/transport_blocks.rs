@@ -3,7 +3,7 @@
 //! never asserts. `cargo bench --bench transport_blocks`
 //! Env: HANDOFF_BENCH_BLOCK (bytes, default 65536), HANDOFF_BENCH_TOTAL (default 256 MiB).
 
-use handoff::transport::bench::{bench_loopback, BenchOptions, SyntheticSpec};
+use handoff::transport::bench::{BenchOptions, SyntheticSpec, bench_loopback};
 use handoff_components::config::TransportKind;
 
 fn env_u64(k: &str, d: u64) -> u64 {

@@ -37,10 +37,7 @@ fn main() {
         let name = src.file_name().unwrap().to_string_lossy().into_owned();
         let obj = out.join(format!("{name}.gfx90a.co"));
         compile(&hipcc, &prelude, src, &obj);
-        list.push_str(&format!(
-            "    ({name:?}, include_bytes!({:?}) as &[u8]),\n",
-            obj.display().to_string()
-        ));
+        list.push_str(&format!("    ({name:?}, include_bytes!({:?}) as &[u8]),\n", obj.display().to_string()));
     }
     list.push(']');
     std::fs::write(out.join("hip_code_objects.rs"), list).unwrap();
@@ -61,16 +58,9 @@ fn hipcc() -> PathBuf {
 
 fn compile(hipcc: &Path, prelude: &Path, src: &Path, obj: &Path) {
     let mut cmd = Command::new(hipcc);
-    cmd.args(["--genco", "--offload-arch=gfx90a", "-O3", "-include"])
-        .arg(prelude)
-        .arg(src)
-        .arg("-o")
-        .arg(obj);
+    cmd.args(["--genco", "--offload-arch=gfx90a", "-O3", "-include"]).arg(prelude).arg(src).arg("-o").arg(obj);
     let res = cmd.output().unwrap_or_else(|e| {
-        panic!(
-            "feature `hip`: cannot run {} ({e}); install hipcc (Debian: apt-get install hipcc libamdhip64-dev) or set HIPCC",
-            hipcc.display()
-        )
+        panic!("feature `hip`: cannot run {} ({e}); install hipcc (Debian: apt-get install hipcc libamdhip64-dev) or set HIPCC", hipcc.display())
     });
     if !res.status.success() || !obj.is_file() {
         panic!(

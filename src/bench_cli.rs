@@ -10,17 +10,17 @@
 //! Producer regions hold the oracle's pattern, and after the timed passes every
 //! consumer byte is checked with the oracle: a fast wrong transfer does not report.
 
+use crate::engine::mover::{MoverOptions, StagingMode, TransportMover};
 use crate::engine::{Engine, QueueMover};
 use crate::oracle::{self, OracleRequest, Placement};
 use crate::transport::bench::memcpy_bandwidth;
-use crate::engine::mover::{MoverOptions, StagingMode, TransportMover};
-use crate::transport::{loopback_pair, TransportExt};
-use anyhow::{anyhow, bail, Context};
+use crate::transport::{TransportExt, loopback_pair};
+use anyhow::{Context, anyhow, bail};
+use handoff_components::Topology;
 use handoff_components::config::TransportKind;
 use handoff_components::ecs::Region;
 use handoff_components::plan::Plan;
 use handoff_components::vocab::{RankId, RegionKind};
-use handoff_components::Topology;
 use handoff_systems::placement::Capacity;
 use handoff_systems::transfer::{Completion, Mover, Ticket};
 use std::collections::BTreeMap;
@@ -61,13 +61,7 @@ pub fn bench_transfer_cmd(config_path: &str, kind: TransportKind, tokens: u64, r
 }
 
 /// [`bench_transfer_cmd`] with explicit options.
-pub fn bench_transfer_with(
-    config_path: &str,
-    kind: TransportKind,
-    tokens: u64,
-    requests: u32,
-    o: &BenchCmdOptions,
-) -> anyhow::Result<String> {
+pub fn bench_transfer_with(config_path: &str, kind: TransportKind, tokens: u64, requests: u32, o: &BenchCmdOptions) -> anyhow::Result<String> {
     let topo = Topology::load(config_path).with_context(|| format!("loading {config_path}"))?;
     if requests == 0 || tokens == 0 {
         bail!("the bench needs at least one request of at least one token");
@@ -78,12 +72,8 @@ pub fn bench_transfer_with(
 
     // Regions, in the producer and the consumer transport.
     let (producer, consumer) = loopback_pair(kind).context("opening the transports")?;
-    let mover_opts = MoverOptions {
-        staging: o.staging,
-        workers: o.workers.max(1),
-        batch_timeout: Duration::from_secs(120),
-        ..MoverOptions::from_topology(&topo)
-    };
+    let mover_opts =
+        MoverOptions { staging: o.staging, workers: o.workers.max(1), batch_timeout: Duration::from_secs(120), ..MoverOptions::from_topology(&topo) };
     let mut mover = TransportMover::new(producer.clone(), mover_opts)?;
     let regions: Vec<Region> = engine.regions();
     let mut consumer_regions = BTreeMap::new();
@@ -94,7 +84,9 @@ pub fn bench_transfer_with(
         match rank {
             RankId::Prefill(p) => {
                 let h = producer.register(rank, kind, len)?;
-                for (id, handoff_components::ecs::Lease { rank: rk, blocks, slot }) in ids.iter().flat_map(|&id| engine.leases(id).into_iter().map(move |l| (id, l))) {
+                for (id, handoff_components::ecs::Lease { rank: rk, blocks, slot }) in
+                    ids.iter().flat_map(|&id| engine.leases(id).into_iter().map(move |l| (id, l)))
+                {
                     if rk == rank {
                         let req = OracleRequest { id, tokens };
                         let at = Placement { blocks: &blocks, slot };
@@ -130,10 +122,8 @@ pub fn bench_transfer_with(
 
     let verified = if o.verify {
         let mut pattern = 0u64;
-        let leases: BTreeMap<(u64, RankId), (Vec<u32>, u32)> = ids
-            .iter()
-            .flat_map(|&id| engine.leases(id).into_iter().map(move |l| ((id, l.rank), (l.blocks, l.slot))))
-            .collect();
+        let leases: BTreeMap<(u64, RankId), (Vec<u32>, u32)> =
+            ids.iter().flat_map(|&id| engine.leases(id).into_iter().map(move |l| ((id, l.rank), (l.blocks, l.slot)))).collect();
         for ((rank, kind), h) in &consumer_regions {
             let RankId::Decode(d) = *rank else { continue };
             let reqs: Vec<(OracleRequest, Placement)> = ids

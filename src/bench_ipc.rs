@@ -14,16 +14,16 @@
 //! the oracle: a fast wrong hand-off does not report.
 
 use crate::auth::{ClusterSecret, SECRET_ENV};
-use crate::bench_cli::{kinds_line, planned, run_pass, BenchCmdOptions};
+use crate::bench_cli::{BenchCmdOptions, kinds_line, planned, run_pass};
 use crate::engine::mover::{MoverOptions, TransportMover};
 use crate::oracle::{self, OracleRequest, Placement};
 use crate::transport::device::{DeviceTransport, Submission};
-use crate::transport::{shm, MemoryKind, RegionHandle, Transport, TransportExt};
-use anyhow::{anyhow, bail, Context};
-use handoff_components::plan::{Descriptor, Plan};
-use handoff_systems::transfer::Ticket;
-use handoff_components::vocab::{DecodeRank, PrefillRank, RankId, RegionKind};
+use crate::transport::{MemoryKind, RegionHandle, Transport, TransportExt, shm};
+use anyhow::{Context, anyhow, bail};
 use handoff_components::Topology;
+use handoff_components::plan::{Descriptor, Plan};
+use handoff_components::vocab::{DecodeRank, PrefillRank, RankId, RegionKind};
+use handoff_systems::transfer::Ticket;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -162,7 +162,16 @@ pub fn bench_transfer_ipc(config_path: &str, ordinal: u32, tokens: u64, requests
             run_pass(&mut mover, &only)?;
         }
         let us = t.elapsed().as_secs_f64() / o.iterations.max(1) as f64 * 1e6;
-        write!(by_kind, "{}{kind} {:.0} us ({} descriptors, {} rows of {} B avg, {:.1} GB/s)", if by_kind.is_empty() { "" } else { "; " }, us, descs.len(), rows, bytes / rows.max(1), bytes as f64 / us / 1e3)?;
+        write!(
+            by_kind,
+            "{}{kind} {:.0} us ({} descriptors, {} rows of {} B avg, {:.1} GB/s)",
+            if by_kind.is_empty() { "" } else { "; " },
+            us,
+            descs.len(),
+            rows,
+            bytes / rows.max(1),
+            bytes as f64 / us / 1e3
+        )?;
     }
 
     // Peers: the same bytes as one contiguous copy, here and into the consumer.

@@ -3,9 +3,9 @@
 
 use crate::engine::{Engine, QueueMover};
 use crate::profile::Profiler;
+use handoff_components::Topology;
 use handoff_components::plan::Plan;
 use handoff_components::vocab::{LayerKind, RankId, RegionKind};
-use handoff_components::Topology;
 use handoff_systems::placement::{Capacity, owned_tokens, place_rank};
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -56,7 +56,10 @@ pub fn summary(topo: &Topology, path: &str) -> String {
         if dev.kind == handoff_components::config::DeviceKind::Cpu {
             String::new()
         } else {
-            format!(", decode step {}", if dev.graphs { "captured as a CUDA graph per batch bucket (graphs = true)" } else { "launched kernel by kernel (graphs = false)" })
+            format!(
+                ", decode step {}",
+                if dev.graphs { "captured as a CUDA graph per batch bucket (graphs = true)" } else { "launched kernel by kernel (graphs = false)" }
+            )
         }
     );
     s += "bytes moved into one decode rank (tp0):\n";

@@ -5,9 +5,9 @@
 //! through a [`RegionView`] (host memory on the CPU backend).
 
 use crate::model::forward;
+use crate::model::forward::ShardGroup;
 use crate::model::ranks::{self, DecodeRanks, Layouts};
 use crate::model::regions::RegionView;
-use crate::model::forward::ShardGroup;
 use crate::model::{Model, ModelError};
 use crate::transport::{RegionHandle, Transport};
 use handoff_components::Topology;
@@ -149,10 +149,8 @@ impl<B: Backend + 'static> Compute for ModelCompute<B> {
         let leases = &job.leases;
         forward::prefill_layers(be, group, layers.start as usize..layers.end as usize, &mut h, t, tail, &mut |tp, layer, cache| {
             let rank = PrefillRank { pp: stage, tp: tp as u32 };
-            let lease = leases
-                .iter()
-                .find(|l| l.rank == RankId::Prefill(rank))
-                .ok_or_else(|| ModelError::Region(format!("no lease on prefill pp{stage} tp{tp}")))?;
+            let lease =
+                leases.iter().find(|l| l.rank == RankId::Prefill(rank)).ok_or_else(|| ModelError::Region(format!("no lease on prefill pp{stage} tp{tp}")))?;
             ranks::store_prefill(be, topo, layouts, view, rank, lease, layer, cache)
         })
         .map_err(model_err)?;

@@ -20,17 +20,17 @@
 
 use crate::compute::{LogitTrace, ModelCompute, layouts_of};
 use crate::engine::{Engine, QueueMover};
-use crate::model::{Model, Trace, run_colocated};
 use crate::model::reference::{LocalCaches, LocalRequest};
-use handoff_systems::dispatch::{Compute, ComputeError, DecodeItem, PrefillJob, PrefillOutput};
+use crate::model::regions::{DeviceRegions, RegionView};
+use crate::model::{Model, Trace, run_colocated};
 use crate::oracle::{self, Memory};
 use handoff_components::Topology;
 use handoff_components::ecs::{EngineEvent, Inputs, Submit};
 use handoff_components::plan::Plan;
+use handoff_components::vocab::RankId;
 use handoff_components::vocab::RegionKind;
 use handoff_kernels::{Backend, Copy2d, CpuBackend};
-use crate::model::regions::{DeviceRegions, RegionView};
-use handoff_components::vocab::RankId;
+use handoff_systems::dispatch::{Compute, ComputeError, DecodeItem, PrefillJob, PrefillOutput};
 use handoff_systems::placement::Capacity;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -134,12 +134,7 @@ pub enum Fill {
 
 /// Runs `prompt` and `steps` decode steps colocated and disaggregated and compares.
 /// `tamper` may edit the plans before they run (negative tests drop descriptors).
-pub fn verify_compute(
-    topo: &Topology,
-    prompt: &[u8],
-    steps: u32,
-    tamper: impl FnMut(&mut Vec<Plan>),
-) -> Result<ComputeReport, String> {
+pub fn verify_compute(topo: &Topology, prompt: &[u8], steps: u32, tamper: impl FnMut(&mut Vec<Plan>)) -> Result<ComputeReport, String> {
     verify_compute_with(topo, &[prompt.to_vec()], steps, Fill::Canary, tamper)
 }
 
@@ -151,13 +146,7 @@ pub fn batch_prompts(prompt: &[u8], requests: u32) -> Vec<Vec<u8>> {
 
 /// [`verify_compute`] for several prompts at once (decoded as one batch), with a
 /// choice of what unwritten memory holds. The report is the worst over them.
-pub fn verify_compute_with(
-    topo: &Topology,
-    prompts: &[Vec<u8>],
-    steps: u32,
-    fill: Fill,
-    tamper: impl FnMut(&mut Vec<Plan>),
-) -> Result<ComputeReport, String> {
+pub fn verify_compute_with(topo: &Topology, prompts: &[Vec<u8>], steps: u32, fill: Fill, tamper: impl FnMut(&mut Vec<Plan>)) -> Result<ComputeReport, String> {
     verify_compute_on(topo, prompts, steps, fill, CpuBackend::new(), tamper)
 }
 
@@ -210,8 +199,8 @@ pub fn verify_compute_on<B: Backend + Clone + 'static>(
         compare(want, got, LOGIT_TOLERANCE, &format!("the colocated run on {backend}"), &mut worst, false)
             .map_err(|e| format!("request {} ({} prompt tokens): {e}", i + 1, prompts[i].len()))?;
         (report.max_rel_err, report.worst_step) = worst;
-        report.bit_equal &= want.logits.len() == got.logits.len()
-            && want.logits.iter().zip(&got.logits).all(|(a, b)| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
+        report.bit_equal &=
+            want.logits.len() == got.logits.len() && want.logits.iter().zip(&got.logits).all(|(a, b)| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
     }
     if on_device {
         let probes = std::mem::take(&mut *probes.lock().map_err(|e| e.to_string())?);
@@ -225,7 +214,10 @@ pub fn verify_compute_on<B: Backend + Clone + 'static>(
         // yet compounded; past them it is reported, not judged (the per-step
         // check above judges every step).
         for (i, (want, got)) in references.iter().zip(&got).enumerate() {
-            let head = |t: &Trace| Trace { tokens: t.tokens.iter().take(FREE_RUNNING_STEPS + 1).copied().collect(), logits: t.logits.iter().take(FREE_RUNNING_STEPS + 1).cloned().collect() };
+            let head = |t: &Trace| Trace {
+                tokens: t.tokens.iter().take(FREE_RUNNING_STEPS + 1).copied().collect(),
+                logits: t.logits.iter().take(FREE_RUNNING_STEPS + 1).cloned().collect(),
+            };
             let mut first = (0.0, 0);
             compare(&head(want), &head(got), device_tolerance(topo), "the CPU reference (free-running, first steps)", &mut first, true)
                 .map_err(|e| format!("request {} ({} prompt tokens): {e}", i + 1, prompts[i].len()))?;
@@ -268,7 +260,10 @@ fn per_step_check(model: &Model, topo: &Topology, references: &[Trace], device: 
         out.per_step[step] = out.per_step[step].max(e);
         out.worst = if e.is_nan() { f32::INFINITY } else { out.worst.max(e) };
         if e.is_nan() || e > tol {
-            return Err(format!("request {}: at step {step} the device's logits are {e:.3e} from the CPU fed the same caches and token (limit {tol:.1e})", req + 1));
+            return Err(format!(
+                "request {}: at step {step} the device's logits are {e:.3e} from the CPU fed the same caches and token (limit {tol:.1e})",
+                req + 1
+            ));
         }
         if dev_pick != cpu_pick {
             let runner_up = runner_up(cpu_logits);
@@ -387,21 +382,12 @@ fn compare(want: &Trace, got: &Trace, tolerance: f32, what: &str, worst: &mut (f
     }
     let mut msg = format!("disaggregated decode diverged from {what}:");
     if let Some(i) = first_bad_token {
-        msg += &format!(
-            " tokens diverged first at step {i} (colocated {:?}, disaggregated {:?});",
-            want.tokens.get(i),
-            got.tokens.get(i)
-        );
+        msg += &format!(" tokens diverged first at step {i} (colocated {:?}, disaggregated {:?});", want.tokens.get(i), got.tokens.get(i));
     }
     if let Some((i, e)) = first_bad_logits {
         msg += &format!(" logits diverged first at step {i} (relative error {e:.3e} > {tolerance:.1e});");
     }
-    msg += &format!(
-        " max logit relative error {:.3e} at step {} of {} (step 0 = prefill)",
-        worst.0,
-        worst.1,
-        want.logits.len().saturating_sub(1)
-    );
+    msg += &format!(" max logit relative error {:.3e} at step {} of {} (step 0 = prefill)", worst.0, worst.1, want.logits.len().saturating_sub(1));
     Err(msg)
 }
 
@@ -448,18 +434,12 @@ fn run_probed<B: Backend + 'static>(
     let regions = engine.regions();
     let store = Store::new(&be, &regions, fill)?;
     let trace: LogitTrace = Arc::default();
-    let compute = ModelCompute::new(topo, be, layouts_of(&regions), store.view())
-        .map_err(|e| e.to_string())?
-        .with_trace(trace.clone());
+    let compute = ModelCompute::new(topo, be, layouts_of(&regions), store.view()).map_err(|e| e.to_string())?.with_trace(trace.clone());
     let decode_path = compute.decode_path();
     match probes {
-        Some(probes) => engine.set_compute(Box::new(Probing {
-            inner: Box::new(compute),
-            topo: topo.clone(),
-            layouts: layouts_of(&regions),
-            view: store.view(),
-            probes,
-        })),
+        Some(probes) => {
+            engine.set_compute(Box::new(Probing { inner: Box::new(compute), topo: topo.clone(), layouts: layouts_of(&regions), view: store.view(), probes }))
+        }
         None => engine.set_compute(Box::new(compute)),
     }
 
@@ -511,10 +491,7 @@ fn run_probed<B: Backend + 'static>(
         return Err(format!("{} of {} requests finished after {limit} ticks; {} still held", finished, prompts.len(), engine.live_requests()));
     }
     let logits = std::mem::take(&mut *trace.lock().map_err(|e| e.to_string())?);
-    let traces = tokens
-        .into_iter()
-        .map(|(id, tokens)| Trace { tokens, logits: logits.get(&id).cloned().unwrap_or_default() })
-        .collect();
+    let traces = tokens.into_iter().map(|(id, tokens)| Trace { tokens, logits: logits.get(&id).cloned().unwrap_or_default() }).collect();
     Ok((traces, report))
 }
 

@@ -8,10 +8,10 @@
 //! backend's own reason, before any work starts.
 
 use crate::compute::{LogitTrace, ModelCompute, TraceFilter};
+use crate::model::ranks::Layouts;
 use crate::model::regions::RegionView;
 use handoff_components::Topology;
 use handoff_components::config::{DeviceConfig, DeviceKind};
-use crate::model::ranks::Layouts;
 use handoff_kernels::{CpuBackend, CudaBackend, HipBackend};
 use handoff_systems::dispatch::Compute;
 use std::sync::Arc;
@@ -66,7 +66,14 @@ macro_rules! with_backend {
 /// The role processes' [`Compute`]: the model on `dev`, reading and writing the
 /// regions through `view`, recording into `trace` the logits of each step of
 /// the requests `only` accepts (the sampler reads them).
-pub fn model_compute(dev: DeviceConfig, topo: &Topology, layouts: Layouts, view: Arc<dyn RegionView>, trace: LogitTrace, only: TraceFilter) -> anyhow::Result<Box<dyn Compute>> {
+pub fn model_compute(
+    dev: DeviceConfig,
+    topo: &Topology,
+    layouts: Layouts,
+    view: Arc<dyn RegionView>,
+    trace: LogitTrace,
+    only: TraceFilter,
+) -> anyhow::Result<Box<dyn Compute>> {
     let mut topo = topo.clone();
     topo.config.device = dev;
     let topo = &topo;

@@ -53,10 +53,12 @@ pub fn windows(text: &[u8], samples: usize, prefix: usize, continuation: usize) 
         return Err(format!("the data has {} bytes; one window needs {w} (prefix {prefix} + continuation {continuation})", text.len()));
     }
     let span = text.len() - w;
-    Ok((0..samples).map(|i| {
-        let start = if samples == 1 { 0 } else { span * i / (samples - 1) };
-        &text[start..start + w]
-    }).collect())
+    Ok((0..samples)
+        .map(|i| {
+            let start = if samples == 1 { 0 } else { span * i / (samples - 1) };
+            &text[start..start + w]
+        })
+        .collect())
 }
 
 /// Scores `traces[i]` against the continuation of `windows[i]`: step k's logits

@@ -23,16 +23,16 @@ use crate::roles::sampling::Sampling;
 use crate::roles::wire::{self, Admitted, Msg, Notice, PrefillJob, Register};
 use crate::transport::tcp::wire as frames;
 use crate::transport::{MemoryKind, PeerAddr, RegionHandle, TcpOptions, TcpTransport, Transport};
+use handoff_components::Topology;
 use handoff_components::config::ConfigError;
 use handoff_components::ecs::{PhaseName, StageReport};
 use handoff_components::layout::ConsumerLayout;
 use handoff_components::plan::Descriptor;
 use handoff_components::vocab::{DecodeRank, PrefillRank, RankId, RegionKind};
-use handoff_components::Topology;
-use handoff_systems::placement::{place_rank, Capacity};
+use handoff_systems::placement::{Capacity, place_rank};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestError, TestRng, TestRunner};
-use serde_json::{json, Value};
+use serde_json::{Value, json};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
@@ -278,13 +278,7 @@ where
     S::Value: Debug,
     C: Fn(&S::Value) -> Verdict,
 {
-    let config = Config {
-        cases: opts.cases,
-        failure_persistence: None,
-        max_shrink_iters: 2048,
-        max_shrink_time: 60_000,
-        ..Config::default()
-    };
+    let config = Config { cases: opts.cases, failure_persistence: None, max_shrink_iters: 2048, max_shrink_time: 60_000, ..Config::default() };
     let mut seed = [0u8; 32];
     seed[..8].copy_from_slice(&opts.seed.to_le_bytes());
     let mut runner = TestRunner::new_with_rng(config, TestRng::from_seed(RngAlgorithm::ChaCha, &seed));
@@ -382,13 +376,28 @@ pub const SHIPPED_CONFIGS: [(&str, &str); 6] = [
 #[derive(Debug, Clone)]
 pub enum TomlEdit {
     /// The value of the n-th `key = value` line.
-    Set { line: usize, value: String },
-    Drop { line: usize },
-    Duplicate { line: usize },
+    Set {
+        line: usize,
+        value: String,
+    },
+    Drop {
+        line: usize,
+    },
+    Duplicate {
+        line: usize,
+    },
     /// A key the schema does not have, or one of another table, after a line.
-    AddKey { line: usize, key: String },
-    Insert { at: usize, bytes: Vec<u8> },
-    Truncate { at: usize },
+    AddKey {
+        line: usize,
+        key: String,
+    },
+    Insert {
+        at: usize,
+        bytes: Vec<u8>,
+    },
+    Truncate {
+        at: usize,
+    },
 }
 
 /// A topology file to parse.
@@ -471,15 +480,56 @@ pub fn mutate_toml(base: &str, edits: &[TomlEdit]) -> String {
 fn toml_value() -> impl Strategy<Value = String> {
     // Most fields are counts: integer edges reach validation, the rest the parser.
     let counts = prop::sample::select(vec![
-        "0", "1", "2", "3", "4", "5", "7", "8", "16", "64", "4096", "4097", "65537", "1000000", "4294967295",
-        "1e300", "0.001", "-1",
+        "0",
+        "1",
+        "2",
+        "3",
+        "4",
+        "5",
+        "7",
+        "8",
+        "16",
+        "64",
+        "4096",
+        "4097",
+        "65537",
+        "1000000",
+        "4294967295",
+        "1e300",
+        "0.001",
+        "-1",
     ])
     .prop_map(str::to_string);
     let fixed = prop::sample::select(vec![
-        "-1", "4294967296", "2147483648", "9223372036854775807", "-9223372036854775808", "99999999999999999999",
-        "-1e300", "1.5", "-0.0", "nan", "inf", "-inf", "true", "\"\"", "\"K\"", "\"M\"", "\"KKKM\"", "\"MX\"",
-        "\"tcp\"", "\"shm\"", "\"cuda:99999999999\"", "[]", "[0]", "[1, 1]", "[4294967295, 4294967295]", "{}",
-        "{ a = 1 }", "1979-05-27", "'''\nx'''",
+        "-1",
+        "4294967296",
+        "2147483648",
+        "9223372036854775807",
+        "-9223372036854775808",
+        "99999999999999999999",
+        "-1e300",
+        "1.5",
+        "-0.0",
+        "nan",
+        "inf",
+        "-inf",
+        "true",
+        "\"\"",
+        "\"K\"",
+        "\"M\"",
+        "\"KKKM\"",
+        "\"MX\"",
+        "\"tcp\"",
+        "\"shm\"",
+        "\"cuda:99999999999\"",
+        "[]",
+        "[0]",
+        "[1, 1]",
+        "[4294967295, 4294967295]",
+        "{}",
+        "{ a = 1 }",
+        "1979-05-27",
+        "'''\nx'''",
     ])
     .prop_map(str::to_string);
     prop_oneof![
@@ -572,7 +622,15 @@ pub fn valid_lines() -> Vec<(&'static str, Vec<u8>)> {
     let layout = place_rank(&topo, RankId::Decode(DecodeRank { tp: 0 }), 4, 2);
     let consumer = ConsumerLayout { rank: DecodeRank { tp: 0 }, tp: 2, dcp: 2, interleave: 1, blocks: vec![0, 3], slot: 1, layout };
     let endpoint = PeerAddr::Tcp { addr: SocketAddr::from(([127, 0, 0, 1], 4000)) };
-    let handle = RegionHandle { peer: endpoint.clone(), id: 7, rank: RankId::Decode(DecodeRank { tp: 1 }), kind: RegionKind::KdaConv, len: 4096, memory: MemoryKind::Host, ipc: None };
+    let handle = RegionHandle {
+        peer: endpoint.clone(),
+        id: 7,
+        rank: RankId::Decode(DecodeRank { tp: 1 }),
+        kind: RegionKind::KdaConv,
+        len: 4096,
+        memory: MemoryKind::Host,
+        ipc: None,
+    };
     let admitted = Admitted { id: 5, nonce: 9, consumers: vec![consumer], handles: vec![handle], endpoint };
     let sampling = Some(Sampling { temperature: 0.7, top_p: 0.9, seed: u64::MAX, choice: 3 });
     let job = PrefillJob {
@@ -602,14 +660,8 @@ pub fn valid_lines() -> Vec<(&'static str, Vec<u8>)> {
             ("msg", line)
         })
         .collect();
-    let report = StageReport {
-        request: 5,
-        nonce: 9,
-        stage: 0,
-        pairs: vec![(PrefillRank { pp: 0, tp: 0 }, DecodeRank { tp: 1 })],
-        first_token: Some(b'a'),
-        bytes: 4096,
-    };
+    let report =
+        StageReport { request: 5, nonce: 9, stage: 0, pairs: vec![(PrefillRank { pp: 0, tp: 0 }, DecodeRank { tp: 1 })], first_token: Some(b'a'), bytes: 4096 };
     for n in [Notice::Written(report), Notice::Failed { id: 5, nonce: None, stage: 1, phase: PhaseName::Compute, message: "oom".into() }] {
         out.push(("notice", serde_json::to_vec(&n).expect("encode")));
     }
@@ -621,7 +673,13 @@ pub fn valid_lines() -> Vec<(&'static str, Vec<u8>)> {
         counts: Default::default(),
         rss_bytes: 1 << 30,
         restarts: 2,
-        timings: vec![crate::roles::prom::SystemTiming { system: "dispatch::run_decode".into(), phase: "dispatch".into(), cumulative: vec![1, 2], count: 2, sum_s: 1e-3 }],
+        timings: vec![crate::roles::prom::SystemTiming {
+            system: "dispatch::run_decode".into(),
+            phase: "dispatch".into(),
+            cumulative: vec![1, 2],
+            count: 2,
+            sum_s: 1e-3,
+        }],
         unauthenticated: [("tcp".to_string(), 3u64)].into_iter().collect(),
     };
     out.push(("register", serde_json::to_vec(&reg).expect("encode")));
@@ -631,26 +689,51 @@ pub fn valid_lines() -> Vec<(&'static str, Vec<u8>)> {
 /// One edit of a JSON text. Indices are taken modulo what exists.
 #[derive(Debug, Clone)]
 pub enum JsonEdit {
-    Flip { at: usize, xor: u8 },
-    Insert { at: usize, bytes: Vec<u8> },
-    Truncate { at: usize },
+    Flip {
+        at: usize,
+        xor: u8,
+    },
+    Insert {
+        at: usize,
+        bytes: Vec<u8>,
+    },
+    Truncate {
+        at: usize,
+    },
     /// The n-th number literal becomes another.
-    Number { nth: usize, literal: String },
+    Number {
+        nth: usize,
+        literal: String,
+    },
     /// The n-th string literal becomes a long one.
-    LongString { nth: usize, len: usize },
+    LongString {
+        nth: usize,
+        len: usize,
+    },
     /// The n-th string literal becomes another JSON value (a type change).
-    Retype { nth: usize, value: String },
+    Retype {
+        nth: usize,
+        value: String,
+    },
 }
 
 /// Bytes handed to a decoder.
 #[derive(Debug, Clone)]
 pub enum LineInput {
     Bytes(Vec<u8>),
-    Mutated { seed: usize, edits: Vec<JsonEdit> },
+    Mutated {
+        seed: usize,
+        edits: Vec<JsonEdit>,
+    },
     /// `depth` nested arrays or objects.
-    Nested { depth: usize, object: bool },
+    Nested {
+        depth: usize,
+        object: bool,
+    },
     /// Several lines in a row, some valid, one stream.
-    Stream { seeds: Vec<usize> },
+    Stream {
+        seeds: Vec<usize>,
+    },
 }
 
 fn spans(text: &[u8], number: bool) -> Vec<(usize, usize)> {
@@ -845,7 +928,14 @@ pub fn check_line(input: &LineInput) -> Verdict {
         }
         None => {}
     }
-    Ok(if valid.is_some() { "valid, decoded" } else if ok > 0 { "mutated, decoded" } else { "mutated, refused" }.into())
+    Ok(if valid.is_some() {
+        "valid, decoded"
+    } else if ok > 0 {
+        "mutated, decoded"
+    } else {
+        "mutated, refused"
+    }
+    .into())
 }
 
 // ---- transport frames ----
@@ -864,11 +954,25 @@ pub struct DescSpec {
 /// One frame as a peer may send it; `None` fields take the value a correct peer sends.
 #[derive(Debug, Clone)]
 pub enum FrameSpec {
-    Hello { len: Option<u32>, json: Option<Vec<u8>> },
-    Write { descs: Vec<DescSpec>, region_ok: bool, ndesc: Option<u32>, payload: Option<u64> },
-    Notify { bytes: Vec<u8>, len: Option<u32> },
+    Hello {
+        len: Option<u32>,
+        json: Option<Vec<u8>>,
+    },
+    Write {
+        descs: Vec<DescSpec>,
+        region_ok: bool,
+        ndesc: Option<u32>,
+        payload: Option<u64>,
+    },
+    Notify {
+        bytes: Vec<u8>,
+        len: Option<u32>,
+    },
     /// A frame type no peer sends, or a bad magic.
-    Junk { magic_ok: bool, ty: u8 },
+    Junk {
+        magic_ok: bool,
+        ty: u8,
+    },
 }
 
 /// One connection's bytes: a hello, frames, and maybe a byte-level edit of the lot.
@@ -903,14 +1007,18 @@ fn u32_edge() -> impl Strategy<Value = u32> {
 fn desc_spec() -> impl Strategy<Value = DescSpec> {
     let kind = prop_oneof![6 => Just(frames::kind_code(FRAME_REGION.0)), 1 => any::<u8>()];
     // Mostly small and in bounds, so that valid batches are common.
-    let small = (0u64..4096, 0u64..=256, 1u32..=4, 0u64..=512)
-        .prop_map(|(o, l, c, s)| (o, l, c, s));
+    let small = (0u64..4096, 0u64..=256, 1u32..=4, 0u64..=512).prop_map(|(o, l, c, s)| (o, l, c, s));
     let edge = (u64_edge(), u64_edge(), u32_edge(), u64_edge());
     // Stride 0 repeats one range (it passes the bounds check whatever the count):
     // the shape that reaches the payload reader with a peer-chosen piece count.
     let repeat = (0u64..4096, prop_oneof![Just(0u64), 1u64..=64], u32_edge()).prop_map(|(o, l, c)| (o, l, c, 0));
-    (kind, prop_oneof![3 => small, 1 => edge, 1 => repeat])
-        .prop_map(|(kind, (dst_offset, len, count, dst_stride))| DescSpec { kind, dst_offset, len, count, dst_stride })
+    (kind, prop_oneof![3 => small, 1 => edge, 1 => repeat]).prop_map(|(kind, (dst_offset, len, count, dst_stride))| DescSpec {
+        kind,
+        dst_offset,
+        len,
+        count,
+        dst_stride,
+    })
 }
 
 fn frame_spec() -> impl Strategy<Value = FrameSpec> {
@@ -1201,9 +1309,30 @@ fn parse_acks(mut b: &[u8]) -> std::result::Result<Vec<(bool, String)>, String> 
 
 /// The fields a body may carry (and a few it may not).
 const BODY_FIELDS: [&str; 24] = [
-    "model", "prompt", "prompt_token_ids", "messages", "max_tokens", "max_completion_tokens", "n", "stop", "temperature",
-    "top_p", "seed", "stream", "stream_options", "user", "logprobs", "top_logprobs", "echo", "best_of", "suffix",
-    "presence_penalty", "frequency_penalty", "logit_bias", "tools", "response_format",
+    "model",
+    "prompt",
+    "prompt_token_ids",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "stop",
+    "temperature",
+    "top_p",
+    "seed",
+    "stream",
+    "stream_options",
+    "user",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "best_of",
+    "suffix",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "tools",
+    "response_format",
 ];
 
 /// A valid body, before mutation.
@@ -1254,7 +1383,8 @@ impl ValidBody {
 }
 
 fn valid_body() -> impl Strategy<Value = ValidBody> {
-    let text = prop::collection::vec(prop::sample::select(vec!['a', 'b', ' ', 'é', '\n', '"', '\\', '世']), 1..40).prop_map(|v| v.into_iter().collect::<String>());
+    let text =
+        prop::collection::vec(prop::sample::select(vec!['a', 'b', ' ', 'é', '\n', '"', '\\', '世']), 1..40).prop_map(|v| v.into_iter().collect::<String>());
     let prompt = prop_oneof![text.clone().prop_map(Ok), prop::collection::vec(any::<u8>(), 1..40).prop_map(Err)];
     (
         any::<bool>(),
@@ -1312,7 +1442,9 @@ pub enum BodyEdit {
 pub enum TextEdit {
     Json(JsonEdit),
     /// The body inside `depth` arrays.
-    Nest { depth: usize },
+    Nest {
+        depth: usize,
+    },
 }
 
 /// A request body.
@@ -1448,19 +1580,50 @@ pub fn check_body(topo: &Topology, input: &BodyInput) -> Verdict {
 #[derive(Debug, Clone)]
 pub enum LayoutEdit {
     /// tp, dcp, interleave, rank, slot.
-    Instance { field: usize, value: u32 },
+    Instance {
+        field: usize,
+        value: u32,
+    },
     /// A block id, or the block list's length.
-    Block { at: usize, value: u32 },
-    Blocks { len: usize },
+    Block {
+        at: usize,
+        value: u32,
+    },
+    Blocks {
+        len: usize,
+    },
     /// A numeric field of a region: unit_stride, units, block_size, token_bytes, unit_bytes, len.
-    Region { region: usize, field: usize, value: u64 },
+    Region {
+        region: usize,
+        field: usize,
+        value: u64,
+    },
     /// A row's layer or offset, or a row dropped.
-    Row { region: usize, row: usize, layer: Option<u32>, offset: Option<u64> },
-    DropRow { region: usize, row: usize },
+    Row {
+        region: usize,
+        row: usize,
+        layer: Option<u32>,
+        offset: Option<u64>,
+    },
+    DropRow {
+        region: usize,
+        row: usize,
+    },
     /// A segment's head range, or one of its groups' fields.
-    Heads { region: usize, start: u32, end: u32 },
-    Group { region: usize, group: usize, field: usize, value: u64 },
-    DropRegion { region: usize },
+    Heads {
+        region: usize,
+        start: u32,
+        end: u32,
+    },
+    Group {
+        region: usize,
+        group: usize,
+        field: usize,
+        value: u64,
+    },
+    DropRegion {
+        region: usize,
+    },
 }
 
 /// A request to plan: its tokens, the consumer rank, and the edits of its layout.
@@ -1495,7 +1658,11 @@ fn layout_edit() -> impl Strategy<Value = LayoutEdit> {
 }
 
 pub fn layout_case() -> impl Strategy<Value = LayoutCase> {
-    (1u64..=LAYOUT_BLOCKS as u64 * 16, 0u32..2, prop::collection::vec(layout_edit(), 0..4)).prop_map(|(tokens, consumer, edits)| LayoutCase { tokens, consumer, edits })
+    (1u64..=LAYOUT_BLOCKS as u64 * 16, 0u32..2, prop::collection::vec(layout_edit(), 0..4)).prop_map(|(tokens, consumer, edits)| LayoutCase {
+        tokens,
+        consumer,
+        edits,
+    })
 }
 
 fn apply_layout_edit(c: &mut ConsumerLayout, e: &LayoutEdit) {
@@ -1578,7 +1745,7 @@ fn apply_layout_edit(c: &mut ConsumerLayout, e: &LayoutEdit) {
 /// line and plan its copies. A plan is refused with a reason, or every copy lies
 /// inside the region the consumer published (the transport then checks the real one).
 pub fn check_layout(topo: &Topology, case: &LayoutCase) -> Verdict {
-    use handoff_systems::splitting::{share, ProducerPlanner};
+    use handoff_systems::splitting::{ProducerPlanner, share};
     let d = DecodeRank { tp: case.consumer % topo.decode().tp };
     let blocks_for = |bs: u32| (0..(case.tokens.div_ceil(u64::from(bs)) as u32)).collect::<Vec<u32>>();
     let mut consumer = ConsumerLayout {

@@ -303,7 +303,12 @@ fn run(cli: Cli) -> Result<()> {
                     .map_err(|e| anyhow::anyhow!("verify --compute failed: {e}"))?;
                 println!(
                     "verify --compute {config} on {dev}: ok: {} requests decoded as one batch ({} prompt tokens for the first) + {} decode steps, greedy tokens equal to the colocated run, max logit relative error {:.2e} (limit {:.0e}) at step {}",
-                    r.requests, r.prompt_tokens, r.steps, r.max_rel_err, handoff::compute_verify::LOGIT_TOLERANCE, r.worst_step
+                    r.requests,
+                    r.prompt_tokens,
+                    r.steps,
+                    r.max_rel_err,
+                    handoff::compute_verify::LOGIT_TOLERANCE,
+                    r.worst_step
                 );
                 if dev.kind != handoff_components::config::DeviceKind::Cpu {
                     println!(
@@ -324,7 +329,10 @@ fn run(cli: Cli) -> Result<()> {
                     for (req, step) in &r.near_ties {
                         println!("  request {req}: at step {step} the CPU's top two logits are within the tolerance and the device picked the CPU's runner-up");
                     }
-                    println!("  free-running against the CPU reference (rounding compounds; for information): max logit relative error {:.2e}", r.free_running_err);
+                    println!(
+                        "  free-running against the CPU reference (rounding compounds; for information): max logit relative error {:.2e}",
+                        r.free_running_err
+                    );
                 }
                 println!("  handed off {} bytes in {} descriptors; generated: {:?}", r.bytes_transferred, r.descriptors, String::from_utf8_lossy(&r.tokens));
                 return Ok(());
@@ -371,9 +379,10 @@ fn run(cli: Cli) -> Result<()> {
         Command::Eval { config, data, samples, prefix, continuation, drop, device } => {
             let topo = load(&config)?;
             let dropped = match &drop {
-                Some(k) => Some(handoff_components::vocab::RegionKind::from_name(k).ok_or_else(|| {
-                    Refusal(format!("--drop {k:?}: expected kda.state, kda.conv, replay.records, replay.cursor or mla.kv"))
-                })?),
+                Some(k) => Some(
+                    handoff_components::vocab::RegionKind::from_name(k)
+                        .ok_or_else(|| Refusal(format!("--drop {k:?}: expected kda.state, kda.conv, replay.records, replay.cursor or mla.kv")))?,
+                ),
                 None => None,
             };
             let text = std::fs::read(&data).map_err(|e| Refusal(format!("--data {data}: {e}")))?;

@@ -84,10 +84,7 @@ pub struct OracleStats {
 impl std::ops::Add for OracleStats {
     type Output = OracleStats;
     fn add(self, o: OracleStats) -> OracleStats {
-        OracleStats {
-            pattern_bytes: self.pattern_bytes + o.pattern_bytes,
-            canary_bytes: self.canary_bytes + o.canary_bytes,
-        }
+        OracleStats { pattern_bytes: self.pattern_bytes + o.pattern_bytes, canary_bytes: self.canary_bytes + o.canary_bytes }
     }
 }
 
@@ -181,9 +178,7 @@ fn coord_key(kind: RegionKind, c: &Coord) -> u64 {
     let k = kind.index() as u64;
     match *c {
         Coord::Token { req, layer, token } => chain(&[1, k, req, layer as u64, token]),
-        Coord::Head { req, layer, head, group, repeat } => {
-            chain(&[2, k, req, layer as u64, head as u64, group as u64, repeat as u64])
-        }
+        Coord::Head { req, layer, head, group, repeat } => chain(&[2, k, req, layer as u64, head as u64, group as u64, repeat as u64]),
         Coord::Cursor { req, layer } => chain(&[3, k, req, layer as u64]),
     }
 }
@@ -344,26 +339,11 @@ impl Geom {
         };
         let hl = m.kda.heads / side_tp;
         let e = m.dtype.bytes();
-        let mut g = Geom {
-            rank,
-            kind,
-            layers,
-            bs: side_bs as u64,
-            token_bytes: 0,
-            hl,
-            first_head: side_rank * hl,
-            groups: vec![],
-            repeat: 0,
-            row_bytes: 0,
-            cell: 0,
-        };
+        let mut g =
+            Geom { rank, kind, layers, bs: side_bs as u64, token_bytes: 0, hl, first_head: side_rank * hl, groups: vec![], repeat: 0, row_bytes: 0, cell: 0 };
         match kind {
             RegionKind::MlaKv | RegionKind::MlaIndexer => {
-                g.token_bytes = if kind == RegionKind::MlaKv {
-                    (m.mla.kv_lora_rank + m.mla.rope_dim) as u64 * e
-                } else {
-                    m.mla.indexer_dim as u64 * e
-                };
+                g.token_bytes = if kind == RegionKind::MlaKv { (m.mla.kv_lora_rank + m.mla.rope_dim) as u64 * e } else { m.mla.indexer_dim as u64 * e };
                 g.cell = g.bs * g.token_bytes;
             }
             RegionKind::ReplayCursor => g.cell = 4,
@@ -426,15 +406,7 @@ pub fn fill_canary(rank: RankId, kind: RegionKind, buf: &mut [u8]) {
 /// slot's heads of every KDA layer of the stage, or its cursors. Bytes of other blocks
 /// and slots are left as they are (fill the canary first). Panics if a block or the
 /// slot is out of range or `buf` is not the region's length.
-pub fn fill_producer(
-    topo: &Topology,
-    rank: PrefillRank,
-    kind: RegionKind,
-    units: u32,
-    req: &OracleRequest,
-    at: &Placement<'_>,
-    buf: &mut [u8],
-) {
+pub fn fill_producer(topo: &Topology, rank: PrefillRank, kind: RegionKind, units: u32, req: &OracleRequest, at: &Placement<'_>, buf: &mut [u8]) {
     let g = Geom::new(topo, RankId::Prefill(rank), kind);
     assert_eq!(buf.len() as u64, g.len(units), "{} {kind} region length", RankId::Prefill(rank));
     if g.cell == 0 || g.layers.is_empty() {
@@ -511,12 +483,8 @@ pub fn expected_bytes(topo: &Topology, rank: DecodeRank, tokens: u64) -> BTreeMa
         .into_iter()
         .map(|kind| {
             let g = Geom::new(topo, RankId::Decode(rank), kind);
-            let per_layer = if kind.is_paged() {
-                owned_tokens(tokens, d.interleave as u64, d.dcp as u64, rank.dcp_rank(d.dcp) as u64)
-                    * g.token_bytes
-            } else {
-                g.cell
-            };
+            let per_layer =
+                if kind.is_paged() { owned_tokens(tokens, d.interleave as u64, d.dcp as u64, rank.dcp_rank(d.dcp) as u64) * g.token_bytes } else { g.cell };
             (kind, per_layer * g.nrows())
         })
         .collect()
@@ -614,27 +582,14 @@ pub fn check_consumer(
     let rid = RankId::Decode(rank);
     let g = Geom::new(topo, rid, kind);
     if buf.len() as u64 != g.len(units) {
-        return Err(OracleError::Input(format!(
-            "{rid} {kind}: buffer is {} bytes, the region of {units} units is {}",
-            buf.len(),
-            g.len(units)
-        )));
+        return Err(OracleError::Input(format!("{rid} {kind}: buffer is {} bytes, the region of {units} units is {}", buf.len(), g.len(units))));
     }
     let ckey = canary_key(rid, kind);
     let d = topo.decode();
     let (s, dcp, dr) = (d.interleave as u64, d.dcp as u64, rank.dcp_rank(d.dcp) as u64);
     let nrows = g.layers.len().max(1);
     let mismatch = |offset: u64, expected: u8, got: u8, ec: Option<(Coord, u64)>, what: String| {
-        Box::new(Mismatch {
-            rank: rid,
-            kind,
-            offset,
-            expected_coord: ec,
-            what,
-            expected,
-            got,
-            got_note: String::new(),
-        })
+        Box::new(Mismatch { rank: rid, kind, offset, expected_coord: ec, what, expected, got, got_note: String::new() })
     };
     let res = if kind.is_paged() {
         // block id -> (request index, index in its block table)
@@ -653,10 +608,7 @@ pub fn check_consumer(
             owned.push(n);
             for (bi, &b) in at.blocks.iter().enumerate() {
                 if b >= units || table[b as usize].0 != u32::MAX {
-                    return Err(OracleError::Input(format!(
-                        "{rid} {kind}: block {b} of request {} is out of {units} or held twice",
-                        req.id
-                    )));
+                    return Err(OracleError::Input(format!("{rid} {kind}: block {b} of request {} is out of {units} or held twice", req.id)));
                 }
                 table[b as usize] = (q as u32, bi as u32);
             }
@@ -671,11 +623,7 @@ pub fn check_consumer(
             if q == u32::MAX {
                 if let Some(i) = canary_mismatch(ckey, base, chunk) {
                     let o = base + i as u64;
-                    let what = format!(
-                        "layer {layer} block {blk} row {} byte {} (no request holds this block)",
-                        i / tb,
-                        i % tb
-                    );
+                    let what = format!("layer {layer} block {blk} row {} byte {} (no request holds this block)", i / tb, i % tb);
                     return Err(mismatch(o, canary_byte(rid, kind, o), chunk[i], None, what));
                 }
                 st.canary_bytes += chunk.len() as u64;
@@ -690,11 +638,8 @@ pub fn check_consumer(
                     let coord = Coord::Token { req: req.id, layer, token };
                     let key = coord_key(kind, &coord);
                     if let Some(i) = pattern_mismatch(key, tok) {
-                        let what = format!(
-                            "request {} layer {layer} token {token} {} (block {blk} row {j})",
-                            req.id,
-                            describe_token_byte(topo, kind, i as u64)
-                        );
+                        let what =
+                            format!("request {} layer {layer} token {token} {} (block {blk} row {j})", req.id, describe_token_byte(topo, kind, i as u64));
                         let exp = pattern_byte(kind, &coord, i as u64);
                         return Err(mismatch(toff + i as u64, exp, tok[i], Some((coord, i as u64)), what));
                     }
@@ -717,10 +662,7 @@ pub fn check_consumer(
         let mut table = vec![u32::MAX; units as usize];
         for (q, (req, at)) in reqs.iter().enumerate() {
             if at.slot >= units || table[at.slot as usize] != u32::MAX {
-                return Err(OracleError::Input(format!(
-                    "{rid} {kind}: slot {} of request {} is out of {units} or held twice",
-                    at.slot, req.id
-                )));
+                return Err(OracleError::Input(format!("{rid} {kind}: slot {} of request {} is out of {units} or held twice", at.slot, req.id)));
             }
             table[at.slot as usize] = q as u32;
         }
@@ -755,18 +697,9 @@ pub fn check_consumer(
                         let coord = Coord::Head { req, layer, head, group: gi as u32, repeat: t };
                         let span = &chunk[o..o + hb as usize];
                         if let Some(i) = pattern_mismatch(coord_key(kind, &coord), span) {
-                            let what = format!(
-                                "request {req} layer {layer} head {head} {} (slot {slot})",
-                                describe_head_byte(topo, kind, gi, t, i as u64)
-                            );
+                            let what = format!("request {req} layer {layer} head {head} {} (slot {slot})", describe_head_byte(topo, kind, gi, t, i as u64));
                             let exp = pattern_byte(kind, &coord, i as u64);
-                            return Err(mismatch(
-                                base + (o + i) as u64,
-                                exp,
-                                span[i],
-                                Some((coord, i as u64)),
-                                what,
-                            ));
+                            return Err(mismatch(base + (o + i) as u64, exp, span[i], Some((coord, i as u64)), what));
                         }
                     }
                 }
@@ -784,13 +717,7 @@ pub fn check_consumer(
 /// byte (read from untouched memory or written at the wrong offset), or the pattern of
 /// a coordinate found among the requests (rows of other tokens or layers, other heads,
 /// groups or repeats), matching the aligned 8-byte word that holds the byte.
-fn explain_got(
-    topo: &Topology,
-    g: &Geom,
-    reqs: &[(OracleRequest, Placement<'_>)],
-    buf: &[u8],
-    offset: u64,
-) -> String {
+fn explain_got(topo: &Topology, g: &Geom, reqs: &[(OracleRequest, Placement<'_>)], buf: &[u8], offset: u64) -> String {
     let got = buf[offset as usize];
     if got == canary_byte(g.rank, g.kind, offset) {
         return "canary: untouched".into();
@@ -816,10 +743,7 @@ fn explain_got(
             (g.token_bytes, b, v)
         }
         RegionKind::ReplayCursor => {
-            let v = reqs
-                .iter()
-                .flat_map(|(r, _)| g.layers.iter().map(|&layer| Coord::Cursor { req: r.id, layer }))
-                .collect();
+            let v = reqs.iter().flat_map(|(r, _)| g.layers.iter().map(|&layer| Coord::Cursor { req: r.id, layer })).collect();
             (4, cell_off, v)
         }
         _ => {
@@ -851,9 +775,7 @@ fn explain_got(
     let w1 = (w0 + 8).min(span_start + span_len).min(buf.len() as u64);
     let got_word = &buf[w0 as usize..w1 as usize];
     let n = got_word.len();
-    let found = cands
-        .par_iter()
-        .find_first(|c| pattern_word(coord_key(g.kind, c), b / 8).to_le_bytes()[..n] == *got_word);
+    let found = cands.par_iter().find_first(|c| pattern_word(coord_key(g.kind, c), b / 8).to_le_bytes()[..n] == *got_word);
     match found {
         Some(c) => format!("the pattern of {} byte {b}", head_coord_str(c)),
         None => "pattern-like (even), not identified among the requests' coordinates".into(),
@@ -883,15 +805,7 @@ pub enum ExecError {
     /// The plan names a region that is not in memory.
     MissingRegion { rank: RankId, kind: RegionKind },
     /// A descriptor reads (`side` = "source") or writes ("destination") outside its region.
-    OutOfBounds {
-        plan: usize,
-        desc: usize,
-        side: &'static str,
-        rank: RankId,
-        kind: RegionKind,
-        end: Option<u64>,
-        region_len: u64,
-    },
+    OutOfBounds { plan: usize, desc: usize, side: &'static str, rank: RankId, kind: RegionKind, end: Option<u64>, region_len: u64 },
     /// A destination byte is written twice: first by `first`, again by `second`
     /// ((plan, descriptor) indices).
     DoubleWrite { rank: RankId, kind: RegionKind, offset: u64, first: (usize, usize), second: (usize, usize) },
@@ -905,14 +819,8 @@ impl fmt::Display for ExecError {
             }
             ExecError::MissingRegion { rank, kind } => write!(f, "{rank} has no {kind} region in memory"),
             ExecError::OutOfBounds { plan, desc, side, rank, kind, end, region_len } => match end {
-                Some(e) => write!(
-                    f,
-                    "plan {plan} descriptor {desc}: {side} {rank} {kind} range ends at {e}, past the region's {region_len} bytes"
-                ),
-                None => write!(
-                    f,
-                    "plan {plan} descriptor {desc}: {side} {rank} {kind} range overflows u64 (region {region_len} bytes)"
-                ),
+                Some(e) => write!(f, "plan {plan} descriptor {desc}: {side} {rank} {kind} range ends at {e}, past the region's {region_len} bytes"),
+                None => write!(f, "plan {plan} descriptor {desc}: {side} {rank} {kind} range overflows u64 (region {region_len} bytes)"),
             },
             ExecError::DoubleWrite { rank, kind, offset, first, second } => write!(
                 f,
@@ -966,34 +874,19 @@ pub fn check_counted(plans: &[Plan], lens: &HashMap<(RankId, RegionKind), u64>) 
             }
             let src_len = *lens.get(&(src_rank, d.kind)).ok_or(ExecError::MissingRegion { rank: src_rank, kind: d.kind })?;
             let dst_len = *lens.get(&(dst_rank, d.kind)).ok_or(ExecError::MissingRegion { rank: dst_rank, kind: d.kind })?;
-            for (side, rank, off, stride, rlen) in [
-                ("source", src_rank, d.src_offset, d.src_stride, src_len),
-                ("destination", dst_rank, d.dst_offset, d.dst_stride, dst_len),
-            ] {
+            for (side, rank, off, stride, rlen) in
+                [("source", src_rank, d.src_offset, d.src_stride, src_len), ("destination", dst_rank, d.dst_offset, d.dst_stride, dst_len)]
+            {
                 let end = range_end(off, stride, d.count, d.len);
                 if end.is_none_or(|e| e > rlen) {
-                    return Err(ExecError::OutOfBounds {
-                        plan: pi,
-                        desc: di,
-                        side,
-                        rank,
-                        kind: d.kind,
-                        end,
-                        region_len: rlen,
-                    });
+                    return Err(ExecError::OutOfBounds { plan: pi, desc: di, side, rank, kind: d.kind, end, region_len: rlen });
                 }
             }
             let b = bits.entry((dst_rank, d.kind)).or_insert_with(|| vec![0; dst_len.div_ceil(64) as usize]);
             for (_, dst) in d.pieces() {
                 if let Some(off) = mark(b, dst, dst + d.len) {
                     let first = first_writer(plans, dst_rank, d.kind, off, (pi, di));
-                    return Err(ExecError::DoubleWrite {
-                        rank: dst_rank,
-                        kind: d.kind,
-                        offset: off,
-                        first,
-                        second: (pi, di),
-                    });
+                    return Err(ExecError::DoubleWrite { rank: dst_rank, kind: d.kind, offset: off, first, second: (pi, di) });
                 }
             }
             stats.descriptors += 1;
@@ -1031,13 +924,7 @@ pub fn execute_counted(plans: &[Plan], mem: &mut Memory) -> Result<ExecStats, Ex
 
 /// The first (plan, descriptor) before `upto` (in execution order, or `upto` itself for
 /// a self-overlapping strided descriptor) that writes byte `off` of a region.
-fn first_writer(
-    plans: &[Plan],
-    rank: RankId,
-    kind: RegionKind,
-    off: u64,
-    upto: (usize, usize),
-) -> (usize, usize) {
+fn first_writer(plans: &[Plan], rank: RankId, kind: RegionKind, off: u64, upto: (usize, usize)) -> (usize, usize) {
     for (pi, plan) in plans.iter().enumerate().take(upto.0 + 1) {
         if RankId::Decode(plan.consumer) != rank {
             continue;
@@ -1125,20 +1012,13 @@ block_size = 4
         mem
     }
 
-    fn check_all(
-        topo: &Topology,
-        mem: &Memory,
-        req: &OracleRequest,
-        tables: &[Vec<u32>],
-        slot: u32,
-    ) -> Result<OracleStats, OracleError> {
+    fn check_all(topo: &Topology, mem: &Memory, req: &OracleRequest, tables: &[Vec<u32>], slot: u32) -> Result<OracleStats, OracleError> {
         let mut total = OracleStats::default();
         for kind in topo.region_kinds() {
             for tp in 0..topo.decode().tp {
                 let r = DecodeRank { tp };
                 let at = Placement { blocks: &tables[tp as usize], slot };
-                total = total
-                    + check_consumer(topo, r, kind, UNITS, &[(*req, at)], &mem[&(RankId::Decode(r), kind)])?;
+                total = total + check_consumer(topo, r, kind, UNITS, &[(*req, at)], &mem[&(RankId::Decode(r), kind)])?;
             }
         }
         Ok(total)
@@ -1214,8 +1094,7 @@ block_size = 4
         }
         assert_eq!(exp[&RegionKind::MlaKv], 6 * 24 * 2);
         assert_eq!(exp[&RegionKind::ReplayCursor], 8);
-        let total: u64 =
-            topo.region_kinds().iter().map(|&k| region_len(&topo, RankId::Decode(D0), k, UNITS)).sum();
+        let total: u64 = topo.region_kinds().iter().map(|&k| region_len(&topo, RankId::Decode(D0), k, UNITS)).sum();
         assert_eq!(ok.pattern_bytes + ok.canary_bytes, total);
     }
 
@@ -1229,15 +1108,9 @@ block_size = 4
         conv[576 + 144 + (24 + 8 + 4 + 3) * 2] ^= 0x02;
         let e = check_all(&topo, &mem, &REQ, &[vec![1, 3]], 2).unwrap_err();
         let s = e.to_string();
-        assert!(
-            s.contains("decode tp0: kda.conv request 7 layer 2 head 1 group k channel 3 row 1 byte 0"),
-            "{s}"
-        );
+        assert!(s.contains("decode tp0: kda.conv request 7 layer 2 head 1 group k channel 3 row 1 byte 0"), "{s}");
         let OracleError::Mismatch(m) = e else { panic!() };
-        assert_eq!(
-            m.expected_coord,
-            Some((Coord::Head { req: 7, layer: 2, head: 1, group: 1, repeat: 1 }, 6))
-        );
+        assert_eq!(m.expected_coord, Some((Coord::Head { req: 7, layer: 2, head: 1, group: 1, repeat: 1 }, 6)));
     }
 
     #[test]
@@ -1284,10 +1157,7 @@ block_size = 4
         let mut plan = tiny_plan(None);
         plan.descriptors.push(Descriptor::copy(RegionKind::KdaState, 0, 520, 4));
         let e = execute_counted(&[plan], &mut mem).unwrap_err();
-        assert!(
-            matches!(e, ExecError::DoubleWrite { offset: 520, first: (0, 4), second: (0, 8), .. }),
-            "{e}"
-        );
+        assert!(matches!(e, ExecError::DoubleWrite { offset: 520, first: (0, 4), second: (0, 8), .. }), "{e}");
         // nothing was copied
         let st = &mem[&(RankId::Decode(D0), RegionKind::KdaState)];
         assert_eq!(st[520], canary_byte(RankId::Decode(D0), RegionKind::KdaState, 520));
@@ -1295,36 +1165,16 @@ block_size = 4
         // A strided descriptor overlapping itself.
         let mut plan = tiny_plan(None);
         plan.descriptors.truncate(0);
-        plan.descriptors.push(Descriptor {
-            kind: RegionKind::KdaState,
-            src_offset: 0,
-            dst_offset: 0,
-            len: 8,
-            count: 2,
-            src_stride: 8,
-            dst_stride: 4,
-        });
+        plan.descriptors.push(Descriptor { kind: RegionKind::KdaState, src_offset: 0, dst_offset: 0, len: 8, count: 2, src_stride: 8, dst_stride: 4 });
         let e = execute_counted(&[plan], &mut mem).unwrap_err();
         assert!(matches!(e, ExecError::DoubleWrite { offset: 4, first: (0, 0), second: (0, 0), .. }), "{e}");
 
         let len = region_len(&topo, RankId::Decode(D0), RegionKind::KdaConv, UNITS);
-        for (src, dst, l, n, side) in [
-            (0, len - 4, 8, 1, "destination"),
-            (len - 4, 0, 8, 1, "source"),
-            (0, u64::MAX - 2, 8, 1, "destination"),
-        ] {
+        for (src, dst, l, n, side) in [(0, len - 4, 8, 1, "destination"), (len - 4, 0, 8, 1, "source"), (0, u64::MAX - 2, 8, 1, "destination")] {
             let plan = Plan {
                 producer: P0,
                 consumer: D0,
-                descriptors: vec![Descriptor {
-                    kind: RegionKind::KdaConv,
-                    src_offset: src,
-                    dst_offset: dst,
-                    len: l,
-                    count: n,
-                    src_stride: 0,
-                    dst_stride: 0,
-                }],
+                descriptors: vec![Descriptor { kind: RegionKind::KdaConv, src_offset: src, dst_offset: dst, len: l, count: n, src_stride: 0, dst_stride: 0 }],
                 uncoalesced: 0,
             };
             let e = execute_counted(&[plan], &mut mem).unwrap_err();
@@ -1344,14 +1194,7 @@ block_size = 4
     /// A naive, per-token and per-head plan generator for any topology, written from the
     /// rules (one descriptor per token row and per head span): checks that producer
     /// fill, rules and consumer check agree on PP, TP ratios, DCP and interleave.
-    fn naive_plans(
-        topo: &Topology,
-        pblocks: &[u32],
-        pslot: u32,
-        dtables: &[Vec<u32>],
-        dslot: u32,
-        tokens: u64,
-    ) -> Vec<Plan> {
+    fn naive_plans(topo: &Topology, pblocks: &[u32], pslot: u32, dtables: &[Vec<u32>], dslot: u32, tokens: u64) -> Vec<Plan> {
         let (pc, dc) = (topo.prefill(), topo.decode());
         let k = dc.tp / pc.tp;
         let mut plans: BTreeMap<(PrefillRank, DecodeRank), Vec<Descriptor>> = BTreeMap::new();
@@ -1362,11 +1205,7 @@ block_size = 4
                 let dg = Geom::new(topo, RankId::Decode(dr), kind);
                 for (drow, &layer) in dg.layers.iter().enumerate() {
                     let stage = topo.stage_layers.iter().position(|s| s.contains(&layer)).unwrap() as u32;
-                    let src = if kind.is_paged() {
-                        PrefillRank { pp: stage, tp: r % pc.tp }
-                    } else {
-                        PrefillRank { pp: stage, tp: r / k }
-                    };
+                    let src = if kind.is_paged() { PrefillRank { pp: stage, tp: r % pc.tp } } else { PrefillRank { pp: stage, tp: r / k } };
                     let pg = Geom::new(topo, RankId::Prefill(src), kind);
                     let prow = pg.layers.iter().position(|&l| l == layer).unwrap() as u64;
                     let v = plans.entry((src, dr)).or_default();
@@ -1377,12 +1216,9 @@ block_size = 4
                                 continue;
                             }
                             let lp = (p / (s * dcp)) * s + p % s;
-                            let so = (prow * UNITS as u64 + pblocks[(p / pg.bs) as usize] as u64) * pg.cell
-                                + (p % pg.bs) * pg.token_bytes;
+                            let so = (prow * UNITS as u64 + pblocks[(p / pg.bs) as usize] as u64) * pg.cell + (p % pg.bs) * pg.token_bytes;
                             let dt = &dtables[r as usize];
-                            let doff = (drow as u64 * UNITS as u64 + dt[(lp / dg.bs) as usize] as u64)
-                                * dg.cell
-                                + (lp % dg.bs) * dg.token_bytes;
+                            let doff = (drow as u64 * UNITS as u64 + dt[(lp / dg.bs) as usize] as u64) * dg.cell + (lp % dg.bs) * dg.token_bytes;
                             v.push(Descriptor::copy(kind, so, doff, pg.token_bytes));
                         }
                     } else if kind == RegionKind::ReplayCursor {
@@ -1395,10 +1231,8 @@ block_size = 4
                             for gi in 0..dg.groups.len() {
                                 for j in 0..h {
                                     let pj = (r % k) * h + j;
-                                    let so =
-                                        (pslot as u64 * pg.nrows() + prow) * pg.cell + pg.head_off(t, gi, pj);
-                                    let doff = (dslot as u64 * dg.nrows() + drow as u64) * dg.cell
-                                        + dg.head_off(t, gi, j);
+                                    let so = (pslot as u64 * pg.nrows() + prow) * pg.cell + pg.head_off(t, gi, pj);
+                                    let doff = (dslot as u64 * dg.nrows() + drow as u64) * dg.cell + dg.head_off(t, gi, j);
                                     v.push(Descriptor::copy(kind, so, doff, dg.groups[gi]));
                                 }
                             }
@@ -1407,15 +1241,7 @@ block_size = 4
                 }
             }
         }
-        plans
-            .into_iter()
-            .map(|((producer, consumer), descriptors)| Plan {
-                producer,
-                consumer,
-                descriptors,
-                uncoalesced: 0,
-            })
-            .collect()
+        plans.into_iter().map(|((producer, consumer), descriptors)| Plan { producer, consumer, descriptors, uncoalesced: 0 }).collect()
     }
 
     #[test]
@@ -1426,10 +1252,7 @@ block_size = 4
             .replace("[model.kda]\nheads = 2", "[model.kda]\nheads = 8")
             .replace("[model.mla]\nheads = 2", "[model.mla]\nheads = 4")
             .replace("[prefill]\npp = 1\ntp = 1\nblock_size = 4", "[prefill]\npp = 2\ntp = 2\nblock_size = 8")
-            .replace(
-                "[decode]\ntp = 1\ndcp = 1\ninterleave = 1\nblock_size = 4",
-                "[decode]\ntp = 4\ndcp = 2\ninterleave = 2\nblock_size = 4",
-            );
+            .replace("[decode]\ntp = 1\ndcp = 1\ninterleave = 1\nblock_size = 4", "[decode]\ntp = 4\ndcp = 2\ninterleave = 2\nblock_size = 4");
         let topo = Topology::parse(&text).unwrap();
         assert_eq!(topo.decode().dcp, 2);
         let req = OracleRequest { id: 42, tokens: 11 };
@@ -1470,15 +1293,9 @@ block_size = 4
         let mem = setup(&topo, &REQ, &[2, 0], 1);
         let buf = &mem[&(RankId::Decode(D0), RegionKind::MlaKv)];
         let at = Placement { blocks: &[1], slot: 0 };
-        assert!(matches!(
-            check_consumer(&topo, D0, RegionKind::MlaKv, UNITS, &[(REQ, at)], buf),
-            Err(OracleError::Input(_))
-        ));
+        assert!(matches!(check_consumer(&topo, D0, RegionKind::MlaKv, UNITS, &[(REQ, at)], buf), Err(OracleError::Input(_))));
         let at = Placement { blocks: &[1, 1], slot: 0 };
-        assert!(matches!(
-            check_consumer(&topo, D0, RegionKind::MlaKv, UNITS, &[(REQ, at)], buf),
-            Err(OracleError::Input(_))
-        ));
+        assert!(matches!(check_consumer(&topo, D0, RegionKind::MlaKv, UNITS, &[(REQ, at)], buf), Err(OracleError::Input(_))));
         // Untouched consumer with no requests: all canary.
         let st = check_consumer(&topo, D0, RegionKind::MlaKv, UNITS, &[], buf).unwrap();
         assert_eq!(st.canary_bytes, buf.len() as u64);

@@ -5,8 +5,8 @@ use hdrhistogram::Histogram;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
-use tracing::span::{Attributes, Id};
 use tracing::Subscriber;
+use tracing::span::{Attributes, Id};
 use tracing_subscriber::layer::{Context, Layer};
 use tracing_subscriber::registry::LookupSpan;
 

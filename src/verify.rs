@@ -3,10 +3,10 @@
 
 use crate::engine::{Engine, QueueMover};
 use crate::oracle::{self, Memory, OracleRequest, Placement};
+use handoff_components::Topology;
 use handoff_components::ecs::{Outcome, Status};
 use handoff_components::plan::Plan;
 use handoff_components::vocab::{DecodeRank, RankId, RegionKind};
-use handoff_components::Topology;
 use handoff_systems::placement::Capacity;
 use std::collections::BTreeMap;
 
@@ -27,12 +27,7 @@ pub struct VerifyReport {
 
 /// Runs `requests` requests of `tokens` tokens through the engine and the oracle.
 /// `tamper` may edit the plans before they run (negative tests).
-pub fn verify(
-    topo: &Topology,
-    tokens: u64,
-    requests: u32,
-    mut tamper: impl FnMut(&mut Vec<Plan>),
-) -> Result<VerifyReport, String> {
+pub fn verify(topo: &Topology, tokens: u64, requests: u32, mut tamper: impl FnMut(&mut Vec<Plan>)) -> Result<VerifyReport, String> {
     if let Err(reason) = topo.admits_transfer_mode() {
         return Err(format!("refused at admission: {reason}"));
     }
@@ -121,8 +116,7 @@ pub fn verify(
                     (OracleRequest { id, tokens }, Placement { blocks: b, slot: *s })
                 })
                 .collect();
-            let stats = oracle::check_consumer(topo, rank, kind, units[&(rid, kind)], &reqs, &mem[&(rid, kind)])
-                .map_err(|e| e.to_string())?;
+            let stats = oracle::check_consumer(topo, rank, kind, units[&(rid, kind)], &reqs, &mem[&(rid, kind)]).map_err(|e| e.to_string())?;
             report.pattern_bytes += stats.pattern_bytes;
             report.canary_bytes += stats.canary_bytes;
             let want = expected.get(&kind).copied().unwrap_or(0) * requests as u64;

@@ -34,8 +34,7 @@ fn rewrite(bytes: &[u8], edit: impl Fn(&mut Vec<(String, Dtype, Vec<usize>, Vec<
     let mut t: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> =
         st.tensors().into_iter().map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec())).collect();
     edit(&mut t);
-    let views: Vec<(String, TensorView<'_>)> =
-        t.iter().map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).expect("view"))).collect();
+    let views: Vec<(String, TensorView<'_>)> = t.iter().map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).expect("view"))).collect();
     safetensors::serialize(views, None).expect("serialize")
 }
 

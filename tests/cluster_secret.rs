@@ -260,7 +260,8 @@ fn proxy_with(serve: &str) -> Proxy {
     std::fs::write(&path, text).expect("config");
     let (port, control) = (free_port().expect("port"), free_port().expect("port"));
     let args = ["proxy", "--config", path.to_str().expect("utf8"), "--port", &port.to_string(), "--control-port", &control.to_string()];
-    let child = Command::new(BIN).args(args).env(SECRET_ENV, ClusterSecret::generate().expect("secret").to_hex()).env_remove(SECRET_FILE_ENV).spawn().expect("proxy");
+    let child =
+        Command::new(BIN).args(args).env(SECRET_ENV, ClusterSecret::generate().expect("secret").to_hex()).env_remove(SECRET_FILE_ENV).spawn().expect("proxy");
     let addr = format!("127.0.0.1:{port}");
     let deadline = Instant::now() + T;
     while wire::http(&addr, "GET", "/metrics", None, T).is_err() {

@@ -30,7 +30,13 @@ fn check(name: &str, c: &Case, len: usize) {
     let t = topo(c);
     match verify_compute(&t, &prompt(len), STEPS, |_| {}) {
         Ok(r) => {
-            eprintln!("{name} (prompt {len}): max rel err {:.2e} at step {}, {} descriptors, tokens {:?}", r.max_rel_err, r.worst_step, r.descriptors, String::from_utf8_lossy(&r.tokens));
+            eprintln!(
+                "{name} (prompt {len}): max rel err {:.2e} at step {}, {} descriptors, tokens {:?}",
+                r.max_rel_err,
+                r.worst_step,
+                r.descriptors,
+                String::from_utf8_lossy(&r.tokens)
+            );
             assert_eq!(r.tokens.len(), STEPS as usize + 1, "{name}");
             assert!(r.max_rel_err <= LOGIT_TOLERANCE, "{name}: {}", r.max_rel_err);
             // Every placement performs the colocated run's arithmetic per head (the
@@ -89,8 +95,7 @@ fn model_dtypes_bf16_and_f16_match_colocated_bit_for_bit() {
     for dtype in ["bf16", "f16", "f32"] {
         for (pp, ptp, dtp) in [(2, 2, 4), (3, 1, 2)] {
             let c = Case { dtype, layers: 8, pp, ptp, dtp, dcp: 1, ..BASE };
-            let r = verify_compute(&topo(&c), &prompt(17), STEPS, |_| {})
-                .unwrap_or_else(|e| panic!("{dtype} pp{pp} tp{ptp} -> tp{dtp}: {e}"));
+            let r = verify_compute(&topo(&c), &prompt(17), STEPS, |_| {}).unwrap_or_else(|e| panic!("{dtype} pp{pp} tp{ptp} -> tp{dtp}: {e}"));
             assert_eq!(r.max_rel_err, 0.0, "{dtype} pp{pp} tp{ptp} -> tp{dtp}");
         }
     }
@@ -106,11 +111,7 @@ fn model_dtypes_bf16_and_f16_match_colocated_bit_for_bit() {
 /// would round a later bf16 row differently and grow; zero error is the check.
 #[test]
 fn sixteen_bit_caches_under_dcp_and_replay_match_colocated_exactly() {
-    let prompts: [Vec<u8>; 3] = [
-        b"dcp".to_vec(),
-        (0..17u32).map(|i| (i * 31 + 7) as u8).collect(),
-        (0..30u32).map(|i| (i * 53 + 101) as u8).collect(),
-    ];
+    let prompts: [Vec<u8>; 3] = [b"dcp".to_vec(), (0..17u32).map(|i| (i * 31 + 7) as u8).collect(), (0..30u32).map(|i| (i * 53 + 101) as u8).collect()];
     let mut runs = 0;
     for dtype in ["bf16", "f16"] {
         for (dtp, dcp) in [(2, 1), (4, 2), (4, 4)] {
@@ -136,8 +137,7 @@ fn sixteen_bit_caches_under_dcp_and_replay_match_colocated_exactly() {
 /// more prompts and 48 steps.
 #[test]
 fn shipped_bf16_dcp_replay_topology_matches_colocated_exactly() {
-    let t = Topology::load(concat!(env!("CARGO_MANIFEST_DIR"), "/config/pp3-tp2-to-tp4dcp2.toml"))
-        .expect("config/pp3-tp2-to-tp4dcp2.toml");
+    let t = Topology::load(concat!(env!("CARGO_MANIFEST_DIR"), "/config/pp3-tp2-to-tp4dcp2.toml")).expect("config/pp3-tp2-to-tp4dcp2.toml");
     for seed in 0..4usize {
         let p: Vec<u8> = (0..9 + 5 * seed).map(|i| (i * 31 + seed * 7) as u8).collect();
         let r = verify_compute(&t, &p, 48, |_| {}).unwrap_or_else(|e| panic!("prompt {seed}: {e}"));
@@ -148,8 +148,7 @@ fn shipped_bf16_dcp_replay_topology_matches_colocated_exactly() {
 /// The flagship's weights (about 255 GiB as f32) are refused by size, up front.
 #[test]
 fn flagship_config_is_refused_by_size_before_allocating() {
-    let t = Topology::load(concat!(env!("CARGO_MANIFEST_DIR"), "/config/k3-pp8-tp8dcp8.toml"))
-        .expect("config/k3-pp8-tp8dcp8.toml");
+    let t = Topology::load(concat!(env!("CARGO_MANIFEST_DIR"), "/config/k3-pp8-tp8dcp8.toml")).expect("config/k3-pp8-tp8dcp8.toml");
     let e = verify_compute(&t, b"hi", 1, |_| {}).expect_err("the flagship must be refused");
     assert!(e.contains("too large") && e.contains("GiB") && e.contains("7168"), "{e}");
 }

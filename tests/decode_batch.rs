@@ -208,12 +208,7 @@ fn decode_ranks_batch_equals_colocated_alone_bit_for_bit() {
     let join = [0usize, 0, 3, 4, 4];
     check_decode_ranks("tp1", &BASE, 14, &join);
     check_decode_ranks("tp2 dcp2", &Cfg { dtp: 2, dcp: 2, ..BASE }, 14, &join);
-    check_decode_ranks(
-        "tp4 dcp2 interleave 2, replay, bf16",
-        &Cfg { dtp: 4, dcp: 2, interleave: 2, replay: Some(6), dtype: "bf16", ..BASE },
-        18,
-        &join,
-    );
+    check_decode_ranks("tp4 dcp2 interleave 2, replay, bf16", &Cfg { dtp: 4, dcp: 2, interleave: 2, replay: Some(6), dtype: "bf16", ..BASE }, 18, &join);
     check_decode_ranks("tp4 dcp4, f16, MLA first", &Cfg { dtp: 4, dcp: 4, pattern: "MKKM", dtype: "f16", ..BASE }, 12, &join);
 }
 
@@ -270,7 +265,11 @@ fn replay_batch_commits_only_full_rings_and_equals_each_slot_alone() {
         assert_eq!(changed[b], full, "slot {b} (cursor {}) commit flag", cursors[b]);
         assert_eq!(cur[b], if full { 0 } else { cursors[b] + 1 }, "slot {b} cursor");
         if !full {
-            assert_eq!(bits(&st[b * per..(b + 1) * per]), bits(&state[b * per..(b + 1) * per]), "slot {b}: a slot that did not commit keeps its committed state");
+            assert_eq!(
+                bits(&st[b * per..(b + 1) * per]),
+                bits(&state[b * per..(b + 1) * per]),
+                "slot {b}: a slot that did not commit keeps its committed state"
+            );
         } else {
             assert_ne!(bits(&st[b * per..(b + 1) * per]), bits(&state[b * per..(b + 1) * per]), "slot {b}: a full ring commits");
         }

@@ -58,11 +58,7 @@ fn check(name: &str, model: &Model, tp: usize, p: &[u8], steps: u32) -> f32 {
         seq.extend_from_slice(&trace.tokens[..i]);
         let (logits, tok) = fresh_prefill(&group, &seq);
         let e = rel_err(&trace.logits[i], &logits);
-        assert!(
-            e <= TOLERANCE,
-            "{name}: step {i} (sequence of {} tokens): decode vs fresh prefill relative error {e:.3e} > {TOLERANCE:.0e}",
-            seq.len()
-        );
+        assert!(e <= TOLERANCE, "{name}: step {i} (sequence of {} tokens): decode vs fresh prefill relative error {e:.3e} > {TOLERANCE:.0e}", seq.len());
         assert_eq!(trace.tokens[i], tok, "{name}: step {i}: decode picked {}, fresh prefill {tok}", trace.tokens[i]);
         worst = worst.max(e);
     }

@@ -47,10 +47,7 @@ fn matrix() -> Vec<(String, Case)> {
         "bf16 pp5 -> tp4 dcp2 replay 4, 27 layers, hidden 64".to_string(),
         Case { dtype: "bf16", layers: 27, hidden: 64, pp: 5, dtp: 4, dcp: 2, replay: Some(4), ..BASE },
     ));
-    m.push((
-        "bf16 pp6 tp2 -> tp12 dcp4".to_string(),
-        Case { dtype: "bf16", layers: 12, kda_heads: 24, mla_heads: 24, pp: 6, ptp: 2, dtp: 12, dcp: 4, ..BASE },
-    ));
+    m.push(("bf16 pp6 tp2 -> tp12 dcp4".to_string(), Case { dtype: "bf16", layers: 12, kda_heads: 24, mla_heads: 24, pp: 6, ptp: 2, dtp: 12, dcp: 4, ..BASE }));
     m
 }
 

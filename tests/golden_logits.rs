@@ -51,7 +51,11 @@ fn rust_cpu_logits_match_the_pytorch_reference() {
         eprintln!("case {i} ({} prompt bytes): max relative logit error {worst:.2e} over {} steps", c.prompt.len(), steps + 1);
         for (step, (a, b)) in got.logits.iter().zip(&c.logits).enumerate() {
             let e = rel_err(a, b);
-            assert!(e <= GOLDEN_TOLERANCE, "case {i} ({:?}) step {step}: relative logit error {e:.3e} > {GOLDEN_TOLERANCE:.0e}", String::from_utf8_lossy(&c.prompt));
+            assert!(
+                e <= GOLDEN_TOLERANCE,
+                "case {i} ({:?}) step {step}: relative logit error {e:.3e} > {GOLDEN_TOLERANCE:.0e}",
+                String::from_utf8_lossy(&c.prompt)
+            );
         }
         assert_eq!(got.tokens, c.tokens, "case {i}: greedy tokens differ from the PyTorch reference");
     }

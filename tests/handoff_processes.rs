@@ -14,17 +14,17 @@
 mod transport_util;
 
 use handoff::engine::Engine;
-use handoff::oracle::{self, OracleRequest, Placement};
 use handoff::engine::mover::{MoverOptions, TransportMover};
 use handoff::engine::{NoMover, Role};
+use handoff::oracle::{self, OracleRequest, Placement};
 use handoff::transport::{PeerAddr, RegionHandle, ShmTransport, TcpOptions, TcpTransport, Transport, TransportExt};
+use handoff_components::Topology;
 use handoff_components::config::Config;
 use handoff_components::ecs::WriteDone;
-use handoff_systems::placement::blocks_for;
 use handoff_components::layout::{ConsumerLayout, ProducerLayout};
 use handoff_components::vocab::{DecodeRank, PrefillRank, RankId, RegionKind};
-use handoff_components::Topology;
-use handoff_systems::placement::{place_rank, Capacity};
+use handoff_systems::placement::blocks_for;
+use handoff_systems::placement::{Capacity, place_rank};
 use handoff_systems::splitting::{plan_pair, share};
 use handoff_systems::transfer::{Completion, Mover, Ticket};
 use serde::{Deserialize, Serialize};
@@ -233,7 +233,10 @@ struct DecodeSide {
 enum Ended {
     /// Handed off; pattern bytes the oracle checked.
     Verified(u64),
-    Failed { phase: &'static str, reason: String },
+    Failed {
+        phase: &'static str,
+        reason: String,
+    },
 }
 
 impl DecodeSide {
@@ -304,9 +307,7 @@ impl DecodeSide {
             assert!(Instant::now() < deadline, "request {id} neither handed off nor failed: {:?}", self.engine.status(id));
             for n in self.t.wait_notifications(Duration::from_millis(20)) {
                 match serde_json::from_slice::<Note>(&n.bytes) {
-                    Ok(Note::Computed { request, nonce: got, pp }) if Some(got) == nonce && request == id => {
-                        self.engine.mark_computed(request, pp)
-                    }
+                    Ok(Note::Computed { request, nonce: got, pp }) if Some(got) == nonce && request == id => self.engine.mark_computed(request, pp),
                     // A stage of an earlier request (already failed or finished).
                     Ok(Note::Computed { .. }) => {}
                     Ok(Note::WriteDone { request, nonce, pp, tp, consumer_tp }) => {
@@ -333,8 +334,7 @@ impl DecodeSide {
     }
 
     fn check(&self, id: u64, tokens: u64) -> u64 {
-        let leases: BTreeMap<RankId, (Vec<u32>, u32)> =
-            self.engine.leases(id).into_iter().map(|l| (l.rank, (l.blocks, l.slot))).collect();
+        let leases: BTreeMap<RankId, (Vec<u32>, u32)> = self.engine.leases(id).into_iter().map(|l| (l.rank, (l.blocks, l.slot))).collect();
         let mut pattern = 0;
         for ((rank, kind), h) in &self.handles {
             let RankId::Decode(d) = *rank else { continue };
@@ -407,10 +407,13 @@ fn child_entry() {
 
 /// Spawns one producer process per PP stage for the published request.
 fn spawn_producers(prefix: &[&str], role: &str, publish: &[Publish]) -> Vec<(Child, Receiver<String>, bool)> {
-    publish.iter().map(|p| {
-        let (c, rx) = spawn_with(child(prefix, role), p);
-        (c, rx, p.stall)
-    }).collect()
+    publish
+        .iter()
+        .map(|p| {
+            let (c, rx) = spawn_with(child(prefix, role), p);
+            (c, rx, p.stall)
+        })
+        .collect()
 }
 
 fn reap(children: Vec<(Child, Receiver<String>, bool)>) {
@@ -493,11 +496,7 @@ struct Namespaces {
 
 fn ip(args: &[&str]) -> Result<(), String> {
     let out = Command::new("ip").args(args).output().map_err(|e| format!("ip {}: {e}", args.join(" ")))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
-    }
+    if out.status.success() { Ok(()) } else { Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim())) }
 }
 
 impl Namespaces {
@@ -538,7 +537,10 @@ fn tcp_producers_in_another_network_namespace_hand_off_byte_exact() {
         Ok(ns) => ns,
         Err(reason) => {
             // Under CI (root, CI=true) network namespaces must work: fail, never skip.
-            assert!(std::env::var_os("CI").is_none(), "tcp_producers_in_another_network_namespace_hand_off_byte_exact: network namespaces unavailable under CI: {reason}");
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "tcp_producers_in_another_network_namespace_hand_off_byte_exact: network namespaces unavailable under CI: {reason}"
+            );
             eprintln!("SKIPPED tcp_producers_in_another_network_namespace_hand_off_byte_exact (not under CI): {reason}");
             return;
         }

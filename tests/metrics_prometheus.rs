@@ -134,7 +134,12 @@ fn metrics_parse_as_prometheus_and_count_what_was_served() {
     let per_phase = family(&fams, "handoff_engine_phase_seconds");
     assert_eq!((sys["type"].as_str(), per_phase["type"].as_str()), (Some("histogram"), Some("histogram")));
     for role in ["decode", "prefill0", "prefill1"] {
-        let systems: Vec<&Value> = sys["samples"].as_array().expect("samples").iter().filter(|s| s["labels"]["role"] == role && s["name"] == "handoff_engine_system_seconds_count").collect();
+        let systems: Vec<&Value> = sys["samples"]
+            .as_array()
+            .expect("samples")
+            .iter()
+            .filter(|s| s["labels"]["role"] == role && s["name"] == "handoff_engine_system_seconds_count")
+            .collect();
         assert!(systems.len() >= 6, "{role}: {} systems timed", systems.len());
         for s in &systems {
             let system = s["labels"]["system"].as_str().expect("system");
@@ -182,7 +187,10 @@ fn metrics_parse_as_prometheus_and_count_what_was_served() {
     c.wait_healthy(Duration::from_secs(30), false).expect("decode back");
     let after = scrape(&c);
     assert!(sample(family(&after, "handoff_request_failures"), "handoff_request_failures_total", &[("role", "decode")]).unwrap_or(0.0) >= 1.0);
-    assert!(sample(family(&after, "handoff_request_timeouts"), "handoff_request_timeouts_total", &[("phase", "decode")]).unwrap_or(0.0) >= 1.0, "a stopped decode counts as a timeout");
+    assert!(
+        sample(family(&after, "handoff_request_timeouts"), "handoff_request_timeouts_total", &[("phase", "decode")]).unwrap_or(0.0) >= 1.0,
+        "a stopped decode counts as a timeout"
+    );
 
     // The traces: each role wrote one, finished when it stopped, with its systems.
     c.shutdown();

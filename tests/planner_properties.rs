@@ -12,8 +12,9 @@ use handoff_systems::splitting::{plan_pair, share};
 use proptest::prelude::*;
 
 fn shape_strategy() -> impl Strategy<Value = (Shape, u64, u32)> {
-    (1u32..=4, 0usize..3, 0usize..4, 0usize..4, 1u32..=8, 0usize..4, prop::bool::ANY, 1u64..=70, 1u32..=3, 0usize..3)
-        .prop_filter_map("valid shape", |(pp, ptp_i, dtp_i, dcp_i, pbs, dbs_i, replay, tokens, requests, pat)| {
+    (1u32..=4, 0usize..3, 0usize..4, 0usize..4, 1u32..=8, 0usize..4, prop::bool::ANY, 1u64..=70, 1u32..=3, 0usize..3).prop_filter_map(
+        "valid shape",
+        |(pp, ptp_i, dtp_i, dcp_i, pbs, dbs_i, replay, tokens, requests, pat)| {
             let ptp = [1, 2, 4][ptp_i];
             let dtp = [1, 2, 4, 8][dtp_i];
             let dcp = [1, 2, 4, 8][dcp_i];
@@ -25,7 +26,8 @@ fn shape_strategy() -> impl Strategy<Value = (Shape, u64, u32)> {
             let pattern = ["KKKM", "KM", "MKK"][pat];
             let shape = Shape { pp, ptp, dtp, dcp, pbs, dbs, interleave, pattern, replay: replay.then_some(2), ..Default::default() };
             Some((shape, tokens, requests))
-        })
+        },
+    )
 }
 
 proptest! {

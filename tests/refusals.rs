@@ -3,8 +3,8 @@
 
 mod common;
 use common::Shape;
-use handoff_components::config::ConfigError;
 use handoff_components::Topology;
+use handoff_components::config::ConfigError;
 use std::process::Command;
 
 fn refuse(toml: &str) -> ConfigError {
@@ -105,7 +105,7 @@ fn malformed_files_name_the_field_line_and_expectation() {
     let t = good.replace("[decode]", "[decoder]");
     let (code, err) = cli_check(&t);
     assert_eq!(code, 2);
-    assert!(err.contains("decode") , "{err}");
+    assert!(err.contains("decode"), "{err}");
     // Missing file.
     let out = Command::new(env!("CARGO_BIN_EXE_handoff")).args(["check", "--config", "/nonexistent/x.toml"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));

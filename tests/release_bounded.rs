@@ -30,7 +30,12 @@ fn release_returns_entities_blocks_and_slots_to_baseline() {
     let pools = free_counts(&e);
     let mut id = 0;
     for wave in 0..50 {
-        let ids: Vec<u64> = (0..4).map(|_| { id += 1; id }).collect();
+        let ids: Vec<u64> = (0..4)
+            .map(|_| {
+                id += 1;
+                id
+            })
+            .collect();
         for &i in &ids {
             e.submit(i, 1 + (i * 7) % 20);
         }

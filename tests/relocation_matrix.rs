@@ -9,8 +9,10 @@ use handoff::verify::verify;
 fn check(shape: &Shape, tokens: u64) {
     let topo = shape.topology();
     if let Err(e) = verify(&topo, tokens, 2, |_| {}) {
-        panic!("tokens {tokens}, pp {} x tp {} (split {:?}, block {}) -> tp {} x dcp {} (interleave {}, block {}), replay {:?}: {e}",
-            shape.pp, shape.ptp, shape.split, shape.pbs, shape.dtp, shape.dcp, shape.interleave, shape.dbs, shape.replay);
+        panic!(
+            "tokens {tokens}, pp {} x tp {} (split {:?}, block {}) -> tp {} x dcp {} (interleave {}, block {}), replay {:?}: {e}",
+            shape.pp, shape.ptp, shape.split, shape.pbs, shape.dtp, shape.dcp, shape.interleave, shape.dbs, shape.replay
+        );
     }
 }
 

@@ -4,14 +4,14 @@
 //! here they run a bounded number of cases (`PROPTEST_CASES`, default 1024) and
 //! every verdict is asserted, with the regression tests of the bugs they found.
 
-use handoff::fuzz::{self, FrameCase, FrameConsumer, FrameSpec, DescSpec, Options, PeakAlloc, Report, Target};
+use handoff::fuzz::{self, DescSpec, FrameCase, FrameConsumer, FrameSpec, Options, PeakAlloc, Report, Target};
 use handoff::roles::openai::{self, BodyError, Endpoint};
 use handoff::roles::up::{Cluster, free_port};
 use handoff::roles::wire;
 use handoff::transport::tcp::wire as frames;
 use handoff::transport::{PeerAddr, Transport};
-use handoff_components::config::ConfigError;
 use handoff_components::Topology;
+use handoff_components::config::ConfigError;
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 use std::io::{Cursor, Read, Write};
@@ -197,7 +197,11 @@ fn huge_counts_and_timeouts_are_refused_by_name_before_anything_is_sized() {
     let big = small_with("heads = 4\nhead_k_dim = 16\nhead_v_dim = 16", "heads = 4096\nhead_k_dim = 65536\nhead_v_dim = 65536");
     assert!(matches!(Topology::parse(&big), Err(ConfigError::Footprint { what: "bytes of one rank's regions", .. })), "{:?}", Topology::parse(&big));
     let staging = small_with("kind = \"shm\"", "kind = \"shm\"\nstaging_bytes = 68719476736\nstaging_buffers = 4096");
-    assert!(matches!(Topology::parse(&staging), Err(ConfigError::Footprint { what: "bytes of one rank's staging pool", .. })), "{:?}", Topology::parse(&staging));
+    assert!(
+        matches!(Topology::parse(&staging), Err(ConfigError::Footprint { what: "bytes of one rank's staging pool", .. })),
+        "{:?}",
+        Topology::parse(&staging)
+    );
     assert!(t.elapsed() < Duration::from_secs(2), "refusals took {:?}", t.elapsed());
     // Every shipped topology is within the limits.
     for (name, text) in fuzz::SHIPPED_CONFIGS {
@@ -236,7 +240,8 @@ fn a_descriptor_of_u32_max_pieces_allocates_nothing_by_its_count() {
     let _g = serial();
     let c = FrameConsumer::new().expect("consumer");
     PeakAlloc::reset();
-    let case = |d: DescSpec| FrameCase { frames: vec![FrameSpec::Write { descs: vec![d], region_ok: true, ndesc: None, payload: None }], flip: None, truncate: None };
+    let case =
+        |d: DescSpec| FrameCase { frames: vec![FrameSpec::Write { descs: vec![d], region_ok: true, ndesc: None, payload: None }], flip: None, truncate: None };
     assert_eq!(c.check(&case(desc(0, 0, u32::MAX, 0))), Ok("acked".to_string()));
     assert_eq!(c.check(&case(desc(0, 1, u32::MAX, 0))), Ok("dropped (incident)".to_string()));
     let peak = PeakAlloc::peak().expect("installed");

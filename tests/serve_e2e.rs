@@ -38,7 +38,9 @@ fn write_config(name: &str, text: &str) -> PathBuf {
 /// The shipped PP3 x TP2 -> TP4 x DCP2 topology, over shm, with serving limits.
 fn pp3_config() -> String {
     let base = include_str!("../config/pp3-tp2-to-tp4dcp2.toml");
-    format!("{base}\n[transport]\nkind = \"shm\"\n\n[serve]\nmax_context = 256\nmax_requests = 4\nqueue = 16\n\n[timeouts]\ncompute_s = 20\ntransfer_s = 20\nadmission_s = 30\n")
+    format!(
+        "{base}\n[transport]\nkind = \"shm\"\n\n[serve]\nmax_context = 256\nmax_requests = 4\nqueue = 16\n\n[timeouts]\ncompute_s = 20\ntransfer_s = 20\nadmission_s = 30\n"
+    )
 }
 
 /// `small.toml` with its `[serve]` table replaced.
@@ -106,12 +108,7 @@ fn complete(addr: &str, body: &serde_json::Value) -> HttpResponse {
 
 fn token_ids(r: &HttpResponse) -> Vec<u8> {
     let v = r.json().unwrap_or_else(|| panic!("not JSON: {}", r.body));
-    v["choices"][0]["token_ids"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no token_ids in {}", r.body))
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u8)
-        .collect()
+    v["choices"][0]["token_ids"].as_array().unwrap_or_else(|| panic!("no token_ids in {}", r.body)).iter().map(|x| x.as_u64().expect("id") as u8).collect()
 }
 
 /// Greedy tokens of the colocated single-rank reference: the prefill's pick and
@@ -162,11 +159,18 @@ fn check_topology_end_to_end(name: &str, text: &str) {
     let up = start_up(&path);
     assert_eq!(http(&up.addr, "GET", "/health", None).status, 200);
     let cases: Vec<(serde_json::Value, Vec<u8>, u32)> = vec![
-        (serde_json::json!({"prompt": "The quick brown fox jumps over the lazy dog", "max_tokens": 9}), b"The quick brown fox jumps over the lazy dog".to_vec(), 9),
+        (
+            serde_json::json!({"prompt": "The quick brown fox jumps over the lazy dog", "max_tokens": 9}),
+            b"The quick brown fox jumps over the lazy dog".to_vec(),
+            9,
+        ),
         (serde_json::json!({"prompt_token_ids": [1, 2, 3, 250, 17], "max_tokens": 5}), vec![1, 2, 3, 250, 17], 5),
         (serde_json::json!({"prompt": "x", "max_tokens": 1}), b"x".to_vec(), 1),
-        (serde_json::json!({"prompt": "a longer prompt that spans several blocks of the prefill and decode block tables, several times over......", "max_tokens": 20}),
-         b"a longer prompt that spans several blocks of the prefill and decode block tables, several times over......".to_vec(), 20),
+        (
+            serde_json::json!({"prompt": "a longer prompt that spans several blocks of the prefill and decode block tables, several times over......", "max_tokens": 20}),
+            b"a longer prompt that spans several blocks of the prefill and decode block tables, several times over......".to_vec(),
+            20,
+        ),
     ];
     for (body, prompt, n) in &cases {
         let r = complete(&up.addr, body);
@@ -236,7 +240,11 @@ fn admission_rejects_each_bad_request_with_400_and_reason() {
         ("no prompt", "{\"max_tokens\": 4}", "empty prompt"),
         ("max_tokens 0", "{\"prompt\": \"abc\", \"max_tokens\": 0}", "max_tokens 0 is out of range"),
         ("max_tokens past the context", "{\"prompt\": \"abc\", \"max_tokens\": 62}", "max_tokens 62 is out of range"),
-        ("prompt past the context", "{\"prompt\": \"0123456789012345678901234567890123456789012345678901234567890123456789\"}", "does not fit serve.max_context 64"),
+        (
+            "prompt past the context",
+            "{\"prompt\": \"0123456789012345678901234567890123456789012345678901234567890123456789\"}",
+            "does not fit serve.max_context 64",
+        ),
         ("token id outside the vocabulary", "{\"prompt_token_ids\": [1, 300]}", "token id 300"),
     ];
     for (what, body, reason) in cases {

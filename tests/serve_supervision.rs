@@ -141,10 +141,8 @@ fn assert_nothing_live(addr: &str) {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let m = http(addr, "GET", "/metrics", None).map(|r| r.body).unwrap_or_default();
-        let live: Vec<&str> = m
-            .lines()
-            .filter(|l| (l.starts_with("handoff_engine_requests{") || l.starts_with("handoff_producer_entries{")) && !l.ends_with(" 0"))
-            .collect();
+        let live: Vec<&str> =
+            m.lines().filter(|l| (l.starts_with("handoff_engine_requests{") || l.starts_with("handoff_producer_entries{")) && !l.ends_with(" 0")).collect();
         if live.is_empty() && m.contains("handoff_engine_requests{role=\"decode\"} 0") {
             return;
         }

@@ -3,13 +3,13 @@
 //! and sampled waves are byte-exact against the oracle.
 
 use handoff::engine::Engine;
+use handoff::engine::mover::{Cluster, local_cluster};
 use handoff::oracle::{self, OracleRequest, Placement};
-use handoff::engine::mover::{local_cluster, Cluster};
 use handoff::transport::TransportExt;
+use handoff_components::Topology;
 use handoff_components::config::{Config, TransportKind};
 use handoff_components::ecs::{Lease, Status};
 use handoff_components::vocab::{DecodeRank, RankId};
-use handoff_components::Topology;
 use handoff_systems::placement::Capacity;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -75,9 +75,7 @@ fn soak_100k_requests_local_transport_leaves_nothing_behind_and_samples_are_byte
     engine.tick();
     let baseline = engine.entity_count();
     pools_full(&engine).expect("pools full at start");
-    let units: BTreeMap<_, _> = {
-        engine.regions().iter().map(|r| ((r.rank, r.layout.kind), r.layout.units)).collect()
-    };
+    let units: BTreeMap<_, _> = { engine.regions().iter().map(|r| ((r.rank, r.layout.kind), r.layout.units)).collect() };
     let started = Instant::now();
     let (mut sampled, mut pattern_bytes) = (0u64, 0u64);
     let mut next_id = 1u64;
@@ -111,9 +109,7 @@ fn soak_100k_requests_local_transport_leaves_nothing_behind_and_samples_are_byte
                         for kind in topo.region_kinds() {
                             let h = &cluster.regions[&(rank, kind)];
                             let at = Placement { blocks: &blocks, slot };
-                            transport
-                                .write_region(h, |b| oracle::fill_producer(&topo, p, kind, units[&(rank, kind)], &req, &at, b))
-                                .expect("fill producer");
+                            transport.write_region(h, |b| oracle::fill_producer(&topo, p, kind, units[&(rank, kind)], &req, &at, b)).expect("fill producer");
                         }
                     }
                     leases.insert((id, rank), (blocks, slot));
@@ -137,9 +133,7 @@ fn soak_100k_requests_local_transport_leaves_nothing_behind_and_samples_are_byte
                         })
                         .collect();
                     let stats = transport
-                        .read_region(&cluster.regions[&(rid, kind)], |b| {
-                            oracle::check_consumer(&topo, rank, kind, units[&(rid, kind)], &reqs, b)
-                        })
+                        .read_region(&cluster.regions[&(rid, kind)], |b| oracle::check_consumer(&topo, rank, kind, units[&(rid, kind)], &reqs, b))
                         .expect("read consumer")
                         .unwrap_or_else(|e| panic!("wave {wave}: {e}"));
                     pattern_bytes += stats.pattern_bytes;

@@ -4,11 +4,9 @@
 
 mod transport_util;
 
-use handoff::transport::rdma::RdmaTransport;
-use handoff::transport::{
-    LocalTransport, MemoryKind, ShmTransport, Side, TcpTransport, Transport, TransportError, TransportExt,
-};
 use handoff::engine::mover::{MoverOptions, TransportMover};
+use handoff::transport::rdma::RdmaTransport;
+use handoff::transport::{LocalTransport, MemoryKind, ShmTransport, Side, TcpTransport, Transport, TransportError, TransportExt};
 use handoff_components::plan::{Descriptor, Plan};
 use handoff_components::vocab::{DecodeRank, PrefillRank, RegionKind};
 use handoff_systems::transfer::{Mover, Ticket};
@@ -115,7 +113,10 @@ fn out_of_bounds_and_mismatched_descriptors_are_rejected_without_writes() {
         let remote = p.attach(&dst).expect("attach");
         let ok = Descriptor::copy(k, 0, 0, 10);
         let cases: Vec<(Vec<Descriptor>, Check)> = vec![
-            (vec![ok, Descriptor::copy(k, 0, 491, 10)], Box::new(|e| matches!(e, TransportError::OutOfBounds { index: 1, side: Side::Dst, end: 501, len: 500, .. }))),
+            (
+                vec![ok, Descriptor::copy(k, 0, 491, 10)],
+                Box::new(|e| matches!(e, TransportError::OutOfBounds { index: 1, side: Side::Dst, end: 501, len: 500, .. })),
+            ),
             (vec![Descriptor::copy(k, 995, 0, 10)], Box::new(|e| matches!(e, TransportError::OutOfBounds { index: 0, side: Side::Src, .. }))),
             (
                 vec![Descriptor { kind: k, src_offset: 0, dst_offset: 0, len: 10, count: 60, src_stride: 10, dst_stride: 10 }],
@@ -153,7 +154,9 @@ fn foreign_and_unknown_handles_are_refused() {
 
 #[test]
 fn device_memory_and_rdma_are_refused_with_a_reason_in_this_build() {
-    for t in [Arc::new(LocalTransport::new()) as Arc<dyn Transport>, Arc::new(ShmTransport::new().expect("shm")), Arc::new(TcpTransport::loopback().expect("tcp"))] {
+    for t in
+        [Arc::new(LocalTransport::new()) as Arc<dyn Transport>, Arc::new(ShmTransport::new().expect("shm")), Arc::new(TcpTransport::loopback().expect("tcp"))]
+    {
         let err = t.register_memory(producer_rank(), RegionKind::MlaKv, 64, MemoryKind::Device { ordinal: 0 }).expect_err("device memory");
         assert!(matches!(err, TransportError::Unavailable { .. }), "{err}");
         assert!(err.to_string().contains("device"), "{err}");
@@ -246,9 +249,7 @@ fn shm_files_are_removed_on_drop() {
     let t = ShmTransport::new().expect("shm");
     let h = t.register(producer_rank(), RegionKind::MlaKv, 4096).expect("register");
     let handoff::transport::PeerAddr::Shm { dir, prefix } = h.peer.clone() else { panic!("shm handle") };
-    let ours = || {
-        std::fs::read_dir(&dir).expect("read dir").flatten().filter(|e| e.file_name().to_string_lossy().starts_with(&prefix)).count()
-    };
+    let ours = || std::fs::read_dir(&dir).expect("read dir").flatten().filter(|e| e.file_name().to_string_lossy().starts_with(&prefix)).count();
     assert_eq!(ours(), 2, "one region file and one socket");
     drop(t);
     assert_eq!(ours(), 0, "files left behind after drop");

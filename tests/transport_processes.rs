@@ -9,9 +9,7 @@
 mod transport_util;
 
 use handoff::transport::tcp::wire;
-use handoff::transport::{
-    PeerAddr, RegionHandle, ShmTransport, TcpOptions, TcpTransport, Transport, TransportError, TransportExt,
-};
+use handoff::transport::{PeerAddr, RegionHandle, ShmTransport, TcpOptions, TcpTransport, Transport, TransportError, TransportExt};
 use handoff_components::plan::Descriptor;
 use handoff_components::vocab::RegionKind;
 use serde::{Deserialize, Serialize};
@@ -220,11 +218,7 @@ fn tcp_consumer_reports_producer_killed_mid_transfer() {
     child.kill().expect("kill producer");
     let _ = child.wait();
     let incident = wait_incident(&consumer);
-    assert!(
-        matches!(&incident.error, TransportError::Disconnected { reason, .. } if reason.contains("batch 7")),
-        "unexpected incident: {}",
-        incident.error
-    );
+    assert!(matches!(&incident.error, TransportError::Disconnected { reason, .. } if reason.contains("batch 7")), "unexpected incident: {}", incident.error);
     // Still serving: a fresh producer's batch lands.
     let producer = TcpTransport::loopback().expect("tcp");
     let src = producer.register(producer_rank(), RegionKind::MlaKv, 4096).expect("src");
@@ -238,8 +232,7 @@ fn tcp_consumer_reports_producer_killed_mid_transfer() {
 /// after its idle timeout and reports a timeout instead of waiting forever.
 #[test]
 fn tcp_consumer_reports_stalled_producer_as_timeout() {
-    let consumer =
-        TcpTransport::bind(TcpOptions { idle_timeout: Duration::from_millis(300), ..TcpOptions::default() }).expect("tcp");
+    let consumer = TcpTransport::bind(TcpOptions { idle_timeout: Duration::from_millis(300), ..TcpOptions::default() }).expect("tcp");
     let dst = consumer.register(consumer_rank(), RegionKind::MlaKv, 1 << 20).expect("register");
     let mut s = std::net::TcpStream::connect(consumer.addr()).expect("connect");
     // A member of the cluster (it proves the secret) that then stalls.
@@ -291,11 +284,7 @@ struct Netns {
 impl Netns {
     fn ip(args: &[&str]) -> Result<(), String> {
         let out = Command::new("ip").args(args).output().map_err(|e| format!("ip {}: {e}", args.join(" ")))?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
-        }
+        if out.status.success() { Ok(()) } else { Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim())) }
     }
 
     fn create() -> Result<Netns, String> {
@@ -335,7 +324,10 @@ fn tcp_between_network_namespaces_over_veth_is_byte_exact() {
         Ok(ns) => ns,
         Err(reason) => {
             // Under CI (root, CI=true) network namespaces must work: fail, never skip.
-            assert!(std::env::var_os("CI").is_none(), "tcp_between_network_namespaces_over_veth_is_byte_exact: network namespaces unavailable under CI: {reason}");
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "tcp_between_network_namespaces_over_veth_is_byte_exact: network namespaces unavailable under CI: {reason}"
+            );
             eprintln!("SKIPPED tcp_between_network_namespaces_over_veth_is_byte_exact (not under CI): {reason}");
             return;
         }

@@ -3,7 +3,7 @@
 
 mod transport_util;
 
-use handoff::transport::staging::{gather_runs, RetryPolicy, Stager, StagingPool};
+use handoff::transport::staging::{RetryPolicy, Stager, StagingPool, gather_runs};
 use handoff::transport::{LocalTransport, TcpTransport, Transport, TransportError, TransportExt};
 use handoff_components::plan::Descriptor;
 use handoff_components::vocab::RegionKind;
@@ -17,10 +17,7 @@ const ROW: u64 = 1152; // one MLA KV row (576 bf16)
 /// Per-token descriptors of a token-interleaved DCP hand-off: decode dcp rank `d`
 /// owns token p when (p / s) % dcp == d, at local position (p / (s*dcp)) * s + p % s.
 fn dcp_rows(tokens: u64, dcp: u64, s: u64, d: u64) -> Vec<Descriptor> {
-    (0..tokens)
-        .filter(|p| (p / s) % dcp == d)
-        .map(|p| Descriptor::copy(RegionKind::MlaKv, p * ROW, ((p / (s * dcp)) * s + p % s) * ROW, ROW))
-        .collect()
+    (0..tokens).filter(|p| (p / s) % dcp == d).map(|p| Descriptor::copy(RegionKind::MlaKv, p * ROW, ((p / (s * dcp)) * s + p % s) * ROW, ROW)).collect()
 }
 
 /// Invariant: the runs cover exactly the descriptors' bytes, source order kept, and

@@ -365,9 +365,7 @@ pub enum ConfigError {
     Zero { field: &'static str },
     #[error("model.pattern {pattern:?} must be a non-empty string of 'K' (KDA) and 'M' (MLA)")]
     Pattern { pattern: String },
-    #[error(
-        "decode tp {decode_tp} is not a multiple of prefill tp {prefill_tp}: each decode rank must take its heads from one prefill rank"
-    )]
+    #[error("decode tp {decode_tp} is not a multiple of prefill tp {prefill_tp}: each decode rank must take its heads from one prefill rank")]
     DecodeTpNotMultiple { decode_tp: u32, prefill_tp: u32 },
     #[error("region {region}: {heads} heads cannot be split over {side} tp {tp}")]
     HeadsNotSplit { region: &'static str, heads: u32, side: &'static str, tp: u32 },
@@ -399,9 +397,7 @@ pub enum ConfigError {
     TooLarge { field: &'static str, value: u64, max: u64 },
     #[error("timeouts.{field} = {value} s is longer than the most handoff accepts, {max} s")]
     TimeoutTooLong { field: &'static str, value: f64, max: f64 },
-    #[error(
-        "{what} would be {value} at serving capacity (serve.max_requests x serve.max_context), more than the most handoff accepts, {max}"
-    )]
+    #[error("{what} would be {value} at serving capacity (serve.max_requests x serve.max_context), more than the most handoff accepts, {max}")]
     Footprint { what: &'static str, value: u128, max: u128 },
 }
 
@@ -497,15 +493,11 @@ pub struct Topology {
 impl Config {
     /// Parses a topology file's text. `path` only labels messages.
     pub fn parse(text: &str, path: &str) -> Result<Config, ConfigError> {
-        toml::from_str(text).map_err(|e| ConfigError::Parse {
-            path: path.to_string(),
-            reason: e.to_string().trim_end().to_string(),
-        })
+        toml::from_str(text).map_err(|e| ConfigError::Parse { path: path.to_string(), reason: e.to_string().trim_end().to_string() })
     }
 
     pub fn load(path: &str) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| ConfigError::Io { path: path.to_string(), reason: e.to_string() })?;
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Io { path: path.to_string(), reason: e.to_string() })?;
         let mut config = Config::parse(&text, path)?;
         // A relative weights path names a file beside the topology file, so a
         // config means the same wherever the command runs.
@@ -590,12 +582,7 @@ impl Topology {
             for region in regions {
                 for (side, tp) in [("prefill", p.tp), ("decode", d.tp)] {
                     if m.kda.heads % tp != 0 {
-                        return Err(ConfigError::HeadsNotSplit {
-                            region: region.name(),
-                            heads: m.kda.heads,
-                            side,
-                            tp,
-                        });
+                        return Err(ConfigError::HeadsNotSplit { region: region.name(), heads: m.kda.heads, side, tp });
                     }
                 }
             }
@@ -603,12 +590,7 @@ impl Topology {
         // MLA heads are split over TP by the compute; the latent KV is replicated.
         for (side, tp) in [("prefill", p.tp), ("decode", d.tp)] {
             if m.pattern.contains('M') && m.mla.heads % tp != 0 {
-                return Err(ConfigError::HeadsNotSplit {
-                    region: "mla.q (attention heads)",
-                    heads: m.mla.heads,
-                    side,
-                    tp,
-                });
+                return Err(ConfigError::HeadsNotSplit { region: "mla.q (attention heads)", heads: m.mla.heads, side, tp });
             }
         }
         if m.mla.indexer_dim > 0 && p.pp > 1 {
@@ -621,10 +603,7 @@ impl Topology {
             return Err(ConfigError::DcpNotDividingTp { dcp: d.dcp, tp: d.tp });
         }
         if d.block_size % d.interleave != 0 {
-            return Err(ConfigError::InterleaveNotDividingBlock {
-                interleave: d.interleave,
-                block_size: d.block_size,
-            });
+            return Err(ConfigError::InterleaveNotDividingBlock { interleave: d.interleave, block_size: d.block_size });
         }
         if m.weight_dtype == Dtype::F16 {
             return Err(ConfigError::WeightDtype { dtype: m.weight_dtype.name() });
@@ -654,9 +633,7 @@ impl Topology {
         }
         let stage_layers = split_layers(m.num_layers, p.pp, &p.layer_split)?;
         let pattern: Vec<char> = m.pattern.chars().collect();
-        let layer_kinds = (0..m.num_layers as usize)
-            .map(|i| if pattern[i % pattern.len()] == 'K' { LayerKind::Kda } else { LayerKind::Mla })
-            .collect();
+        let layer_kinds = (0..m.num_layers as usize).map(|i| if pattern[i % pattern.len()] == 'K' { LayerKind::Kda } else { LayerKind::Mla }).collect();
         let topo = Topology { config, layer_kinds, stage_layers };
         topo.check_footprint()?;
         Ok(topo)
@@ -743,9 +720,7 @@ impl Topology {
                 RegionKind::MlaKv => has_mla,
                 RegionKind::MlaIndexer => has_mla && m.mla.indexer_dim > 0,
                 RegionKind::KdaState | RegionKind::KdaConv => has_kda,
-                RegionKind::ReplayRecords | RegionKind::ReplayCursor => {
-                    has_kda && m.replay.is_some()
-                }
+                RegionKind::ReplayRecords | RegionKind::ReplayCursor => has_kda && m.replay.is_some(),
             })
             .collect()
     }
@@ -789,11 +764,7 @@ impl Topology {
     pub fn slot_layer_bytes(&self, kind: RegionKind, heads: u32) -> u64 {
         match kind {
             RegionKind::ReplayCursor => 4,
-            _ => self
-                .head_groups(kind)
-                .iter()
-                .map(|g| g.head_bytes * heads as u64 * g.repeat as u64)
-                .sum(),
+            _ => self.head_groups(kind).iter().map(|g| g.head_bytes * heads as u64 * g.repeat as u64).sum(),
         }
     }
 

@@ -77,14 +77,8 @@ pub enum Distribution {
 }
 
 impl RegionKind {
-    pub const ALL: [RegionKind; 6] = [
-        RegionKind::MlaKv,
-        RegionKind::MlaIndexer,
-        RegionKind::KdaState,
-        RegionKind::KdaConv,
-        RegionKind::ReplayRecords,
-        RegionKind::ReplayCursor,
-    ];
+    pub const ALL: [RegionKind; 6] =
+        [RegionKind::MlaKv, RegionKind::MlaIndexer, RegionKind::KdaState, RegionKind::KdaConv, RegionKind::ReplayRecords, RegionKind::ReplayCursor];
 
     /// The name used in messages, JSON and metrics.
     pub const fn name(self) -> &'static str {
@@ -105,9 +99,7 @@ impl RegionKind {
     pub const fn distribution(self) -> Distribution {
         match self {
             RegionKind::MlaKv | RegionKind::MlaIndexer => Distribution::TokenSharded,
-            RegionKind::KdaState | RegionKind::KdaConv | RegionKind::ReplayRecords => {
-                Distribution::HeadSplit
-            }
+            RegionKind::KdaState | RegionKind::KdaConv | RegionKind::ReplayRecords => Distribution::HeadSplit,
             RegionKind::ReplayCursor => Distribution::Replicated,
         }
     }

@@ -24,14 +24,13 @@
 
 use std::process::ExitCode;
 
-use handoff_kernels::{
-    Backend, ColsCopy, ConvShape, CpuBackend, CudaBackend, EmbeddingShape, KdaInputs, KdaParams,
-    KdaKernel, KdaPrefillShape, KdaStepShape, KernelError, MatmulShape, MergeShape, MlaShape, MlpShape,
-    MlpWeights, NormShape, ReplayShape, RowSet, SplitMix64, StorageDtype, mla_partial_width,
-    replay_record_width, Copy2d, DeviceRegion, RegionItems, UnitProduct, UnitsOut, UnitsShape,
-};
 use handoff_kernels::backend::matmul_units_each;
 use handoff_kernels::dtype::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+use handoff_kernels::{
+    Backend, ColsCopy, ConvShape, Copy2d, CpuBackend, CudaBackend, DeviceRegion, EmbeddingShape, KdaInputs, KdaKernel, KdaParams, KdaPrefillShape,
+    KdaStepShape, KernelError, MatmulShape, MergeShape, MlaShape, MlpShape, MlpWeights, NormShape, RegionItems, ReplayShape, RowSet, SplitMix64, StorageDtype,
+    UnitProduct, UnitsOut, UnitsShape, mla_partial_width, replay_record_width,
+};
 
 type R<T> = Result<T, KernelError>;
 
@@ -260,14 +259,7 @@ fn device_prefill_chunked(t: usize, dk: usize, dv: usize) -> bool {
 type ReplayOut = (Vec<f32>, Vec<i32>, Vec<f32>, Vec<i32>);
 
 /// Two appends of `tokens` records per slot then a commit.
-fn run_replay<B: Backend>(
-    be: &B,
-    shape: ReplayShape,
-    tokens: usize,
-    recs: &[Vec<f32>; 2],
-    cursor0: &[i32],
-    s0: &[f32],
-) -> R<ReplayOut> {
+fn run_replay<B: Backend>(be: &B, shape: ReplayShape, tokens: usize, recs: &[Vec<f32>; 2], cursor0: &[i32], s0: &[f32]) -> R<ReplayOut> {
     let w = replay_record_width(shape.dk, shape.dv);
     let mut ring = be.alloc(shape.batch * shape.capacity * shape.heads * w)?;
     let mut cursor = be.upload_i32(cursor0)?;
@@ -445,9 +437,24 @@ fn checks(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
     {
         let mut a = uni(&mut r, 4000, -3.0, 3.0);
         let special = [
-            f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, 1.0 + 1.0 / 256.0, 1.0 + 3.0 / 256.0,
-            65504.0, 65520.0, 70000.0, 6.1035156e-5, 5.9604645e-8, 2.9802322e-8, 1e-40, -1e-45, 3.4e38,
-            1.0 + 1.0 / 2048.0, -2.5,
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            0.0,
+            -0.0,
+            1.0 + 1.0 / 256.0,
+            1.0 + 3.0 / 256.0,
+            65504.0,
+            65520.0,
+            70000.0,
+            6.1035156e-5,
+            5.9604645e-8,
+            2.9802322e-8,
+            1e-40,
+            -1e-45,
+            3.4e38,
+            1.0 + 1.0 / 2048.0,
+            -2.5,
         ];
         a[..special.len()].copy_from_slice(&special);
         let cols = ColsCopy { rows: 40, src_cols: 100, src_col: 13, dst_cols: 50, dst_col: 7, width: 31 };
@@ -478,7 +485,8 @@ fn checks(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
     // narrow heads) it must equal its own steps bit for bit; its chunked
     // prefill (T = 65 and up here, and the 40x200 heads) agrees with the CPU
     // to 1e-4.
-    for &(t, h, dk, dv) in &[(1usize, 2usize, 128usize, 128usize), (63, 2, 128, 128), (65, 2, 128, 128), (200, 2, 128, 128), (100, 4, 16, 16), (70, 3, 40, 200)] {
+    for &(t, h, dk, dv) in &[(1usize, 2usize, 128usize, 128usize), (63, 2, 128, 128), (65, 2, 128, 128), (200, 2, 128, 128), (100, 4, 16, 16), (70, 3, 40, 200)]
+    {
         let c = KdaHost::new(&mut r, t, h, dk, dv);
         let s0 = uni(&mut r, h * dk * dv, -0.5, 0.5);
         let (go, gs, gr) = run_kda_prefill(gpu, t, &c, &s0)?;
@@ -1011,7 +1019,14 @@ fn check_regions(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
         Copy2d { src: addr + 100, src_pitch: 500, dst: dst + (2 << 20) + 1000, dst_pitch: 500, width: 500, height: 1 },
     ];
     // More copies than one table holds.
-    copies.extend((0..100u64).map(|i| Copy2d { src: addr + 1_000_000 + i * 256, src_pitch: 200, dst: dst + 1_000_000 + i * 208, dst_pitch: 200, width: 200, height: 1 }));
+    copies.extend((0..100u64).map(|i| Copy2d {
+        src: addr + 1_000_000 + i * 256,
+        src_pitch: 200,
+        dst: dst + 1_000_000 + i * 208,
+        dst_pitch: 200,
+        width: 200,
+        height: 1,
+    }));
     let t = unsafe { mem.copy(&copies)? };
     let mut spins = 0u64;
     while !mem.done(t)? {
@@ -1028,7 +1043,12 @@ fn check_regions(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
     }
     let mut got = vec![0u8; len as usize];
     unsafe { mem.read(dst, &mut got)? };
-    rep.flag("device copy", &format!("{} copies: 2D narrow (16/4/1-byte words) and wide, contiguous up to 4 MiB, overlapping, in order ({spins} polls)", copies.len()), got == want, "bytes");
+    rep.flag(
+        "device copy",
+        &format!("{} copies: 2D narrow (16/4/1-byte words) and wide, contiguous up to 4 MiB, overlapping, in order ({spins} polls)", copies.len()),
+        got == want,
+        "bytes",
+    );
     rep.flag("device copy", "a ticket is forgotten once done", mem.done(t).is_err(), "refused");
     let handle = mem.export(addr)?;
     rep.flag("ipc export", "a region's handle", handle.len() == 64, "64 bytes");
@@ -1151,9 +1171,7 @@ fn bench(gpu: &mut CudaBackend, seed: u64, mla_only: bool, matmul_only: bool, ml
                 }
                 let reps = if b * h > 2000 { 30 } else { 100 };
                 let g = &*gpu;
-                let us = g.time_us(reps, || {
-                    g.kda_step(shape, &mut state, d.inputs(), d.params(), &mut out, with_rec.then_some(&mut rec))
-                })?;
+                let us = g.time_us(reps, || g.kda_step(shape, &mut state, d.inputs(), d.params(), &mut out, with_rec.then_some(&mut rec)))?;
                 let gbs = bytes / (us * 1e-6) / 1e9;
                 println!(
                     "| kda_step {k:?}{}{} | B={b} H={h} 128x128 f32 | {us:.1} | {gbs:.0} | {:.2} |",
@@ -1260,12 +1278,7 @@ fn main() -> ExitCode {
     let mla_only = args.iter().any(|a| a == "--bench-mla");
     let matmul_only = args.iter().any(|a| a == "--bench-matmul");
     let bench_mode = mla_only || matmul_only || args.iter().any(|a| a == "--bench");
-    let seed = args
-        .iter()
-        .position(|a| a == "--seed")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0x00C0_FFEE_u64);
+    let seed = args.iter().position(|a| a == "--seed").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()).unwrap_or(0x00C0_FFEE_u64);
     let t0 = std::time::Instant::now();
     let mut gpu = match CudaBackend::new(0) {
         Ok(g) => g,
@@ -1275,11 +1288,7 @@ fn main() -> ExitCode {
         }
     };
     let (maj, min) = gpu.compute_capability();
-    println!(
-        "device 0: {} (sm_{maj}{min}), kernels compiled by NVRTC in {:.0} ms; seed {seed:#x}",
-        gpu.device_name(),
-        t0.elapsed().as_secs_f64() * 1e3
-    );
+    println!("device 0: {} (sm_{maj}{min}), kernels compiled by NVRTC in {:.0} ms; seed {seed:#x}", gpu.device_name(), t0.elapsed().as_secs_f64() * 1e3);
     let mla_kernel = args.iter().position(|a| a == "--mla").and_then(|i| args.get(i + 1)).cloned().unwrap_or_else(|| "default".to_string());
     if mla_kernel != "default"
         && let Err(e) = gpu.set_mla_kernel(&mla_kernel)

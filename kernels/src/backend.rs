@@ -11,13 +11,12 @@
 use crate::dtype::StorageDtype;
 use crate::error::Result;
 use crate::region::{DeviceMemory, DeviceRegion, RegionItems, unsupported};
-use std::sync::Arc;
 use crate::shapes::{
-    ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape,
-    MatmulShape, MergeShape, MlaShape, MlpShape, MlpWeights, NormShape, ReplayShape, RowSet,
-    UnitProduct, UnitsOut, UnitsShape,
+    ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape, MatmulShape, MergeShape, MlaShape, MlpShape, MlpWeights,
+    NormShape, ReplayShape, RowSet, UnitProduct, UnitsOut, UnitsShape,
 };
 use std::ops::Range;
+use std::sync::Arc;
 
 /// A compute backend: buffer management plus the model's ops.
 pub trait Backend: Send + Sync {
@@ -68,26 +67,12 @@ pub trait Backend: Send + Sync {
     /// Sets every element of `buf` to `value`.
     fn fill(&self, buf: &mut Self::Buf, value: f32) -> Result<()>;
     /// `dst[dst_off..dst_off + len] = src[src_off..src_off + len]`.
-    fn copy(
-        &self,
-        src: &Self::Buf,
-        src_off: usize,
-        dst: &mut Self::Buf,
-        dst_off: usize,
-        len: usize,
-    ) -> Result<()>;
+    fn copy(&self, src: &Self::Buf, src_off: usize, dst: &mut Self::Buf, dst_off: usize, len: usize) -> Result<()>;
     /// Strided copy of a column block (see [`ColsCopy`]).
     fn copy_cols(&self, shape: ColsCopy, src: &Self::Buf, dst: &mut Self::Buf) -> Result<()>;
     /// `dst[dst_off..dst_off + len] = src[src_off..src_off + len]` on f64 buffers
     /// (stacking the DCP members' attention partials shard-major for one merge).
-    fn copy_f64(
-        &self,
-        src: &Self::F64Buf,
-        src_off: usize,
-        dst: &mut Self::F64Buf,
-        dst_off: usize,
-        len: usize,
-    ) -> Result<()>;
+    fn copy_f64(&self, src: &Self::F64Buf, src_off: usize, dst: &mut Self::F64Buf, dst_off: usize, len: usize) -> Result<()>;
     /// Rounds every element to what `dtype` stores (round to nearest even), in
     /// place: what a cache of that dtype would hand back. Identity for f32.
     fn round_to(&self, buf: &mut Self::Buf, dtype: StorageDtype) -> Result<()>;
@@ -127,76 +112,34 @@ pub trait Backend: Send + Sync {
     /// Appends `tokens` records per slot, `records` `[B, tokens, H, 2*Dk+Dv]`,
     /// to the rings (see [`ReplayShape`]) at each slot's cursor and advances
     /// the cursors. Refuses with `ReplayFull` rather than overwrite.
-    fn replay_append(
-        &self,
-        shape: ReplayShape,
-        tokens: usize,
-        ring: &mut Self::Buf,
-        cursor: &mut Self::IBuf,
-        records: &Self::Buf,
-    ) -> Result<()>;
+    fn replay_append(&self, shape: ReplayShape, tokens: usize, ring: &mut Self::Buf, cursor: &mut Self::IBuf, records: &Self::Buf) -> Result<()>;
 
     /// Rebuilds each slot's state from its committed state S_0 (`state`
     /// `[B, H, Dk, Dv]`, in place) and its `cursor` recorded tokens:
     /// S_n = exp(G_n) S_0 + sum_j exp(G_n - G_j) k^_j u_j^T; then resets the
     /// cursors to 0.
-    fn replay_commit(
-        &self,
-        shape: ReplayShape,
-        state: &mut Self::Buf,
-        ring: &Self::Buf,
-        cursor: &mut Self::IBuf,
-    ) -> Result<()>;
+    fn replay_commit(&self, shape: ReplayShape, state: &mut Self::Buf, ring: &Self::Buf, cursor: &mut Self::IBuf) -> Result<()>;
 
     // ---- short conv --------------------------------------------------------
 
     /// Causal depthwise conv1d + SiLU over one sequence: x `[T, C]`, weight
     /// `[C, W]`, state `[W-1, C]` (the inputs before x; updated to the last W-1
     /// inputs), out `[T, C]`.
-    fn conv_prefill(
-        &self,
-        shape: ConvShape,
-        tokens: usize,
-        x: &Self::Buf,
-        weight: &Self::Buf,
-        state: &mut Self::Buf,
-        out: &mut Self::Buf,
-    ) -> Result<()>;
+    fn conv_prefill(&self, shape: ConvShape, tokens: usize, x: &Self::Buf, weight: &Self::Buf, state: &mut Self::Buf, out: &mut Self::Buf) -> Result<()>;
 
     /// One conv decode step for a batch: x `[B, C]`, weight `[C, W]`, state
     /// `[B, W-1, C]` (shifted in place), out `[B, C]`.
-    fn conv_step(
-        &self,
-        shape: ConvShape,
-        batch: usize,
-        x: &Self::Buf,
-        weight: &Self::Buf,
-        state: &mut Self::Buf,
-        out: &mut Self::Buf,
-    ) -> Result<()>;
+    fn conv_step(&self, shape: ConvShape, batch: usize, x: &Self::Buf, weight: &Self::Buf, state: &mut Self::Buf, out: &mut Self::Buf) -> Result<()>;
 
     // ---- norms -------------------------------------------------------------
 
     /// out = x / sqrt(mean(x^2) + eps) * weight, row-wise; x, out `[rows, dim]`,
     /// weight `[dim]`.
-    fn rms_norm(
-        &self,
-        shape: NormShape,
-        x: &Self::Buf,
-        weight: &Self::Buf,
-        out: &mut Self::Buf,
-    ) -> Result<()>;
+    fn rms_norm(&self, shape: NormShape, x: &Self::Buf, weight: &Self::Buf, out: &mut Self::Buf) -> Result<()>;
 
     /// KDA output norm (FLA's FusedRMSNormGated): out = rms_norm(o) * weight *
     /// silu(gate); o, gate, out `[rows, dim]`, weight `[dim]`.
-    fn gated_rms_norm(
-        &self,
-        shape: NormShape,
-        o: &Self::Buf,
-        gate: &Self::Buf,
-        weight: &Self::Buf,
-        out: &mut Self::Buf,
-    ) -> Result<()>;
+    fn gated_rms_norm(&self, shape: NormShape, o: &Self::Buf, gate: &Self::Buf, weight: &Self::Buf, out: &mut Self::Buf) -> Result<()>;
 
     // ---- MLA ---------------------------------------------------------------
 
@@ -216,25 +159,11 @@ pub trait Backend: Send + Sync {
     /// Absorbed MLA decode of one token: q_lat `[H, L+R]` against `rows`;
     /// out `[H, L]`, lse `[H]` (natural log of the sum of exp of the scaled
     /// scores). With no rows: out = 0, lse = -inf.
-    fn mla_decode(
-        &self,
-        shape: MlaShape,
-        q_lat: &Self::Buf,
-        rows: RowSet<'_, Self::Buf>,
-        out: &mut Self::Buf,
-        lse: &mut Self::Buf,
-    ) -> Result<()>;
+    fn mla_decode(&self, shape: MlaShape, q_lat: &Self::Buf, rows: RowSet<'_, Self::Buf>, out: &mut Self::Buf, lse: &mut Self::Buf) -> Result<()>;
 
     /// DCP LSE merge: o_shards `[S, H, W]`, lse_shards `[S, H]` -> out `[H, W]`,
     /// lse `[H]`. Heads whose shards are all -inf get out = 0, lse = -inf.
-    fn dcp_merge(
-        &self,
-        shape: MergeShape,
-        o_shards: &Self::Buf,
-        lse_shards: &Self::Buf,
-        out: &mut Self::Buf,
-        lse: &mut Self::Buf,
-    ) -> Result<()>;
+    fn dcp_merge(&self, shape: MergeShape, o_shards: &Self::Buf, lse_shards: &Self::Buf, out: &mut Self::Buf, lse: &mut Self::Buf) -> Result<()>;
 
     /// Absorbed MLA decode of one token over `rows`, as an f64 partial that
     /// [`Backend::dcp_merge_partials`] merges. q_lat `[H, L+R]`; `partial`
@@ -242,13 +171,7 @@ pub trait Backend: Send + Sync {
     /// scaled scores, l = sum_j e^{s_j - m}, acc = sum_j e^{s_j - m} v_j (v_j the
     /// row's first L values); scores, exponentials and sums all in f64. With no
     /// rows: m = -inf, l = 0, acc = 0.
-    fn mla_decode_partial(
-        &self,
-        shape: MlaShape,
-        q_lat: &Self::Buf,
-        rows: RowSet<'_, Self::Buf>,
-        partial: &mut Self::F64Buf,
-    ) -> Result<()>;
+    fn mla_decode_partial(&self, shape: MlaShape, q_lat: &Self::Buf, rows: RowSet<'_, Self::Buf>, partial: &mut Self::F64Buf) -> Result<()>;
 
     /// [`Backend::mla_decode_partial`] for a batch of `counts.len()` = B requests
     /// whose row counts differ: q_lat `[B, H, L+R]`; `rows` holds request 0's
@@ -256,14 +179,7 @@ pub trait Backend: Send + Sync {
     /// `partial` `[B, H, 2+L]`. Request b's partial is computed exactly as
     /// `mla_decode_partial` computes it over its own rows alone (same terms in the
     /// same order), so batching never changes a request's bits.
-    fn mla_decode_partial_ragged(
-        &self,
-        shape: MlaShape,
-        q_lat: &Self::Buf,
-        rows: &Self::Buf,
-        counts: &[usize],
-        partial: &mut Self::F64Buf,
-    ) -> Result<()>;
+    fn mla_decode_partial_ragged(&self, shape: MlaShape, q_lat: &Self::Buf, rows: &Self::Buf, counts: &[usize], partial: &mut Self::F64Buf) -> Result<()>;
 
     /// DCP merge of f64 partials `[S, H, 2+L]` (shard-major; `shape.width` = L)
     /// into out `[H, L]` and lse `[H]`, in f64, rounded to f32 at the end:
@@ -271,13 +187,7 @@ pub trait Backend: Send + Sync {
     /// LSE = M + ln l. Heads whose shards are all empty get out = 0, lse = -inf.
     /// One shard is plain single-rank attention, so a sharded run and an
     /// unsharded one agree to f64 rounding before the final f32 rounding.
-    fn dcp_merge_partials(
-        &self,
-        shape: MergeShape,
-        partials: &Self::F64Buf,
-        out: &mut Self::Buf,
-        lse: &mut Self::Buf,
-    ) -> Result<()>;
+    fn dcp_merge_partials(&self, shape: MergeShape, partials: &Self::F64Buf, out: &mut Self::Buf, lse: &mut Self::Buf) -> Result<()>;
 
     // ---- dense -------------------------------------------------------------
 
@@ -291,22 +201,10 @@ pub trait Backend: Send + Sync {
     }
 
     /// out = x . w (see [`MatmulShape`]).
-    fn matmul(
-        &self,
-        shape: MatmulShape,
-        x: &Self::Buf,
-        w: &Self::Buf,
-        out: &mut Self::Buf,
-    ) -> Result<()>;
+    fn matmul(&self, shape: MatmulShape, x: &Self::Buf, w: &Self::Buf, out: &mut Self::Buf) -> Result<()>;
 
     /// out = down(silu(gate(x)) * up(x)); x, out `[tokens, hidden]`.
-    fn swiglu(
-        &self,
-        shape: MlpShape,
-        x: &Self::Buf,
-        w: MlpWeights<'_, Self::Buf>,
-        out: &mut Self::Buf,
-    ) -> Result<()>;
+    fn swiglu(&self, shape: MlpShape, x: &Self::Buf, w: MlpWeights<'_, Self::Buf>, out: &mut Self::Buf) -> Result<()>;
 
     /// The SwiGLU activation on its own: out = silu(gate) * up, element-wise,
     /// equal lengths. The model runs its MLP as chunked matmuls around this, so
@@ -314,23 +212,11 @@ pub trait Backend: Send + Sync {
     fn silu_mul(&self, gate: &Self::Buf, up: &Self::Buf, out: &mut Self::Buf) -> Result<()>;
 
     /// `out[t] = table[ids[t]]`; refuses ids outside `0..vocab`.
-    fn embedding(
-        &self,
-        shape: EmbeddingShape,
-        table: &Self::Buf,
-        ids: &Self::IBuf,
-        out: &mut Self::Buf,
-    ) -> Result<()>;
+    fn embedding(&self, shape: EmbeddingShape, table: &Self::Buf, ids: &Self::IBuf, out: &mut Self::Buf) -> Result<()>;
 
     /// Greedy pick: `ids[r]` = argmax of logits row r (`[rows, cols]`); the lowest
     /// index wins ties, NaNs are skipped (a row of NaNs picks 0).
-    fn argmax(
-        &self,
-        rows: usize,
-        cols: usize,
-        logits: &Self::Buf,
-        ids: &mut Self::IBuf,
-    ) -> Result<()>;
+    fn argmax(&self, rows: usize, cols: usize, logits: &Self::Buf, ids: &mut Self::IBuf) -> Result<()>;
 
     /// Residual add: dst += src, element-wise, equal lengths.
     fn add_inplace(&self, dst: &mut Self::Buf, src: &Self::Buf) -> Result<()>;
@@ -340,13 +226,7 @@ pub trait Backend: Send + Sync {
     /// product's bits are those of [`Backend::matmul`] on its block alone; the
     /// default runs them one by one ([`matmul_units_each`]), a device in one
     /// launch. The weights are whole (one buffer a product).
-    fn matmul_units(
-        &self,
-        shape: UnitsShape,
-        x: &Self::Buf,
-        units: &[UnitProduct<'_, Self::Buf>],
-        out: &mut Self::Buf,
-    ) -> Result<()> {
+    fn matmul_units(&self, shape: UnitsShape, x: &Self::Buf, units: &[UnitProduct<'_, Self::Buf>], out: &mut Self::Buf) -> Result<()> {
         matmul_units_each(self, shape, x, units, out)
     }
 
@@ -413,13 +293,7 @@ pub trait Backend: Send + Sync {
 
 /// [`Backend::matmul_units`] one product at a time: the block of x copied out
 /// (unless it is all of x), multiplied, and copied to its place in `out`.
-pub fn matmul_units_each<B: Backend + ?Sized>(
-    be: &B,
-    shape: UnitsShape,
-    x: &B::Buf,
-    units: &[UnitProduct<'_, B::Buf>],
-    out: &mut B::Buf,
-) -> Result<()> {
+pub fn matmul_units_each<B: Backend + ?Sized>(be: &B, shape: UnitsShape, x: &B::Buf, units: &[UnitProduct<'_, B::Buf>], out: &mut B::Buf) -> Result<()> {
     let op = "matmul_units";
     let UnitsShape { rows, x_width, .. } = shape;
     crate::error::check_len(op, "x", be.buf_len(x), crate::error::elems(op, &[rows, x_width])?)?;

@@ -66,9 +66,7 @@ pub enum KernelError {
     },
 
     /// A copy range that runs past the end of a buffer.
-    #[error(
-        "{op}: range {offset}..{offset}+{len} is outside a buffer of {buf_len} elements ({name})"
-    )]
+    #[error("{op}: range {offset}..{offset}+{len} is outside a buffer of {buf_len} elements ({name})")]
     RangeOutOfBounds {
         /// The op that refused.
         op: &'static str,
@@ -95,9 +93,7 @@ pub enum KernelError {
     },
 
     /// A replay ring has no room for the tokens being recorded: commit first.
-    #[error(
-        "replay ring of slot {slot} is full: cursor {cursor} + {tokens} tokens > capacity {capacity}"
-    )]
+    #[error("replay ring of slot {slot} is full: cursor {cursor} + {tokens} tokens > capacity {capacity}")]
     ReplayFull {
         /// The slot (batch index) whose ring is full.
         slot: usize,
@@ -115,52 +111,21 @@ pub type Result<T> = std::result::Result<T, KernelError>;
 
 /// `offset..offset + len` when it lies inside a buffer of `buf_len` elements,
 /// else `RangeOutOfBounds` naming the op and the buffer (every backend's copies).
-pub(crate) fn range(
-    op: &'static str,
-    name: &'static str,
-    offset: usize,
-    len: usize,
-    buf_len: usize,
-) -> Result<std::ops::Range<usize>> {
+pub(crate) fn range(op: &'static str, name: &'static str, offset: usize, len: usize, buf_len: usize) -> Result<std::ops::Range<usize>> {
     match offset.checked_add(len) {
         Some(end) if end <= buf_len => Ok(offset..end),
-        _ => Err(KernelError::RangeOutOfBounds {
-            op,
-            name,
-            offset,
-            len,
-            buf_len,
-        }),
+        _ => Err(KernelError::RangeOutOfBounds { op, name, offset, len, buf_len }),
     }
 }
 
 /// Product of `dims`, or a `SizeOverflow` error naming `op`.
 pub(crate) fn elems(op: &'static str, dims: &[usize]) -> Result<usize> {
-    dims.iter()
-        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| KernelError::SizeOverflow {
-            op,
-            dims: dims.to_vec(),
-        })
+    dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).ok_or_else(|| KernelError::SizeOverflow { op, dims: dims.to_vec() })
 }
 
 /// Checks that buffer `name` of op `op` holds exactly `expected` elements.
-pub(crate) fn check_len(
-    op: &'static str,
-    name: &'static str,
-    got: usize,
-    expected: usize,
-) -> Result<()> {
-    if got == expected {
-        Ok(())
-    } else {
-        Err(KernelError::ShapeMismatch {
-            op,
-            name,
-            expected,
-            got,
-        })
-    }
+pub(crate) fn check_len(op: &'static str, name: &'static str, got: usize, expected: usize) -> Result<()> {
+    if got == expected { Ok(()) } else { Err(KernelError::ShapeMismatch { op, name, expected, got }) }
 }
 
 /// Checks that units `units` of `n` elements each lie in a stacked buffer of
@@ -174,12 +139,5 @@ pub(crate) fn check_units(op: &'static str, n: usize, stacked: usize, units: &st
 
 /// Refuses a zero dimension where the math needs it positive.
 pub(crate) fn check_nonzero(op: &'static str, what: &'static str, value: usize) -> Result<()> {
-    if value == 0 {
-        Err(KernelError::InvalidShape {
-            op,
-            reason: format!("{what} must be positive, got 0"),
-        })
-    } else {
-        Ok(())
-    }
+    if value == 0 { Err(KernelError::InvalidShape { op, reason: format!("{what} must be positive, got 0") }) } else { Ok(()) }
 }

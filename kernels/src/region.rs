@@ -61,10 +61,7 @@ impl RegionItems<'_> {
                 }
             }
         }
-        self.offsets
-            .len()
-            .checked_mul(self.values)
-            .ok_or(KernelError::SizeOverflow { op, dims: vec![self.offsets.len(), self.values] })
+        self.offsets.len().checked_mul(self.values).ok_or(KernelError::SizeOverflow { op, dims: vec![self.offsets.len(), self.values] })
     }
 }
 
@@ -235,11 +232,7 @@ pub trait DeviceMemory: Send + Sync {
 /// The region ops' refusal on a backend without device regions (the CPU's
 /// regions are host memory and go through the host path).
 pub(crate) fn unsupported(backend: &str, op: &'static str) -> KernelError {
-    KernelError::Unsupported {
-        op,
-        backend: backend.to_string(),
-        reason: "its regions are host memory, reached through the region view's bytes".into(),
-    }
+    KernelError::Unsupported { op, backend: backend.to_string(), reason: "its regions are host memory, reached through the region view's bytes".into() }
 }
 
 #[cfg(test)]

@@ -102,9 +102,6 @@ mod tests {
         assert!((mean - 0.5).abs() < 0.02, "mean {mean}");
         // Known first output of splitmix64 with seed 0.
         assert_eq!(SplitMix64::new(0).next_u64(), 0xE220_A839_7B1D_CDAF);
-        assert_ne!(
-            SplitMix64::with_stream(1, 0).next_u64(),
-            SplitMix64::with_stream(1, 1).next_u64()
-        );
+        assert_ne!(SplitMix64::with_stream(1, 0).next_u64(), SplitMix64::with_stream(1, 1).next_u64());
     }
 }

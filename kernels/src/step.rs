@@ -454,7 +454,10 @@ impl TickLayout {
                 return Err(KernelError::IndexOutOfRange { op, what: "position", index: q.pos as i64, position: b, bound: max_context });
             }
             if q.slots.len() != self.tp || q.blocks.len() != self.tp {
-                return Err(KernelError::InvalidShape { op, reason: format!("request {b}: {} slots and {} block tables for {} ranks", q.slots.len(), q.blocks.len(), self.tp) });
+                return Err(KernelError::InvalidShape {
+                    op,
+                    reason: format!("request {b}: {} slots and {} block tables for {} ranks", q.slots.len(), q.blocks.len(), self.tp),
+                });
             }
             out[self.tok() + b] = q.token as i32;
             out[self.pos() + b] = q.pos as i32;
@@ -466,7 +469,10 @@ impl TickLayout {
                 out[self.slot() + b * self.tp + r] = s as i32;
                 let table = q.blocks[r];
                 if table.len() > self.maxblk {
-                    return Err(KernelError::InvalidShape { op, reason: format!("request {b} holds {} blocks on rank {r}, more than {}", table.len(), self.maxblk) });
+                    return Err(KernelError::InvalidShape {
+                        op,
+                        reason: format!("request {b} holds {} blocks on rank {r}, more than {}", table.len(), self.maxblk),
+                    });
                 }
                 for (i, &blk) in table.iter().enumerate() {
                     if blk >= blocks {

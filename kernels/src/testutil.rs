@@ -4,31 +4,14 @@ use crate::rng::SplitMix64;
 
 /// Asserts |got - want| <= atol + rtol * |want| element-wise; on failure names
 /// the first wrong element through `coord` (its semantic coordinate).
-pub(crate) fn assert_close(
-    what: &str,
-    got: &[f32],
-    want: &[f64],
-    atol: f64,
-    rtol: f64,
-    coord: impl Fn(usize) -> String,
-) {
-    assert_eq!(
-        got.len(),
-        want.len(),
-        "{what}: length {} != {}",
-        got.len(),
-        want.len()
-    );
+pub(crate) fn assert_close(what: &str, got: &[f32], want: &[f64], atol: f64, rtol: f64, coord: impl Fn(usize) -> String) {
+    assert_eq!(got.len(), want.len(), "{what}: length {} != {}", got.len(), want.len());
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
         let g = g as f64;
         let tol = atol + rtol * w.abs();
         let diff = (g - w).abs();
         let ok = diff <= tol || (g == w); // g == w covers matching infinities
-        assert!(
-            ok,
-            "{what}: first mismatch at {} (flat index {i}): got {g}, want {w}, |diff| {diff:e} > tol {tol:e}",
-            coord(i)
-        );
+        assert!(ok, "{what}: first mismatch at {} (flat index {i}): got {g}, want {w}, |diff| {diff:e} > tol {tol:e}", coord(i));
     }
 }
 
@@ -44,12 +27,7 @@ pub(crate) fn coord(names: &[&str], dims: &[usize], mut flat: usize) -> String {
         idx[a] = flat % dims[a].max(1);
         flat /= dims[a].max(1);
     }
-    names
-        .iter()
-        .zip(&idx)
-        .map(|(n, i)| format!("{n}={i}"))
-        .collect::<Vec<_>>()
-        .join(" ")
+    names.iter().zip(&idx).map(|(n, i)| format!("{n}={i}")).collect::<Vec<_>>().join(" ")
 }
 
 /// `n` uniform values in [lo, hi) from a seeded generator.

@@ -318,7 +318,11 @@ pub struct NoMover;
 
 impl Mover for NoMover {
     fn submit(&mut self, ticket: Ticket, _plan: &Plan) -> Result<(), MoveError> {
-        Err(MoveError::UnknownRegion { kind: handoff_components::vocab::RegionKind::MlaKv, rank: handoff_components::vocab::RankId::Prefill(ticket.producer), side: "source" })
+        Err(MoveError::UnknownRegion {
+            kind: handoff_components::vocab::RegionKind::MlaKv,
+            rank: handoff_components::vocab::RankId::Prefill(ticket.producer),
+            side: "source",
+        })
     }
     fn poll(&mut self, _out: &mut Vec<Completion>) {}
 }

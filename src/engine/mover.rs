@@ -21,10 +21,10 @@
 //! Like the transports, a mover knows regions and descriptors: a [`Ticket`] is opaque
 //! to it, something to hand back.
 
-use crate::transport::staging::{RetryPolicy, Stager, StagingPool};
-use crate::transport::{self, lock, RegionHandle, RemoteRegion, Transport, TransportError, TransportExt};
 use super::Engine;
-use handoff_components::config::{TransportKind, Topology};
+use crate::transport::staging::{RetryPolicy, Stager, StagingPool};
+use crate::transport::{self, RegionHandle, RemoteRegion, Transport, TransportError, TransportExt, lock};
+use handoff_components::config::{Topology, TransportKind};
 use handoff_components::plan::{Descriptor, Plan};
 use handoff_components::vocab::{Distribution, RankId, RegionKind};
 use handoff_systems::placement::Capacity;
@@ -410,10 +410,8 @@ fn plan_writes(shared: &Shared, plan: &Plan) -> Result<Vec<(RegionHandle, Remote
 fn write_direct(shared: &Shared, writes: &[DirectWrite]) -> Vec<(usize, TransportError)> {
     let o = &shared.opts;
     let t = &shared.transport;
-    let chunks: Vec<(usize, &RegionHandle, RemoteRegion, &[Descriptor])> = writes
-        .iter()
-        .flat_map(|(plan, src, dst, descs)| descs.chunks(o.max_batch as usize).map(move |c| (*plan, src, *dst, c)))
-        .collect();
+    let chunks: Vec<(usize, &RegionHandle, RemoteRegion, &[Descriptor])> =
+        writes.iter().flat_map(|(plan, src, dst, descs)| descs.chunks(o.max_batch as usize).map(move |c| (*plan, src, *dst, c))).collect();
     let batches: Vec<(&RegionHandle, RemoteRegion, &[Descriptor])> = chunks.iter().map(|&(_, s, d, c)| (s, d, c)).collect();
     let submitted = t.submit_all(&batches);
     let mut errors: Vec<(usize, TransportError)> = Vec::new();

@@ -132,12 +132,20 @@ impl std::fmt::Display for ComputeFigures {
         writeln!(
             f,
             "  KDA decode step {:>9.2} us  batch {} x all heads, {} B of state, {:.2} GB/s = {:.1}% of copy",
-            self.kda_step_us, self.kda_batch, self.kda_step_bytes, self.kda_bytes_per_s / 1e9, self.kda_roofline_fraction * 100.0
+            self.kda_step_us,
+            self.kda_batch,
+            self.kda_step_bytes,
+            self.kda_bytes_per_s / 1e9,
+            self.kda_roofline_fraction * 100.0
         )?;
         writeln!(
             f,
             "  MLA decode step {:>9.2} us  {} rows, {} B of KV, {:.2} GB/s = {:.1}% of copy",
-            self.mla_step_us, self.mla_tokens, self.mla_step_bytes, self.mla_bytes_per_s / 1e9, self.mla_roofline_fraction * 100.0
+            self.mla_step_us,
+            self.mla_tokens,
+            self.mla_step_bytes,
+            self.mla_bytes_per_s / 1e9,
+            self.mla_roofline_fraction * 100.0
         )
     }
 }
@@ -170,13 +178,7 @@ fn copy_bandwidth<B: Backend>(be: &B, bytes: usize) -> Result<f64, ModelError> {
 }
 
 /// Mean time of a batched decode step of `batch` requests, each after `prompt`.
-fn batched_step<B: Backend>(
-    be: &B,
-    group: &forward::ShardGroup<B>,
-    prompt: &[u8],
-    batch: usize,
-    steps: usize,
-) -> Result<BatchFigure, ModelError> {
+fn batched_step<B: Backend>(be: &B, group: &forward::ShardGroup<B>, prompt: &[u8], batch: usize, steps: usize) -> Result<BatchFigure, ModelError> {
     let (req, _, first) = prefill_local(be, group, prompt)?;
     let mut caches = LocalCaches::new(&group.dims, group.tp(), vec![req; batch]);
     let mut tokens = vec![first; batch];
@@ -366,7 +368,12 @@ fn fused_figures<B: Backend>(be: &B, topo: &Topology, model: &Model, bw: f64) ->
             let mut samples = Vec::with_capacity(steps);
             for s in 0..steps + 2 {
                 let reqs: Vec<_> = (0..b)
-                    .map(|i| handoff_kernels::step::StepRequest { token: (i % 256) as u32, pos: (FUSED_CONTEXT + s) as u64, slots: &slots[i], blocks: &rank_tables[i] })
+                    .map(|i| handoff_kernels::step::StepRequest {
+                        token: (i % 256) as u32,
+                        pos: (FUSED_CONTEXT + s) as u64,
+                        slots: &slots[i],
+                        blocks: &rank_tables[i],
+                    })
                     .collect();
                 let t0 = Instant::now();
                 step.run(&reqs, None)?;

@@ -8,7 +8,7 @@
 //! topology never runs.
 
 use super::ModelError;
-use super::weights::{Dims, KdaWeights, LayerWeights, MlaWeights, Mixer, Model, VOCAB};
+use super::weights::{Dims, KdaWeights, LayerWeights, Mixer, MlaWeights, Model, VOCAB};
 use handoff_components::vocab::LayerKind;
 use safetensors::{Dtype, SafeTensors};
 use std::collections::BTreeSet;
@@ -86,15 +86,9 @@ impl Reader<'_> {
     /// The tensor `name`, which must have `shape`, widened to f32.
     fn take(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
         let path = self.path;
-        let t = self
-            .st
-            .tensor(name)
-            .map_err(|_| ModelError::Config(format!("model.weights {path}: tensor {name} is missing (expected shape {shape:?})")))?;
+        let t = self.st.tensor(name).map_err(|_| ModelError::Config(format!("model.weights {path}: tensor {name} is missing (expected shape {shape:?})")))?;
         if t.shape() != shape {
-            return Err(ModelError::Config(format!(
-                "model.weights {path}: tensor {name} has shape {:?}, the topology's [model] needs {shape:?}",
-                t.shape()
-            )));
+            return Err(ModelError::Config(format!("model.weights {path}: tensor {name} has shape {:?}, the topology's [model] needs {shape:?}", t.shape())));
         }
         let data = t.data();
         let out = match t.dtype() {
@@ -151,14 +145,11 @@ pub fn to_bytes(model: &Model) -> Result<Vec<u8>, ModelError> {
             }
         }
     }
-    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> =
-        tensors.into_iter().map(|(n, s, v)| (n, s, v.iter().flat_map(|x| x.to_le_bytes()).collect())).collect();
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors.into_iter().map(|(n, s, v)| (n, s, v.iter().flat_map(|x| x.to_le_bytes()).collect())).collect();
     let views = bytes
         .iter()
         .map(|(n, s, b)| {
-            safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b)
-                .map(|v| (n.clone(), v))
-                .map_err(|e| ModelError::Config(format!("tensor {n}: {e}")))
+            safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b).map(|v| (n.clone(), v)).map_err(|e| ModelError::Config(format!("tensor {n}: {e}")))
         })
         .collect::<Result<Vec<_>, _>>()?;
     safetensors::serialize(views, None).map_err(|e| ModelError::Config(format!("serialize the weights: {e}")))

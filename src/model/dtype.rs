@@ -5,8 +5,8 @@
 //! reference and the disaggregated ranks attend over identical stored values.
 
 use handoff_components::vocab::Dtype;
-pub use handoff_kernels::dtype::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use handoff_kernels::StorageDtype;
+pub use handoff_kernels::dtype::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 
 /// The kernels' name for a model dtype (what [`handoff_kernels::Backend::round_to`] rounds to).
 pub fn storage(dtype: Dtype) -> StorageDtype {

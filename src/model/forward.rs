@@ -22,9 +22,8 @@ use super::dtype::storage;
 use super::weights::{Dims, KdaShard, LayerShard, Mat, MixerShard, MlaShard, NORM_EPS, RankShard};
 use handoff_components::vocab::LayerKind;
 use handoff_kernels::{
-    Backend, ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape,
-    KdaStepShape, MatmulShape, MergeShape, MlaShape, NormShape, ReplayShape, RowSet, UnitProduct,
-    UnitsOut, UnitsShape, mla_partial_width, replay_record_width,
+    Backend, ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape, MatmulShape, MergeShape, MlaShape, NormShape,
+    ReplayShape, RowSet, UnitProduct, UnitsOut, UnitsShape, mla_partial_width, replay_record_width,
 };
 use std::ops::Range;
 
@@ -251,14 +250,7 @@ fn kda_output<B: Backend>(be: &B, dims: &Dims, sh: &KdaShard<B>, xn: &B::Buf, o:
 /// KDA prefill of one rank's heads over `t` tokens from zero state. With
 /// `record_tail` = r > 0 the last r tokens run as a second chunked pass that emits
 /// ReplaySSM records, and the cached state is the one before them.
-pub fn kda_prefill<B: Backend>(
-    be: &B,
-    dims: &Dims,
-    sh: &KdaShard<B>,
-    xn: &B::Buf,
-    t: usize,
-    record_tail: usize,
-) -> R<(Partials<B>, KdaCache)> {
+pub fn kda_prefill<B: Backend>(be: &B, dims: &Dims, sh: &KdaShard<B>, xn: &B::Buf, t: usize, record_tail: usize) -> R<(Partials<B>, KdaCache)> {
     let (hl, dk, dv) = (sh.heads, dims.dk, dims.dv);
     let c = dims.conv_channels(hl);
     let qkv = matmul(be, xn, &sh.wqkv, t)?;
@@ -376,14 +368,7 @@ fn gather<B: Backend>(be: &B, src: &B::Buf, which: &[usize], per: usize) -> R<B:
 /// state rebuilt from the full ring, cursor 0), the others keep their committed
 /// state. Per slot and head this is exactly the batch-1 schedule: every kernel
 /// involved works per (slot, head), so a slot's bits do not depend on its batch.
-pub fn kda_decode_batch<B: Backend>(
-    be: &B,
-    dims: &Dims,
-    sh: &KdaShard<B>,
-    xn: &B::Buf,
-    nb: usize,
-    kb: &mut KdaBatch<B>,
-) -> R<(Partials<B>, Vec<bool>)> {
+pub fn kda_decode_batch<B: Backend>(be: &B, dims: &Dims, sh: &KdaShard<B>, xn: &B::Buf, nb: usize, kb: &mut KdaBatch<B>) -> R<(Partials<B>, Vec<bool>)> {
     let (hl, dk, dv) = (sh.heads, dims.dk, dims.dv);
     let c = dims.conv_channels(hl);
     let qkv = matmul(be, xn, &sh.wqkv, nb)?;
@@ -592,10 +577,7 @@ fn kind_err(layer: usize) -> ModelError {
 fn check_layers<B: Backend>(group: &ShardGroup<B>, layers: &Range<usize>) -> R<()> {
     let n = group.dims.num_layers();
     if group.ranks.is_empty() || layers.end > n || group.ranks.iter().any(|r| r.layers.len() != n) {
-        return Err(ModelError::Config(format!(
-            "layers {layers:?} of a group of {} ranks over a {n}-layer model",
-            group.ranks.len()
-        )));
+        return Err(ModelError::Config(format!("layers {layers:?} of a group of {} ranks over a {n}-layer model", group.ranks.len())));
     }
     Ok(())
 }
@@ -654,20 +636,10 @@ pub fn prefill_layers<B: Backend>(
 /// run once per rank and layer over the batch's gathered slots; MLA attention is
 /// one ragged partial per DCP member and one merge per DCP group. Request b's
 /// result is bit for bit what a batch of one gives.
-pub fn decode_batch<B: Backend>(
-    be: &B,
-    group: &ShardGroup<B>,
-    tokens: &[u8],
-    positions: &[usize],
-    caches: &mut dyn BatchCaches<B>,
-) -> R<Vec<(Vec<f32>, u8)>> {
+pub fn decode_batch<B: Backend>(be: &B, group: &ShardGroup<B>, tokens: &[u8], positions: &[usize], caches: &mut dyn BatchCaches<B>) -> R<Vec<(Vec<f32>, u8)>> {
     let nb = tokens.len();
     if positions.len() != nb || caches.batch() != nb {
-        return Err(ModelError::Config(format!(
-            "decode batch of {nb} tokens, {} positions, caches of {} requests",
-            positions.len(),
-            caches.batch()
-        )));
+        return Err(ModelError::Config(format!("decode batch of {nb} tokens, {} positions, caches of {} requests", positions.len(), caches.batch())));
     }
     if nb == 0 {
         return Ok(Vec::new());

@@ -23,16 +23,16 @@
 
 use super::ModelError;
 use super::dtype;
+use super::dtype::storage;
 use super::forward::{BatchCaches, KdaBatch, KdaCache, PrefillCache, ReplayBatch};
 use super::regions::{self, RegionView, span, span_mut};
 use super::weights::Dims;
 use handoff_components::Topology;
 use handoff_components::ecs::Lease;
 use handoff_components::layout::RegionLayout;
+use handoff_components::layout::owned_tokens;
 use handoff_components::vocab::{DecodeRank, Dtype, ModuleLayer, PrefillRank, RankId, RegionKind};
 use handoff_kernels::{Backend, RegionItems};
-use super::dtype::storage;
-use handoff_components::layout::owned_tokens;
 use std::collections::BTreeMap;
 
 type R<T> = Result<T, ModelError>;
@@ -58,12 +58,9 @@ fn row_offset(l: &RegionLayout, rank: RankId, blocks: &[u32], layer: usize, lp: 
     if bs == 0 {
         return Err(ModelError::Region(format!("{rank} {}: not a paged region", l.kind)));
     }
-    let block = *blocks.get(lp / bs).ok_or_else(|| {
-        ModelError::Region(format!("{rank}: local position {lp} past its {} blocks", blocks.len()))
-    })?;
-    let off = l
-        .unit_offset(ModuleLayer(layer as u32), block)
-        .ok_or_else(|| ModelError::Region(format!("{rank} {} has no row for module layer {layer}", l.kind)))?;
+    let block = *blocks.get(lp / bs).ok_or_else(|| ModelError::Region(format!("{rank}: local position {lp} past its {} blocks", blocks.len())))?;
+    let off =
+        l.unit_offset(ModuleLayer(layer as u32), block).ok_or_else(|| ModelError::Region(format!("{rank} {} has no row for module layer {layer}", l.kind)))?;
     Ok(off + (lp % bs) as u64 * tb)
 }
 
@@ -196,11 +193,7 @@ impl<'a> DecodeRanks<'a> {
     /// Request b's lease on TP rank `rank`, checked to be that rank's.
     fn lease(&self, b: usize, rank: usize) -> R<&Lease> {
         let id = self.id(rank)?;
-        let l = self
-            .leases
-            .get(b)
-            .and_then(|ls| ls.get(rank))
-            .ok_or_else(|| ModelError::Region(format!("request {b} of the batch has no lease on {id}")))?;
+        let l = self.leases.get(b).and_then(|ls| ls.get(rank)).ok_or_else(|| ModelError::Region(format!("request {b} of the batch has no lease on {id}")))?;
         if l.rank != id {
             return Err(ModelError::Region(format!("request {b}'s lease for {id} is a lease on {}", l.rank)));
         }
@@ -280,9 +273,7 @@ fn get_i32s<B: Backend>(be: &B, view: &dyn RegionView, id: RankId, kind: RegionK
         return Ok(be.region_gather_i32(reg, offs)?);
     }
     let cursor = regions::read(view, id, kind, |bytes| {
-        offs.iter()
-            .map(|&off| span(bytes, id, kind, off, 4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])))
-            .collect::<R<Vec<i32>>>()
+        offs.iter().map(|&off| span(bytes, id, kind, off, 4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))).collect::<R<Vec<i32>>>()
     })?;
     Ok(be.upload_i32(&cursor)?)
 }
@@ -291,7 +282,17 @@ fn get_i32s<B: Backend>(be: &B, view: &dyn RegionView, id: RankId, kind: RegionK
 /// `offs[i]` of a region: scattered in place on a device region (the chosen
 /// rows gathered first when not all are), downloaded and written on a host one.
 #[allow(clippy::too_many_arguments)]
-fn set_items<B: Backend>(be: &B, view: &dyn RegionView, id: RankId, kind: RegionKind, offs: &[u64], values: usize, dt: Dtype, buf: &B::Buf, which: &[bool]) -> R<()> {
+fn set_items<B: Backend>(
+    be: &B,
+    view: &dyn RegionView,
+    id: RankId,
+    kind: RegionKind,
+    offs: &[u64],
+    values: usize,
+    dt: Dtype,
+    buf: &B::Buf,
+    which: &[bool],
+) -> R<()> {
     if !which.iter().any(|&w| w) {
         return Ok(());
     }
@@ -333,7 +334,8 @@ impl<B: Backend> BatchCaches<B> for DecodeRanks<'_> {
             None => None,
             Some(capacity) => {
                 let ring_values = capacity * hl * d.record_width();
-                let ring = get_items(be, view, id, RegionKind::ReplayRecords, &self.slot_offsets(rank, RegionKind::ReplayRecords, layer)?, ring_values, Dtype::F32)?;
+                let ring =
+                    get_items(be, view, id, RegionKind::ReplayRecords, &self.slot_offsets(rank, RegionKind::ReplayRecords, layer)?, ring_values, Dtype::F32)?;
                 let cursor = get_i32s(be, view, id, RegionKind::ReplayCursor, &self.slot_offsets(rank, RegionKind::ReplayCursor, layer)?)?;
                 Some(ReplayBatch { ring, cursor })
             }
@@ -447,14 +449,20 @@ pub fn snapshot_single_rank(topo: &Topology, layouts: &Layouts, view: &dyn Regio
         match kind {
             handoff_components::vocab::LayerKind::Kda => {
                 let c = dims.conv_channels(dims.kda_heads);
-                let state = f32s(view.read_bytes(id, RegionKind::KdaState, unit(layouts, id, RegionKind::KdaState, layer, lease.slot)?, dims.kda_heads * dims.dk * dims.dv * 4)?);
+                let state = f32s(view.read_bytes(
+                    id,
+                    RegionKind::KdaState,
+                    unit(layouts, id, RegionKind::KdaState, layer, lease.slot)?,
+                    dims.kda_heads * dims.dk * dims.dv * 4,
+                )?);
                 let conv_len = (dims.conv - 1) * c * dt.bytes() as usize;
                 let conv = dtype::decode(dt, &view.read_bytes(id, RegionKind::KdaConv, unit(layouts, id, RegionKind::KdaConv, layer, lease.slot)?, conv_len)?);
                 let replay = match dims.replay {
                     None => None,
                     Some(cap) => {
                         let ring_len = cap * dims.kda_heads * dims.record_width() * 4;
-                        let ring = f32s(view.read_bytes(id, RegionKind::ReplayRecords, unit(layouts, id, RegionKind::ReplayRecords, layer, lease.slot)?, ring_len)?);
+                        let ring =
+                            f32s(view.read_bytes(id, RegionKind::ReplayRecords, unit(layouts, id, RegionKind::ReplayRecords, layer, lease.slot)?, ring_len)?);
                         let cur = view.read_bytes(id, RegionKind::ReplayCursor, unit(layouts, id, RegionKind::ReplayCursor, layer, lease.slot)?, 4)?;
                         Some((ring, i32::from_le_bytes([cur[0], cur[1], cur[2], cur[3]])))
                     }

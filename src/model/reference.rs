@@ -75,10 +75,7 @@ impl LocalRequest {
     /// (None for MLA layers), and its MLA rows `[n, L+R]` (empty for KDA
     /// layers). What a check reads back from a device run's regions.
     pub fn from_parts(kda: Vec<Option<(Vec<f32>, Vec<f32>, Option<(Vec<f32>, i32)>)>>, mla: Vec<Vec<f32>>) -> LocalRequest {
-        let kda = kda
-            .into_iter()
-            .map(|k| vec![k.map(|(state, conv, replay)| KdaLocal { state, conv, replay })])
-            .collect();
+        let kda = kda.into_iter().map(|k| vec![k.map(|(state, conv, replay)| KdaLocal { state, conv, replay })]).collect();
         LocalRequest { kda, mla }
     }
 }
@@ -147,9 +144,7 @@ impl<B: Backend> BatchCaches<B> for LocalCaches {
         };
         let (ps, pc) = (state.len() / nb.max(1), conv.len() / nb.max(1));
         for b in 0..nb {
-            let c = self.requests[b].kda[layer][rank]
-                .as_mut()
-                .ok_or_else(|| ModelError::Config(format!("request {b}: no KDA cache of layer {layer}")))?;
+            let c = self.requests[b].kda[layer][rank].as_mut().ok_or_else(|| ModelError::Config(format!("request {b}: no KDA cache of layer {layer}")))?;
             if state_changed.get(b).copied().unwrap_or(false) {
                 c.state.copy_from_slice(&state[b * ps..(b + 1) * ps]);
             }
@@ -175,10 +170,7 @@ impl<B: Backend> BatchCaches<B> for LocalCaches {
             for (b, &pos) in positions.iter().enumerate() {
                 let have = &mut self.requests[b].mla[layer];
                 if have.len() != pos * w {
-                    return Err(ModelError::Config(format!(
-                        "request {b} layer {layer}: appending position {pos} to {} rows",
-                        have.len() / w.max(1)
-                    )));
+                    return Err(ModelError::Config(format!("request {b} layer {layer}: appending position {pos} to {} rows", have.len() / w.max(1))));
                 }
                 have.extend_from_slice(&new_rows[b * w..(b + 1) * w]);
             }

@@ -56,12 +56,7 @@ impl RegionView for Mutex<BTreeMap<(RankId, RegionKind), Vec<u8>>> {
 }
 
 /// [`RegionView::with`] for a closure that can fail and return a value.
-pub fn read<T>(
-    view: &dyn RegionView,
-    rank: RankId,
-    kind: RegionKind,
-    f: impl FnOnce(&[u8]) -> Result<T, ModelError>,
-) -> Result<T, ModelError> {
+pub fn read<T>(view: &dyn RegionView, rank: RankId, kind: RegionKind, f: impl FnOnce(&[u8]) -> Result<T, ModelError>) -> Result<T, ModelError> {
     let mut f = Some(f);
     let mut out = None;
     view.with(rank, kind, &mut |b| {
@@ -73,12 +68,7 @@ pub fn read<T>(
 }
 
 /// [`RegionView::with_mut`] for a closure that can fail and return a value.
-pub fn write<T>(
-    view: &dyn RegionView,
-    rank: RankId,
-    kind: RegionKind,
-    f: impl FnOnce(&mut [u8]) -> Result<T, ModelError>,
-) -> Result<T, ModelError> {
+pub fn write<T>(view: &dyn RegionView, rank: RankId, kind: RegionKind, f: impl FnOnce(&mut [u8]) -> Result<T, ModelError>) -> Result<T, ModelError> {
     let mut f = Some(f);
     let mut out = None;
     view.with_mut(rank, kind, &mut |b| {

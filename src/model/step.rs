@@ -8,17 +8,16 @@
 //! ([`super::forward::decode_batch`]) runs. The reason a step is not used is
 //! returned, so the caller can say it once.
 
+use super::dtype::storage;
 use super::ranks::Layouts;
 use super::regions::RegionView;
 use super::weights::{Dims, Mixer, Model, NORM_EPS};
-use super::dtype::storage;
 use handoff_components::Topology;
 use handoff_components::ecs::Lease;
 use handoff_components::vocab::{DecodeRank, ModuleLayer, RankId, RegionKind};
 use handoff_kernels::Backend;
 use handoff_kernels::step::{
-    DecodeStep, StepKda, StepLayer, StepMat, StepMixer, StepMla, StepModel, StepOptions, StepPlacement, StepRank, StepRegion,
-    StepRequest, StepSpec,
+    DecodeStep, StepKda, StepLayer, StepMat, StepMixer, StepMla, StepModel, StepOptions, StepPlacement, StepRank, StepRegion, StepRequest, StepSpec,
 };
 
 /// Columns side by side: `parts` are `[rows, c_i]` matrices.
@@ -65,11 +64,7 @@ pub fn step_model(model: &Model) -> StepModel {
         .map(|lw| {
             let mixer = match &lw.mixer {
                 Mixer::Kda(k) => StepMixer::Kda(StepKda {
-                    in_proj: StepMat::plain(
-                        hid,
-                        c + h * dk + h + h * dv,
-                        side_by_side(hid, &[(&k.wqkv, c), (&k.wg, h * dk), (&k.wb, h), (&k.wgate, h * dv)]),
-                    ),
+                    in_proj: StepMat::plain(hid, c + h * dk + h + h * dv, side_by_side(hid, &[(&k.wqkv, c), (&k.wg, h * dk), (&k.wb, h), (&k.wgate, h * dv)])),
                     conv: k.conv.clone(),
                     a_log: k.a_log.clone(),
                     dt_bias: k.dt_bias.clone(),
@@ -152,9 +147,7 @@ pub fn step_placement(topo: &Topology, layouts: &Layouts, view: &dyn RegionView)
             mla: region(rank, RegionKind::MlaKv)?,
         });
     }
-    let mla = layouts
-        .get(&(RankId::Decode(DecodeRank { tp: 0 }), RegionKind::MlaKv))
-        .ok_or("decode rank 0 has no mla.kv region")?;
+    let mla = layouts.get(&(RankId::Decode(DecodeRank { tp: 0 }), RegionKind::MlaKv)).ok_or("decode rank 0 has no mla.kv region")?;
     Ok(StepPlacement {
         tp: dc.tp as usize,
         dcp: dc.dcp as usize,
@@ -171,11 +164,8 @@ pub fn step_placement(topo: &Topology, layouts: &Layouts, view: &dyn RegionView)
 /// cannot tile).
 pub fn open<B: Backend>(be: &B, topo: &Topology, model: &Model, layouts: &Layouts, view: &dyn RegionView) -> Result<Box<dyn DecodeStep>, String> {
     let place = step_placement(topo, layouts, view)?;
-    let spec = StepSpec {
-        model: step_model(model),
-        place,
-        options: StepOptions { max_batch: topo.config.serve.batch() as usize, graphs: topo.config.device.graphs },
-    };
+    let spec =
+        StepSpec { model: step_model(model), place, options: StepOptions { max_batch: topo.config.serve.batch() as usize, graphs: topo.config.device.graphs } };
     spec.check().map_err(|e| e.to_string())?;
     be.decode_step(&spec).map_err(|e| e.to_string())
 }

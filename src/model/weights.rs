@@ -113,17 +113,12 @@ impl Dims {
     pub fn weight_bytes(&self) -> u128 {
         let (d, i) = (self.hidden as u128, self.intermediate as u128);
         let (h, dk, dv, w) = (self.kda_heads as u128, self.dk as u128, self.dv as u128, self.conv as u128);
-        let (hm, l, r, dn, dvh) =
-            (self.mla_heads as u128, self.kv_lora_rank as u128, self.rope_dim as u128, self.nope_dim as u128, self.v_head_dim as u128);
+        let (hm, l, r, dn, dvh) = (self.mla_heads as u128, self.kv_lora_rank as u128, self.rope_dim as u128, self.nope_dim as u128, self.v_head_dim as u128);
         let c = h * (2 * dk + dv);
         let kda = d * c + c * w + d * h * dk + d * h + h + h * dk + d * h * dv + dv + h * dv * d;
         let mla = d * (l + r) + l + d * hm * (dn + r) + hm * dn * l + hm * l * dvh + hm * dvh * d;
         let common = 2 * d + 3 * d * i;
-        let layers: u128 = self
-            .layer_kinds
-            .iter()
-            .map(|k| common + if *k == LayerKind::Kda { kda } else { mla })
-            .sum();
+        let layers: u128 = self.layer_kinds.iter().map(|k| common + if *k == LayerKind::Kda { kda } else { mla }).sum();
         4 * (layers + 2 * self.vocab as u128 * d + d)
     }
     /// ReplaySSM records prefill leaves for decode to replay over a prompt of
@@ -245,8 +240,7 @@ impl Model {
         let seed = topo.model().seed;
         let d = dims.hidden;
         let (h, dk, dv) = (dims.kda_heads, dims.dk, dims.dv);
-        let (hm, l, r, dn, dvh) =
-            (dims.mla_heads, dims.kv_lora_rank, dims.rope_dim, dims.nope_dim, dims.v_head_dim);
+        let (hm, l, r, dn, dvh) = (dims.mla_heads, dims.kv_lora_rank, dims.rope_dim, dims.nope_dim, dims.v_head_dim);
         let mut layers = Vec::with_capacity(dims.num_layers());
         for (i, kind) in dims.layer_kinds.iter().enumerate() {
             let s = |t: u64| 1000 + i as u64 * 32 + t;
@@ -328,10 +322,9 @@ impl Model {
     pub fn check_tp(&self, tp: usize) -> Result<(), ModelError> {
         let d = &self.dims;
         let has = |k| d.layer_kinds.contains(&k);
-        for (what, n) in [
-            ("model.kda.heads", if has(LayerKind::Kda) { d.kda_heads } else { 0 }),
-            ("model.mla.heads", if has(LayerKind::Mla) { d.mla_heads } else { 0 }),
-        ] {
+        for (what, n) in
+            [("model.kda.heads", if has(LayerKind::Kda) { d.kda_heads } else { 0 }), ("model.mla.heads", if has(LayerKind::Mla) { d.mla_heads } else { 0 })]
+        {
             if tp == 0 || n % tp != 0 {
                 return Err(ModelError::Config(format!("{what} = {n} cannot be split over tp {tp}")));
             }
@@ -373,8 +366,7 @@ impl Model {
                         .chain(h * dk + h0 * dk..h * dk + (h0 + hl) * dk)
                         .chain(2 * h * dk + h0 * dv..2 * h * dk + (h0 + hl) * dv)
                         .collect();
-                    let conv: Vec<f32> =
-                        chans.iter().flat_map(|&ch| w.conv[ch * d.conv..(ch + 1) * d.conv].iter().copied()).collect();
+                    let conv: Vec<f32> = chans.iter().flat_map(|&ch| w.conv[ch * d.conv..(ch + 1) * d.conv].iter().copied()).collect();
                     MixerShard::Kda(KdaShard {
                         heads: hl,
                         first_head: h0,
@@ -386,9 +378,7 @@ impl Model {
                         dt_bias: up(&w.dt_bias[h0 * dk..(h0 + hl) * dk])?,
                         wgate: mat(&cols(&w.wgate, hid, h * dv, h0 * dv, hl * dv), hid, hl * dv)?,
                         onorm: up(&w.onorm)?,
-                        wo: (h0..h0 + hl)
-                            .map(|hh| mat(&w.wo[hh * dv * hid..(hh + 1) * dv * hid], dv, hid))
-                            .collect::<Result<_, _>>()?,
+                        wo: (h0..h0 + hl).map(|hh| mat(&w.wo[hh * dv * hid..(hh + 1) * dv * hid], dv, hid)).collect::<Result<_, _>>()?,
                     })
                 }
                 Mixer::Mla(w) => {
@@ -401,15 +391,9 @@ impl Model {
                         wkva: mat(&w.wkva, hid, l + r)?,
                         kv_norm: up(&w.kv_norm)?,
                         wq: mat(&cols(&w.wq, hid, hm * qw, h0 * qw, hl * qw), hid, hl * qw)?,
-                        wuk: (h0..h0 + hl)
-                            .map(|hh| mat(&w.wuk[hh * dn * l..(hh + 1) * dn * l], dn, l))
-                            .collect::<Result<_, _>>()?,
-                        wuv: (h0..h0 + hl)
-                            .map(|hh| mat(&w.wuv[hh * l * dvh..(hh + 1) * l * dvh], l, dvh))
-                            .collect::<Result<_, _>>()?,
-                        wo: (h0..h0 + hl)
-                            .map(|hh| mat(&w.wo[hh * dvh * hid..(hh + 1) * dvh * hid], dvh, hid))
-                            .collect::<Result<_, _>>()?,
+                        wuk: (h0..h0 + hl).map(|hh| mat(&w.wuk[hh * dn * l..(hh + 1) * dn * l], dn, l)).collect::<Result<_, _>>()?,
+                        wuv: (h0..h0 + hl).map(|hh| mat(&w.wuv[hh * l * dvh..(hh + 1) * l * dvh], l, dvh)).collect::<Result<_, _>>()?,
+                        wo: (h0..h0 + hl).map(|hh| mat(&w.wo[hh * dvh * hid..(hh + 1) * dvh * hid], dvh, hid)).collect::<Result<_, _>>()?,
                     })
                 }
             };
@@ -476,17 +460,10 @@ impl<B: Backend> Mat<B> {
     /// Uploads the row-major `w` `[inner, cols]` in row chunks.
     pub fn upload(be: &B, w: &[f32], inner: usize, cols: usize) -> Result<Self, ModelError> {
         if w.len() != inner * cols {
-            return Err(ModelError::Config(format!(
-                "weight of {} elements is not [{inner}, {cols}]",
-                w.len()
-            )));
+            return Err(ModelError::Config(format!("weight of {} elements is not [{inner}, {cols}]", w.len())));
         }
         let chunk_rows = if be.matmul_fixed_order() { inner.max(1) } else { K_CHUNK };
-        let chunks = if inner == 0 || cols == 0 {
-            vec![be.upload(w)?]
-        } else {
-            w.chunks(chunk_rows * cols).map(|c| be.upload(c)).collect::<Result<_, _>>()?
-        };
+        let chunks = if inner == 0 || cols == 0 { vec![be.upload(w)?] } else { w.chunks(chunk_rows * cols).map(|c| be.upload(c)).collect::<Result<_, _>>()? };
         Ok(Mat { inner, cols, chunk_rows, chunks })
     }
 }

@@ -22,7 +22,8 @@ pub enum RoleCommand {
         proxy: String,
         /// Compute backend: cpu, cuda[:N] or hip[:N] (default: the topology's [device], else cpu).
         #[arg(long, env = "HANDOFF_DEVICE")]
-        device: Option<String>,        /// Write a Chrome/Perfetto trace of this process's spans (every engine
+        device: Option<String>,
+        /// Write a Chrome/Perfetto trace of this process's spans (every engine
         /// system of every tick) to FILE; finished when the role stops.
         #[arg(long)]
         trace: Option<PathBuf>,
@@ -37,7 +38,8 @@ pub enum RoleCommand {
         proxy: String,
         /// Compute backend: cpu, cuda[:N] or hip[:N] (default: the topology's [device], else cpu).
         #[arg(long, env = "HANDOFF_DEVICE")]
-        device: Option<String>,        /// Write a Chrome/Perfetto trace of this process's spans (every engine
+        device: Option<String>,
+        /// Write a Chrome/Perfetto trace of this process's spans (every engine
         /// system of every tick) to FILE; finished when the role stops.
         #[arg(long)]
         trace: Option<PathBuf>,

@@ -189,14 +189,7 @@ fn engine_loop(
                 }
                 Ok(Notice::Failed { id, nonce, stage, phase, message }) => engine.cancel({
                     tracing::debug!(request = id, stage, %message, "decode: a stage failed the request");
-                    Cancel {
-                    request: id,
-                    phase,
-                    reason: format!("prefill stage {stage}: {message}"),
-                    stage: Some(stage),
-                    nonce,
-                    unsent: false,
-                    }
+                    Cancel { request: id, phase, reason: format!("prefill stage {stage}: {message}"), stage: Some(stage), nonce, unsent: false }
                 }),
                 Err(e) => tracing::warn!(error = %e, "decode: dropped a malformed notification"),
             }

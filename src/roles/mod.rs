@@ -206,7 +206,10 @@ pub(crate) struct Delayed {
 }
 
 impl handoff_systems::dispatch::Compute for Delayed {
-    fn prefill(&mut self, job: handoff_systems::dispatch::PrefillJob<'_>) -> Result<handoff_systems::dispatch::PrefillOutput, handoff_systems::dispatch::ComputeError> {
+    fn prefill(
+        &mut self,
+        job: handoff_systems::dispatch::PrefillJob<'_>,
+    ) -> Result<handoff_systems::dispatch::PrefillOutput, handoff_systems::dispatch::ComputeError> {
         std::thread::sleep(self.delay);
         self.inner.prefill(job)
     }

@@ -408,10 +408,8 @@ impl StopMatcher {
         }
         // The longest suffix that is a proper prefix of some stop may still grow
         // into one; everything before it is final.
-        let hold = (1..=self.held.len())
-            .rev()
-            .find(|&k| self.stops.iter().any(|s| s.len() > k && s.starts_with(&self.held[self.held.len() - k..])))
-            .unwrap_or(0);
+        let hold =
+            (1..=self.held.len()).rev().find(|&k| self.stops.iter().any(|s| s.len() > k && s.starts_with(&self.held[self.held.len() - k..]))).unwrap_or(0);
         let rest = self.held.split_off(self.held.len() - hold);
         StopStep::Release(std::mem::replace(&mut self.held, rest))
     }
@@ -519,7 +517,13 @@ mod tests {
         let chat = parse(&topo(), Endpoint::Chat, br#"{"messages": [{"role": "user", "content": "hi"}]}"#, 0).expect("chat");
         assert_eq!(chat.prompts[0], b"<|user|>\nhi\n<|assistant|>\n".to_vec());
         assert_eq!(chat.max_tokens, vec![512 - 26]);
-        let parts = parse(&topo(), Endpoint::Chat, br#"{"messages": [{"role": "system", "content": [{"type": "text", "text": "s"}]}, {"role": "user", "content": "u"}], "max_completion_tokens": 3}"#, 0).expect("chat");
+        let parts = parse(
+            &topo(),
+            Endpoint::Chat,
+            br#"{"messages": [{"role": "system", "content": [{"type": "text", "text": "s"}]}, {"role": "user", "content": "u"}], "max_completion_tokens": 3}"#,
+            0,
+        )
+        .expect("chat");
         assert_eq!(parts.prompts[0], b"<|system|>\ns\n<|user|>\nu\n<|assistant|>\n".to_vec());
         assert_eq!(parts.max_tokens, vec![3]);
         for bad in [r#"{"messages": []}"#, r#"{"messages": [{"role": "wizard", "content": "x"}]}"#, r#"{"prompt": "x"}"#] {

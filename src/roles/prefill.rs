@@ -105,7 +105,11 @@ pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str, secret: &ClusterSec
 enum StageCmd {
     Job(Box<PrefillJob>),
     /// See [`Msg::Settle`].
-    Settle { requests: Vec<(u64, u64)>, endpoint: PeerAddr, message: String },
+    Settle {
+        requests: Vec<(u64, u64)>,
+        endpoint: PeerAddr,
+        message: String,
+    },
 }
 
 /// Accepts links from the proxy and the previous stage that prove the cluster

@@ -154,7 +154,13 @@ mod tests {
 
     #[test]
     fn phases_merge_the_runs_of_their_systems() {
-        let t = |s: &str, p: &str, n: u64| SystemTiming { system: s.into(), phase: p.into(), cumulative: vec![n; SYSTEM_BUCKETS_S.len()], count: n, sum_s: n as f64 };
+        let t = |s: &str, p: &str, n: u64| SystemTiming {
+            system: s.into(),
+            phase: p.into(),
+            cumulative: vec![n; SYSTEM_BUCKETS_S.len()],
+            count: n,
+            sum_s: n as f64,
+        };
         let merged = per_phase(&[t("a", "dispatch", 2), t("b", "dispatch", 3), t("c", "release", 1)]);
         assert_eq!(merged.len(), 2);
         assert_eq!((merged[0].0.as_str(), merged[0].2, merged[0].3), ("dispatch", 5, 5.0));

@@ -229,7 +229,6 @@ impl IntoResponse for ServeError {
     }
 }
 
-
 /// The /v1 routes' gate when the proxy has an API key: `Authorization: Bearer KEY`
 /// or 401 (as vLLM's `--api-key`). Health, metrics and the roles' registration
 /// are not behind it.
@@ -454,9 +453,7 @@ async fn serve(topo: Topology, listen: Listen, api_key: Option<String>, secret: 
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(Arc::clone(&state));
     let Listen { host, port, control_host, control_port } = listen;
-    let listener = tokio::net::TcpListener::bind((host.as_str(), port))
-        .await
-        .map_err(|e| anyhow::anyhow!("proxy: cannot listen on {host}:{port}: {e}"))?;
+    let listener = tokio::net::TcpListener::bind((host.as_str(), port)).await.map_err(|e| anyhow::anyhow!("proxy: cannot listen on {host}:{port}: {e}"))?;
     let control_listener = tokio::net::TcpListener::bind((control_host.as_str(), control_port))
         .await
         .map_err(|e| anyhow::anyhow!("proxy: cannot listen on --control-host {control_host} --control-port {control_port}: {e}"))?;
@@ -603,11 +600,7 @@ async fn models(State(p): State<Arc<Proxy>>) -> Response {
 }
 
 async fn model(State(p): State<Arc<Proxy>>, Path(id): Path<String>) -> Response {
-    if id == p.topo.model().name {
-        axum::Json(model_object(&p)).into_response()
-    } else {
-        ServeError::Body(BodyError::ModelNotFound(id)).into_response()
-    }
+    if id == p.topo.model().name { axum::Json(model_object(&p)).into_response() } else { ServeError::Body(BodyError::ModelNotFound(id)).into_response() }
 }
 
 async fn register(State(p): State<Arc<Proxy>>, headers: HeaderMap, body: axum::body::Bytes) -> Response {
@@ -665,7 +658,9 @@ async fn watchdog(p: Arc<Proxy>) {
             .slots
             .iter()
             .enumerate()
-            .filter_map(|(i, s)| s.as_ref().filter(|s| s.state == PeerState::Up && s.seen.elapsed() > LATE).map(|s| (i, s.reg.addr, s.seen.elapsed(), s.reg.pid)))
+            .filter_map(|(i, s)| {
+                s.as_ref().filter(|s| s.state == PeerState::Up && s.seen.elapsed() > LATE).map(|s| (i, s.reg.addr, s.seen.elapsed(), s.reg.pid))
+            })
             .collect();
         for (slot, addr, age, pid) in late {
             let probe = tokio::time::timeout(Duration::from_millis(300), TcpStream::connect(addr)).await;
@@ -811,7 +806,12 @@ async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
         for ((phase, role), n) in &m.failures {
             out += &format!("handoff_request_failures_total{{phase=\"{phase}\",role=\"{}\"}} {n}\n", prom::escape(role));
         }
-        prom::family(&mut out, "handoff_request_timeouts_total", "counter", "Requests failed because a phase ran out of time (its deadline, or a peer found stopped), by phase.");
+        prom::family(
+            &mut out,
+            "handoff_request_timeouts_total",
+            "counter",
+            "Requests failed because a phase ran out of time (its deadline, or a peer found stopped), by phase.",
+        );
         for ph in ["admission", "compute", "transfer", "decode"] {
             out += &format!("handoff_request_timeouts_total{{phase=\"{ph}\"}} {}\n", m.timeouts.get(ph).copied().unwrap_or(0));
         }
@@ -821,7 +821,12 @@ async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
         prom::write_histogram(&mut out, "handoff_inter_token_latency_seconds", "", &m.itl);
         prom::family(&mut out, "handoff_e2e_request_latency_seconds", "histogram", "From the request's arrival to its last token, per completed choice.");
         prom::write_histogram(&mut out, "handoff_e2e_request_latency_seconds", "", &m.e2e);
-        prom::family(&mut out, "handoff_phase_seconds", "histogram", "Seconds per phase of each completed choice: queue (waiting for a place), handoff (admission to the last write-done), decode.");
+        prom::family(
+            &mut out,
+            "handoff_phase_seconds",
+            "histogram",
+            "Seconds per phase of each completed choice: queue (waiting for a place), handoff (admission to the last write-done), decode.",
+        );
         for (ph, h) in &m.phases {
             prom::write_histogram(&mut out, "handoff_phase_seconds", &format!("phase=\"{ph}\""), h);
         }
@@ -892,7 +897,12 @@ async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
     }
     // Every role's engine timings since its process started (a restarted role
     // starts again from zero, as a Prometheus counter does after a restart).
-    prom::family(&mut out, "handoff_engine_system_seconds", "histogram", "Run time of each system of the role's engine schedule, per run (the spans `plan --timings` reads).");
+    prom::family(
+        &mut out,
+        "handoff_engine_system_seconds",
+        "histogram",
+        "Run time of each system of the role's engine schedule, per run (the spans `plan --timings` reads).",
+    );
     for (role, peer) in &live {
         for t in &peer.reg.timings {
             let labels = format!("role=\"{role}\",phase=\"{}\",system=\"{}\"", prom::escape(&t.phase), prom::escape(&t.system));
@@ -902,7 +912,15 @@ async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
     prom::family(&mut out, "handoff_engine_phase_seconds", "histogram", "Run time of the systems of each phase of the role's engine schedule, per system run.");
     for (role, peer) in &live {
         for (phase, cumulative, count, sum) in prom::per_phase(&peer.reg.timings) {
-            prom::histogram_series(&mut out, "handoff_engine_phase_seconds", &format!("role=\"{role}\",phase=\"{phase}\""), SYSTEM_BUCKETS_S, &cumulative, count, sum);
+            prom::histogram_series(
+                &mut out,
+                "handoff_engine_phase_seconds",
+                &format!("role=\"{role}\",phase=\"{phase}\""),
+                SYSTEM_BUCKETS_S,
+                &cumulative,
+                count,
+                sum,
+            );
         }
     }
     let decode_live = slots[0].as_ref().filter(|s| s.state == PeerState::Up).map_or(0, |d| d.reg.counts.requests);
@@ -1020,7 +1038,11 @@ async fn chat_completions(State(p): State<Arc<Proxy>>, headers: HeaderMap, body:
 enum Ev {
     /// Generated bytes that are final (no stop sequence can claim them).
     Piece(Vec<u8>),
-    Done { finish: &'static str, tokens: u32, summary: Summary },
+    Done {
+        finish: &'static str,
+        tokens: u32,
+        summary: Summary,
+    },
     Error(ServeError),
 }
 

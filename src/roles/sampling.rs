@@ -15,8 +15,8 @@
 //! for sampling.
 
 use crate::compute::LogitTrace;
-use crate::model::regions::RegionView;
 use crate::model::ranks::Layouts;
+use crate::model::regions::RegionView;
 use crate::model::{Model, ModelError};
 use handoff_components::Topology;
 use handoff_components::config::DeviceConfig;
@@ -88,11 +88,7 @@ pub fn pick(logits: &[f32], s: &Sampling, step: u32) -> u8 {
     if !max.is_finite() {
         return argmax(logits);
     }
-    let mut w: Vec<(f64, usize)> = logits
-        .iter()
-        .enumerate()
-        .map(|(i, &x)| (if x.is_finite() { ((f64::from(x) - max) / t).exp() } else { 0.0 }, i))
-        .collect();
+    let mut w: Vec<(f64, usize)> = logits.iter().enumerate().map(|(i, &x)| (if x.is_finite() { ((f64::from(x) - max) / t).exp() } else { 0.0 }, i)).collect();
     w.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
     let total: f64 = w.iter().map(|x| x.0).sum();
     let top_p = f64::from(s.top_p).clamp(0.0, 1.0);
@@ -176,7 +172,13 @@ impl Compute for Sampler {
 
 /// The role's compute on `dev` (the model over the registered regions, as
 /// `device::model_compute` builds it) with the sampler around it.
-pub fn sampled_compute(dev: DeviceConfig, topo: &Topology, layouts: Layouts, view: Arc<dyn RegionView>, table: SamplingTable) -> anyhow::Result<Box<dyn Compute>> {
+pub fn sampled_compute(
+    dev: DeviceConfig,
+    topo: &Topology,
+    layouts: Layouts,
+    view: Arc<dyn RegionView>,
+    table: SamplingTable,
+) -> anyhow::Result<Box<dyn Compute>> {
     let trace = LogitTrace::default();
     let sampled = Arc::clone(&table);
     let only: crate::compute::TraceFilter = Arc::new(move |request| super::lock(&sampled).contains_key(&request));

@@ -40,7 +40,15 @@ pub struct SoakOptions {
 
 impl SoakOptions {
     pub fn new(requests: u32, concurrency: u32) -> SoakOptions {
-        SoakOptions { requests, concurrency, max_tokens: 16, idle: Duration::from_secs(10), kill_stage: Some(0), stop_decode: Duration::from_secs(10), program: None }
+        SoakOptions {
+            requests,
+            concurrency,
+            max_tokens: 16,
+            idle: Duration::from_secs(10),
+            kill_stage: Some(0),
+            stop_decode: Duration::from_secs(10),
+            program: None,
+        }
     }
 
     fn faults(&self) -> bool {
@@ -344,7 +352,9 @@ fn stop_decode(up: &mut UpProcess, d: Duration, report: &mut SoakReport, answere
     // The proxy's watchdog finds it by its missing heartbeats.
     let mut seen_down = None;
     while t0.elapsed() < d {
-        if seen_down.is_none() && wire::http(&up.addr, "GET", "/health", None, Duration::from_secs(2)).is_ok_and(|r| r.status == 503 && r.body.contains("decode")) {
+        if seen_down.is_none()
+            && wire::http(&up.addr, "GET", "/health", None, Duration::from_secs(2)).is_ok_and(|r| r.status == 503 && r.body.contains("decode"))
+        {
             seen_down = Some(t0.elapsed());
         }
         std::thread::sleep(Duration::from_millis(100));
@@ -353,7 +363,9 @@ fn stop_decode(up: &mut UpProcess, d: Duration, report: &mut SoakReport, answere
     let back = up.wait_healthy(Duration::from_secs(60));
     let down = seen_down.map_or("never seen down".to_string(), |t| format!("/health named it down after {:.2} s", t.as_secs_f64()));
     let line = match back {
-        Ok(t) => format!("SIGSTOP decode (pid {pid}) for {:.0} s after {answered} answers; {down}; healthy {:.2} s after SIGCONT", d.as_secs_f64(), t.as_secs_f64()),
+        Ok(t) => {
+            format!("SIGSTOP decode (pid {pid}) for {:.0} s after {answered} answers; {down}; healthy {:.2} s after SIGCONT", d.as_secs_f64(), t.as_secs_f64())
+        }
         Err(e) => format!("SIGSTOP decode (pid {pid}) for {:.0} s after {answered} answers; {down}; NOT healthy again: {e}", d.as_secs_f64()),
     };
     println!("  fault: {line}");

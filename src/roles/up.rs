@@ -13,8 +13,8 @@ use super::cli::role_command;
 use super::wire::{self, HttpResponse};
 use anyhow::Context;
 use handoff_components::Topology;
-use std::os::unix::process::CommandExt;
 use std::collections::BTreeMap;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::time::{Duration, Instant};
@@ -69,10 +69,24 @@ impl Default for RestartPolicy {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Supervision {
     /// A role died; it starts again after the backoff.
-    Died { role: String, status: String, restart_in: Duration, restarts: u32 },
-    Restarted { role: String, pid: u32, restarts: u32 },
+    Died {
+        role: String,
+        status: String,
+        restart_in: Duration,
+        restarts: u32,
+    },
+    Restarted {
+        role: String,
+        pid: u32,
+        restarts: u32,
+    },
     /// A role died more often than the policy allows: nothing was restarted.
-    GaveUp { role: String, status: String, deaths: usize, window: Duration },
+    GaveUp {
+        role: String,
+        status: String,
+        deaths: usize,
+        window: Duration,
+    },
 }
 
 /// A running deployment: proxy, decode and one process per prefill stage.
@@ -104,13 +118,7 @@ impl Cluster {
     }
 
     /// [`Cluster::start`] with extra environment variables for every role.
-    pub fn start_with(
-        config: Option<&Path>,
-        host: &str,
-        port: u16,
-        program: Option<PathBuf>,
-        envs: Vec<(String, String)>,
-    ) -> anyhow::Result<Cluster> {
+    pub fn start_with(config: Option<&Path>, host: &str, port: u16, program: Option<PathBuf>, envs: Vec<(String, String)>) -> anyhow::Result<Cluster> {
         sweep_stale_configs();
         let (path, tmp) = match config {
             Some(p) => (p.to_path_buf(), None),
@@ -129,7 +137,9 @@ impl Cluster {
         let addr = format!("{host}:{port}");
         let secret = match crate::auth::ClusterSecret::from_env() {
             Ok(s) => s,
-            Err(crate::auth::SecretError::Missing) => crate::auth::ClusterSecret::generate().context("read 32 random bytes from /dev/urandom for the cluster secret")?,
+            Err(crate::auth::SecretError::Missing) => {
+                crate::auth::ClusterSecret::generate().context("read 32 random bytes from /dev/urandom for the cluster secret")?
+            }
             Err(e) => anyhow::bail!("{e}"),
         };
         let secret_file = std::env::temp_dir().join(format!("handoff-up-{}-{port}.secret", std::process::id()));
@@ -630,12 +640,7 @@ pub fn run_demo() -> anyhow::Result<()> {
     let mut c = start_default()?;
     let model = crate::model::Model::new(&c.topo)?;
     // The checkpoint learned English from Debian's fortunes: prompts in that style.
-    let prompts = [
-        "The best way to predict the future is",
-        "A friend in need is",
-        "Never put off until tomorrow what",
-        "Computers are",
-    ];
+    let prompts = ["The best way to predict the future is", "A friend in need is", "Never put off until tomorrow what", "Computers are"];
     let max_tokens = 40;
     println!("\n{:<38} {:>9} {:>9} {:>10} {:>11} {:>9}  reference", "prompt", "TTFT ms", "ITL ms", "bytes", "handoff ms", "decode ms");
     let mut all = Vec::new();
@@ -644,15 +649,7 @@ pub fn run_demo() -> anyhow::Result<()> {
         let want = crate::model::run_colocated(&model, p.as_bytes(), max_tokens - 1)?;
         let ok = if want.tokens == r.token_ids { "equal" } else { "DIFFERENT" };
         let itl = r.itl_ms.iter().sum::<f64>() / r.itl_ms.len().max(1) as f64;
-        println!(
-            "{:<38} {:>9.2} {:>9.2} {:>10} {:>11.2} {:>9.2}  {ok}",
-            format!("{p:?}"),
-            r.ttft_ms,
-            itl,
-            r.bytes,
-            r.handoff_ms,
-            r.decode_ms
-        );
+        println!("{:<38} {:>9.2} {:>9.2} {:>10} {:>11.2} {:>9.2}  {ok}", format!("{p:?}"), r.ttft_ms, itl, r.bytes, r.handoff_ms, r.decode_ms);
         println!("  -> {:?} (token ids {:?})", r.text, r.token_ids);
         if ok != "equal" {
             anyhow::bail!("completion of {p:?} differs from the colocated reference: {:?} vs {:?}", r.token_ids, want.tokens);
@@ -778,7 +775,17 @@ pub fn bench_serve(config: Option<&Path>, levels: &[u32], requests: u32) -> anyh
         let failed: u32 = l.failed.values().sum();
         println!(
             "{:>11} {:>9} {:>6} {:>7} {:>9.1} {:>8.2}x {:>7.1}ms {:>7.1}ms {:>7.2}ms {:>7.2}ms {:>10.2}ms",
-            conc, l.requests, l.ok, failed, l.tok_s, l.tok_s / base.max(1e-9), l.ttft_p50, l.ttft_p99, l.itl_p50, l.itl_p99, l.cpu_ms_per_request
+            conc,
+            l.requests,
+            l.ok,
+            failed,
+            l.tok_s,
+            l.tok_s / base.max(1e-9),
+            l.ttft_p50,
+            l.ttft_p99,
+            l.itl_p50,
+            l.itl_p99,
+            l.cpu_ms_per_request
         );
         if failed > 0 {
             println!("{:>11}   {failed} of {} requests failed; tok/s, TTFT and ITL count the {} that succeeded", "", l.requests, l.ok);

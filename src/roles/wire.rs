@@ -21,12 +21,12 @@
 //!
 //! [`Transport`]: crate::transport::Transport
 
+use super::sampling::Sampling;
 use crate::auth::{ClusterSecret, context};
 use crate::engine::Counts;
 use crate::transport::{PeerAddr, RegionHandle};
 use handoff_components::ecs::{PhaseName, StageReport};
 use handoff_components::layout::ConsumerLayout;
-use super::sampling::Sampling;
 use serde::{Deserialize, Serialize};
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
@@ -235,7 +235,8 @@ pub fn challenge_line(nonce: &[u8; 32]) -> Vec<u8> {
 pub fn answer_line(secret: &ClusterSecret, challenge: &[u8]) -> io::Result<Vec<u8>> {
     let bad = |m: String| io::Error::new(io::ErrorKind::InvalidData, m);
     let c: Challenge = serde_json::from_slice(challenge).map_err(|e| bad(format!("expected a control challenge line: {e}")))?;
-    let nonce = crate::auth::from_hex(&c.challenge).filter(|n| n.len() == 32).ok_or_else(|| bad(format!("challenge {:?} is not 64 hex digits", c.challenge)))?;
+    let nonce =
+        crate::auth::from_hex(&c.challenge).filter(|n| n.len() == 32).ok_or_else(|| bad(format!("challenge {:?} is not 64 hex digits", c.challenge)))?;
     let mut line = serde_json::to_vec(&Answer { auth: crate::auth::to_hex(&secret.mac(context::CONTROL, &[&nonce])) }).map_err(io::Error::other)?;
     line.push(b'\n');
     Ok(line)
@@ -317,9 +318,7 @@ pub fn recv_within(r: &mut impl BufRead, max_line: u64) -> io::Result<Option<Msg
     if too_long(&line, max_line) {
         return Err(line_too_long(max_line));
     }
-    serde_json::from_slice(&line)
-        .map(Some)
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("bad control message: {e}")))
+    serde_json::from_slice(&line).map(Some).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("bad control message: {e}")))
 }
 
 /// Whether a line read under a limit of `max_line` stopped at the limit, not at its
@@ -383,10 +382,7 @@ pub fn http(addr: &str, method: &str, path: &str, body: Option<&str>, timeout: D
 
 /// [`http`] with extra request headers (`("Authorization", "Bearer ...")`).
 pub fn http_with(addr: &str, method: &str, path: &str, body: Option<&str>, headers: &[(&str, &str)], timeout: Duration) -> io::Result<HttpResponse> {
-    let sa = addr
-        .to_socket_addrs()?
-        .next()
-        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("no address for {addr}")))?;
+    let sa = addr.to_socket_addrs()?.next().ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("no address for {addr}")))?;
     let mut s = TcpStream::connect_timeout(&sa, timeout)?;
     s.set_read_timeout(Some(timeout))?;
     s.set_write_timeout(Some(timeout))?;
@@ -407,14 +403,8 @@ fn parse_response(raw: &[u8]) -> io::Result<HttpResponse> {
     let split = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(|| bad("no end of headers"))?;
     let head = String::from_utf8_lossy(&raw[..split]).to_string();
     let mut lines = head.split("\r\n");
-    let status = lines
-        .next()
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|s| s.parse::<u16>().ok())
-        .ok_or_else(|| bad("bad status line"))?;
-    let headers: Vec<(String, String)> = lines
-        .filter_map(|l| l.split_once(':').map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string())))
-        .collect();
+    let status = lines.next().and_then(|l| l.split_whitespace().nth(1)).and_then(|s| s.parse::<u16>().ok()).ok_or_else(|| bad("bad status line"))?;
+    let headers: Vec<(String, String)> = lines.filter_map(|l| l.split_once(':').map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))).collect();
     let mut body = raw[split + 4..].to_vec();
     if headers.iter().any(|(k, v)| k == "transfer-encoding" && v.eq_ignore_ascii_case("chunked")) {
         body = dechunk(&body).ok_or_else(|| bad("bad chunked body"))?;

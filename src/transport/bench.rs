@@ -4,7 +4,7 @@
 //! memcpy bandwidth measured in the same run (one thread and two threads), so a
 //! transfer figure always comes with the limit it is compared to.
 
-use super::{loopback_pair, BatchId, RegionHandle, RemoteRegion, Result, Transport, TransportExt};
+use super::{BatchId, RegionHandle, RemoteRegion, Result, Transport, TransportExt, loopback_pair};
 use handoff_components::config::TransportKind;
 use handoff_components::plan::Descriptor;
 use handoff_components::vocab::{DecodeRank, PrefillRank, RankId, RegionKind};

@@ -21,8 +21,8 @@
 
 use super::shm::ShmTransport;
 use super::{
-    lock, read, validate, write, BatchId, Completion, Completions, Incident, IpcHandle, MemoryKind, Notification, PeerAddr,
-    RegionHandle, RemoteRegion, Result, Transport, TransportError,
+    BatchId, Completion, Completions, Incident, IpcHandle, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, Transport, TransportError,
+    lock, read, validate, write,
 };
 use crate::auth::ClusterSecret;
 use handoff_components::plan::Descriptor;
@@ -312,10 +312,7 @@ impl Transport for DeviceTransport {
 
     fn attach(&self, handle: &RegionHandle) -> Result<RemoteRegion> {
         let MemoryKind::Device { ordinal } = handle.memory else {
-            return Err(TransportError::Unavailable {
-                what: format!("{handle}"),
-                reason: "the cuda-ipc transport writes device regions only".into(),
-            });
+            return Err(TransportError::Unavailable { what: format!("{handle}"), reason: "the cuda-ipc transport writes device regions only".into() });
         };
         if ordinal != self.ordinal {
             return Err(TransportError::Unavailable {
@@ -323,10 +320,10 @@ impl Transport for DeviceTransport {
                 reason: format!("this transport copies within {} (another GPU needs NCCL)", self.mem.label()),
             });
         }
-        let ipc = handle.ipc.as_ref().ok_or_else(|| TransportError::Protocol {
-            peer: handle.peer.to_string(),
-            message: format!("{handle} is a device region without an IPC handle"),
-        })?;
+        let ipc = handle
+            .ipc
+            .as_ref()
+            .ok_or_else(|| TransportError::Protocol { peer: handle.peer.to_string(), message: format!("{handle} is a device region without an IPC handle") })?;
         let key = (ipc.pid, ipc.addr);
         let mut opened = lock(&self.opened);
         if let Some(&id) = opened.get(&key) {
@@ -341,10 +338,8 @@ impl Transport for DeviceTransport {
             // the address is valid here as it is; IPC cannot open it.
             (ipc.addr, false)
         } else {
-            let bytes = unhex(&ipc.handle).ok_or_else(|| TransportError::Protocol {
-                peer: handle.peer.to_string(),
-                message: format!("{handle}: the IPC handle is not hex"),
-            })?;
+            let bytes = unhex(&ipc.handle)
+                .ok_or_else(|| TransportError::Protocol { peer: handle.peer.to_string(), message: format!("{handle}: the IPC handle is not hex") })?;
             (self.mem.open(&bytes).map_err(|e| device_err(&format!("ipc open of {handle}"), e))?, true)
         };
         let id = self.next_id();

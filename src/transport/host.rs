@@ -2,8 +2,7 @@
 //! share: region and attachment tables, synchronous submit, completions, inbox.
 
 use super::{
-    copy, lock, pieces, read, validate, write, BatchId, Completion, Completions, Notification, PeerAddr, RegionHandle,
-    RemoteRegion, Result, TransportError,
+    BatchId, Completion, Completions, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, TransportError, copy, lock, pieces, read, validate, write,
 };
 use handoff_components::plan::Descriptor;
 use std::collections::HashMap;
@@ -87,11 +86,7 @@ impl HostCore {
 
     fn check_owner(&self, handle: &RegionHandle) -> Result<()> {
         if handle.peer != self.endpoint {
-            return Err(TransportError::ForeignHandle {
-                handle: handle.to_string(),
-                owner: handle.peer.to_string(),
-                transport: self.name,
-            });
+            return Err(TransportError::ForeignHandle { handle: handle.to_string(), owner: handle.peer.to_string(), transport: self.name });
         }
         Ok(())
     }
@@ -126,10 +121,7 @@ impl HostCore {
     /// Validates, then copies synchronously; the completion is ready on return.
     pub fn submit(&self, src: &RegionHandle, dst: RemoteRegion, descriptors: &[Descriptor]) -> Result<BatchId> {
         let s = self.local(src)?;
-        let d = read(&self.attachments)
-            .get(&dst.id)
-            .cloned()
-            .ok_or_else(|| TransportError::UnknownRegion(format!("attachment {}", dst.id)))?;
+        let d = read(&self.attachments).get(&dst.id).cloned().ok_or_else(|| TransportError::UnknownRegion(format!("attachment {}", dst.id)))?;
         validate(descriptors, Some(s.len), d.len, d.kind)?;
         let ps = pieces(descriptors);
         let _span = tracing::trace_span!("transport.copy", transport = self.name, pieces = ps.len()).entered();

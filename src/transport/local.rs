@@ -6,8 +6,7 @@
 
 use super::host::{HostCore, HostRegion, Mem};
 use super::{
-    host_only, lock, usize_len, BatchId, Completion, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion,
-    Result, Transport, TransportError,
+    BatchId, Completion, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, Transport, TransportError, host_only, lock, usize_len,
 };
 use handoff_components::plan::Descriptor;
 use handoff_components::vocab::{RankId, RegionKind};

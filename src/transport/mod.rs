@@ -49,7 +49,9 @@ pub use tcp::{TcpOptions, TcpTransport};
 pub enum MemoryKind {
     #[default]
     Host,
-    Device { ordinal: u32 },
+    Device {
+        ordinal: u32,
+    },
 }
 
 impl fmt::Display for MemoryKind {
@@ -183,9 +185,7 @@ impl fmt::Display for Side {
 /// through `poll` and to the engine's own bookkeeping.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum TransportError {
-    #[error(
-        "descriptor {index} ({kind}) reaches {side} bytes {start}..{end}, past the end of the {len}-byte region"
-    )]
+    #[error("descriptor {index} ({kind}) reaches {side} bytes {start}..{end}, past the end of the {len}-byte region")]
     OutOfBounds { index: usize, kind: RegionKind, side: Side, start: u64, end: u64, len: u64 },
     #[error("descriptor {index} is for {descriptor} but the destination region holds {region}")]
     KindMismatch { index: usize, descriptor: RegionKind, region: RegionKind },
@@ -223,13 +223,7 @@ impl TransportError {
     /// Whether trying again may succeed (a lost connection, a stall, a full pool),
     /// as opposed to a request that is wrong (bounds, kinds, unknown regions).
     pub fn is_transient(&self) -> bool {
-        matches!(
-            self,
-            TransportError::Io { .. }
-                | TransportError::Disconnected { .. }
-                | TransportError::Timeout { .. }
-                | TransportError::PoolExhausted { .. }
-        )
+        matches!(self, TransportError::Io { .. } | TransportError::Disconnected { .. } | TransportError::Timeout { .. } | TransportError::PoolExhausted { .. })
     }
 }
 
@@ -388,10 +382,7 @@ impl<T: Transport + ?Sized> TransportExt for T {}
 
 /// Builds a transport of the configured kind for this process. TCP listens on
 /// `tcp_bind` (loopback, any port, when `None`).
-pub fn open(
-    kind: handoff_components::config::TransportKind,
-    tcp_bind: Option<SocketAddr>,
-) -> Result<Arc<dyn Transport>> {
+pub fn open(kind: handoff_components::config::TransportKind, tcp_bind: Option<SocketAddr>) -> Result<Arc<dyn Transport>> {
     open_with(kind, tcp_bind, crate::auth::ClusterSecret::process())
 }
 
@@ -418,9 +409,7 @@ pub fn open_with(
 /// A producer and a consumer transport of one kind in this process, wired as two
 /// processes would be (two shm prefixes, two TCP endpoints on loopback). For
 /// benchmarks and tests.
-pub fn loopback_pair(
-    kind: handoff_components::config::TransportKind,
-) -> Result<(Arc<dyn Transport>, Arc<dyn Transport>)> {
+pub fn loopback_pair(kind: handoff_components::config::TransportKind) -> Result<(Arc<dyn Transport>, Arc<dyn Transport>)> {
     Ok((open(kind, None)?, open(kind, None)?))
 }
 
@@ -446,12 +435,7 @@ fn range_end(offset: u64, stride: u64, count: u32, len: u64) -> Option<u64> {
 
 /// Checks every descriptor against both regions and the destination's kind.
 /// `src_len`/`dst_len` may be `None` for a side this end cannot see.
-pub(crate) fn validate(
-    descriptors: &[Descriptor],
-    src_len: Option<u64>,
-    dst_len: u64,
-    dst_kind: RegionKind,
-) -> Result<()> {
+pub(crate) fn validate(descriptors: &[Descriptor], src_len: Option<u64>, dst_len: u64, dst_kind: RegionKind) -> Result<()> {
     for (index, d) in descriptors.iter().enumerate() {
         if d.kind != dst_kind {
             return Err(TransportError::KindMismatch { index, descriptor: d.kind, region: dst_kind });
@@ -462,14 +446,7 @@ pub(crate) fn validate(
             match range_end(offset, stride, d.count, d.len) {
                 Some(end) if end <= region_len => {}
                 end => {
-                    return Err(TransportError::OutOfBounds {
-                        index,
-                        kind: d.kind,
-                        side,
-                        start: offset,
-                        end: end.unwrap_or(u64::MAX),
-                        len: region_len,
-                    });
+                    return Err(TransportError::OutOfBounds { index, kind: d.kind, side, start: offset, end: end.unwrap_or(u64::MAX), len: region_len });
                 }
             }
         }
@@ -596,8 +573,5 @@ pub(crate) fn host_only(memory: MemoryKind, transport: &str) -> Result<()> {
 
 /// Converts a region length to `usize`, refusing what this address space cannot hold.
 pub(crate) fn usize_len(len: u64) -> Result<usize> {
-    usize::try_from(len).map_err(|_| TransportError::Unavailable {
-        what: format!("a region of {len} bytes"),
-        reason: "larger than this address space".into(),
-    })
+    usize::try_from(len).map_err(|_| TransportError::Unavailable { what: format!("a region of {len} bytes"), reason: "larger than this address space".into() })
 }

@@ -6,10 +6,7 @@
 //! that returns a clear error). Handles already carry [`super::MemoryKind`] so that
 //! registered device memory (GPUDirect) needs no API change.
 
-use super::{
-    BatchId, Completion, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, Transport,
-    TransportError,
-};
+use super::{BatchId, Completion, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, Transport, TransportError};
 use handoff_components::plan::Descriptor;
 use handoff_components::vocab::{RankId, RegionKind};
 use std::time::Duration;

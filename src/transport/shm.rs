@@ -17,16 +17,13 @@
 //! by processes that died without dropping.
 
 use super::host::{HostCore, HostRegion, Mem};
-use super::{
-    host_only, usize_len, BatchId, Completion, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion, Result,
-    Transport, TransportError,
-};
+use super::{BatchId, Completion, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, Transport, TransportError, host_only, usize_len};
+use crate::auth::{ClusterSecret, context};
 use handoff_components::plan::Descriptor;
 use handoff_components::vocab::{RankId, RegionKind};
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::net::UnixDatagram;
-use crate::auth::{ClusterSecret, context};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -159,10 +156,7 @@ impl Transport for ShmTransport {
             .mode(0o600)
             .open(&path)
             .map_err(|e| TransportError::io(format!("create {}", path.display()), e))?;
-        let mem = file
-            .set_len(len)
-            .map_err(|e| TransportError::io(format!("size {} to {len} B", path.display()), e))
-            .and_then(|()| Self::map(&file, len));
+        let mem = file.set_len(len).map_err(|e| TransportError::io(format!("size {} to {len} B", path.display()), e)).and_then(|()| Self::map(&file, len));
         let mem = match mem {
             Ok(m) => m,
             Err(e) => {
@@ -185,18 +179,11 @@ impl Transport for ShmTransport {
             return Ok(self.core.attach_region(self.core.local(handle)?));
         }
         let PeerAddr::Shm { dir, prefix } = &handle.peer else {
-            return Err(TransportError::Unavailable {
-                what: format!("peer {}", handle.peer),
-                reason: "the shm transport maps only shm regions".into(),
-            });
+            return Err(TransportError::Unavailable { what: format!("peer {}", handle.peer), reason: "the shm transport maps only shm regions".into() });
         };
         host_only(handle.memory, "shm")?;
         let path = region_path(dir, prefix, handle.id);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .map_err(|e| TransportError::io(format!("open {}", path.display()), e))?;
+        let file = OpenOptions::new().read(true).write(true).open(&path).map_err(|e| TransportError::io(format!("open {}", path.display()), e))?;
         let actual = file.metadata().map_err(|e| TransportError::io("stat", e))?.len();
         if actual != handle.len {
             return Err(TransportError::UnknownRegion(format!("{handle}: {} holds {actual} B", path.display())));

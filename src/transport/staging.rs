@@ -8,7 +8,7 @@
 //! [`Stager`] caps descriptors per batch (`transport.max_batch`), keeps the pool's
 //! buffers in flight, and retries transient failures with exponential backoff.
 
-use super::{lock, validate, RegionHandle, RemoteRegion, Result, Transport, TransportError, TransportExt};
+use super::{RegionHandle, RemoteRegion, Result, Transport, TransportError, TransportExt, lock, validate};
 use handoff_components::config::TransportConfig;
 use handoff_components::plan::Descriptor;
 use handoff_components::vocab::{RankId, RegionKind};
@@ -149,9 +149,7 @@ pub fn gather_runs(descriptors: &[Descriptor], max_run: u64) -> Vec<Run> {
         for (mut src, mut dst) in d.pieces() {
             let mut left = d.len;
             while left > 0 {
-                let extend = runs
-                    .last()
-                    .is_some_and(|r| r.kind == d.kind && r.dst_offset + r.len == dst && r.len < max_run);
+                let extend = runs.last().is_some_and(|r| r.kind == d.kind && r.dst_offset + r.len == dst && r.len < max_run);
                 if !extend {
                     runs.push(Run { kind: d.kind, dst_offset: dst, len: 0, sources: Vec::new() });
                 }
@@ -300,11 +298,7 @@ impl Stager {
             bytes: descriptors.iter().map(Descriptor::bytes).sum(),
             ..StagedStats::default()
         };
-        let direct: Vec<Descriptor> = runs
-            .iter()
-            .filter(|r| r.is_direct())
-            .map(|r| Descriptor::copy(r.kind, r.sources[0].0, r.dst_offset, r.len))
-            .collect();
+        let direct: Vec<Descriptor> = runs.iter().filter(|r| r.is_direct()).map(|r| Descriptor::copy(r.kind, r.sources[0].0, r.dst_offset, r.len)).collect();
         stats.direct_runs = direct.len();
         self.write_batches(src, dst, &direct, &mut stats)?;
 

@@ -23,11 +23,11 @@
 //! [`Incident`] and closes the connection, so nothing waits forever.
 
 use super::host::{HostCore, HostRegion, Mem};
-use crate::auth::ClusterSecret;
 use super::{
-    host_only, lock, read, usize_len, validate, write, BatchId, Completion, Completions, Incident, MemoryKind,
-    Notification, PeerAddr, RegionHandle, RemoteRegion, Result, Transport, TransportError,
+    BatchId, Completion, Completions, Incident, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, Transport, TransportError, host_only,
+    lock, read, usize_len, validate, write,
 };
+use crate::auth::ClusterSecret;
 use handoff_components::plan::Descriptor;
 use handoff_components::vocab::{RankId, RegionKind};
 use std::collections::{HashMap, HashSet};
@@ -145,13 +145,7 @@ pub mod wire {
     }
 
     /// The header and descriptors of a WRITE frame; the payload follows.
-    pub fn write_batch_header(
-        w: &mut impl Write,
-        batch: u64,
-        region: u64,
-        descriptors: &[Descriptor],
-        payload: u64,
-    ) -> io::Result<()> {
+    pub fn write_batch_header(w: &mut impl Write, batch: u64, region: u64, descriptors: &[Descriptor], payload: u64) -> io::Result<()> {
         head(w, WRITE)?;
         let mut buf = Vec::with_capacity(28 + descriptors.len() * DESC_BYTES);
         buf.extend_from_slice(&batch.to_le_bytes());
@@ -451,9 +445,7 @@ fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
         let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "unknown".into());
         let Ok(keep) = stream.try_clone() else { continue };
         let worker = Arc::clone(&inner);
-        let spawned = std::thread::Builder::new()
-            .name(format!("tcp-recv-{peer}"))
-            .spawn(move || serve_connection(&worker, stream));
+        let spawned = std::thread::Builder::new().name(format!("tcp-recv-{peer}")).spawn(move || serve_connection(&worker, stream));
         if let Ok(handle) = spawned {
             let mut threads = lock(&inner.threads);
             threads.retain(|(_, h)| !h.is_finished());
@@ -528,10 +520,7 @@ fn serve_connection(inner: &Inner, stream: TcpStream) {
                 }
                 let expected = descs.iter().try_fold(0u64, |acc, d| acc.checked_add(d.len.checked_mul(d.count as u64)?));
                 if expected != Some(payload) {
-                    return Err((
-                        ReadStop::Lost(format!("payload of {payload} B but descriptors cover {expected:?}")),
-                        Some(batch),
-                    ));
+                    return Err((ReadStop::Lost(format!("payload of {payload} B but descriptors cover {expected:?}")), Some(batch)));
                 }
                 let target = read(&inner.core.regions).get(&region).cloned();
                 let verdict = match &target {
@@ -540,17 +529,14 @@ fn serve_connection(inner: &Inner, stream: TcpStream) {
                 };
                 match (verdict, target) {
                     (Ok(()), Some(t)) => {
-                        receive_payload(&mut r, &t, &descs, payload, inner.opts.io_chunk, &mut chunk)
-                            .map_err(|s| (s, Some(batch)))?;
+                        receive_payload(&mut r, &t, &descs, payload, inner.opts.io_chunk, &mut chunk).map_err(|s| (s, Some(batch)))?;
                         wire::write_ack(&mut acks, batch, None).and_then(|()| acks.flush()).map_err(|e| (ReadStop::Lost(e.to_string()), None))?;
                     }
                     (verdict, _) => {
                         let reason = verdict.err().unwrap_or_default();
                         tracing::warn!(peer = %peer_sock, batch, %reason, "tcp: rejected batch");
                         drain(&mut r, payload, inner.opts.io_chunk, &mut chunk).map_err(|s| (s, Some(batch)))?;
-                        wire::write_ack(&mut acks, batch, Some(&reason))
-                            .and_then(|()| acks.flush())
-                            .map_err(|e| (ReadStop::Lost(e.to_string()), None))?;
+                        wire::write_ack(&mut acks, batch, Some(&reason)).and_then(|()| acks.flush()).map_err(|e| (ReadStop::Lost(e.to_string()), None))?;
                     }
                 }
             }
@@ -693,11 +679,7 @@ fn read_acks(inner: &Inner, conn: &Conn, stream: TcpStream) {
                 let result = if status == 0 {
                     Ok(())
                 } else {
-                    Err(TransportError::Rejected {
-                        peer: conn.addr.to_string(),
-                        batch,
-                        message: String::from_utf8_lossy(&msg).into_owned(),
-                    })
+                    Err(TransportError::Rejected { peer: conn.addr.to_string(), batch, message: String::from_utf8_lossy(&msg).into_owned() })
                 };
                 inner.completions.finish(batch, result);
             }
@@ -724,9 +706,8 @@ impl Inner {
                 return Ok(Arc::clone(c));
             }
         }
-        let stream = TcpStream::connect_timeout(&addr, self.opts.connect_timeout).map_err(|e| {
-            TransportError::Disconnected { peer: addr.to_string(), reason: format!("connect: {e}") }
-        })?;
+        let stream = TcpStream::connect_timeout(&addr, self.opts.connect_timeout)
+            .map_err(|e| TransportError::Disconnected { peer: addr.to_string(), reason: format!("connect: {e}") })?;
         tune(&stream, &self.opts);
         let io = |e| TransportError::io(format!("set up connection to {addr}"), e);
         let mut reader = stream.try_clone().map_err(io)?;
@@ -775,10 +756,7 @@ impl Transport for TcpTransport {
 
     fn attach(&self, handle: &RegionHandle) -> Result<RemoteRegion> {
         let PeerAddr::Tcp { addr } = handle.peer else {
-            return Err(TransportError::Unavailable {
-                what: format!("peer {}", handle.peer),
-                reason: "the tcp transport reaches only tcp endpoints".into(),
-            });
+            return Err(TransportError::Unavailable { what: format!("peer {}", handle.peer), reason: "the tcp transport reaches only tcp endpoints".into() });
         };
         host_only(handle.memory, "tcp")?;
         // Connect now, so that an unreachable peer fails at attach, not mid-plan.
@@ -799,10 +777,7 @@ impl Transport for TcpTransport {
     fn submit(&self, src: &RegionHandle, dst: RemoteRegion, descriptors: &[Descriptor]) -> Result<BatchId> {
         let inner = &self.inner;
         let s = inner.core.local(src)?;
-        let att = read(&inner.attachments)
-            .get(&dst.id)
-            .cloned()
-            .ok_or_else(|| TransportError::UnknownRegion(format!("attachment {}", dst.id)))?;
+        let att = read(&inner.attachments).get(&dst.id).cloned().ok_or_else(|| TransportError::UnknownRegion(format!("attachment {}", dst.id)))?;
         validate(descriptors, Some(s.len), att.len, att.kind)?;
         if descriptors.len() > wire::MAX_DESCRIPTORS as usize {
             return Err(TransportError::BatchTooLarge { count: descriptors.len(), max: wire::MAX_DESCRIPTORS as usize });

@@ -13,9 +13,7 @@ pub enum AdmissionError {
     EmptyPrompt,
     #[error("prompt of {tokens} tokens does not fit serve.max_context {max_context} (prompt plus at least one generated token)")]
     PromptTooLong { tokens: u64, max_context: u64 },
-    #[error(
-        "max_tokens {max_tokens} is out of range: it must be between 1 and serve.max_context {max_context} minus the prompt's {tokens} tokens = {room}"
-    )]
+    #[error("max_tokens {max_tokens} is out of range: it must be between 1 and serve.max_context {max_context} minus the prompt's {tokens} tokens = {room}")]
     MaxTokens { max_tokens: u64, max_context: u64, tokens: u64, room: u64 },
     #[error(transparent)]
     TransferMode(#[from] TransferModeError),
@@ -103,7 +101,10 @@ pub fn admit_requests(
         // Without tokens to generate (the byte-level checks) a handed-off request
         // waits for its owner to finish it.
         if local.decode && s.max_tokens > 0 {
-            e.insert((Generation { max_tokens: s.max_tokens, emitted: 0, last: None, stepped: 0 }, Timing { admitted: Instant::now(), handed_off: None, bytes: 0 }));
+            e.insert((
+                Generation { max_tokens: s.max_tokens, emitted: 0, last: None, stepped: 0 },
+                Timing { admitted: Instant::now(), handed_off: None, bytes: 0 },
+            ));
             if !s.forced.is_empty() {
                 e.insert(Forced(s.forced.clone()));
             }

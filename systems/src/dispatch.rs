@@ -88,18 +88,14 @@ pub fn run_prefill(
 ) {
     let Some(mut dispatcher) = dispatcher else { return };
     let pp = topo.0.config.prefill.pp;
-    let ready = |computed: &StagesComputed, inputs: &Inputs| {
-        local.stages.iter().copied().find(|&s| !computed.0[s as usize] && (s == 0 || inputs.hidden.is_some()))
-    };
-    let next = requests
-        .iter()
-        .filter(|(_, _, st, c, _, i, _)| **st == Status::Planned && ready(c, i).is_some())
-        .map(|(e, r, ..)| (r.id, e))
-        .min();
+    let ready =
+        |computed: &StagesComputed, inputs: &Inputs| local.stages.iter().copied().find(|&s| !computed.0[s as usize] && (s == 0 || inputs.hidden.is_some()));
+    let next = requests.iter().filter(|(_, _, st, c, _, i, _)| **st == Status::Planned && ready(c, i).is_some()).map(|(e, r, ..)| (r.id, e)).min();
     let Some((_, e)) = next else { return };
     let Ok((e, req, mut status, mut computed, holdings, mut inputs, remote)) = requests.get_mut(e) else { return };
     let Some(stage) = ready(&computed, &inputs) else { return };
-    let held: Vec<&Lease> = holdings.leases.iter().filter_map(|&l| leases.get(l).ok()).filter(|l| matches!(l.rank, RankId::Prefill(p) if p.pp == stage)).collect();
+    let held: Vec<&Lease> =
+        holdings.leases.iter().filter_map(|&l| leases.get(l).ok()).filter(|l| matches!(l.rank, RankId::Prefill(p) if p.pp == stage)).collect();
     let job = PrefillJob { request: req.id, stage, tokens: req.tokens, prompt: &inputs.prompt, hidden: inputs.hidden.as_deref(), leases: held };
     match dispatcher.0.prefill(job) {
         Ok(out) => {
@@ -201,7 +197,10 @@ pub fn run_decode(
         match &result {
             Ok(tokens) => {
                 let Some(&tok) = tokens.get(i) else {
-                    *status = Status::Failed { phase: PhaseName::Decode, reason: format!("the compute returned {} tokens for a batch of {}", tokens.len(), live.len()) };
+                    *status = Status::Failed {
+                        phase: PhaseName::Decode,
+                        reason: format!("the compute returned {} tokens for a batch of {}", tokens.len(), live.len()),
+                    };
                     continue;
                 };
                 events.write(EngineEvent::Token { request: req.id, index: generation.emitted, token: tok });

@@ -27,9 +27,7 @@ pub enum Phase {
 
 /// Adds every phase's systems to a schedule, chained.
 pub fn add_phases(schedule: &mut Schedule) {
-    schedule.configure_sets(
-        (Phase::Admission, Phase::Placement, Phase::Splitting, Phase::Transfer, Phase::Release, Phase::Dispatch).chain(),
-    );
+    schedule.configure_sets((Phase::Admission, Phase::Placement, Phase::Splitting, Phase::Transfer, Phase::Release, Phase::Dispatch).chain());
     schedule.add_systems((
         admission::admit_requests.in_set(Phase::Admission),
         placement::place_requests.in_set(Phase::Placement),

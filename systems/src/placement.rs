@@ -28,11 +28,7 @@ pub fn rank_heads(topo: &Topology, rank: RankId) -> std::ops::Range<u32> {
 /// Lays out every region of one rank. `blocks` and `slots` are the capacities of its
 /// paged and per-slot regions.
 pub fn place_rank(topo: &Topology, rank: RankId, blocks: u32, slots: u32) -> RankLayout {
-    let regions = topo
-        .region_kinds()
-        .into_iter()
-        .map(|kind| place_region(topo, rank, kind, blocks, slots))
-        .collect();
+    let regions = topo.region_kinds().into_iter().map(|kind| place_region(topo, rank, kind, blocks, slots)).collect();
     RankLayout { rank, regions }
 }
 
@@ -97,11 +93,7 @@ fn place_region(topo: &Topology, rank: RankId, kind: RegionKind, blocks: u32, sl
 }
 
 fn rows(layers: &[ModuleLayer], row_bytes: u64) -> Vec<Row> {
-    layers
-        .iter()
-        .enumerate()
-        .map(|(i, &layer)| Row { layer, offset: i as u64 * row_bytes })
-        .collect()
+    layers.iter().enumerate().map(|(i, &layer)| Row { layer, offset: i as u64 * row_bytes }).collect()
 }
 
 pub use handoff_components::layout::{blocks_for, owned_tokens};
@@ -122,11 +114,7 @@ pub fn all_ranks(topo: &Topology) -> Vec<RankId> {
 /// The ranks a World of `local` holds: its stages' TP ranks, then the decode ranks.
 pub fn local_ranks(topo: &Topology, local: &LocalRanks) -> Vec<RankId> {
     let p = topo.prefill();
-    let mut v: Vec<RankId> = local
-        .stages
-        .iter()
-        .flat_map(|&pp| (0..p.tp).map(move |tp| RankId::Prefill(PrefillRank { pp, tp })))
-        .collect();
+    let mut v: Vec<RankId> = local.stages.iter().flat_map(|&pp| (0..p.tp).map(move |tp| RankId::Prefill(PrefillRank { pp, tp }))).collect();
     if local.decode {
         v.extend((0..topo.decode().tp).map(|tp| RankId::Decode(DecodeRank { tp })));
     }
@@ -317,10 +305,7 @@ pub fn place_requests(
             events.write(EngineEvent::Published { request: req.id, nonce: req.nonce, consumers });
         }
         *status = Status::Placed;
-        *deadline = Deadline {
-            phase: PhaseName::Compute,
-            at: Instant::now() + Duration::from_secs_f64(topo.config.timeouts.compute_s),
-        };
+        *deadline = Deadline { phase: PhaseName::Compute, at: Instant::now() + Duration::from_secs_f64(topo.config.timeouts.compute_s) };
     }
 }
 

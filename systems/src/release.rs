@@ -196,10 +196,7 @@ pub fn complete_handoffs(
             continue;
         };
         let Some(FirstToken(tok)) = first.copied() else {
-            *status = Status::Failed {
-                phase: PhaseName::Transfer,
-                reason: "every stage reported, but the last stage sent no first token".into(),
-            };
+            *status = Status::Failed { phase: PhaseName::Transfer, reason: "every stage reported, but the last stage sent no first token".into() };
             continue;
         };
         *status = Status::HandedOff;
@@ -234,10 +231,7 @@ pub fn expire_requests(mut requests: Query<(&mut Status, &Deadline, &StagesCompu
                 (PhaseName::Admission, _) | (_, true) => String::new(),
                 _ => format!(" waiting for prefill stage {}", missing.join(", ")),
             };
-            *status = Status::Failed {
-                phase: deadline.phase,
-                reason: format!("{} phase timed out after {secs} s{waiting}", deadline.phase.name()),
-            };
+            *status = Status::Failed { phase: deadline.phase, reason: format!("{} phase timed out after {secs} s{waiting}", deadline.phase.name()) };
         }
     }
 }

@@ -11,19 +11,8 @@ use thiserror::Error;
 /// Why a pair cannot be planned. Each names the values involved.
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum SplitError {
-    #[error(
-        "decode tp{consumer} holds {kind} heads {c0}..{c1}, outside the head group {p0}..{p1} of prefill pp{pp} tp{producer}"
-    )]
-    HeadsOutsideGroup {
-        kind: RegionKind,
-        consumer: u32,
-        c0: u32,
-        c1: u32,
-        pp: u32,
-        producer: u32,
-        p0: u32,
-        p1: u32,
-    },
+    #[error("decode tp{consumer} holds {kind} heads {c0}..{c1}, outside the head group {p0}..{p1} of prefill pp{pp} tp{producer}")]
+    HeadsOutsideGroup { kind: RegionKind, consumer: u32, c0: u32, c1: u32, pp: u32, producer: u32, p0: u32, p1: u32 },
     #[error("decode tp{consumer} published no {kind} region, but prefill pp{pp} holds one")]
     MissingRegion { kind: RegionKind, consumer: u32, pp: u32 },
     #[error("decode tp{consumer} has no {kind} row for module layer {layer}")]
@@ -67,7 +56,10 @@ pub fn check_consumer(consumer: &ConsumerLayout) -> Result<(), SplitError> {
             for row in &r.rows {
                 let end = u64::from(r.units - 1).checked_mul(r.unit_stride).and_then(|x| x.checked_add(row.offset)?.checked_add(unit));
                 if end.is_none_or(|e| e > r.len) {
-                    return bad(format!("{kind} row of layer {} at {} with {} units of {unit} B every {} B exceeds the region's {} B", row.layer.0, row.offset, r.units, r.unit_stride, r.len));
+                    return bad(format!(
+                        "{kind} row of layer {} at {} with {} units of {unit} B every {} B exceeds the region's {} B",
+                        row.layer.0, row.offset, r.units, r.unit_stride, r.len
+                    ));
                 }
             }
         }
@@ -77,11 +69,14 @@ pub fn check_consumer(consumer: &ConsumerLayout) -> Result<(), SplitError> {
             }
             let heads = u64::from(seg.heads.end - seg.heads.start);
             for g in &seg.groups {
-                let end = heads.checked_mul(g.head_bytes).and_then(|h| {
-                    u64::from(g.repeat.saturating_sub(1)).checked_mul(g.stride)?.checked_add(g.offset)?.checked_add(h)
-                });
+                let end = heads
+                    .checked_mul(g.head_bytes)
+                    .and_then(|h| u64::from(g.repeat.saturating_sub(1)).checked_mul(g.stride)?.checked_add(g.offset)?.checked_add(h));
                 if g.repeat > 0 && end.is_none_or(|e| e > unit) {
-                    return bad(format!("{kind} head group at {} ({} x {} B every {} B) exceeds its unit of {unit} B", g.offset, g.repeat, g.head_bytes, g.stride));
+                    return bad(format!(
+                        "{kind} head group at {} ({} x {} B every {} B) exceeds its unit of {unit} B",
+                        g.offset, g.repeat, g.head_bytes, g.stride
+                    ));
                 }
             }
         }
@@ -104,12 +99,7 @@ pub fn share(prefill_tp: u32, decode_tp: u32, producer_tp: u32, consumer_tp: u32
 }
 
 /// Plans one request's copies from `producer` to `consumer`.
-pub fn plan_pair(
-    producer: &ProducerLayout,
-    consumer: &ConsumerLayout,
-    tokens: u64,
-    share: Share,
-) -> Result<Plan, SplitError> {
+pub fn plan_pair(producer: &ProducerLayout, consumer: &ConsumerLayout, tokens: u64, share: Share) -> Result<Plan, SplitError> {
     ProducerPlanner::new(producer, tokens).plan(consumer, share)
 }
 
@@ -150,11 +140,7 @@ impl<'a> ProducerPlanner<'a> {
             if !wanted {
                 continue;
             }
-            let dst = consumer.layout.region(src.kind).ok_or(SplitError::MissingRegion {
-                kind: src.kind,
-                consumer: consumer.rank.tp,
-                pp: producer.rank.pp,
-            })?;
+            let dst = consumer.layout.region(src.kind).ok_or(SplitError::MissingRegion { kind: src.kind, consumer: consumer.rank.tp, pp: producer.rank.pp })?;
             let pairs = row_pairs(src, dst, consumer)?;
             uncoalesced += match src.kind.distribution() {
                 Distribution::TokenSharded => {
@@ -174,11 +160,7 @@ fn row_pairs(src: &RegionLayout, dst: &RegionLayout, consumer: &ConsumerLayout) 
     src.rows
         .iter()
         .map(|r| {
-            let d = dst.row(r.layer).ok_or(SplitError::MissingRow {
-                kind: src.kind,
-                consumer: consumer.rank.tp,
-                layer: r.layer.0,
-            })?;
+            let d = dst.row(r.layer).ok_or(SplitError::MissingRow { kind: src.kind, consumer: consumer.rank.tp, layer: r.layer.0 })?;
             Ok((r.layer, r.offset, d.offset))
         })
         .collect()
@@ -301,12 +283,7 @@ fn plan_rows(
                 }
                 let (sr, dr) = (src_runs[si], dst_runs[di]);
                 let n = (glen - t).min(sr.end - (p0 + t)).min(dr.end - (lp0 + t));
-                template.push(Descriptor::copy(
-                    kind,
-                    sr.base + (p0 + t - sr.start) * tb,
-                    dr.base + (lp0 + t - dr.start) * tb,
-                    n * tb,
-                ));
+                template.push(Descriptor::copy(kind, sr.base + (p0 + t - sr.start) * tb, dr.base + (lp0 + t - dr.start) * tb, n * tb));
                 t += n;
             }
             g += 1;
@@ -358,7 +335,12 @@ fn plan_heads(
     let mut pieces = 0;
     for (pg, cg) in ps.groups.iter().zip(&cs.groups) {
         if pg.head_bytes != cg.head_bytes || pg.repeat != cg.repeat {
-            return Err(SplitError::Geometry { kind, what: "head bytes x repeat", producer: pg.head_bytes * pg.repeat as u64, consumer: cg.head_bytes * cg.repeat as u64 });
+            return Err(SplitError::Geometry {
+                kind,
+                what: "head bytes x repeat",
+                producer: pg.head_bytes * pg.repeat as u64,
+                consumer: cg.head_bytes * cg.repeat as u64,
+            });
         }
         if pg.repeat == 0 {
             continue;
@@ -396,12 +378,7 @@ fn plan_whole(
     check_unit(kind, "producer", "slot", producer.slot, src)?;
     check_unit(kind, "consumer", "slot", consumer.slot, dst)?;
     for &(_, so, doff) in pairs {
-        out.push(Descriptor::copy(
-            kind,
-            so + producer.slot as u64 * src.unit_stride,
-            doff + consumer.slot as u64 * dst.unit_stride,
-            src.unit_bytes,
-        ));
+        out.push(Descriptor::copy(kind, so + producer.slot as u64 * src.unit_stride, doff + consumer.slot as u64 * dst.unit_stride, src.unit_bytes));
     }
     Ok(pairs.len() as u64)
 }

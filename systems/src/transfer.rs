@@ -58,10 +58,7 @@ pub struct Transfers(pub Box<dyn Mover>);
 pub fn advance_deadlines(mut requests: Query<(&Status, &StagesComputed, &mut Deadline)>, topo: Res<TopologyRes>) {
     for (status, computed, mut deadline) in requests.iter_mut() {
         if *status == Status::Planned && deadline.phase == PhaseName::Compute && computed.0.iter().all(|&c| c) {
-            *deadline = Deadline {
-                phase: PhaseName::Transfer,
-                at: Instant::now() + Duration::from_secs_f64(topo.0.config.timeouts.transfer_s),
-            };
+            *deadline = Deadline { phase: PhaseName::Transfer, at: Instant::now() + Duration::from_secs_f64(topo.0.config.timeouts.transfer_s) };
         }
     }
 }

@@ -4,11 +4,11 @@
 
 use handoff::transport::device::DeviceTransport;
 use handoff::transport::{MemoryKind, RegionHandle, Transport, TransportExt};
+use handoff_components::plan::Descriptor;
+use handoff_components::vocab::{DecodeRank, PrefillRank, RankId, RegionKind};
 use handoff_kernels::{Copy2d, CopyTicket, DeviceMemory};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use handoff_components::plan::Descriptor;
-use handoff_components::vocab::{DecodeRank, PrefillRank, RankId, RegionKind};
 use std::time::Duration;
 
 pub const WAIT: Duration = Duration::from_secs(20);
@@ -89,8 +89,7 @@ pub fn random_batch(rng: &mut Rng, kind: RegionKind, n: usize, max_piece: u64, s
 
 /// Whether any two destination pieces of the batch intersect.
 pub fn dst_overlap(descs: &[Descriptor]) -> bool {
-    let mut r: Vec<(u64, u64)> =
-        descs.iter().flat_map(|d| d.pieces().map(move |(_, t)| (t, t + d.len)).collect::<Vec<_>>()).collect();
+    let mut r: Vec<(u64, u64)> = descs.iter().flat_map(|d| d.pieces().map(move |(_, t)| (t, t + d.len)).collect::<Vec<_>>()).collect();
     r.sort_unstable();
     r.windows(2).any(|w| w[1].0 < w[0].1)
 }
@@ -111,11 +110,10 @@ pub fn naive_copy(src: &[u8], dst: &mut [u8], descs: &[Descriptor]) {
 pub fn assert_bytes_eq(what: &str, got: &[u8], want: &[u8], descs: &[Descriptor]) {
     assert_eq!(got.len(), want.len(), "{what}: region length");
     if let Some(at) = got.iter().zip(want).position(|(a, b)| a != b) {
-        let owner = descs.iter().enumerate().find_map(|(i, d)| {
-            d.pieces()
-                .position(|(_, t)| (t..t + d.len).contains(&(at as u64)))
-                .map(|p| format!("descriptor {i} piece {p} ({d:?})"))
-        });
+        let owner = descs
+            .iter()
+            .enumerate()
+            .find_map(|(i, d)| d.pieces().position(|(_, t)| (t..t + d.len).contains(&(at as u64))).map(|p| format!("descriptor {i} piece {p} ({d:?})")));
         panic!(
             "{what}: first wrong byte at offset {at}: got {:#04x}, want {:#04x}; written by {}",
             got[at],

@@ -8,12 +8,7 @@ use crate::shapes::ConvShape;
 
 fn check_common(op: &'static str, shape: &ConvShape, weight: &[f32]) -> Result<()> {
     check_nonzero(op, "conv width", shape.width)?;
-    check_len(
-        op,
-        "weight",
-        weight.len(),
-        elems(op, &[shape.channels, shape.width])?,
-    )
+    check_len(op, "weight", weight.len(), elems(op, &[shape.channels, shape.width])?)
 }
 
 /// Weight `[C, W]` transposed to `[W, C]`, so the tap loop runs over contiguous channels.
@@ -28,20 +23,10 @@ fn taps(weight: &[f32], channels: usize, width: usize) -> Vec<f32> {
 }
 
 /// See [`crate::Backend::conv_prefill`].
-pub(crate) fn prefill(
-    shape: ConvShape,
-    tokens: usize,
-    x: &[f32],
-    weight: &[f32],
-    state: &mut [f32],
-    out: &mut [f32],
-) -> Result<()> {
+pub(crate) fn prefill(shape: ConvShape, tokens: usize, x: &[f32], weight: &[f32], state: &mut [f32], out: &mut [f32]) -> Result<()> {
     let op = "conv_prefill";
     check_common(op, &shape, weight)?;
-    let ConvShape {
-        channels: ch,
-        width,
-    } = shape;
+    let ConvShape { channels: ch, width } = shape;
     let hist = width - 1;
     check_len(op, "x", x.len(), elems(op, &[tokens, ch])?)?;
     check_len(op, "out", out.len(), elems(op, &[tokens, ch])?)?;
@@ -82,20 +67,10 @@ pub(crate) fn prefill(
 }
 
 /// See [`crate::Backend::conv_step`].
-pub(crate) fn step(
-    shape: ConvShape,
-    batch: usize,
-    x: &[f32],
-    weight: &[f32],
-    state: &mut [f32],
-    out: &mut [f32],
-) -> Result<()> {
+pub(crate) fn step(shape: ConvShape, batch: usize, x: &[f32], weight: &[f32], state: &mut [f32], out: &mut [f32]) -> Result<()> {
     let op = "conv_step";
     check_common(op, &shape, weight)?;
-    let ConvShape {
-        channels: ch,
-        width,
-    } = shape;
+    let ConvShape { channels: ch, width } = shape;
     let hist = width - 1;
     check_len(op, "x", x.len(), elems(op, &[batch, ch])?)?;
     check_len(op, "out", out.len(), elems(op, &[batch, ch])?)?;
@@ -119,10 +94,7 @@ pub(crate) fn step(
         }
     };
     if hist == 0 {
-        out.par_chunks_mut(ch)
-            .enumerate()
-            .with_min_len(super::grain(2 * ch * width))
-            .for_each(|(b, o)| step_one(b, &mut [], o));
+        out.par_chunks_mut(ch).enumerate().with_min_len(super::grain(2 * ch * width)).for_each(|(b, o)| step_one(b, &mut [], o));
     } else {
         state
             .par_chunks_mut(hist * ch)

@@ -51,19 +51,16 @@ fn matmul_many_rows(inner: usize, cols: usize, x: &[f32], w: &[f32], out: &mut [
         return;
     }
     let avx2 = has_avx2();
-    out.par_chunks_mut(ROW_BLOCK * cols)
-        .enumerate()
-        .with_min_len(super::grain(2 * ROW_BLOCK * inner * cols))
-        .for_each(|(rb, oblk)| {
-            #[cfg(target_arch = "x86_64")]
-            if avx2 {
-                // SAFETY: the CPU has AVX2 (checked at run time just above).
-                unsafe { row_block_avx2(rb, inner, cols, x, w, oblk) };
-                return;
-            }
-            let _ = avx2;
-            row_block(rb, inner, cols, x, w, oblk);
-        });
+    out.par_chunks_mut(ROW_BLOCK * cols).enumerate().with_min_len(super::grain(2 * ROW_BLOCK * inner * cols)).for_each(|(rb, oblk)| {
+        #[cfg(target_arch = "x86_64")]
+        if avx2 {
+            // SAFETY: the CPU has AVX2 (checked at run time just above).
+            unsafe { row_block_avx2(rb, inner, cols, x, w, oblk) };
+            return;
+        }
+        let _ = avx2;
+        row_block(rb, inner, cols, x, w, oblk);
+    });
 }
 
 /// Whether the CPU has AVX2, so that the dense kernels can take their 8-wide
@@ -167,20 +164,9 @@ fn matmul_few_rows(rows: usize, inner: usize, cols: usize, x: &[f32], w: &[f32],
 }
 
 /// See [`crate::Backend::swiglu`].
-pub(crate) fn swiglu(
-    shape: MlpShape,
-    x: &[f32],
-    gate: &[f32],
-    up: &[f32],
-    down: &[f32],
-    out: &mut [f32],
-) -> Result<()> {
+pub(crate) fn swiglu(shape: MlpShape, x: &[f32], gate: &[f32], up: &[f32], down: &[f32], out: &mut [f32]) -> Result<()> {
     let op = "swiglu";
-    let MlpShape {
-        tokens,
-        hidden,
-        intermediate,
-    } = shape;
+    let MlpShape { tokens, hidden, intermediate } = shape;
     check_len(op, "x", x.len(), elems(op, &[tokens, hidden])?)?;
     check_len(op, "gate", gate.len(), elems(op, &[hidden, intermediate])?)?;
     check_len(op, "up", up.len(), elems(op, &[hidden, intermediate])?)?;
@@ -198,9 +184,7 @@ pub(crate) fn swiglu(
     let mut u = vec![0.0f32; n];
     matmul_unchecked(tokens, hidden, intermediate, x, gate, &mut g);
     matmul_unchecked(tokens, hidden, intermediate, x, up, &mut u);
-    g.par_iter_mut()
-        .zip(u.par_iter())
-        .for_each(|(gi, ui)| *gi = silu(*gi) * ui);
+    g.par_iter_mut().zip(u.par_iter()).for_each(|(gi, ui)| *gi = silu(*gi) * ui);
     matmul_unchecked(tokens, intermediate, hidden, &g, down, out);
     Ok(())
 }
@@ -210,23 +194,16 @@ pub(crate) fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<()> 
     let op = "silu_mul";
     check_len(op, "up", up.len(), gate.len())?;
     check_len(op, "out", out.len(), gate.len())?;
-    out.par_chunks_mut(4096)
-        .zip(gate.par_chunks(4096).zip(up.par_chunks(4096)))
-        .for_each(|(o, (g, u))| {
-            for ((oi, &gi), &ui) in o.iter_mut().zip(g).zip(u) {
-                *oi = silu(gi) * ui;
-            }
-        });
+    out.par_chunks_mut(4096).zip(gate.par_chunks(4096).zip(up.par_chunks(4096))).for_each(|(o, (g, u))| {
+        for ((oi, &gi), &ui) in o.iter_mut().zip(g).zip(u) {
+            *oi = silu(gi) * ui;
+        }
+    });
     Ok(())
 }
 
 /// See [`crate::Backend::embedding`].
-pub(crate) fn embedding(
-    shape: EmbeddingShape,
-    table: &[f32],
-    ids: &[i32],
-    out: &mut [f32],
-) -> Result<()> {
+pub(crate) fn embedding(shape: EmbeddingShape, table: &[f32], ids: &[i32], out: &mut [f32]) -> Result<()> {
     let op = "embedding";
     let EmbeddingShape { tokens, vocab, dim } = shape;
     check_len(op, "table", table.len(), elems(op, &[vocab, dim])?)?;
@@ -234,25 +211,16 @@ pub(crate) fn embedding(
     check_len(op, "out", out.len(), elems(op, &[tokens, dim])?)?;
     for (t, &id) in ids.iter().enumerate() {
         if id < 0 || id as usize >= vocab {
-            return Err(KernelError::IndexOutOfRange {
-                op,
-                what: "token id",
-                index: id as i64,
-                position: t,
-                bound: vocab,
-            });
+            return Err(KernelError::IndexOutOfRange { op, what: "token id", index: id as i64, position: t, bound: vocab });
         }
     }
     if dim == 0 {
         return Ok(());
     }
-    out.par_chunks_mut(dim)
-        .zip(ids.par_iter())
-        .with_min_len(super::grain(dim))
-        .for_each(|(o, &id)| {
-            let r = id as usize;
-            o.copy_from_slice(&table[r * dim..(r + 1) * dim]);
-        });
+    out.par_chunks_mut(dim).zip(ids.par_iter()).with_min_len(super::grain(dim)).for_each(|(o, &id)| {
+        let r = id as usize;
+        o.copy_from_slice(&table[r * dim..(r + 1) * dim]);
+    });
     Ok(())
 }
 
@@ -262,16 +230,10 @@ pub(crate) fn argmax(rows: usize, cols: usize, logits: &[f32], ids: &mut [i32]) 
     check_len(op, "logits", logits.len(), elems(op, &[rows, cols])?)?;
     check_len(op, "ids", ids.len(), rows)?;
     if cols > i32::MAX as usize {
-        return Err(KernelError::InvalidShape {
-            op,
-            reason: format!("{cols} columns do not fit an i32 id"),
-        });
+        return Err(KernelError::InvalidShape { op, reason: format!("{cols} columns do not fit an i32 id") });
     }
     if cols == 0 {
-        return Err(KernelError::InvalidShape {
-            op,
-            reason: "argmax over 0 columns".into(),
-        });
+        return Err(KernelError::InvalidShape { op, reason: "argmax over 0 columns".into() });
     }
     ids.par_iter_mut().enumerate().with_min_len(super::grain(cols)).for_each(|(r, id)| {
         let row = &logits[r * cols..(r + 1) * cols];
@@ -293,12 +255,10 @@ pub(crate) fn argmax(rows: usize, cols: usize, logits: &[f32], ids: &mut [i32]) 
 /// See [`crate::Backend::add_inplace`].
 pub(crate) fn add_inplace(dst: &mut [f32], src: &[f32]) -> Result<()> {
     check_len("add_inplace", "src", src.len(), dst.len())?;
-    dst.par_chunks_mut(4096)
-        .zip(src.par_chunks(4096))
-        .for_each(|(d, s)| {
-            for (a, b) in d.iter_mut().zip(s) {
-                *a += b;
-            }
-        });
+    dst.par_chunks_mut(4096).zip(src.par_chunks(4096)).for_each(|(d, s)| {
+        for (a, b) in d.iter_mut().zip(s) {
+            *a += b;
+        }
+    });
     Ok(())
 }

@@ -44,12 +44,7 @@ fn check_kda(
     check_nonzero(op, "heads", heads)?;
     check_nonzero(op, "dk", dk)?;
     check_nonzero(op, "dv", dv)?;
-    check_len(
-        op,
-        "state",
-        state_len,
-        elems(op, &[state_n, heads, dk, dv])?,
-    )?;
+    check_len(op, "state", state_len, elems(op, &[state_n, heads, dk, dv])?)?;
     check_len(op, "q", x.q.len(), elems(op, &[n, heads, dk])?)?;
     check_len(op, "k", x.k.len(), elems(op, &[n, heads, dk])?)?;
     check_len(op, "v", x.v.len(), elems(op, &[n, heads, dv])?)?;
@@ -59,12 +54,7 @@ fn check_kda(
     check_len(op, "dt_bias", p.dt_bias.len(), elems(op, &[heads, dk])?)?;
     check_len(op, "out", out_len, elems(op, &[n, heads, dv])?)?;
     if let Some(len) = record_len {
-        let w = dk.checked_add(dk).and_then(|x| x.checked_add(dv)).ok_or(
-            KernelError::SizeOverflow {
-                op,
-                dims: vec![dk, dv],
-            },
-        )?;
+        let w = dk.checked_add(dk).and_then(|x| x.checked_add(dv)).ok_or(KernelError::SizeOverflow { op, dims: vec![dk, dv] })?;
         check_len(op, "record", len, elems(op, &[n, heads, w])?)?;
     }
     Ok(())
@@ -74,17 +64,7 @@ fn check_kda(
 /// the log decay g; returns beta.
 #[allow(clippy::too_many_arguments)]
 #[inline]
-fn prepare(
-    q: &[f32],
-    k: &[f32],
-    g_raw: &[f32],
-    b_raw: f32,
-    a_log: f32,
-    dt_bias: &[f32],
-    qh: &mut [f32],
-    kh: &mut [f32],
-    g: &mut [f32],
-) -> f32 {
+fn prepare(q: &[f32], k: &[f32], g_raw: &[f32], b_raw: f32, a_log: f32, dt_bias: &[f32], qh: &mut [f32], kh: &mut [f32], g: &mut [f32]) -> f32 {
     let dk = q.len();
     let qs = 1.0 / (q.iter().map(|x| x * x).sum::<f32>() + L2_EPS).sqrt() / (dk as f32).sqrt();
     let ks = 1.0 / (k.iter().map(|x| x * x).sum::<f32>() + L2_EPS).sqrt();
@@ -109,91 +89,61 @@ struct StepScratch {
 
 impl StepScratch {
     fn new(dk: usize, dv: usize) -> Self {
-        Self {
-            qh: vec![0.0; dk],
-            kh: vec![0.0; dk],
-            g: vec![0.0; dk],
-            u: vec![0.0; dv],
-        }
+        Self { qh: vec![0.0; dk], kh: vec![0.0; dk], g: vec![0.0; dk], u: vec![0.0; dv] }
     }
 }
 
 /// Recurrent step, see [`crate::Backend::kda_step`].
-pub(crate) fn step(
-    shape: KdaStepShape,
-    state: &mut [f32],
-    x: Inputs<'_>,
-    p: Params<'_>,
-    out: &mut [f32],
-    record: Option<&mut [f32]>,
-) -> Result<()> {
-    let KdaStepShape {
-        batch,
-        heads,
-        dk,
-        dv,
-    } = shape;
+pub(crate) fn step(shape: KdaStepShape, state: &mut [f32], x: Inputs<'_>, p: Params<'_>, out: &mut [f32], record: Option<&mut [f32]>) -> Result<()> {
+    let KdaStepShape { batch, heads, dk, dv } = shape;
     let op = "kda_step";
-    check_kda(
-        op,
-        batch,
-        heads,
-        dk,
-        dv,
-        state.len(),
-        batch,
-        &x,
-        &p,
-        out.len(),
-        record.as_ref().map(|r| r.len()),
-    )?;
+    check_kda(op, batch, heads, dk, dv, state.len(), batch, &x, &p, out.len(), record.as_ref().map(|r| r.len()))?;
     let w = replay_record_width(dk, dv);
-    let run =
-        |bh: usize, s: &mut [f32], o: &mut [f32], rec: Option<&mut [f32]>, sc: &mut StepScratch| {
-            let h = bh % heads;
-            let beta = prepare(
-                &x.q[bh * dk..(bh + 1) * dk],
-                &x.k[bh * dk..(bh + 1) * dk],
-                &x.g_raw[bh * dk..(bh + 1) * dk],
-                x.b_raw[bh],
-                p.a_log[h],
-                &p.dt_bias[h * dk..(h + 1) * dk],
-                &mut sc.qh,
-                &mut sc.kh,
-                &mut sc.g,
-            );
-            let v = &x.v[bh * dv..(bh + 1) * dv];
-            // Pass 1: S' = Diag(alpha) S and kv = S'^T k^, u = beta (v - kv).
-            sc.u.fill(0.0);
-            for i in 0..dk {
-                let a = sc.g[i].exp();
-                let ki = sc.kh[i];
-                let row = &mut s[i * dv..(i + 1) * dv];
-                for (sj, uj) in row.iter_mut().zip(sc.u.iter_mut()) {
-                    *sj *= a;
-                    *uj += *sj * ki;
-                }
+    let run = |bh: usize, s: &mut [f32], o: &mut [f32], rec: Option<&mut [f32]>, sc: &mut StepScratch| {
+        let h = bh % heads;
+        let beta = prepare(
+            &x.q[bh * dk..(bh + 1) * dk],
+            &x.k[bh * dk..(bh + 1) * dk],
+            &x.g_raw[bh * dk..(bh + 1) * dk],
+            x.b_raw[bh],
+            p.a_log[h],
+            &p.dt_bias[h * dk..(h + 1) * dk],
+            &mut sc.qh,
+            &mut sc.kh,
+            &mut sc.g,
+        );
+        let v = &x.v[bh * dv..(bh + 1) * dv];
+        // Pass 1: S' = Diag(alpha) S and kv = S'^T k^, u = beta (v - kv).
+        sc.u.fill(0.0);
+        for i in 0..dk {
+            let a = sc.g[i].exp();
+            let ki = sc.kh[i];
+            let row = &mut s[i * dv..(i + 1) * dv];
+            for (sj, uj) in row.iter_mut().zip(sc.u.iter_mut()) {
+                *sj *= a;
+                *uj += *sj * ki;
             }
-            for (uj, vj) in sc.u.iter_mut().zip(v) {
-                *uj = beta * (vj - *uj);
+        }
+        for (uj, vj) in sc.u.iter_mut().zip(v) {
+            *uj = beta * (vj - *uj);
+        }
+        // Pass 2: S = S' + k^ u^T and o = S^T q^.
+        o.fill(0.0);
+        for i in 0..dk {
+            let ki = sc.kh[i];
+            let qi = sc.qh[i];
+            let row = &mut s[i * dv..(i + 1) * dv];
+            for ((sj, uj), oj) in row.iter_mut().zip(&sc.u).zip(o.iter_mut()) {
+                *sj += ki * uj;
+                *oj += *sj * qi;
             }
-            // Pass 2: S = S' + k^ u^T and o = S^T q^.
-            o.fill(0.0);
-            for i in 0..dk {
-                let ki = sc.kh[i];
-                let qi = sc.qh[i];
-                let row = &mut s[i * dv..(i + 1) * dv];
-                for ((sj, uj), oj) in row.iter_mut().zip(&sc.u).zip(o.iter_mut()) {
-                    *sj += ki * uj;
-                    *oj += *sj * qi;
-                }
-            }
-            if let Some(rec) = rec {
-                rec[..dk].copy_from_slice(&sc.kh);
-                rec[dk..dk + dv].copy_from_slice(&sc.u);
-                rec[dk + dv..].copy_from_slice(&sc.g);
-            }
-        };
+        }
+        if let Some(rec) = rec {
+            rec[..dk].copy_from_slice(&sc.kh);
+            rec[dk..dk + dv].copy_from_slice(&sc.u);
+            rec[dk + dv..].copy_from_slice(&sc.g);
+        }
+    };
     let per = dk * dv;
     match record {
         Some(rec) => state
@@ -202,19 +152,13 @@ pub(crate) fn step(
             .zip(rec.par_chunks_mut(w))
             .enumerate()
             .with_min_len(super::grain(6 * per))
-            .for_each_init(
-                || StepScratch::new(dk, dv),
-                |sc, (bh, ((s, o), r))| run(bh, s, o, Some(r), sc),
-            ),
+            .for_each_init(|| StepScratch::new(dk, dv), |sc, (bh, ((s, o), r))| run(bh, s, o, Some(r), sc)),
         None => state
             .par_chunks_mut(per)
             .zip(out.par_chunks_mut(dv))
             .enumerate()
             .with_min_len(super::grain(6 * per))
-            .for_each_init(
-                || StepScratch::new(dk, dv),
-                |sc, (bh, (s, o))| run(bh, s, o, None, sc),
-            ),
+            .for_each_init(|| StepScratch::new(dk, dv), |sc, (bh, (s, o))| run(bh, s, o, None, sc)),
     }
     Ok(())
 }
@@ -228,20 +172,9 @@ pub(crate) fn step(
 /// (Dv well under 1.5 C) the recurrent form is several times cheaper, and it
 /// computes exactly what decode steps compute; the chunked form wins on wide heads
 /// (K3's 128 x 128) and is what a device backend parallelises.
-pub(crate) fn prefill(
-    shape: KdaPrefillShape,
-    state: &mut [f32],
-    x: Inputs<'_>,
-    p: Params<'_>,
-    out: &mut [f32],
-    record: Option<&mut [f32]>,
-) -> Result<()> {
+pub(crate) fn prefill(shape: KdaPrefillShape, state: &mut [f32], x: Inputs<'_>, p: Params<'_>, out: &mut [f32], record: Option<&mut [f32]>) -> Result<()> {
     let c = shape.tokens.min(KDA_CHUNK);
-    if 2 * shape.dv < 3 * c {
-        prefill_recurrent(shape, state, x, p, out, record)
-    } else {
-        prefill_chunked(shape, KDA_CHUNK, state, x, p, out, record)
-    }
+    if 2 * shape.dv < 3 * c { prefill_recurrent(shape, state, x, p, out, record) } else { prefill_chunked(shape, KDA_CHUNK, state, x, p, out, record) }
 }
 
 /// Prefill as `tokens` recurrent steps of the sequence (batch of one per step).
@@ -300,51 +233,27 @@ pub(crate) fn prefill_chunked(
     out: &mut [f32],
     record: Option<&mut [f32]>,
 ) -> Result<()> {
-    let KdaPrefillShape {
-        tokens,
-        heads,
-        dk,
-        dv,
-    } = shape;
+    let KdaPrefillShape { tokens, heads, dk, dv } = shape;
     let op = "kda_prefill";
     check_nonzero(op, "chunk", chunk)?;
-    check_kda(
-        op,
-        tokens,
-        heads,
-        dk,
-        dv,
-        state.len(),
-        1,
-        &x,
-        &p,
-        out.len(),
-        record.as_ref().map(|r| r.len()),
-    )?;
+    check_kda(op, tokens, heads, dk, dv, state.len(), 1, &x, &p, out.len(), record.as_ref().map(|r| r.len()))?;
     let want_rec = record.is_some();
     let w = replay_record_width(dk, dv);
-    let per_head: Vec<HeadOut> = state
-        .par_chunks_mut(dk * dv)
-        .enumerate()
-        .map(|(h, s)| prefill_head(h, heads, dk, dv, tokens, chunk, s, &x, &p, want_rec))
-        .collect();
-    out.par_chunks_mut(heads * dv)
-        .enumerate()
-        .for_each(|(t, orow)| {
+    let per_head: Vec<HeadOut> =
+        state.par_chunks_mut(dk * dv).enumerate().map(|(h, s)| prefill_head(h, heads, dk, dv, tokens, chunk, s, &x, &p, want_rec)).collect();
+    out.par_chunks_mut(heads * dv).enumerate().for_each(|(t, orow)| {
+        for (h, ho) in per_head.iter().enumerate() {
+            orow[h * dv..(h + 1) * dv].copy_from_slice(&ho.o[t * dv..(t + 1) * dv]);
+        }
+    });
+    if let Some(rec) = record {
+        rec.par_chunks_mut(heads * w).enumerate().for_each(|(t, rrow)| {
             for (h, ho) in per_head.iter().enumerate() {
-                orow[h * dv..(h + 1) * dv].copy_from_slice(&ho.o[t * dv..(t + 1) * dv]);
+                if let Some(r) = &ho.rec {
+                    rrow[h * w..(h + 1) * w].copy_from_slice(&r[t * w..(t + 1) * w]);
+                }
             }
         });
-    if let Some(rec) = record {
-        rec.par_chunks_mut(heads * w)
-            .enumerate()
-            .for_each(|(t, rrow)| {
-                for (h, ho) in per_head.iter().enumerate() {
-                    if let Some(r) = &ho.rec {
-                        rrow[h * w..(h + 1) * w].copy_from_slice(&r[t * w..(t + 1) * w]);
-                    }
-                }
-            });
     }
     Ok(())
 }
@@ -365,11 +274,7 @@ fn prefill_head(
     let c = chunk.min(tokens.max(1));
     let w = replay_record_width(dk, dv);
     let mut o_all = vec![0.0f32; tokens * dv];
-    let mut rec_all = if want_rec {
-        Some(vec![0.0f32; tokens * w])
-    } else {
-        None
-    };
+    let mut rec_all = if want_rec { Some(vec![0.0f32; tokens * w]) } else { None };
     let mut qh = vec![0.0f32; c * dk];
     let mut kh = vec![0.0f32; c * dk];
     let mut gam = vec![0.0f32; c * dk];
@@ -463,8 +368,7 @@ fn prefill_head(
                 axpy(ot, pm[t * c + s], &u[s * dv..(s + 1) * dv]);
             }
             if let Some(rec) = rec_all.as_mut() {
-                rec[(c0 + t) * w + dk..(c0 + t) * w + dk + dv]
-                    .copy_from_slice(&u[t * dv..(t + 1) * dv]);
+                rec[(c0 + t) * w + dk..(c0 + t) * w + dk + dv].copy_from_slice(&u[t * dv..(t + 1) * dv]);
             }
         }
         // State to the next chunk.
@@ -485,10 +389,7 @@ fn prefill_head(
         }
         c0 += n;
     }
-    HeadOut {
-        o: o_all,
-        rec: rec_all,
-    }
+    HeadOut { o: o_all, rec: rec_all }
 }
 
 /// Reads and validates the cursors of a replay call.
@@ -498,13 +399,7 @@ pub(crate) fn read_cursors(op: &'static str, cursor: &[i32], capacity: usize) ->
         .enumerate()
         .map(|(b, &c)| {
             if c < 0 || c as usize > capacity {
-                Err(KernelError::IndexOutOfRange {
-                    op,
-                    what: "replay cursor",
-                    index: c as i64,
-                    position: b,
-                    bound: capacity + 1,
-                })
+                Err(KernelError::IndexOutOfRange { op, what: "replay cursor", index: c as i64, position: b, bound: capacity + 1 })
             } else {
                 Ok(c as usize)
             }
@@ -512,64 +407,27 @@ pub(crate) fn read_cursors(op: &'static str, cursor: &[i32], capacity: usize) ->
         .collect()
 }
 
-pub(crate) fn check_replay(
-    op: &'static str,
-    shape: &ReplayShape,
-    ring_len: usize,
-    cursor_len: usize,
-) -> Result<usize> {
-    let ReplayShape {
-        batch,
-        heads,
-        dk,
-        dv,
-        capacity,
-    } = *shape;
+pub(crate) fn check_replay(op: &'static str, shape: &ReplayShape, ring_len: usize, cursor_len: usize) -> Result<usize> {
+    let ReplayShape { batch, heads, dk, dv, capacity } = *shape;
     check_nonzero(op, "heads", heads)?;
     check_nonzero(op, "dk", dk)?;
     check_nonzero(op, "dv", dv)?;
     let w = replay_record_width(dk, dv);
-    check_len(
-        op,
-        "ring",
-        ring_len,
-        elems(op, &[batch, capacity, heads, w])?,
-    )?;
+    check_len(op, "ring", ring_len, elems(op, &[batch, capacity, heads, w])?)?;
     check_len(op, "cursor", cursor_len, batch)?;
     Ok(w)
 }
 
 /// See [`crate::Backend::replay_append`].
-pub(crate) fn replay_append(
-    shape: ReplayShape,
-    tokens: usize,
-    ring: &mut [f32],
-    cursor: &mut [i32],
-    records: &[f32],
-) -> Result<()> {
+pub(crate) fn replay_append(shape: ReplayShape, tokens: usize, ring: &mut [f32], cursor: &mut [i32], records: &[f32]) -> Result<()> {
     let op = "replay_append";
     let w = check_replay(op, &shape, ring.len(), cursor.len())?;
-    let ReplayShape {
-        batch,
-        heads,
-        capacity,
-        ..
-    } = shape;
-    check_len(
-        op,
-        "records",
-        records.len(),
-        elems(op, &[batch, tokens, heads, w])?,
-    )?;
+    let ReplayShape { batch, heads, capacity, .. } = shape;
+    check_len(op, "records", records.len(), elems(op, &[batch, tokens, heads, w])?)?;
     let cur = read_cursors(op, cursor, capacity)?;
     for (b, &c) in cur.iter().enumerate() {
         if c + tokens > capacity {
-            return Err(KernelError::ReplayFull {
-                slot: b,
-                cursor: c,
-                tokens,
-                capacity,
-            });
+            return Err(KernelError::ReplayFull { slot: b, cursor: c, tokens, capacity });
         }
     }
     let tok = heads * w;
@@ -584,27 +442,11 @@ pub(crate) fn replay_append(
 }
 
 /// See [`crate::Backend::replay_commit`].
-pub(crate) fn replay_commit(
-    shape: ReplayShape,
-    state: &mut [f32],
-    ring: &[f32],
-    cursor: &mut [i32],
-) -> Result<()> {
+pub(crate) fn replay_commit(shape: ReplayShape, state: &mut [f32], ring: &[f32], cursor: &mut [i32]) -> Result<()> {
     let op = "replay_commit";
     let w = check_replay(op, &shape, ring.len(), cursor.len())?;
-    let ReplayShape {
-        batch,
-        heads,
-        dk,
-        dv,
-        capacity,
-    } = shape;
-    check_len(
-        op,
-        "state",
-        state.len(),
-        elems(op, &[batch, heads, dk, dv])?,
-    )?;
+    let ReplayShape { batch, heads, dk, dv, capacity } = shape;
+    check_len(op, "state", state.len(), elems(op, &[batch, heads, dk, dv])?)?;
     let cur = read_cursors(op, cursor, capacity)?;
     let busiest = cur.iter().copied().max().unwrap_or(0);
     state.par_chunks_mut(dk * dv).enumerate().with_min_len(super::grain((2 * busiest + 1) * dk * dv)).for_each_init(

@@ -15,8 +15,8 @@ use crate::backend::Backend;
 use crate::dtype::StorageDtype;
 use crate::error::{Result, check_len, elems, range};
 use crate::shapes::{
-    ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape,
-    MatmulShape, MergeShape, MlaShape, MlpShape, MlpWeights, NormShape, ReplayShape, RowSet,
+    ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape, MatmulShape, MergeShape, MlaShape, MlpShape, MlpWeights,
+    NormShape, ReplayShape, RowSet,
 };
 
 pub use kda::KDA_CHUNK;
@@ -109,20 +109,11 @@ impl CpuBackend {
 }
 
 fn kda_inputs<'a>(x: &KdaInputs<'a, CpuBuf>) -> kda::Inputs<'a> {
-    kda::Inputs {
-        q: &x.q.0,
-        k: &x.k.0,
-        v: &x.v.0,
-        g_raw: &x.g_raw.0,
-        b_raw: &x.b_raw.0,
-    }
+    kda::Inputs { q: &x.q.0, k: &x.k.0, v: &x.v.0, g_raw: &x.g_raw.0, b_raw: &x.b_raw.0 }
 }
 
 fn kda_params<'a>(p: &KdaParams<'a, CpuBuf>) -> kda::Params<'a> {
-    kda::Params {
-        a_log: &p.a_log.0,
-        dt_bias: &p.dt_bias.0,
-    }
+    kda::Params { a_log: &p.a_log.0, dt_bias: &p.dt_bias.0 }
 }
 
 impl Backend for CpuBackend {
@@ -185,14 +176,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn copy(
-        &self,
-        src: &CpuBuf,
-        src_off: usize,
-        dst: &mut CpuBuf,
-        dst_off: usize,
-        len: usize,
-    ) -> Result<()> {
+    fn copy(&self, src: &CpuBuf, src_off: usize, dst: &mut CpuBuf, dst_off: usize, len: usize) -> Result<()> {
         let rs = range("copy", "src", src_off, len, src.0.len())?;
         let rd = range("copy", "dst", dst_off, len, dst.0.len())?;
         dst.0[rd].copy_from_slice(&src.0[rs]);
@@ -201,14 +185,7 @@ impl Backend for CpuBackend {
 
     fn copy_cols(&self, shape: ColsCopy, src: &CpuBuf, dst: &mut CpuBuf) -> Result<()> {
         let op = "copy_cols";
-        let ColsCopy {
-            rows,
-            src_cols,
-            src_col,
-            dst_cols,
-            dst_col,
-            width,
-        } = shape;
+        let ColsCopy { rows, src_cols, src_col, dst_cols, dst_col, width } = shape;
         check_len(op, "src", src.0.len(), elems(op, &[rows, src_cols])?)?;
         check_len(op, "dst", dst.0.len(), elems(op, &[rows, dst_cols])?)?;
         range(op, "src row", src_col, width, src_cols)?;
@@ -221,14 +198,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn copy_f64(
-        &self,
-        src: &CpuF64Buf,
-        src_off: usize,
-        dst: &mut CpuF64Buf,
-        dst_off: usize,
-        len: usize,
-    ) -> Result<()> {
+    fn copy_f64(&self, src: &CpuF64Buf, src_off: usize, dst: &mut CpuF64Buf, dst_off: usize, len: usize) -> Result<()> {
         let rs = range("copy_f64", "src", src_off, len, src.0.len())?;
         let rd = range("copy_f64", "dst", dst_off, len, dst.0.len())?;
         dst.0[rd].copy_from_slice(&src.0[rs]);
@@ -253,14 +223,7 @@ impl Backend for CpuBackend {
         out: &mut CpuBuf,
         record: Option<&mut CpuBuf>,
     ) -> Result<()> {
-        kda::step(
-            shape,
-            &mut state.0,
-            kda_inputs(&x),
-            kda_params(&params),
-            &mut out.0,
-            record.map(|r| &mut r.0[..]),
-        )
+        kda::step(shape, &mut state.0, kda_inputs(&x), kda_params(&params), &mut out.0, record.map(|r| &mut r.0[..]))
     }
 
     fn kda_prefill(
@@ -272,159 +235,54 @@ impl Backend for CpuBackend {
         out: &mut CpuBuf,
         record: Option<&mut CpuBuf>,
     ) -> Result<()> {
-        kda::prefill(
-            shape,
-            &mut state.0,
-            kda_inputs(&x),
-            kda_params(&params),
-            &mut out.0,
-            record.map(|r| &mut r.0[..]),
-        )
+        kda::prefill(shape, &mut state.0, kda_inputs(&x), kda_params(&params), &mut out.0, record.map(|r| &mut r.0[..]))
     }
 
-    fn replay_append(
-        &self,
-        shape: ReplayShape,
-        tokens: usize,
-        ring: &mut CpuBuf,
-        cursor: &mut CpuIBuf,
-        records: &CpuBuf,
-    ) -> Result<()> {
+    fn replay_append(&self, shape: ReplayShape, tokens: usize, ring: &mut CpuBuf, cursor: &mut CpuIBuf, records: &CpuBuf) -> Result<()> {
         kda::replay_append(shape, tokens, &mut ring.0, &mut cursor.0, &records.0)
     }
 
-    fn replay_commit(
-        &self,
-        shape: ReplayShape,
-        state: &mut CpuBuf,
-        ring: &CpuBuf,
-        cursor: &mut CpuIBuf,
-    ) -> Result<()> {
+    fn replay_commit(&self, shape: ReplayShape, state: &mut CpuBuf, ring: &CpuBuf, cursor: &mut CpuIBuf) -> Result<()> {
         kda::replay_commit(shape, &mut state.0, &ring.0, &mut cursor.0)
     }
 
-    fn conv_prefill(
-        &self,
-        shape: ConvShape,
-        tokens: usize,
-        x: &CpuBuf,
-        weight: &CpuBuf,
-        state: &mut CpuBuf,
-        out: &mut CpuBuf,
-    ) -> Result<()> {
+    fn conv_prefill(&self, shape: ConvShape, tokens: usize, x: &CpuBuf, weight: &CpuBuf, state: &mut CpuBuf, out: &mut CpuBuf) -> Result<()> {
         conv::prefill(shape, tokens, &x.0, &weight.0, &mut state.0, &mut out.0)
     }
 
-    fn conv_step(
-        &self,
-        shape: ConvShape,
-        batch: usize,
-        x: &CpuBuf,
-        weight: &CpuBuf,
-        state: &mut CpuBuf,
-        out: &mut CpuBuf,
-    ) -> Result<()> {
+    fn conv_step(&self, shape: ConvShape, batch: usize, x: &CpuBuf, weight: &CpuBuf, state: &mut CpuBuf, out: &mut CpuBuf) -> Result<()> {
         conv::step(shape, batch, &x.0, &weight.0, &mut state.0, &mut out.0)
     }
 
-    fn rms_norm(
-        &self,
-        shape: NormShape,
-        x: &CpuBuf,
-        weight: &CpuBuf,
-        out: &mut CpuBuf,
-    ) -> Result<()> {
+    fn rms_norm(&self, shape: NormShape, x: &CpuBuf, weight: &CpuBuf, out: &mut CpuBuf) -> Result<()> {
         norm::rms_norm(shape, &x.0, &weight.0, &mut out.0)
     }
 
-    fn gated_rms_norm(
-        &self,
-        shape: NormShape,
-        o: &CpuBuf,
-        gate: &CpuBuf,
-        weight: &CpuBuf,
-        out: &mut CpuBuf,
-    ) -> Result<()> {
+    fn gated_rms_norm(&self, shape: NormShape, o: &CpuBuf, gate: &CpuBuf, weight: &CpuBuf, out: &mut CpuBuf) -> Result<()> {
         norm::gated_rms_norm(shape, &o.0, &gate.0, &weight.0, &mut out.0)
     }
 
-    fn mla_prefill(
-        &self,
-        shape: MlaShape,
-        tokens: usize,
-        q_lat: &CpuBuf,
-        rows: RowSet<'_, CpuBuf>,
-        out: &mut CpuBuf,
-        lse: Option<&mut CpuBuf>,
-    ) -> Result<()> {
-        mla::prefill(
-            shape,
-            tokens,
-            &q_lat.0,
-            &rows.buf.0,
-            rows.count,
-            &mut out.0,
-            lse.map(|l| &mut l.0[..]),
-        )
+    fn mla_prefill(&self, shape: MlaShape, tokens: usize, q_lat: &CpuBuf, rows: RowSet<'_, CpuBuf>, out: &mut CpuBuf, lse: Option<&mut CpuBuf>) -> Result<()> {
+        mla::prefill(shape, tokens, &q_lat.0, &rows.buf.0, rows.count, &mut out.0, lse.map(|l| &mut l.0[..]))
     }
 
-    fn mla_decode(
-        &self,
-        shape: MlaShape,
-        q_lat: &CpuBuf,
-        rows: RowSet<'_, CpuBuf>,
-        out: &mut CpuBuf,
-        lse: &mut CpuBuf,
-    ) -> Result<()> {
-        mla::decode(
-            shape,
-            &q_lat.0,
-            &rows.buf.0,
-            rows.count,
-            &mut out.0,
-            &mut lse.0,
-        )
+    fn mla_decode(&self, shape: MlaShape, q_lat: &CpuBuf, rows: RowSet<'_, CpuBuf>, out: &mut CpuBuf, lse: &mut CpuBuf) -> Result<()> {
+        mla::decode(shape, &q_lat.0, &rows.buf.0, rows.count, &mut out.0, &mut lse.0)
     }
 
-    fn dcp_merge(
-        &self,
-        shape: MergeShape,
-        o_shards: &CpuBuf,
-        lse_shards: &CpuBuf,
-        out: &mut CpuBuf,
-        lse: &mut CpuBuf,
-    ) -> Result<()> {
+    fn dcp_merge(&self, shape: MergeShape, o_shards: &CpuBuf, lse_shards: &CpuBuf, out: &mut CpuBuf, lse: &mut CpuBuf) -> Result<()> {
         mla::dcp_merge(shape, &o_shards.0, &lse_shards.0, &mut out.0, &mut lse.0)
     }
 
-    fn mla_decode_partial(
-        &self,
-        shape: MlaShape,
-        q_lat: &CpuBuf,
-        rows: RowSet<'_, CpuBuf>,
-        partial: &mut CpuF64Buf,
-    ) -> Result<()> {
+    fn mla_decode_partial(&self, shape: MlaShape, q_lat: &CpuBuf, rows: RowSet<'_, CpuBuf>, partial: &mut CpuF64Buf) -> Result<()> {
         mla::decode_partial(shape, &q_lat.0, &rows.buf.0, rows.count, &mut partial.0)
     }
 
-    fn mla_decode_partial_ragged(
-        &self,
-        shape: MlaShape,
-        q_lat: &CpuBuf,
-        rows: &CpuBuf,
-        counts: &[usize],
-        partial: &mut CpuF64Buf,
-    ) -> Result<()> {
+    fn mla_decode_partial_ragged(&self, shape: MlaShape, q_lat: &CpuBuf, rows: &CpuBuf, counts: &[usize], partial: &mut CpuF64Buf) -> Result<()> {
         mla::decode_partial_ragged(shape, &q_lat.0, &rows.0, counts, &mut partial.0)
     }
 
-    fn dcp_merge_partials(
-        &self,
-        shape: MergeShape,
-        partials: &CpuF64Buf,
-        out: &mut CpuBuf,
-        lse: &mut CpuBuf,
-    ) -> Result<()> {
+    fn dcp_merge_partials(&self, shape: MergeShape, partials: &CpuF64Buf, out: &mut CpuBuf, lse: &mut CpuBuf) -> Result<()> {
         mla::dcp_merge_partials(shape, &partials.0, &mut out.0, &mut lse.0)
     }
 
@@ -432,13 +290,7 @@ impl Backend for CpuBackend {
         dense::matmul(shape, &x.0, &w.0, &mut out.0)
     }
 
-    fn swiglu(
-        &self,
-        shape: MlpShape,
-        x: &CpuBuf,
-        w: MlpWeights<'_, CpuBuf>,
-        out: &mut CpuBuf,
-    ) -> Result<()> {
+    fn swiglu(&self, shape: MlpShape, x: &CpuBuf, w: MlpWeights<'_, CpuBuf>, out: &mut CpuBuf) -> Result<()> {
         dense::swiglu(shape, &x.0, &w.gate.0, &w.up.0, &w.down.0, &mut out.0)
     }
 
@@ -446,13 +298,7 @@ impl Backend for CpuBackend {
         dense::silu_mul(&gate.0, &up.0, &mut out.0)
     }
 
-    fn embedding(
-        &self,
-        shape: EmbeddingShape,
-        table: &CpuBuf,
-        ids: &CpuIBuf,
-        out: &mut CpuBuf,
-    ) -> Result<()> {
+    fn embedding(&self, shape: EmbeddingShape, table: &CpuBuf, ids: &CpuIBuf, out: &mut CpuBuf) -> Result<()> {
         dense::embedding(shape, &table.0, &ids.0, &mut out.0)
     }
 

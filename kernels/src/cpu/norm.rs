@@ -26,26 +26,17 @@ pub(crate) fn rms_norm(shape: NormShape, x: &[f32], weight: &[f32], out: &mut [f
     if d == 0 {
         return Ok(());
     }
-    out.par_chunks_mut(d)
-        .zip(x.par_chunks(d))
-        .with_min_len(super::grain(3 * d))
-        .for_each(|(o, xr)| {
-            let r = inv_rms(xr, shape.eps);
-            for ((oi, xi), wi) in o.iter_mut().zip(xr).zip(weight) {
-                *oi = xi * r * wi;
-            }
-        });
+    out.par_chunks_mut(d).zip(x.par_chunks(d)).with_min_len(super::grain(3 * d)).for_each(|(o, xr)| {
+        let r = inv_rms(xr, shape.eps);
+        for ((oi, xi), wi) in o.iter_mut().zip(xr).zip(weight) {
+            *oi = xi * r * wi;
+        }
+    });
     Ok(())
 }
 
 /// See [`crate::Backend::gated_rms_norm`].
-pub(crate) fn gated_rms_norm(
-    shape: NormShape,
-    o: &[f32],
-    gate: &[f32],
-    weight: &[f32],
-    out: &mut [f32],
-) -> Result<()> {
+pub(crate) fn gated_rms_norm(shape: NormShape, o: &[f32], gate: &[f32], weight: &[f32], out: &mut [f32]) -> Result<()> {
     let op = "gated_rms_norm";
     check(op, &shape, o.len(), weight.len(), out.len())?;
     check_len(op, "gate", gate.len(), o.len())?;
@@ -53,15 +44,11 @@ pub(crate) fn gated_rms_norm(
     if d == 0 {
         return Ok(());
     }
-    out.par_chunks_mut(d)
-        .zip(o.par_chunks(d))
-        .zip(gate.par_chunks(d))
-        .with_min_len(super::grain(8 * d))
-        .for_each(|((y, xr), gr)| {
-            let r = inv_rms(xr, shape.eps);
-            for (((yi, xi), wi), gi) in y.iter_mut().zip(xr).zip(weight).zip(gr) {
-                *yi = xi * r * wi * silu(*gi);
-            }
-        });
+    out.par_chunks_mut(d).zip(o.par_chunks(d)).zip(gate.par_chunks(d)).with_min_len(super::grain(8 * d)).for_each(|((y, xr), gr)| {
+        let r = inv_rms(xr, shape.eps);
+        for (((yi, xi), wi), gi) in y.iter_mut().zip(xr).zip(weight).zip(gr) {
+            *yi = xi * r * wi * silu(*gi);
+        }
+    });
     Ok(())
 }

@@ -37,10 +37,8 @@ use crate::dtype::StorageDtype;
 use crate::error::{KernelError, Result, check_len, check_nonzero, elems, range};
 use crate::region::{DeviceMemory, DeviceRegion, RegionItems};
 use crate::shapes::{
-    ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape,
-    MatmulShape, MergeShape, MlaShape, MlpShape, MlpWeights, NormShape, ReplayShape, RowSet,
-    UnitProduct, UnitsOut, UnitsShape,
-    mla_partial_width,
+    ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape, MatmulShape, MergeShape, MlaShape, MlpShape, MlpWeights,
+    NormShape, ReplayShape, RowSet, UnitProduct, UnitsOut, UnitsShape, mla_partial_width,
 };
 
 /// Threads of the element-wise (grid-stride) kernels.
@@ -60,8 +58,7 @@ const KDA_CHUNK_DK: usize = 128;
 const KDA_CHUNK_TILE: usize = 16;
 const KDA_CHUNK_THREADS: u32 = 256;
 const KDA_CHUNK_PREP_SMEM: u32 = ((3 * 64 * (KDA_CHUNK_DK + 1) + 64) * 4) as u32;
-const KDA_CHUNK_STATE_SMEM: u32 =
-    ((KDA_CHUNK_DK * KDA_CHUNK_TILE + 64 * KDA_CHUNK_TILE + 64 * 68 + 3 * 64 * (KDA_CHUNK_DK + 4) + KDA_CHUNK_DK) * 4) as u32;
+const KDA_CHUNK_STATE_SMEM: u32 = ((KDA_CHUNK_DK * KDA_CHUNK_TILE + 64 * KDA_CHUNK_TILE + 64 * 68 + 3 * 64 * (KDA_CHUNK_DK + 4) + KDA_CHUNK_DK) * 4) as u32;
 /// Dynamic shared memory a block may use without opting in to more.
 const SMEM_BUDGET: usize = 48 * 1024;
 /// The row shape of the tensor-core MLA partial (mla.hip's MLA_TC_L, MLA_TC_W
@@ -248,14 +245,7 @@ pub struct CudaBackend {
 
 impl fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "CudaBackend(device {} {:?}, sm_{}{})",
-            self.ctx.ordinal(),
-            self.device_name,
-            self.cc.0,
-            self.cc.1
-        )
+        write!(f, "CudaBackend(device {} {:?}, sm_{}{})", self.ctx.ordinal(), self.device_name, self.cc.0, self.cc.1)
     }
 }
 
@@ -265,10 +255,7 @@ impl fmt::Debug for CudaBackend {
 fn runtime_missing() -> Option<String> {
     // SAFETY: these only try to open the libraries by name and close them again.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return Some(
-            "cuda: no CUDA driver: libcuda.so.1 not found on the loader path (no NVIDIA driver on this machine)"
-                .to_string(),
-        );
+        return Some("cuda: no CUDA driver: libcuda.so.1 not found on the loader path (no NVIDIA driver on this machine)".to_string());
     }
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Some(
@@ -286,10 +273,7 @@ fn unavailable(what: &str, e: DriverError) -> KernelError {
 
 /// Maps a driver error of op `op` to a `KernelError::Device`.
 fn dev(op: &'static str) -> impl Fn(DriverError) -> KernelError {
-    move |e| KernelError::Device {
-        op,
-        message: e.to_string(),
-    }
+    move |e| KernelError::Device { op, message: e.to_string() }
 }
 
 fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
@@ -310,9 +294,7 @@ pub(crate) fn nvrtc_cubin(arch: &str) -> Result<Vec<u8>> {
 /// Compiles `program` (prelude and sources) with NVRTC for `sm_<arch>`.
 pub(crate) fn nvrtc_cubin_of(program: &str, arch: &str) -> Result<Vec<u8>> {
     use cudarc::nvrtc::{result as nr, sys as ns};
-    let nvrtc_err = |what: &str, e: nr::NvrtcError| {
-        KernelError::BackendUnavailable(format!("cuda: NVRTC {what}: {e:?}"))
-    };
+    let nvrtc_err = |what: &str, e: nr::NvrtcError| KernelError::BackendUnavailable(format!("cuda: NVRTC {what}: {e:?}"));
     let src = CString::new(program).expect("kernel sources contain no NUL");
     let name = CString::new("handoff_kernels.cu").expect("no NUL");
     let prog = nr::create_program(&src, Some(&name)).map_err(|e| nvrtc_err("create", e))?;
@@ -326,23 +308,15 @@ pub(crate) fn nvrtc_cubin_of(program: &str, arch: &str) -> Result<Vec<u8>> {
             let log = unsafe { nr::get_program_log(prog) }
                 .map(|l| l.iter().take_while(|&&c| c != 0).map(|&c| c as u8 as char).collect::<String>())
                 .unwrap_or_default();
-            Err(KernelError::BackendUnavailable(format!(
-                "cuda: NVRTC failed to compile kernels/hip for sm_{arch} ({e:?}):\n{log}"
-            )))
+            Err(KernelError::BackendUnavailable(format!("cuda: NVRTC failed to compile kernels/hip for sm_{arch} ({e:?}):\n{log}")))
         }
         Ok(()) => {
             let mut size = 0usize;
             // SAFETY: prog compiled; size and the buffer are valid for writes.
-            unsafe { ns::nvrtcGetCUBINSize(prog, &mut size) }
-                .result()
-                .map_err(|e| nvrtc_err("cubin size", e))
-                .and_then(|()| {
-                    let mut cubin = vec![0u8; size];
-                    unsafe { ns::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast()) }
-                        .result()
-                        .map_err(|e| nvrtc_err("cubin", e))
-                        .map(|()| cubin)
-                })
+            unsafe { ns::nvrtcGetCUBINSize(prog, &mut size) }.result().map_err(|e| nvrtc_err("cubin size", e)).and_then(|()| {
+                let mut cubin = vec![0u8; size];
+                unsafe { ns::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast()) }.result().map_err(|e| nvrtc_err("cubin", e)).map(|()| cubin)
+            })
         }
     };
     // SAFETY: prog is live and not used after this.
@@ -359,10 +333,7 @@ pub(crate) fn nvrtc_present() -> bool {
 }
 
 fn int(op: &'static str, what: &str, v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| KernelError::InvalidShape {
-        op,
-        reason: format!("{what} = {v} exceeds the device kernels' 32-bit index"),
-    })
+    i32::try_from(v).map_err(|_| KernelError::InvalidShape { op, reason: format!("{what} = {v} exceeds the device kernels' 32-bit index") })
 }
 
 fn i64_of(v: usize) -> i64 {
@@ -393,11 +364,7 @@ unsafe impl cudarc::driver::DeviceRepr for UnitsTable {}
 
 fn ew_cfg(n: usize) -> LaunchConfig {
     let blocks = n.div_ceil(EW_THREADS as usize).clamp(1, EW_MAX_BLOCKS) as u32;
-    LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (EW_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    }
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (EW_THREADS, 1, 1), shared_mem_bytes: 0 }
 }
 
 /// The checks of the CPU reference's KDA ops (same errors), on lengths.
@@ -428,17 +395,11 @@ fn check_kda(
     check_len(op, "dt_bias", p.dt_bias.len, elems(op, &[heads, dk])?)?;
     check_len(op, "out", out_len, elems(op, &[n, heads, dv])?)?;
     if let Some(len) = record_len {
-        let w = dk.checked_add(dk).and_then(|x| x.checked_add(dv)).ok_or(KernelError::SizeOverflow {
-            op,
-            dims: vec![dk, dv],
-        })?;
+        let w = dk.checked_add(dk).and_then(|x| x.checked_add(dv)).ok_or(KernelError::SizeOverflow { op, dims: vec![dk, dv] })?;
         check_len(op, "record", len, elems(op, &[n, heads, w])?)?;
     }
     if dk > KDA_MAX_DK {
-        return Err(KernelError::InvalidShape {
-            op,
-            reason: format!("dk = {dk}: the device KDA kernels hold at most {KDA_MAX_DK} key rows per head"),
-        });
+        return Err(KernelError::InvalidShape { op, reason: format!("dk = {dk}: the device KDA kernels hold at most {KDA_MAX_DK} key rows per head") });
     }
     Ok(())
 }
@@ -464,10 +425,7 @@ fn mla_warps(op: &'static str, l: usize, width: usize, elem: usize) -> Result<(u
             return Ok(((nw * 32) as u32, bytes as u32));
         }
     }
-    Err(KernelError::InvalidShape {
-        op,
-        reason: format!("rows of {width} (latent {l}) do not fit the device kernel's shared memory"),
-    })
+    Err(KernelError::InvalidShape { op, reason: format!("rows of {width} (latent {l}) do not fit the device kernel's shared memory") })
 }
 
 impl CudaBackend {
@@ -483,32 +441,23 @@ impl CudaBackend {
         // CUDA 13 API it binds): keep that a refusal as well.
         match std::panic::catch_unwind(|| Self::open(device)) {
             Ok(r) => r,
-            Err(p) => Err(KernelError::BackendUnavailable(format!(
-                "cuda: the CUDA runtime failed while opening device {device}: {}",
-                panic_text(p.as_ref())
-            ))),
+            Err(p) => Err(KernelError::BackendUnavailable(format!("cuda: the CUDA runtime failed while opening device {device}: {}", panic_text(p.as_ref())))),
         }
     }
 
     /// Whether `CudaBackend::new(0)` can open a device here: the libraries
     /// load and the driver reports at least one device. Does not compile.
     pub fn is_available() -> bool {
-        runtime_missing().is_none()
-            && std::panic::catch_unwind(|| CudaContext::device_count().map(|n| n > 0).unwrap_or(false))
-                .unwrap_or(false)
+        runtime_missing().is_none() && std::panic::catch_unwind(|| CudaContext::device_count().map(|n| n > 0).unwrap_or(false)).unwrap_or(false)
     }
 
     fn open(device: usize) -> Result<Self> {
         let count = CudaContext::device_count().map_err(|e| unavailable("no device (cuInit or device count failed)", e))?;
         if count <= 0 {
-            return Err(KernelError::BackendUnavailable(
-                "cuda: no device: the driver reports 0 CUDA devices".to_string(),
-            ));
+            return Err(KernelError::BackendUnavailable("cuda: no device: the driver reports 0 CUDA devices".to_string()));
         }
         if device >= count as usize {
-            return Err(KernelError::BackendUnavailable(format!(
-                "cuda: no device {device}: the driver reports {count}"
-            )));
+            return Err(KernelError::BackendUnavailable(format!("cuda: no device {device}: the driver reports {count}")));
         }
         let ctx = CudaContext::new(device).map_err(|e| unavailable("cannot open the device context", e))?;
         // SAFETY: called before any buffer or stream exists; every op of this
@@ -519,14 +468,8 @@ impl CudaBackend {
         let cc = ctx.compute_capability().map_err(|e| unavailable("compute capability", e))?;
         let device_name = ctx.name().map_err(|e| unavailable("device name", e))?;
         let cubin = nvrtc_cubin(&format!("{}{}", cc.0, cc.1))?;
-        let module = ctx
-            .load_module(Ptx::from_binary(cubin))
-            .map_err(|e| unavailable("cannot load the compiled kernels", e))?;
-        let get = |name: &str| {
-            module
-                .load_function(name)
-                .map_err(|e| unavailable(&format!("kernel {name} missing from the module"), e))
-        };
+        let module = ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| unavailable("cannot load the compiled kernels", e))?;
+        let get = |name: &str| module.load_function(name).map_err(|e| unavailable(&format!("kernel {name} missing from the module"), e));
         let mut f = Funcs {
             kda_step: KdaKernel::ALL.iter().map(|k| get(k.kernel_name())).collect::<Result<_>>()?,
             kda_prefill: get("kda_prefill")?,
@@ -568,11 +511,8 @@ impl CudaBackend {
         // (two 16-row tiles): opt in, and ask for the largest carveout so two
         // blocks share a multiprocessor.
         for (func, nw) in [(&f.mla_partial_tc4, 4usize), (&f.mla_partial_tc8, 8)] {
-            func.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                mla_tc_smem(nw) as i32,
-            )
-            .map_err(|e| unavailable("cannot give the MLA kernel its shared memory", e))?;
+            func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, mla_tc_smem(nw) as i32)
+                .map_err(|e| unavailable("cannot give the MLA kernel its shared memory", e))?;
             func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
                 .map_err(|e| unavailable("cannot set the MLA kernel's shared memory carveout", e))?;
         }
@@ -580,25 +520,14 @@ impl CudaBackend {
         // shared memory (97 and 129 KB, kda_chunk.hip): opt in likewise; a
         // device with less per block keeps the recurrent prefill.
         let chunk_ok = f.kda_chunk.as_ref().is_some_and(|(prep, state)| {
-            [(prep, KDA_CHUNK_PREP_SMEM), (state, KDA_CHUNK_STATE_SMEM)].iter().all(|(func, bytes)| {
-                func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, *bytes as i32)
-                    .is_ok()
-            })
+            [(prep, KDA_CHUNK_PREP_SMEM), (state, KDA_CHUNK_STATE_SMEM)]
+                .iter()
+                .all(|(func, bytes)| func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, *bytes as i32).is_ok())
         });
         if !chunk_ok {
             f.kda_chunk = None;
         }
-        Ok(Self {
-            ctx,
-            stream,
-            f,
-            device_name,
-            cc,
-            kda_kernel: DEFAULT_KDA_KERNEL,
-            mla_tc: DEFAULT_MLA_TC,
-            fused: true,
-            module,
-        })
+        Ok(Self { ctx, stream, f, device_name, cc, kda_kernel: DEFAULT_KDA_KERNEL, mla_tc: DEFAULT_MLA_TC, fused: true, module })
     }
 
     /// The fused decode step's tensor-core product alone (see
@@ -699,34 +628,19 @@ impl CudaBackend {
         Ok(2.0 * (n * 4) as f64 / (us * 1e-6) / 1e9)
     }
 
-    fn alloc_t<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
-        &self,
-        op: &'static str,
-        len: usize,
-    ) -> Result<CudaSlice<T>> {
+    fn alloc_t<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(&self, op: &'static str, len: usize) -> Result<CudaSlice<T>> {
         self.stream.alloc_zeros::<T>(len.max(1)).map_err(dev(op))
     }
 
-    fn upload_t<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
-        &self,
-        op: &'static str,
-        data: &[T],
-    ) -> Result<CudaSlice<T>> {
+    fn upload_t<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(&self, op: &'static str, data: &[T]) -> Result<CudaSlice<T>> {
         let mut buf = self.alloc_t::<T>(op, data.len())?;
         if !data.is_empty() {
-            self.stream
-                .memcpy_htod(data, &mut buf.slice_mut(0..data.len()))
-                .map_err(dev(op))?;
+            self.stream.memcpy_htod(data, &mut buf.slice_mut(0..data.len())).map_err(dev(op))?;
         }
         Ok(buf)
     }
 
-    fn download_t<T: cudarc::driver::DeviceRepr>(
-        &self,
-        op: &'static str,
-        data: &CudaSlice<T>,
-        len: usize,
-    ) -> Result<Vec<T>> {
+    fn download_t<T: cudarc::driver::DeviceRepr>(&self, op: &'static str, data: &CudaSlice<T>, len: usize) -> Result<Vec<T>> {
         if len == 0 {
             return Ok(Vec::new());
         }
@@ -770,11 +684,7 @@ impl CudaBackend {
             return Err(KernelError::InvalidShape { op, reason: format!("dv = {dv} is too wide") });
         }
         let (threads, smem) = kda_block(dk, cols);
-        let cfg = LaunchConfig {
-            grid_dim: (grid_x, tiles as u32, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: smem,
-        };
+        let cfg = LaunchConfig { grid_dim: (grid_x, tiles as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: smem };
         let (t, h, k, v) = (int(op, "tokens", tokens)?, int(op, "heads", heads)?, int(op, "dk", dk)?, int(op, "dv", dv)?);
         let null: u64 = 0;
         let mut b = self.stream.launch_builder(func);
@@ -816,11 +726,7 @@ impl CudaBackend {
             return Ok(());
         }
         let (threads, smem) = mla_warps(op, l, width, 4)?;
-        let cfg = LaunchConfig {
-            grid_dim: (int(op, "tokens x heads", tokens * h)? as u32, 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: smem,
-        };
+        let cfg = LaunchConfig { grid_dim: (int(op, "tokens x heads", tokens * h)? as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: smem };
         let (hh, ll, ww) = (int(op, "heads", h)?, int(op, "kv_lora_rank", l)?, int(op, "row width", width)?);
         let base = i64_of(base);
         let null: u64 = 0;
@@ -839,25 +745,13 @@ impl CudaBackend {
     /// f64 partials of `counts.len()` requests whose rows lie one after the
     /// other in `rows` (lengths checked by the caller): the tensor-core kernel
     /// for K3's row shape, else the scalar one.
-    fn mla_partial_any(
-        &self,
-        op: &'static str,
-        shape: MlaShape,
-        q_lat: &CudaBuf,
-        rows: &CudaBuf,
-        counts: &[usize],
-        partial: &mut CudaF64Buf,
-    ) -> Result<()> {
+    fn mla_partial_any(&self, op: &'static str, shape: MlaShape, q_lat: &CudaBuf, rows: &CudaBuf, counts: &[usize], partial: &mut CudaF64Buf) -> Result<()> {
         let batch = counts.len();
         if batch == 0 {
             return Ok(());
         }
         let tc = self.mla_tc;
-        if tc.warps != 0
-            && shape.kv_lora_rank == MLA_TC_L
-            && shape.rope_dim == MLA_TC_R
-            && shape.heads.is_multiple_of(8)
-        {
+        if tc.warps != 0 && shape.kv_lora_rank == MLA_TC_L && shape.rope_dim == MLA_TC_R && shape.heads.is_multiple_of(8) {
             return self.mla_partial_tc(op, shape, q_lat, rows, counts, partial, tc);
         }
         if batch == 1 {
@@ -925,11 +819,8 @@ impl CudaBackend {
                 return Err(KernelError::InvalidShape { op, reason: format!("{nchunks} chunks x {h} heads exceed the device grid") });
             }
             let nw = tc.warps;
-            let cfg = LaunchConfig {
-                grid_dim: (nchunks as u32, (h / 8) as u32, 1),
-                block_dim: ((32 * nw) as u32, 1, 1),
-                shared_mem_bytes: mla_tc_smem(nw) as u32,
-            };
+            let cfg =
+                LaunchConfig { grid_dim: (nchunks as u32, (h / 8) as u32, 1), block_dim: ((32 * nw) as u32, 1, 1), shared_mem_bytes: mla_tc_smem(nw) as u32 };
             let func = if nw == 8 { &self.f.mla_partial_tc8 } else { &self.f.mla_partial_tc4 };
             let work = table.slice((batch + 1)..);
             let scale = shape.scale as f64;
@@ -939,11 +830,7 @@ impl CudaBackend {
             // lie inside `rows` (checked by the caller), q_lat holds B x H rows.
             unsafe { b.launch(cfg) }.map_err(dev(op))?;
         }
-        let cfg = LaunchConfig {
-            grid_dim: (int(op, "requests x heads", batch * h)? as u32, 1, 1),
-            block_dim: (MLA_MERGE_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = LaunchConfig { grid_dim: (int(op, "requests x heads", batch * h)? as u32, 1, 1), block_dim: (MLA_MERGE_THREADS, 1, 1), shared_mem_bytes: 0 };
         let mut b = self.stream.launch_builder(&self.f.mla_chunk_merge_f64);
         b.arg(&parts).arg(&table).arg(&mut partial.data).arg(&hh).arg(&ll);
         // SAFETY: types and order match mla_chunk_merge_f64; partial holds B x H x (2 + L).
@@ -970,11 +857,7 @@ impl CudaBackend {
             return Ok(());
         }
         let (threads, smem) = mla_warps(op, l, width, 8)?;
-        let cfg = LaunchConfig {
-            grid_dim: (int(op, "requests x heads", batch * h)? as u32, 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: smem,
-        };
+        let cfg = LaunchConfig { grid_dim: (int(op, "requests x heads", batch * h)? as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: smem };
         let (hh, ll, ww) = (int(op, "heads", h)?, int(op, "kv_lora_rank", l)?, int(op, "row width", width)?);
         let count = i64_of(count);
         let scale = shape.scale as f64;
@@ -995,7 +878,16 @@ impl CudaBackend {
     /// choice between them never changes a bit: few rows (decode) go split
     /// over k chunks, many rows (prefill) through the tiled kernel.
     #[allow(clippy::too_many_arguments)]
-    fn matmul_unchecked(&self, op: &'static str, rows: usize, inner: usize, cols: usize, x: &CudaSlice<f32>, w: &CudaSlice<f32>, out: &mut CudaViewMut<'_, f32>) -> Result<()> {
+    fn matmul_unchecked(
+        &self,
+        op: &'static str,
+        rows: usize,
+        inner: usize,
+        cols: usize,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
         if rows == 0 || cols == 0 {
             return Ok(());
         }
@@ -1005,11 +897,7 @@ impl CudaBackend {
             let chunks = inner.div_ceil(MATMUL_KC);
             // SAFETY: every element is written by matmul_splitk_f32 before it is read.
             let mut part = unsafe { self.stream.alloc::<f32>(chunks * rows * cols) }.map_err(dev(op))?;
-            let cfg = LaunchConfig {
-                grid_dim: (gx, chunks as u32, rows.div_ceil(16) as u32),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = LaunchConfig { grid_dim: (gx, chunks as u32, rows.div_ceil(16) as u32), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
             let mut b = self.stream.launch_builder(&self.f.matmul_splitk_f32);
             b.arg(x).arg(w).arg(&mut part).arg(&r).arg(&k).arg(&c);
             // SAFETY: types and order match matmul_splitk_f32; lengths were
@@ -1068,7 +956,15 @@ impl CudaBackend {
 
     /// Up to UNITS_PER_LAUNCH split-k products (checked by the caller) in two
     /// launches: the chunk sums of all, then their sums into place.
-    fn matmul_units_launch(&self, op: &'static str, shape: UnitsShape, x: &CudaBuf, units: &[UnitProduct<'_, CudaBuf>], first: usize, out: &mut CudaBuf) -> Result<()> {
+    fn matmul_units_launch(
+        &self,
+        op: &'static str,
+        shape: UnitsShape,
+        x: &CudaBuf,
+        units: &[UnitProduct<'_, CudaBuf>],
+        first: usize,
+        out: &mut CudaBuf,
+    ) -> Result<()> {
         use cudarc::driver::DevicePtr;
         let rows = shape.rows;
         let mut t = UnitsTable { u: [[0; 6]; UNITS_PER_LAUNCH] };
@@ -1342,9 +1238,7 @@ impl Backend for CudaBackend {
         let rs = range(op, "src", src_off, len, src.len)?;
         let rd = range(op, "dst", dst_off, len, dst.len)?;
         if len > 0 {
-            self.stream
-                .memcpy_dtod(&src.data.slice(rs), &mut dst.data.slice_mut(rd))
-                .map_err(dev(op))?;
+            self.stream.memcpy_dtod(&src.data.slice(rs), &mut dst.data.slice_mut(rd)).map_err(dev(op))?;
         }
         Ok(())
     }
@@ -1376,9 +1270,7 @@ impl Backend for CudaBackend {
         let rs = range(op, "src", src_off, len, src.len)?;
         let rd = range(op, "dst", dst_off, len, dst.len)?;
         if len > 0 {
-            self.stream
-                .memcpy_dtod(&src.data.slice(rs), &mut dst.data.slice_mut(rd))
-                .map_err(dev(op))?;
+            self.stream.memcpy_dtod(&src.data.slice(rs), &mut dst.data.slice_mut(rd)).map_err(dev(op))?;
         }
         Ok(())
     }
@@ -1438,8 +1330,7 @@ impl Backend for CudaBackend {
         let KdaPrefillShape { tokens, heads, dk, dv } = shape;
         check_kda(op, tokens, heads, dk, dv, state.len, 1, &x, &params, out.len, record.as_ref().map(|r| r.len))?;
         let chunk = cpu_kda::KDA_CHUNK;
-        let Some((prep, pass)) = self.f.kda_chunk.as_ref().filter(|_| tokens >= chunk && dk <= KDA_CHUNK_DK && 2 * dv >= 3 * chunk)
-        else {
+        let Some((prep, pass)) = self.f.kda_chunk.as_ref().filter(|_| tokens >= chunk && dk <= KDA_CHUNK_DK && 2 * dv >= 3 * chunk) else {
             return self.kda_recurrent(op, 1, tokens, heads, dk, dv, state, x, params, out, record);
         };
         // Workspace of kda_chunk.hip (kda_chunk_ws), every element written by
@@ -1462,23 +1353,13 @@ impl Backend for CudaBackend {
         let nch = int(op, "chunks", chunks)?;
         let null: u64 = 0;
         let mut b = self.stream.launch_builder(prep);
-        b.arg(&x.q.data)
-            .arg(&x.k.data)
-            .arg(&x.v.data)
-            .arg(&x.g_raw.data)
-            .arg(&x.b_raw.data)
-            .arg(&params.a_log.data)
-            .arg(&params.dt_bias.data);
+        b.arg(&x.q.data).arg(&x.k.data).arg(&x.v.data).arg(&x.g_raw.data).arg(&x.b_raw.data).arg(&params.a_log.data).arg(&params.dt_bias.data);
         match record.as_deref() {
             Some(r) => b.arg(&r.data),
             None => b.arg(&null),
         };
         b.arg(&ws).arg(&t).arg(&h).arg(&k).arg(&v);
-        let cfg = LaunchConfig {
-            grid_dim: (nch as u32, heads as u32, 1),
-            block_dim: (KDA_CHUNK_THREADS, 1, 1),
-            shared_mem_bytes: KDA_CHUNK_PREP_SMEM,
-        };
+        let cfg = LaunchConfig { grid_dim: (nch as u32, heads as u32, 1), block_dim: (KDA_CHUNK_THREADS, 1, 1), shared_mem_bytes: KDA_CHUNK_PREP_SMEM };
         // SAFETY: argument types and order match kda_chunk_prep; the inputs
         // and the record were checked to hold tokens x heads rows, the
         // workspace is sized as kda_chunk_ws lays it out.
@@ -1490,25 +1371,14 @@ impl Backend for CudaBackend {
             None => b.arg(&null),
         };
         b.arg(&ws).arg(&t).arg(&h).arg(&k).arg(&v);
-        let cfg = LaunchConfig {
-            grid_dim: (heads as u32, tiles as u32, 1),
-            block_dim: (KDA_CHUNK_THREADS, 1, 1),
-            shared_mem_bytes: KDA_CHUNK_STATE_SMEM,
-        };
+        let cfg = LaunchConfig { grid_dim: (heads as u32, tiles as u32, 1), block_dim: (KDA_CHUNK_THREADS, 1, 1), shared_mem_bytes: KDA_CHUNK_STATE_SMEM };
         // SAFETY: argument types and order match kda_chunk_state; state, out
         // and record were checked against the shape.
         unsafe { b.launch(cfg) }.map_err(dev(op))?;
         Ok(())
     }
 
-    fn replay_append(
-        &self,
-        shape: ReplayShape,
-        tokens: usize,
-        ring: &mut CudaBuf,
-        cursor: &mut CudaIBuf,
-        records: &CudaBuf,
-    ) -> Result<()> {
+    fn replay_append(&self, shape: ReplayShape, tokens: usize, ring: &mut CudaBuf, cursor: &mut CudaIBuf, records: &CudaBuf) -> Result<()> {
         let op = "replay_append";
         let w = cpu_kda::check_replay(op, &shape, ring.len, cursor.len)?;
         let ReplayShape { batch, heads, capacity, .. } = shape;
@@ -1538,9 +1408,7 @@ impl Backend for CudaBackend {
         unsafe { b.launch(cfg) }.map_err(dev(op))?;
         // c + tokens <= capacity, which the cursor range check bounds by i32.
         let next: Vec<i32> = cur.iter().map(|&c| (c + tokens) as i32).collect();
-        self.stream
-            .memcpy_htod(&next, &mut cursor.data.slice_mut(0..batch))
-            .map_err(dev(op))?;
+        self.stream.memcpy_htod(&next, &mut cursor.data.slice_mut(0..batch)).map_err(dev(op))?;
         cursor.set_known(Some(next));
         Ok(())
     }
@@ -1552,42 +1420,26 @@ impl Backend for CudaBackend {
         check_len(op, "state", state.len, elems(op, &[batch, heads, dk, dv])?)?;
         self.read_cursors(op, cursor, capacity)?;
         if dk > KDA_MAX_DK {
-            return Err(KernelError::InvalidShape {
-                op,
-                reason: format!("dk = {dk}: the device KDA kernels hold at most {KDA_MAX_DK} key rows per head"),
-            });
+            return Err(KernelError::InvalidShape { op, reason: format!("dk = {dk}: the device KDA kernels hold at most {KDA_MAX_DK} key rows per head") });
         }
         if batch == 0 {
             return Ok(());
         }
         let tiles = dv.div_ceil(128); // replay_commit's tile: 4 columns per lane
         let (threads, _) = kda_block(dk, 4);
-        let cfg = LaunchConfig {
-            grid_dim: (int(op, "slots x heads", batch * heads)? as u32, tiles as u32, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg =
+            LaunchConfig { grid_dim: (int(op, "slots x heads", batch * heads)? as u32, tiles as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         let (cap, h, k, v) = (int(op, "capacity", capacity)?, int(op, "heads", heads)?, int(op, "dk", dk)?, int(op, "dv", dv)?);
         let mut b = self.stream.launch_builder(&self.f.replay_commit);
         b.arg(&mut state.data).arg(&ring.data).arg(&cursor.data).arg(&cap).arg(&h).arg(&k).arg(&v);
         // SAFETY: types and order match replay_commit; cursors were checked.
         unsafe { b.launch(cfg) }.map_err(dev(op))?;
-        self.stream
-            .memset_zeros(&mut cursor.data.slice_mut(0..batch))
-            .map_err(dev(op))?;
+        self.stream.memset_zeros(&mut cursor.data.slice_mut(0..batch)).map_err(dev(op))?;
         cursor.set_known(Some(vec![0; batch]));
         Ok(())
     }
 
-    fn conv_prefill(
-        &self,
-        shape: ConvShape,
-        tokens: usize,
-        x: &CudaBuf,
-        weight: &CudaBuf,
-        state: &mut CudaBuf,
-        out: &mut CudaBuf,
-    ) -> Result<()> {
+    fn conv_prefill(&self, shape: ConvShape, tokens: usize, x: &CudaBuf, weight: &CudaBuf, state: &mut CudaBuf, out: &mut CudaBuf) -> Result<()> {
         let op = "conv_prefill";
         let ConvShape { channels: ch, width } = shape;
         check_nonzero(op, "conv width", width)?;
@@ -1616,15 +1468,7 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn conv_step(
-        &self,
-        shape: ConvShape,
-        batch: usize,
-        x: &CudaBuf,
-        weight: &CudaBuf,
-        state: &mut CudaBuf,
-        out: &mut CudaBuf,
-    ) -> Result<()> {
+    fn conv_step(&self, shape: ConvShape, batch: usize, x: &CudaBuf, weight: &CudaBuf, state: &mut CudaBuf, out: &mut CudaBuf) -> Result<()> {
         let op = "conv_step";
         let ConvShape { channels: ch, width } = shape;
         check_nonzero(op, "conv width", width)?;
@@ -1653,11 +1497,7 @@ impl Backend for CudaBackend {
         if shape.dim == 0 || shape.rows == 0 {
             return Ok(());
         }
-        let cfg = LaunchConfig {
-            grid_dim: (int(op, "rows", shape.rows)? as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: (256 / 32) * 4,
-        };
+        let cfg = LaunchConfig { grid_dim: (int(op, "rows", shape.rows)? as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: (256 / 32) * 4 };
         let d = int(op, "dim", shape.dim)?;
         let mut b = self.stream.launch_builder(&self.f.rms_norm);
         b.arg(&x.data).arg(&weight.data).arg(&mut out.data).arg(&d).arg(&shape.eps);
@@ -1676,11 +1516,7 @@ impl Backend for CudaBackend {
         if shape.dim == 0 || shape.rows == 0 {
             return Ok(());
         }
-        let cfg = LaunchConfig {
-            grid_dim: (int(op, "rows", shape.rows)? as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: (256 / 32) * 4,
-        };
+        let cfg = LaunchConfig { grid_dim: (int(op, "rows", shape.rows)? as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: (256 / 32) * 4 };
         let d = int(op, "dim", shape.dim)?;
         let mut b = self.stream.launch_builder(&self.f.gated_rms_norm);
         b.arg(&o.data).arg(&gate.data).arg(&weight.data).arg(&mut out.data).arg(&d).arg(&shape.eps);
@@ -1702,10 +1538,7 @@ impl Backend for CudaBackend {
         let n = rows.count;
         let width = cpu_mla::check_rows(op, &shape, rows.buf.len, n)?;
         if n < tokens {
-            return Err(KernelError::InvalidShape {
-                op,
-                reason: format!("{tokens} query tokens need at least as many rows, got {n}"),
-            });
+            return Err(KernelError::InvalidShape { op, reason: format!("{tokens} query tokens need at least as many rows, got {n}") });
         }
         let (h, l) = (shape.heads, shape.kv_lora_rank);
         check_len(op, "q_lat", q_lat.len, elems(op, &[tokens, h, width])?)?;
@@ -1738,11 +1571,7 @@ impl Backend for CudaBackend {
         if heads == 0 {
             return Ok(());
         }
-        let cfg = LaunchConfig {
-            grid_dim: (int(op, "heads", heads)? as u32, 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = LaunchConfig { grid_dim: (int(op, "heads", heads)? as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
         let (s, h, w) = (int(op, "shards", shards)?, int(op, "heads", heads)?, int(op, "width", width)?);
         let mut b = self.stream.launch_builder(&self.f.dcp_merge_f32);
         b.arg(&o_shards.data).arg(&lse_shards.data).arg(&mut out.data).arg(&mut lse.data).arg(&s).arg(&h).arg(&w);
@@ -1761,19 +1590,9 @@ impl Backend for CudaBackend {
         self.mla_partial_any(op, shape, q_lat, rows.buf, &[n], partial)
     }
 
-    fn mla_decode_partial_ragged(
-        &self,
-        shape: MlaShape,
-        q_lat: &CudaBuf,
-        rows: &CudaBuf,
-        counts: &[usize],
-        partial: &mut CudaF64Buf,
-    ) -> Result<()> {
+    fn mla_decode_partial_ragged(&self, shape: MlaShape, q_lat: &CudaBuf, rows: &CudaBuf, counts: &[usize], partial: &mut CudaF64Buf) -> Result<()> {
         let op = "mla_decode_partial_ragged";
-        let total = counts
-            .iter()
-            .try_fold(0usize, |a, &n| a.checked_add(n))
-            .ok_or_else(|| KernelError::SizeOverflow { op, dims: counts.to_vec() })?;
+        let total = counts.iter().try_fold(0usize, |a, &n| a.checked_add(n)).ok_or_else(|| KernelError::SizeOverflow { op, dims: counts.to_vec() })?;
         let width = cpu_mla::check_rows(op, &shape, rows.len, total)?;
         let (h, l) = (shape.heads, shape.kv_lora_rank);
         let batch = counts.len();
@@ -1791,11 +1610,7 @@ impl Backend for CudaBackend {
         if heads == 0 {
             return Ok(());
         }
-        let cfg = LaunchConfig {
-            grid_dim: (int(op, "heads", heads)? as u32, 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = LaunchConfig { grid_dim: (int(op, "heads", heads)? as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
         let (s, h, w) = (int(op, "shards", shards)?, int(op, "heads", heads)?, int(op, "width", width)?);
         let mut b = self.stream.launch_builder(&self.f.dcp_merge_f64);
         b.arg(&partials.data).arg(&mut out.data).arg(&mut lse.data).arg(&s).arg(&h).arg(&w);
@@ -1860,13 +1675,7 @@ impl Backend for CudaBackend {
         let host = self.download_i32(ids)?;
         for (t, &id) in host.iter().enumerate() {
             if id < 0 || id as usize >= vocab {
-                return Err(KernelError::IndexOutOfRange {
-                    op,
-                    what: "token id",
-                    index: id as i64,
-                    position: t,
-                    bound: vocab,
-                });
+                return Err(KernelError::IndexOutOfRange { op, what: "token id", index: id as i64, position: t, bound: vocab });
             }
         }
         if dim == 0 || tokens == 0 {
@@ -1893,11 +1702,7 @@ impl Backend for CudaBackend {
         if rows == 0 {
             return Ok(());
         }
-        let cfg = LaunchConfig {
-            grid_dim: (int(op, "rows", rows)? as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = LaunchConfig { grid_dim: (int(op, "rows", rows)? as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let c = cols as i32;
         ids.set_known(None);
         let mut b = self.stream.launch_builder(&self.f.argmax_rows);

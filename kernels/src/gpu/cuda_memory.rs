@@ -263,9 +263,7 @@ impl DeviceMemory for CudaMemory {
         // copy_table; all on the batch's stream, in the batch's order (the
         // table copies before an engine copy are queued before it).
         let contiguous = |c: &Copy2d| c.height == 1 || (c.src_pitch == c.width && c.dst_pitch == c.width);
-        let engine = |c: &Copy2d| {
-            (contiguous(c) && c.width * c.height >= ENGINE_BYTES) || c.width / word_bytes(c) >= COPY_WORDS
-        };
+        let engine = |c: &Copy2d| (contiguous(c) && c.width * c.height >= ENGINE_BYTES) || c.width / word_bytes(c) >= COPY_WORDS;
         let mut pending: Vec<Copy2d> = Vec::new();
         for c in copies.iter().filter(|c| c.width > 0 && c.height > 0) {
             if engine(c) {
@@ -353,9 +351,7 @@ impl DeviceMemory for CudaMemory {
         }
         self.bind(op)?;
         // SAFETY: the caller guarantees the range; out stays borrowed until the sync.
-        unsafe { sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), addr, out.len(), self.stream.cu_stream()) }
-            .result()
-            .map_err(dev(op))?;
+        unsafe { sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), addr, out.len(), self.stream.cu_stream()) }.result().map_err(dev(op))?;
         self.sync(op)
     }
 
@@ -366,9 +362,7 @@ impl DeviceMemory for CudaMemory {
         }
         self.bind(op)?;
         // SAFETY: the caller guarantees the range; data stays borrowed until the sync.
-        unsafe { sys::cuMemcpyHtoDAsync_v2(addr, data.as_ptr().cast(), data.len(), self.stream.cu_stream()) }
-            .result()
-            .map_err(dev(op))?;
+        unsafe { sys::cuMemcpyHtoDAsync_v2(addr, data.as_ptr().cast(), data.len(), self.stream.cu_stream()) }.result().map_err(dev(op))?;
         self.sync(op)
     }
 }

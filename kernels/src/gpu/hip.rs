@@ -15,9 +15,7 @@ pub(crate) fn unavailable_reason(device: usize) -> String {
     let err = unsafe { hipGetDeviceCount(&mut count) };
     if err != hipError_t::hipSuccess || count <= 0 {
         let what = describe(err);
-        return format!(
-            "hip: no device: hipGetDeviceCount reported {what} with a count of {count} (no AMD GPU here)"
-        );
+        return format!("hip: no device: hipGetDeviceCount reported {what} with a count of {count} (no AMD GPU here)");
     }
     if device >= count as usize {
         return format!("hip: no device {device}: the HIP runtime sees {count} device(s)");

@@ -18,8 +18,8 @@
 use crate::dtype::StorageDtype;
 use crate::error::Result;
 use crate::shapes::{
-    ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape,
-    MatmulShape, MergeShape, MlaShape, MlpShape, MlpWeights, NormShape, ReplayShape, RowSet,
+    ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape, MatmulShape, MergeShape, MlaShape, MlpShape, MlpWeights,
+    NormShape, ReplayShape, RowSet,
 };
 
 pub(crate) mod stub;
@@ -125,9 +125,7 @@ pub fn device_program() -> String {
 
 /// The prelude and the sources `keep` names, as one translation unit.
 pub(crate) fn program_of(keep: impl Fn(&str) -> bool) -> String {
-    let mut s = String::with_capacity(
-        HIP_PRELUDE.len() + HIP_SOURCES.iter().map(|(_, t)| t.len() + 64).sum::<usize>(),
-    );
+    let mut s = String::with_capacity(HIP_PRELUDE.len() + HIP_SOURCES.iter().map(|(_, t)| t.len() + 64).sum::<usize>());
     s.push_str(HIP_PRELUDE);
     for (name, text) in HIP_SOURCES.iter().filter(|(n, _)| keep(n)) {
         s.push_str("\n// ---- ");
@@ -142,8 +140,7 @@ pub(crate) fn program_of(keep: impl Fn(&str) -> bool) -> String {
 /// (`(file name, clang offload bundle)`), with the `hip` feature; empty
 /// without it.
 #[cfg(feature = "hip")]
-pub const HIP_CODE_OBJECTS: &[(&str, &[u8])] =
-    include!(concat!(env!("OUT_DIR"), "/hip_code_objects.rs"));
+pub const HIP_CODE_OBJECTS: &[(&str, &[u8])] = include!(concat!(env!("OUT_DIR"), "/hip_code_objects.rs"));
 /// The gfx90a code objects that build.rs made with hipcc from each source
 /// (`(file name, clang offload bundle)`), with the `hip` feature; empty
 /// without it.
@@ -197,9 +194,7 @@ mod tests {
     #[test]
     fn hip_stub_refuses_with_a_typed_reason() {
         let e = HipBackend::new(0).unwrap_err();
-        let KernelError::BackendUnavailable(msg) = &e else {
-            panic!("wrong error {e:?}")
-        };
+        let KernelError::BackendUnavailable(msg) = &e else { panic!("wrong error {e:?}") };
         assert!(msg.starts_with("hip: "), "{msg}");
         eprintln!("HipBackend::new(0): {msg}");
         if cfg!(feature = "hip") {
@@ -260,22 +255,45 @@ mod tests {
         let program = device_program();
         assert!(program.starts_with(HIP_PRELUDE));
         for k in [
-            "kda_step_c1", "kda_step_c2", "kda_step_c2x4", "kda_step_c4x1", "kda_prefill",
-            "kda_recurrent_wide", "kda_chunk_prep", "kda_chunk_state", "replay_append",
-            "replay_commit", "conv_prefill_out",
-            "conv_prefill_state", "conv_step", "rms_norm", "gated_rms_norm", "mla_attend_f32",
-            "mla_partial_f64", "dcp_merge_f32", "dcp_merge_f64", "matmul_f32", "silu_mul",
-            "add_inplace", "embedding", "argmax_rows", "fill_f32", "copy_cols", "round_to",
-            "region_gather_b32", "region_scatter_b32", "region_gather_b16", "region_scatter_b16",
-            "copy_table", "matmul_splitk_f32", "matmul_chunk_sum", "matmul_units_splitk",
-            "matmul_units_sum", "add_units",
+            "kda_step_c1",
+            "kda_step_c2",
+            "kda_step_c2x4",
+            "kda_step_c4x1",
+            "kda_prefill",
+            "kda_recurrent_wide",
+            "kda_chunk_prep",
+            "kda_chunk_state",
+            "replay_append",
+            "replay_commit",
+            "conv_prefill_out",
+            "conv_prefill_state",
+            "conv_step",
+            "rms_norm",
+            "gated_rms_norm",
+            "mla_attend_f32",
+            "mla_partial_f64",
+            "dcp_merge_f32",
+            "dcp_merge_f64",
+            "matmul_f32",
+            "silu_mul",
+            "add_inplace",
+            "embedding",
+            "argmax_rows",
+            "fill_f32",
+            "copy_cols",
+            "round_to",
+            "region_gather_b32",
+            "region_scatter_b32",
+            "region_gather_b16",
+            "region_scatter_b16",
+            "copy_table",
+            "matmul_splitk_f32",
+            "matmul_chunk_sum",
+            "matmul_units_splitk",
+            "matmul_units_sum",
+            "add_units",
         ] {
-            assert!(
-                program
-                    .lines()
-                    .any(|l| l.starts_with("extern \"C\" __global__") && l.contains(&format!(" {k}("))),
-                "kernel {k} missing"
-            );
+            assert!(program.lines().any(|l| l.starts_with("extern \"C\" __global__") && l.contains(&format!(" {k}("))), "kernel {k} missing");
         }
         // No standard header anywhere: NVRTC has none.
         for (name, text) in HIP_SOURCES {

@@ -20,9 +20,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaModule, CudaStrea
 
 use crate::dtype::StorageDtype;
 use crate::error::{KernelError, Result};
-use crate::step::{
-    DecodeStep, KernelTime, StepMat, StepMixer, StepRequest, StepSpec, TickLayout, bucket_of, pack_weight, plane_len,
-};
+use crate::step::{DecodeStep, KernelTime, StepMat, StepMixer, StepRequest, StepSpec, TickLayout, bucket_of, pack_weight, plane_len};
 
 fn dev(op: &'static str) -> impl Fn(DriverError) -> KernelError {
     move |e| KernelError::Device { op, message: e.to_string() }
@@ -241,9 +239,7 @@ impl CudaStep {
     pub(crate) fn new(ctx: Arc<CudaContext>, stream: Arc<CudaStream>, module: Arc<CudaModule>, spec: &StepSpec) -> Result<CudaStep> {
         spec.check()?;
         let op = "decode_step";
-        let get = |name: &str| {
-            module.load_function(name).map_err(|e| KernelError::BackendUnavailable(format!("cuda: kernel {name} missing: {e}")))
-        };
+        let get = |name: &str| module.load_function(name).map_err(|e| KernelError::BackendUnavailable(format!("cuda: kernel {name} missing: {e}")));
         let f = Funcs {
             mm: get("st_mm")?,
             mm_few: get("st_mm_few")?,
@@ -843,10 +839,8 @@ impl CudaStep {
 
     /// Launches the bucket's list on the stream, one by one.
     fn launch_list(&self, bp: usize) -> Result<()> {
-        let list = self
-            .lists
-            .get(&bp)
-            .ok_or_else(|| KernelError::InvalidShape { op: "decode_step launch", reason: format!("no launch list for bucket {bp}") })?;
+        let list =
+            self.lists.get(&bp).ok_or_else(|| KernelError::InvalidShape { op: "decode_step launch", reason: format!("no launch list for bucket {bp}") })?;
         launch_all(&self.ctx, &self.stream, list)
     }
 
@@ -1052,7 +1046,14 @@ pub(crate) fn tc_matmul(
     } else {
         let mut args = operands.to_vec();
         args.extend(shape);
-        let mm = Launch { f: f_mm.cu_function(), name: "st_mm", grid: (nt.div_ceil(8) as u32, w.segments as u32, m.div_ceil(128) as u32), block: 256, smem: mm_smem(m), args };
+        let mm = Launch {
+            f: f_mm.cu_function(),
+            name: "st_mm",
+            grid: (nt.div_ceil(8) as u32, w.segments as u32, m.div_ceil(128) as u32),
+            block: 256,
+            smem: mm_smem(m),
+            args,
+        };
         let mut args = vec![
             Arg::P(part),
             Arg::L(part_group as i64),
