@@ -178,9 +178,12 @@ pub fn bench_transfer_with(config_path: &str, kind: TransportKind, tokens: u64, 
     Ok(s)
 }
 
+/// What [`planned`] returns: the engine, its plans by ticket, the request ids.
+pub type Planned = (Engine, Vec<(Ticket, Plan)>, Vec<u64>);
+
 /// The engine's plans for `requests` requests of `tokens` tokens (captured by a
 /// queue mover), with the engine that placed them and the request ids.
-pub fn planned(topo: &Topology, tokens: u64, requests: u32) -> anyhow::Result<(Engine, Vec<(Ticket, Plan)>, Vec<u64>)> {
+pub fn planned(topo: &Topology, tokens: u64, requests: u32) -> anyhow::Result<Planned> {
     let cap = Capacity::for_requests(topo, requests, tokens);
     let queue = QueueMover::default();
     let mut engine = Engine::new(topo.clone(), cap, Box::new(queue.clone()));

@@ -143,7 +143,7 @@ pub struct Options {
 
 impl Options {
     pub fn new(cases: u32) -> Options {
-        Options { cases, seed: 0x6861_6e64_6f66_66, case_budget: Duration::from_secs(3), deadline: Duration::from_secs(600) }
+        Options { cases, seed: 0x0068_616e_646f_6666, case_budget: Duration::from_secs(3), deadline: Duration::from_secs(600) }
     }
 }
 
@@ -1563,7 +1563,7 @@ pub fn check_body(topo: &Topology, input: &BodyInput) -> Verdict {
             if !(1..=128).contains(&g.n) || choices.len() as u64 > u64::from(s.max_requests) || choices.len() != g.prompts.len() * g.n as usize {
                 return Err(format!("accepted n {} with {} choices (max_requests {})", g.n, choices.len(), s.max_requests));
             }
-            if !(0.0..=2.0).contains(&g.temperature) || !(g.top_p > 0.0 && g.top_p <= 1.0) {
+            if !((0.0..=2.0).contains(&g.temperature) && g.top_p > 0.0 && g.top_p <= 1.0) {
                 return Err(format!("accepted temperature {} top_p {}", g.temperature, g.top_p));
             }
             if g.stop.len() > 4 || g.stop.iter().any(Vec::is_empty) {

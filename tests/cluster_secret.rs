@@ -143,6 +143,7 @@ fn a_strangers_register_is_refused_and_the_public_port_has_no_internal_routes() 
     c.shutdown();
 }
 
+#[allow(dead_code)]
 mod transport_util;
 use transport_util::{consumer_rank as rank, producer_rank};
 

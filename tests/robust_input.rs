@@ -68,7 +68,7 @@ fn the_harness_catches_panics_slow_cases_and_hangs() {
     let r = fuzz::drive("panics", &opts, || {
         (0u32..100_000, |x: &u32| {
             assert!(*x < 1234, "deliberate panic at {x}");
-            Ok(if *x % 2 == 0 { "even" } else { "odd" }.to_string())
+            Ok(if (*x).is_multiple_of(2) { "even" } else { "odd" }.to_string())
         })
     });
     let f = r.failure.as_ref().expect("the panic is reported");

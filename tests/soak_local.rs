@@ -79,7 +79,7 @@ fn soak_100k_requests_local_transport_leaves_nothing_behind_and_samples_are_byte
     let started = Instant::now();
     let (mut sampled, mut pattern_bytes) = (0u64, 0u64);
     let mut next_id = 1u64;
-    let waves = REQUESTS / WAVE + u64::from(REQUESTS % WAVE != 0);
+    let waves = REQUESTS / WAVE + u64::from(!REQUESTS.is_multiple_of(WAVE));
     for wave in 0..waves {
         let n = WAVE.min(REQUESTS - wave * WAVE);
         let ids: Vec<u64> = (next_id..next_id + n).collect();

@@ -2,6 +2,7 @@
 //! must refuse (out-of-range descriptors, kind mix-ups, device memory) without
 //! moving a byte.
 
+#[allow(dead_code)]
 mod transport_util;
 
 use handoff::engine::mover::{MoverOptions, TransportMover};
@@ -297,6 +298,6 @@ fn a_queueing_transport_takes_waiting_plans_in_one_submission_and_a_bad_plan_fai
     for i in 0..plans {
         let at = (i * 4096) as usize;
         let moved = i != 5;
-        assert_eq!(&got[at..at + 1024] == &pattern[at..at + 1024], moved, "plan {i}'s bytes");
+        assert_eq!(got[at..at + 1024] == pattern[at..at + 1024], moved, "plan {i}'s bytes");
     }
 }

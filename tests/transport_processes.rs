@@ -6,6 +6,7 @@
 //! `child_entry` with `HANDOFF_TRANSPORT_CHILD` naming the role and
 //! `HANDOFF_TRANSPORT_ARG` carrying JSON. Children print `CHILD:<key>=<value>` lines.
 
+#[allow(dead_code)]
 mod transport_util;
 
 use handoff::transport::tcp::wire;

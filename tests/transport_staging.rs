@@ -1,6 +1,7 @@
 //! Staging for the DCP relayout: gathered runs write exactly what the descriptors
 //! write, with far fewer descriptors; the pool is bounded; retries are bounded.
 
+#[allow(dead_code)]
 mod transport_util;
 
 use handoff::transport::staging::{RetryPolicy, Stager, StagingPool, gather_runs};

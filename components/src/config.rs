@@ -570,7 +570,7 @@ impl Topology {
         if m.pattern.is_empty() || !m.pattern.chars().all(|c| c == 'K' || c == 'M') {
             return Err(ConfigError::Pattern { pattern: m.pattern.clone() });
         }
-        if d.tp % p.tp != 0 {
+        if !d.tp.is_multiple_of(p.tp) {
             return Err(ConfigError::DecodeTpNotMultiple { decode_tp: d.tp, prefill_tp: p.tp });
         }
         let has_kda = m.pattern.contains('K');
@@ -581,7 +581,7 @@ impl Topology {
             }
             for region in regions {
                 for (side, tp) in [("prefill", p.tp), ("decode", d.tp)] {
-                    if m.kda.heads % tp != 0 {
+                    if !m.kda.heads.is_multiple_of(tp) {
                         return Err(ConfigError::HeadsNotSplit { region: region.name(), heads: m.kda.heads, side, tp });
                     }
                 }
@@ -589,7 +589,7 @@ impl Topology {
         }
         // MLA heads are split over TP by the compute; the latent KV is replicated.
         for (side, tp) in [("prefill", p.tp), ("decode", d.tp)] {
-            if m.pattern.contains('M') && m.mla.heads % tp != 0 {
+            if m.pattern.contains('M') && !m.mla.heads.is_multiple_of(tp) {
                 return Err(ConfigError::HeadsNotSplit { region: "mla.q (attention heads)", heads: m.mla.heads, side, tp });
             }
         }
@@ -599,10 +599,10 @@ impl Topology {
         if p.pp > 1 && !config.transport.kind.serves_pp() {
             return Err(ConfigError::TransportNoPp { kind: config.transport.kind.name(), pp: p.pp });
         }
-        if d.tp % d.dcp != 0 {
+        if !d.tp.is_multiple_of(d.dcp) {
             return Err(ConfigError::DcpNotDividingTp { dcp: d.dcp, tp: d.tp });
         }
-        if d.block_size % d.interleave != 0 {
+        if !d.block_size.is_multiple_of(d.interleave) {
             return Err(ConfigError::InterleaveNotDividingBlock { interleave: d.interleave, block_size: d.block_size });
         }
         if m.weight_dtype == Dtype::F16 {

@@ -1075,6 +1075,7 @@ fn bench_mla(gpu: &CudaBackend, bw: f64, r: &mut SplitMix64, kernel: &str) -> R<
         for i in 0..b {
             gpu.copy(&one, 0, &mut rows, i * n * wd, n * wd)?;
         }
+        #[allow(clippy::drop_non_drop)] // a device buffer in the cuda build
         drop(one);
         let mut p = gpu.alloc_f64(b * shape.heads * mla_partial_width(512))?;
         let counts = vec![n; b];

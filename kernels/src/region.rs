@@ -44,7 +44,7 @@ impl RegionItems<'_> {
     pub fn check(&self, op: &'static str, region: DeviceRegion) -> Result<usize> {
         let vb = self.value_bytes();
         let item = (self.values as u64).checked_mul(vb).ok_or(KernelError::SizeOverflow { op, dims: vec![self.values] })?;
-        if region.addr % vb != 0 {
+        if !region.addr.is_multiple_of(vb) {
             return Err(KernelError::InvalidShape { op, reason: format!("region address {:#x} is not {vb}-byte aligned", region.addr) });
         }
         for (i, &off) in self.offsets.iter().enumerate() {
@@ -315,7 +315,7 @@ mod tests {
         assert_eq!(table_launches(&[row(0, 100, 10), row(0, 110, 10)]), vec![0..2]);
         assert!(table_launches(&[]).is_empty());
         // At most TABLE_COPIES a launch.
-        let many: Vec<Copy2d> = (0..100u64).map(|i| row(i * 8, 1 << 20 | i * 8, 8)).collect();
+        let many: Vec<Copy2d> = (0..100u64).map(|i| row(i * 8, (1 << 20) | (i * 8), 8)).collect();
         assert_eq!(table_launches(&many), vec![0..48, 48..96, 96..100]);
     }
 }

@@ -432,11 +432,12 @@ impl TickLayout {
     }
 
     /// Writes `batch` into `out` (length [`TickLayout::len`]), checking every
-    /// index against what the regions hold: tokens in the vocabulary,
-    /// positions within the context, slots and blocks within the regions.
-    /// Padding rows get token 0, position 0, slot 0 and block 0 (they touch
-    /// no region: every kernel that reaches one stops at the live count).
-    pub fn fill(&self, batch: &[StepRequest<'_>], vocab: usize, max_context: usize, slots: u32, blocks: u32, block_size: usize, out: &mut [i32]) -> Result<()> {
+    /// index against `bounds`: tokens in the vocabulary, positions within the
+    /// context, slots and blocks within the regions. Padding rows get token 0,
+    /// position 0, slot 0 and block 0 (they touch no region: every kernel that
+    /// reaches one stops at the live count).
+    pub fn fill(&self, batch: &[StepRequest<'_>], bounds: TickBounds, out: &mut [i32]) -> Result<()> {
+        let TickBounds { vocab, max_context, slots, blocks } = bounds;
         let op = "decode_step";
         if out.len() != self.len() {
             return Err(KernelError::ShapeMismatch { op, name: "tick", expected: self.len(), got: out.len() });
@@ -481,10 +482,19 @@ impl TickLayout {
                     out[self.blk() + (r * self.bmax + b) * self.maxblk + i] = blk as i32;
                 }
             }
-            let _ = block_size;
         }
         Ok(())
     }
+}
+
+/// What every index of a tick must stay below: the vocabulary, the context,
+/// the slots and the blocks of the decode regions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TickBounds {
+    pub vocab: usize,
+    pub max_context: usize,
+    pub slots: u32,
+    pub blocks: u32,
 }
 
 impl StepSpec {
@@ -649,6 +659,7 @@ mod tests {
     /// (g, 2t..), (g + 8, 2t..)), give A . W: the index functions the kernels
     /// and the packer share agree with the hardware's fragments.
     #[test]
+    #[allow(clippy::needless_range_loop)] // indices of fragment rows and columns
     fn packed_fragments_multiply_to_the_matrix_product() {
         let (m, k, n) = (37usize, 48usize, 40usize);
         let mut rng = SplitMix64::new(3);
@@ -769,14 +780,15 @@ mod tests {
         let mut out = vec![0; lay.len()];
         let blocks: [&[u32]; 2] = [&[0, 1], &[2]];
         let ok = StepRequest { token: 7, pos: 5, slots: &[1, 0], blocks: &blocks };
-        lay.fill(&[ok], 256, 64, 2, 4, 16, &mut out).unwrap();
+        let bounds = TickBounds { vocab: 256, max_context: 64, slots: 2, blocks: 4 };
+        lay.fill(&[ok], bounds, &mut out).unwrap();
         assert_eq!((out[0], out[lay.tok()], out[lay.pos()], out[lay.slot() + 1]), (1, 7, 5, 0));
         assert_eq!(out[lay.blk() + 1], 1);
         assert_eq!(out[lay.blk() + lay.bmax * lay.maxblk], 2);
         let bad_slot = StepRequest { slots: &[2, 0], ..ok };
-        let e = lay.fill(&[bad_slot], 256, 64, 2, 4, 16, &mut out).unwrap_err();
+        let e = lay.fill(&[bad_slot], bounds, &mut out).unwrap_err();
         assert!(e.to_string().contains("slot 2"), "{e}");
         let bad_pos = StepRequest { pos: 64, ..ok };
-        assert!(lay.fill(&[bad_pos], 256, 64, 2, 4, 16, &mut out).unwrap_err().to_string().contains("position 64"));
+        assert!(lay.fill(&[bad_pos], bounds, &mut out).unwrap_err().to_string().contains("position 64"));
     }
 }

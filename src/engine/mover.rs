@@ -340,7 +340,7 @@ fn stages(shared: &Shared, kind: RegionKind) -> bool {
         }
 }
 
-fn stager<'a>(shared: &'a Shared, rank: RankId) -> Result<&'a Stager, TransportError> {
+fn stager(shared: &Shared, rank: RankId) -> Result<&Stager, TransportError> {
     let made = shared.stager.get_or_init(|| {
         let o = &shared.opts;
         let pool = StagingPool::new(Arc::clone(&shared.transport), rank, RegionKind::MlaKv, o.staging_buffers, o.staging_bytes)?;
@@ -429,10 +429,10 @@ fn write_direct(shared: &Shared, writes: &[DirectWrite]) -> Vec<(usize, Transpor
             }
             Err(e) => Err(e),
         };
-        if let Err(e) = r {
-            if !failed {
-                errors.push((plan, e));
-            }
+        if let Err(e) = r
+            && !failed
+        {
+            errors.push((plan, e));
         }
     }
     errors

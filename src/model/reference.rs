@@ -37,6 +37,10 @@ struct KdaLocal {
     replay: Option<(Vec<f32>, i32)>,
 }
 
+/// One KDA layer's caches as parts: state, conv state, and the ReplaySSM ring
+/// and cursor when configured.
+pub type KdaParts = (Vec<f32>, Vec<f32>, Option<(Vec<f32>, i32)>);
+
 /// One request's caches on a TP group: per layer, each rank's KDA caches, and
 /// the MLA rows `[n, L+R]` (replicated over TP, so held once).
 #[derive(Debug, Clone)]
@@ -74,7 +78,7 @@ impl LocalRequest {
     /// state `[H, Dk, Dv]`, conv state `[W-1, C]` and ReplaySSM ring and cursor
     /// (None for MLA layers), and its MLA rows `[n, L+R]` (empty for KDA
     /// layers). What a check reads back from a device run's regions.
-    pub fn from_parts(kda: Vec<Option<(Vec<f32>, Vec<f32>, Option<(Vec<f32>, i32)>)>>, mla: Vec<Vec<f32>>) -> LocalRequest {
+    pub fn from_parts(kda: Vec<Option<KdaParts>>, mla: Vec<Vec<f32>>) -> LocalRequest {
         let kda = kda.into_iter().map(|k| vec![k.map(|(state, conv, replay)| KdaLocal { state, conv, replay })]).collect();
         LocalRequest { kda, mla }
     }

@@ -150,6 +150,7 @@ fn accept(listener: TcpListener, link: Link, tx: Sender<Cmd>, refused: &Arc<supe
 /// The engine thread: commands and reports in, one tick, events out. It waits for
 /// work only when no request is decoding, and blocks outright when it holds none,
 /// so an idle decode neither spins nor grows.
+#[allow(clippy::too_many_arguments)]
 fn engine_loop(
     mut engine: Engine,
     transport: &dyn Transport,

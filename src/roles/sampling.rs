@@ -45,7 +45,8 @@ impl Default for Sampling {
 
 impl Sampling {
     pub fn is_greedy(&self) -> bool {
-        !(self.temperature > 0.0)
+        // NaN counts as greedy too.
+        self.temperature.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater)
     }
 }
 

@@ -117,11 +117,11 @@ impl Reaper {
                 Some((t, r)) if *t == ticket => r.clone(),
                 _ => self.mem.wait(ticket).map_err(|e| device_err("device copy", e)),
             };
-            if last.as_ref().is_none_or(|(t, _)| *t != ticket) {
-                if let Some(log) = lock(&self.log).as_mut() {
-                    let now = Instant::now();
-                    log.iter_mut().filter(|s| s.ticket == ticket).for_each(|s| s.done = Some(now));
-                }
+            if last.as_ref().is_none_or(|(t, _)| *t != ticket)
+                && let Some(log) = lock(&self.log).as_mut()
+            {
+                let now = Instant::now();
+                log.iter_mut().filter(|s| s.ticket == ticket).for_each(|s| s.done = Some(now));
             }
             last = Some((ticket, r.clone()));
             lock(&self.queue).pop_front();
@@ -217,10 +217,10 @@ impl Drop for DeviceTransport {
         }
         self.reaper.stop.store(true, Ordering::Release);
         self.reaper.work.notify_all();
-        if self.reaper.idle() {
-            if let Some(t) = self.reaper_thread.take() {
-                let _ = t.join();
-            }
+        if self.reaper.idle()
+            && let Some(t) = self.reaper_thread.take()
+        {
+            let _ = t.join();
         }
         for (_, a) in write(&self.attached).drain() {
             if a.opened {
@@ -326,12 +326,12 @@ impl Transport for DeviceTransport {
             .ok_or_else(|| TransportError::Protocol { peer: handle.peer.to_string(), message: format!("{handle} is a device region without an IPC handle") })?;
         let key = (ipc.pid, ipc.addr);
         let mut opened = lock(&self.opened);
-        if let Some(&id) = opened.get(&key) {
-            if let Some(a) = read(&self.attached).get(&id) {
-                if a.len == handle.len && a.kind == handle.kind {
-                    return Ok(RemoteRegion { id, kind: a.kind, len: a.len });
-                }
-            }
+        if let Some(&id) = opened.get(&key)
+            && let Some(a) = read(&self.attached).get(&id)
+            && a.len == handle.len
+            && a.kind == handle.kind
+        {
+            return Ok(RemoteRegion { id, kind: a.kind, len: a.len });
         }
         let (addr, by_ipc) = if ipc.pid == std::process::id() {
             // A region of this process (another transport of it, or this one):

@@ -701,10 +701,10 @@ impl Inner {
     /// The live connection to `addr`, connecting (and saying hello) if needed.
     fn conn(self: &Arc<Self>, addr: SocketAddr) -> Result<Arc<Conn>> {
         let mut conns = lock(&self.conns);
-        if let Some(c) = conns.get(&addr) {
-            if c.alive() {
-                return Ok(Arc::clone(c));
-            }
+        if let Some(c) = conns.get(&addr)
+            && c.alive()
+        {
+            return Ok(Arc::clone(c));
         }
         let stream = TcpStream::connect_timeout(&addr, self.opts.connect_timeout)
             .map_err(|e| TransportError::Disconnected { peer: addr.to_string(), reason: format!("connect: {e}") })?;

@@ -1,6 +1,6 @@
 //! Shared helpers of the transport tests: a seeded generator, random strided
 //! batches with disjoint destinations, the naive reference copy, and a byte diff.
-#![allow(dead_code)]
+//! (Each test binary that includes it allows the helpers it does not use.)
 
 use handoff::transport::device::DeviceTransport;
 use handoff::transport::{MemoryKind, RegionHandle, Transport, TransportExt};

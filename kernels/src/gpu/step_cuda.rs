@@ -20,7 +20,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaModule, CudaStrea
 
 use crate::dtype::StorageDtype;
 use crate::error::{KernelError, Result};
-use crate::step::{DecodeStep, KernelTime, StepMat, StepMixer, StepRequest, StepSpec, TickLayout, bucket_of, pack_weight, plane_len};
+use crate::step::{DecodeStep, KernelTime, StepMat, StepMixer, StepRequest, StepSpec, TickBounds, TickLayout, bucket_of, pack_weight, plane_len};
 
 fn dev(op: &'static str) -> impl Fn(DriverError) -> KernelError {
     move |e| KernelError::Device { op, message: e.to_string() }
@@ -177,10 +177,7 @@ pub struct CudaStep {
     logits_dev: u64,
     ids_host: Vec<i32>,
     vocab: usize,
-    max_context: usize,
-    slots: u32,
-    blocks: u32,
-    block_size: usize,
+    bounds: TickBounds,
     weight_bytes: u64,
 }
 
@@ -829,10 +826,7 @@ impl CudaStep {
             logits_dev,
             ids_host: vec![0; mp],
             vocab: v,
-            max_context: p.max_context,
-            slots,
-            blocks,
-            block_size: p.block_size,
+            bounds: TickBounds { vocab: v, max_context: p.max_context, slots, blocks },
             weight_bytes,
         })
     }
@@ -887,7 +881,7 @@ impl DecodeStep for CudaStep {
             op,
             reason: format!("a batch of {} requests, more than the step's largest bucket {}", batch.len(), self.buckets.last().copied().unwrap_or(0)),
         })?;
-        self.lay.fill(batch, self.vocab, self.max_context, self.slots, self.blocks, self.block_size, &mut self.tick_host)?;
+        self.lay.fill(batch, self.bounds, &mut self.tick_host)?;
         self.ctx.bind_to_thread().map_err(dev(op))?;
         let s = self.stream.cu_stream();
         // SAFETY: tick_dev holds lay.len() i32s.
@@ -941,7 +935,7 @@ impl DecodeStep for CudaStep {
         let op = "decode_step profile";
         let bp = bucket_of(&self.buckets, batch.len().max(1))
             .ok_or_else(|| KernelError::InvalidShape { op, reason: format!("a batch of {} requests", batch.len()) })?;
-        self.lay.fill(batch, self.vocab, self.max_context, self.slots, self.blocks, self.block_size, &mut self.tick_host)?;
+        self.lay.fill(batch, self.bounds, &mut self.tick_host)?;
         self.ctx.bind_to_thread().map_err(dev(op))?;
         // SAFETY: tick_dev holds lay.len() i32s.
         unsafe { result::memcpy_htod_async(self.tick_dev, &self.tick_host, self.stream.cu_stream()) }.map_err(dev(op))?;
