@@ -56,9 +56,9 @@ struct CopyTable {
 fn word_bytes(c: &Copy2d) -> u64 {
     let pitches = if c.height > 1 { c.src_pitch | c.dst_pitch } else { 0 };
     let align = c.src | c.dst | c.width | pitches;
-    if align % 16 == 0 {
+    if align.is_multiple_of(16) {
         16
-    } else if align % 4 == 0 {
+    } else if align.is_multiple_of(4) {
         4
     } else {
         1
