@@ -1094,7 +1094,7 @@ fn bench_mla(gpu: &CudaBackend, bw: f64, r: &mut SplitMix64, kernel: &str) -> R<
 
 /// The fused step's tensor-core product: against an f64 reference for each
 /// weight dtype and term count, and batch invariant (row 0's bits, and the
-/// first rows', the same at M = 1, 7, 88 and 4096, for plain and unit-segment
+/// first rows', the same at M = 1, 7, 17, 88, 130 and 4096, for plain and unit-segment
 /// weights).
 fn check_step_matmul(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
     use handoff_kernels::step::{StepMat, WeightDtype};
@@ -1124,10 +1124,13 @@ fn check_step_matmul(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
     let x = uni(&mut r, 4096 * k, -1.0, 1.0);
     let w = uni(&mut r, k * n, -1.0, 1.0);
     for (name, mat) in [("auto segments", StepMat::plain(k, n, w.clone())), ("16 unit segments", StepMat::units(k, n, 16, w.clone()))] {
-        let (full, _) = gpu.step_matmul(&x, 4096, &mat, WeightDtype::Bf16, 2, 1)?;
-        for m in [1usize, 7, 88] {
-            let (part, _) = gpu.step_matmul(&x[..m * k], m, &mat, WeightDtype::Bf16, 2, 1)?;
-            rep.exact_f32(op, &format!("rows of M = {m} vs M = 4096, {name}"), &part, &full[..m * n]);
+        // Each kernel variant: bf16 weights (one plane, 1 or 2 terms) and f32 (two planes, 3 terms).
+        for (dtype, terms) in [(WeightDtype::Bf16, 2u32), (WeightDtype::Bf16, 1), (WeightDtype::F32, 3)] {
+            let (full, _) = gpu.step_matmul(&x, 4096, &mat, dtype, terms, 1)?;
+            for m in [1usize, 7, 17, 88, 130] {
+                let (part, _) = gpu.step_matmul(&x[..m * k], m, &mat, dtype, terms, 1)?;
+                rep.exact_f32(op, &format!("rows of M = {m} vs M = 4096, {name}, {} weights, {terms} terms", dtype.name()), &part, &full[..m * n]);
+            }
         }
     }
     Ok(())
@@ -1248,7 +1251,7 @@ fn bench(gpu: &mut CudaBackend, seed: u64, mla_only: bool, matmul_only: bool, ml
     bench_step_matmul(gpu, &mut r)
 }
 
-/// The fused step's tensor-core product (hip/step.hip st_mm + st_reduce):
+/// The fused step's tensor-core product (hip/step.hip st_mm_few / st_mm):
 /// bf16 x bf16 (1 term, torch.matmul's bf16 semantics), the model's bf16
 /// weights (2 terms: f32 activations) and f32 weights (3 terms).
 fn bench_step_matmul(gpu: &CudaBackend, r: &mut SplitMix64) -> R<()> {

@@ -201,6 +201,14 @@ static __device__ __forceinline__ void hk_cp_wait_but_last() {
 #endif
 }
 
+// Waits for every committed copy group but the latest N.
+template <int N>
+static __device__ __forceinline__ void hk_cp_wait_n() {
+#ifndef __HIPCC__
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
 // ---- the fused decode step's operands and cache values (step.hip, mla.hip) ------
 //
 // Packed A operand of the tensor-core products: kernels/src/step.rs's a_index.

@@ -25,7 +25,7 @@
 //     (f32 weights: x_hi w_hi, x_lo w_hi, x_hi w_lo; bf16 weights: x_hi w,
 //     x_lo w; x = x_hi + x_lo and w = w_hi + w_lo split into bf16 pairs);
 //   - the last block of a column group adds the segment partials in segment
-//     order (st_mm).
+//     order (st_last_finish, in st_mm_few and st_mm alike).
 // A tensor-core instruction computes each output element from that element's
 // row and column only, so tiling over rows changes nothing of a row's result.
 //
@@ -197,6 +197,29 @@ static __device__ __forceinline__ void st_store_partials(
     }
 }
 
+// The segment sum of the last of the S blocks of one column group to finish
+// (a counter per column group and M-block, reset for the next launch): it adds
+// the S partials of its columns in segment order and applies the mode. The
+// other blocks return. `per` columns (channels for mode 2) a block, rows
+// row0 .. row0 + rows - 1; the caller has stored its partials.
+static __device__ __forceinline__ void st_last_finish(
+    unsigned* cnt, int S, const float* pg, hk_i64 part_seg, int ldp, int row0, int rows, int n0, int per, int ncols, int g, const StEpi& e)
+{
+    __shared__ int s_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(cnt, 1u) == (unsigned)(S - 1);
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    for (int x = threadIdx.x; x < rows * per; x += blockDim.x) {
+        const int r = row0 + x / per;
+        const int n = n0 + x % per;
+        if (n < ncols) st_finish(pg, part_seg, ldp, S, r, n, g, e);
+    }
+    if (threadIdx.x == 0) *cnt = 0u;  // ready for the next launch
+}
+
 // Few rows (M <= 16, the memory-bound decode of small batches): a warp owns
 // one 16-column tile of one segment of one group, reads its A tile straight
 // from memory (L1 serves the block's 4 warps) and its weights 8 k-steps ahead
@@ -215,7 +238,6 @@ extern "C" __global__ void __launch_bounds__(128, 4) st_mm_few(
     int mode, int ncols, float* __restrict__ out, int ldo, int gcol,
     unsigned short* __restrict__ ap, hk_i64 ap_plane, int akt, int uw, int uwp)
 {
-    __shared__ int s_last;
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int nt = blockIdx.x * 4 + (tid >> 5);
@@ -253,42 +275,39 @@ extern "C" __global__ void __launch_bounds__(128, 4) st_mm_few(
         }
         st_store_partials(part + (hk_i64)s * part_seg + (hk_i64)g * part_group, ldp, nt, 0, 1, acc, lane);
     }
-    __threadfence();
-    __syncthreads();
-    unsigned* cnt = counters + (hk_i64)g * gridDim.x + blockIdx.x;
-    if (tid == 0) s_last = atomicAdd(cnt, 1u) == (unsigned)(S - 1);
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
     const StEpi e{mode, out, ldo, gcol, ap, ap_plane, akt, uw, uwp};
-    const float* pg = part + (hk_i64)g * part_group;
     const int per = mode == 2 ? 32 : 64;  // the block's columns (channels: 8 a tile)
-    const int n0 = blockIdx.x * per;
-    for (int x = tid; x < M * per; x += 128) {
-        const int r = x / per;
-        const int n = n0 + x % per;
-        if (n < ncols) st_finish(pg, part_seg, ldp, S, r, n, g, e);
-    }
-    if (tid == 0) *cnt = 0u;  // ready for the next launch
+    st_last_finish(counters + (hk_i64)g * gridDim.x + blockIdx.x, S, part + (hk_i64)g * part_group, part_seg, ldp, 0, M, blockIdx.x * per, per,
+                   ncols, g, e);
 }
 
 // Many rows (M > 16): a block owns 8 column tiles of 16 (one a warp) of one
-// segment of one group for up to 128 rows (8 row tiles, the block's
-// M-block), and walks the segment in chunks of ST_KC k-steps: the chunk's A
-// tiles go to shared memory (cp.async, double buffered, shared by the 8
-// warps), each warp's weights come straight from memory a chunk ahead. It
-// writes the segment's partial sums; st_reduce adds them.
+// segment of one group for up to 128 rows (8 row tiles, the block's M-block),
+// and walks the segment in chunks of ST_KC k-steps through a ring of P + 1
+// shared-memory buffers filled P chunks ahead by cp.async: each buffer holds
+// the chunk's A tiles (shared by the 8 warps) and each warp's own weight
+// tiles. The copy engine, not registers, holds the bytes in flight (P chunks
+// of weights a warp: what it takes to read them near the copy rate), and one
+// barrier a chunk frees the buffer the next copy fills. The products and their
+// order are st_mm_few's; the last block of a column group adds the segment
+// partials (st_last_finish), as st_mm_few does.
+// WP: weight planes (2 for f32 weights, terms = 3); P: chunks in flight.
 // Launch: grid (ceil(nt16 / 8), S * G, ceil(M / 128)); block 256; dynamic
-// shared memory 2 * planes * mrows * ST_KC * 512 bytes (mrows: row tiles of
-// the first M-block, planes: 2 when terms >= 2).
+// shared memory (P + 1) * (planes * mrows + 8 * WP) * ST_KC * 512 bytes
+// (mrows: row tiles of the first M-block, planes: 2 when terms >= 2). Same
+// arguments as st_mm_few.
 #define ST_KC 4
-extern "C" __global__ void __launch_bounds__(256, 1) st_mm(
+template <int WP, int P>
+static __device__ __forceinline__ void st_mm_body(
     const uint4* __restrict__ A, hk_i64 a_plane, hk_i64 a_group,
     const uint4* __restrict__ W, hk_i64 w_plane, hk_i64 w_group,
-    float* __restrict__ part, hk_i64 part_seg, hk_i64 part_group, int ldp,
-    int M, int nt16, int KT, int S, int terms)
+    float* __restrict__ part, hk_i64 part_seg, hk_i64 part_group, int ldp, unsigned* __restrict__ counters,
+    int M, int nt16, int KT, int S, int terms,
+    int mode, int ncols, float* __restrict__ out, int ldo, int gcol,
+    unsigned short* __restrict__ ap, hk_i64 ap_plane, int akt, int uw, int uwp)
 {
-    HK_DYN_SMEM(uint4, sA);
+    constexpr int NB = P + 1;
+    HK_DYN_SMEM(uint4, sm);
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
@@ -297,8 +316,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) st_mm(
     const int s = blockIdx.y % S;
     const int g = blockIdx.y / S;
     const int mb = blockIdx.z;
-    const int rows = M - mb * 128;
-    const int mts = rows >= 128 ? 8 : (rows + 15) >> 4;
+    const int rows = M - mb * 128 < 128 ? M - mb * 128 : 128;
+    const int mts = (rows + 15) >> 4;
     const int mrows = M >= 128 ? 8 : (M + 15) >> 4;
     const int planes = terms >= 2 ? 2 : 1;
     const int seg = KT / S;
@@ -307,21 +326,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) st_mm(
     const int nchunks = (seg + ST_KC - 1) / ST_KC;
     const uint4* Ag = A + (hk_i64)g * a_group + (hk_i64)(mb * 8) * KT * 32;
     const uint4* Wt = W + (hk_i64)g * w_group + (hk_i64)(active ? nt : 0) * KT * 32 + lane;
-    const int chunk_tiles = planes * mrows * ST_KC;
+    const int a_tiles = planes * mrows * ST_KC;  // a buffer: A tiles, then 8 warps' weight tiles
+    const int buf_tiles = a_tiles + 8 * ST_KC * WP;
 
-    auto load_a = [&](int c, int b) {
-        uint4* dst = sA + (hk_i64)b * chunk_tiles * 32;
-        const int n = planes * mts * ST_KC * 32;
-        for (int q = tid; q < n; q += 256) {
-            const int l = q & 31;
-            const int t = q >> 5;
-            const int kk = t % ST_KC;
-            const int mt = (t / ST_KC) % mts;
-            const int p = t / (ST_KC * mts);
-            const int kt = kt0 + c * ST_KC + kk;
-            const bool ok = kt < kend;
-            hk_cp16(dst + (((hk_i64)p * mrows + mt) * ST_KC + kk) * 32 + l,
-                    Ag + (hk_i64)p * a_plane + ((hk_i64)mt * KT + (ok ? kt : kt0)) * 32 + l, ok);
+    // Chunk c into buffer c % NB (zeros past the segment); one commit group a
+    // chunk, empty past the last, so the waits below count chunks.
+    auto load = [&](int c) {
+        if (c < nchunks) {
+            uint4* dst = sm + (hk_i64)(c % NB) * buf_tiles * 32;
+            const int n = planes * mts * ST_KC * 32;
+            for (int q = tid; q < n; q += 256) {
+                const int l = q & 31;
+                const int t = q >> 5;
+                const int kk = t % ST_KC;
+                const int mt = (t / ST_KC) % mts;
+                const int p = t / (ST_KC * mts);
+                const int kt = kt0 + c * ST_KC + kk;
+                const bool ok = kt < kend;
+                hk_cp16(dst + (((hk_i64)p * mrows + mt) * ST_KC + kk) * 32 + l,
+                        Ag + (hk_i64)p * a_plane + ((hk_i64)mt * KT + (ok ? kt : kt0)) * 32 + l, ok);
+            }
+            uint4* wd = dst + (hk_i64)(a_tiles + warp * ST_KC * WP) * 32 + lane;
+#pragma unroll
+            for (int kk = 0; kk < ST_KC; ++kk) {
+                const int kt = kt0 + c * ST_KC + kk;
+                const bool ok = active && kt < kend;
+#pragma unroll
+                for (int p = 0; p < WP; ++p) hk_cp16(wd + (kk * WP + p) * 32, Wt + (hk_i64)p * w_plane + (hk_i64)(ok ? kt : kt0) * 32, ok);
+            }
         }
         hk_cp_commit();
     };
@@ -334,74 +366,55 @@ extern "C" __global__ void __launch_bounds__(256, 1) st_mm(
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[mt][h][i] = 0.0f;
 
-    uint4 bh[ST_KC], bl[ST_KC], nh[ST_KC], nl[ST_KC];
 #pragma unroll
-    for (int kk = 0; kk < ST_KC; ++kk) {
-        const int kt = kt0 + kk;
-        bh[kk] = (active && kt < kend) ? st_ld_stream(Wt + (hk_i64)kt * 32) : make_uint4(0u, 0u, 0u, 0u);
-        bl[kk] = (active && kt < kend && terms == 3) ? st_ld_stream(Wt + w_plane + (hk_i64)kt * 32) : make_uint4(0u, 0u, 0u, 0u);
-    }
-    load_a(0, 0);
+    for (int c = 0; c < P; ++c) load(c);
     for (int c = 0; c < nchunks; ++c) {
-        const bool more = c + 1 < nchunks;
-        if (more) {
-            load_a(c + 1, (c + 1) & 1);
-#pragma unroll
-            for (int kk = 0; kk < ST_KC; ++kk) {
-                const int kt = kt0 + (c + 1) * ST_KC + kk;
-                nh[kk] = (active && kt < kend) ? st_ld_stream(Wt + (hk_i64)kt * 32) : make_uint4(0u, 0u, 0u, 0u);
-                nl[kk] = (active && kt < kend && terms == 3) ? st_ld_stream(Wt + w_plane + (hk_i64)kt * 32) : make_uint4(0u, 0u, 0u, 0u);
-            }
-            hk_cp_wait_but_last();
-        } else {
-            hk_cp_wait_all();
-        }
-        __syncthreads();  // chunk c's A tiles are in
-        const uint4* sa = sA + (hk_i64)(c & 1) * chunk_tiles * 32 + lane;
+        hk_cp_wait_n<P - 1>();  // chunk c is in (the P - 1 after it may still fly)
+        __syncthreads();        // ... for every thread; chunk c - 1's buffer is free
+        load(c + P);
+        const uint4* buf = sm + (hk_i64)(c % NB) * buf_tiles * 32 + lane;
         if (active) {
 #pragma unroll
             for (int kk = 0; kk < ST_KC; ++kk) {
-                if (kt0 + c * ST_KC + kk < kend) {
+                if (c * ST_KC + kk < seg) {
+                    const uint4* wb = buf + (hk_i64)(a_tiles + (warp * ST_KC + kk) * WP) * 32;
+                    const uint4 bh = wb[0];
+                    const uint4 bl = WP == 2 ? wb[32] : bh;
 #pragma unroll
                     for (int mt = 0; mt < 8; ++mt) {
                         if (mt < mts) {
-                            const uint4 ah = sa[((hk_i64)mt * ST_KC + kk) * 32];
-                            const uint4 al = terms >= 2 ? sa[(((hk_i64)mrows + mt) * ST_KC + kk) * 32] : ah;
-                            ST_MMA_KSTEP(acc[mt], ah, al, bh[kk], bl[kk], terms);
+                            const uint4 ah = buf[((hk_i64)mt * ST_KC + kk) * 32];
+                            const uint4 al = terms >= 2 ? buf[(((hk_i64)mrows + mt) * ST_KC + kk) * 32] : ah;
+                            ST_MMA_KSTEP(acc[mt], ah, al, bh, bl, terms);
                         }
                     }
                 }
             }
         }
-        __syncthreads();  // every warp is done with this buffer before it is refilled
-        if (more) {
-#pragma unroll
-            for (int kk = 0; kk < ST_KC; ++kk) {
-                bh[kk] = nh[kk];
-                bl[kk] = nl[kk];
-            }
-        }
     }
+    hk_cp_wait_all();
     if (active) st_store_partials(part + (hk_i64)s * part_seg + (hk_i64)g * part_group, ldp, nt, mb * 128, mts, acc, lane);
+    const StEpi e{mode, out, ldo, gcol, ap, ap_plane, akt, uw, uwp};
+    unsigned* cnt = counters + ((hk_i64)g * gridDim.z + mb) * gridDim.x + blockIdx.x;
+    st_last_finish(cnt, S, part + (hk_i64)g * part_group, part_seg, ldp, mb * 128, rows, blockIdx.x * (mode == 2 ? 64 : 128),
+                   mode == 2 ? 64 : 128, ncols, g, e);
 }
 
-// The segment sums of st_mm's partials and what they feed (StEpi), every
-// element of every group. Launch: grid-stride over G * M * ncols.
-extern "C" __global__ void st_reduce(
-    const float* __restrict__ part, hk_i64 part_seg, hk_i64 part_group, int ldp,
-    int M, int ncols, int S, int G,
-    int mode, float* __restrict__ out, int ldo, int gcol,
-    unsigned short* __restrict__ ap, hk_i64 ap_plane, int akt, int uw, int uwp)
-{
-    const StEpi e{mode, out, ldo, gcol, ap, ap_plane, akt, uw, uwp};
-    const hk_i64 total = (hk_i64)G * M * ncols;
-    for (hk_i64 x = (hk_i64)blockIdx.x * blockDim.x + threadIdx.x; x < total; x += (hk_i64)gridDim.x * blockDim.x) {
-        const int n = (int)(x % ncols);
-        const int r = (int)((x / ncols) % M);
-        const int g = (int)(x / ((hk_i64)ncols * M));
-        st_finish(part + (hk_i64)g * part_group, part_seg, ldp, S, r, n, g, e);
-    }
-}
+#define ST_MM_ARGS                                                                                               \
+    const uint4 *__restrict__ A, hk_i64 a_plane, hk_i64 a_group, const uint4 *__restrict__ W, hk_i64 w_plane,  \
+        hk_i64 w_group, float *__restrict__ part, hk_i64 part_seg, hk_i64 part_group, int ldp,                  \
+        unsigned *__restrict__ counters, int M, int nt16, int KT, int S, int terms, int mode, int ncols,        \
+        float *__restrict__ out, int ldo, int gcol, unsigned short *__restrict__ ap, hk_i64 ap_plane, int akt, \
+        int uw, int uwp
+#define ST_MM_PASS \
+    A, a_plane, a_group, W, w_plane, w_group, part, part_seg, part_group, ldp, counters, M, nt16, KT, S, terms, mode, ncols, out, ldo, gcol, ap, ap_plane, akt, uw, uwp
+
+// One weight plane (bf16 weights, or terms < 3), three chunks in flight; two
+// planes (f32 weights, terms = 3), three chunks or, where four buffers would
+// not fit in shared memory (128 rows), two.
+extern "C" __global__ void __launch_bounds__(256, 1) st_mm(ST_MM_ARGS) { st_mm_body<1, 3>(ST_MM_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 1) st_mm_w2(ST_MM_ARGS) { st_mm_body<2, 3>(ST_MM_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 1) st_mm_w2p2(ST_MM_ARGS) { st_mm_body<2, 2>(ST_MM_PASS); }
 
 // ---- embedding, norms, argmax ---------------------------------------------------------
 
@@ -554,13 +567,15 @@ extern "C" __global__ void st_conv(
 //
 // The thread layout of kda.hip's kda_recurrent (64-column tiles: 2 columns a
 // lane, 16 key rows a warp, dk / 16 warps), one block per (request, head,
-// tile), the state tile in registers, read once and written once. The state
-// lives in its rank's kda.state region at the request's slot; under
-// ReplaySSM that is the committed state S_0, and the block first rebuilds the
-// current state from it and the ring's records (replay_commit's arithmetic),
-// steps it, appends this token's record (k^, u, g) to the ring, and when the
-// ring is then full commits: S_0 := the state rebuilt from S_0 over all the
-// records. The cursors are advanced by st_cursor after every layer has run.
+// tile). The state lives in its rank's kda.state region at the request's
+// slot; under ReplaySSM that is the committed state S_0, which the step only
+// reads: it needs the current state only through two products with it, which
+// it takes from S_0 and the ring's records in one pass (see st_kda), appends
+// this token's record (k^, u, g) to the ring, and when the ring is then full
+// commits: S_0 := the state rebuilt from S_0 over all the records
+// (replay_commit's arithmetic, st_kda_rebuild). Without ReplaySSM the state
+// is read once and written once. The cursors are advanced by st_cursor after
+// every layer has run.
 
 #define ST_KDA_ROWS 16
 #define ST_KDA_COLS 2
@@ -568,6 +583,44 @@ extern "C" __global__ void st_conv(
 
 // Records staged in shared memory at a time by st_kda_rebuild.
 #define ST_KDA_RC 16
+
+// Records lo .. hi - 1 of a head's ring into shared memory, ST_KDA_RC at most:
+// k^ (kpad), g (kpad) and u of the block's columns (ST_KDA_TILE) each, zeros
+// past dk and dv; ends with a barrier. Every thread of the block calls it.
+static __device__ __forceinline__ void st_kda_stage(
+    float* srec, const float* __restrict__ rec0, hk_i64 rstride, int lo, int hi, int kpad, int dk, int dv, int col0)
+{
+    const int per = 2 * kpad + ST_KDA_TILE;
+    const int total = (hi - lo) * per;
+    // Eight loads a thread in flight at once: the records are the step's
+    // longest chain of dependent reads, so they go in as few round trips as fit.
+    for (int base = 0; base < total; base += 8 * (int)blockDim.x) {
+        float v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int q = base + u * (int)blockDim.x + (int)threadIdx.x;
+            v[u] = 0.0f;
+            if (q < total) {
+                const int x = q % per;
+                const float* rj = rec0 + (lo + q / per) * rstride;
+                if (x < kpad) {
+                    if (x < dk) v[u] = rj[x];
+                } else if (x < 2 * kpad) {
+                    if (x - kpad < dk) v[u] = rj[dk + dv + (x - kpad)];
+                } else {
+                    const int jc = col0 + (x - 2 * kpad);
+                    if (jc < dv) v[u] = rj[dk + jc];
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int q = base + u * (int)blockDim.x + (int)threadIdx.x;
+            if (q < total) srec[q] = v[u];
+        }
+    }
+    __syncthreads();
+}
 
 // s (S_0 on entry) := exp(G) S_0 + sum_j exp(G - G_j) k_j u_j^T over n ring
 // records of this head (oldest first in memory, applied newest first so that
@@ -584,26 +637,7 @@ static __device__ __forceinline__ void st_kda_rebuild(
 {
     const int tid = threadIdx.x;
     const int per = 2 * kpad + ST_KDA_TILE;
-    // Records lo .. hi - 1 into shared memory: k^ (kpad), g (kpad), u (the tile's columns).
-    auto stage = [&](int lo, int hi) {
-#pragma unroll 4
-        for (int q = tid; q < (hi - lo) * per; q += blockDim.x) {
-            const int j = lo + q / per;
-            const int x = q % per;
-            const float* rj = rec0 + j * rstride;
-            float v = 0.0f;
-            if (x < kpad) {
-                if (x < dk) v = rj[x];
-            } else if (x < 2 * kpad) {
-                if (x - kpad < dk) v = rj[dk + dv + (x - kpad)];
-            } else {
-                const int jc = col0 + (x - 2 * kpad);
-                if (jc < dv) v = rj[dk + jc];
-            }
-            srec[(j - lo) * per + x] = v;
-        }
-        __syncthreads();
-    };
+    auto stage = [&](int lo, int hi) { st_kda_stage(srec, rec0, rstride, lo, hi, kpad, dk, dv, col0); };
     // One staging for the usual ring (every record fits), else ST_KDA_RC at a time.
     const bool all = n <= ST_KDA_RC;
     if (all && n > 0) stage(0, n);
@@ -671,16 +705,34 @@ static __device__ __forceinline__ void st_kda_rebuild(
     __syncthreads();
 }
 
+// The warp's key rows of the block's column tile of a head's state (int
+// offsets from one base: a head's state is far below 2^31 values).
 static __device__ __forceinline__ void st_kda_load(
     float (&s)[ST_KDA_ROWS][ST_KDA_COLS], const float* S, int w, int lane, int col0, int dk, int dv)
 {
+    const float* base = S + (hk_i64)(w * ST_KDA_ROWS) * dv + col0 + lane;
 #pragma unroll
     for (int r = 0; r < ST_KDA_ROWS; ++r) {
         const int i = w * ST_KDA_ROWS + r;
 #pragma unroll
         for (int c = 0; c < ST_KDA_COLS; ++c) {
             const int j = col0 + lane + HK_WARP * c;
-            s[r][c] = (i < dk && j < dv) ? S[(hk_i64)i * dv + j] : 0.0f;
+            s[r][c] = (i < dk && j < dv) ? base[r * dv + HK_WARP * c] : 0.0f;
+        }
+    }
+}
+
+static __device__ __forceinline__ void st_kda_store(
+    const float (&s)[ST_KDA_ROWS][ST_KDA_COLS], float* S, int w, int lane, int col0, int dk, int dv)
+{
+    float* base = S + (hk_i64)(w * ST_KDA_ROWS) * dv + col0 + lane;
+#pragma unroll
+    for (int r = 0; r < ST_KDA_ROWS; ++r) {
+        const int i = w * ST_KDA_ROWS + r;
+#pragma unroll
+        for (int c = 0; c < ST_KDA_COLS; ++c) {
+            const int j = col0 + lane + HK_WARP * c;
+            if (i < dk && j < dv) base[r * dv + HK_WARP * c] = s[r][c];
         }
     }
 }
@@ -691,7 +743,7 @@ static __device__ __forceinline__ void st_kda_load(
 // Launch: grid (rows * H, ceil(dv / 64)); block 32 * ceil(dk / 16) (dk <= 128);
 // dynamic shared memory (4 kpad + 2 nw 64 + 2 nw) floats, kpad = 16 nw, and
 // under ReplaySSM (ST_KDA_RC (2 kpad + 64) + kpad) more.
-extern "C" __global__ void __launch_bounds__(256, 3) st_kda(
+extern "C" __global__ void __launch_bounds__(256, 2) st_kda(
     const float* __restrict__ cv, const float* __restrict__ proj, int ldproj, int g_off, int b_off,
     const float* __restrict__ a_log, const float* __restrict__ dt_bias, float* __restrict__ out,
     const int* __restrict__ tick, int slot, int tp,
@@ -725,6 +777,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) st_kda(
     float* S = (float*)(rows3[r] + sl * state_stride) + (hk_i64)lh * dk * dv;
     const int wrec = 2 * dk + dv;
 
+    // S_0's tile, in flight while the records are walked.
     float s[ST_KDA_ROWS][ST_KDA_COLS];
     st_kda_load(s, S, w, lane, col0, dk, dv);
 
@@ -745,7 +798,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) st_kda(
     const float bias = tid < dk ? dt_bias[(hk_i64)h * dk + tid] : 0.0f;
     const float inv_sqrt_dk = 1.0f / sqrtf((float)dk);
 
-    // ReplaySSM: the current state from S_0 and the n records so far.
+    // ReplaySSM: the committed state S_0 and the n records since.
     float* rec0 = 0;
     int n = 0;
     const hk_i64 rstride = (hk_i64)hl * wrec;
@@ -753,7 +806,6 @@ extern "C" __global__ void __launch_bounds__(256, 3) st_kda(
         rec0 = (float*)(rows3[tp + r] + sl * ring_stride) + (hk_i64)lh * wrec;
         n = *(const int*)(rows3[2 * tp + r] + sl * cursor_stride);
         n = n < 0 ? 0 : (n > cap - 1 ? cap - 1 : n);
-        st_kda_rebuild(s, rec0, rstride, n, false, 0, 0, 0, w, lane, col0, dk, dv, kpad, srec, stot);
     }
 
     // Step 1: L2 norms of q and k, one fixed-order block sum for both.
@@ -772,38 +824,89 @@ extern "C" __global__ void __launch_bounds__(256, 3) st_kda(
     }
     const float qs = 1.0f / sqrtf(sq + 1e-6f) * inv_sqrt_dk;
     const float ks = 1.0f / sqrtf(sk + 1e-6f);
-    // Steps 2-3: per-channel log decay, alpha, beta.
+    // Steps 2-3: per-channel log decay, beta.
     if (tid < kpad) {
         if (tid < dk) {
-            const float g = rate * hk_softplus(gr + bias);
             qh[tid] = qi * qs;
             kh[tid] = ki * ks;
-            gs[tid] = g;
-            al[tid] = expf(g);
+            gs[tid] = rate * hk_softplus(gr + bias);
         } else {
-            qh[tid] = kh[tid] = gs[tid] = al[tid] = 0.0f;
+            qh[tid] = kh[tid] = gs[tid] = 0.0f;
         }
     }
     const float beta = hk_sigmoid(br);
     __syncthreads();
 
-    // Steps 4-5: S' = Diag(alpha) S; partial sums of S'^T k^ over the warp's rows.
-    float acc[ST_KDA_COLS];
+    // The step reads the current state S only through S'^T x = (Diag(alpha) S)^T x
+    // for x = k^ and q^, and S = Diag(e^G) S_0 + sum_j Diag(e^(G - G_j)) k_j u_j^T
+    // over the records (G - G_j: the decay of the records newer than j), so
+    //   S'^T x = S_0^T (E x) + sum_j u_j (c_j . x),  E = e^(g + G),
+    //   c_j = e^(g + G - G_j) k_j,
+    // one pass over S_0 with no state written back (it is written only when
+    // the ring commits, or every step without ReplaySSM). Then
+    //   u = beta (v - S'^T k^),  o = S_t^T q^ = S'^T q^ + u (k^ . q^).
+    // Partial sums over the warp's key rows: pk for x = k^, pq for x = q^.
+    float pk[ST_KDA_COLS], pq[ST_KDA_COLS];
 #pragma unroll
-    for (int c = 0; c < ST_KDA_COLS; ++c) acc[c] = 0.0f;
+    for (int c = 0; c < ST_KDA_COLS; ++c) pk[c] = pq[c] = 0.0f;
+    // Key row tid's decay so far, newest record first.
+    float suf = tid < dk ? gs[tid] : 0.0f;
+    const int per = 2 * kpad + TILE;
+    for (int hi = n; hi > 0; hi -= ST_KDA_RC) {
+        const int lo = hi > ST_KDA_RC ? hi - ST_KDA_RC : 0;
+        if (hi != n) __syncthreads();  // the previous records are consumed
+        st_kda_stage(srec, rec0, rstride, lo, hi, kpad, dk, dv, col0);
+        if (tid < dk) {
+            for (int j = hi - 1; j >= lo; --j) {
+                float* rj = srec + (j - lo) * per;
+                const float coef = expf(suf) * rj[tid];
+                suf += rj[kpad + tid];
+                rj[tid] = coef;  // c_j in place of k_j
+            }
+        }
+        __syncthreads();
+        // Record j's dot products, by warp j % nw, added to that warp's partials.
+        for (int j = lo + w; j < hi; j += nw) {
+            const float* rj = srec + (j - lo) * per;
+            float dk_ = 0.0f, dq_ = 0.0f;
+            for (int i = lane; i < kpad; i += HK_WARP) {
+                dk_ = fmaf(rj[i], kh[i], dk_);
+                dq_ = fmaf(rj[i], qh[i], dq_);
+            }
+            dk_ = hk_warp_sum(dk_);
+            dq_ = hk_warp_sum(dq_);
+#pragma unroll
+            for (int c = 0; c < ST_KDA_COLS; ++c) {
+                const float uj = rj[2 * kpad + lane + HK_WARP * c];
+                pk[c] = fmaf(uj, dk_, pk[c]);
+                pq[c] = fmaf(uj, dq_, pq[c]);
+            }
+        }
+    }
+    if (tid < kpad) al[tid] = tid < dk ? expf(suf) : 0.0f;  // E (alpha itself without records)
+    __syncthreads();
+    // k^ . q^, in every warp in one order.
+    float kq = 0.0f;
+    for (int i = lane; i < kpad; i += HK_WARP) kq = fmaf(kh[i], qh[i], kq);
+    kq = hk_warp_sum(kq);
+    // S_0's part.
 #pragma unroll
     for (int rr = 0; rr < ST_KDA_ROWS; ++rr) {
         const int i = w * ST_KDA_ROWS + rr;
-        const float a = al[i];
-        const float kk = kh[i];
+        const float e = al[i];
+        const float xk = e * kh[i];
+        const float xq = e * qh[i];
 #pragma unroll
         for (int c = 0; c < ST_KDA_COLS; ++c) {
-            s[rr][c] *= a;
-            acc[c] = fmaf(s[rr][c], kk, acc[c]);
+            pk[c] = fmaf(s[rr][c], xk, pk[c]);
+            pq[c] = fmaf(s[rr][c], xq, pq[c]);
         }
     }
 #pragma unroll
-    for (int c = 0; c < ST_KDA_COLS; ++c) part1[w * TILE + lane + HK_WARP * c] = acc[c];
+    for (int c = 0; c < ST_KDA_COLS; ++c) {
+        part1[w * TILE + lane + HK_WARP * c] = pk[c];
+        part2[w * TILE + lane + HK_WARP * c] = pq[c];
+    }
     __syncthreads();
     float u[ST_KDA_COLS];
 #pragma unroll
@@ -813,23 +916,6 @@ extern "C" __global__ void __launch_bounds__(256, 3) st_kda(
         for (int x = 0; x < nw; ++x) kv += part1[x * TILE + jj];
         u[c] = col0 + jj < dv ? beta * (vv[c] - kv) : 0.0f;
     }
-    // Steps 6-7: S = S' + k^ u^T; partial sums of S^T q^.
-#pragma unroll
-    for (int c = 0; c < ST_KDA_COLS; ++c) acc[c] = 0.0f;
-#pragma unroll
-    for (int rr = 0; rr < ST_KDA_ROWS; ++rr) {
-        const int i = w * ST_KDA_ROWS + rr;
-        const float kk = kh[i];
-        const float qq = qh[i];
-#pragma unroll
-        for (int c = 0; c < ST_KDA_COLS; ++c) {
-            s[rr][c] = fmaf(kk, u[c], s[rr][c]);
-            acc[c] = fmaf(s[rr][c], qq, acc[c]);
-        }
-    }
-#pragma unroll
-    for (int c = 0; c < ST_KDA_COLS; ++c) part2[w * TILE + lane + HK_WARP * c] = acc[c];
-    __syncthreads();
     float* rec = cap > 0 ? rec0 + (hk_i64)n * rstride : 0;
     if (w == 0) {
 #pragma unroll
@@ -839,7 +925,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) st_kda(
             if (j < dv) {
                 float o = 0.0f;
                 for (int x = 0; x < nw; ++x) o += part2[x * TILE + jj];
-                out[((hk_i64)b * heads + h) * dv + j] = o;
+                out[((hk_i64)b * heads + h) * dv + j] = fmaf(u[c], kq, o);
                 if (rec) rec[dk + j] = u[c];
             }
         }
@@ -851,18 +937,21 @@ extern "C" __global__ void __launch_bounds__(256, 3) st_kda(
     if (cap > 0) {
         if (n + 1 < cap) return;  // the committed state stays; the ring holds the step
         // The ring is full: S_0 := the state rebuilt from S_0 over all its records.
+        __syncthreads();  // srec is free
         st_kda_load(s, S, w, lane, col0, dk, dv);
         st_kda_rebuild(s, rec0, rstride, n, true, kh, gs, u, w, lane, col0, dk, dv, kpad, srec, stot);
-    }
+    } else {
+        // S_t = Diag(alpha) S + k^ u^T.
 #pragma unroll
-    for (int rr = 0; rr < ST_KDA_ROWS; ++rr) {
-        const int i = w * ST_KDA_ROWS + rr;
+        for (int rr = 0; rr < ST_KDA_ROWS; ++rr) {
+            const int i = w * ST_KDA_ROWS + rr;
+            const float a = al[i];
+            const float kk = kh[i];
 #pragma unroll
-        for (int c = 0; c < ST_KDA_COLS; ++c) {
-            const int j = col0 + lane + HK_WARP * c;
-            if (i < dk && j < dv) S[(hk_i64)i * dv + j] = s[rr][c];
+            for (int c = 0; c < ST_KDA_COLS; ++c) s[rr][c] = fmaf(kk, u[c], s[rr][c] * a);
         }
     }
+    st_kda_store(s, S, w, lane, col0, dk, dv);
 }
 
 // Advances every live request's ReplaySSM cursor of every KDA layer on every

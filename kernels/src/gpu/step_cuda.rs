@@ -124,10 +124,51 @@ struct DevMat {
     planes: usize,
 }
 
+/// The kernels of one tensor-core product (hip/step.hip).
+struct MmFuncs {
+    few: CudaFunction,
+    one: CudaFunction,
+    two: CudaFunction,
+    two_p2: CudaFunction,
+}
+
+impl MmFuncs {
+    fn load(module: &Arc<CudaModule>) -> Result<MmFuncs> {
+        let get = |name: &str| module.load_function(name).map_err(|e| KernelError::BackendUnavailable(format!("cuda: kernel {name} missing: {e}")));
+        let f = MmFuncs { few: get("st_mm_few")?, one: get("st_mm")?, two: get("st_mm_w2")?, two_p2: get("st_mm_w2p2")? };
+        for (func, what) in [(&f.one, "st_mm"), (&f.two, "st_mm_w2"), (&f.two_p2, "st_mm_w2p2")] {
+            func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, MM_SMEM_MAX as i32)
+                .map_err(|e| KernelError::BackendUnavailable(format!("cuda: cannot give {what} {MM_SMEM_MAX} bytes of shared memory: {e}")))?;
+        }
+        Ok(f)
+    }
+
+    /// The launch of a product over `m` rows of a weight of `nt` column tiles,
+    /// `segments` x `groups` blocks of inner rows, `terms` products a k-step;
+    /// `args` in st_mm_few's order (every variant takes the same). Few rows:
+    /// st_mm_few; more: st_mm, or st_mm_w2(p2) when the weight has two planes.
+    fn launch(&self, name: &'static str, m: usize, nt: usize, segments: usize, groups: usize, terms: i32, args: Vec<Arg>) -> Launch {
+        let gy = (segments * groups) as u32;
+        if m <= 16 {
+            return Launch { f: self.few.cu_function(), name, grid: (nt.div_ceil(4) as u32, gy, 1), block: 128, smem: 0, args };
+        }
+        let (wp, p, smem) = mm_shape(m, terms);
+        let f = match (wp, p) {
+            (1, _) => &self.one,
+            (_, 3) => &self.two,
+            _ => &self.two_p2,
+        };
+        Launch { f: f.cu_function(), name, grid: (nt.div_ceil(8) as u32, gy, m.div_ceil(128) as u32), block: 256, smem, args }
+    }
+}
+
+/// Counters a product's launch needs (one a column block and M-block of a group).
+fn mm_counters(m: usize, nt: usize, groups: usize) -> usize {
+    groups * nt.div_ceil(4).max(m.div_ceil(128) * nt.div_ceil(8))
+}
+
 struct Funcs {
-    mm: CudaFunction,
-    mm_few: CudaFunction,
-    reduce: CudaFunction,
+    mm: MmFuncs,
     embed: CudaFunction,
     rms_pack: CudaFunction,
     gnorm_pack: CudaFunction,
@@ -141,14 +182,22 @@ struct Funcs {
     mla_merge: CudaFunction,
 }
 
-/// Dynamic shared memory of `st_mm` for a product over `m` rows (double
-/// buffered A chunks of ST_KC k-steps, two planes, up to 8 row tiles).
-fn mm_smem(m: usize) -> u32 {
-    (2 * 2 * m.div_ceil(16).min(8) * 4 * 512) as u32
+/// `st_mm`'s kernel for a product over `m` (> 16) rows with `terms` products a
+/// k-step: (weight planes, chunks in flight, dynamic shared memory). A buffer
+/// holds one chunk of ST_KC (4) k-steps: the A tiles of up to 8 row tiles
+/// (two planes when `terms` >= 2) and 8 warps' weight tiles; chunks in flight
+/// + 1 buffers, three in flight unless four buffers would not fit.
+fn mm_shape(m: usize, terms: i32) -> (usize, usize, u32) {
+    let (planes_a, wp) = (if terms >= 2 { 2 } else { 1 }, if terms == 3 { 2 } else { 1 });
+    let buf = (planes_a * m.div_ceil(16).min(8) + 8 * wp) * 4 * 512;
+    let p = if 4 * buf <= MM_SMEM_MAX as usize { 3 } else { 2 };
+    (wp, p, ((p + 1) * buf) as u32)
 }
 
-/// The largest st_mm shared memory (8 row tiles), opted in at build.
-const MM_SMEM_MAX: u32 = 2 * 2 * 8 * 4 * 512;
+/// The dynamic shared memory st_mm's kernels may use, opted in at build: an
+/// sm_90 block may have 227 KiB in all, static (st_last_finish's flag) and
+/// dynamic together, so 1 KiB stays free of the dynamic part.
+const MM_SMEM_MAX: u32 = 226 * 1024;
 /// MLA_TC_SMEM(8) of mla.hip: the tensor-core partial's shared memory.
 const MLA_TC_SMEM8: u32 = (((8 * 8 + 8) * 20 + 8) * 8 + 2 * 16 * 576 * 4) as u32;
 
@@ -238,9 +287,7 @@ impl CudaStep {
         let op = "decode_step";
         let get = |name: &str| module.load_function(name).map_err(|e| KernelError::BackendUnavailable(format!("cuda: kernel {name} missing: {e}")));
         let f = Funcs {
-            mm: get("st_mm")?,
-            mm_few: get("st_mm_few")?,
-            reduce: get("st_reduce")?,
+            mm: MmFuncs::load(&module)?,
             embed: get("st_embed")?,
             rms_pack: get("st_rms_pack")?,
             gnorm_pack: get("st_gnorm_pack")?,
@@ -253,10 +300,9 @@ impl CudaStep {
             mla_part_tc: get("st_mla_part_tc")?,
             mla_merge: get("st_mla_merge")?,
         };
-        for (func, bytes, what) in [(&f.mm, MM_SMEM_MAX, "st_mm"), (&f.mla_part_tc, MLA_TC_SMEM8, "st_mla_part_tc")] {
-            func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
-                .map_err(|e| KernelError::BackendUnavailable(format!("cuda: cannot give {what} {bytes} bytes of shared memory: {e}")))?;
-        }
+        f.mla_part_tc
+            .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, MLA_TC_SMEM8 as i32)
+            .map_err(|e| KernelError::BackendUnavailable(format!("cuda: cannot give st_mla_part_tc {MLA_TC_SMEM8} bytes of shared memory: {e}")))?;
         let m = &spec.model;
         let p = &spec.place;
         let bmax = spec.options.max_batch;
@@ -392,8 +438,8 @@ impl CudaStep {
             }
         }
         let part_len = all_mats.iter().map(|w| w.segments * w.groups * mp * w.nt * 16).max().unwrap_or(0);
-        // One counter a (group, column block) of the widest few-row product.
-        let counters_len = all_mats.iter().map(|w| w.groups * w.nt.div_ceil(4)).max().unwrap_or(1);
+        // One counter a (group, column block, M-block) of the widest product.
+        let counters_len = all_mats.iter().map(|w| mm_counters(mp, w.nt, w.groups)).max().unwrap_or(1);
         // The widest A operand any product reads (inner dimensions padded).
         let k_max = all_mats.iter().filter(|w| w.groups == 1).map(|w| w.kt * 16).max().unwrap_or(16);
         let dkt = lm_head.kt; // every product of a normed hidden state: [hidden, *]
@@ -463,9 +509,9 @@ impl CudaStep {
             let mut list: Vec<Launch> = Vec::new();
             let fun = |x: &CudaFunction| x.cu_function();
             // One product over bp rows: A (packed, k tiles w.kt) times w, the
-            // segment sum and what `epi` says. Few rows (bp <= 16): one launch
-            // (st_mm_few sums the segments itself); more: st_mm's partials, then
-            // st_reduce. Both sum every element in the same order.
+            // segment sum and what `epi` says, in one launch (the last block
+            // of a column group sums the segments, in the same order for any
+            // number of rows).
             let gemm = |list: &mut Vec<Launch>, name: &'static str, a: u64, w: &DevMat, epi: Epi| {
                 let a_plane = (mp * w.kt * 16 / 8) as i64; // uint4 units
                 let a_group = planes_a as i64 * a_plane;
@@ -505,44 +551,11 @@ impl CudaStep {
                     Arg::I(uw as i32),
                     Arg::I(uwp as i32),
                 ];
-                if bp <= 16 {
-                    let mut args = operands.to_vec();
-                    args.push(Arg::P(counters));
-                    args.extend(shape);
-                    args.extend(epilogue);
-                    list.push(Launch {
-                        f: fun(&f.mm_few),
-                        name,
-                        grid: (w.nt.div_ceil(4) as u32, (w.segments * w.groups) as u32, 1),
-                        block: 128,
-                        smem: 0,
-                        args,
-                    });
-                } else {
-                    let mut args = operands.to_vec();
-                    args.extend(shape);
-                    list.push(Launch {
-                        f: fun(&f.mm),
-                        name,
-                        grid: (w.nt.div_ceil(8) as u32, (w.segments * w.groups) as u32, bp.div_ceil(128) as u32),
-                        block: 256,
-                        smem: mm_smem(bp),
-                        args,
-                    });
-                    let mut args = vec![
-                        Arg::P(part),
-                        Arg::L(part_seg),
-                        Arg::L(part_group),
-                        Arg::I(ldp as i32),
-                        Arg::I(bp as i32),
-                        Arg::I(ncols as i32),
-                        Arg::I(w.segments as i32),
-                        Arg::I(w.groups as i32),
-                    ];
-                    args.push(epilogue[0]);
-                    args.extend_from_slice(&epilogue[2..]);
-                    list.push(Launch { f: fun(&f.reduce), name: "st_reduce", grid: ew(w.groups * bp * ncols), block: 256, smem: 0, args });
-                }
+                let mut args = operands.to_vec();
+                args.push(Arg::P(counters));
+                args.extend(shape);
+                args.extend(epilogue);
+                list.push(f.mm.launch(name, bp, w.nt, w.segments, w.groups, terms, args));
             };
             let rms_pack = |list: &mut Vec<Launch>, w: u64, a: u64| {
                 list.push(Launch {
@@ -987,10 +1000,7 @@ pub(crate) fn tc_matmul(
     if x.len() != m * w.inner || w.groups != 1 || m == 0 || !(1..=3).contains(&terms) || (terms == 3 && dtype.planes() < 2) {
         return Err(KernelError::InvalidShape { op, reason: format!("x of {} values for [{m} x {}], {} groups, {terms} terms", x.len(), w.inner, w.groups) });
     }
-    let get = |name: &str| module.load_function(name).map_err(|e| KernelError::BackendUnavailable(format!("cuda: kernel {name} missing: {e}")));
-    let (f_mm, f_few, f_red) = (get("st_mm")?, get("st_mm_few")?, get("st_reduce")?);
-    f_mm.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, MM_SMEM_MAX as i32)
-        .map_err(|e| KernelError::BackendUnavailable(format!("cuda: st_mm shared memory: {e}")))?;
+    let mm = MmFuncs::load(module)?;
     let mp = r16(m);
     let (kt, nt) = (w.kt(), w.nt());
     let plane = mp * kt * 16;
@@ -1010,7 +1020,7 @@ pub(crate) fn tc_matmul(
     let ldp = nt * 16;
     let part_group = mp * ldp;
     let part = arena.alloc(w.segments * part_group * 4)?;
-    let counters = arena.alloc(nt.div_ceil(4) * 4)?;
+    let counters = arena.alloc(mm_counters(mp, nt, 1) * 4)?;
     let out = arena.alloc(m * w.cols * 4)?;
     let w_plane = plane_len(w) / 8;
     let n = m * w.cols;
@@ -1029,39 +1039,13 @@ pub(crate) fn tc_matmul(
     let shape = [Arg::I(m as i32), Arg::I(nt as i32), Arg::I(kt as i32), Arg::I(w.segments as i32), Arg::I(terms as i32)];
     // mode 0 (store), out [m, cols]
     let store = [Arg::I(0), Arg::P(out), Arg::I(w.cols as i32), Arg::I(0), Arg::P(0), Arg::L(0), Arg::I(1), Arg::I(1), Arg::I(1)];
-    let list: Vec<Launch> = if m <= 16 {
-        let mut args = operands.to_vec();
-        args.push(Arg::P(counters));
-        args.extend(shape);
-        args.push(store[0]);
-        args.push(Arg::I(w.cols as i32));
-        args.extend_from_slice(&store[1..]);
-        vec![Launch { f: f_few.cu_function(), name: "st_mm_few", grid: (nt.div_ceil(4) as u32, w.segments as u32, 1), block: 128, smem: 0, args }]
-    } else {
-        let mut args = operands.to_vec();
-        args.extend(shape);
-        let mm = Launch {
-            f: f_mm.cu_function(),
-            name: "st_mm",
-            grid: (nt.div_ceil(8) as u32, w.segments as u32, m.div_ceil(128) as u32),
-            block: 256,
-            smem: mm_smem(m),
-            args,
-        };
-        let mut args = vec![
-            Arg::P(part),
-            Arg::L(part_group as i64),
-            Arg::L(part_group as i64),
-            Arg::I(ldp as i32),
-            Arg::I(m as i32),
-            Arg::I(w.cols as i32),
-            Arg::I(w.segments as i32),
-            Arg::I(1),
-        ];
-        args.extend(store);
-        let red = Launch { f: f_red.cu_function(), name: "st_reduce", grid: (n.div_ceil(256).clamp(1, 4096) as u32, 1, 1), block: 256, smem: 0, args };
-        vec![mm, red]
-    };
+    let mut args = operands.to_vec();
+    args.push(Arg::P(counters));
+    args.extend(shape);
+    args.push(store[0]);
+    args.push(Arg::I(w.cols as i32));
+    args.extend_from_slice(&store[1..]);
+    let list = vec![mm.launch("step matmul", m, nt, w.segments, 1, terms as i32, args)];
     let run = || launch_all(ctx, stream, &list);
     run()?;
     stream.synchronize().map_err(dev(op))?;
