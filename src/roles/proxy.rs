@@ -66,11 +66,11 @@
 //! lets those in flight finish for up to `serve.drain_s`, fails what is left, and
 //! stops. A second signal stops it at once.
 
+use super::host::secs;
 use super::openai::{self, BodyError, Endpoint, Generation, StopMatcher, StopStep, Utf8Stream};
 use super::prom::{self, Histogram, REQUEST_BUCKETS_S, SYSTEM_BUCKETS_S};
-use super::secs;
 use super::wire::{Admitted, Msg, PrefillJob, Register};
-use crate::auth::ClusterSecret;
+use crate::transport::auth::ClusterSecret;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Path, State};
@@ -235,7 +235,7 @@ impl IntoResponse for ServeError {
 async fn require_key(State(p): State<Arc<Proxy>>, req: axum::extract::Request, next: axum::middleware::Next) -> Response {
     let Some(key) = &p.api_key else { return next.run(req).await };
     let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).map(str::trim);
-    if given.is_some_and(|g| crate::auth::ct_eq(g.as_bytes(), key.as_bytes())) {
+    if given.is_some_and(|g| crate::transport::auth::ct_eq(g.as_bytes(), key.as_bytes())) {
         return next.run(req).await;
     }
     *lock(&p.metrics).refusals.entry("invalid_api_key").or_default() += 1;
@@ -379,9 +379,7 @@ struct Links {
     stage0: Option<(SocketAddr, tokio::net::tcp::OwnedWriteHalf)>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+use crate::base::lock;
 
 /// Where the proxy listens: the public API and the roles' control listener.
 #[derive(Debug, Clone)]
@@ -394,7 +392,7 @@ pub struct Listen {
 
 /// Serves the proxy (see [`Listen`]) until SIGINT/SIGTERM (then drains).
 pub fn run_proxy(topo: &Topology, listen: &Listen, api_key: Option<String>, secret: ClusterSecret) -> anyhow::Result<()> {
-    super::install_signal_handlers();
+    super::signals::install_signal_handlers();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let r = rt.block_on(serve(topo.clone(), listen.clone(), api_key, secret));
     // Tasks still holding a stream after the drain deadline are dropped here.
@@ -427,7 +425,7 @@ async fn serve(topo: Topology, listen: Listen, api_key: Option<String>, secret: 
         next_link: AtomicU64::new(1),
         draining: AtomicBool::new(false),
         inflight: AtomicU32::new(0),
-        restarts: super::restarts(),
+        restarts: super::host::restarts(),
         api_key,
         secret,
         public_slots: Arc::new(Semaphore::new(max_connections as usize)),
@@ -467,7 +465,7 @@ async fn serve(topo: Topology, listen: Listen, api_key: Option<String>, secret: 
     let server = tokio::spawn(serve_http(listener, app, "public", public_slots, Arc::clone(&state)));
     let control_slots = Arc::new(Semaphore::new(max_connections as usize));
     let control_server = tokio::spawn(serve_http(control_listener, control, "control", control_slots, Arc::clone(&state)));
-    while !super::shutting_down() {
+    while !super::signals::shutting_down() {
         if server.is_finished() || control_server.is_finished() {
             break;
         }
@@ -567,12 +565,12 @@ async fn drain(p: &Arc<Proxy>) {
     if n > 0 {
         eprintln!("proxy: draining {n} requests in flight (up to serve.drain_s = {drain_s} s; a second signal stops at once)");
     }
-    while p.inflight.load(Ordering::SeqCst) > 0 && Instant::now() < deadline && super::signals() < 2 {
+    while p.inflight.load(Ordering::SeqCst) > 0 && Instant::now() < deadline && super::signals::signals() < 2 {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let left: Vec<(u64, mpsc::UnboundedSender<Msg>, PhaseName)> = lock(&p.routes).iter().map(|(id, r)| (*id, r.tx.clone(), r.phase)).collect();
     if !left.is_empty() {
-        let why = if super::signals() >= 2 { "a second signal stopped the proxy".to_string() } else { format!("serve.drain_s = {drain_s} s passed") };
+        let why = if super::signals::signals() >= 2 { "a second signal stopped the proxy".to_string() } else { format!("serve.drain_s = {drain_s} s passed") };
         eprintln!("proxy: {} requests still in flight; failing them ({why})", left.len());
         for (id, tx, phase) in left {
             let _ = tx.send(Msg::Error { id, phase, message: format!("the proxy stopped before the request finished: {why}") });
@@ -890,7 +888,7 @@ async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
         }
     }
     out += "# HELP handoff_resident_memory_bytes Resident memory of each role process.\n# TYPE handoff_resident_memory_bytes gauge\n";
-    out += &format!("handoff_resident_memory_bytes{{role=\"proxy\"}} {}\n", super::rss_bytes());
+    out += &format!("handoff_resident_memory_bytes{{role=\"proxy\"}} {}\n", super::host::rss_bytes());
     for (role, peer) in &live {
         let rss = if peer.state == PeerState::Up { peer.reg.rss_bytes } else { 0 };
         out += &format!("handoff_resident_memory_bytes{{role=\"{role}\"}} {rss}\n");
