@@ -2,7 +2,7 @@
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use handoff::profile::Profiler;
+use handoff::engine::profile::Profiler;
 use handoff_components::Topology;
 use std::process::ExitCode;
 use tracing_subscriber::prelude::*;
@@ -97,7 +97,7 @@ enum Command {
         device: Option<String>,
     },
     #[command(flatten)]
-    Role(handoff::roles::RoleCommand),
+    Role(handoff::cli::RoleCommand),
     /// Benchmarks: transfer bandwidth against memcpy, CPU compute against a roofline, serving load.
     Bench {
         #[command(subcommand)]
@@ -164,20 +164,6 @@ enum BenchCommand {
     /// The consumer process of `bench transfer --transport cuda-ipc` (started by it).
     #[command(hide = true)]
     TransferConsumer,
-    /// Robust input: arbitrary bytes and structured mutations into the topology parser,
-    /// the control messages, the tcp frames, the HTTP bodies and the published consumer
-    /// layouts; exits 2 on any panic, hang or wrong verdict, printing the minimal
-    /// failing input.
-    Fuzz {
-        /// Cases per target.
-        #[arg(long, default_value_t = 5000)]
-        cases: u32,
-        #[arg(long, value_parser = ["topology", "wire", "frames", "http", "layouts", "all"], default_value = "all")]
-        target: String,
-        /// Seeds the generator; the same seed runs the same cases.
-        #[arg(long)]
-        seed: Option<u64>,
-    },
     /// Prefill and decode tokens/s of the small model, and decode kernels against the memcpy roofline.
     Compute {
         #[arg(long, default_value = "config/small.toml")]
@@ -297,17 +283,18 @@ fn run(cli: Cli) -> Result<()> {
                 if steps == 0 {
                     return Err(Refusal("--steps 0 checks no decode step: give at least 1".into()).into());
                 }
-                let dev = handoff::device::resolve(&topo, device.as_deref())?;
-                let prompts = handoff::compute_verify::batch_prompts(prompt.as_bytes(), requests);
-                let r = handoff::with_backend!(dev, |be| handoff::compute_verify::verify_compute_on(&topo, &prompts, steps, Default::default(), be, |_| {}))
-                    .map_err(|e| anyhow::anyhow!("verify --compute failed: {e}"))?;
+                let dev = handoff::engine::device::resolve(&topo, device.as_deref())?;
+                let prompts = handoff::check::compute_verify::batch_prompts(prompt.as_bytes(), requests);
+                let r =
+                    handoff::with_backend!(dev, |be| handoff::check::compute_verify::verify_compute_on(&topo, &prompts, steps, Default::default(), be, |_| {}))
+                        .map_err(|e| anyhow::anyhow!("verify --compute failed: {e}"))?;
                 println!(
                     "verify --compute {config} on {dev}: ok: {} requests decoded as one batch ({} prompt tokens for the first) + {} decode steps, greedy tokens equal to the colocated run, max logit relative error {:.2e} (limit {:.0e}) at step {}",
                     r.requests,
                     r.prompt_tokens,
                     r.steps,
                     r.max_rel_err,
-                    handoff::compute_verify::LOGIT_TOLERANCE,
+                    handoff::check::compute_verify::LOGIT_TOLERANCE,
                     r.worst_step
                 );
                 if dev.kind != handoff_components::config::DeviceKind::Cpu {
@@ -323,7 +310,7 @@ fn run(cli: Cli) -> Result<()> {
                     println!(
                         "  against the CPU, step by step (each step re-run on the CPU from the device's caches and token): max logit relative error {:.2e} (limit {:.1e}); per step (0 = prefill): {}",
                         r.device_rel_err,
-                        handoff::compute_verify::device_tolerance(&topo),
+                        handoff::check::compute_verify::device_tolerance(&topo),
                         per.join(" ")
                     );
                     for (req, step) in &r.near_ties {
@@ -343,7 +330,7 @@ fn run(cli: Cli) -> Result<()> {
                 return Err(Refusal(format!("--tokens {tokens} must be between 1 and serve.max_context {max_context} - 1")).into());
             }
             let t = std::time::Instant::now();
-            let r = handoff::verify::verify(&topo, tokens, requests, |_| {}).map_err(|e| anyhow::anyhow!("verify failed: {e}"))?;
+            let r = handoff::check::verify::verify(&topo, tokens, requests, |_| {}).map_err(|e| anyhow::anyhow!("verify failed: {e}"))?;
             println!(
                 "verify {config}: ok: {} requests x {} tokens; {} descriptors ({} pieces before coalescing) wrote {} bytes, each exactly once",
                 r.requests, r.tokens, r.descriptors, r.uncoalesced, r.bytes_written
@@ -357,15 +344,15 @@ fn run(cli: Cli) -> Result<()> {
             }
             println!("checked in {:.2} s", t.elapsed().as_secs_f64());
         }
-        Command::Bench { what: BenchCommand::TransferConsumer } => handoff::bench_ipc::transfer_consumer()?,
+        Command::Bench { what: BenchCommand::TransferConsumer } => handoff::bench::ipc::transfer_consumer()?,
         Command::Bench { what: BenchCommand::Transfer { config, transport, tokens, requests, device } } if transport == "cuda-ipc" => {
             load(&config)?;
             let dev = handoff_components::config::DeviceConfig::parse(&device).map_err(|e| Refusal(format!("--device: {e}")))?;
             if dev.kind != handoff_components::config::DeviceKind::Cuda {
                 return Err(Refusal(format!("--transport cuda-ipc needs --device cuda[:N], not {device:?}")).into());
             }
-            let o = handoff::bench_cli::BenchCmdOptions::default();
-            println!("{}", handoff::bench_ipc::bench_transfer_ipc(&config, dev.ordinal, tokens, requests, &o)?.trim_end());
+            let o = handoff::bench::transfer::BenchCmdOptions::default();
+            println!("{}", handoff::bench::ipc::bench_transfer_ipc(&config, dev.ordinal, tokens, requests, &o)?.trim_end());
         }
         Command::Bench { what: BenchCommand::Transfer { config, transport, tokens, requests, .. } } => {
             load(&config)?;
@@ -374,7 +361,7 @@ fn run(cli: Cli) -> Result<()> {
                 "tcp" => handoff_components::config::TransportKind::Tcp,
                 _ => handoff_components::config::TransportKind::Local,
             };
-            println!("{}", handoff::bench_cli::bench_transfer_cmd(&config, kind, tokens, requests)?.trim_end());
+            println!("{}", handoff::bench::transfer::bench_transfer_cmd(&config, kind, tokens, requests)?.trim_end());
         }
         Command::Eval { config, data, samples, prefix, continuation, drop, device } => {
             let topo = load(&config)?;
@@ -390,8 +377,8 @@ fn run(cli: Cli) -> Result<()> {
             if prefix + continuation >= max_context {
                 return Err(Refusal(format!("--prefix {prefix} + --continuation {continuation} must be under serve.max_context {max_context}")).into());
             }
-            let dev = handoff::device::resolve(&topo, device.as_deref())?;
-            let r = handoff::with_backend!(dev, |be| handoff::eval::eval_on(&topo, &text, samples, prefix, continuation, dropped, be))
+            let dev = handoff::engine::device::resolve(&topo, device.as_deref())?;
+            let r = handoff::with_backend!(dev, |be| handoff::check::eval::eval_on(&topo, &text, samples, prefix, continuation, dropped, be))
                 .map_err(|e| anyhow::anyhow!("eval: {e}"))?;
             println!(
                 "eval {config} on {data}: {} windows of {} + {} bytes ({} bytes scored){}",
@@ -404,12 +391,16 @@ fn run(cli: Cli) -> Result<()> {
             println!("  {:<14} {:>14} {:>10}", "run", "bits per byte", "accuracy");
             println!("  {:<14} {:>14.4} {:>9.2}%", "disaggregated", r.disaggregated.bits_per_byte, 100.0 * r.disaggregated.accuracy);
             println!("  {:<14} {:>14.4} {:>9.2}%", "colocated", r.colocated.bits_per_byte, 100.0 * r.colocated.accuracy);
-            println!("  max logit relative error between them: {:.2e} (equivalence limit {:.0e})", r.max_rel_err, handoff::compute_verify::LOGIT_TOLERANCE);
+            println!(
+                "  max logit relative error between them: {:.2e} (equivalence limit {:.0e})",
+                r.max_rel_err,
+                handoff::check::compute_verify::LOGIT_TOLERANCE
+            );
             if drop.is_none() && !r.equal() {
                 anyhow::bail!("eval: the disaggregated run differs from the colocated run beyond the equivalence tolerance");
             }
         }
-        Command::Role(r) => handoff::roles::cli::dispatch(r)?,
+        Command::Role(r) => handoff::cli::roles::dispatch(r)?,
         Command::Bench { what: BenchCommand::Serve { config, concurrency, requests, allow_failures } } => {
             if concurrency.is_empty() || concurrency.contains(&0) {
                 return Err(Refusal("--concurrency needs levels of at least 1".into()).into());
@@ -417,8 +408,8 @@ fn run(cli: Cli) -> Result<()> {
             if let Some(c) = &config {
                 load(c)?;
             }
-            let levels = handoff::roles::bench_serve(config.as_deref().map(std::path::Path::new), &concurrency, requests)?;
-            let failed = handoff::roles::up::failed_requests(&levels);
+            let levels = handoff::bench::bench_serve(config.as_deref().map(std::path::Path::new), &concurrency, requests)?;
+            let failed = handoff::bench::serve::failed_requests(&levels);
             if failed > 0 && !allow_failures {
                 let total: u32 = levels.iter().map(|l| l.requests).sum();
                 anyhow::bail!("bench serve: {failed} of {total} requests failed (listed above by status and reason); --allow-failures exits 0 anyway");
@@ -438,45 +429,19 @@ fn run(cli: Cli) -> Result<()> {
             if !no_faults && kill_stage >= pp {
                 return Err(Refusal(format!("--kill-stage {kill_stage}: the topology has prefill stages 0..{pp}")).into());
             }
-            let mut o = handoff::roles::SoakOptions::new(requests, concurrency);
+            let mut o = handoff::bench::SoakOptions::new(requests, concurrency);
             o.idle = std::time::Duration::from_secs_f64(idle_s);
             o.kill_stage = (!no_faults).then_some(kill_stage);
             o.stop_decode = if no_faults { std::time::Duration::ZERO } else { std::time::Duration::from_secs_f64(stop_decode_s) };
-            let r = handoff::roles::bench_soak(config.as_deref().map(std::path::Path::new), &o)?;
+            let r = handoff::bench::bench_soak(config.as_deref().map(std::path::Path::new), &o)?;
             let problems = r.problems(!no_faults);
             if !problems.is_empty() {
                 anyhow::bail!("soak: {}", problems.join("; "));
             }
         }
-        Command::Bench { what: BenchCommand::Fuzz { cases, target, seed } } => {
-            use handoff::fuzz::{Options, Target};
-            if cases == 0 {
-                return Err(Refusal("--cases 0 runs nothing: give at least 1".into()).into());
-            }
-            let targets = match Target::from_name(&target) {
-                Some(t) => vec![t],
-                None => Target::ALL.to_vec(),
-            };
-            let mut opts = Options::new(cases);
-            if let Some(s) = seed {
-                opts.seed = s;
-            }
-            println!("bench fuzz: {cases} cases per target, seed {}", opts.seed);
-            let mut failed = Vec::new();
-            for t in targets {
-                let r = handoff::fuzz::run(t, &opts);
-                print!("{r}");
-                if r.failure.is_some() {
-                    failed.push(t.name());
-                }
-            }
-            if !failed.is_empty() {
-                anyhow::bail!("bench fuzz: {} failed (minimal inputs above)", failed.join(", "));
-            }
-        }
         Command::Bench { what: BenchCommand::Compute { config, prompt, steps, device } } => {
             let topo = load(&config)?;
-            let dev = handoff::device::resolve(&topo, device.as_deref())?;
+            let dev = handoff::engine::device::resolve(&topo, device.as_deref())?;
             let f = handoff::with_backend!(dev, |be| handoff::model::bench_compute(&be, &topo, prompt, steps)).map_err(|e| anyhow::anyhow!("{e}"))?;
             println!("bench compute on {dev}");
             print!("{f}");

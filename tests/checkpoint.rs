@@ -5,7 +5,7 @@
 
 mod common;
 
-use handoff::compute_verify::verify_compute;
+use handoff::check::compute_verify::verify_compute;
 use handoff::model::{Model, checkpoint, run_colocated};
 use handoff_components::Topology;
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};

@@ -1,13 +1,13 @@
 //! Only the cluster gets in: every role-to-role connection proves the cluster
-//! secret (see `handoff::auth`), a stranger is refused before it can register,
+//! secret (see `handoff::transport::auth`), a stranger is refused before it can register,
 //! admit or write a byte, and every refusal is counted in the proxy's /metrics.
 //! Also the public listener's limits: slow clients are cut off and connections
 //! past `serve.max_connections` are refused.
 
-use handoff::auth::{ClusterSecret, SECRET_ENV, SECRET_FILE_ENV};
-use handoff::oracle::fill_canary;
+use handoff::check::oracle::fill_canary;
 use handoff::roles::up::{Cluster, free_port};
 use handoff::roles::wire;
+use handoff::transport::auth::{ClusterSecret, SECRET_ENV, SECRET_FILE_ENV};
 use handoff::transport::tcp::wire as tcpwire;
 use handoff::transport::{PeerAddr, ShmTransport, TcpOptions, TcpTransport, Transport, TransportExt};
 use handoff_components::plan::Descriptor;

@@ -7,7 +7,7 @@
 
 mod common;
 
-use handoff::compute_verify::{Fill, LOGIT_TOLERANCE, verify_compute, verify_compute_with};
+use handoff::check::compute_verify::{Fill, LOGIT_TOLERANCE, verify_compute, verify_compute_with};
 use handoff_components::Topology;
 use handoff_components::plan::Plan;
 use handoff_components::vocab::RegionKind;

@@ -329,7 +329,7 @@ fn every_tp_dividing_the_head_counts_runs_with_equal_logits() {
 fn disaggregated_24_kda_8_mla_heads_at_tp8_dcp2_match_colocated_exactly() {
     let c = Cfg { kda_heads: 24, mla_heads: 8, dtp: 8, dcp: 2, replay: Some(8), ..BASE };
     let t = topo(&c);
-    let r = handoff::compute_verify::verify_compute(&t, &prompt(30, 1), 16, |_| {}).unwrap_or_else(|e| panic!("{e}"));
+    let r = handoff::check::compute_verify::verify_compute(&t, &prompt(30, 1), 16, |_| {}).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(r.max_rel_err, 0.0, "logits differ at step {}", r.worst_step);
 }
 

@@ -12,7 +12,7 @@
 
 mod common;
 
-use handoff::compute_verify::{rel_err, verify_compute};
+use handoff::check::compute_verify::{rel_err, verify_compute};
 use handoff::model::forward;
 use handoff::model::{Model, ShardGroup, run_colocated_on};
 use handoff_components::Topology;

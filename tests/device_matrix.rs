@@ -13,7 +13,7 @@
 
 mod common;
 
-use handoff::compute_verify::{Fill, LOGIT_TOLERANCE, batch_prompts, device_tolerance, verify_compute_on};
+use handoff::check::compute_verify::{Fill, LOGIT_TOLERANCE, batch_prompts, device_tolerance, verify_compute_on};
 use handoff_kernels::CudaBackend;
 
 type Case = common::ComputeShape;

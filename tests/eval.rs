@@ -4,7 +4,7 @@
 
 mod common;
 
-use handoff::eval::{eval, score, windows};
+use handoff::check::eval::{eval, score, windows};
 use handoff::model::Trace;
 use handoff_components::vocab::RegionKind;
 

@@ -6,7 +6,7 @@
 //! path of the checkpoint's topology (PP2 x TP1 -> TP2 x DCP2, replay on), which
 //! must give the same tokens.
 
-use handoff::compute_verify::{rel_err, verify_compute};
+use handoff::check::compute_verify::{rel_err, verify_compute};
 use handoff::model::{Model, run_colocated};
 use handoff_components::Topology;
 use serde::Deserialize;
@@ -77,10 +77,10 @@ fn eval_of_held_out_text_is_equal_and_lost_state_costs() {
     let root = env!("CARGO_MANIFEST_DIR");
     let topo = Topology::load(&format!("{root}/config/trained-pp4-tp4dcp4.toml")).expect("config/trained-pp4-tp4dcp4.toml");
     let text = std::fs::read(format!("{root}/tools/torch_ref/data/heldout.txt")).expect("held-out text");
-    let ok = handoff::eval::eval(&topo, &text, 4, 48, 32, None).unwrap_or_else(|e| panic!("{e}"));
+    let ok = handoff::check::eval::eval(&topo, &text, 4, 48, 32, None).unwrap_or_else(|e| panic!("{e}"));
     assert!(ok.equal(), "disaggregated {:?} vs colocated {:?}", ok.disaggregated, ok.colocated);
     assert!(ok.colocated.bits_per_byte < 3.0, "a trained model scores well under 8 bits per byte: {:?}", ok.colocated);
-    let lost = handoff::eval::eval(&topo, &text, 4, 48, 32, Some(handoff_components::vocab::RegionKind::KdaState)).unwrap();
+    let lost = handoff::check::eval::eval(&topo, &text, 4, 48, 32, Some(handoff_components::vocab::RegionKind::KdaState)).unwrap();
     assert!(
         lost.disaggregated.bits_per_byte > ok.disaggregated.bits_per_byte + 0.01,
         "dropping kda.state must cost: {:?} vs {:?}",

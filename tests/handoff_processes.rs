@@ -13,10 +13,10 @@
 #[allow(dead_code)]
 mod transport_util;
 
+use handoff::check::oracle::{self, OracleRequest, Placement};
 use handoff::engine::Engine;
 use handoff::engine::mover::{MoverOptions, TransportMover};
 use handoff::engine::{NoMover, Role};
-use handoff::oracle::{self, OracleRequest, Placement};
 use handoff::transport::{PeerAddr, RegionHandle, ShmTransport, TcpOptions, TcpTransport, Transport, TransportExt};
 use handoff_components::Topology;
 use handoff_components::config::Config;
@@ -98,7 +98,7 @@ fn child(prefix: &[&str], role: &str) -> Command {
     cmd.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
         .env(ROLE, role)
         // The child's transports must prove this process's cluster secret.
-        .env(handoff::auth::SECRET_ENV, handoff::auth::ClusterSecret::process().to_hex())
+        .env(handoff::transport::auth::SECRET_ENV, handoff::transport::auth::ClusterSecret::process().to_hex())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());

@@ -81,7 +81,7 @@ fn metrics_parse_as_prometheus_and_count_what_was_served() {
     let traces = std::env::temp_dir().join(format!("handoff-metrics-traces-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&traces);
     std::fs::create_dir_all(&traces).expect("trace dir");
-    let envs = vec![(handoff::roles::cli::TRACE_DIR_ENV.to_string(), traces.to_string_lossy().into_owned())];
+    let envs = vec![(handoff::roles::up::TRACE_DIR_ENV.to_string(), traces.to_string_lossy().into_owned())];
     let mut c = Cluster::start_with(Some(&path), "127.0.0.1", free_port().expect("port"), Some(PathBuf::from(BIN)), envs).expect("start cluster");
     c.wait_healthy(Duration::from_secs(60), false).expect("healthy");
 

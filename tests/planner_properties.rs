@@ -3,8 +3,8 @@
 
 mod common;
 use common::Shape;
-use handoff::oracle;
-use handoff::verify::verify;
+use handoff::check::oracle;
+use handoff::check::verify::verify;
 use handoff_components::layout::{ConsumerLayout, ProducerLayout};
 use handoff_components::vocab::{DecodeRank, PrefillRank, RankId, RegionKind};
 use handoff_systems::placement::place_rank;

@@ -4,7 +4,7 @@
 
 mod common;
 use common::Shape;
-use handoff::verify::verify;
+use handoff::check::verify::verify;
 
 fn check(shape: &Shape, tokens: u64) {
     let topo = shape.topology();

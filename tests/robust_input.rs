@@ -1,10 +1,13 @@
 //! Robust input (issue 11, point 7): no topology file, control message, tcp frame or
 //! HTTP body makes handoff panic, hang or allocate by an untrusted length. The
-//! property drivers live in `handoff::fuzz` (shared with `handoff bench fuzz`);
-//! here they run a bounded number of cases (`PROPTEST_CASES`, default 1024) and
-//! every verdict is asserted, with the regression tests of the bugs they found.
+//! property drivers live in `tests/fuzz/`; here they run a bounded number of cases
+//! (`PROPTEST_CASES`, default 1024, from the seed `HANDOFF_FUZZ_SEED` when set) and
+//! every verdict is asserted, with the regression tests of the bugs they found. A
+//! long run: `PROPTEST_CASES=100000 cargo test --release --test robust_input`.
 
-use handoff::fuzz::{self, DescSpec, FrameCase, FrameConsumer, FrameSpec, Options, PeakAlloc, Report, Target};
+mod fuzz;
+
+use fuzz::{DescSpec, FrameCase, FrameConsumer, FrameSpec, Options, PeakAlloc, Report, Target};
 use handoff::roles::openai::{self, BodyError, Endpoint};
 use handoff::roles::up::{Cluster, free_port};
 use handoff::roles::wire;
@@ -41,7 +44,11 @@ fn cases() -> u32 {
 const ALLOC_BOUND: usize = 8 << 20;
 
 fn run_asserting(target: Target) -> Report {
-    let r = fuzz::run(target, &Options::new(cases()));
+    let mut opts = Options::new(cases());
+    if let Some(seed) = std::env::var("HANDOFF_FUZZ_SEED").ok().and_then(|v| v.parse().ok()) {
+        opts.seed = seed;
+    }
+    let r = fuzz::run(target, &opts);
     eprint!("{r}");
     assert!(r.failure.is_none(), "{r}");
     let peak = r.largest_alloc.expect("PeakAlloc is this binary's allocator");
@@ -255,7 +262,7 @@ fn hold_open(c: &FrameConsumer, bytes: &[u8]) -> TcpStream {
     let nonce = frames::read_challenge(&mut s).expect("challenge");
     let mut out = Vec::new();
     let me = PeerAddr::Tcp { addr: SocketAddr::from(([127, 0, 0, 1], 1)) };
-    frames::write_hello(&mut out, &me, &handoff::auth::ClusterSecret::process(), &nonce).expect("hello");
+    frames::write_hello(&mut out, &me, &handoff::transport::auth::ClusterSecret::process(), &nonce).expect("hello");
     out.extend_from_slice(bytes);
     s.write_all(&out).expect("send");
     s
@@ -369,7 +376,7 @@ fn huge_bodies_are_refused_cleanly() {
     assert!(t.elapsed() < Duration::from_secs(30), "took {:?}", t.elapsed());
 }
 
-/// Found by `handoff bench fuzz`: a top_p of 2e-308 is in (0, 1] as the f64 the
+/// Found by a long run of these drivers: a top_p of 2e-308 is in (0, 1] as the f64 the
 /// body carries but rounded to 0 as the f32 the request kept, outside the range
 /// validation promised. It is kept positive now.
 #[test]

@@ -369,12 +369,12 @@ fn soak_returns_every_role_to_baseline_and_idle_decode_sleeps() {
     let _serial = serial();
     // small.toml: the soak is about bookkeeping, and its model is the cheapest.
     let small = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/config/small.toml"));
-    let mut o = handoff::roles::SoakOptions::new(1200, 32);
+    let mut o = handoff::bench::SoakOptions::new(1200, 32);
     o.idle = Duration::from_secs(3);
     o.kill_stage = None;
     o.stop_decode = Duration::ZERO;
     o.program = Some(BIN.into());
-    let r = handoff::roles::bench_soak(Some(small), &o).expect("soak");
+    let r = handoff::bench::bench_soak(Some(small), &o).expect("soak");
     assert!(r.problems(false).is_empty(), "{:?}", r.problems(false));
     assert_eq!(r.ok, 1200, "failures: {:?}", r.failed);
     assert!(r.rss_mid.len() >= 4, "resident memory halfway: {:?}", r.rss_mid);

@@ -3,7 +3,7 @@
 
 mod common;
 use common::Shape;
-use handoff::verify::verify;
+use handoff::check::verify::verify;
 use handoff_components::RegionKind;
 
 fn dropping(kind: RegionKind) -> String {

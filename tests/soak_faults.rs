@@ -11,12 +11,12 @@ const BIN: &str = env!("CARGO_BIN_EXE_handoff");
 #[test]
 fn a_killed_stage_and_a_stopped_decode_lose_nothing_and_leak_nothing() {
     let small = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/config/small.toml"));
-    let mut o = handoff::roles::SoakOptions::new(600, 16);
+    let mut o = handoff::bench::SoakOptions::new(600, 16);
     o.idle = Duration::from_secs(2);
     o.kill_stage = Some(0);
     o.stop_decode = Duration::from_secs(3);
     o.program = Some(BIN.into());
-    let r = handoff::roles::bench_soak(Some(small), &o).expect("soak");
+    let r = handoff::bench::bench_soak(Some(small), &o).expect("soak");
     assert!(r.problems(true).is_empty(), "{:?}\nfaults: {:?}", r.problems(true), r.faults);
     assert_eq!(r.faults.len(), 2, "{:?}", r.faults);
     assert!(r.faults[0].contains("restarted by up"), "{}", r.faults[0]);

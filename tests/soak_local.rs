@@ -2,9 +2,9 @@
 //! nothing is left behind (entities, producer entries, pools, the mover's tickets),
 //! and sampled waves are byte-exact against the oracle.
 
+use handoff::check::oracle::{self, OracleRequest, Placement};
 use handoff::engine::Engine;
 use handoff::engine::mover::{Cluster, local_cluster};
-use handoff::oracle::{self, OracleRequest, Placement};
 use handoff::transport::TransportExt;
 use handoff_components::Topology;
 use handoff_components::config::{Config, TransportKind};

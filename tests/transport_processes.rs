@@ -65,7 +65,7 @@ fn child_command(prefix: &[&str], role: &str, arg: &Job) -> Command {
         .env(ROLE, role)
         .env(ARG, serde_json::to_string(arg).expect("job json"))
         // The child's transports must prove this process's cluster secret.
-        .env(handoff::auth::SECRET_ENV, handoff::auth::ClusterSecret::process().to_hex())
+        .env(handoff::transport::auth::SECRET_ENV, handoff::transport::auth::ClusterSecret::process().to_hex())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
     cmd
@@ -153,7 +153,7 @@ fn child_entry() {
             let mut s = std::net::TcpStream::connect(addr).expect("connect");
             let me = PeerAddr::Tcp { addr: s.local_addr().expect("addr") };
             let nonce = wire::read_challenge(&mut s).expect("challenge");
-            wire::write_hello(&mut s, &me, &handoff::auth::ClusterSecret::process(), &nonce).expect("hello");
+            wire::write_hello(&mut s, &me, &handoff::transport::auth::ClusterSecret::process(), &nonce).expect("hello");
             let d = Descriptor::copy(RegionKind::MlaKv, 0, 0, 1 << 20);
             wire::write_batch_header(&mut s, 7, h.id, &[d], 1 << 20).expect("header");
             s.write_all(&vec![0x77u8; 64 << 10]).expect("partial payload");
@@ -239,7 +239,7 @@ fn tcp_consumer_reports_stalled_producer_as_timeout() {
     // A member of the cluster (it proves the secret) that then stalls.
     let nonce = wire::read_challenge(&mut s).expect("challenge");
     let me = PeerAddr::Tcp { addr: s.local_addr().expect("addr") };
-    wire::write_hello(&mut s, &me, &handoff::auth::ClusterSecret::process(), &nonce).expect("hello");
+    wire::write_hello(&mut s, &me, &handoff::transport::auth::ClusterSecret::process(), &nonce).expect("hello");
     wire::write_batch_header(&mut s, 9, dst.id, &[Descriptor::copy(RegionKind::MlaKv, 0, 0, 1 << 20)], 1 << 20).expect("header");
     s.write_all(&[1u8; 1000]).expect("partial");
     let incident = wait_incident(&consumer);

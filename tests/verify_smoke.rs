@@ -1,4 +1,4 @@
-use handoff::verify::verify;
+use handoff::check::verify::verify;
 use handoff_components::Topology;
 
 #[test]

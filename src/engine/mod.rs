@@ -53,7 +53,10 @@ pub struct Counts {
     pub free_slots: u64,
 }
 
+pub mod compute;
+pub mod device;
 pub mod mover;
+pub mod profile;
 
 /// One World and its schedule.
 pub struct Engine {
@@ -290,9 +293,7 @@ pub struct QueueState {
     pub completed: Vec<Completion>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+use crate::base::lock;
 
 impl Mover for QueueMover {
     fn submit(&mut self, ticket: Ticket, plan: &Plan) -> Result<(), MoveError> {

@@ -22,8 +22,9 @@
 //! to it, something to hand back.
 
 use super::Engine;
+use crate::base::lock;
 use crate::transport::staging::{RetryPolicy, Stager, StagingPool};
-use crate::transport::{self, RegionHandle, RemoteRegion, Transport, TransportError, TransportExt, lock};
+use crate::transport::{self, RegionHandle, RemoteRegion, Transport, TransportError, TransportExt};
 use handoff_components::config::{Topology, TransportKind};
 use handoff_components::plan::{Descriptor, Plan};
 use handoff_components::vocab::{Distribution, RankId, RegionKind};

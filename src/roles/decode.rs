@@ -15,9 +15,9 @@
 
 use super::sampling::{Live, Sampling, SamplingTable};
 use super::wire::{self, Admitted, Msg, Notice};
-use crate::auth::ClusterSecret;
-use crate::compute::{TransportRegions, layouts_of};
+use crate::engine::compute::{TransportRegions, layouts_of};
 use crate::engine::{Counts, Engine, NoMover, Role};
+use crate::transport::auth::ClusterSecret;
 use crate::transport::{PeerAddr, RegionHandle, Transport};
 use anyhow::Context;
 use handoff_components::Topology;
@@ -40,9 +40,9 @@ enum Cmd {
 /// Runs decode until SIGINT/SIGTERM. `proxy` is the proxy's control address
 /// (`host:port`); `secret` is what every connection of the cluster proves.
 pub fn run_decode(topo: &Topology, proxy: &str, secret: &ClusterSecret) -> anyhow::Result<()> {
-    super::install_signal_handlers();
-    let super::RoleTransport { transport, memory } = super::open_transport(topo, secret)?;
-    let refused = super::Refused::new(&transport);
+    super::signals::install_signal_handlers();
+    let super::host::RoleTransport { transport, memory } = super::host::open_transport(topo, secret)?;
+    let refused = super::host::Refused::new(&transport);
     let mut engine = Engine::for_role(topo.clone(), Role::Decode, Capacity::serving(topo), Box::new(NoMover));
     let regions = engine.regions();
     let mut handles = BTreeMap::new();
@@ -65,7 +65,7 @@ pub fn run_decode(topo: &Topology, proxy: &str, secret: &ClusterSecret) -> anyho
         std::thread::Builder::new().name("decode-accept".into()).spawn(move || accept(listener, link, tx, &refused, &secret))?;
     }
     {
-        let (transport, link, counts, pool) = (Arc::clone(&transport), Arc::clone(&link), Arc::clone(&counts), super::compute_pool(topo)?);
+        let (transport, link, counts, pool) = (Arc::clone(&transport), Arc::clone(&link), Arc::clone(&counts), super::host::compute_pool(topo)?);
         let endpoint = transport.endpoint();
         std::thread::Builder::new()
             .name("decode-engine".into())
@@ -73,9 +73,9 @@ pub fn run_decode(topo: &Topology, proxy: &str, secret: &ClusterSecret) -> anyho
     }
     drop(tx);
     tracing::info!(%addr, "decode listening");
-    super::heartbeat_until_stopped(proxy, "decode", None, addr, &counts, &refused, secret);
+    super::host::heartbeat_until_stopped(proxy, "decode", None, addr, &counts, &refused, secret);
     tracing::info!("decode stopping");
-    super::remove_own_shm_files(topo);
+    super::host::remove_own_shm_files(topo);
     Ok(())
 }
 
@@ -94,7 +94,7 @@ fn flush(link: &Link, buf: &[u8]) {
     if buf.is_empty() {
         return;
     }
-    let mut l = super::lock(link);
+    let mut l = crate::base::lock(link);
     if let Some(w) = l.as_mut()
         && let Err(e) = w.write_all(buf).and_then(|()| w.flush())
     {
@@ -105,7 +105,7 @@ fn flush(link: &Link, buf: &[u8]) {
 
 /// Accepts the proxy's links that prove the cluster secret; each one's commands
 /// go to the engine thread.
-fn accept(listener: TcpListener, link: Link, tx: Sender<Cmd>, refused: &Arc<super::Refused>, secret: &ClusterSecret) {
+fn accept(listener: TcpListener, link: Link, tx: Sender<Cmd>, refused: &Arc<super::host::Refused>, secret: &ClusterSecret) {
     for conn in listener.incoming() {
         let Ok(conn) = conn else { continue };
         let _ = conn.set_nodelay(true);
@@ -137,7 +137,7 @@ fn accept(listener: TcpListener, link: Link, tx: Sender<Cmd>, refused: &Arc<supe
                     }
                 };
                 if let Some(w) = w.take() {
-                    *super::lock(&link) = Some(w);
+                    *crate::base::lock(&link) = Some(w);
                 }
                 if tx.send(cmd).is_err() {
                     return;
@@ -207,7 +207,7 @@ fn engine_loop(
                 EngineEvent::Token { request, token, .. } => push(&mut out, &Msg::Token { id: request, token }),
                 EngineEvent::Finished { request, handoff_ms, decode_ms, bytes } => {
                     tracing::debug!(request, "decode: finished");
-                    super::lock(table).remove(&request);
+                    crate::base::lock(table).remove(&request);
                     push(&mut out, &Msg::Done { id: request, handoff_ms, decode_ms, bytes });
                 }
                 EngineEvent::Computed { .. } | EngineEvent::Written(_) => {}
@@ -216,12 +216,12 @@ fn engine_loop(
         for o in engine.take_outcomes() {
             if let Err((phase, message)) = o.result {
                 tracing::debug!(request = o.request, %message, "decode: released a failed request");
-                super::lock(table).remove(&o.request);
+                crate::base::lock(table).remove(&o.request);
                 push(&mut out, &Msg::Error { id: o.request, phase, message });
             }
         }
         flush(link, &out);
-        *super::lock(counts) = engine.counts();
+        *crate::base::lock(counts) = engine.counts();
     }
 }
 
@@ -232,8 +232,8 @@ fn apply(engine: &mut Engine, table: &SamplingTable, endpoint: &PeerAddr, cmd: C
         Cmd::Admit { id, tokens, max_tokens, sampling } => {
             tracing::debug!(request = id, tokens, "decode: admit");
             match sampling.filter(|s| !s.is_greedy()) {
-                Some(s) => super::lock(table).insert(id, Live { sampling: s, prompt: tokens }),
-                None => super::lock(table).remove(&id),
+                Some(s) => crate::base::lock(table).insert(id, Live { sampling: s, prompt: tokens }),
+                None => crate::base::lock(table).remove(&id),
             };
             engine.submit_request(Submit { id, tokens, max_tokens, ..Default::default() })
         }

@@ -16,10 +16,10 @@
 
 use super::sampling::{Live, SamplingTable};
 use super::wire::{self, Admitted, Msg, Notice, PrefillJob};
-use crate::auth::ClusterSecret;
-use crate::compute::{TransportRegions, layouts_of};
+use crate::engine::compute::{TransportRegions, layouts_of};
 use crate::engine::mover::{MoverHandle, MoverOptions, TransportMover};
 use crate::engine::{Counts, Engine, Role};
+use crate::transport::auth::ClusterSecret;
 use crate::transport::{PeerAddr, RegionHandle, Transport};
 use anyhow::Context;
 use handoff_components::Topology;
@@ -50,9 +50,9 @@ struct Route {
 pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str, secret: &ClusterSecret) -> anyhow::Result<()> {
     let p = topo.prefill();
     anyhow::ensure!(stage < p.pp, "--stage {stage} is outside prefill pp {} (stages 0..{})", p.pp, p.pp);
-    super::install_signal_handlers();
-    let super::RoleTransport { transport, memory } = super::open_transport(topo, secret)?;
-    let refused = super::Refused::new(&transport);
+    super::signals::install_signal_handlers();
+    let super::host::RoleTransport { transport, memory } = super::host::open_transport(topo, secret)?;
+    let refused = super::host::Refused::new(&transport);
     let mover = TransportMover::new(Arc::clone(&transport), MoverOptions::from_topology(topo))?;
     let handle = mover.handle();
     let mut engine = Engine::for_role(topo.clone(), Role::Stage(stage), Capacity::serving(topo), Box::new(mover));
@@ -69,7 +69,7 @@ pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str, secret: &ClusterSec
     let table = super::sampling::SamplingTable::default();
     let compute = super::sampling::sampled_compute(topo.config.device, topo, layouts_of(&regions), view, Arc::clone(&table))?;
     engine.set_compute(match delay {
-        Some(d) => Box::new(super::Delayed { inner: compute, delay: d }),
+        Some(d) => Box::new(super::host::Delayed { inner: compute, delay: d }),
         None => compute,
     });
     let listener = TcpListener::bind("127.0.0.1:0")?;
@@ -87,7 +87,7 @@ pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str, secret: &ClusterSec
         std::thread::Builder::new().name("prefill-notices".into()).spawn(move || send_notices(transport.as_ref(), &pending, max_age))?;
     }
     {
-        let (counts, pool) = (Arc::clone(&counts), super::compute_pool(topo)?);
+        let (counts, pool) = (Arc::clone(&counts), super::host::compute_pool(topo)?);
         let next = NextStage { addr: None, conn: None, secret: secret.clone() };
         std::thread::Builder::new()
             .name("prefill-engine".into())
@@ -95,9 +95,9 @@ pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str, secret: &ClusterSec
     }
     drop(tx);
     tracing::info!(stage, %addr, "prefill stage listening");
-    super::heartbeat_until_stopped(proxy, "prefill", Some(stage), addr, &counts, &refused, secret);
+    super::host::heartbeat_until_stopped(proxy, "prefill", Some(stage), addr, &counts, &refused, secret);
     tracing::info!(stage, "prefill stage stopping");
-    super::remove_own_shm_files(topo);
+    super::host::remove_own_shm_files(topo);
     Ok(())
 }
 
@@ -114,7 +114,7 @@ enum StageCmd {
 
 /// Accepts links from the proxy and the previous stage that prove the cluster
 /// secret; their jobs go to the engine.
-fn accept(listener: TcpListener, tx: Sender<StageCmd>, refused: &Arc<super::Refused>, secret: &ClusterSecret) {
+fn accept(listener: TcpListener, tx: Sender<StageCmd>, refused: &Arc<super::host::Refused>, secret: &ClusterSecret) {
     for conn in listener.incoming() {
         let Ok(conn) = conn else { continue };
         let (tx, refused, secret) = (tx.clone(), Arc::clone(refused), secret.clone());
@@ -265,7 +265,7 @@ fn engine_loop(
             if submit(&mut engine, stage, notices, mover, &mut route, *job)
                 && let Some(s) = sampling
             {
-                super::lock(table).insert(id, Live { sampling: s, prompt });
+                crate::base::lock(table).insert(id, Live { sampling: s, prompt });
             }
         }
         engine.tick();
@@ -273,7 +273,7 @@ fn engine_loop(
             match ev {
                 EngineEvent::Computed { request, nonce, stage: s, hidden, consumers, .. } => {
                     // This stage is done with the request: its sampling moves on.
-                    let sampling = super::lock(table).remove(&request).map(|l| l.sampling);
+                    let sampling = crate::base::lock(table).remove(&request).map(|l| l.sampling);
                     let Some(&addr) = route.stages.get(s as usize + 1) else { continue };
                     let job = PrefillJob {
                         admitted: Admitted {
@@ -300,12 +300,12 @@ fn engine_loop(
         }
         for o in engine.take_outcomes() {
             if let Err((phase, message)) = o.result {
-                super::lock(table).remove(&o.request);
+                crate::base::lock(table).remove(&o.request);
                 tracing::warn!(stage, request = o.request, %phase, %message, "prefill failed");
                 notify(notices, &route, &Notice::Failed { id: o.request, nonce: o.nonce, stage, phase, message });
             }
         }
-        *super::lock(counts) = engine.counts();
+        *crate::base::lock(counts) = engine.counts();
     }
 }
 

@@ -98,12 +98,12 @@ pub fn write_histogram(out: &mut String, name: &str, labels: &str, h: &Histogram
 }
 
 /// The timings of this process's engine, from its profiler, as [`SystemTiming`]s.
-pub fn system_timings(profiler: &crate::profile::Profiler) -> Vec<SystemTiming> {
+pub fn system_timings(profiler: &crate::engine::profile::Profiler) -> Vec<SystemTiming> {
     let Ok(runs) = profiler.runs.lock() else { return Vec::new() };
     runs.iter()
         .map(|(name, h)| SystemTiming {
             system: name.trim_start_matches("handoff_systems::").to_string(),
-            phase: crate::profile::phase_of(name).to_string(),
+            phase: crate::engine::profile::phase_of(name).to_string(),
             // The profiler records nanoseconds.
             cumulative: SYSTEM_BUCKETS_S.iter().map(|b| h.count_between(0, (b * 1e9) as u64)).collect(),
             count: h.len(),

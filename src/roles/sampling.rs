@@ -14,7 +14,7 @@
 //! for each step and replaces the model's greedy pick for the requests that asked
 //! for sampling.
 
-use crate::compute::LogitTrace;
+use crate::engine::compute::LogitTrace;
 use crate::model::ranks::Layouts;
 use crate::model::regions::RegionView;
 use crate::model::{Model, ModelError};
@@ -50,12 +50,9 @@ impl Sampling {
     }
 }
 
-/// SplitMix64's finalizer: a bijection of u64 with good avalanche.
-fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
+/// One SplitMix64 step: the golden-ratio increment, then the shared finalizer.
+fn mix(z: u64) -> u64 {
+    crate::base::mix(z.wrapping_add(0x9e37_79b9_7f4a_7c15))
 }
 
 /// The uniform draw in [0, 1) of step `step` of choice `choice` under `seed`.
@@ -149,7 +146,7 @@ impl Compute for Sampler {
         let logits = self.take_last(request);
         if let Some(first) = out.first_token.as_mut() {
             // The last stage made token 0: this stage is done with the request.
-            let live = super::lock(&self.table).remove(&request);
+            let live = crate::base::lock(&self.table).remove(&request);
             if let (Some(live), Some(l)) = (live, logits) {
                 *first = pick(&l, &live.sampling, 0);
             }
@@ -159,7 +156,7 @@ impl Compute for Sampler {
 
     fn decode(&mut self, batch: &[DecodeItem<'_>]) -> Result<Vec<u8>, ComputeError> {
         let mut picks = self.inner.decode(batch)?;
-        let table = super::lock(&self.table);
+        let table = crate::base::lock(&self.table);
         for (item, tok) in batch.iter().zip(picks.iter_mut()) {
             let logits = self.take_last(item.request);
             if let (Some(live), Some(l)) = (table.get(&item.request), logits) {
@@ -182,8 +179,8 @@ pub fn sampled_compute(
 ) -> anyhow::Result<Box<dyn Compute>> {
     let trace = LogitTrace::default();
     let sampled = Arc::clone(&table);
-    let only: crate::compute::TraceFilter = Arc::new(move |request| super::lock(&sampled).contains_key(&request));
-    let inner = crate::device::model_compute(dev, topo, layouts, view, trace.clone(), only)?;
+    let only: crate::engine::compute::TraceFilter = Arc::new(move |request| crate::base::lock(&sampled).contains_key(&request));
+    let inner = crate::engine::device::model_compute(dev, topo, layouts, view, trace.clone(), only)?;
     Ok(Box::new(Sampler { inner, trace, table }))
 }
 

@@ -1,7 +1,7 @@
-//! `handoff up`, the demo (`cargo run --release`) and `handoff bench`: a whole
-//! deployment as child processes of this one.
+//! `handoff up` and the demo (`cargo run --release`): a whole deployment as child
+//! processes of this one (the benches in [`crate::bench`] start theirs here too).
 //!
-//! A [`Cluster`] gives its roles one cluster secret ([`crate::auth`]): the one
+//! A [`Cluster`] gives its roles one cluster secret ([`crate::transport::auth`]): the one
 //! this process was given (`HANDOFF_CLUSTER_SECRET_FILE` or
 //! `HANDOFF_CLUSTER_SECRET`), else 32 fresh random bytes. It writes the secret
 //! to `{tmp}/handoff-up-{pid}-{port}.secret` (mode 0600, removed at shutdown) and
@@ -9,11 +9,10 @@
 //! never appears in an argument. The proxy's control listener gets a free
 //! loopback port, which every other role receives as `--proxy`.
 
-use super::cli::role_command;
+use super::client::{complete, percentile};
 use super::wire::{self, HttpResponse};
 use anyhow::Context;
 use handoff_components::Topology;
-use std::collections::BTreeMap;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Child;
@@ -97,7 +96,7 @@ pub struct Cluster {
     pub addr: String,
     /// `host:port` of the proxy's control listener (where the roles register).
     pub control_addr: String,
-    secret: crate::auth::ClusterSecret,
+    secret: crate::transport::auth::ClusterSecret,
     secret_file: Option<PathBuf>,
     pub topo: Topology,
     program: Option<PathBuf>,
@@ -135,10 +134,10 @@ impl Cluster {
         let path_s = path.to_string_lossy().to_string();
         let topo = Topology::load(&path_s).map_err(|e| anyhow::anyhow!("{e}"))?;
         let addr = format!("{host}:{port}");
-        let secret = match crate::auth::ClusterSecret::from_env() {
+        let secret = match crate::transport::auth::ClusterSecret::from_env() {
             Ok(s) => s,
-            Err(crate::auth::SecretError::Missing) => {
-                crate::auth::ClusterSecret::generate().context("read 32 random bytes from /dev/urandom for the cluster secret")?
+            Err(crate::transport::auth::SecretError::Missing) => {
+                crate::transport::auth::ClusterSecret::generate().context("read 32 random bytes from /dev/urandom for the cluster secret")?
             }
             Err(e) => anyhow::bail!("{e}"),
         };
@@ -179,7 +178,7 @@ impl Cluster {
             ));
         }
         let mut envs = envs;
-        envs.push((crate::auth::SECRET_FILE_ENV.to_string(), secret_file.to_string_lossy().to_string()));
+        envs.push((crate::transport::auth::SECRET_FILE_ENV.to_string(), secret_file.to_string_lossy().to_string()));
         let mut c = Cluster { roles, addr, control_addr, secret, secret_file: Some(secret_file), topo, program, envs, tmp_config: tmp };
         for i in 0..c.roles.len() {
             c.spawn(i)?;
@@ -192,9 +191,9 @@ impl Cluster {
         let mut cmd = role_command(self.program.as_deref(), &role.args)?;
         // The file is the one source: a stale secret in this process's environment
         // must not reach a child.
-        cmd.env_remove(crate::auth::SECRET_ENV);
+        cmd.env_remove(crate::transport::auth::SECRET_ENV);
         cmd.envs(self.envs.iter().map(|(k, v)| (k.as_str(), v.as_str())));
-        cmd.env(super::RESTARTS_ENV, role.restarts.to_string());
+        cmd.env(super::host::RESTARTS_ENV, role.restarts.to_string());
         // SAFETY: prctl and setpgid are async-signal-safe. A role dies with its
         // parent, so a killed `up` leaves nothing running; and it has its own
         // process group, so a terminal's Ctrl-C reaches `up` alone, which drains
@@ -212,7 +211,7 @@ impl Cluster {
     }
 
     /// The cluster secret its roles share (tests play a role with it).
-    pub fn secret(&self) -> &crate::auth::ClusterSecret {
+    pub fn secret(&self) -> &crate::transport::auth::ClusterSecret {
         &self.secret
     }
 
@@ -331,7 +330,7 @@ impl Cluster {
                 self.roles[0].child = None;
                 return true;
             }
-            if Instant::now() >= deadline || super::signals() >= 2 {
+            if Instant::now() >= deadline || super::signals::signals() >= 2 {
                 return false;
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -424,7 +423,7 @@ impl Cluster {
 
 /// Writes the secret's hex digits to a new file of mode 0600 (replacing a stale
 /// one of the same name: the name holds this process's pid).
-fn write_secret(path: &Path, secret: &crate::auth::ClusterSecret) -> anyhow::Result<()> {
+fn write_secret(path: &Path, secret: &crate::transport::auth::ClusterSecret) -> anyhow::Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let _ = std::fs::remove_file(path);
@@ -459,7 +458,7 @@ pub fn run_up(
     api_key: Option<&str>,
     trace_dir: Option<&Path>,
 ) -> anyhow::Result<()> {
-    super::install_signal_handlers();
+    super::signals::install_signal_handlers();
     if port == 0 {
         anyhow::bail!("--port 0: the roles must be told the proxy's port before it listens; pick a free port");
     }
@@ -474,7 +473,7 @@ pub fn run_up(
     if let Some(dir) = trace_dir {
         // Absolute: each role opens its file wherever it runs.
         let abs = std::fs::canonicalize(dir).map_err(|e| anyhow::anyhow!("--trace-dir {}: {e}", dir.display()))?;
-        envs.push((super::cli::TRACE_DIR_ENV.to_string(), abs.to_string_lossy().into_owned()));
+        envs.push((TRACE_DIR_ENV.to_string(), abs.to_string_lossy().into_owned()));
     }
     let mut c = Cluster::start_with(config, host, port, None, envs)?;
     let p = c.topo.prefill();
@@ -496,16 +495,16 @@ pub fn run_up(
     c.wait_healthy(Duration::from_secs(60), true)?;
     if let Some(f) = c.secret_file() {
         // What a role started by hand needs to join this cluster.
-        eprintln!("handoff up: roles register at {} with the cluster secret in {} ({})", c.control_addr, f.display(), crate::auth::SECRET_FILE_ENV);
+        eprintln!("handoff up: roles register at {} with the cluster secret in {} ({})", c.control_addr, f.display(), crate::transport::auth::SECRET_FILE_ENV);
     }
     println!("handoff serving at http://{}  (POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics; Ctrl-C drains and stops)", c.addr);
     loop {
-        if super::signals() >= 2 {
+        if super::signals::signals() >= 2 {
             eprintln!("handoff up: second signal; stopping every role now");
             c.kill_all();
             return Ok(());
         }
-        if super::shutting_down() {
+        if super::signals::shutting_down() {
             let drain_s = c.topo.config.serve.drain_s;
             eprintln!("handoff up: draining (new requests get 503; those in flight have up to serve.drain_s = {drain_s} s); a second Ctrl-C stops at once");
             if let Err(e) = c.signal("proxy", libc::SIGTERM) {
@@ -513,7 +512,7 @@ pub fn run_up(
             }
             // The proxy exits once its requests finished or drain_s passed.
             let drained = c.wait_proxy_exit(Duration::from_secs_f64(drain_s.min(86_400.0)) + Duration::from_secs(5));
-            if super::signals() >= 2 {
+            if super::signals::signals() >= 2 {
                 eprintln!("handoff up: second signal; stopping every role now");
                 c.kill_all();
                 return Ok(());
@@ -566,66 +565,6 @@ fn sweep_stale_configs() {
     }
 }
 
-/// One completion's answer, as the demo and bench read it.
-#[derive(Debug, Clone, Default)]
-pub struct Completion {
-    pub text: String,
-    pub token_ids: Vec<u8>,
-    pub ttft_ms: f64,
-    pub itl_ms: Vec<f64>,
-    pub bytes: u64,
-    pub queue_ms: f64,
-    pub handoff_ms: f64,
-    pub decode_ms: f64,
-}
-
-/// Sends one non-streaming completion; Err carries status and body.
-pub fn complete(addr: &str, prompt: &str, max_tokens: u32) -> Result<Completion, (u16, String)> {
-    let body = serde_json::json!({"prompt": prompt, "max_tokens": max_tokens}).to_string();
-    let r = wire::http(addr, "POST", "/v1/completions", Some(&body), Duration::from_secs(120)).map_err(|e| (0, e.to_string()))?;
-    if r.status != 200 {
-        return Err((r.status, r.body));
-    }
-    let v = r.json().ok_or((r.status, r.body.clone()))?;
-    let c = &v["choices"][0];
-    let h = &v["handoff"];
-    let f = |k: &str| h[k].as_f64().unwrap_or(0.0);
-    Ok(Completion {
-        text: c["text"].as_str().unwrap_or("").to_string(),
-        token_ids: c["token_ids"].as_array().map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as u8).collect()).unwrap_or_default(),
-        ttft_ms: f("ttft_ms"),
-        itl_ms: h["itl_ms"].as_array().map(|a| a.iter().filter_map(|x| x.as_f64()).collect()).unwrap_or_default(),
-        bytes: h["bytes_handed_off"].as_u64().unwrap_or(0),
-        queue_ms: f("queue_ms"),
-        handoff_ms: f("handoff_ms"),
-        decode_ms: f("decode_ms"),
-    })
-}
-
-/// The reason of a failed completion: the message of an OpenAI-style error body,
-/// else the body (or the I/O error) itself, cut to one line.
-pub fn failure_reason(body: &str) -> String {
-    let v: Option<serde_json::Value> = serde_json::from_str(body).ok();
-    let msg = v.as_ref().and_then(|v| v["error"]["message"].as_str()).map(str::to_string).unwrap_or_else(|| body.to_string());
-    let line = msg.lines().next().unwrap_or("").trim();
-    let mut out: String = line.chars().take(160).collect();
-    if out.is_empty() {
-        out = "(empty body)".into();
-    } else if line.chars().count() > 160 {
-        out.push_str("...");
-    }
-    out
-}
-
-fn percentile(xs: &mut [f64], q: f64) -> f64 {
-    if xs.is_empty() {
-        return 0.0;
-    }
-    xs.sort_by(|a, b| a.total_cmp(b));
-    let i = ((xs.len() as f64 - 1.0) * q).round() as usize;
-    xs[i.min(xs.len() - 1)]
-}
-
 fn start_default() -> anyhow::Result<Cluster> {
     let port = free_port()?;
     let mut c = Cluster::start(None, "127.0.0.1", port, None)?;
@@ -669,158 +608,23 @@ pub fn run_demo() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One level of `bench serve`.
-#[derive(Debug, Clone, Default)]
-pub struct ServeLevel {
-    pub concurrency: u32,
-    pub requests: u32,
-    pub ok: u32,
-    /// Failures by HTTP status (0: no answer).
-    pub failed: BTreeMap<u16, u32>,
-    /// Failures by HTTP status and reason (the error body's message, or why no
-    /// answer came), so a sweep says what went wrong, not only how often.
-    pub reasons: BTreeMap<(u16, String), u32>,
-    pub tok_s: f64,
-    pub ttft_p50: f64,
-    pub ttft_p99: f64,
-    pub itl_p50: f64,
-    pub itl_p99: f64,
-    /// CPU time of all role processes over the level, per completed request (ms).
-    pub cpu_ms_per_request: f64,
-}
+/// Set by `up --trace-dir DIR` for its children: each role traces into DIR.
+pub const TRACE_DIR_ENV: &str = "HANDOFF_TRACE_DIR";
 
-/// The prompt of the `i`-th request of a load: 32 to 127 letters, different
-/// per request.
-pub(crate) fn load_prompt(i: u32) -> String {
-    (0..32 + (i * 37) % 96).map(|j| (b'a' + ((i + j) % 26) as u8) as char).collect()
-}
-
-/// `concurrency` clients sending `requests` completions in all to `addr`.
-pub fn load(addr: &str, concurrency: u32, requests: u32, max_tokens: u32) -> ServeLevel {
-    let next = std::sync::atomic::AtomicU32::new(0);
-    let results = std::sync::Mutex::new(Vec::new());
-    let t0 = Instant::now();
-    std::thread::scope(|s| {
-        for _ in 0..concurrency.max(1) {
-            s.spawn(|| {
-                loop {
-                    let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                    if i >= requests {
-                        return;
-                    }
-                    let prompt = load_prompt(i);
-                    let r = complete(addr, &prompt, max_tokens);
-                    results.lock().unwrap_or_else(|p| p.into_inner()).push(r);
-                }
-            });
-        }
-    });
-    let wall = t0.elapsed().as_secs_f64();
-    let results = results.into_inner().unwrap_or_else(|p| p.into_inner());
-    let ok: Vec<&Completion> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
-    let mut failed = BTreeMap::new();
-    let mut reasons = BTreeMap::new();
-    for r in &results {
-        if let Err((status, body)) = r {
-            *failed.entry(*status).or_default() += 1;
-            *reasons.entry((*status, failure_reason(body))).or_default() += 1;
-        }
-    }
-    let tokens: usize = ok.iter().map(|r| r.token_ids.len()).sum();
-    let mut ttft: Vec<f64> = ok.iter().map(|r| r.ttft_ms).collect();
-    let mut itl: Vec<f64> = ok.iter().flat_map(|r| r.itl_ms.clone()).collect();
-    ServeLevel {
-        concurrency,
-        requests,
-        ok: ok.len() as u32,
-        failed,
-        reasons,
-        tok_s: tokens as f64 / wall,
-        ttft_p50: percentile(&mut ttft, 0.5),
-        ttft_p99: percentile(&mut ttft, 0.99),
-        itl_p50: percentile(&mut itl, 0.5),
-        itl_p99: percentile(&mut itl, 0.99),
-        cpu_ms_per_request: 0.0,
-    }
-}
-
-/// `handoff bench serve`: starts the cluster of `config` (the built-in default
-/// without one) and sweeps the concurrency levels, `requests` completions of 16
-/// tokens per level (0: 8 x concurrency, at least 64); prints tok/s, TTFT and ITL
-/// p50/p99 per level and the ratio of each level's tok/s to the first's.
-///
-/// tok/s, TTFT and ITL count the successful requests only; a level with failures
-/// says how many of its requests failed and lists them by HTTP status and reason
-/// (the caller decides whether a failure fails the run: see [`failed_requests`]).
-pub fn bench_serve(config: Option<&Path>, levels: &[u32], requests: u32) -> anyhow::Result<Vec<ServeLevel>> {
-    let port = free_port()?;
-    let mut c = Cluster::start(config, "127.0.0.1", port, None)?;
-    eprintln!("bench serve: {} at {}", config.map_or("the built-in default (config/trained.toml)".to_string(), |p| p.display().to_string()), c.addr);
-    c.wait_healthy(Duration::from_secs(60), true)?;
-    // Warm-up, so the first level does not pay for the first requests' page faults.
-    let _ = load(&c.addr, 2, 4, 16);
-    println!(
-        "{:>11} {:>9} {:>6} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>12}",
-        "concurrency", "requests", "ok", "failed", "ok tok/s", "vs C1", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "CPU ms/req"
-    );
-    // SAFETY: sysconf has no preconditions.
-    let tick_ms = 1000.0 / (unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64);
-    let mut out = Vec::new();
-    for &conc in levels {
-        let n = if requests == 0 { (8 * conc).max(64) } else { requests };
-        let t0 = c.cpu_ticks();
-        let mut l = load(&c.addr, conc, n, 16);
-        l.cpu_ms_per_request = (c.cpu_ticks().saturating_sub(t0)) as f64 * tick_ms / f64::from(l.ok.max(1));
-        let base = out.first().map_or(l.tok_s, |f: &ServeLevel| f.tok_s);
-        let failed: u32 = l.failed.values().sum();
-        println!(
-            "{:>11} {:>9} {:>6} {:>7} {:>9.1} {:>8.2}x {:>7.1}ms {:>7.1}ms {:>7.2}ms {:>7.2}ms {:>10.2}ms",
-            conc,
-            l.requests,
-            l.ok,
-            failed,
-            l.tok_s,
-            l.tok_s / base.max(1e-9),
-            l.ttft_p50,
-            l.ttft_p99,
-            l.itl_p50,
-            l.itl_p99,
-            l.cpu_ms_per_request
-        );
-        if failed > 0 {
-            println!("{:>11}   {failed} of {} requests failed; tok/s, TTFT and ITL count the {} that succeeded", "", l.requests, l.ok);
-            print!("{}", failure_lines(&l.reasons, 8));
-        }
-        out.push(l);
-    }
-    c.shutdown();
-    Ok(out)
-}
-
-/// The failures of `reasons`, most frequent first, one line each (at most
-/// `most` lines, then how many other reasons there were).
-pub fn failure_lines(reasons: &BTreeMap<(u16, String), u32>, most: usize) -> String {
-    let mut rows: Vec<(&(u16, String), &u32)> = reasons.iter().collect();
-    rows.sort_by(|a, b| b.1.cmp(a.1).then_with(|| a.0.cmp(b.0)));
-    let mut out = String::new();
-    for ((status, reason), n) in rows.iter().take(most) {
-        let status = if *status == 0 { "no answer".to_string() } else { format!("HTTP {status}") };
-        out += &format!("{:>11}   {n:>6} x {status}: {reason}\n", "");
-    }
-    if rows.len() > most {
-        let rest: u32 = rows[most..].iter().map(|(_, n)| **n).sum();
-        out += &format!("{:>11}   {rest:>6} x ({} other reasons)\n", "", rows.len() - most);
-    }
-    out
-}
-
-/// Requests that failed over every level of a sweep.
-pub fn failed_requests(levels: &[ServeLevel]) -> u32 {
-    levels.iter().map(|l| l.failed.values().sum::<u32>()).sum()
+/// The command that starts a role process: `program` (the `handoff` binary; None =
+/// this executable) with the role's arguments.
+pub fn role_command(program: Option<&std::path::Path>, args: &[String]) -> anyhow::Result<std::process::Command> {
+    let exe = match program {
+        Some(p) => p.to_path_buf(),
+        None => std::env::current_exe().context("locate the handoff executable")?,
+    };
+    let mut c = std::process::Command::new(exe);
+    c.args(args);
+    Ok(c)
 }
 
 /// CPU time (user + system, clock ticks) and resident bytes of a process.
-pub(crate) fn proc_usage(pid: u32) -> Option<(u64, u64)> {
+pub fn proc_usage(pid: u32) -> Option<(u64, u64)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // Fields after the command name (which may hold spaces) start after ") ".
     let rest = stat.rsplit_once(") ")?.1;

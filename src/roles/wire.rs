@@ -22,8 +22,8 @@
 //! [`Transport`]: crate::transport::Transport
 
 use super::sampling::Sampling;
-use crate::auth::{ClusterSecret, context};
 use crate::engine::Counts;
+use crate::transport::auth::{ClusterSecret, context};
 use crate::transport::{PeerAddr, RegionHandle};
 use handoff_components::ecs::{PhaseName, StageReport};
 use handoff_components::layout::ConsumerLayout;
@@ -187,7 +187,7 @@ pub const REGISTER_AUTH_HEADER: &str = "x-handoff-auth";
 /// The [`REGISTER_AUTH_HEADER`] value for `body`, sent at `unix_ms`.
 pub fn register_auth(secret: &ClusterSecret, unix_ms: u64, body: &[u8]) -> String {
     let ts = unix_ms.to_string();
-    format!("{ts}.{}", crate::auth::to_hex(&secret.mac(context::REGISTER, &[ts.as_bytes(), b"\n", body])))
+    format!("{ts}.{}", crate::transport::auth::to_hex(&secret.mac(context::REGISTER, &[ts.as_bytes(), b"\n", body])))
 }
 
 /// Checks a [`REGISTER_AUTH_HEADER`] value against `body` at `now_ms`; why not, if not.
@@ -195,11 +195,11 @@ pub fn check_register_auth(secret: &ClusterSecret, header: Option<&str>, body: &
     let Some(h) = header else { return Err(format!("no {REGISTER_AUTH_HEADER} header")) };
     let Some((ts, mac)) = h.split_once('.') else { return Err(format!("{REGISTER_AUTH_HEADER} is not <unix ms>.<hex MAC>")) };
     let Ok(t) = ts.parse::<u64>() else { return Err(format!("{REGISTER_AUTH_HEADER} timestamp {ts:?} is not a number")) };
-    let mac = crate::auth::from_hex(mac).unwrap_or_default();
+    let mac = crate::transport::auth::from_hex(mac).unwrap_or_default();
     if !secret.verify(context::REGISTER, &[ts.as_bytes(), b"\n", body], &mac) {
         return Err("the MAC does not prove the cluster secret".into());
     }
-    let window = crate::auth::REGISTER_WINDOW.as_millis() as u64;
+    let window = crate::transport::auth::REGISTER_WINDOW.as_millis() as u64;
     if t.abs_diff(now_ms) > window {
         return Err(format!("timestamp {t} ms is more than {window} ms from the proxy's clock {now_ms} ms"));
     }
@@ -226,7 +226,7 @@ struct Answer {
 
 /// The line an acceptor sends first, for `nonce`.
 pub fn challenge_line(nonce: &[u8; 32]) -> Vec<u8> {
-    let mut line = serde_json::to_vec(&Challenge { challenge: crate::auth::to_hex(nonce) }).unwrap_or_default();
+    let mut line = serde_json::to_vec(&Challenge { challenge: crate::transport::auth::to_hex(nonce) }).unwrap_or_default();
     line.push(b'\n');
     line
 }
@@ -235,9 +235,10 @@ pub fn challenge_line(nonce: &[u8; 32]) -> Vec<u8> {
 pub fn answer_line(secret: &ClusterSecret, challenge: &[u8]) -> io::Result<Vec<u8>> {
     let bad = |m: String| io::Error::new(io::ErrorKind::InvalidData, m);
     let c: Challenge = serde_json::from_slice(challenge).map_err(|e| bad(format!("expected a control challenge line: {e}")))?;
-    let nonce =
-        crate::auth::from_hex(&c.challenge).filter(|n| n.len() == 32).ok_or_else(|| bad(format!("challenge {:?} is not 64 hex digits", c.challenge)))?;
-    let mut line = serde_json::to_vec(&Answer { auth: crate::auth::to_hex(&secret.mac(context::CONTROL, &[&nonce])) }).map_err(io::Error::other)?;
+    let nonce = crate::transport::auth::from_hex(&c.challenge)
+        .filter(|n| n.len() == 32)
+        .ok_or_else(|| bad(format!("challenge {:?} is not 64 hex digits", c.challenge)))?;
+    let mut line = serde_json::to_vec(&Answer { auth: crate::transport::auth::to_hex(&secret.mac(context::CONTROL, &[&nonce])) }).map_err(io::Error::other)?;
     line.push(b'\n');
     Ok(line)
 }
@@ -264,7 +265,7 @@ pub enum Admission {
 /// The accepting side's handshake on a new control connection: the reader to
 /// read its messages from, once the peer proved `secret`.
 pub fn accept_control(conn: TcpStream, secret: &ClusterSecret) -> Result<BufReader<TcpStream>, Admission> {
-    let nonce = crate::auth::nonce();
+    let nonce = crate::transport::auth::nonce();
     let io = |e: io::Error| Admission::Refused(format!("handshake: {e}"));
     (&conn).write_all(&challenge_line(&nonce)).map_err(|_| Admission::Closed)?;
     conn.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(io)?;
@@ -279,7 +280,7 @@ pub fn accept_control(conn: TcpStream, secret: &ClusterSecret) -> Result<BufRead
         }
         Err(e) => return Err(io(e)),
     }
-    let given = serde_json::from_slice::<Answer>(&line).ok().and_then(|a| crate::auth::from_hex(&a.auth)).unwrap_or_default();
+    let given = serde_json::from_slice::<Answer>(&line).ok().and_then(|a| crate::transport::auth::from_hex(&a.auth)).unwrap_or_default();
     if !secret.verify(context::CONTROL, &[&nonce], &given) {
         return Err(Admission::Refused("the first line does not prove the cluster secret".into()));
     }

@@ -24,7 +24,7 @@ use super::{
     BatchId, Completion, Completions, Incident, IpcHandle, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, Transport, TransportError,
     lock, read, validate, write,
 };
-use crate::auth::ClusterSecret;
+use crate::transport::auth::ClusterSecret;
 use handoff_components::plan::Descriptor;
 use handoff_components::vocab::{RankId, RegionKind};
 use handoff_kernels::{Copy2d, CopyTicket, DeviceMemory, DeviceRegion};
@@ -494,7 +494,7 @@ mod tests {
     #[test]
     fn the_flagship_pass_takes_the_fewest_table_launches() {
         let topo = handoff_components::Topology::load(concat!(env!("CARGO_MANIFEST_DIR"), "/config/k3-pp8-tp8dcp8.toml")).expect("config");
-        let (_engine, jobs, _) = crate::bench_cli::planned(&topo, 32768, 1).expect("plans");
+        let (_engine, jobs, _) = crate::bench::transfer::planned(&topo, 32768, 1).expect("plans");
         // Every (rank, kind) region its own allocation, far apart.
         let mut bases: HashMap<(String, RegionKind), u64> = HashMap::new();
         let mut base = |rank: String, kind| {

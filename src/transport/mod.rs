@@ -13,16 +13,21 @@
 //! feature). [`staging`] gathers strided batches into contiguous runs through
 //! a bounded pool, and [`bench`] measures transfers against this machine's memcpy.
 //!
+//! [`auth`] holds the cluster secret that every connection between the processes
+//! of a deployment proves, the transports' and the roles' alike.
+//!
 //! Every descriptor is bounds-checked against both regions before any byte moves: an
 //! out-of-range descriptor is a [`TransportError::OutOfBounds`], never a wild write.
 //! Within one batch, copies have sequential semantics (descriptor order, piece order),
 //! so a batch whose destinations overlap still yields what a naive loop yields.
 
+pub mod auth;
 pub mod bench;
 pub(crate) mod copy;
 pub mod device;
 pub(crate) mod host;
 pub mod local;
+mod open;
 pub mod rdma;
 pub mod shm;
 pub mod staging;
@@ -35,10 +40,11 @@ use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 pub use local::LocalTransport;
+pub use open::{loopback_pair, open, open_with};
 pub use shm::ShmTransport;
 pub use tcp::{TcpOptions, TcpTransport};
 
@@ -318,7 +324,7 @@ pub trait Transport: Send + Sync {
     }
 
     /// Connections (tcp) or messages (shm) refused so far for not proving the
-    /// cluster secret ([`crate::auth`]). Transports that accept nothing from
+    /// cluster secret ([`crate::transport::auth`]). Transports that accept nothing from
     /// outside the process report 0.
     fn unauthenticated(&self) -> u64 {
         0
@@ -379,39 +385,6 @@ pub trait TransportExt: Transport {
 }
 
 impl<T: Transport + ?Sized> TransportExt for T {}
-
-/// Builds a transport of the configured kind for this process. TCP listens on
-/// `tcp_bind` (loopback, any port, when `None`).
-pub fn open(kind: handoff_components::config::TransportKind, tcp_bind: Option<SocketAddr>) -> Result<Arc<dyn Transport>> {
-    open_with(kind, tcp_bind, crate::auth::ClusterSecret::process())
-}
-
-/// [`open`] with the cluster secret its peers must prove (tcp, shm).
-pub fn open_with(
-    kind: handoff_components::config::TransportKind,
-    tcp_bind: Option<SocketAddr>,
-    secret: crate::auth::ClusterSecret,
-) -> Result<Arc<dyn Transport>> {
-    use handoff_components::config::TransportKind;
-    Ok(match kind {
-        TransportKind::Local => Arc::new(LocalTransport::new()),
-        TransportKind::Shm => Arc::new(ShmTransport::with_secret(shm::default_dir(), secret)?),
-        TransportKind::Tcp => {
-            let mut opts = TcpOptions { secret, ..TcpOptions::default() };
-            if let Some(bind) = tcp_bind {
-                opts.bind = bind;
-            }
-            Arc::new(TcpTransport::bind(opts)?)
-        }
-    })
-}
-
-/// A producer and a consumer transport of one kind in this process, wired as two
-/// processes would be (two shm prefixes, two TCP endpoints on loopback). For
-/// benchmarks and tests.
-pub fn loopback_pair(kind: handoff_components::config::TransportKind) -> Result<(Arc<dyn Transport>, Arc<dyn Transport>)> {
-    Ok((open(kind, None)?, open(kind, None)?))
-}
 
 // ---------------------------------------------------------------------------
 // Shared pieces of the backends.
@@ -535,9 +508,8 @@ impl Completions {
 
 /// Locks a mutex, ignoring poisoning: the data behind our locks stays consistent
 /// across a panicking holder (queues and maps updated in single steps).
-pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+// The backends take it from here with the rest of their shared items.
+pub(crate) use crate::base::lock;
 
 pub(crate) fn read<T>(m: &std::sync::RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
     m.read().unwrap_or_else(|p| p.into_inner())

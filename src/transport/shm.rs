@@ -5,7 +5,7 @@
 //! instance. A producer maps the file named by the handle and copies into it, so a
 //! write is a memcpy into the consumer's pages. Notifications travel as datagrams on
 //! the Unix socket `{dir}/{prefix}.sock`, each tagged with the sender's endpoint
-//! and HMAC-SHA256(cluster secret, context || endpoint || bytes) ([`crate::auth`]).
+//! and HMAC-SHA256(cluster secret, context || endpoint || bytes) ([`crate::transport::auth`]).
 //!
 //! Who may write: region files and the socket are mode 0600, so only processes of
 //! the same user can map a region or send a datagram at all; a mapping writes
@@ -18,7 +18,7 @@
 
 use super::host::{HostCore, HostRegion, Mem};
 use super::{BatchId, Completion, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, Transport, TransportError, host_only, usize_len};
-use crate::auth::{ClusterSecret, context};
+use crate::transport::auth::{ClusterSecret, context};
 use handoff_components::plan::Descriptor;
 use handoff_components::vocab::{RankId, RegionKind};
 use std::fs::{File, OpenOptions};

@@ -8,7 +8,8 @@
 //! [`Stager`] caps descriptors per batch (`transport.max_batch`), keeps the pool's
 //! buffers in flight, and retries transient failures with exponential backoff.
 
-use super::{RegionHandle, RemoteRegion, Result, Transport, TransportError, TransportExt, lock, validate};
+use super::{RegionHandle, RemoteRegion, Result, Transport, TransportError, TransportExt, validate};
+use crate::base::lock;
 use handoff_components::config::TransportConfig;
 use handoff_components::plan::Descriptor;
 use handoff_components::vocab::{RankId, RegionKind};

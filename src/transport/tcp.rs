@@ -10,7 +10,7 @@
 //!
 //! Authentication: the accepting side opens every connection with a CHALLENGE
 //! (a fresh random nonce); the connecting side's first frame must be a HELLO whose
-//! MAC is HMAC-SHA256(cluster secret, nonce || endpoint) ([`crate::auth`]). A
+//! MAC is HMAC-SHA256(cluster secret, nonce || endpoint) ([`crate::transport::auth`]). A
 //! connection whose first frame is anything else, or whose MAC is wrong, is
 //! refused before any later frame is read (so no byte of a region is touched),
 //! told why in an ACK of batch 0, closed, and counted
@@ -27,7 +27,7 @@ use super::{
     BatchId, Completion, Completions, Incident, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, Transport, TransportError, host_only,
     lock, read, usize_len, validate, write,
 };
-use crate::auth::ClusterSecret;
+use crate::transport::auth::ClusterSecret;
 use handoff_components::plan::Descriptor;
 use handoff_components::vocab::{RankId, RegionKind};
 use std::collections::{HashMap, HashSet};
@@ -83,8 +83,8 @@ impl Default for TcpOptions {
 /// NOTIFY: u32 n, n bytes. ACK: u64 batch, u8 status (0 ok), u32 n, n bytes of reason.
 pub mod wire {
     use super::Descriptor;
-    use crate::auth::{ClusterSecret, context};
     use crate::transport::PeerAddr;
+    use crate::transport::auth::{ClusterSecret, context};
     use handoff_components::vocab::RegionKind;
     use std::io::{self, Write};
 
@@ -460,7 +460,7 @@ fn serve_connection(inner: &Inner, stream: TcpStream) {
     let Ok(ack_stream) = stream.try_clone() else { return };
     let mut acks = BufWriter::new(ack_stream);
     let Ok(mut r) = FrameReader::new(stream, &inner.shutdown, inner.opts.idle_timeout) else { return };
-    let nonce = crate::auth::nonce();
+    let nonce = crate::transport::auth::nonce();
     if wire::write_challenge(&mut acks, &nonce).and_then(|()| acks.flush()).is_err() {
         return;
     }
@@ -471,7 +471,7 @@ fn serve_connection(inner: &Inner, stream: TcpStream) {
         Err(Some(reason)) => {
             inner.unauthenticated.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(peer = %peer_sock, %reason, "tcp: refused an unauthenticated connection");
-            let told = format!("refused: {reason} (do the roles share one cluster secret, {}?)", crate::auth::SECRET_FILE_ENV);
+            let told = format!("refused: {reason} (do the roles share one cluster secret, {}?)", crate::transport::auth::SECRET_FILE_ENV);
             let _ = wire::write_ack(&mut acks, wire::REFUSAL_BATCH, Some(&told)).and_then(|()| acks.flush());
             let _ = r.stream.shutdown(Shutdown::Both);
             return;
@@ -590,7 +590,7 @@ fn read_hello(r: &mut FrameReader<'_>, secret: &ClusterSecret, nonce: &[u8; 32])
     let mut json = vec![0u8; n as usize + 32];
     r.fill(&mut json, false).map_err(|e| Some(stop_reason(e)))?;
     let (json, mac) = json.split_at(n as usize);
-    if !secret.verify(crate::auth::context::TCP_HELLO, &[nonce, json], mac) {
+    if !secret.verify(crate::transport::auth::context::TCP_HELLO, &[nonce, json], mac) {
         return Err(Some("the HELLO does not prove the cluster secret".into()));
     }
     Ok(serde_json::from_slice(json).ok())

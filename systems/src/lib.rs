@@ -2,13 +2,16 @@
 //! layouts, testable without a World) and the bevy systems that apply them.
 //!
 //! Order of one tick: admission -> placement -> splitting -> transfer -> release ->
-//! dispatch (the compute, when the engine has a `dispatch::Dispatcher`).
+//! dispatch (the compute, when the engine has a `dispatch::Dispatcher`). `coalesce`
+//! (merging adjacent copies) and `share` (who sends what to whom) are rules the
+//! phases share; placement comes before splitting in the imports too.
 
 pub mod admission;
 pub mod coalesce;
 pub mod dispatch;
 pub mod placement;
 pub mod release;
+pub mod share;
 pub mod splitting;
 pub mod transfer;
 

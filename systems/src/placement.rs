@@ -243,7 +243,7 @@ pub fn expected_reports(topo: &Topology, consumer: DecodeRank) -> u32 {
     let (p, d) = (topo.prefill(), topo.decode());
     let per_stage = (0..p.tp)
         .filter(|&tp| {
-            let sh = crate::splitting::share(p.tp, d.tp, tp, consumer.tp);
+            let sh = crate::share::share(p.tp, d.tp, tp, consumer.tp);
             sh.rows || sh.state
         })
         .count() as u32;

@@ -3,6 +3,7 @@
 //! global knowledge), so the same code serves when the roles are separate processes.
 
 use crate::coalesce::Coalescer;
+pub use crate::share::{Share, share};
 use handoff_components::layout::{ConsumerLayout, ProducerLayout, RegionLayout};
 use handoff_components::plan::{Descriptor, Plan};
 use handoff_components::vocab::{Distribution, ModuleLayer, RegionKind};
@@ -82,20 +83,6 @@ pub fn check_consumer(consumer: &ConsumerLayout) -> Result<(), SplitError> {
         }
     }
     Ok(())
-}
-
-/// What a producer sends a consumer: the MLA rows (one TP rank of the stage spreads
-/// them: consumer tp % prefill tp), the head-split state (producer tp = consumer tp / k).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Share {
-    pub rows: bool,
-    pub state: bool,
-}
-
-/// The share of producer tp rank `producer_tp` toward decode rank `consumer_tp`.
-pub fn share(prefill_tp: u32, decode_tp: u32, producer_tp: u32, consumer_tp: u32) -> Share {
-    let k = (decode_tp / prefill_tp).max(1);
-    Share { rows: consumer_tp % prefill_tp == producer_tp, state: consumer_tp / k == producer_tp }
 }
 
 /// Plans one request's copies from `producer` to `consumer`.
@@ -219,7 +206,7 @@ fn plan_rows(
         return Err(SplitError::Geometry { kind, what: "token bytes", producer: tb, consumer: dst.token_bytes });
     }
     let (s, dcp, d) = (consumer.interleave as u64, consumer.dcp as u64, consumer.dcp_rank() as u64);
-    let owned = crate::placement::owned_tokens(tokens, consumer.dcp, consumer.dcp_rank(), consumer.interleave);
+    let owned = handoff_components::layout::owned_tokens(tokens, consumer.dcp, consumer.dcp_rank(), consumer.interleave);
     let need_src = tokens.div_ceil(src.block_size as u64);
     if (producer.blocks.len() as u64) < need_src {
         return Err(SplitError::ShortBlocks { kind, side: "producer", have: producer.blocks.len() as u64, need: need_src });

@@ -241,7 +241,9 @@ pub fn host_device_transport(lag: u32) -> Arc<DeviceTransport> {
 /// A cuda-ipc transport over the given stand-in memory.
 pub fn host_device_transport_on(mem: Arc<HostDeviceMemory>) -> Arc<DeviceTransport> {
     let mem: Arc<dyn DeviceMemory> = mem;
-    Arc::new(DeviceTransport::new(mem, 0, handoff::transport::shm::default_dir(), handoff::auth::ClusterSecret::process()).expect("device transport"))
+    Arc::new(
+        DeviceTransport::new(mem, 0, handoff::transport::shm::default_dir(), handoff::transport::auth::ClusterSecret::process()).expect("device transport"),
+    )
 }
 
 pub fn handle_json(h: &RegionHandle) -> String {

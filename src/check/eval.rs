@@ -13,7 +13,7 @@
 //! starts decode from zeroed memory, so the lost state shows as a number: the
 //! silent failure of docs/design.md made visible.
 
-use crate::compute_verify::{Fill, LOGIT_TOLERANCE, colocated_topology, rel_err, run_disaggregated};
+use crate::check::compute_verify::{Fill, LOGIT_TOLERANCE, colocated_topology, rel_err, run_disaggregated};
 use crate::model::{Model, Trace, run_colocated_forced_on};
 use handoff_components::Topology;
 use handoff_components::vocab::RegionKind;

@@ -13,10 +13,10 @@
 //! (the IPC copy). Afterwards the consumer checks every byte of its regions with
 //! the oracle: a fast wrong hand-off does not report.
 
-use crate::auth::{ClusterSecret, SECRET_ENV};
-use crate::bench_cli::{BenchCmdOptions, kinds_line, planned, run_pass};
+use crate::bench::transfer::{BenchCmdOptions, kinds_line, planned, run_pass};
+use crate::check::oracle::{self, OracleRequest, Placement};
 use crate::engine::mover::{MoverOptions, TransportMover};
-use crate::oracle::{self, OracleRequest, Placement};
+use crate::transport::auth::{ClusterSecret, SECRET_ENV};
 use crate::transport::device::{DeviceTransport, Submission};
 use crate::transport::{MemoryKind, RegionHandle, Transport, TransportExt, shm};
 use anyhow::{Context, anyhow, bail};

@@ -13,8 +13,10 @@
 //! role that is down refuses new requests at once, so clients that retried at once
 //! would only measure how fast the proxy refuses.
 
-use super::up::{Completion, complete, failure_lines, free_port, proc_usage};
-use super::wire;
+use super::serve::{failure_lines, load_prompt};
+use crate::roles::client::{Completion, complete, failure_reason};
+use crate::roles::up::{free_port, proc_usage};
+use crate::roles::wire;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -272,7 +274,7 @@ fn run_load(addr: &str, o: &SoakOptions, requests: u32, done: &AtomicU32) -> Vec
                     if i >= requests {
                         return;
                     }
-                    let prompt = super::up::load_prompt(i);
+                    let prompt = load_prompt(i);
                     let r = complete(addr, &prompt, o.max_tokens);
                     let retry_after = matches!(r, Err((503 | 429, _)));
                     results.lock().unwrap_or_else(|p| p.into_inner()).push(r);
@@ -431,7 +433,7 @@ pub fn bench_soak(config: Option<&Path>, o: &SoakOptions) -> anyhow::Result<Soak
             Err((0, _)) => report.lost += 1,
             Err((status, body)) => {
                 *report.failed.entry(*status).or_default() += 1;
-                *report.reasons.entry((*status, super::up::failure_reason(body))).or_default() += 1;
+                *report.reasons.entry((*status, failure_reason(body))).or_default() += 1;
                 if !explained(*status, body) {
                     report.unexplained += 1;
                 }

@@ -1,11 +1,9 @@
 //! The role subcommands as a clap `Subcommand`, for `main.rs` to flatten into its
-//! own command enum, and how `up` starts role processes.
+//! own command enum, and their dispatch to the roles.
 
-use anyhow::Context;
 use clap::Subcommand;
 use handoff_components::Topology;
 use std::path::PathBuf;
-use std::process::Command;
 
 /// `handoff prefill|decode|proxy|up`.
 #[derive(Subcommand, Debug, Clone)]
@@ -106,12 +104,12 @@ fn load(path: &str) -> anyhow::Result<Topology> {
 /// The topology of `path` with `--device` (when given) in force.
 fn load_on(path: &str, device: Option<&str>) -> anyhow::Result<Topology> {
     let mut topo = load(path)?;
-    topo.config.device = crate::device::resolve(&topo, device)?;
+    topo.config.device = crate::engine::device::resolve(&topo, device)?;
     Ok(topo)
 }
 
 /// Runs one role subcommand. The roles (not `up`) refuse to start without a
-/// cluster secret ([`crate::auth`]).
+/// cluster secret ([`crate::transport::auth`]).
 pub fn dispatch(cmd: RoleCommand) -> anyhow::Result<()> {
     let trace = match &cmd {
         RoleCommand::Prefill { trace, stage, .. } => trace_file(trace.as_deref(), &format!("prefill-{stage}")),
@@ -119,20 +117,20 @@ pub fn dispatch(cmd: RoleCommand) -> anyhow::Result<()> {
         RoleCommand::Proxy { trace, .. } => trace_file(trace.as_deref(), "proxy"),
         RoleCommand::Up { .. } => None,
     };
-    let _telemetry = super::init_telemetry(trace.as_deref())?;
+    let _telemetry = crate::roles::init_telemetry(trace.as_deref())?;
     match cmd {
         RoleCommand::Prefill { config, stage, proxy, device, .. } => {
-            let secret = super::role_secret()?;
-            super::run_prefill(&load_on(&config, device.as_deref())?, stage, &proxy, &secret)
+            let secret = crate::roles::role_secret()?;
+            crate::roles::run_prefill(&load_on(&config, device.as_deref())?, stage, &proxy, &secret)
         }
         RoleCommand::Decode { config, proxy, device, .. } => {
-            let secret = super::role_secret()?;
-            super::run_decode(&load_on(&config, device.as_deref())?, &proxy, &secret)
+            let secret = crate::roles::role_secret()?;
+            crate::roles::run_decode(&load_on(&config, device.as_deref())?, &proxy, &secret)
         }
         RoleCommand::Proxy { config, host, port, control_host, control_port, api_key, .. } => {
-            let secret = super::role_secret()?;
-            let listen = super::proxy::Listen { host, port, control_host, control_port };
-            super::run_proxy(&load(&config)?, &listen, api_key.filter(|k| !k.is_empty()), secret)
+            let secret = crate::roles::role_secret()?;
+            let listen = crate::roles::proxy::Listen { host, port, control_host, control_port };
+            crate::roles::run_proxy(&load(&config)?, &listen, api_key.filter(|k| !k.is_empty()), secret)
         }
         RoleCommand::Up { config, host, port, device, max_restarts, restart_window_s, api_key, trace_dir } => {
             if let Some(dir) = &trace_dir {
@@ -144,36 +142,21 @@ pub fn dispatch(cmd: RoleCommand) -> anyhow::Result<()> {
             if !(restart_window_s > 0.0 && restart_window_s <= 86_400.0) {
                 anyhow::bail!("--restart-window-s {restart_window_s} must be between 0 and 86400 seconds");
             }
-            let policy = super::up::RestartPolicy { max_restarts, window: std::time::Duration::from_secs_f64(restart_window_s), ..Default::default() };
-            super::run_up(config.as_deref(), &host, port, device.as_deref(), policy, api_key.as_deref(), trace_dir.as_deref())
+            let policy = crate::roles::up::RestartPolicy { max_restarts, window: std::time::Duration::from_secs_f64(restart_window_s), ..Default::default() };
+            crate::roles::run_up(config.as_deref(), &host, port, device.as_deref(), policy, api_key.as_deref(), trace_dir.as_deref())
         }
     }
 }
 
-/// Set by `up --trace-dir DIR` for its children: each role traces into DIR.
-pub const TRACE_DIR_ENV: &str = "HANDOFF_TRACE_DIR";
-
 /// The trace file of a role: `--trace FILE`, else `NAME.json` in the directory of
-/// [`TRACE_DIR_ENV`]; a restarted role writes `NAME.restart-N.json`, so that the
+/// [`TRACE_DIR_ENV`](crate::roles::up::TRACE_DIR_ENV); a restarted role writes `NAME.restart-N.json`, so that the
 /// trace of the run that died is kept.
 fn trace_file(flag: Option<&std::path::Path>, name: &str) -> Option<PathBuf> {
     if let Some(f) = flag {
         return Some(f.to_path_buf());
     }
-    let dir = std::env::var_os(TRACE_DIR_ENV).filter(|d| !d.is_empty())?;
-    let n = super::restarts();
+    let dir = std::env::var_os(crate::roles::up::TRACE_DIR_ENV).filter(|d| !d.is_empty())?;
+    let n = crate::roles::restarts();
     let file = if n == 0 { format!("{name}.json") } else { format!("{name}.restart-{n}.json") };
     Some(PathBuf::from(dir).join(file))
-}
-
-/// The command that starts a role process: `program` (the `handoff` binary; None =
-/// this executable) with the role's arguments.
-pub fn role_command(program: Option<&std::path::Path>, args: &[String]) -> anyhow::Result<Command> {
-    let exe = match program {
-        Some(p) => p.to_path_buf(),
-        None => std::env::current_exe().context("locate the handoff executable")?,
-    };
-    let mut c = Command::new(exe);
-    c.args(args);
-    Ok(c)
 }

@@ -7,7 +7,7 @@
 //! host cannot open (no feature, no driver, no device) is refused with the
 //! backend's own reason, before any work starts.
 
-use crate::compute::{LogitTrace, ModelCompute, TraceFilter};
+use crate::engine::compute::{LogitTrace, ModelCompute, TraceFilter};
 use crate::model::ranks::Layouts;
 use crate::model::regions::RegionView;
 use handoff_components::Topology;
@@ -52,11 +52,11 @@ macro_rules! with_backend {
                 $body
             }
             handoff_components::config::DeviceKind::Cuda => {
-                let $be = $crate::device::open_cuda(dev.ordinal)?;
+                let $be = $crate::engine::device::open_cuda(dev.ordinal)?;
                 $body
             }
             handoff_components::config::DeviceKind::Hip => {
-                let $be = $crate::device::open_hip(dev.ordinal)?;
+                let $be = $crate::engine::device::open_hip(dev.ordinal)?;
                 $body
             }
         }

@@ -1,8 +1,8 @@
 //! `handoff verify`: run placement, splitting and an in-process transfer through the
 //! engine, then check every consumer byte with the oracle (which knows only the rules).
 
+use crate::check::oracle::{self, Memory, OracleRequest, Placement};
 use crate::engine::{Engine, QueueMover};
-use crate::oracle::{self, Memory, OracleRequest, Placement};
 use handoff_components::Topology;
 use handoff_components::ecs::{Outcome, Status};
 use handoff_components::plan::Plan;

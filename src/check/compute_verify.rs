@@ -18,12 +18,12 @@
 //! whatever the PP, TP, DCP and interleave. Models whose f32 weights exceed
 //! [`crate::model::weights::MAX_WEIGHT_BYTES`] are refused up front, naming the size.
 
-use crate::compute::{LogitTrace, ModelCompute, layouts_of};
+use crate::check::oracle::{self, Memory};
+use crate::engine::compute::{LogitTrace, ModelCompute, layouts_of};
 use crate::engine::{Engine, QueueMover};
 use crate::model::reference::{LocalCaches, LocalRequest};
 use crate::model::regions::{DeviceRegions, RegionView};
 use crate::model::{Model, Trace, run_colocated};
-use crate::oracle::{self, Memory};
 use handoff_components::Topology;
 use handoff_components::ecs::{EngineEvent, Inputs, Submit};
 use handoff_components::plan::Plan;

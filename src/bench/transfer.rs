@@ -10,9 +10,9 @@
 //! Producer regions hold the oracle's pattern, and after the timed passes every
 //! consumer byte is checked with the oracle: a fast wrong transfer does not report.
 
+use crate::check::oracle::{self, OracleRequest, Placement};
 use crate::engine::mover::{MoverOptions, StagingMode, TransportMover};
 use crate::engine::{Engine, QueueMover};
-use crate::oracle::{self, OracleRequest, Placement};
 use crate::transport::bench::memcpy_bandwidth;
 use crate::transport::{TransportExt, loopback_pair};
 use anyhow::{Context, anyhow, bail};

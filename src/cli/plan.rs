@@ -1,8 +1,8 @@
 //! The CLI's commands over the engine: check, plan, verify. Output formatting lives
 //! here; the engine and phases know nothing of it.
 
+use crate::engine::profile::Profiler;
 use crate::engine::{Engine, QueueMover};
-use crate::profile::Profiler;
 use handoff_components::Topology;
 use handoff_components::plan::Plan;
 use handoff_components::vocab::{LayerKind, RankId, RegionKind};

@@ -1,0 +1,316 @@
+//! One generation request: its body, its place in the bounded queue, and each of
+//! its choices through decode's admission, prefill and decode's stream.
+
+use super::error::{ServeError, role_of};
+use super::links::{Reached, decode_link, send_stage0};
+use super::registry::peers;
+use super::state::{Ev, Proxy, Route, Served, Summary, body_limit, set_phase};
+use super::stream::{collect_response, stream_response};
+use crate::base::lock;
+use crate::roles::host::secs;
+use crate::roles::openai::{self, BodyError, Endpoint, StopMatcher, StopStep};
+use crate::roles::prom::{Histogram, REQUEST_BUCKETS_S};
+use crate::roles::sampling::Sampling;
+use crate::roles::wire::{Admitted, Msg, PrefillJob};
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, header};
+use axum::response::Response;
+use futures_util::StreamExt;
+use handoff_components::ecs::PhaseName;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+use tokio::sync::mpsc;
+
+/// The body as JSON bytes: 415 for another content type (a missing one is read as
+/// JSON), 413 past the limit. The body is read chunk by chunk, so an oversized one
+/// is never held; one up to 4 times the limit is read to its end (and dropped)
+/// before the 413, so that a client that sends it whole, without waiting for
+/// `100 Continue`, still reads the answer instead of a reset connection.
+pub(super) async fn read_body(p: &Proxy, headers: &HeaderMap, body: Body) -> Result<Vec<u8>, ServeError> {
+    if let Some(ct) = headers.get(header::CONTENT_TYPE) {
+        let ct = String::from_utf8_lossy(ct.as_bytes()).to_string();
+        let mime = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+        if mime != "application/json" {
+            return Err(ServeError::MediaType(ct));
+        }
+    }
+    let limit = body_limit(&p.topo);
+    let drain_cap = 4 * limit as u64;
+    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > drain_cap) {
+        return Err(ServeError::TooLarge { limit });
+    }
+    let mut out = Vec::new();
+    let mut seen = 0u64;
+    let mut stream = body.into_data_stream();
+    let body_timeout = p.topo.config.serve.body_timeout_s;
+    let deadline = tokio::time::Instant::now() + secs(body_timeout);
+    loop {
+        let Ok(next) = tokio::time::timeout_at(deadline, stream.next()).await else {
+            return Err(ServeError::BodyTimeout(body_timeout));
+        };
+        let Some(chunk) = next else { break };
+        let chunk = chunk.map_err(|e| ServeError::Body(BodyError::Malformed(format!("reading the body: {e}"))))?;
+        seen += chunk.len() as u64;
+        if seen > drain_cap {
+            break;
+        }
+        if seen <= limit as u64 {
+            out.extend_from_slice(&chunk);
+        }
+    }
+    if seen > limit as u64 {
+        return Err(ServeError::TooLarge { limit });
+    }
+    Ok(out)
+}
+
+pub(super) async fn completions(State(p): State<Arc<Proxy>>, headers: HeaderMap, body: Body) -> Response {
+    generate(p, Endpoint::Completions, headers, body).await
+}
+
+pub(super) async fn chat_completions(State(p): State<Arc<Proxy>>, headers: HeaderMap, body: Body) -> Response {
+    generate(p, Endpoint::Chat, headers, body).await
+}
+
+/// Waits for `k` of the `serve.max_requests` places (one per choice), in the
+/// bounded queue.
+pub(super) async fn place(p: &Arc<Proxy>, k: u32) -> Result<tokio::sync::OwnedSemaphorePermit, ServeError> {
+    if let Ok(permit) = Arc::clone(&p.places).try_acquire_many_owned(k) {
+        return Ok(permit);
+    }
+    let cap = p.topo.config.serve.queue;
+    let q = p.queued.fetch_add(1, Ordering::SeqCst);
+    if q >= cap {
+        p.queued.fetch_sub(1, Ordering::SeqCst);
+        return Err(ServeError::Overloaded { places: p.topo.config.serve.max_requests, queued: q, queue: cap });
+    }
+    let wait = secs(p.topo.config.timeouts.admission_s);
+    let got = tokio::time::timeout(wait, Arc::clone(&p.places).acquire_many_owned(k)).await;
+    p.queued.fetch_sub(1, Ordering::SeqCst);
+    match got {
+        Ok(Ok(permit)) => Ok(permit),
+        _ => Err(ServeError::AdmissionTimeout(p.topo.config.timeouts.admission_s)),
+    }
+}
+
+pub(super) fn now_s() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+pub(super) async fn generate(p: Arc<Proxy>, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
+    let arrived = Instant::now();
+    let mut served = Served::new(&p);
+    if p.draining.load(Ordering::SeqCst) {
+        return served.fail(ServeError::Draining);
+    }
+    let bytes = match read_body(&p, &headers, body).await {
+        Ok(b) => b,
+        Err(e) => return served.fail(e),
+    };
+    // A sampled request without a seed gets one no other request shares.
+    let clock = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    let fresh_seed = crate::roles::sampling::uniform(clock, p.inflight.load(Ordering::SeqCst), 0).to_bits() ^ clock;
+    let req = match openai::parse(&p.topo, endpoint, &bytes, fresh_seed) {
+        Ok(g) => g,
+        Err(e) => return served.fail(ServeError::Body(e)),
+    };
+    if let Err(m) = peers(&p) {
+        return served.fail(ServeError::NotReady(m));
+    }
+    let choices = req.choices();
+    let mut permit = match place(&p, choices.len() as u32).await {
+        Ok(permit) => permit,
+        Err(e) => return served.fail(e),
+    };
+    // A role may have gone down while the request waited for its place.
+    if let Err(m) = peers(&p) {
+        return served.fail(ServeError::NotReady(m));
+    }
+    if p.draining.load(Ordering::SeqCst) {
+        return served.fail(ServeError::Draining);
+    }
+    let queue_ms = arrived.elapsed().as_secs_f64() * 1e3;
+    // One id per choice: decode and the stages know each choice as a request.
+    let id = p.next_id.fetch_add(choices.len() as u64, Ordering::SeqCst);
+    let (tx, rx) = mpsc::channel::<(u32, Ev)>(256);
+    for c in &choices {
+        // Each choice holds its own place and frees it when it ends.
+        let mine = permit.split(1);
+        let (task_p, tx) = (Arc::clone(&p), tx.clone());
+        let cid = id + u64::from(c.index);
+        let prompt = req.prompts[c.prompt].clone();
+        let choice = Choice { id: cid, index: c.index, prompt, max_tokens: c.max_tokens, sampling: c.sampling, stops: req.stop.clone(), arrived, queue_ms };
+        tokio::spawn(async move {
+            let _place = mine;
+            run_choice(&task_p, choice, tx).await;
+            lock(&task_p.routes).remove(&cid);
+        });
+    }
+    drop(tx);
+    let created = now_s();
+    let prefix = if endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" };
+    let rid = format!("{prefix}-{id}");
+    let prompt_tokens: usize = req.prompts.iter().map(Vec::len).sum();
+    if req.stream {
+        return stream_response(req, rx, served, rid, created, prompt_tokens);
+    }
+    collect_response(req, rx, served, rid, created, prompt_tokens).await
+}
+
+/// One choice of a generation request, as its task runs it.
+pub(super) struct Choice {
+    /// The choice's request id (decode and the stages know it by this).
+    pub id: u64,
+    /// Its index among the request's choices (`choices[index]` of the answer).
+    pub index: u32,
+    pub prompt: Vec<u8>,
+    pub max_tokens: u32,
+    pub sampling: Sampling,
+    pub stops: Vec<Vec<u8>>,
+    /// When the HTTP request arrived (TTFT and end-to-end are measured from it).
+    pub arrived: Instant,
+    /// How long it waited for its place.
+    pub queue_ms: f64,
+}
+
+/// One choice through the cluster: decode's admission, prefill, decode's stream,
+/// with its stop sequences applied. What it produces goes to `tx`, tagged with
+/// the choice's index.
+pub(super) async fn run_choice(p: &Arc<Proxy>, choice: Choice, tx: mpsc::Sender<(u32, Ev)>) {
+    let Choice { id, index, prompt, max_tokens, sampling, stops, arrived, queue_ms } = choice;
+    let t = p.topo.config.timeouts.clone();
+    let fail = |phase: PhaseName, message: String| {
+        let role = role_of(&message);
+        (index, Ev::Error(ServeError::Failed { phase, role, message }))
+    };
+    let decode = match peers(p) {
+        Ok((d, _)) => d,
+        Err(m) => return drop(tx.send((index, Ev::Error(ServeError::NotReady(m)))).await),
+    };
+    // 1. Decode admission: blocks, slots, published layouts.
+    let (link_id, link) = match decode_link(p, decode).await {
+        Ok(l) => l,
+        Err(e) => return drop(tx.send((index, Ev::Error(e))).await),
+    };
+    let (rtx, mut rrx) = mpsc::unbounded_channel();
+    lock(&p.routes).insert(id, Route { tx: rtx, phase: PhaseName::Admission, link: link_id });
+    // `unsent`: this task returns without having sent the prefill job, so no
+    // stage has the request and decode frees it at once.
+    let cancel_as = |phase: PhaseName, message: String, unsent: bool| {
+        let _ = link.send(Msg::Cancel { id, phase, message, unsent });
+    };
+    let cancel = |phase: PhaseName, message: String| cancel_as(phase, message, false);
+    let cancel_unsent = |phase: PhaseName, message: String| cancel_as(phase, message, true);
+    let sampled = (!sampling.is_greedy()).then_some(sampling);
+    if link.send(Msg::Admit { id, prompt_tokens: prompt.len() as u64, max_tokens, sampling: sampled }).is_err() {
+        return drop(tx.send(fail(PhaseName::Admission, format!("decode at {decode}: link closed"))).await);
+    }
+    let admitted: Admitted = match tokio::time::timeout(secs(t.admission_s + 1.0), rrx.recv()).await {
+        Ok(Some(Msg::Admitted(a))) => *a,
+        // The error may be the proxy's own (decode went down while this request
+        // was being admitted), whose cancel can have reached decode before the
+        // Admit did; a cancel sent now follows the Admit on the link, so decode
+        // frees what it admitted (it ignores a cancel of a request it never had).
+        Ok(Some(Msg::Error { phase, message, .. })) => {
+            cancel_unsent(phase, message.clone());
+            return drop(tx.send(fail(phase, message)).await);
+        }
+        Ok(other) => {
+            cancel_unsent(PhaseName::Admission, "unexpected answer to the admission".into());
+            return drop(tx.send(fail(PhaseName::Admission, format!("decode answered {other:?}"))).await);
+        }
+        Err(_) => {
+            cancel_unsent(PhaseName::Admission, "no answer from decode in time".into());
+            return drop(tx.send(fail(PhaseName::Admission, format!("decode at {decode}: no answer in time"))).await);
+        }
+    };
+    // 2. Prefill: stage 0, which passes the job on stage by stage; stages report to
+    // decode. The stages as they are now: one may have restarted meanwhile.
+    let stages = match peers(p) {
+        Ok((_, s)) => s,
+        Err(m) => {
+            cancel_unsent(PhaseName::Compute, m.clone());
+            return drop(tx.send((index, Ev::Error(ServeError::NotReady(m)))).await);
+        }
+    };
+    set_phase(p, id, PhaseName::Compute);
+    let job = PrefillJob { admitted, prompt, stage: 0, stages: stages.clone(), hidden: None, sampling: sampled };
+    if let Err((e, reached)) = send_stage0(p, stages[0], &Msg::Prefill(Box::new(job))).await {
+        // A job that never reached stage 0 reaches no stage: decode frees at once.
+        cancel_as(PhaseName::Compute, e.to_string(), reached == Reached::No);
+        return drop(tx.send((index, Ev::Error(e))).await);
+    }
+    // 3. Decode's stream.
+    let mut summary = Summary { queue_ms, ..Default::default() };
+    let mut last_tok: Option<Instant> = None;
+    let mut n_tokens = 0u32;
+    let mut stop = StopMatcher::new(stops);
+    let budget = secs(t.compute_s + t.transfer_s + 60.0);
+    let finish = loop {
+        let msg = match tokio::time::timeout(budget, rrx.recv()).await {
+            Ok(Some(m)) => m,
+            Ok(None) => return drop(tx.send(fail(PhaseName::Decode, "decode's link closed".into())).await),
+            Err(_) => {
+                cancel(PhaseName::Decode, "no token from decode in time".into());
+                return drop(tx.send(fail(PhaseName::Decode, format!("decode at {decode}: no token in time (within {budget:?})"))).await);
+            }
+        };
+        match msg {
+            Msg::Token { token, .. } => {
+                let now = Instant::now();
+                match last_tok {
+                    None => {
+                        summary.ttft_ms = (now - arrived).as_secs_f64() * 1e3;
+                        lock(&p.metrics).ttft.observe((now - arrived).as_secs_f64());
+                        set_phase(p, id, PhaseName::Decode);
+                    }
+                    Some(prev) => {
+                        summary.itl_ms.push((now - prev).as_secs_f64() * 1e3);
+                        lock(&p.metrics).itl.observe((now - prev).as_secs_f64());
+                    }
+                }
+                last_tok = Some(now);
+                n_tokens += 1;
+                let (piece, stopped) = match stop.push(token) {
+                    StopStep::Release(b) => (b, false),
+                    StopStep::Stopped(b) => (b, true),
+                };
+                if (!piece.is_empty() || stopped) && tx.send((index, Ev::Piece(piece))).await.is_err() {
+                    // The client went away: decode frees the request.
+                    cancel(PhaseName::Decode, "the client went away".into());
+                    return;
+                }
+                if stopped {
+                    // Decode still generates: it frees the request at the cancel.
+                    cancel(PhaseName::Decode, "a stop sequence ended the generation".into());
+                    break "stop";
+                }
+            }
+            Msg::Done { handoff_ms, decode_ms, bytes, .. } => {
+                summary.handoff_ms = handoff_ms;
+                summary.decode_ms = decode_ms;
+                summary.bytes_handed_off = bytes;
+                let rest = stop.finish();
+                if !rest.is_empty() {
+                    let _ = tx.send((index, Ev::Piece(rest))).await;
+                }
+                break "length";
+            }
+            Msg::Error { phase, message, .. } => return drop(tx.send(fail(phase, message)).await),
+            other => return drop(tx.send(fail(PhaseName::Decode, format!("decode sent {other:?}"))).await),
+        }
+    };
+    {
+        let mut m = lock(&p.metrics);
+        m.bytes += summary.bytes_handed_off;
+        m.tokens += u64::from(n_tokens);
+        for (ph, ms) in [("queue", summary.queue_ms), ("handoff", summary.handoff_ms), ("decode", summary.decode_ms)] {
+            m.phases.entry(ph).or_insert_with(|| Histogram::new(REQUEST_BUCKETS_S)).observe(ms / 1e3);
+        }
+        m.e2e.observe(arrived.elapsed().as_secs_f64());
+    }
+    let _ = tx.send((index, Ev::Done { finish, tokens: n_tokens, summary })).await;
+}

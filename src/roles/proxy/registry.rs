@@ -1,0 +1,206 @@
+//! The roles' registration and heartbeats, the watchdog that marks a role down,
+//! and `/health`.
+
+use super::error::ServeError;
+use super::state::{ALIVE, LATE, Peer, PeerState, Proxy, role_name};
+use crate::base::lock;
+use crate::roles::openai::BodyError;
+use crate::roles::wire::{Msg, Register};
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use handoff_components::ecs::PhaseName;
+use serde_json::{Value, json};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+
+pub(super) async fn register(State(p): State<Arc<Proxy>>, headers: HeaderMap, body: axum::body::Bytes) -> Response {
+    let auth = headers.get(crate::roles::wire::REGISTER_AUTH_HEADER).and_then(|v| v.to_str().ok());
+    if let Err(why) = crate::roles::wire::check_register_auth(&p.secret, auth, &body, crate::roles::wire::unix_ms()) {
+        lock(&p.metrics).unauthenticated_register += 1;
+        tracing::warn!(%why, "refused an unauthenticated registration");
+        return ServeError::ClusterSecret(why).into_response();
+    }
+    let reg = match serde_json::from_slice::<Register>(&body) {
+        Ok(r) => r,
+        Err(e) => return ServeError::Body(BodyError::Malformed(e.to_string())).into_response(),
+    };
+    let pp = p.topo.prefill().pp;
+    let slot = match (reg.role.as_str(), reg.stage) {
+        ("decode", _) => 0,
+        ("prefill", Some(s)) if s < pp => 1 + s as usize,
+        _ => {
+            let e = BodyError::Invalid { param: "role", message: format!("no role {:?} stage {:?} in this topology (pp {pp})", reg.role, reg.stage) };
+            return ServeError::Body(e).into_response();
+        }
+    };
+    let (replaced, settled) = {
+        let mut roles = lock(&p.roles);
+        let prev = roles.slots[slot].take();
+        // A new process where a stopped one was: the old one is gone for good, so
+        // what it might still have written is settled.
+        let settled = prev.as_ref().is_some_and(|old| old.reg.pid != reg.pid && old.state == PeerState::Stopped);
+        // A new process in an up slot: the old one died between two watchdog looks.
+        let replaced = prev.as_ref().filter(|old| old.reg.pid != reg.pid && old.state == PeerState::Up).map(|old| old.reg.pid);
+        if let Some(old) = &prev
+            && old.state != PeerState::Up
+        {
+            tracing::info!(role = %role_name(slot), pid = reg.pid, was = old.state.name(), "role is back");
+        }
+        roles.slots[slot] = Some(Peer { reg: reg.clone(), seen: Instant::now(), state: PeerState::Up, down: None });
+        if replaced.is_some() {
+            roles.downs[slot] += 1;
+        }
+        (replaced, settled)
+    };
+    if let Some(old) = replaced {
+        role_down(&p, slot, true, format!("died (pid {old} replaced by pid {})", reg.pid)).await;
+    } else if settled && slot > 0 {
+        role_down(&p, slot, true, format!("was replaced by pid {}", reg.pid)).await;
+    }
+    StatusCode::NO_CONTENT.into_response()
+}
+
+/// Watches every registered role's heartbeat (see the module docs).
+pub(super) async fn watchdog(p: Arc<Proxy>) {
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let late: Vec<(usize, SocketAddr, Duration, u32)> = lock(&p.roles)
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| {
+                s.as_ref().filter(|s| s.state == PeerState::Up && s.seen.elapsed() > LATE).map(|s| (i, s.reg.addr, s.seen.elapsed(), s.reg.pid))
+            })
+            .collect();
+        for (slot, addr, age, pid) in late {
+            let probe = tokio::time::timeout(Duration::from_millis(300), TcpStream::connect(addr)).await;
+            let down = match probe {
+                Ok(Err(e)) => Some((PeerState::Dead, format!("died (pid {pid}: {addr} refused: {e})"))),
+                _ if age > ALIVE => Some((PeerState::Stopped, format!("stopped answering (pid {pid}: no heartbeat for {:.1} s)", age.as_secs_f64()))),
+                _ => None,
+            };
+            let Some((state, why)) = down else { continue };
+            let changed = {
+                let mut roles = lock(&p.roles);
+                match roles.slots[slot].as_mut() {
+                    Some(peer) if peer.state == PeerState::Up && peer.reg.pid == pid => {
+                        peer.state = state;
+                        peer.down = Some((Instant::now(), why.clone()));
+                        roles.downs[slot] += 1;
+                        true
+                    }
+                    _ => false,
+                }
+            };
+            if changed {
+                tracing::warn!(role = %role_name(slot), %why, "role down");
+                role_down(&p, slot, state == PeerState::Dead, why).await;
+            }
+        }
+    }
+}
+
+/// A role went down: fail what depended on it (see the module docs).
+pub(super) async fn role_down(p: &Arc<Proxy>, slot: usize, dead: bool, why: String) {
+    if slot == 0 {
+        let link = p.links.lock().await.decode.as_ref().map(|(_, _, tx)| tx.clone());
+        let routes: Vec<(u64, mpsc::UnboundedSender<Msg>, PhaseName)> = lock(&p.routes).drain().map(|(id, r)| (id, r.tx, r.phase)).collect();
+        for (id, tx, phase) in routes {
+            let message = format!("decode {why}");
+            // A stopped decode reads the cancel when it resumes, and frees the request.
+            if let Some(l) = &link {
+                // Not `unsent`: the request's task may be sending its job right
+                // now; the task itself says so when it returns before sending.
+                let _ = l.send(Msg::Cancel { id, phase, message: message.clone(), unsent: false });
+            }
+            let _ = tx.send(Msg::Error { id, phase, message });
+        }
+        if dead {
+            p.links.lock().await.decode = None;
+        }
+    } else {
+        let stage = (slot - 1) as u32;
+        let link = p.links.lock().await.decode.as_ref().map(|(_, _, tx)| tx.clone());
+        if let Some(l) = link {
+            let _ = l.send(Msg::StageDown { stage, dead, message: why });
+        }
+        if stage == 0 && dead {
+            p.links.lock().await.stage0 = None;
+        }
+    }
+}
+
+/// A role's control port refused a connection: its process is gone. Marks it
+/// dead (when `addr` is still its registered address) and says so as a 503: the
+/// request had not started there, and is worth retrying once the role is back.
+pub(super) async fn refused(p: &Arc<Proxy>, slot: usize, addr: SocketAddr, e: std::io::Error) -> ServeError {
+    let why = format!("died ({addr} refused: {e})");
+    let changed = {
+        let mut roles = lock(&p.roles);
+        match roles.slots[slot].as_mut() {
+            Some(peer) if peer.reg.addr == addr && peer.state == PeerState::Up => {
+                peer.state = PeerState::Dead;
+                peer.down = Some((Instant::now(), why.clone()));
+                roles.downs[slot] += 1;
+                true
+            }
+            _ => false,
+        }
+    };
+    if changed {
+        tracing::warn!(role = %role_name(slot), %why, "role down");
+        role_down(p, slot, true, why.clone()).await;
+    }
+    ServeError::NotReady(format!("not ready: {} is down: {why}", role_name(slot)))
+}
+
+/// Decode's and every stage's control address, or which roles are down.
+pub(super) fn peers(p: &Proxy) -> Result<(SocketAddr, Vec<SocketAddr>), String> {
+    let roles = lock(&p.roles);
+    let mut missing = Vec::new();
+    let mut addrs = Vec::new();
+    for (i, s) in roles.slots.iter().enumerate() {
+        match s {
+            Some(peer) if peer.state == PeerState::Up && peer.seen.elapsed() < ALIVE => addrs.push(peer.reg.addr),
+            Some(peer) => {
+                let why = peer.down.as_ref().map_or_else(|| "stopped answering".to_string(), |(t, w)| format!("{w}, {:.1} s ago", t.elapsed().as_secs_f64()));
+                missing.push(format!("{} is down: {why}", role_name(i)));
+            }
+            None => missing.push(format!("waiting for {} to register", role_name(i))),
+        }
+    }
+    if missing.is_empty() { Ok((addrs[0], addrs[1..].to_vec())) } else { Err(format!("not ready: {}", missing.join("; "))) }
+}
+
+pub(super) fn roles_json(p: &Proxy) -> Value {
+    let roles = lock(&p.roles);
+    let list: Vec<Value> = roles
+        .slots
+        .iter()
+        .enumerate()
+        .map(|(i, s)| match s {
+            Some(peer) => json!({"role": role_name(i), "pid": peer.reg.pid, "state": peer.state.name(), "restarts": peer.reg.restarts,
+                                 "heartbeat_age_s": peer.seen.elapsed().as_secs_f64(), "down": peer.down.as_ref().map(|d| d.1.clone())}),
+            None => json!({"role": role_name(i), "state": "unregistered"}),
+        })
+        .collect();
+    let mut list = list;
+    list.insert(0, json!({"role": "proxy", "pid": std::process::id(), "state": "up", "restarts": p.restarts}));
+    json!(list)
+}
+
+pub(super) async fn health(State(p): State<Arc<Proxy>>) -> Response {
+    if p.draining.load(Ordering::SeqCst) {
+        let m = format!("draining: {} requests in flight", p.inflight.load(Ordering::SeqCst));
+        return (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"status": "draining", "message": m, "roles": roles_json(&p)}))).into_response();
+    }
+    match peers(&p) {
+        Ok(_) => (StatusCode::OK, axum::Json(json!({"status": "ok", "roles": roles_json(&p)}))).into_response(),
+        Err(m) => (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"status": "unavailable", "message": m, "roles": roles_json(&p)}))).into_response(),
+    }
+}

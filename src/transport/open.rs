@@ -1,0 +1,37 @@
+//! Opening a transport by its configured kind. This is the one place that knows
+//! every backend, so it sits beside them rather than in the module root, which
+//! they all import from.
+
+use super::auth::ClusterSecret;
+use super::{LocalTransport, Result, ShmTransport, TcpOptions, TcpTransport, Transport, shm};
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+/// Builds a transport of the configured kind for this process. TCP listens on
+/// `tcp_bind` (loopback, any port, when `None`).
+pub fn open(kind: handoff_components::config::TransportKind, tcp_bind: Option<SocketAddr>) -> Result<Arc<dyn Transport>> {
+    open_with(kind, tcp_bind, ClusterSecret::process())
+}
+
+/// [`open`] with the cluster secret its peers must prove (tcp, shm).
+pub fn open_with(kind: handoff_components::config::TransportKind, tcp_bind: Option<SocketAddr>, secret: ClusterSecret) -> Result<Arc<dyn Transport>> {
+    use handoff_components::config::TransportKind;
+    Ok(match kind {
+        TransportKind::Local => Arc::new(LocalTransport::new()),
+        TransportKind::Shm => Arc::new(ShmTransport::with_secret(shm::default_dir(), secret)?),
+        TransportKind::Tcp => {
+            let mut opts = TcpOptions { secret, ..TcpOptions::default() };
+            if let Some(bind) = tcp_bind {
+                opts.bind = bind;
+            }
+            Arc::new(TcpTransport::bind(opts)?)
+        }
+    })
+}
+
+/// A producer and a consumer transport of one kind in this process, wired as two
+/// processes would be (two shm prefixes, two TCP endpoints on loopback). For
+/// benchmarks and tests.
+pub fn loopback_pair(kind: handoff_components::config::TransportKind) -> Result<(Arc<dyn Transport>, Arc<dyn Transport>)> {
+    Ok((open(kind, None)?, open(kind, None)?))
+}
