@@ -21,6 +21,8 @@
 #   kernels  cuda_check --bench: KDA step, chunked prefill, MLA partial, matmuls
 #   fla      FLA's fused_recurrent_kda and chunk_kda (needs .whl)
 #   serve    bench serve on the default and on config/gpu.toml
+#   systems  handoff up on config/gpu.toml under a C32 load: where each role's
+#            engine time went (/metrics, benches/peers/serve_systems.py)
 #   transfer the flagship hand-off through CUDA IPC
 # Prints each figure next to its peer from the same call; logs go to $OUT.
 set -uo pipefail
@@ -30,7 +32,7 @@ mkdir -p "$OUT"
 export PATH="$BIN:$PATH"
 step() { echo; echo "== $*"; }
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(check verify matrix compute matmul kernels fla serve transfer)
+[ ${#stages[@]} -eq 0 ] && stages=(check verify matrix compute matmul kernels fla serve systems transfer)
 fail=0
 
 step "device"
@@ -98,6 +100,14 @@ serve)
   HANDOFF_DEVICE=cuda timeout 240 handoff bench serve --concurrency 1,32,88 2>&1 | tee "$OUT/serve.txt" | tail -6 || fail=1
   step "bench serve on cuda, config/gpu.toml"
   HANDOFF_DEVICE=cuda timeout 240 handoff bench serve --config config/gpu.toml --concurrency 1,32,88 2>&1 | tee "$OUT/serve-gpu.txt" | tail -6 || fail=1
+  ;;
+systems)
+  step "handoff up on cuda, config/gpu.toml, C32: each role's engine time by system"
+  HANDOFF_DEVICE=cuda handoff up --config config/gpu.toml --port 8123 > "$OUT/up.log" 2>&1 &
+  up=$!
+  for _ in $(seq 120); do curl -sf http://127.0.0.1:8123/health >/dev/null 2>&1 && break; sleep 0.5; done
+  timeout 200 python3 benches/peers/serve_systems.py --url http://127.0.0.1:8123 --concurrency 32 --requests 128 2>&1 | tee "$OUT/systems.txt" || fail=1
+  kill -INT $up; sleep 2; kill -9 $up 2>/dev/null
   ;;
 transfer)
   step "hand-off of the flagship request (32K tokens) between two processes through CUDA IPC, oracle-checked"

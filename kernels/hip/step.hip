@@ -24,8 +24,8 @@
 //     of 16 in increasing order, each k-step 1 to 3 products in a fixed order
 //     (f32 weights: x_hi w_hi, x_lo w_hi, x_hi w_lo; bf16 weights: x_hi w,
 //     x_lo w; x = x_hi + x_lo and w = w_hi + w_lo split into bf16 pairs);
-//   - the last block of a column group adds the segment partials in segment
-//     order (st_last_finish, in st_mm_few and st_mm alike).
+//   - the segment partials are added in segment order (st_seg_sum): by the
+//     last block of a column group in st_mm_few, by st_reduce after st_mm.
 // A tensor-core instruction computes each output element from that element's
 // row and column only, so tiling over rows changes nothing of a row's result.
 //
@@ -123,18 +123,19 @@ struct StEpi {
     int akt, uw, uwp;
 };
 
-// The partials of one element, in segment order, eight loads in flight.
+// The partials of one element, in segment order: p_0 + p_1 + ... (each
+// group of eight loads issued before its adds, so that one element costs one
+// round trip for S <= 8, not S).
 static __device__ __forceinline__ float st_seg_sum(const float* q, hk_i64 seg, int S) {
-    float v = st_ld_cg(q);
-    int x = 1;
-    for (; x + 8 <= S; x += 8) {
+    float v = 0.0f;
+    for (int x = 0; x < S; x += 8) {
         float t[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) t[i] = st_ld_cg(q + (hk_i64)(x + i) * seg);
+        for (int i = 0; i < 8; ++i) t[i] = x + i < S ? st_ld_cg(q + (hk_i64)(x + i) * seg) : 0.0f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) v += t[i];
+        for (int i = 0; i < 8; ++i)
+            if (x + i < S) v = x + i == 0 ? t[i] : v + t[i];
     }
-    for (; x < S; ++x) v += st_ld_cg(q + (hk_i64)x * seg);
     return v;
 }
 
@@ -198,7 +199,7 @@ static __device__ __forceinline__ void st_store_partials(
 }
 
 // The segment sum of the last of the S blocks of one column group to finish
-// (a counter per column group and M-block, reset for the next launch): it adds
+// (a counter per column group, reset for the next launch): it adds
 // the S partials of its columns in segment order and applies the mode. The
 // other blocks return. `per` columns (channels for mode 2) a block, rows
 // row0 .. row0 + rows - 1; the caller has stored its partials.
@@ -289,13 +290,12 @@ extern "C" __global__ void __launch_bounds__(128, 4) st_mm_few(
 // tiles. The copy engine, not registers, holds the bytes in flight (P chunks
 // of weights a warp: what it takes to read them near the copy rate), and one
 // barrier a chunk frees the buffer the next copy fills. The products and their
-// order are st_mm_few's; the last block of a column group adds the segment
-// partials (st_last_finish), as st_mm_few does.
+// order are st_mm_few's; it writes the segment partials, st_reduce adds them.
 // WP: weight planes (2 for f32 weights, terms = 3); P: chunks in flight.
 // Launch: grid (ceil(nt16 / 8), S * G, ceil(M / 128)); block 256; dynamic
 // shared memory (P + 1) * (planes * mrows + 8 * WP) * ST_KC * 512 bytes
-// (mrows: row tiles of the first M-block, planes: 2 when terms >= 2). Same
-// arguments as st_mm_few.
+// (mrows: row tiles of the first M-block, planes: 2 when terms >= 2). Takes
+// st_mm_few's arguments (counters and the epilogue unused).
 #define ST_KC 4
 template <int WP, int P>
 static __device__ __forceinline__ void st_mm_body(
@@ -394,10 +394,27 @@ static __device__ __forceinline__ void st_mm_body(
     }
     hk_cp_wait_all();
     if (active) st_store_partials(part + (hk_i64)s * part_seg + (hk_i64)g * part_group, ldp, nt, mb * 128, mts, acc, lane);
+}
+
+// The segment sums of st_mm's partials and what they feed (StEpi), every
+// element of every group, spread over the whole device: with many rows the
+// sums are too many for the last block of a column group to add them alone
+// (st_mm_few's way), which would leave one block a column group working
+// while the rest of the device waits. Launch: grid-stride over G * M * ncols.
+extern "C" __global__ void st_reduce(
+    const float* __restrict__ part, hk_i64 part_seg, hk_i64 part_group, int ldp,
+    int M, int ncols, int S, int G,
+    int mode, float* __restrict__ out, int ldo, int gcol,
+    unsigned short* __restrict__ ap, hk_i64 ap_plane, int akt, int uw, int uwp)
+{
     const StEpi e{mode, out, ldo, gcol, ap, ap_plane, akt, uw, uwp};
-    unsigned* cnt = counters + ((hk_i64)g * gridDim.z + mb) * gridDim.x + blockIdx.x;
-    st_last_finish(cnt, S, part + (hk_i64)g * part_group, part_seg, ldp, mb * 128, rows, blockIdx.x * (mode == 2 ? 64 : 128),
-                   mode == 2 ? 64 : 128, ncols, g, e);
+    const hk_i64 total = (hk_i64)G * M * ncols;
+    for (hk_i64 x = (hk_i64)blockIdx.x * blockDim.x + threadIdx.x; x < total; x += (hk_i64)gridDim.x * blockDim.x) {
+        const int n = (int)(x % ncols);
+        const int r = (int)((x / ncols) % M);
+        const int g = (int)(x / ((hk_i64)ncols * M));
+        st_finish(part + (hk_i64)g * part_group, part_seg, ldp, S, r, n, g, e);
+    }
 }
 
 #define ST_MM_ARGS                                                                                               \

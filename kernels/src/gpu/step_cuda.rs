@@ -130,12 +130,13 @@ struct MmFuncs {
     one: CudaFunction,
     two: CudaFunction,
     two_p2: CudaFunction,
+    reduce: CudaFunction,
 }
 
 impl MmFuncs {
     fn load(module: &Arc<CudaModule>) -> Result<MmFuncs> {
         let get = |name: &str| module.load_function(name).map_err(|e| KernelError::BackendUnavailable(format!("cuda: kernel {name} missing: {e}")));
-        let f = MmFuncs { few: get("st_mm_few")?, one: get("st_mm")?, two: get("st_mm_w2")?, two_p2: get("st_mm_w2p2")? };
+        let f = MmFuncs { few: get("st_mm_few")?, one: get("st_mm")?, two: get("st_mm_w2")?, two_p2: get("st_mm_w2p2")?, reduce: get("st_reduce")? };
         for (func, what) in [(&f.one, "st_mm"), (&f.two, "st_mm_w2"), (&f.two_p2, "st_mm_w2p2")] {
             func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, MM_SMEM_MAX as i32)
                 .map_err(|e| KernelError::BackendUnavailable(format!("cuda: cannot give {what} {MM_SMEM_MAX} bytes of shared memory: {e}")))?;
@@ -143,14 +144,16 @@ impl MmFuncs {
         Ok(f)
     }
 
-    /// The launch of a product over `m` rows of a weight of `nt` column tiles,
-    /// `segments` x `groups` blocks of inner rows, `terms` products a k-step;
-    /// `args` in st_mm_few's order (every variant takes the same). Few rows:
-    /// st_mm_few; more: st_mm, or st_mm_w2(p2) when the weight has two planes.
-    fn launch(&self, name: &'static str, m: usize, nt: usize, segments: usize, groups: usize, terms: i32, args: Vec<Arg>) -> Launch {
+    /// The launches of a product over `m` rows of a weight of `nt` column
+    /// tiles, `segments` x `groups` blocks of inner rows, `terms` products a
+    /// k-step; `args` in st_mm_few's order. Few rows: st_mm_few alone (its last
+    /// blocks sum the segments); more: st_mm (st_mm_w2(p2) when the weight has
+    /// two planes) writes the partials and st_reduce sums them over the device.
+    #[allow(clippy::too_many_arguments)]
+    fn launches(&self, name: &'static str, m: usize, nt: usize, segments: usize, groups: usize, terms: i32, args: Vec<Arg>) -> Vec<Launch> {
         let gy = (segments * groups) as u32;
         if m <= 16 {
-            return Launch { f: self.few.cu_function(), name, grid: (nt.div_ceil(4) as u32, gy, 1), block: 128, smem: 0, args };
+            return vec![Launch { f: self.few.cu_function(), name, grid: (nt.div_ceil(4) as u32, gy, 1), block: 128, smem: 0, args }];
         }
         let (wp, p, smem) = mm_shape(m, terms);
         let f = match (wp, p) {
@@ -158,13 +161,25 @@ impl MmFuncs {
             (_, 3) => &self.two,
             _ => &self.two_p2,
         };
-        Launch { f: f.cu_function(), name, grid: (nt.div_ceil(8) as u32, gy, m.div_ceil(128) as u32), block: 256, smem, args }
+        // st_reduce's arguments, from st_mm_few's: the partials (6..10), M (11),
+        // ncols (17), S (14), G, mode (16) and the rest of the epilogue (18..).
+        let mut red = args[6..10].to_vec();
+        red.extend([args[11], args[17], args[14], Arg::I(groups as i32), args[16]]);
+        red.extend_from_slice(&args[18..]);
+        let elems = groups * m * match args[17] {
+            Arg::I(n) => n.max(0) as usize,
+            _ => 1,
+        };
+        vec![
+            Launch { f: f.cu_function(), name, grid: (nt.div_ceil(8) as u32, gy, m.div_ceil(128) as u32), block: 256, smem, args },
+            Launch { f: self.reduce.cu_function(), name: "st_reduce", grid: (elems.div_ceil(256).clamp(1, 4096) as u32, 1, 1), block: 256, smem: 0, args: red },
+        ]
     }
 }
 
-/// Counters a product's launch needs (one a column block and M-block of a group).
-fn mm_counters(m: usize, nt: usize, groups: usize) -> usize {
-    groups * nt.div_ceil(4).max(m.div_ceil(128) * nt.div_ceil(8))
+/// Counters a product's launch needs (st_mm_few's: one a column block of a group).
+fn mm_counters(nt: usize, groups: usize) -> usize {
+    groups * nt.div_ceil(4)
 }
 
 struct Funcs {
@@ -438,8 +453,8 @@ impl CudaStep {
             }
         }
         let part_len = all_mats.iter().map(|w| w.segments * w.groups * mp * w.nt * 16).max().unwrap_or(0);
-        // One counter a (group, column block, M-block) of the widest product.
-        let counters_len = all_mats.iter().map(|w| mm_counters(mp, w.nt, w.groups)).max().unwrap_or(1);
+        // One counter a (group, column block) of the widest few-row product.
+        let counters_len = all_mats.iter().map(|w| mm_counters(w.nt, w.groups)).max().unwrap_or(1);
         // The widest A operand any product reads (inner dimensions padded).
         let k_max = all_mats.iter().filter(|w| w.groups == 1).map(|w| w.kt * 16).max().unwrap_or(16);
         let dkt = lm_head.kt; // every product of a normed hidden state: [hidden, *]
@@ -555,7 +570,7 @@ impl CudaStep {
                 args.push(Arg::P(counters));
                 args.extend(shape);
                 args.extend(epilogue);
-                list.push(f.mm.launch(name, bp, w.nt, w.segments, w.groups, terms, args));
+                list.extend(f.mm.launches(name, bp, w.nt, w.segments, w.groups, terms, args));
             };
             let rms_pack = |list: &mut Vec<Launch>, w: u64, a: u64| {
                 list.push(Launch {
@@ -1020,7 +1035,7 @@ pub(crate) fn tc_matmul(
     let ldp = nt * 16;
     let part_group = mp * ldp;
     let part = arena.alloc(w.segments * part_group * 4)?;
-    let counters = arena.alloc(mm_counters(mp, nt, 1) * 4)?;
+    let counters = arena.alloc(mm_counters(nt, 1) * 4)?;
     let out = arena.alloc(m * w.cols * 4)?;
     let w_plane = plane_len(w) / 8;
     let n = m * w.cols;
@@ -1045,7 +1060,7 @@ pub(crate) fn tc_matmul(
     args.push(store[0]);
     args.push(Arg::I(w.cols as i32));
     args.extend_from_slice(&store[1..]);
-    let list = vec![mm.launch("step matmul", m, nt, w.segments, 1, terms as i32, args)];
+    let list = mm.launches("step matmul", m, nt, w.segments, 1, terms as i32, args);
     let run = || launch_all(ctx, stream, &list);
     run()?;
     stream.synchronize().map_err(dev(op))?;
