@@ -1,7 +1,7 @@
 //! Robust input (issue 11, point 7): no topology file, control message, tcp frame or
 //! HTTP body makes handoff panic, hang or allocate by an untrusted length. The
 //! property drivers live in `tests/fuzz/`; here they run a bounded number of cases
-//! (`PROPTEST_CASES`, default 1024, from the seed `HANDOFF_FUZZ_SEED` when set) and
+//! (`PROPTEST_CASES`, default 1024, from the seed `PROPTEST_RNG_SEED` when set) and
 //! every verdict is asserted, with the regression tests of the bugs they found. A
 //! long run: `PROPTEST_CASES=100000 cargo test --release --test robust_input`.
 
@@ -45,7 +45,8 @@ const ALLOC_BOUND: usize = 8 << 20;
 
 fn run_asserting(target: Target) -> Report {
     let mut opts = Options::new(cases());
-    if let Some(seed) = std::env::var("HANDOFF_FUZZ_SEED").ok().and_then(|v| v.parse().ok()) {
+    // proptest's own seed setting (PROPTEST_RNG_SEED), read by its Config.
+    if let proptest::test_runner::RngSeed::Fixed(seed) = proptest::test_runner::Config::default().rng_seed {
         opts.seed = seed;
     }
     let r = fuzz::run(target, &opts);

@@ -6,7 +6,7 @@
 //! Each case must end in a clean outcome (accepted or refused with a message), within
 //! a time budget, without a panic; valid encodings must be accepted. The same drivers
 //! serve the CI test (`tests/robust_input.rs`), which runs a bounded number of cases
-//! and asserts; `PROPTEST_CASES` and `HANDOFF_FUZZ_SEED` run more or other ones.
+//! and asserts; `PROPTEST_CASES` and `PROPTEST_RNG_SEED` run more or other ones.
 //!
 //! proptest is a normal dependency of the package for this module: its `TestRunner`
 //! gives the bench command the same strategies and, above all, the shrinking to a
