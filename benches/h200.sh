@@ -19,6 +19,8 @@
 #   matmul   cuda_check --bench-matmul: the fused step's tensor-core products,
 #            next to torch.matmul from the peer (run `compute` first in the call)
 #   kernels  cuda_check --bench: KDA step, chunked prefill, MLA partial, matmuls
+#   probe    benches/gpu/mm_probe.cu (nvcc): the fused step's st_mm alone at the
+#            decode shapes, then Nsight Compute's view of the 88 x 7168^2 one
 #   fla      FLA's fused_recurrent_kda and chunk_kda (needs .whl)
 #   serve    bench serve on the default and on config/gpu.toml
 #   systems  handoff up on config/gpu.toml under a C32 load: where each role's
@@ -32,7 +34,7 @@ mkdir -p "$OUT"
 export PATH="$BIN:$PATH"
 step() { echo; echo "== $*"; }
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(check verify matrix compute matmul kernels fla serve systems transfer)
+[ ${#stages[@]} -eq 0 ] && stages=(check verify matrix compute matmul probe kernels fla serve systems transfer)
 fail=0
 
 step "device"
@@ -81,6 +83,15 @@ matmul)
       done
     done
   fi
+  ;;
+probe)
+  step "st_mm alone (nvcc build of kernels/hip, benches/gpu/mm_probe.cu)"
+  nvcc -O3 -arch=sm_90 -std=c++17 -diag-suppress 1556 -I kernels/hip -include prelude.h benches/gpu/mm_probe.cu -o /tmp/mm_probe || fail=1
+  for shape in "88 7168 7168 1" "88 7168 7168 2" "88 7168 7168 3" "88 2048 10240 2" "88 2048 2048 2" "32 2048 10240 2" "512 2048 10240 3"; do
+    /tmp/mm_probe $shape
+  done 2>&1 | tee "$OUT/probe.txt"
+  timeout 120 ncu --clock-control none -k regex:st_mm -c 1 --section SpeedOfLight --section Occupancy --section SchedulerStats /tmp/mm_probe 88 7168 7168 1 2>&1 \
+    | grep -E "Duration|Throughput|Warps Per Scheduler|Issued Warp|Achieved Occupancy" | tee "$OUT/probe-ncu.txt"
   ;;
 kernels)
   step "kernel timings (cuda_check --bench)"

@@ -15,6 +15,8 @@
 //! `CpuBackend` and `CudaBackend` on them and prints `op | case | max rel err |
 //! tol | ok`. The error is max |gpu - cpu| over max |cpu| (relative to the
 //! output's inf-norm); "exact" rows compare bits. Tolerances: f32 ops 1e-5;
+//! the matmul and what is built on it 3e-5 (tensor cores on the bf16 split of
+//! f32, dense.hip: the dropped lo x lo term is about 2^-16 of each product);
 //! KDA prefill 1e-4 (the CPU runs the chunked form on wide heads, and so does
 //! the GPU where dk <= 128; both agree to rounding only); f64 attention partials 1e-12; copies, rounding, embedding,
 //! argmax, cursors exact. Batch invariance (matmul, KDA step, ragged MLA
@@ -717,7 +719,7 @@ fn checks(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
         let w = uni(&mut r, inner * cols, -1.0, 1.0);
         let g = run_matmul(gpu, shape, &x, &w)?;
         let c = run_matmul(&cpu, shape, &x, &w)?;
-        rep.close("matmul", &format!("{rows}x{inner} . {inner}x{cols}"), &g, &c, 1e-5);
+        rep.close("matmul", &format!("{rows}x{inner} . {inner}x{cols}"), &g, &c, 3e-5);
     }
     {
         let shape = MlpShape { tokens: 5, hidden: 64, intermediate: 136 };
@@ -727,7 +729,7 @@ fn checks(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
         let dw = uni(&mut r, 136 * 64, -0.3, 0.3);
         let g = run_swiglu(gpu, shape, &x, &gw, &uw, &dw)?;
         let c = run_swiglu(&cpu, shape, &x, &gw, &uw, &dw)?;
-        rep.close("swiglu", "T=5 hidden=64 inter=136", &g, &c, 1e-5);
+        rep.close("swiglu", "T=5 hidden=64 inter=136", &g, &c, 3e-5);
     }
     {
         let a = uni(&mut r, 100_003, -8.0, 8.0);
@@ -788,8 +790,8 @@ fn checks(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
         rep.exact_f32("determinism matmul", "88x1024 . 1024x520, two runs", &run_matmul(gpu, shape, &x, &w)?, &all);
     }
     {
-        // Across the two matmul kernels: 300 rows take the tiled one, 129 too,
-        // 1 and 7 rows the split-k one; inner 1000 ends mid-chunk and mid-tile.
+        // Across the two tile shapes: 300 and 129 rows take 32-row tiles, 1
+        // and 7 rows 16-row ones; inner 1000 ends mid-chunk and mid-tile.
         let (rows, inner, cols) = (300usize, 1000usize, 200usize);
         let x = uni(&mut r, rows * inner, -1.0, 1.0);
         let w = uni(&mut r, inner * cols, -1.0, 1.0);
@@ -799,11 +801,11 @@ fn checks(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
             alone.extend(run_matmul(gpu, MatmulShape { rows: 1, inner, cols }, &x[i * inner..(i + 1) * inner], &w)?);
         }
         let picked: Vec<f32> = [0usize, 17, 150, 299].iter().flat_map(|&i| all[i * cols..(i + 1) * cols].iter().copied()).collect();
-        rep.exact_f32("batch-invariance matmul", "rows of a 300-row (tiled) call vs each alone (split-k)", &picked, &alone);
+        rep.exact_f32("batch-invariance matmul", "rows of a 300-row call (32-row tiles) vs each alone (16-row tiles)", &picked, &alone);
         let seven = run_matmul(gpu, MatmulShape { rows: 7, inner, cols }, &x[100 * inner..107 * inner], &w)?;
-        rep.exact_f32("batch-invariance matmul", "rows 100..107 of 300 as a split-k batch of 7", &seven, &all[100 * cols..107 * cols]);
+        rep.exact_f32("batch-invariance matmul", "rows 100..107 of 300 as a batch of 7 (16-row tiles)", &seven, &all[100 * cols..107 * cols]);
         let big = run_matmul(gpu, MatmulShape { rows: 129, inner, cols }, &x[..129 * inner], &w)?;
-        rep.exact_f32("batch-invariance matmul", "rows 0..129 of 300 as a tiled batch of 129", &big, &all[..129 * cols]);
+        rep.exact_f32("batch-invariance matmul", "rows 0..129 of 300 as a batch of 129 (32-row tiles)", &big, &all[..129 * cols]);
     }
     {
         let (b, h, dk, dv) = (16usize, 2usize, 128usize, 128usize);
@@ -857,7 +859,7 @@ fn check_fused(gpu: &mut CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
                 let case = format!("{n} products of {rows} rows, {}", if stacked { "stacked" } else { "side by side" });
                 rep.exact_f32("matmul_units fused vs each", &case, &fused, &each);
                 rep.exact_f32("matmul_units unfused vs each", &case, &unfused, &each);
-                rep.close("matmul_units", &case, &fused, &run_units(&cpu, shape, &x, &dims, &ws, true)?, 1e-5);
+                rep.close("matmul_units", &case, &fused, &run_units(&cpu, shape, &x, &dims, &ws, true)?, 3e-5);
             }
         }
         // The all-reduce's sum of stacked partials: the bits of add_inplace in order.

@@ -3,160 +3,15 @@
 
 // ---- matmul -----------------------------------------------------------------
 //
-// out [rows, cols] = x [rows, inner] . w [inner, cols], row-major.
-//
-// The order of the sum, which every kernel below keeps bit for bit: k runs in
-// chunks of MM_KC = 128; within a chunk an output element is one fmaf chain
-// from 0 over k in order, and the chunk sums are added in chunk order to a
-// total that starts at 0. k is padded with zeros to a multiple of MM_BK
-// (fmaf(0, 0, acc) on both paths). So a row's bits never depend on how many
-// rows the call has or on which kernel ran it (decode of a batch equals decode
-// of one).
-//
-// matmul_f32, for many rows: a shared-memory tiled kernel; a block computes a
-// 64 x 64 tile of out with 256 threads, each thread a 4 x 4 register block
-// (rows ty + 16 i, columns tx + 16 j, so a warp's loads and stores of w and out
-// are contiguous), walking k in steps of 16 through shared-memory tiles of x
-// and w and folding its chunk sums into the total every MM_KC.
-// Launch: grid (ceil(cols / 64), ceil(rows / 64)); block 256.
-//
-// matmul_splitk_f32 + matmul_chunk_sum, for decode's few rows: with one tile
-// of rows the tiled kernel has only cols / 64 blocks, each walking all of k
-// one shared tile at a time, which leaves the device latency-bound; here every
-// (column tile, k chunk, 16-row tile) is a block of its own that writes its
-// chunk sums to a scratch [chunks, rows, cols], and matmul_chunk_sum adds them
-// in chunk order.
+// out [rows, cols] = x [rows, inner] . w [inner, cols], row-major, on the
+// tensor cores (matmul_tc16/32 below), then the chunk sums added in order:
+// k runs in chunks of MM_KC = 128, each chunk's partial of an element is
+// written to a scratch [chunks, rows, cols], and matmul_chunk_sum adds the
+// chunks in chunk order to a total that starts at 0. Nothing in that order
+// depends on the row count, so a row's bits never depend on how many rows the
+// call has (decode of a batch equals decode of one).
 
 #define MM_KC 128
-#define MM_BM 64
-#define MM_BN 64
-#define MM_BK 16
-
-extern "C" __global__ void matmul_f32(
-    const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out,
-    int rows, int inner, int cols)
-{
-    __shared__ float xs[MM_BK][MM_BM + 1];  // x tile, k-major (+1: no bank conflicts on the transposed store)
-    __shared__ float ws[MM_BK][MM_BN];
-    const int tid = threadIdx.x;
-    const int tx = tid % 16;
-    const int ty = tid / 16;
-    const int row0 = blockIdx.y * MM_BM;
-    const int col0 = blockIdx.x * MM_BN;
-    float acc[4][4], tot[4][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = tot[i][j] = 0.0f;
-
-    for (int k0 = 0; k0 < inner; k0 += MM_BK) {
-        // x tile: 64 rows x 16 k, four elements per thread, k fastest (contiguous reads).
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int idx = tid + 256 * e;
-            const int r = idx / MM_BK;
-            const int kk = idx % MM_BK;
-            const int gr = row0 + r;
-            const int gk = k0 + kk;
-            xs[kk][r] = (gr < rows && gk < inner) ? x[(hk_i64)gr * inner + gk] : 0.0f;
-        }
-        // w tile: 16 k x 64 columns, columns fastest.
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int idx = tid + 256 * e;
-            const int kk = idx / MM_BN;
-            const int c = idx % MM_BN;
-            const int gk = k0 + kk;
-            const int gc = col0 + c;
-            ws[kk][c] = (gk < inner && gc < cols) ? w[(hk_i64)gk * cols + gc] : 0.0f;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int kk = 0; kk < MM_BK; ++kk) {
-            float a[4], b[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) a[i] = xs[kk][ty + 16 * i];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) b[j] = ws[kk][tx + 16 * j];
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
-        }
-        __syncthreads();
-        if ((k0 + MM_BK) % MM_KC == 0 || k0 + MM_BK >= inner) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    tot[i][j] += acc[i][j];
-                    acc[i][j] = 0.0f;
-                }
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int gr = row0 + ty + 16 * i;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int gc = col0 + tx + 16 * j;
-            if (gr < rows && gc < cols) out[(hk_i64)gr * cols + gc] = tot[i][j];
-        }
-    }
-}
-
-// Chunk sums of the split-k path: block (column tile bx, chunk by, row tile
-// bz) writes part[by][r][c] for rows bz * 16 .. +16 and columns bx * 64 .. +64;
-// thread (tx = column, ty) holds rows ty + 4 i. The chunk's 16 x 128 slice of
-// x is staged in shared memory; w is read straight from memory, a warp's 32
-// columns contiguous. x's rows are x_row elements apart (inner for a plain
-// matmul, wider when the product reads a column block of x). Launch: grid
-// (ceil(cols / 64), ceil(inner / MM_KC), ceil(rows / 16)); block 256.
-#define MS_ROWS 16
-__device__ __forceinline__ void splitk_tile(
-    const float* __restrict__ x, hk_i64 x_row, const float* __restrict__ w, float* __restrict__ part,
-    int rows, int inner, int cols, int bx, int by, int bz, float (*xs)[MM_KC])
-{
-    const int tid = threadIdx.x;
-    const int tx = tid % 64;
-    const int ty = tid / 64;
-    const int col = bx * 64 + tx;
-    const int k0 = by * MM_KC;
-    const int row0 = bz * MS_ROWS;
-    const int padded = (inner + MM_BK - 1) / MM_BK * MM_BK;
-    const int kn = padded - k0 < MM_KC ? padded - k0 : MM_KC;
-    for (int e = tid; e < MS_ROWS * MM_KC; e += 256) {
-        const int r = e / MM_KC;
-        const int kk = e % MM_KC;
-        const int gr = row0 + r;
-        const int gk = k0 + kk;
-        xs[r][kk] = (gr < rows && gk < inner) ? x[(hk_i64)gr * x_row + gk] : 0.0f;
-    }
-    __syncthreads();
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const bool live = col < cols;
-#pragma unroll 8
-    for (int kk = 0; kk < kn; ++kk) {
-        const int gk = k0 + kk;
-        const float b = (live && gk < inner) ? w[(hk_i64)gk * cols + col] : 0.0f;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[i] = fmaf(xs[ty + 4 * i][kk], b, acc[i]);
-    }
-    if (!live) return;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int gr = row0 + ty + 4 * i;
-        if (gr < rows) part[((hk_i64)by * rows + gr) * cols + col] = acc[i];
-    }
-}
-
-extern "C" __global__ void matmul_splitk_f32(
-    const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ part,
-    int rows, int inner, int cols)
-{
-    __shared__ float xs[MS_ROWS][MM_KC];
-    splitk_tile(x, inner, w, part, rows, inner, cols, blockIdx.x, blockIdx.y, blockIdx.z, xs);
-}
 
 // out[e] = the chunk sums of element e added in chunk order, from 0.
 // Launch: grid-stride, any grid; block 256.
@@ -173,16 +28,14 @@ extern "C" __global__ void matmul_chunk_sum(
 
 // ---- several products in one launch -------------------------------------------
 //
-// matmul_units_splitk + matmul_units_sum: up to MU_UNITS products that read
-// column blocks of one x (the heads of o_proj, W_UK, W_UV; the MLP's units),
-// each exactly the split-k matmul above on its block alone (splitk_tile, the
-// same chunk-sum order), so the bits do not change with how the products are
-// grouped. Entry u of the by-value table: w's address, x's first column, the
-// element of out that takes the product's row 0, the product's first element
-// in part (its [chunks, rows, cols] scratch), inner, cols. Out rows are
-// out_row elements apart.
-// Launch of matmul_units_splitk: grid (max column tiles, max chunks, row tiles
-// x units); block 256; a block past its product's extent exits at once.
+// Up to MU_UNITS products that read column blocks of one x (the heads of
+// o_proj, W_UK, W_UV; the MLP's units) in two launches: matmul_tc writes each
+// product's chunk sums to its own [chunks, rows, cols] scratch, and
+// matmul_units_sum adds them in chunk order into place, so every product has
+// the bits of the same matmul on its block alone. Entry u of the by-value
+// table: w's address, x's first column, the element of out that takes the
+// product's row 0, the product's first element in part, inner, cols. Out rows
+// are out_row elements apart. A plain matmul is a table of one.
 // Launch of matmul_units_sum: grid (any, units); block 256.
 
 #define MU_UNITS 32
@@ -191,17 +44,153 @@ struct hk_mm_units {
     hk_i64 u[MU_UNITS][6];  // w, x column, out offset, part offset, inner, cols
 };
 
-extern "C" __global__ void matmul_units_splitk(
-    hk_mm_units t, const float* __restrict__ x, float* __restrict__ part, int rows, hk_i64 x_row)
+// ---- the tensor-core matmul ------------------------------------------------------
+//
+// matmul_tc16 / matmul_tc32: the chunk sums of up to MU_UNITS products (the
+// table above; a plain matmul is a table of one) on the tensor cores, for
+// every row count: block (column tile bx, chunk by, row tile bz of product u)
+// computes the chunk's partial of a BM x BN tile and writes it to the
+// product's [chunks, rows, cols] scratch; matmul_units_sum (or
+// matmul_chunk_sum) adds the chunks in chunk order from 0, as before.
+//
+// Within a chunk (MM_KC = 128 k, zero-padded past inner), an element's partial
+// is one mma.sync m16n8k16 accumulator from 0 over the chunk's 8 k16 steps in
+// order, each step three products in a fixed order on the bf16 split of the
+// f32 operands, x = xh + xl and w = wh + wl: xh.wh, then xl.wh, then xh.wl
+// (the xl.wl term, about 2^-16 of |x w|, is dropped; the CPU reference is
+// exact f32, so the device matches it to ~1e-5, not bit for bit). A tensor-core
+// instruction computes an element from its own row and column only, and the
+// tile shape (BM = 16 for few rows, 32 for more) never changes that sequence,
+// so a row's bits never depend on how many rows the call has.
+//
+// Each warp owns a 16 x 32 tile (four n8 tiles); a block of four warps is
+// WM x WN of them: 1 x 4 (16 x 128, decode's few rows: wide tiles, many
+// blocks reading the weight) or 2 x 2 (32 x 64). The chunk's x and w tiles go
+// to shared memory by cp.async in two halves of 64 k, so the products of the
+// first half overlap the copy of the second; padded rows (x: 128 + 8 floats,
+// w: BN + 4) keep the fragment reads free of bank conflicts.
+// Launch: grid (ceil(max cols / BN), max chunks, ceil(rows / BM) x units);
+// block 128; dynamic shared memory (BM (128 + 8) + 128 (BN + 4)) x 4 bytes.
+#define TC_XS (MM_KC + 8)
+
+// The bf16 pair (lo element first) of two floats, and of what they leave.
+static __device__ __forceinline__ void tc_split(float a, float b, unsigned& hi, unsigned& lo) {
+    const hk_bf16 ha = hk_f32_to_bf16(a), hb = hk_f32_to_bf16(b);
+    const hk_bf16 la = hk_f32_to_bf16(a - hk_bf16_to_f32(ha)), lb = hk_f32_to_bf16(b - hk_bf16_to_f32(hb));
+    hi = (unsigned)ha | ((unsigned)hb << 16);
+    lo = (unsigned)la | ((unsigned)lb << 16);
+}
+
+template <int WM, int WN>
+static __device__ __forceinline__ void matmul_tc_body(hk_mm_units& t, const float* __restrict__ x, float* __restrict__ part, int rows, hk_i64 x_row)
 {
-    __shared__ float xs[MS_ROWS][MM_KC];
-    const int tiles = (rows + MS_ROWS - 1) / MS_ROWS;
+    constexpr int BM = 16 * WM, BN = 32 * WN, WS = BN + 4;
+    HK_DYN_SMEM(float, sm);
+    float* xs = sm;                // [BM][TC_XS]
+    float* ws = sm + BM * TC_XS;   // [MM_KC][WS]
+    const int tiles = (rows + BM - 1) / BM;
     const int u = blockIdx.z / tiles;
     const int inner = (int)t.u[u][4];
     const int cols = (int)t.u[u][5];
-    if ((int)blockIdx.x * 64 >= cols || (int)blockIdx.y * MM_KC >= inner) return;
-    splitk_tile(x + t.u[u][1], x_row, (const float*)t.u[u][0], part + t.u[u][3],
-                rows, inner, cols, blockIdx.x, blockIdx.y, blockIdx.z % tiles, xs);
+    const int col0 = blockIdx.x * BN;
+    const int k0 = blockIdx.y * MM_KC;
+    if (col0 >= cols || k0 >= inner) return;
+    const int row0 = (blockIdx.z % tiles) * BM;
+    const float* xb = x + t.u[u][1];
+    const float* w = (const float*)t.u[u][0];
+    const int tid = threadIdx.x;
+    // Copy half h (k0 + 64 h .. + 63) of the chunk: zeros past rows, inner, cols.
+    // 16-byte copies where the whole quad is in range and aligned, else 4-byte ones.
+    auto load = [&](int h) {
+        for (int q = tid; q < BM * 16; q += 128) {
+            const int r = q / 16, kq = (q % 16) * 4 + 64 * h;
+            const int gr = row0 + r, gk = k0 + kq;
+            float* d = xs + r * TC_XS + kq;
+            const float* src = xb + (hk_i64)gr * x_row + gk;
+            if (gr < rows && gk + 3 < inner && ((((unsigned long long)src) & 15) == 0)) {
+                hk_cp16(d, src, true);
+            } else {
+                for (int e = 0; e < 4; ++e) d[e] = (gr < rows && gk + e < inner) ? src[e] : 0.0f;
+            }
+        }
+        for (int q = tid; q < 64 * (BN / 4); q += 128) {
+            const int kk = q / (BN / 4) + 64 * h, c = (q % (BN / 4)) * 4;
+            const int gk = k0 + kk, gc = col0 + c;
+            float* d = ws + kk * WS + c;
+            const float* src = w + (hk_i64)gk * cols + gc;
+            if (gk < inner && gc + 3 < cols && ((((unsigned long long)src) & 15) == 0)) {
+                hk_cp16(d, src, true);
+            } else {
+                for (int e = 0; e < 4; ++e) d[e] = (gk < inner && gc + e < cols) ? src[e] : 0.0f;
+            }
+        }
+        hk_cp_commit();
+    };
+    load(0);
+    load(1);
+    const int lane = tid & 31, warp = tid >> 5;
+    const int wm = warp / WN, wn = warp % WN;
+    const int g = lane >> 2, q4 = lane & 3;
+    float acc[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
+    const float* xa = xs + (wm * 16 + g) * TC_XS + 2 * q4;
+    const float* wb = ws + (2 * q4) * WS + wn * 32 + g;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        if (h == 0) hk_cp_wait_but_last(); else hk_cp_wait_all();
+        __syncthreads();
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            const int kk = 64 * h + 16 * s;
+            const float2 a0 = *(const float2*)(xa + kk);
+            const float2 a1 = *(const float2*)(xa + 8 * TC_XS + kk);
+            const float2 a2 = *(const float2*)(xa + kk + 8);
+            const float2 a3 = *(const float2*)(xa + 8 * TC_XS + kk + 8);
+            uint4 ah, al;
+            tc_split(a0.x, a0.y, ah.x, al.x);
+            tc_split(a1.x, a1.y, ah.y, al.y);
+            tc_split(a2.x, a2.y, ah.z, al.z);
+            tc_split(a3.x, a3.y, ah.w, al.w);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float* b = wb + kk * WS + 8 * j;
+                unsigned bh0, bl0, bh1, bl1;
+                tc_split(b[0], b[WS], bh0, bl0);
+                tc_split(b[8 * WS], b[9 * WS], bh1, bl1);
+                st_mma(acc[j], ah, bh0, bh1);
+                st_mma(acc[j], al, bh0, bh1);
+                st_mma(acc[j], ah, bl0, bl1);
+            }
+        }
+    }
+    // acc[j]: rows g, g + 8 of the warp tile; columns 8 j + 2 q4, + 1.
+    float* p = part + t.u[u][3] + (hk_i64)blockIdx.y * rows * cols;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int c = col0 + wn * 32 + 8 * j + 2 * q4;
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            const int r = row0 + wm * 16 + g + 8 * hr;
+            if (r >= rows) continue;
+            if (c < cols) p[(hk_i64)r * cols + c] = acc[j][2 * hr];
+            if (c + 1 < cols) p[(hk_i64)r * cols + c + 1] = acc[j][2 * hr + 1];
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128) matmul_tc16(
+    hk_mm_units t, const float* __restrict__ x, float* __restrict__ part, int rows, hk_i64 x_row)
+{
+    matmul_tc_body<1, 4>(t, x, part, rows, x_row);
+}
+
+extern "C" __global__ void __launch_bounds__(128) matmul_tc32(
+    hk_mm_units t, const float* __restrict__ x, float* __restrict__ part, int rows, hk_i64 x_row)
+{
+    matmul_tc_body<2, 2>(t, x, part, rows, x_row);
 }
 
 extern "C" __global__ void matmul_units_sum(

@@ -209,6 +209,45 @@ static __device__ __forceinline__ void hk_cp_wait_n() {
 #endif
 }
 
+// ---- the tensor-core product (dense.hip's matmul, step.hip's products) ----------
+
+// c += a . b for one m16n8k16 tile (bf16 in, f32 accumulate).
+static __device__ __forceinline__ void st_mma(float* c, uint4 a, unsigned b0, unsigned b1) {
+#ifdef __HIPCC__
+    // The same product by shuffles, in the PTX fragment layout (the HIP build
+    // is compiled, not run; its sum order is its own).
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const unsigned ar[4] = {a.x, a.y, a.z, a.w};
+    for (int k = 0; k < 16; ++k) {
+        const int src_t = (k & 7) >> 1, hw = k & 1, kh = k >> 3;
+        // A[g][k] and A[g + 8][k]: registers kh * 2 + {0, 1} of lane 4g + src_t.
+        unsigned a_lo = 0, a_hi = 0;
+        for (int q = 0; q < 4; ++q) {
+            const unsigned v0 = __shfl(ar[q], g * 4 + src_t, 32);
+            if (q == 2 * kh) a_lo = v0;
+            if (q == 2 * kh + 1) a_hi = v0;
+        }
+        const float x0 = hk_bf16_to_f32((unsigned short)(hw ? a_lo >> 16 : a_lo & 0xffffu));
+        const float x1 = hk_bf16_to_f32((unsigned short)(hw ? a_hi >> 16 : a_hi & 0xffffu));
+        // B[k][2t] and B[k][2t + 1]: register kh of lanes 4 (2t) + src_t and 4 (2t + 1) + src_t.
+        const unsigned bsel = kh ? b1 : b0;
+        const unsigned y0r = __shfl(bsel, (2 * t) * 4 + src_t, 32);
+        const unsigned y1r = __shfl(bsel, (2 * t + 1) * 4 + src_t, 32);
+        const float y0 = hk_bf16_to_f32((unsigned short)(hw ? y0r >> 16 : y0r & 0xffffu));
+        const float y1 = hk_bf16_to_f32((unsigned short)(hw ? y1r >> 16 : y1r & 0xffffu));
+        c[0] = fmaf(x0, y0, c[0]);
+        c[1] = fmaf(x0, y1, c[1]);
+        c[2] = fmaf(x1, y0, c[2]);
+        c[3] = fmaf(x1, y1, c[3]);
+    }
+#else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
+#endif
+}
+
 // ---- the fused decode step's operands and cache values (step.hip, mla.hip) ------
 //
 // Packed A operand of the tensor-core products: kernels/src/step.rs's a_index.

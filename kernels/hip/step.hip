@@ -43,42 +43,7 @@
 
 // ---- the tensor-core product --------------------------------------------------------
 
-// c += a . b for one m16n8k16 tile (bf16 in, f32 accumulate).
-static __device__ __forceinline__ void st_mma(float* c, uint4 a, unsigned b0, unsigned b1) {
-#ifdef __HIPCC__
-    // The same product by shuffles, in the PTX fragment layout (the HIP build
-    // is compiled, not run; its sum order is its own).
-    const int lane = threadIdx.x & 31;
-    const int g = lane >> 2, t = lane & 3;
-    const unsigned ar[4] = {a.x, a.y, a.z, a.w};
-    for (int k = 0; k < 16; ++k) {
-        const int src_t = (k & 7) >> 1, hw = k & 1, kh = k >> 3;
-        // A[g][k] and A[g + 8][k]: registers kh * 2 + {0, 1} of lane 4g + src_t.
-        unsigned a_lo = 0, a_hi = 0;
-        for (int q = 0; q < 4; ++q) {
-            const unsigned v0 = __shfl(ar[q], g * 4 + src_t, 32);
-            if (q == 2 * kh) a_lo = v0;
-            if (q == 2 * kh + 1) a_hi = v0;
-        }
-        const float x0 = hk_bf16_to_f32((unsigned short)(hw ? a_lo >> 16 : a_lo & 0xffffu));
-        const float x1 = hk_bf16_to_f32((unsigned short)(hw ? a_hi >> 16 : a_hi & 0xffffu));
-        // B[k][2t] and B[k][2t + 1]: register kh of lanes 4 (2t) + src_t and 4 (2t + 1) + src_t.
-        const unsigned bsel = kh ? b1 : b0;
-        const unsigned y0r = __shfl(bsel, (2 * t) * 4 + src_t, 32);
-        const unsigned y1r = __shfl(bsel, (2 * t + 1) * 4 + src_t, 32);
-        const float y0 = hk_bf16_to_f32((unsigned short)(hw ? y0r >> 16 : y0r & 0xffffu));
-        const float y1 = hk_bf16_to_f32((unsigned short)(hw ? y1r >> 16 : y1r & 0xffffu));
-        c[0] = fmaf(x0, y0, c[0]);
-        c[1] = fmaf(x0, y1, c[1]);
-        c[2] = fmaf(x1, y0, c[2]);
-        c[3] = fmaf(x1, y1, c[3]);
-    }
-#else
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
-#endif
-}
+// st_mma (prelude.h): c += a . b for one m16n8k16 tile.
 
 // A 16-byte weight load that bypasses L1 (each weight is read once a step;
 // the A operand keeps L1 and shared memory).
@@ -178,21 +143,24 @@ static __device__ __forceinline__ void st_finish(
         }                                                     \
     } while (0)
 
-// A block's partial sums of 16-column tiles (one a warp) for rows
-// row0 .. row0 + 16 mts - 1 into part[s][g].
+// A warp's partial sums of one 16-column tile for its row tiles mt0, mt0 +
+// step, ... (below mts; acc[i] holds tile mt0 + i step) of the rows from row0,
+// into part[s][g].
+template <int N>
 static __device__ __forceinline__ void st_store_partials(
-    float* p, int ldp, int nt, int row0, int mts, const float (&acc)[8][2][4], int lane)
+    float* p, int ldp, int nt, int row0, int mt0, int step, int mts, const float (&acc)[N][2][4], int lane)
 {
     const int gq = lane >> 2, t4 = lane & 3;
 #pragma unroll
-    for (int mt = 0; mt < 8; ++mt) {
+    for (int i = 0; i < N; ++i) {
+        const int mt = mt0 + i * step;
         if (mt < mts) {
             const int r0 = row0 + mt * 16 + gq;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int col = nt * 16 + h * 8 + 2 * t4;
-                *(float2*)(p + (hk_i64)r0 * ldp + col) = make_float2(acc[mt][h][0], acc[mt][h][1]);
-                *(float2*)(p + (hk_i64)(r0 + 8) * ldp + col) = make_float2(acc[mt][h][2], acc[mt][h][3]);
+                *(float2*)(p + (hk_i64)r0 * ldp + col) = make_float2(acc[i][h][0], acc[i][h][1]);
+                *(float2*)(p + (hk_i64)(r0 + 8) * ldp + col) = make_float2(acc[i][h][2], acc[i][h][3]);
             }
         }
     }
@@ -250,7 +218,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) st_mm_few(
     const int kend = kt0 + seg;
     const uint4* Wt = W + (hk_i64)g * w_group + (hk_i64)(active ? nt : 0) * KT * 32 + lane;
     const uint4* At = A + (hk_i64)g * a_group + lane;
-    float acc[8][2][4];
+    float acc[1][2][4];
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -274,7 +242,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) st_mm_few(
                 }
             }
         }
-        st_store_partials(part + (hk_i64)s * part_seg + (hk_i64)g * part_group, ldp, nt, 0, 1, acc, lane);
+        st_store_partials(part + (hk_i64)s * part_seg + (hk_i64)g * part_group, ldp, nt, 0, 0, 1, 1, acc, lane);
     }
     const StEpi e{mode, out, ldo, gcol, ap, ap_plane, akt, uw, uwp};
     const int per = mode == 2 ? 32 : 64;  // the block's columns (channels: 8 a tile)
@@ -282,21 +250,27 @@ extern "C" __global__ void __launch_bounds__(128, 4) st_mm_few(
                    ncols, g, e);
 }
 
-// Many rows (M > 16): a block owns 8 column tiles of 16 (one a warp) of one
-// segment of one group for up to 128 rows (8 row tiles, the block's M-block),
-// and walks the segment in chunks of ST_KC k-steps through a ring of P + 1
-// shared-memory buffers filled P chunks ahead by cp.async: each buffer holds
-// the chunk's A tiles (shared by the 8 warps) and each warp's own weight
-// tiles. The copy engine, not registers, holds the bytes in flight (P chunks
-// of weights a warp: what it takes to read them near the copy rate), and one
-// barrier a chunk frees the buffer the next copy fills. The products and their
-// order are st_mm_few's; it writes the segment partials, st_reduce adds them.
+// Many rows (M > 16): a block owns 8 column tiles of 16 of one segment of
+// one group for up to 128 rows (8 row tiles, the block's M-block), with 16
+// warps: warp w takes column tile w % 8 and the row tiles of parity w / 8
+// (0, 2, 4, 6 or 1, 3, 5, 7), so two warps share each column tile's weights
+// and a multiprocessor has 16 warps to hide the tensor-core and shared-memory
+// latencies with (8 left it issuing every third cycle). It walks the segment
+// in chunks of ST_KC k-steps through a ring of P + 1 shared-memory buffers
+// filled P chunks ahead by cp.async: each buffer holds the chunk's A tiles
+// (shared by the 16 warps) and the 8 column tiles' weight tiles. The copy
+// engine, not registers, holds the bytes in flight, and one barrier a chunk
+// frees the buffer the next copy fills. The products and their order are
+// st_mm_few's; it writes the segment partials, st_reduce adds them.
 // WP: weight planes (2 for f32 weights, terms = 3); P: chunks in flight.
-// Launch: grid (ceil(nt16 / 8), S * G, ceil(M / 128)); block 256; dynamic
+// Launch: grid (ceil(nt16 / 8), S * G, ceil(M / 128)); block 512; dynamic
 // shared memory (P + 1) * (planes * mrows + 8 * WP) * ST_KC * 512 bytes
 // (mrows: row tiles of the first M-block, planes: 2 when terms >= 2). Takes
 // st_mm_few's arguments (counters and the epilogue unused).
-#define ST_KC 4
+#ifndef ST_KC
+#define ST_KC 4  // benches/gpu/mm_probe.cu tries others with -D
+#endif
+#define ST_MM_THREADS 512
 template <int WP, int P>
 static __device__ __forceinline__ void st_mm_body(
     const uint4* __restrict__ A, hk_i64 a_plane, hk_i64 a_group,
@@ -311,7 +285,9 @@ static __device__ __forceinline__ void st_mm_body(
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
-    const int nt = blockIdx.x * 8 + warp;
+    const int cw = warp & 7;   // column tile of the block
+    const int rh = warp >> 3;  // row-tile parity
+    const int nt = blockIdx.x * 8 + cw;
     const bool active = nt < nt16;
     const int s = blockIdx.y % S;
     const int g = blockIdx.y / S;
@@ -326,16 +302,17 @@ static __device__ __forceinline__ void st_mm_body(
     const int nchunks = (seg + ST_KC - 1) / ST_KC;
     const uint4* Ag = A + (hk_i64)g * a_group + (hk_i64)(mb * 8) * KT * 32;
     const uint4* Wt = W + (hk_i64)g * w_group + (hk_i64)(active ? nt : 0) * KT * 32 + lane;
-    const int a_tiles = planes * mrows * ST_KC;  // a buffer: A tiles, then 8 warps' weight tiles
+    const int a_tiles = planes * mrows * ST_KC;  // a buffer: A tiles, then 8 column tiles' weight tiles
     const int buf_tiles = a_tiles + 8 * ST_KC * WP;
 
     // Chunk c into buffer c % NB (zeros past the segment); one commit group a
-    // chunk, empty past the last, so the waits below count chunks.
+    // chunk, empty past the last, so the waits below count chunks. The two
+    // warps of a column tile copy its weight k-steps half each.
     auto load = [&](int c) {
         if (c < nchunks) {
             uint4* dst = sm + (hk_i64)(c % NB) * buf_tiles * 32;
             const int n = planes * mts * ST_KC * 32;
-            for (int q = tid; q < n; q += 256) {
+            for (int q = tid; q < n; q += ST_MM_THREADS) {
                 const int l = q & 31;
                 const int t = q >> 5;
                 const int kk = t % ST_KC;
@@ -346,9 +323,9 @@ static __device__ __forceinline__ void st_mm_body(
                 hk_cp16(dst + (((hk_i64)p * mrows + mt) * ST_KC + kk) * 32 + l,
                         Ag + (hk_i64)p * a_plane + ((hk_i64)mt * KT + (ok ? kt : kt0)) * 32 + l, ok);
             }
-            uint4* wd = dst + (hk_i64)(a_tiles + warp * ST_KC * WP) * 32 + lane;
+            uint4* wd = dst + (hk_i64)(a_tiles + cw * ST_KC * WP) * 32 + lane;
 #pragma unroll
-            for (int kk = 0; kk < ST_KC; ++kk) {
+            for (int kk = rh; kk < ST_KC; kk += 2) {
                 const int kt = kt0 + c * ST_KC + kk;
                 const bool ok = active && kt < kend;
 #pragma unroll
@@ -358,9 +335,9 @@ static __device__ __forceinline__ void st_mm_body(
         hk_cp_commit();
     };
 
-    float acc[8][2][4];
+    float acc[4][2][4];  // [i]: row tile rh + 2 i
 #pragma unroll
-    for (int mt = 0; mt < 8; ++mt)
+    for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -377,15 +354,16 @@ static __device__ __forceinline__ void st_mm_body(
 #pragma unroll
             for (int kk = 0; kk < ST_KC; ++kk) {
                 if (c * ST_KC + kk < seg) {
-                    const uint4* wb = buf + (hk_i64)(a_tiles + (warp * ST_KC + kk) * WP) * 32;
+                    const uint4* wb = buf + (hk_i64)(a_tiles + (cw * ST_KC + kk) * WP) * 32;
                     const uint4 bh = wb[0];
                     const uint4 bl = WP == 2 ? wb[32] : bh;
 #pragma unroll
-                    for (int mt = 0; mt < 8; ++mt) {
+                    for (int i = 0; i < 4; ++i) {
+                        const int mt = rh + 2 * i;
                         if (mt < mts) {
                             const uint4 ah = buf[((hk_i64)mt * ST_KC + kk) * 32];
                             const uint4 al = terms >= 2 ? buf[(((hk_i64)mrows + mt) * ST_KC + kk) * 32] : ah;
-                            ST_MMA_KSTEP(acc[mt], ah, al, bh, bl, terms);
+                            ST_MMA_KSTEP(acc[i], ah, al, bh, bl, terms);
                         }
                     }
                 }
@@ -393,7 +371,7 @@ static __device__ __forceinline__ void st_mm_body(
         }
     }
     hk_cp_wait_all();
-    if (active) st_store_partials(part + (hk_i64)s * part_seg + (hk_i64)g * part_group, ldp, nt, mb * 128, mts, acc, lane);
+    if (active) st_store_partials(part + (hk_i64)s * part_seg + (hk_i64)g * part_group, ldp, nt, mb * 128, rh, 2, mts, acc, lane);
 }
 
 // The segment sums of st_mm's partials and what they feed (StEpi), every
@@ -429,9 +407,9 @@ extern "C" __global__ void st_reduce(
 // One weight plane (bf16 weights, or terms < 3), three chunks in flight; two
 // planes (f32 weights, terms = 3), three chunks or, where four buffers would
 // not fit in shared memory (128 rows), two.
-extern "C" __global__ void __launch_bounds__(256, 1) st_mm(ST_MM_ARGS) { st_mm_body<1, 3>(ST_MM_PASS); }
-extern "C" __global__ void __launch_bounds__(256, 1) st_mm_w2(ST_MM_ARGS) { st_mm_body<2, 3>(ST_MM_PASS); }
-extern "C" __global__ void __launch_bounds__(256, 1) st_mm_w2p2(ST_MM_ARGS) { st_mm_body<2, 2>(ST_MM_PASS); }
+extern "C" __global__ void __launch_bounds__(ST_MM_THREADS, 1) st_mm(ST_MM_ARGS) { st_mm_body<1, 3>(ST_MM_PASS); }
+extern "C" __global__ void __launch_bounds__(ST_MM_THREADS, 1) st_mm_w2(ST_MM_ARGS) { st_mm_body<2, 3>(ST_MM_PASS); }
+extern "C" __global__ void __launch_bounds__(ST_MM_THREADS, 1) st_mm_w2p2(ST_MM_ARGS) { st_mm_body<2, 2>(ST_MM_PASS); }
 
 // ---- embedding, norms, argmax ---------------------------------------------------------
 

@@ -57,6 +57,23 @@ pub struct FusedFigure {
     pub profile: Vec<(String, usize, f64)>,
 }
 
+/// Prompt lengths of the prefill breakdown: a serving prompt of `bench serve`
+/// (32 to 127 tokens), a chunk's worth and a long one, so the fixed cost of a
+/// prefill shows apart from its per-token cost.
+pub const PREFILL_LENS: [usize; 4] = [16, 80, 256, 1024];
+
+/// One prefill figure: the whole model at TP1 over one prompt of `tokens`, as a
+/// prefill stage runs it (ReplaySSM tail records included), and each layer's
+/// share (the device synchronized after each layer).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PrefillFigure {
+    pub tokens: usize,
+    /// Embedding, every layer and the last position's logits.
+    pub total_us: f64,
+    /// (layer kind, layers, us in all) in model order of first appearance.
+    pub by_kind: Vec<(char, usize, f64)>,
+}
+
 /// Context (cached tokens) of each request of the fused step figures: the
 /// PyTorch peer (benches/peers/torch_model.py) steps at the same context.
 pub const FUSED_CONTEXT: usize = 192;
@@ -77,6 +94,8 @@ pub struct ComputeFigures {
     pub batched: Vec<BatchFigure>,
     /// memcpy bandwidth measured in this run, bytes/s.
     pub memcpy_bytes_per_s: f64,
+    /// The prefill at each of [`PREFILL_LENS`] (up to the model's context).
+    pub prefills: Vec<PrefillFigure>,
     /// KDA decode step (all KDA heads, batch `kda_batch`): time, state bytes moved,
     /// achieved bandwidth and its fraction of memcpy.
     pub kda_batch: usize,
@@ -110,6 +129,17 @@ impl std::fmt::Display for ComputeFigures {
             )?;
         }
         writeln!(f, "  copy            {:>12.2} GB/s (roofline: the backend's own copy, read + write)", self.memcpy_bytes_per_s / 1e9)?;
+        for p in &self.prefills {
+            let parts: Vec<String> = p.by_kind.iter().map(|(k, n, us)| format!("{k} {us:.0} us/{n}")).collect();
+            writeln!(
+                f,
+                "  prefill {:>5} tokens {:>10.1} us {:>9.0} tokens/s; layers (synchronized one by one): {}",
+                p.tokens,
+                p.total_us,
+                p.tokens as f64 / (p.total_us * 1e-6),
+                parts.join(", ")
+            )?;
+        }
         if !self.fused.is_empty() {
             writeln!(f, "  {}", self.fused_path)?;
             for x in &self.fused {
@@ -164,6 +194,40 @@ fn best<B: Backend, F: FnMut() -> Result<(), ModelError>>(be: &B, reps: usize, m
         best = best.min(t0.elapsed().as_secs_f64());
     }
     Ok(best)
+}
+
+/// The prefill of one random prompt of `t` tokens, whole and layer by layer.
+fn prefill_figure<B: Backend>(be: &B, topo: &Topology, group: &forward::ShardGroup<B>, g: &mut SplitMix64, t: usize) -> Result<PrefillFigure, ModelError> {
+    let prompt: Vec<u8> = (0..t).map(|_| g.below(256) as u8).collect();
+    let tail = super::ranks::prefill_record_tail(topo, t);
+    let n = group.dims.num_layers();
+    let total = best(be, 2, || {
+        let mut h = forward::embed(be, group, &prompt)?;
+        forward::prefill_layers(be, group, 0..n, &mut h, t, tail, &mut |_, _, _: PrefillCache<'_>| Ok(()))?;
+        forward::logits_of_last(be, group, &h, t)?;
+        Ok(())
+    })?;
+    let mut by_kind: Vec<(char, usize, f64)> = Vec::new();
+    let mut h = forward::embed(be, group, &prompt)?;
+    for layer in 0..n {
+        be.synchronize()?;
+        let t0 = Instant::now();
+        forward::prefill_layers(be, group, layer..layer + 1, &mut h, t, tail, &mut |_, _, _: PrefillCache<'_>| Ok(()))?;
+        be.synchronize()?;
+        let us = t0.elapsed().as_secs_f64() * 1e6;
+        let kind = match group.dims.layer_kinds[layer] {
+            handoff_components::vocab::LayerKind::Kda => 'K',
+            handoff_components::vocab::LayerKind::Mla => 'M',
+        };
+        match by_kind.iter_mut().find(|x| x.0 == kind) {
+            Some(x) => {
+                x.1 += 1;
+                x.2 += us;
+            }
+            None => by_kind.push((kind, 1, us)),
+        }
+    }
+    Ok(PrefillFigure { tokens: t, total_us: total * 1e6, by_kind })
 }
 
 /// The backend's own copy bandwidth over `bytes` (bytes read plus bytes
@@ -223,6 +287,7 @@ pub fn bench_compute<B: Backend>(be: &B, topo: &Topology, prompt_len: usize, ste
         t0.elapsed().as_secs_f64()
     };
     let decode_s = (total - prefill_s).max(1e-9);
+    let prefills = PREFILL_LENS.iter().map(|&t| prefill_figure(be, topo, &group, &mut g, t)).collect::<Result<Vec<_>, _>>()?;
 
     // Past the caches: 64 MiB on the CPU (20x its L3 here), 1 GiB on a device.
     let bw = copy_bandwidth(be, if be.name() == "cpu" { 64 << 20 } else { 1 << 30 })?;
@@ -286,6 +351,7 @@ pub fn bench_compute<B: Backend>(be: &B, topo: &Topology, prompt_len: usize, ste
         batch_prompt_tokens: BATCH_PROMPT,
         batched,
         memcpy_bytes_per_s: bw,
+        prefills,
         fused,
         fused_path,
         kda_batch: batch,

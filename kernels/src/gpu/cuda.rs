@@ -196,10 +196,9 @@ struct Funcs {
     mla_chunk_merge_f64: CudaFunction,
     dcp_merge_f32: CudaFunction,
     dcp_merge_f64: CudaFunction,
-    matmul_f32: CudaFunction,
-    matmul_splitk_f32: CudaFunction,
+    matmul_tc16: CudaFunction,
+    matmul_tc32: CudaFunction,
     matmul_chunk_sum: CudaFunction,
-    matmul_units_splitk: CudaFunction,
     matmul_units_sum: CudaFunction,
     add_units: CudaFunction,
     silu_mul: CudaFunction,
@@ -341,13 +340,14 @@ fn i64_of(v: usize) -> i64 {
     v as i64
 }
 
-/// A grid-stride launch over `n` elements.
-/// Calls with at most this many rows take the split-k matmul (its scratch is
-/// rows x cols x inner / 128 floats).
-const SPLITK_ROWS: usize = 128;
 /// The matmul's k chunk (MM_KC in dense.hip).
 const MATMUL_KC: usize = 128;
-/// Products of one `matmul_units_splitk` launch at most (MU_UNITS in dense.hip).
+/// matmul_tc's dynamic shared memory for a `bm` x `bn` tile (dense.hip: x
+/// rows of MM_KC + 8 floats, w rows of bn + 4).
+const fn tc_smem(bm: usize, bn: usize) -> u32 {
+    ((bm * (MATMUL_KC + 8) + MATMUL_KC * (bn + 4)) * 4) as u32
+}
+/// Products of one `matmul_tc` launch at most (MU_UNITS in dense.hip).
 const UNITS_PER_LAUNCH: usize = 32;
 
 /// `hk_mm_units` of dense.hip, the by-value table of the units kernels: per
@@ -362,6 +362,7 @@ struct UnitsTable {
 // the 4 KB kernel argument limit).
 unsafe impl cudarc::driver::DeviceRepr for UnitsTable {}
 
+/// A grid-stride launch over `n` elements.
 fn ew_cfg(n: usize) -> LaunchConfig {
     let blocks = n.div_ceil(EW_THREADS as usize).clamp(1, EW_MAX_BLOCKS) as u32;
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (EW_THREADS, 1, 1), shared_mem_bytes: 0 }
@@ -489,10 +490,9 @@ impl CudaBackend {
             mla_chunk_merge_f64: get("mla_chunk_merge_f64")?,
             dcp_merge_f32: get("dcp_merge_f32")?,
             dcp_merge_f64: get("dcp_merge_f64")?,
-            matmul_f32: get("matmul_f32")?,
-            matmul_splitk_f32: get("matmul_splitk_f32")?,
+            matmul_tc16: get("matmul_tc16")?,
+            matmul_tc32: get("matmul_tc32")?,
             matmul_chunk_sum: get("matmul_chunk_sum")?,
-            matmul_units_splitk: get("matmul_units_splitk")?,
             matmul_units_sum: get("matmul_units_sum")?,
             add_units: get("add_units")?,
             silu_mul: get("silu_mul")?,
@@ -515,6 +515,12 @@ impl CudaBackend {
                 .map_err(|e| unavailable("cannot give the MLA kernel its shared memory", e))?;
             func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
                 .map_err(|e| unavailable("cannot set the MLA kernel's shared memory carveout", e))?;
+        }
+        // The tensor-core matmul stages a whole k chunk of x and w (52 and 75
+        // KB, dense.hip): opt in.
+        for (func, bytes) in [(&f.matmul_tc16, tc_smem(16, 128)), (&f.matmul_tc32, tc_smem(32, 64))] {
+            func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
+                .map_err(|e| unavailable("cannot give the matmul its shared memory", e))?;
         }
         // The chunked KDA prefill's blocks hold a chunk's 64 x 128 operands in
         // shared memory (97 and 129 KB, kda_chunk.hip): opt in likewise; a
@@ -888,37 +894,63 @@ impl CudaBackend {
         w: &CudaSlice<f32>,
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
+        use cudarc::driver::DevicePtr;
         if rows == 0 || cols == 0 {
             return Ok(());
         }
-        let (r, k, c) = (int(op, "rows", rows)?, int(op, "inner", inner)?, int(op, "cols", cols)?);
-        let gx = int(op, "column tiles", cols.div_ceil(64))? as u32;
-        if rows <= SPLITK_ROWS && inner > 0 {
-            let chunks = inner.div_ceil(MATMUL_KC);
-            // SAFETY: every element is written by matmul_splitk_f32 before it is read.
-            let mut part = unsafe { self.stream.alloc::<f32>(chunks * rows * cols) }.map_err(dev(op))?;
-            let cfg = LaunchConfig { grid_dim: (gx, chunks as u32, rows.div_ceil(16) as u32), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-            let mut b = self.stream.launch_builder(&self.f.matmul_splitk_f32);
-            b.arg(x).arg(w).arg(&mut part).arg(&r).arg(&k).arg(&c);
-            // SAFETY: types and order match matmul_splitk_f32; lengths were
-            // checked; part holds chunks x rows x cols and every one is written.
-            unsafe { b.launch(cfg) }.map_err(dev(op))?;
-            let n = rows * cols;
-            let (nn, nc) = (i64_of(n), chunks as i32);
-            let mut b = self.stream.launch_builder(&self.f.matmul_chunk_sum);
-            b.arg(&part).arg(out).arg(&nn).arg(&nc);
-            // SAFETY: types and order match matmul_chunk_sum.
-            unsafe { b.launch(ew_cfg(n)) }.map_err(dev(op))?;
-            return Ok(());
+        if inner == 0 {
+            return self.stream.memset_zeros(out).map_err(dev(op));
         }
-        let gy = rows.div_ceil(64);
-        if gy > 65535 {
-            return Err(KernelError::InvalidShape { op, reason: format!("{rows} rows exceed the device matmul's grid") });
+        int(op, "inner", inner)?;
+        int(op, "cols", cols)?;
+        let chunks = inner.div_ceil(MATMUL_KC);
+        let mut t = UnitsTable { u: [[0; 6]; UNITS_PER_LAUNCH] };
+        let (wp, _sync) = w.device_ptr(&self.stream);
+        t.u[0] = [wp as i64, 0, 0, 0, i64_of(inner), i64_of(cols)];
+        // SAFETY: matmul_tc writes every chunk sum of every element before
+        // matmul_chunk_sum, queued after it on the same stream, reads any.
+        let mut part = unsafe { self.stream.alloc::<f32>(chunks * rows * cols) }.map_err(dev(op))?;
+        self.tc_launch(op, &t, 1, x, i64_of(inner), &mut part, rows, cols, chunks)?;
+        let n = rows * cols;
+        let (nn, nc) = (i64_of(n), chunks as i32);
+        let mut b = self.stream.launch_builder(&self.f.matmul_chunk_sum);
+        b.arg(&part).arg(out).arg(&nn).arg(&nc);
+        // SAFETY: types and order match matmul_chunk_sum; part holds chunks x
+        // rows x cols sums, out rows x cols.
+        unsafe { b.launch(ew_cfg(n)) }.map_err(dev(op))?;
+        Ok(())
+    }
+
+    /// matmul_tc over the `units` products of `t` (chunk sums into `part`),
+    /// its tile from the row count: 16 x 128 for few rows, 32 x 64 for more.
+    #[allow(clippy::too_many_arguments)]
+    fn tc_launch(
+        &self,
+        op: &'static str,
+        t: &UnitsTable,
+        units: usize,
+        x: &CudaSlice<f32>,
+        x_row: i64,
+        part: &mut CudaSlice<f32>,
+        rows: usize,
+        max_cols: usize,
+        max_chunks: usize,
+    ) -> Result<()> {
+        let (func, bm, bn) = if rows <= 16 { (&self.f.matmul_tc16, 16, 128) } else { (&self.f.matmul_tc32, 32, 64) };
+        let z = rows.div_ceil(bm) * units;
+        if z > 65535 || max_chunks > 65535 {
+            return Err(KernelError::InvalidShape { op, reason: format!("{rows} rows x {units} products exceed the device grid") });
         }
-        let cfg = LaunchConfig { grid_dim: (gx, gy as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        let mut b = self.stream.launch_builder(&self.f.matmul_f32);
-        b.arg(x).arg(w).arg(out).arg(&r).arg(&k).arg(&c);
-        // SAFETY: types and order match matmul_f32; lengths were checked.
+        let cfg = LaunchConfig {
+            grid_dim: (int(op, "column tiles", max_cols.div_ceil(bn))? as u32, max_chunks as u32, z as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: tc_smem(bm, bn),
+        };
+        let r = int(op, "rows", rows)?;
+        let mut b = self.stream.launch_builder(func);
+        b.arg(t).arg(x).arg(part).arg(&r).arg(&x_row);
+        // SAFETY: types and order match matmul_tc16/32; the caller checked the
+        // table's blocks of x and w and sized part for every product's chunks.
         unsafe { b.launch(cfg) }.map_err(dev(op))?;
         Ok(())
     }
@@ -968,7 +1000,7 @@ impl CudaBackend {
         use cudarc::driver::DevicePtr;
         let rows = shape.rows;
         let mut t = UnitsTable { u: [[0; 6]; UNITS_PER_LAUNCH] };
-        let (mut scratch, mut max_tiles, mut max_chunks, mut max_n) = (0usize, 1usize, 1usize, 1usize);
+        let (mut scratch, mut max_cols, mut max_chunks, mut max_n) = (0usize, 1usize, 1usize, 1usize);
         for (i, u) in units.iter().enumerate() {
             let (at, _) = shape.out_at(first + i, u);
             let (w, _sync) = u.w.data.device_ptr(&self.stream);
@@ -977,25 +1009,16 @@ impl CudaBackend {
             int(op, "inner", u.inner)?;
             int(op, "cols", u.cols)?;
             scratch += chunks * rows * u.cols;
-            max_tiles = max_tiles.max(u.cols.div_ceil(64));
+            max_cols = max_cols.max(u.cols);
             max_chunks = max_chunks.max(chunks);
             max_n = max_n.max(rows * u.cols);
         }
         // SAFETY: every element of a product's scratch is written by
-        // matmul_units_splitk before matmul_units_sum reads it.
+        // matmul_tc before matmul_units_sum reads it.
         let mut part = unsafe { self.stream.alloc::<f32>(scratch.max(1)) }.map_err(dev(op))?;
         let r = int(op, "rows", rows)?;
-        let z = rows.div_ceil(16) * units.len();
-        if z > 65535 || max_chunks > 65535 {
-            return Err(KernelError::InvalidShape { op, reason: format!("{rows} rows x {} products exceed the device grid", units.len()) });
-        }
-        let cfg = LaunchConfig { grid_dim: (max_tiles as u32, max_chunks as u32, z as u32), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let xr = i64_of(shape.x_width);
-        let mut b = self.stream.launch_builder(&self.f.matmul_units_splitk);
-        b.arg(&t).arg(&x.data).arg(&mut part).arg(&r).arg(&xr);
-        // SAFETY: types and order match matmul_units_splitk; the table's blocks
-        // of x, weights and scratch were checked by UnitsShape::out_len and above.
-        unsafe { b.launch(cfg) }.map_err(dev(op))?;
+        self.tc_launch(op, &t, units.len(), &x.data, xr, &mut part, rows, max_cols, max_chunks)?;
         let (_, pitch) = units.first().map_or((0, 0), |u| shape.out_at(first, u));
         let or = i64_of(pitch);
         let mut cfg = ew_cfg(max_n);
@@ -1722,9 +1745,7 @@ impl Backend for CudaBackend {
         if shape.rows == 0 {
             return Ok(());
         }
-        // Many rows (prefill) take the tiled kernel one product at a time: the
-        // same bits (dense.hip), and launches are not what costs there.
-        if !self.fused || shape.rows > SPLITK_ROWS {
+        if !self.fused {
             return self.matmul_units_each(op, shape, x, units, out);
         }
         for (g, group) in units.chunks(UNITS_PER_LAUNCH).enumerate() {

@@ -173,7 +173,7 @@ impl MmFuncs {
                 _ => 1,
             };
         vec![
-            Launch { f: f.cu_function(), name, grid: (nt.div_ceil(8) as u32, gy, m.div_ceil(128) as u32), block: 256, smem, args },
+            Launch { f: f.cu_function(), name, grid: (nt.div_ceil(8) as u32, gy, m.div_ceil(128) as u32), block: ST_MM_THREADS, smem, args },
             Launch { f: self.reduce.cu_function(), name: "st_reduce", grid: (elems.div_ceil(256).clamp(1, 4096) as u32, 1, 1), block: 256, smem: 0, args: red },
         ]
     }
@@ -202,7 +202,7 @@ struct Funcs {
 /// `st_mm`'s kernel for a product over `m` (> 16) rows with `terms` products a
 /// k-step: (weight planes, chunks in flight, dynamic shared memory). A buffer
 /// holds one chunk of ST_KC (4) k-steps: the A tiles of up to 8 row tiles
-/// (two planes when `terms` >= 2) and 8 warps' weight tiles; chunks in flight
+/// (two planes when `terms` >= 2) and 8 column tiles' weight tiles; chunks in flight
 /// + 1 buffers, three in flight unless four buffers would not fit.
 fn mm_shape(m: usize, terms: i32) -> (usize, usize, u32) {
     let (planes_a, wp) = (if terms >= 2 { 2 } else { 1 }, if terms == 3 { 2 } else { 1 });
@@ -211,6 +211,8 @@ fn mm_shape(m: usize, terms: i32) -> (usize, usize, u32) {
     (wp, p, ((p + 1) * buf) as u32)
 }
 
+/// st_mm's block (ST_MM_THREADS of step.hip): 16 warps, two a column tile.
+const ST_MM_THREADS: u32 = 512;
 /// The dynamic shared memory st_mm's kernels may use, opted in at build: an
 /// sm_90 block may have 227 KiB in all, static (st_last_finish's flag) and
 /// dynamic together, so 1 KiB stays free of the dynamic part.
