@@ -472,8 +472,8 @@ fn run_probed<B: Backend + 'static>(
             }
         }
         for o in engine.take_outcomes() {
-            if let Err((phase, reason)) = o.result {
-                return Err(format!("request {} failed in {}: {reason}", o.request, phase.name()));
+            if let Err(failure) = o.result {
+                return Err(format!("request {} failed in {}: {failure}", o.request, failure.phase.name()));
             }
         }
         for ev in engine.take_events() {
@@ -526,7 +526,7 @@ impl Compute for Probing {
         for item in batch {
             let lease = item.leases.first().ok_or(ComputeError::MissingInput { stage: 0, what: "a decode lease" })?;
             let caches = crate::model::ranks::snapshot_single_rank(&self.topo, &self.layouts, self.view.as_ref(), lease, item.pos as usize)
-                .map_err(|e| ComputeError::Model(format!("snapshot for the per-step check: {e}")))?;
+                .map_err(|e| ComputeError::Step { what: "snapshot for the per-step check", source: std::sync::Arc::new(e) })?;
             self.probes.lock().unwrap_or_else(|p| p.into_inner()).push(StepProbe { request: item.request, token: item.token, pos: item.pos as usize, caches });
         }
         self.inner.decode(batch)

@@ -141,8 +141,8 @@ pub fn verify(topo: &Topology, tokens: u64, requests: u32, mut tamper: impl FnMu
 
 fn fail_on_outcomes(engine: &mut Engine) -> Result<(), String> {
     for Outcome { request, result, .. } in engine.take_outcomes() {
-        if let Err((phase, reason)) = result {
-            return Err(format!("request {request} failed in {}: {reason}", phase.name()));
+        if let Err(failure) = result {
+            return Err(format!("request {request} failed in {}: {failure}", failure.phase.name()));
         }
     }
     Ok(())

@@ -95,8 +95,8 @@ pub fn plan_request(topo: &Topology, tokens: u64, profiler: Profiler) -> Result<
     engine.submit(1, tokens);
     engine.tick();
     for o in engine.take_outcomes() {
-        if let Err((phase, reason)) = o.result {
-            return Err(format!("request refused in {}: {reason}", phase.name()));
+        if let Err(failure) = o.result {
+            return Err(format!("request refused in {}: {failure}", failure.phase.name()));
         }
     }
     let plans = engine.plans(1);
