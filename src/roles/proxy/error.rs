@@ -177,3 +177,61 @@ impl IntoResponse for ServeError {
         (self.status(), axum::Json(self.body())).into_response()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use handoff_components::ecs::PhaseName;
+    use handoff_components::failure::{Cause, PeerLoss, Role};
+    use std::time::Duration;
+
+    fn class(phase: PhaseName, role: Role, cause: Cause) -> (FailureClass, ServeError) {
+        let f = Failure::new(phase, role, cause);
+        (classify(&f), ServeError::Failed(f))
+    }
+
+    /// An engine's deadline: a 500 of type `timeout_error`, coded by its phase,
+    /// counted as a failure of (phase, role) and as a timeout of its phase.
+    #[test]
+    fn a_deadline_is_a_500_counted_as_a_timeout_of_its_phase() {
+        let f = Failure::deadline(PhaseName::Transfer, Role::Prefill { stage: 1 }, Duration::from_secs(300), vec![1]);
+        let c = classify(&f);
+        assert_eq!(c.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!((c.kind, c.code), ("timeout_error", "transfer"));
+        assert_eq!(c.labels, ("transfer", "prefill stage 1".to_string()));
+        assert_eq!(c.timeout, Some("transfer"));
+        let e = ServeError::Failed(f);
+        assert_eq!((e.status(), e.kind(), e.code(), e.outcome()), (StatusCode::INTERNAL_SERVER_ERROR, "timeout_error", "transfer", "failed"));
+        let body = e.body();
+        assert_eq!(body["error"]["phase"], "transfer");
+        assert_eq!(body["error"]["role"], "prefill stage 1");
+        assert_eq!(body["error"]["cause"], "timeout");
+        assert_eq!(body["error"]["message"], "transfer phase failed: prefill stage 1: transfer phase timed out after 300 s waiting for prefill stage 1");
+    }
+
+    /// A role that died: a 500 `server_error` charged to that role, not a timeout;
+    /// one found stopped by its heartbeat is a timeout of the phase it stopped in.
+    #[test]
+    fn a_dead_peer_is_a_failure_of_its_role_and_a_stopped_one_a_timeout() {
+        let (dead, e) = class(PhaseName::Decode, Role::Decode, Cause::PeerDown { loss: PeerLoss::Dead, detail: "died (pid 7: refused)".into() });
+        assert_eq!((dead.status, dead.kind, dead.code), (StatusCode::INTERNAL_SERVER_ERROR, "server_error", "decode"));
+        assert_eq!(dead.labels, ("decode", "decode".to_string()));
+        assert_eq!(dead.timeout, None);
+        assert_eq!(e.body()["error"]["cause"], "peer_down");
+        let (stopped, _) = class(PhaseName::Compute, Role::Prefill { stage: 0 }, Cause::PeerDown { loss: PeerLoss::Stopped, detail: "died".into() });
+        assert_eq!(stopped.labels, ("compute", "prefill stage 0".to_string()));
+        assert_eq!((stopped.kind, stopped.timeout), ("timeout_error", Some("compute")));
+    }
+
+    /// The words of a detail decide nothing: a compute error that says "timed
+    /// out" is no timeout, and a detail that names another role charges no one else.
+    #[test]
+    fn the_text_of_a_failure_decides_nothing() {
+        let (c, _) =
+            class(PhaseName::Compute, Role::Decode, Cause::Compute { detail: "prefill stage 3: timed out, stopped answering, no answer in time".into() });
+        assert_eq!((c.kind, c.timeout), ("server_error", None));
+        assert_eq!(c.labels, ("compute", "decode".to_string()));
+        let (c, _) = class(PhaseName::Admission, Role::Proxy, Cause::Timeout { after: Duration::from_secs(1), waiting_for: vec![], detail: String::new() });
+        assert_eq!((c.kind, c.timeout, c.labels.1.as_str()), ("timeout_error", Some("admission"), "proxy"));
+    }
+}
