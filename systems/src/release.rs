@@ -158,7 +158,7 @@ pub fn record_reports(
 /// has every expected report is handed off: its source blocks and slots go back to
 /// the pools. Decode then emits the first token (from the last stage); a World
 /// without decode ranks is done with the request.
-#[allow(clippy::type_complexity)]
+#[allow(clippy::type_complexity, clippy::too_many_arguments)]
 pub fn complete_handoffs(
     mut commands: Commands,
     mut requests: Query<(&Request, &mut Status, &mut Holdings, Option<&FirstToken>, Option<&mut Generation>, Option<&mut Timing>)>,

@@ -380,7 +380,7 @@ use handoff_components::vocab::RankId;
 /// Plans every (local producer, consumer) pair of each placed request from the
 /// consumers' published layouts: those of this World's decode ranks, or the copy a
 /// stage received with the request. A pair that cannot be planned fails the request.
-#[allow(clippy::type_complexity)]
+#[allow(clippy::type_complexity, clippy::too_many_arguments)]
 pub fn split_requests(
     mut commands: Commands,
     mut requests: Query<(Entity, &Request, &mut Status, &mut Holdings, Option<&RemoteConsumers>)>,
