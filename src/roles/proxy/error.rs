@@ -223,6 +223,34 @@ mod tests {
         assert_eq!((stopped.kind, stopped.timeout), ("timeout_error", Some("compute")));
     }
 
+    /// The typed path end to end: a decode World whose stages never report fails
+    /// the request at its compute deadline with `Cause::Timeout`, charged to
+    /// decode and naming the stages it waited for; that failure crosses the wire
+    /// as decode's `Msg::Error` and the proxy answers and counts it as a timeout.
+    #[test]
+    fn a_deadline_in_the_engine_reaches_the_proxy_as_a_timeout() {
+        use crate::engine::{Engine, NoMover, Role as EngineRole};
+        use crate::roles::wire::Msg;
+        use handoff_components::Topology;
+        use handoff_components::ecs::Submit;
+        let mut topo = Topology::load(concat!(env!("CARGO_MANIFEST_DIR"), "/config/small.toml")).expect("config/small.toml");
+        topo.config.timeouts.compute_s = 0.05;
+        let cap = handoff_systems::placement::Capacity::serving(&topo);
+        let mut engine = Engine::for_role(topo.clone(), EngineRole::Decode, cap, Box::new(NoMover));
+        engine.submit_request(Submit { id: 7, tokens: 8, max_tokens: 4, ..Default::default() });
+        engine.tick();
+        std::thread::sleep(Duration::from_millis(80));
+        engine.tick();
+        let failure = engine.take_outcomes().into_iter().find_map(|o| o.result.err()).expect("the request failed at its deadline");
+        let stages: Vec<u32> = (0..topo.prefill().pp).collect();
+        assert_eq!(failure, Failure::deadline(PhaseName::Compute, Role::Decode, Duration::from_millis(50), stages));
+        let line = serde_json::to_string(&Msg::Error { id: 7, failure }).expect("encode");
+        let Ok(Msg::Error { failure, .. }) = serde_json::from_str::<Msg>(&line) else { panic!("decode {line}") };
+        let c = classify(&failure);
+        assert_eq!((c.status, c.kind, c.timeout), (StatusCode::INTERNAL_SERVER_ERROR, "timeout_error", Some("compute")));
+        assert_eq!(c.labels, ("compute", "decode".to_string()));
+    }
+
     /// The words of a detail decide nothing: a compute error that says "timed
     /// out" is no timeout, and a detail that names another role charges no one else.
     #[test]
