@@ -150,7 +150,6 @@ fn timeouts_fail_the_request_naming_the_phase_and_free_everything() {
     // The deadline is told by its cause, and names the stages still owed.
     let handoff_components::Cause::Timeout { after, waiting_for, .. } = &failure.cause else { panic!("not a timeout: {failure:?}") };
     assert_eq!((*after, waiting_for.clone()), (std::time::Duration::from_millis(50), vec![0, 1]), "{failure}");
-    assert!(failure.is_timeout());
     assert!(failure.to_string().contains("compute phase timed out"), "{failure}");
     assert_eq!(e.entity_count(), baseline);
     assert_eq!(free_counts(&e), pools);

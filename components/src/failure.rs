@@ -98,12 +98,6 @@ impl Failure {
     pub fn deadline(phase: PhaseName, role: Role, after: Duration, waiting_for: Vec<u32>) -> Failure {
         Failure::new(phase, role, Cause::Timeout { after, waiting_for, detail: String::new() })
     }
-
-    /// Whether the failure came from running out of time, a peer that stopped
-    /// answering included (it is found by its heartbeat's deadline).
-    pub fn is_timeout(&self) -> bool {
-        matches!(self.cause, Cause::Timeout { .. } | Cause::PeerDown { loss: PeerLoss::Stopped, .. })
-    }
 }
 
 /// `"prefill stage 1: compute phase timed out after 5 s waiting for prefill stage 1"`,
@@ -153,14 +147,6 @@ mod tests {
             Cause::Timeout { after: Duration::from_millis(1500), waiting_for: vec![], detail: "no answer".into() },
         );
         assert_eq!(f.to_string(), "decode: admission phase timed out after 1.5 s: no answer");
-    }
-
-    #[test]
-    fn timeouts_are_told_by_the_cause_not_the_text() {
-        let stopped = Failure::new(PhaseName::Decode, Role::Decode, Cause::PeerDown { loss: PeerLoss::Stopped, detail: "died".into() });
-        let dead = Failure::new(PhaseName::Decode, Role::Decode, Cause::PeerDown { loss: PeerLoss::Dead, detail: "timed out".into() });
-        assert!(stopped.is_timeout());
-        assert!(!dead.is_timeout());
     }
 
     #[test]

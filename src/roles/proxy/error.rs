@@ -5,7 +5,7 @@
 use crate::roles::openai::BodyError;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use handoff_components::failure::Failure;
+use handoff_components::failure::{Cause, Failure, PeerLoss};
 use serde_json::{Value, json};
 
 /// How the proxy answers and counts a request that failed after admission.
@@ -29,7 +29,8 @@ pub struct FailureClass {
 /// of its phase; a role that died, a compute or transfer error, a cancel are
 /// `server_error`s.
 pub fn classify(f: &Failure) -> FailureClass {
-    let timeout = f.is_timeout();
+    // A stopped peer is found by its heartbeat's deadline: it ran out of time.
+    let timeout = matches!(f.cause, Cause::Timeout { .. } | Cause::PeerDown { loss: PeerLoss::Stopped, .. });
     FailureClass {
         status: StatusCode::INTERNAL_SERVER_ERROR,
         kind: if timeout { "timeout_error" } else { "server_error" },
@@ -182,7 +183,7 @@ impl IntoResponse for ServeError {
 mod tests {
     use super::*;
     use handoff_components::ecs::PhaseName;
-    use handoff_components::failure::{Cause, PeerLoss, Role};
+    use handoff_components::failure::Role;
     use std::time::Duration;
 
     fn class(phase: PhaseName, role: Role, cause: Cause) -> (FailureClass, ServeError) {
