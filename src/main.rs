@@ -258,7 +258,7 @@ fn run(cli: Cli) -> Result<()> {
                 None => (None, None),
             };
             let _sub = tracing::subscriber::set_default(tracing_subscriber::registry().with(profiler.clone()).with(chrome));
-            let run = handoff::cli::plan_request(&topo, tokens, profiler).map_err(Refusal)?;
+            let run = handoff::cli::plan_request(&topo, tokens, profiler).map_err(|e| Refusal(e.to_string()))?;
             if json {
                 println!("{}", handoff::cli::plan_json(&topo, tokens, &run));
             } else {

@@ -7,6 +7,7 @@
 
 mod common;
 
+use handoff::check::CheckError;
 use handoff::check::compute_verify::{Fill, LOGIT_TOLERANCE, verify_compute, verify_compute_with};
 use handoff_components::Topology;
 use handoff_components::plan::Plan;
@@ -150,6 +151,8 @@ fn shipped_bf16_dcp_replay_topology_matches_colocated_exactly() {
 fn flagship_config_is_refused_by_size_before_allocating() {
     let t = Topology::load(concat!(env!("CARGO_MANIFEST_DIR"), "/config/k3-pp8-tp8dcp8.toml")).expect("config/k3-pp8-tp8dcp8.toml");
     let e = verify_compute(&t, b"hi", 1, |_| {}).expect_err("the flagship must be refused");
+    assert!(matches!(e, CheckError::Model { .. }), "the model refuses it: {e:?}");
+    let e = e.to_string();
     assert!(e.contains("too large") && e.contains("GiB") && e.contains("7168"), "{e}");
 }
 
@@ -177,7 +180,8 @@ fn assert_diverges(kind: RegionKind, c: &Case) {
         Ok(r) => panic!("dropping {kind} went unnoticed: {r:?}"),
         Err(e) => {
             eprintln!("dropping {kind}: {e}");
-            assert!(e.contains("diverged"), "message must say the run diverged: {e}");
+            assert!(matches!(e.root(), CheckError::Diverged(_)), "the run must be found diverged: {e:?}");
+            assert!(e.to_string().contains("diverged"), "message must say the run diverged: {e}");
         }
     }
 }
@@ -211,7 +215,8 @@ fn dropping_kda_state_into_zeroed_memory_fails_loudly() {
             Ok(r) => panic!("dropping {kind} into zeroed memory went unnoticed: {r:?}"),
             Err(e) => {
                 eprintln!("dropping {kind} (zeros): {e}");
-                assert!(e.contains("diverged"), "{e}");
+                assert!(matches!(e.root(), CheckError::Diverged(_)), "{e:?}");
+                assert!(e.to_string().contains("diverged"), "{e}");
             }
         }
     }

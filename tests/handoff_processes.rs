@@ -329,7 +329,7 @@ impl DecodeSide {
                 self.engine.tick();
                 Ended::Verified(pattern)
             }
-            Err((phase, reason)) => Ended::Failed { phase: phase.name(), reason },
+            Err(failure) => Ended::Failed { phase: failure.phase.name(), reason: failure.to_string() },
         }
     }
 

@@ -145,9 +145,12 @@ fn timeouts_fail_the_request_naming_the_phase_and_free_everything() {
     std::thread::sleep(std::time::Duration::from_millis(80));
     e.tick();
     let out = e.take_outcomes();
-    let (phase, reason) = out.iter().find(|o| o.request == 1).and_then(|o| o.result.clone().err()).expect("request 1 failed");
-    assert_eq!(phase.name(), "compute");
-    assert!(reason.contains("compute phase timed out"), "{reason}");
+    let failure = out.iter().find(|o| o.request == 1).and_then(|o| o.result.clone().err()).expect("request 1 failed");
+    assert_eq!(failure.phase.name(), "compute");
+    // The deadline is told by its cause, and names the stages still owed.
+    let handoff_components::Cause::Timeout { after, waiting_for, .. } = &failure.cause else { panic!("not a timeout: {failure:?}") };
+    assert_eq!((*after, waiting_for.clone()), (std::time::Duration::from_millis(50), vec![0, 1]), "{failure}");
+    assert!(failure.to_string().contains("compute phase timed out"), "{failure}");
     assert_eq!(e.entity_count(), baseline);
     assert_eq!(free_counts(&e), pools);
     // Transfer never completes: the request fails in transfer, but its sources stay
@@ -163,12 +166,14 @@ fn timeouts_fail_the_request_naming_the_phase_and_free_everything() {
     assert!(matches!(e.status(2), Some(Status::Failed { .. })));
     assert_ne!(free_counts(&e), pools, "an in-flight write still reads the sources");
     for (t, _) in sub {
-        mover.complete(t, Err(handoff_systems::transfer::MoveError::Transport("peer gone".into())));
+        mover.complete(t, Err(handoff_systems::transfer::MoveError::Transport(std::sync::Arc::new(std::io::Error::other("peer gone")))));
     }
     e.tick();
     let out = e.take_outcomes();
-    let (phase, _) = out.iter().find(|o| o.request == 2).and_then(|o| o.result.clone().err()).expect("request 2 failed");
-    assert_eq!(phase.name(), "transfer");
+    let failure = out.iter().find(|o| o.request == 2).and_then(|o| o.result.clone().err()).expect("request 2 failed");
+    assert_eq!(failure.phase.name(), "transfer");
+    // The deadline failed it first; the write's own error later does not replace that.
+    assert!(matches!(failure.cause, handoff_components::Cause::Timeout { .. }), "{failure:?}");
     assert_eq!(e.entity_count(), baseline);
     assert_eq!(free_counts(&e), pools);
 }
@@ -184,7 +189,7 @@ fn admission_rejects_empty_too_long_and_unservable_requests() {
     e.tick();
     let out = e.take_outcomes();
     assert_eq!(out.len(), 2);
-    assert!(out.iter().all(|o| matches!(&o.result, Err((p, _)) if p.name() == "admission")));
+    assert!(out.iter().all(|o| matches!(&o.result, Err(f) if f.phase.name() == "admission" && matches!(f.cause, handoff_components::Cause::Refused { .. }))));
     assert!(format!("{out:?}").contains("empty prompt"));
     assert!(format!("{out:?}").contains("max_context"));
     assert_eq!(e.entity_count(), baseline);
@@ -205,7 +210,7 @@ fn dispatch_phase_computes_stages_in_order_and_failures_name_the_phase() {
         fn prefill(&mut self, job: PrefillJob<'_>) -> Result<PrefillOutput, ComputeError> {
             self.log.lock().unwrap().push(format!("prefill {} stage {} ranks {}", job.request, job.stage, job.leases.len()));
             if self.fail_stage == Some(job.stage) {
-                return Err(ComputeError::Model("out of memory".into()));
+                return Err(ComputeError::model(std::io::Error::other("out of memory")));
             }
             Ok(PrefillOutput { hidden: vec![0.0], first_token: Some(7) })
         }
@@ -256,9 +261,11 @@ fn dispatch_phase_computes_stages_in_order_and_failures_name_the_phase() {
             }
             Some(_) => {
                 assert_eq!(log, vec!["prefill 5 stage 0 ranks 1", "prefill 5 stage 1 ranks 1"]);
-                let (phase, reason) = outcomes.iter().find_map(|o| o.result.clone().err()).expect("failed");
-                assert_eq!(phase.name(), "compute");
-                assert!(reason.contains("prefill stage 1: out of memory"), "{reason}");
+                let failure = outcomes.iter().find_map(|o| o.result.clone().err()).expect("failed");
+                assert_eq!(failure.phase.name(), "compute");
+                assert_eq!(failure.role, handoff_components::Role::Prefill { stage: 1 });
+                assert!(matches!(failure.cause, handoff_components::Cause::Compute { .. }), "{failure:?}");
+                assert!(failure.to_string().contains("prefill stage 1: out of memory"), "{failure}");
             }
         }
         assert_eq!(e.entity_count(), baseline);
@@ -272,18 +279,20 @@ fn dispatch_phase_computes_stages_in_order_and_failures_name_the_phase() {
 #[test]
 fn cancels_of_another_life_of_the_id_are_ignored() {
     use handoff_components::ecs::{Cancel, PhaseName};
+    use handoff_components::{Cause, Failure, PeerLoss, Role};
     let (mut e, _mover) = engine(&Shape::default(), 1, 8);
     let baseline = e.entity_count();
     e.submit(3, 8);
     e.tick();
     let nonce = e.nonce(3).expect("placed");
-    e.cancel(Cancel { request: 3, phase: PhaseName::Compute, reason: "stale".into(), stage: None, nonce: Some(nonce ^ 1), unsent: false });
+    let died = |detail: &str| Failure::new(PhaseName::Compute, Role::Prefill { stage: 0 }, Cause::PeerDown { loss: PeerLoss::Dead, detail: detail.into() });
+    e.cancel(Cancel { request: 3, failure: died("stale"), stage: None, nonce: Some(nonce ^ 1), unsent: false });
     e.tick();
     assert_eq!(e.status(3), Some(Status::Planned));
-    e.cancel(Cancel { request: 3, phase: PhaseName::Compute, reason: "stage 0 died".into(), stage: None, nonce: Some(nonce), unsent: false });
+    e.cancel(Cancel { request: 3, failure: died("died"), stage: None, nonce: Some(nonce), unsent: false });
     e.tick();
     let failed: Vec<_> = e.take_outcomes().into_iter().filter_map(|o| o.result.err()).collect();
-    assert_eq!(failed, vec![(PhaseName::Compute, "stage 0 died".to_string())]);
+    assert_eq!(failed, vec![died("died")]);
     assert_eq!(e.entity_count(), baseline);
 }
 
@@ -296,6 +305,7 @@ fn cancels_of_another_life_of_the_id_are_ignored() {
 fn a_decode_frees_at_once_a_request_no_stage_was_given() {
     use handoff::engine::{NoMover, Role};
     use handoff_components::ecs::{Cancel, PhaseName};
+    use handoff_components::{Cause, Failure, PeerLoss};
     let topo = Shape { pp: 2, dtp: 2, ..Default::default() }.topology();
     let cap = Capacity::for_requests(&topo, 2, 8);
     let mut e = Engine::for_role(topo, Role::Decode, cap, Box::new(NoMover));
@@ -308,7 +318,9 @@ fn a_decode_frees_at_once_a_request_no_stage_was_given() {
         assert!(matches!(e.status(id), Some(Status::Placed | Status::Planned)), "request {id} placed: {:?}", e.status(id));
     }
     assert_ne!(free_counts(&e), pools);
-    let cancel = |request, unsent| Cancel { request, phase: PhaseName::Admission, reason: "decode stopped answering".into(), stage: None, nonce: None, unsent };
+    let stopped =
+        Failure::new(PhaseName::Admission, handoff_components::Role::Decode, Cause::PeerDown { loss: PeerLoss::Stopped, detail: "stopped answering".into() });
+    let cancel = |request, unsent| Cancel { request, failure: stopped.clone(), stage: None, nonce: None, unsent };
     e.cancel(cancel(1, false));
     e.cancel(cancel(2, true));
     e.tick();

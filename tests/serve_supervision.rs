@@ -283,6 +283,8 @@ fn a_stopped_stage_or_decode_is_found_by_heartbeat_and_its_requests_fail_within_
             assert_eq!(s, 500, "{v}");
             assert_eq!(v["error"]["role"], role, "{v}");
             assert!(v["error"]["message"].as_str().unwrap_or("").contains("stopped answering"), "{v}");
+            // Found by its heartbeat's deadline: a peer down, answered as a timeout.
+            assert_eq!((&v["error"]["cause"], &v["error"]["type"]), (&serde_json::json!("peer_down"), &serde_json::json!("timeout_error")), "{v}");
         }
         assert!(broken > 0, "{role}: no request was in flight at the stop");
         let (status, body) = health(&up.addr);

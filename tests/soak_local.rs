@@ -58,8 +58,8 @@ fn run_until_outcomes(engine: &mut Engine, cluster: &Cluster, ids: &[u64]) {
         assert!(cluster.mover.wait_idle(WAIT), "mover still busy after {WAIT:?}");
         engine.tick();
         for o in engine.take_outcomes() {
-            if let Err((phase, reason)) = &o.result {
-                panic!("request {} failed in {}: {reason}", o.request, phase.name());
+            if let Err(failure) = &o.result {
+                panic!("request {} failed in {}: {failure}", o.request, failure.phase.name());
             }
             left.remove(&o.request);
         }
@@ -199,8 +199,9 @@ fn refused_write_fails_request_in_transfer_phase_and_frees_everything() {
         }
         assert!(Instant::now() < deadline, "no outcome: {:?}", engine.status(1));
     };
-    let (phase, reason) = failure;
-    assert_eq!(phase.name(), "transfer", "{reason}");
+    let reason = failure.to_string();
+    assert_eq!(failure.phase.name(), "transfer", "{reason}");
+    assert!(matches!(failure.cause, handoff_components::Cause::Transfer { .. }), "{failure:?}");
     let names = format!("prefill pp{} tp{} to decode tp{}", producer.pp, producer.tp, consumer.tp);
     assert!(reason.contains(&names) && reason.contains("past the end"), "{reason}");
     assert_eq!(engine.entity_count(), baseline, "entities left behind");

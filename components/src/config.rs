@@ -67,18 +67,27 @@ pub enum DeviceKind {
     Hip,
 }
 
+/// A `--device` value that names no device.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DeviceParseError {
+    #[error("device {0:?}: the ordinal after ':' must be a number")]
+    Ordinal(String),
+    #[error("device {0:?}: expected cpu, cuda, cuda:N, hip or hip:N")]
+    Kind(String),
+}
+
 impl DeviceConfig {
     /// Parses `cpu`, `cuda`, `cuda:N`, `hip` or `hip:N`.
-    pub fn parse(s: &str) -> Result<DeviceConfig, String> {
+    pub fn parse(s: &str) -> Result<DeviceConfig, DeviceParseError> {
         let (kind, ordinal) = match s.split_once(':') {
-            Some((k, n)) => (k, n.parse::<u32>().map_err(|_| format!("device {s:?}: the ordinal after ':' must be a number"))?),
+            Some((k, n)) => (k, n.parse::<u32>().map_err(|_| DeviceParseError::Ordinal(s.to_string()))?),
             None => (s, 0),
         };
         let kind = match kind {
             "cpu" => DeviceKind::Cpu,
             "cuda" => DeviceKind::Cuda,
             "hip" => DeviceKind::Hip,
-            _ => return Err(format!("device {s:?}: expected cpu, cuda, cuda:N, hip or hip:N")),
+            _ => return Err(DeviceParseError::Kind(s.to_string())),
         };
         Ok(DeviceConfig { kind, ordinal, ..DeviceConfig::default() })
     }

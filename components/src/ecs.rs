@@ -5,6 +5,7 @@
 //! (producer, consumer) pair and one producer entry per PP stage.
 
 use crate::config::Topology;
+use crate::failure::{Failure, Role};
 use crate::layout::{ConsumerLayout, RegionLayout, SegmentSpec};
 use crate::plan::Plan;
 use crate::vocab::{DecodeRank, PrefillRank, RankId, RegionKind};
@@ -64,10 +65,15 @@ impl std::fmt::Display for PhaseName {
     }
 }
 
+/// A phase name that names no phase.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown phase {0:?}")]
+pub struct UnknownPhase(pub String);
+
 impl std::str::FromStr for PhaseName {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        PhaseName::ALL.into_iter().find(|p| p.name() == s).ok_or_else(|| format!("unknown phase {s:?}"))
+    type Err = UnknownPhase;
+    fn from_str(s: &str) -> Result<Self, UnknownPhase> {
+        PhaseName::ALL.into_iter().find(|p| p.name() == s).ok_or_else(|| UnknownPhase(s.to_string()))
     }
 }
 
@@ -94,7 +100,7 @@ pub enum Status {
     /// Decode finished with it; everything is released next tick.
     Finished,
     /// Failed; released once no write may still read its sources.
-    Failed { phase: PhaseName, reason: String },
+    Failed(Failure),
 }
 
 /// When the current phase of a request expires.
@@ -226,6 +232,15 @@ impl LocalRanks {
     pub fn has_stage(&self, stage: u32) -> bool {
         self.stages.contains(&stage)
     }
+
+    /// The role a failure this World makes is charged to, where no one system
+    /// knows better: decode where the decode ranks live, else its first stage.
+    pub fn role(&self) -> Role {
+        match self.stages.first() {
+            Some(&stage) if !self.decode => Role::Prefill { stage },
+            _ => Role::Decode,
+        }
+    }
 }
 
 /// Request id to entity.
@@ -306,8 +321,8 @@ pub struct StageReport {
 #[derive(Message, Debug, Clone, PartialEq, Eq)]
 pub struct Cancel {
     pub request: u64,
-    pub phase: PhaseName,
-    pub reason: String,
+    /// What the request fails with: the phase, the role charged, the cause.
+    pub failure: Failure,
     /// The stage that failed the request, when one did: it writes no more.
     pub stage: Option<u32>,
     /// The life of the id it cancels, when the sender knows it: a cancel of an
@@ -326,7 +341,7 @@ pub struct Outcome {
     pub request: u64,
     /// The life of the id it ended (None for an id refused before it had one).
     pub nonce: Option<u64>,
-    pub result: Result<(), (PhaseName, String)>,
+    pub result: Result<(), Failure>,
 }
 
 /// What the engine tells its role to carry out of the process.

@@ -5,11 +5,13 @@
 
 pub mod config;
 pub mod ecs;
+pub mod failure;
 pub mod layout;
 pub mod plan;
 pub mod vocab;
 
 pub use config::{Config, ConfigError, Topology};
+pub use failure::{Cause, Failure, PeerLoss, Role};
 pub use layout::{RankLayout, RegionLayout, SegmentSpec};
 pub use plan::{Descriptor, Plan};
 pub use vocab::{DecodeRank, Dtype, LayerKind, ModuleLayer, PrefillRank, RegionKind};

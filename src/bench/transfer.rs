@@ -193,8 +193,8 @@ pub fn planned(topo: &Topology, tokens: u64, requests: u32) -> anyhow::Result<Pl
     }
     engine.tick();
     for o in engine.take_outcomes() {
-        if let Err((phase, reason)) = o.result {
-            bail!("request {} refused in {}: {reason}", o.request, phase.name());
+        if let Err(failure) = o.result {
+            bail!("request {} refused in {}: {failure}", o.request, failure.phase.name());
         }
     }
     for &id in &ids {

@@ -18,6 +18,7 @@
 //! whatever the PP, TP, DCP and interleave. Models whose f32 weights exceed
 //! [`crate::model::weights::MAX_WEIGHT_BYTES`] are refused up front, naming the size.
 
+use crate::check::CheckError;
 use crate::check::oracle::{self, Memory};
 use crate::engine::compute::{LogitTrace, ModelCompute, layouts_of};
 use crate::engine::{Engine, QueueMover};
@@ -134,7 +135,7 @@ pub enum Fill {
 
 /// Runs `prompt` and `steps` decode steps colocated and disaggregated and compares.
 /// `tamper` may edit the plans before they run (negative tests drop descriptors).
-pub fn verify_compute(topo: &Topology, prompt: &[u8], steps: u32, tamper: impl FnMut(&mut Vec<Plan>)) -> Result<ComputeReport, String> {
+pub fn verify_compute(topo: &Topology, prompt: &[u8], steps: u32, tamper: impl FnMut(&mut Vec<Plan>)) -> Result<ComputeReport, CheckError> {
     verify_compute_with(topo, &[prompt.to_vec()], steps, Fill::Canary, tamper)
 }
 
@@ -146,7 +147,13 @@ pub fn batch_prompts(prompt: &[u8], requests: u32) -> Vec<Vec<u8>> {
 
 /// [`verify_compute`] for several prompts at once (decoded as one batch), with a
 /// choice of what unwritten memory holds. The report is the worst over them.
-pub fn verify_compute_with(topo: &Topology, prompts: &[Vec<u8>], steps: u32, fill: Fill, tamper: impl FnMut(&mut Vec<Plan>)) -> Result<ComputeReport, String> {
+pub fn verify_compute_with(
+    topo: &Topology,
+    prompts: &[Vec<u8>],
+    steps: u32,
+    fill: Fill,
+    tamper: impl FnMut(&mut Vec<Plan>),
+) -> Result<ComputeReport, CheckError> {
     verify_compute_on(topo, prompts, steps, fill, CpuBackend::new(), tamper)
 }
 
@@ -161,15 +168,15 @@ pub fn verify_compute_on<B: Backend + Clone + 'static>(
     fill: Fill,
     be: B,
     tamper: impl FnMut(&mut Vec<Plan>),
-) -> Result<ComputeReport, String> {
+) -> Result<ComputeReport, CheckError> {
     if prompts.is_empty() || prompts.iter().any(|p| p.is_empty()) {
-        return Err("empty prompt".into());
+        return Err(CheckError::Input("empty prompt".into()));
     }
     // Refuses models whose weights exceed the CPU path's limit, naming the size.
-    let model = Model::new(topo).map_err(|e| e.to_string())?;
+    let model = Model::new(topo).map_err(|e| CheckError::model("the model", e))?;
     let mut references = Vec::new();
     for p in prompts {
-        references.push(run_colocated(&model, p, steps).map_err(|e| format!("colocated reference: {e}"))?);
+        references.push(run_colocated(&model, p, steps).map_err(|e| CheckError::model("colocated reference", e))?);
     }
     let backend = be.name();
     let on_device = backend != CpuBackend::new().name();
@@ -185,7 +192,7 @@ pub fn verify_compute_on<B: Backend + Clone + 'static>(
         let mut colo = colocated_topology(topo)?;
         colo.config.device.graphs = false;
         let (runs, rep) = run_probed(&colo, prompts, &[], steps, Fill::Zeros, be.clone(), |_| {}, Some(probes.clone()))
-            .map_err(|e| format!("colocated run on {backend}: {e}"))?;
+            .map_err(|e| e.within(format!("colocated run on {backend}")))?;
         colocated_here = runs;
         colocated_path = rep.decode_path;
     }
@@ -197,13 +204,13 @@ pub fn verify_compute_on<B: Backend + Clone + 'static>(
     for (i, (want, got)) in same_backend.iter().zip(&got).enumerate() {
         let mut worst = (report.max_rel_err, report.worst_step);
         compare(want, got, LOGIT_TOLERANCE, &format!("the colocated run on {backend}"), &mut worst, false)
-            .map_err(|e| format!("request {} ({} prompt tokens): {e}", i + 1, prompts[i].len()))?;
+            .map_err(|e| e.within(format!("request {} ({} prompt tokens)", i + 1, prompts[i].len())))?;
         (report.max_rel_err, report.worst_step) = worst;
         report.bit_equal &=
             want.logits.len() == got.logits.len() && want.logits.iter().zip(&got.logits).all(|(a, b)| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
     }
     if on_device {
-        let probes = std::mem::take(&mut *probes.lock().map_err(|e| e.to_string())?);
+        let probes = std::mem::take(&mut *probes.lock().map_err(|_| CheckError::Poisoned("the per-step probes"))?);
         let check = per_step_check(&model, topo, &references, &colocated_here, probes)?;
         report.device_rel_err = check.worst;
         report.device_steps = check.per_step;
@@ -220,7 +227,7 @@ pub fn verify_compute_on<B: Backend + Clone + 'static>(
             };
             let mut first = (0.0, 0);
             compare(&head(want), &head(got), device_tolerance(topo), "the CPU reference (free-running, first steps)", &mut first, true)
-                .map_err(|e| format!("request {} ({} prompt tokens): {e}", i + 1, prompts[i].len()))?;
+                .map_err(|e| e.within(format!("request {} ({} prompt tokens)", i + 1, prompts[i].len())))?;
             let mut worst = (report.free_running_err, 0);
             let _ = compare(want, got, f32::INFINITY, "the CPU reference", &mut worst, true);
             report.free_running_err = worst.0;
@@ -247,12 +254,12 @@ struct StepCheck {
 /// passes when its logits are within the device tolerance and the picks are
 /// equal, or the CPU's top two are within the tolerance of each other and the
 /// device picked the CPU's runner-up (a near-tie, reported).
-fn per_step_check(model: &Model, topo: &Topology, references: &[Trace], device: &[Trace], probes: Vec<StepProbe>) -> Result<StepCheck, String> {
+fn per_step_check(model: &Model, topo: &Topology, references: &[Trace], device: &[Trace], probes: Vec<StepProbe>) -> Result<StepCheck, CheckError> {
     let tol = device_tolerance(topo);
     let cpu = CpuBackend::new();
-    let group = model.upload_group(&cpu, 1).map_err(|e| format!("CPU reference: {e}"))?;
+    let group = model.upload_group(&cpu, 1).map_err(|e| CheckError::model("CPU reference", e))?;
     let mut out = StepCheck { worst: 0.0, per_step: Vec::new(), near_ties: Vec::new() };
-    let mut judge = |req: usize, step: usize, dev: &[f32], dev_pick: u8, cpu_logits: &[f32], cpu_pick: u8| -> Result<(), String> {
+    let mut judge = |req: usize, step: usize, dev: &[f32], dev_pick: u8, cpu_logits: &[f32], cpu_pick: u8| -> Result<(), CheckError> {
         let e = rel_err(dev, cpu_logits);
         if out.per_step.len() <= step {
             out.per_step.resize(step + 1, 0.0);
@@ -260,28 +267,28 @@ fn per_step_check(model: &Model, topo: &Topology, references: &[Trace], device: 
         out.per_step[step] = out.per_step[step].max(e);
         out.worst = if e.is_nan() { f32::INFINITY } else { out.worst.max(e) };
         if e.is_nan() || e > tol {
-            return Err(format!(
+            return Err(CheckError::Diverged(format!(
                 "request {}: at step {step} the device's logits are {e:.3e} from the CPU fed the same caches and token (limit {tol:.1e})",
                 req + 1
-            ));
+            )));
         }
         if dev_pick != cpu_pick {
             let runner_up = runner_up(cpu_logits);
             if top2_gap(cpu_logits) <= tol && usize::from(dev_pick) == runner_up {
                 out.near_ties.push((req as u32 + 1, step));
             } else {
-                return Err(format!(
+                return Err(CheckError::Diverged(format!(
                     "request {}: at step {step} the device picked {dev_pick} where the CPU fed the same caches and token picked {cpu_pick} (top-two gap {:.2e}, limit {tol:.1e})",
                     req + 1,
                     top2_gap(cpu_logits)
-                ));
+                )));
             }
         }
         Ok(())
     };
     for (i, (want, got)) in references.iter().zip(device).enumerate() {
         let (Some(dl), Some(cl)) = (got.logits.first(), want.logits.first()) else {
-            return Err(format!("request {}: no prefill logits", i + 1));
+            return Err(CheckError::Engine(format!("request {}: no prefill logits", i + 1)));
         };
         judge(i, 0, dl, got.tokens[0], cl, want.tokens[0])?;
     }
@@ -291,13 +298,13 @@ fn per_step_check(model: &Model, topo: &Topology, references: &[Trace], device: 
         *k += 1;
         let step = *k;
         let i = p.request as usize - 1;
-        let trace = device.get(i).ok_or_else(|| format!("a probe of request {} that the run does not have", p.request))?;
+        let trace = device.get(i).ok_or_else(|| CheckError::Engine(format!("a probe of request {} that the run does not have", p.request)))?;
         let (Some(dl), Some(&dp)) = (trace.logits.get(step), trace.tokens.get(step)) else {
-            return Err(format!("request {}: step {step} probed but not in the device trace", p.request));
+            return Err(CheckError::Engine(format!("request {}: step {step} probed but not in the device trace", p.request)));
         };
         let mut caches = LocalCaches::new(&group.dims, 1, vec![p.caches]);
-        let mut stepped = crate::model::forward::decode_batch(&cpu, &group, &[p.token], &[p.pos], &mut caches).map_err(|e| format!("CPU step: {e}"))?;
-        let (cl, cp) = stepped.pop().ok_or("the CPU step returned nothing")?;
+        let mut stepped = crate::model::forward::decode_batch(&cpu, &group, &[p.token], &[p.pos], &mut caches).map_err(|e| CheckError::model("CPU step", e))?;
+        let (cl, cp) = stepped.pop().ok_or_else(|| CheckError::Engine("the CPU step returned nothing".into()))?;
         judge(i, step, dl, dp, &cl, cp)?;
     }
     Ok(out)
@@ -317,7 +324,7 @@ fn runner_up(logits: &[f32]) -> usize {
 
 /// `topo`'s model on one prefill rank and one decode rank (PP1 x TP1 -> TP1 x
 /// DCP1): the colocated placement, run through the same engine.
-pub fn colocated_topology(topo: &Topology) -> Result<Topology, String> {
+pub fn colocated_topology(topo: &Topology) -> Result<Topology, CheckError> {
     let mut c = topo.config.clone();
     c.prefill.pp = 1;
     c.prefill.tp = 1;
@@ -325,7 +332,7 @@ pub fn colocated_topology(topo: &Topology) -> Result<Topology, String> {
     c.decode.tp = 1;
     c.decode.dcp = 1;
     c.decode.interleave = 1;
-    c.validate().map_err(|e| format!("the colocated placement of this model: {e}"))
+    c.validate().map_err(|source| CheckError::Config { what: "the colocated placement of this model", source })
 }
 
 /// The gap between the largest and second-largest logit, over max |logit|.
@@ -354,7 +361,7 @@ fn top2_gap(logits: &[f32]) -> f32 {
 /// and the two runs continue different sequences, which can no longer be
 /// compared. That step is returned (and printed by the callers); any other
 /// difference fails.
-fn compare(want: &Trace, got: &Trace, tolerance: f32, what: &str, worst: &mut (f32, usize), near_ties: bool) -> Result<Option<usize>, String> {
+fn compare(want: &Trace, got: &Trace, tolerance: f32, what: &str, worst: &mut (f32, usize), near_ties: bool) -> Result<Option<usize>, CheckError> {
     let mut first_bad_token = None;
     let mut first_bad_logits = None;
     for i in 0..want.logits.len().max(got.logits.len()) {
@@ -388,7 +395,7 @@ fn compare(want: &Trace, got: &Trace, tolerance: f32, what: &str, worst: &mut (f
         msg += &format!(" logits diverged first at step {i} (relative error {e:.3e} > {tolerance:.1e});");
     }
     msg += &format!(" max logit relative error {:.3e} at step {} of {} (step 0 = prefill)", worst.0, worst.1, want.logits.len().saturating_sub(1));
-    Err(msg)
+    Err(CheckError::Diverged(msg))
 }
 
 /// The disaggregated run through one engine of every rank: its dispatch phase
@@ -403,7 +410,7 @@ pub(crate) fn run_disaggregated<B: Backend + 'static>(
     fill: Fill,
     be: B,
     tamper: impl FnMut(&mut Vec<Plan>),
-) -> Result<(Vec<Trace>, ComputeReport), String> {
+) -> Result<(Vec<Trace>, ComputeReport), CheckError> {
     run_probed(topo, prompts, forced, steps, fill, be, tamper, None)
 }
 
@@ -419,8 +426,8 @@ fn run_probed<B: Backend + 'static>(
     be: B,
     mut tamper: impl FnMut(&mut Vec<Plan>),
     probes: Option<Probes>,
-) -> Result<(Vec<Trace>, ComputeReport), String> {
-    topo.admits_transfer_mode().map_err(|reason| format!("refused at admission: {reason}"))?;
+) -> Result<(Vec<Trace>, ComputeReport), CheckError> {
+    topo.admits_transfer_mode().map_err(CheckError::Admission)?;
     let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(0) as u64;
     // The run's context: the longest prompt and its steps fit (the fused step
     // sizes its tables by serve.max_context).
@@ -434,7 +441,7 @@ fn run_probed<B: Backend + 'static>(
     let regions = engine.regions();
     let store = Store::new(&be, &regions, fill)?;
     let trace: LogitTrace = Arc::default();
-    let compute = ModelCompute::new(topo, be, layouts_of(&regions), store.view()).map_err(|e| e.to_string())?.with_trace(trace.clone());
+    let compute = ModelCompute::new(topo, be, layouts_of(&regions), store.view()).map_err(|e| CheckError::model("the compute", e))?.with_trace(trace.clone());
     let decode_path = compute.decode_path();
     match probes {
         Some(probes) => {
@@ -472,8 +479,8 @@ fn run_probed<B: Backend + 'static>(
             }
         }
         for o in engine.take_outcomes() {
-            if let Err((phase, reason)) = o.result {
-                return Err(format!("request {} failed in {}: {reason}", o.request, phase.name()));
+            if let Err(failure) = o.result {
+                return Err(CheckError::Failed { request: o.request, failure });
             }
         }
         for ev in engine.take_events() {
@@ -488,9 +495,14 @@ fn run_probed<B: Backend + 'static>(
         }
     }
     if finished < prompts.len() || engine.live_requests() > 0 {
-        return Err(format!("{} of {} requests finished after {limit} ticks; {} still held", finished, prompts.len(), engine.live_requests()));
+        return Err(CheckError::Engine(format!(
+            "{} of {} requests finished after {limit} ticks; {} still held",
+            finished,
+            prompts.len(),
+            engine.live_requests()
+        )));
     }
-    let logits = std::mem::take(&mut *trace.lock().map_err(|e| e.to_string())?);
+    let logits = std::mem::take(&mut *trace.lock().map_err(|_| CheckError::Poisoned("the logit trace"))?);
     let traces = tokens.into_iter().map(|(id, tokens)| Trace { tokens, logits: logits.get(&id).cloned().unwrap_or_default() }).collect();
     Ok((traces, report))
 }
@@ -526,7 +538,7 @@ impl Compute for Probing {
         for item in batch {
             let lease = item.leases.first().ok_or(ComputeError::MissingInput { stage: 0, what: "a decode lease" })?;
             let caches = crate::model::ranks::snapshot_single_rank(&self.topo, &self.layouts, self.view.as_ref(), lease, item.pos as usize)
-                .map_err(|e| ComputeError::Model(format!("snapshot for the per-step check: {e}")))?;
+                .map_err(|e| ComputeError::Step { what: "snapshot for the per-step check", source: std::sync::Arc::new(e) })?;
             self.probes.lock().unwrap_or_else(|p| p.into_inner()).push(StepProbe { request: item.request, token: item.token, pos: item.pos as usize, caches });
         }
         self.inner.decode(batch)
@@ -543,7 +555,7 @@ enum Store {
 }
 
 impl Store {
-    fn new<B: Backend>(be: &B, regions: &[handoff_components::ecs::Region], fill: Fill) -> Result<Store, String> {
+    fn new<B: Backend>(be: &B, regions: &[handoff_components::ecs::Region], fill: Fill) -> Result<Store, CheckError> {
         let init = |r: &handoff_components::ecs::Region| {
             let mut buf = vec![0u8; r.layout.len as usize];
             if fill == Fill::Canary {
@@ -554,9 +566,9 @@ impl Store {
         match be.device_memory() {
             Ok(mem) => {
                 let sizes: Vec<_> = regions.iter().map(|r| ((r.rank, r.layout.kind), r.layout.len)).collect();
-                let dev = DeviceRegions::alloc(mem, &sizes).map_err(|e| format!("device regions: {e}"))?;
+                let dev = DeviceRegions::alloc(mem, &sizes).map_err(|e| CheckError::model("device regions", e))?;
                 for r in regions {
-                    dev.write_all(r.rank, r.layout.kind, &init(r)).map_err(|e| format!("device regions: {e}"))?;
+                    dev.write_all(r.rank, r.layout.kind, &init(r)).map_err(|e| CheckError::model("device regions", e))?;
                 }
                 Ok(Store::Device(Arc::new(dev)))
             }
@@ -586,15 +598,15 @@ impl Store {
 
     /// Runs the plans: the oracle's counting copy on the host, or its checks
     /// followed by the plans' copies on the device.
-    fn execute(&self, plans: &[Plan]) -> Result<oracle::ExecStats, String> {
+    fn execute(&self, plans: &[Plan]) -> Result<oracle::ExecStats, CheckError> {
         match self {
             Store::Host(m) => {
-                let mut mem = m.lock().map_err(|e| e.to_string())?;
-                oracle::execute_counted(plans, &mut mem).map_err(|e| format!("plan execution refused: {e}"))
+                let mut mem = m.lock().map_err(|_| CheckError::Poisoned("the host regions"))?;
+                Ok(oracle::execute_counted(plans, &mut mem)?)
             }
             Store::Device(d) => {
                 let lens = d.regions.iter().map(|(k, r)| (*k, r.len)).collect();
-                let stats = oracle::check_counted(plans, &lens).map_err(|e| format!("plan execution refused: {e}"))?;
+                let stats = oracle::check_counted(plans, &lens)?;
                 let mut copies = Vec::new();
                 for plan in plans {
                     let (src_rank, dst_rank) = (RankId::Prefill(plan.producer), RankId::Decode(plan.consumer));
@@ -611,8 +623,8 @@ impl Store {
                     }
                 }
                 // SAFETY: check_counted put every range inside its region.
-                let ticket = unsafe { d.mem.copy(&copies) }.map_err(|e| format!("device hand-off: {e}"))?;
-                d.mem.wait(ticket).map_err(|e| format!("device hand-off: {e}"))?;
+                let ticket = unsafe { d.mem.copy(&copies) }.map_err(|e| CheckError::model("device hand-off", e))?;
+                d.mem.wait(ticket).map_err(|e| CheckError::model("device hand-off", e))?;
                 Ok(stats)
             }
         }
@@ -653,6 +665,8 @@ mod tests {
         let (_, again) = run_probed(&topo, &prompts, &[], 5, Fill::Zeros, CpuBackend::new(), |_| {}, Some(probes.clone())).unwrap();
         drop(again);
         let e = per_step_check(&model, &topo, &refs, &wrong, taken(&probes)).map(|_| ()).unwrap_err();
+        assert!(matches!(e, CheckError::Diverged(_)), "{e:?}");
+        let e = e.to_string();
         assert!(e.contains("request 2") && e.contains("step 3"), "{e}");
     }
 
@@ -662,10 +676,10 @@ mod tests {
         let want = trace(&[0, 0, 2], &[[1.0, 0.0, 0.0], [1.0, 0.0, 0.9995], [0.0, 0.0, 1.0]]);
         let got = trace(&[0, 2, 1], &[[1.0, 0.0, 0.0], [0.9999, 0.0, 0.99995], [0.0, 1.0, 0.0]]);
         let mut worst = (0.0, 0);
-        assert_eq!(compare(&want, &got, 2e-3, "the CPU reference", &mut worst, true), Ok(Some(1)));
+        assert_eq!(compare(&want, &got, 2e-3, "the CPU reference", &mut worst, true).ok(), Some(Some(1)));
         // The same flip against the same backend's colocated run is a failure.
         let mut worst = (0.0, 0);
-        let e = compare(&want, &got, 2e-3, "the colocated run on cpu", &mut worst, false).unwrap_err();
+        let e = compare(&want, &got, 2e-3, "the colocated run on cpu", &mut worst, false).unwrap_err().to_string();
         assert!(e.contains("tokens diverged first at step 1"), "{e}");
     }
 
@@ -674,7 +688,7 @@ mod tests {
         let want = trace(&[0, 0], &[[1.0, 0.0, 0.0], [1.0, 0.0, 0.5]]);
         let got = trace(&[0, 2], &[[1.0, 0.0, 0.0], [1.0, 0.0, 0.5]]);
         let mut worst = (0.0, 0);
-        let e = compare(&want, &got, 2e-3, "the CPU reference", &mut worst, true).unwrap_err();
+        let e = compare(&want, &got, 2e-3, "the CPU reference", &mut worst, true).unwrap_err().to_string();
         assert!(e.contains("diverged from the CPU reference") && e.contains("step 1"), "{e}");
     }
 

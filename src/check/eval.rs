@@ -13,6 +13,7 @@
 //! starts decode from zeroed memory, so the lost state shows as a number: the
 //! silent failure of docs/design.md made visible.
 
+use crate::check::CheckError;
 use crate::check::compute_verify::{Fill, LOGIT_TOLERANCE, colocated_topology, rel_err, run_disaggregated};
 use crate::model::{Model, Trace, run_colocated_forced_on};
 use handoff_components::Topology;
@@ -44,13 +45,13 @@ pub struct EvalReport {
 
 /// The windows of `text` the eval scores: `samples` windows of `prefix +
 /// continuation` bytes, spread evenly over the text.
-pub fn windows(text: &[u8], samples: usize, prefix: usize, continuation: usize) -> Result<Vec<&[u8]>, String> {
+pub fn windows(text: &[u8], samples: usize, prefix: usize, continuation: usize) -> Result<Vec<&[u8]>, CheckError> {
     let w = prefix + continuation;
     if samples == 0 || prefix == 0 || continuation == 0 {
-        return Err("--samples, --prefix and --continuation must each be at least 1".into());
+        return Err(CheckError::Input("--samples, --prefix and --continuation must each be at least 1".into()));
     }
     if text.len() < w {
-        return Err(format!("the data has {} bytes; one window needs {w} (prefix {prefix} + continuation {continuation})", text.len()));
+        return Err(CheckError::Input(format!("the data has {} bytes; one window needs {w} (prefix {prefix} + continuation {continuation})", text.len())));
     }
     let span = text.len() - w;
     Ok((0..samples)
@@ -81,7 +82,7 @@ pub fn score(traces: &[Trace], windows: &[&[u8]], prefix: usize) -> Score {
 }
 
 /// Runs the eval of `text` on `topo` (CPU backend).
-pub fn eval(topo: &Topology, text: &[u8], samples: usize, prefix: usize, continuation: usize, dropped: Option<RegionKind>) -> Result<EvalReport, String> {
+pub fn eval(topo: &Topology, text: &[u8], samples: usize, prefix: usize, continuation: usize, dropped: Option<RegionKind>) -> Result<EvalReport, CheckError> {
     eval_on(topo, text, samples, prefix, continuation, dropped, CpuBackend::new())
 }
 
@@ -97,7 +98,7 @@ pub fn eval_on<B: Backend + Clone + 'static>(
     continuation: usize,
     dropped: Option<RegionKind>,
     be: B,
-) -> Result<EvalReport, String> {
+) -> Result<EvalReport, CheckError> {
     let windows = windows(text, samples, prefix, continuation)?;
     let prompts: Vec<Vec<u8>> = windows.iter().map(|w| w[..prefix].to_vec()).collect();
     // Step k (k >= 1) feeds byte prefix + k - 1; the last window byte is only scored.
@@ -105,18 +106,18 @@ pub fn eval_on<B: Backend + Clone + 'static>(
     let steps = (continuation - 1) as u32;
 
     let colocated: Vec<Trace> = if be.name() == CpuBackend::new().name() {
-        let model = Model::new(topo).map_err(|e| e.to_string())?;
+        let model = Model::new(topo).map_err(|e| CheckError::model("the model", e))?;
         let cpu = CpuBackend::new();
-        let group = model.upload_group(&cpu, 1).map_err(|e| e.to_string())?;
+        let group = model.upload_group(&cpu, 1).map_err(|e| CheckError::model("the model on the CPU", e))?;
         prompts
             .iter()
             .zip(&forced)
             .map(|(p, f)| run_colocated_forced_on(&cpu, &group, p, steps, f))
             .collect::<Result<_, _>>()
-            .map_err(|e| format!("colocated run: {e}"))?
+            .map_err(|e| CheckError::model("colocated run", e))?
     } else {
         let colo = colocated_topology(topo)?;
-        run_disaggregated(&colo, &prompts, &forced, steps, Fill::Zeros, be.clone(), |_| {}).map_err(|e| format!("colocated run: {e}"))?.0
+        run_disaggregated(&colo, &prompts, &forced, steps, Fill::Zeros, be.clone(), |_| {}).map_err(|e| e.within("colocated run"))?.0
     };
 
     let fill = if dropped.is_some() { Fill::Zeros } else { Fill::Canary };

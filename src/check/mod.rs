@@ -8,6 +8,9 @@
 //! - [`eval`]: `handoff eval`, the checkpoint's next-token quality, both ways.
 
 pub mod compute_verify;
+pub mod error;
 pub mod eval;
 pub mod oracle;
 pub mod verify;
+
+pub use error::CheckError;

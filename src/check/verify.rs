@@ -1,6 +1,7 @@
 //! `handoff verify`: run placement, splitting and an in-process transfer through the
 //! engine, then check every consumer byte with the oracle (which knows only the rules).
 
+use crate::check::CheckError;
 use crate::check::oracle::{self, Memory, OracleRequest, Placement};
 use crate::engine::{Engine, QueueMover};
 use handoff_components::Topology;
@@ -27,10 +28,8 @@ pub struct VerifyReport {
 
 /// Runs `requests` requests of `tokens` tokens through the engine and the oracle.
 /// `tamper` may edit the plans before they run (negative tests).
-pub fn verify(topo: &Topology, tokens: u64, requests: u32, mut tamper: impl FnMut(&mut Vec<Plan>)) -> Result<VerifyReport, String> {
-    if let Err(reason) = topo.admits_transfer_mode() {
-        return Err(format!("refused at admission: {reason}"));
-    }
+pub fn verify(topo: &Topology, tokens: u64, requests: u32, mut tamper: impl FnMut(&mut Vec<Plan>)) -> Result<VerifyReport, CheckError> {
+    topo.admits_transfer_mode().map_err(CheckError::Admission)?;
     // One spare request's worth of blocks and slots stays free: its bytes must stay canary.
     let cap = Capacity::for_requests(topo, requests + 1, tokens);
     let mover = QueueMover::default();
@@ -46,7 +45,10 @@ pub fn verify(topo: &Topology, tokens: u64, requests: u32, mut tamper: impl FnMu
     for r in engine.regions().iter() {
         let expect = oracle::region_len(topo, r.rank, r.layout.kind, r.layout.units);
         if expect != r.layout.len {
-            return Err(format!("{} {}: placement sized the region {} bytes, the layout convention says {expect}", r.rank, r.layout.kind, r.layout.len));
+            return Err(CheckError::Engine(format!(
+                "{} {}: placement sized the region {} bytes, the layout convention says {expect}",
+                r.rank, r.layout.kind, r.layout.len
+            )));
         }
         let mut buf = vec![0u8; r.layout.len as usize];
         oracle::fill_canary(r.rank, r.layout.kind, &mut buf);
@@ -64,14 +66,14 @@ pub fn verify(topo: &Topology, tokens: u64, requests: u32, mut tamper: impl FnMu
     for &id in &ids {
         match engine.status(id) {
             Some(Status::Planned) => {}
-            other => return Err(format!("request {id} was not planned after one tick: {other:?}")),
+            other => return Err(CheckError::Engine(format!("request {id} was not planned after one tick: {other:?}"))),
         }
         let req = OracleRequest { id, tokens };
         for handoff_components::ecs::Lease { rank, blocks, slot } in engine.leases(id) {
             if let RankId::Prefill(p) = rank {
                 for kind in topo.region_kinds() {
                     let u = units[&(rank, kind)];
-                    let buf = mem.get_mut(&(rank, kind)).ok_or("missing region")?;
+                    let buf = mem.get_mut(&(rank, kind)).ok_or_else(|| CheckError::Engine(format!("{rank} {kind}: a lease on a region it does not have")))?;
                     oracle::fill_producer(topo, p, kind, u, &req, &Placement { blocks: &blocks, slot }, buf);
                 }
             }
@@ -90,7 +92,7 @@ pub fn verify(topo: &Topology, tokens: u64, requests: u32, mut tamper: impl FnMu
         report.uncoalesced += p.uncoalesced;
     }
     tamper(&mut plans);
-    let exec = oracle::execute_counted(&plans, &mut mem).map_err(|e| format!("plan execution refused: {e}"))?;
+    let exec = oracle::execute_counted(&plans, &mut mem)?;
     report.bytes_written = exec.bytes;
     for (t, _) in &submitted {
         mover.complete(*t, Ok(()));
@@ -99,7 +101,7 @@ pub fn verify(topo: &Topology, tokens: u64, requests: u32, mut tamper: impl FnMu
     let outcomes = engine.take_outcomes();
     for &id in &ids {
         if !outcomes.iter().any(|o| o.request == id && o.result.is_ok()) {
-            return Err(format!("request {id} did not complete its hand-off: {:?}", engine.status(id)));
+            return Err(CheckError::Engine(format!("request {id} did not complete its hand-off: {:?}", engine.status(id))));
         }
     }
 
@@ -116,13 +118,13 @@ pub fn verify(topo: &Topology, tokens: u64, requests: u32, mut tamper: impl FnMu
                     (OracleRequest { id, tokens }, Placement { blocks: b, slot: *s })
                 })
                 .collect();
-            let stats = oracle::check_consumer(topo, rank, kind, units[&(rid, kind)], &reqs, &mem[&(rid, kind)]).map_err(|e| e.to_string())?;
+            let stats = oracle::check_consumer(topo, rank, kind, units[&(rid, kind)], &reqs, &mem[&(rid, kind)])?;
             report.pattern_bytes += stats.pattern_bytes;
             report.canary_bytes += stats.canary_bytes;
             let want = expected.get(&kind).copied().unwrap_or(0) * requests as u64;
             let got = exec.written.get(&(rank, kind)).copied().unwrap_or(0);
             if want != got {
-                return Err(format!("decode tp{tp} {kind}: plans wrote {got} bytes, the rules say {want}"));
+                return Err(CheckError::Engine(format!("decode tp{tp} {kind}: plans wrote {got} bytes, the rules say {want}")));
             }
             *report.by_kind.entry(kind).or_default() += got;
         }
@@ -134,15 +136,15 @@ pub fn verify(topo: &Topology, tokens: u64, requests: u32, mut tamper: impl FnMu
     engine.tick();
     report.entities_after = engine.entity_count();
     if report.entities_after != baseline {
-        return Err(format!("release left {} entities, baseline {baseline}", report.entities_after));
+        return Err(CheckError::Engine(format!("release left {} entities, baseline {baseline}", report.entities_after)));
     }
     Ok(report)
 }
 
-fn fail_on_outcomes(engine: &mut Engine) -> Result<(), String> {
+fn fail_on_outcomes(engine: &mut Engine) -> Result<(), CheckError> {
     for Outcome { request, result, .. } in engine.take_outcomes() {
-        if let Err((phase, reason)) = result {
-            return Err(format!("request {request} failed in {}: {reason}", phase.name()));
+        if let Err(failure) = result {
+            return Err(CheckError::Failed { request, failure });
         }
     }
     Ok(())

@@ -1,6 +1,7 @@
 //! The CLI's commands over the engine: check, plan, verify. Output formatting lives
 //! here; the engine and phases know nothing of it.
 
+use crate::check::CheckError;
 use crate::engine::profile::Profiler;
 use crate::engine::{Engine, QueueMover};
 use handoff_components::Topology;
@@ -87,21 +88,21 @@ pub struct PlanRun {
 }
 
 /// Places and splits one request through the engine (no bytes move).
-pub fn plan_request(topo: &Topology, tokens: u64, profiler: Profiler) -> Result<PlanRun, String> {
+pub fn plan_request(topo: &Topology, tokens: u64, profiler: Profiler) -> Result<PlanRun, CheckError> {
     let cap = Capacity::for_requests(topo, 1, tokens);
     let mut engine = Engine::new(topo.clone(), cap, Box::new(QueueMover::default()));
     engine.tick();
-    profiler.runs.lock().map_err(|e| e.to_string())?.clear();
+    profiler.runs.lock().map_err(|_| CheckError::Poisoned("the profiler"))?.clear();
     engine.submit(1, tokens);
     engine.tick();
     for o in engine.take_outcomes() {
-        if let Err((phase, reason)) = o.result {
-            return Err(format!("request refused in {}: {reason}", phase.name()));
+        if let Err(failure) = o.result {
+            return Err(CheckError::Failed { request: o.request, failure });
         }
     }
     let plans = engine.plans(1);
     if plans.is_empty() {
-        return Err(format!("no plans were made: {:?}", engine.status(1)));
+        return Err(CheckError::Engine(format!("no plans were made: {:?}", engine.status(1))));
     }
     let plan_us = profiler.phase_us("splitting");
     Ok(PlanRun { plans, plan_us, profiler })

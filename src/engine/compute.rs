@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 pub type LogitTrace = Arc<Mutex<BTreeMap<u64, Vec<Vec<f32>>>>>;
 
 fn model_err(e: ModelError) -> ComputeError {
-    ComputeError::Model(e.to_string())
+    ComputeError::model(e)
 }
 
 /// The model on backend `B` for the ranks of one World.
@@ -120,8 +120,8 @@ impl<B: Backend> ModelCompute<B> {
         let want = batch.iter().any(|i| self.wants_logits(i.request));
         let mut logits = Vec::new();
         let step = self.step.as_mut().ok_or(ComputeError::MissingInput { stage: 0, what: "the fused decode step" })?;
-        let step = step.get_mut().map_err(|_| ComputeError::Model("the fused decode step's lock is poisoned".into()))?;
-        let ids = step.run(&reqs, want.then_some(&mut logits)).map_err(|e| ComputeError::Model(e.to_string()))?;
+        let step = step.get_mut().map_err(|_| ComputeError::Poisoned("the fused decode step"))?;
+        let ids = step.run(&reqs, want.then_some(&mut logits)).map_err(ComputeError::model)?;
         if want {
             let v = logits.len() / batch.len().max(1);
             for (b, item) in batch.iter().enumerate() {

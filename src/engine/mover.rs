@@ -298,7 +298,7 @@ fn worker(shared: &Shared, rx: &Mutex<mpsc::Receiver<Job>>) {
         let results = run_plans(shared, &plans);
         let mut book = lock(&shared.book);
         for (job, result) in jobs.iter().zip(results) {
-            let result = result.map_err(|e| MoveError::Transport(e.to_string()));
+            let result = result.map_err(|e| MoveError::Transport(std::sync::Arc::new(e)));
             if let Err(reason) = &result {
                 tracing::warn!(request = job.ticket.request, %reason, "mover: plan failed");
             }

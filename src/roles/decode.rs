@@ -22,6 +22,8 @@ use crate::transport::{PeerAddr, RegionHandle, Transport};
 use anyhow::Context;
 use handoff_components::Topology;
 use handoff_components::ecs::{Cancel, EngineEvent, PhaseName, Submit};
+// `Charged`: the role a failure is charged to (`Role` here is the engine's).
+use handoff_components::failure::{Cause, Failure, PeerLoss, Role as Charged};
 use handoff_systems::placement::Capacity;
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -33,7 +35,7 @@ use std::time::{Duration, Instant};
 /// A command from the proxy's link.
 enum Cmd {
     Admit { id: u64, tokens: u64, max_tokens: u32, sampling: Option<Sampling> },
-    Cancel { id: u64, phase: PhaseName, message: String, unsent: bool },
+    Cancel { id: u64, failure: Failure, unsent: bool },
     StageDown { stage: u32, dead: bool, message: String },
 }
 
@@ -124,7 +126,7 @@ fn accept(listener: TcpListener, link: Link, tx: Sender<Cmd>, refused: &Arc<supe
             loop {
                 let cmd = match wire::recv(&mut r) {
                     Ok(Some(Msg::Admit { id, prompt_tokens, max_tokens, sampling })) => Cmd::Admit { id, tokens: prompt_tokens, max_tokens, sampling },
-                    Ok(Some(Msg::Cancel { id, phase, message, unsent })) => Cmd::Cancel { id, phase, message, unsent },
+                    Ok(Some(Msg::Cancel { id, failure, unsent })) => Cmd::Cancel { id, failure, unsent },
                     Ok(Some(Msg::StageDown { stage, dead, message })) => Cmd::StageDown { stage, dead, message },
                     Ok(Some(other)) => {
                         tracing::warn!(?other, "decode: unexpected message on the proxy's link");
@@ -188,9 +190,9 @@ fn engine_loop(
                     tracing::debug!(request = r.request, stage = r.stage, "decode: a stage's writes reported");
                     engine.report(r)
                 }
-                Ok(Notice::Failed { id, nonce, stage, phase, message }) => engine.cancel({
-                    tracing::debug!(request = id, stage, %message, "decode: a stage failed the request");
-                    Cancel { request: id, phase, reason: format!("prefill stage {stage}: {message}"), stage: Some(stage), nonce, unsent: false }
+                Ok(Notice::Failed { id, nonce, stage, failure }) => engine.cancel({
+                    tracing::debug!(request = id, stage, %failure, "decode: a stage failed the request");
+                    Cancel { request: id, failure, stage: Some(stage), nonce, unsent: false }
                 }),
                 Err(e) => tracing::warn!(error = %e, "decode: dropped a malformed notification"),
             }
@@ -214,10 +216,10 @@ fn engine_loop(
             }
         }
         for o in engine.take_outcomes() {
-            if let Err((phase, message)) = o.result {
-                tracing::debug!(request = o.request, %message, "decode: released a failed request");
+            if let Err(failure) = o.result {
+                tracing::debug!(request = o.request, %failure, "decode: released a failed request");
                 crate::base::lock(table).remove(&o.request);
-                push(&mut out, &Msg::Error { id: o.request, phase, message });
+                push(&mut out, &Msg::Error { id: o.request, failure });
             }
         }
         flush(link, &out);
@@ -237,9 +239,9 @@ fn apply(engine: &mut Engine, table: &SamplingTable, endpoint: &PeerAddr, cmd: C
             };
             engine.submit_request(Submit { id, tokens, max_tokens, ..Default::default() })
         }
-        Cmd::Cancel { id, phase, message, unsent } => engine.cancel({
-            tracing::debug!(request = id, phase = phase.name(), unsent, %message, "decode: cancel");
-            Cancel { request: id, phase, reason: message, stage: None, nonce: None, unsent }
+        Cmd::Cancel { id, failure, unsent } => engine.cancel({
+            tracing::debug!(request = id, phase = failure.phase.name(), unsent, %failure, "decode: cancel");
+            Cancel { request: id, failure, stage: None, nonce: None, unsent }
         }),
         Cmd::StageDown { stage, dead, message } => {
             // A dead stage writes no more, so its share is settled and the blocks
@@ -248,6 +250,8 @@ fn apply(engine: &mut Engine, table: &SamplingTable, endpoint: &PeerAddr, cmd: C
             // The client hears now: the outcome comes only when decode releases the
             // request, which for a stopped stage is at the phase deadline.
             let awaiting = engine.awaiting_stage(stage);
+            let loss = if dead { PeerLoss::Dead } else { PeerLoss::Stopped };
+            let failure = Failure::new(PhaseName::Compute, Charged::Prefill { stage }, Cause::PeerDown { loss, detail: message });
             if dead {
                 // A later stage that has not reported may never have got the job
                 // (the dead stage had not passed it on), and then never reports:
@@ -258,15 +262,13 @@ fn apply(engine: &mut Engine, table: &SamplingTable, endpoint: &PeerAddr, cmd: C
                     let waiting = engine.awaiting_stage(later);
                     let requests: Vec<(u64, u64)> = awaiting.iter().filter(|r| waiting.contains(r)).copied().collect();
                     if !requests.is_empty() {
-                        let message = format!("prefill stage {stage} {message}");
-                        push(out, &Msg::Orphaned { stage: later, requests, endpoint: endpoint.clone(), message });
+                        push(out, &Msg::Orphaned { stage: later, requests, endpoint: endpoint.clone(), failure: failure.clone() });
                     }
                 }
             }
             for (id, nonce) in awaiting {
-                let reason = format!("prefill stage {stage}: {message}");
-                push(out, &Msg::Error { id, phase: PhaseName::Compute, message: reason.clone() });
-                engine.cancel(Cancel { request: id, phase: PhaseName::Compute, reason, stage: dead.then_some(stage), nonce: Some(nonce), unsent: false });
+                push(out, &Msg::Error { id, failure: failure.clone() });
+                engine.cancel(Cancel { request: id, failure: failure.clone(), stage: dead.then_some(stage), nonce: Some(nonce), unsent: false });
             }
         }
     }

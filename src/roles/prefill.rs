@@ -24,6 +24,8 @@ use crate::transport::{PeerAddr, RegionHandle, Transport};
 use anyhow::Context;
 use handoff_components::Topology;
 use handoff_components::ecs::{Cancel, EngineEvent, Inputs, PhaseName, Submit};
+// `Charged`: the role a failure is charged to (`Role` here is the engine's).
+use handoff_components::failure::{Cause, Failure, PeerLoss, Role as Charged};
 use handoff_systems::placement::Capacity;
 use std::collections::{BTreeMap, HashMap};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -108,7 +110,7 @@ enum StageCmd {
     Settle {
         requests: Vec<(u64, u64)>,
         endpoint: PeerAddr,
-        message: String,
+        failure: Failure,
     },
 }
 
@@ -132,8 +134,8 @@ fn accept(listener: TcpListener, tx: Sender<StageCmd>, refused: &Arc<super::host
                             return;
                         }
                     }
-                    Ok(Some(Msg::Settle { requests, endpoint, message })) => {
-                        if tx.send(StageCmd::Settle { requests, endpoint, message }).is_err() {
+                    Ok(Some(Msg::Settle { requests, endpoint, failure })) => {
+                        if tx.send(StageCmd::Settle { requests, endpoint, failure }).is_err() {
                             return;
                         }
                     }
@@ -252,8 +254,8 @@ fn engine_loop(
         for cmd in jobs {
             let job = match cmd {
                 StageCmd::Job(job) => job,
-                StageCmd::Settle { requests, endpoint, message } => {
-                    settle(&mut engine, stage, notices, &endpoint, &requests, &message, &mut settled);
+                StageCmd::Settle { requests, endpoint, failure } => {
+                    settle(&mut engine, stage, notices, &endpoint, &requests, &failure, &mut settled);
                     continue;
                 }
             };
@@ -290,8 +292,11 @@ fn engine_loop(
                         sampling,
                     };
                     if let Err(e) = next.send(addr, &Msg::Prefill(Box::new(job))) {
-                        let message = format!("prefill stage {} at {addr} unreachable: {e}", s + 1);
-                        notify(notices, &route, &Notice::Failed { id: request, nonce: Some(nonce), stage: s + 1, phase: PhaseName::Compute, message });
+                        // The next stage never gets the job: it is charged with it, as
+                        // a peer this stage could not reach.
+                        let cause = Cause::PeerDown { loss: PeerLoss::Dead, detail: format!("unreachable at {addr}: {e}") };
+                        let failure = Failure::new(PhaseName::Compute, Charged::Prefill { stage: s + 1 }, cause);
+                        notify(notices, &route, &Notice::Failed { id: request, nonce: Some(nonce), stage: s + 1, failure });
                     }
                 }
                 EngineEvent::Written(report) => notify(notices, &route, &Notice::Written(report)),
@@ -299,10 +304,10 @@ fn engine_loop(
             }
         }
         for o in engine.take_outcomes() {
-            if let Err((phase, message)) = o.result {
+            if let Err(failure) = o.result {
                 crate::base::lock(table).remove(&o.request);
-                tracing::warn!(stage, request = o.request, %phase, %message, "prefill failed");
-                notify(notices, &route, &Notice::Failed { id: o.request, nonce: o.nonce, stage, phase, message });
+                tracing::warn!(stage, request = o.request, phase = %failure.phase, %failure, "prefill failed");
+                notify(notices, &route, &Notice::Failed { id: o.request, nonce: o.nonce, stage, failure });
             }
         }
         *crate::base::lock(counts) = engine.counts();
@@ -319,17 +324,17 @@ fn settle(
     notices: &Notices,
     endpoint: &PeerAddr,
     requests: &[(u64, u64)],
-    message: &str,
+    failure: &Failure,
     settled: &mut HashMap<u64, (u64, Instant)>,
 ) {
+    // Each request fails with the earlier stage's failure, which is why it ends.
     for &(id, nonce) in requests {
-        let reason = format!("settled: {message}");
         if engine.nonce(id) == Some(nonce) {
-            engine.cancel(Cancel { request: id, phase: PhaseName::Compute, reason, stage: None, nonce: Some(nonce), unsent: false });
+            engine.cancel(Cancel { request: id, failure: failure.clone(), stage: None, nonce: Some(nonce), unsent: false });
         } else {
             settled.insert(id, (nonce, Instant::now()));
             let route = Route { endpoint: Some(endpoint.clone()), ..Default::default() };
-            notify(notices, &route, &Notice::Failed { id, nonce: Some(nonce), stage, phase: PhaseName::Compute, message: reason });
+            notify(notices, &route, &Notice::Failed { id, nonce: Some(nonce), stage, failure: failure.clone() });
         }
     }
 }
@@ -347,8 +352,8 @@ fn submit(engine: &mut Engine, stage: u32, notices: &Notices, mover: &MoverHandl
         if !mover.attached(h)
             && let Err(e) = mover.attach_target(h)
         {
-            let message = format!("prefill stage {stage}: attach {h}: {e}");
-            notify(notices, route, &Notice::Failed { id: a.id, nonce: Some(a.nonce), stage, phase: PhaseName::Transfer, message });
+            let failure = Failure::new(PhaseName::Transfer, Charged::Prefill { stage }, Cause::Transfer { detail: format!("attach {h}: {e}") });
+            notify(notices, route, &Notice::Failed { id: a.id, nonce: Some(a.nonce), stage, failure });
             return false;
         }
     }

@@ -25,7 +25,8 @@ use super::sampling::Sampling;
 use crate::engine::Counts;
 use crate::transport::auth::{ClusterSecret, context};
 use crate::transport::{PeerAddr, RegionHandle};
-use handoff_components::ecs::{PhaseName, StageReport};
+use handoff_components::ecs::StageReport;
+use handoff_components::failure::Failure;
 use handoff_components::layout::ConsumerLayout;
 use serde::{Deserialize, Serialize};
 use std::io::{self, BufRead, BufReader, Read, Write};
@@ -55,16 +56,15 @@ pub enum Msg {
     Token { id: u64, token: u8 },
     /// decode -> proxy: the request finished; decode's own figures.
     Done { id: u64, handoff_ms: f64, decode_ms: f64, bytes: u64 },
-    /// decode -> proxy: the request failed in a named phase; `role` names the role
-    /// that failed it.
-    Error { id: u64, phase: PhaseName, message: String },
+    /// decode -> proxy (and the proxy's own links to a request's task): the
+    /// request failed; the failure names the phase, the role and the cause.
+    Error { id: u64, failure: Failure },
     /// proxy -> decode: fail a request (its prefill could not start, its client
     /// went away); decode frees it. `unsent`: the proxy never sent its prefill
     /// job to a stage, so no stage will write (see `ecs::Cancel::unsent`).
     Cancel {
         id: u64,
-        phase: PhaseName,
-        message: String,
+        failure: Failure,
         #[serde(default)]
         unsent: bool,
     },
@@ -77,12 +77,13 @@ pub enum Msg {
     /// decode -> proxy: these requests (id, nonce) wait for prefill stage `stage`,
     /// which may never receive them (an earlier stage died before passing them
     /// on); the proxy asks the stage to settle them. `endpoint`: decode's transport
-    /// address, where the stage sends its answer.
-    Orphaned { stage: u32, requests: Vec<(u64, u64)>, endpoint: PeerAddr, message: String },
+    /// address, where the stage sends its answer; `failure`: the earlier stage's.
+    Orphaned { stage: u32, requests: Vec<(u64, u64)>, endpoint: PeerAddr, failure: Failure },
     /// proxy -> prefill stage: settle these requests (id, nonce): one the stage
-    /// holds fails (after its writes in flight complete); one it does not hold it
-    /// will never take. Either way it tells decode it writes no more for them.
-    Settle { requests: Vec<(u64, u64)>, endpoint: PeerAddr, message: String },
+    /// holds fails (after its writes in flight complete) with `failure`; one it
+    /// does not hold it will never take. Either way it tells decode it writes no
+    /// more for them.
+    Settle { requests: Vec<(u64, u64)>, endpoint: PeerAddr, failure: Failure },
 }
 
 /// What decode publishes for one admitted request.
@@ -151,9 +152,10 @@ mod f32_base64 {
 pub enum Notice {
     /// Every write of the stage for the request completed.
     Written(StageReport),
-    /// The stage failed the request in a named phase (and writes no more for it).
-    /// `nonce` is the request's life when the stage knew it.
-    Failed { id: u64, nonce: Option<u64>, stage: u32, phase: PhaseName, message: String },
+    /// Stage `stage` failed the request (and writes no more for it); `failure`
+    /// says in which phase, charged to which role, why. `nonce` is the request's
+    /// life when the stage knew it.
+    Failed { id: u64, nonce: Option<u64>, stage: u32, failure: Failure },
 }
 
 /// What a role tells the proxy about itself (POST /internal/register, repeated as
@@ -190,18 +192,33 @@ pub fn register_auth(secret: &ClusterSecret, unix_ms: u64, body: &[u8]) -> Strin
     format!("{ts}.{}", crate::transport::auth::to_hex(&secret.mac(context::REGISTER, &[ts.as_bytes(), b"\n", body])))
 }
 
+/// Why a register request's [`REGISTER_AUTH_HEADER`] does not prove it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegisterAuthError {
+    #[error("no {REGISTER_AUTH_HEADER} header")]
+    Missing,
+    #[error("{REGISTER_AUTH_HEADER} is not <unix ms>.<hex MAC>")]
+    Malformed,
+    #[error("{REGISTER_AUTH_HEADER} timestamp {0:?} is not a number")]
+    Timestamp(String),
+    #[error("the MAC does not prove the cluster secret")]
+    Mac,
+    #[error("timestamp {at} ms is more than {window} ms from the proxy's clock {now} ms")]
+    Stale { at: u64, window: u64, now: u64 },
+}
+
 /// Checks a [`REGISTER_AUTH_HEADER`] value against `body` at `now_ms`; why not, if not.
-pub fn check_register_auth(secret: &ClusterSecret, header: Option<&str>, body: &[u8], now_ms: u64) -> Result<(), String> {
-    let Some(h) = header else { return Err(format!("no {REGISTER_AUTH_HEADER} header")) };
-    let Some((ts, mac)) = h.split_once('.') else { return Err(format!("{REGISTER_AUTH_HEADER} is not <unix ms>.<hex MAC>")) };
-    let Ok(t) = ts.parse::<u64>() else { return Err(format!("{REGISTER_AUTH_HEADER} timestamp {ts:?} is not a number")) };
+pub fn check_register_auth(secret: &ClusterSecret, header: Option<&str>, body: &[u8], now_ms: u64) -> Result<(), RegisterAuthError> {
+    let h = header.ok_or(RegisterAuthError::Missing)?;
+    let (ts, mac) = h.split_once('.').ok_or(RegisterAuthError::Malformed)?;
+    let t = ts.parse::<u64>().map_err(|_| RegisterAuthError::Timestamp(ts.to_string()))?;
     let mac = crate::transport::auth::from_hex(mac).unwrap_or_default();
     if !secret.verify(context::REGISTER, &[ts.as_bytes(), b"\n", body], &mac) {
-        return Err("the MAC does not prove the cluster secret".into());
+        return Err(RegisterAuthError::Mac);
     }
     let window = crate::transport::auth::REGISTER_WINDOW.as_millis() as u64;
     if t.abs_diff(now_ms) > window {
-        return Err(format!("timestamp {t} ms is more than {window} ms from the proxy's clock {now_ms} ms"));
+        return Err(RegisterAuthError::Stale { at: t, window, now: now_ms });
     }
     Ok(())
 }
@@ -446,7 +463,8 @@ mod tests {
         let now = 1_000_000_000;
         let h = register_auth(&s, now, b"body");
         assert_eq!(check_register_auth(&s, Some(&h), b"body", now + 29_000), Ok(()));
-        let refused = |secret: &ClusterSecret, header: Option<&str>, body: &[u8], at: u64| check_register_auth(secret, header, body, at).unwrap_err();
+        let refused =
+            |secret: &ClusterSecret, header: Option<&str>, body: &[u8], at: u64| check_register_auth(secret, header, body, at).unwrap_err().to_string();
         assert!(refused(&s, Some(&h), b"bodz", now).contains("does not prove"));
         assert!(refused(&ClusterSecret::from_bytes(&[8; 32]), Some(&h), b"body", now).contains("does not prove"));
         assert!(refused(&s, Some(&h), b"body", now + 31_000).contains("more than 30000 ms"));

@@ -467,8 +467,8 @@ fn serve_connection(inner: &Inner, stream: TcpStream) {
     r.deadline = Some(Instant::now() + inner.opts.connect_timeout.max(Duration::from_secs(1)));
     let from = match read_hello(&mut r, &inner.opts.secret, &nonce) {
         Ok(from) => from,
-        Err(None) => return,
-        Err(Some(reason)) => {
+        Err(NoHello::Closed) => return,
+        Err(NoHello::Refused(reason)) => {
             inner.unauthenticated.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(peer = %peer_sock, %reason, "tcp: refused an unauthenticated connection");
             let told = format!("refused: {reason} (do the roles share one cluster secret, {}?)", crate::transport::auth::SECRET_FILE_ENV);
@@ -569,29 +569,36 @@ fn serve_connection(inner: &Inner, stream: TcpStream) {
     close();
 }
 
+/// Why a connection's first frame let no peer in.
+enum NoHello {
+    /// Closed before a byte: a probe, not a refusal.
+    Closed,
+    /// Refused; why, as the refusal tells the peer.
+    Refused(String),
+}
+
 /// Reads the connection's first frame, which must be a HELLO proving `secret`
-/// over `nonce`; the peer's endpoint when it does. `Err(None)`: closed before a
-/// byte (not a refusal); `Err(Some(reason))`: refused.
-fn read_hello(r: &mut FrameReader<'_>, secret: &ClusterSecret, nonce: &[u8; 32]) -> std::result::Result<Option<PeerAddr>, Option<String>> {
+/// over `nonce`; the peer's endpoint when it does.
+fn read_hello(r: &mut FrameReader<'_>, secret: &ClusterSecret, nonce: &[u8; 32]) -> std::result::Result<Option<PeerAddr>, NoHello> {
     let ty = match r.frame_type() {
         Ok(t) => t,
-        Err(ReadStop::Closed | ReadStop::Shutdown) => return Err(None),
-        Err(e) => return Err(Some(format!("no HELLO: {}", stop_reason(e)))),
+        Err(ReadStop::Closed | ReadStop::Shutdown) => return Err(NoHello::Closed),
+        Err(e) => return Err(NoHello::Refused(format!("no HELLO: {}", stop_reason(e)))),
     };
     if ty != wire::HELLO {
-        return Err(Some(format!("the first frame is of type {ty}, not a HELLO")));
+        return Err(NoHello::Refused(format!("the first frame is of type {ty}, not a HELLO")));
     }
     let mut n = [0u8; 4];
-    r.fill(&mut n, false).map_err(|e| Some(stop_reason(e)))?;
+    r.fill(&mut n, false).map_err(|e| NoHello::Refused(stop_reason(e)))?;
     let n = le_u32(&n);
     if n > 1 << 16 {
-        return Err(Some(format!("a HELLO of {n} B")));
+        return Err(NoHello::Refused(format!("a HELLO of {n} B")));
     }
     let mut json = vec![0u8; n as usize + 32];
-    r.fill(&mut json, false).map_err(|e| Some(stop_reason(e)))?;
+    r.fill(&mut json, false).map_err(|e| NoHello::Refused(stop_reason(e)))?;
     let (json, mac) = json.split_at(n as usize);
     if !secret.verify(crate::transport::auth::context::TCP_HELLO, &[nonce, json], mac) {
-        return Err(Some("the HELLO does not prove the cluster secret".into()));
+        return Err(NoHello::Refused("the HELLO does not prove the cluster secret".into()));
     }
     Ok(serde_json::from_slice(json).ok())
 }

@@ -3,6 +3,7 @@
 use bevy_ecs::prelude::*;
 use handoff_components::config::TransferModeError;
 use handoff_components::ecs::*;
+use handoff_components::failure::{Cause, Failure};
 use std::time::{Duration, Instant};
 use thiserror::Error;
 
@@ -78,7 +79,8 @@ pub fn admit_requests(
             validate(&topo.0, s.tokens)
         };
         if let Err(reason) = rejected {
-            outcomes.write(Outcome { request: s.id, nonce: s.nonce, result: Err((PhaseName::Admission, reason.to_string())) });
+            let failure = Failure::new(PhaseName::Admission, local.role(), Cause::Refused { detail: reason.to_string() });
+            outcomes.write(Outcome { request: s.id, nonce: s.nonce, result: Err(failure) });
             continue;
         }
         let nonce = s.nonce.unwrap_or_else(|| nonce_for(s.id));

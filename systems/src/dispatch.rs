@@ -5,14 +5,17 @@
 //! batch (continuous batching), growing block tables as positions pass them. The
 //! model lives behind `Compute`, so the phase stays plain scheduling.
 
+pub use crate::Source;
 use crate::placement::{alloc_blocks, blocks_needed};
 use bevy_ecs::prelude::*;
 use handoff_components::ecs::*;
+use handoff_components::failure::{Cause, Failure, Role};
 use handoff_components::vocab::RankId;
+use std::sync::Arc;
 use thiserror::Error;
 
 /// Why the compute failed a request (or a batch).
-#[derive(Debug, Clone, Error, PartialEq, Eq)]
+#[derive(Debug, Clone, Error)]
 pub enum ComputeError {
     #[error("stage {stage} has no input: {what}")]
     MissingInput { stage: u32, what: &'static str },
@@ -20,9 +23,29 @@ pub enum ComputeError {
     MissingLease(RankId),
     #[error("{rank}: no free blocks for {tokens} tokens")]
     OutOfBlocks { rank: RankId, tokens: u64 },
-    /// The model or its kernels refused; their own message.
+    /// The model or its kernels refused; their own error.
     #[error("{0}")]
-    Model(String),
+    Model(#[source] Source),
+    /// A step of the compute's own (a per-step probe, a snapshot) failed.
+    #[error("{what}: {source}")]
+    Step { what: &'static str, source: Source },
+    #[error("{0}'s lock is poisoned")]
+    Poisoned(&'static str),
+}
+
+impl ComputeError {
+    /// The model's (or a kernel's) own error.
+    pub fn model(e: impl std::error::Error + Send + Sync + 'static) -> ComputeError {
+        ComputeError::Model(Arc::new(e))
+    }
+
+    /// What a request that this error failed fails with.
+    pub fn cause(&self) -> Cause {
+        match self {
+            ComputeError::OutOfBlocks { .. } => Cause::Capacity { detail: self.to_string() },
+            _ => Cause::Compute { detail: self.to_string() },
+        }
+    }
 }
 
 /// One PP stage of one request, as the compute sees it.
@@ -113,9 +136,7 @@ pub fn run_prefill(
                 }
             }
         }
-        Err(reason) => {
-            *status = Status::Failed { phase: PhaseName::Compute, reason: format!("prefill stage {stage}: {reason}") };
-        }
+        Err(e) => *status = Status::Failed(Failure::new(PhaseName::Compute, Role::Prefill { stage }, e.cause())),
     }
 }
 
@@ -145,8 +166,8 @@ pub fn grow_leases(
             match more {
                 Some(more) => lease.blocks.extend(more),
                 None => {
-                    let rank = lease.rank;
-                    *status = Status::Failed { phase: PhaseName::Decode, reason: ComputeError::OutOfBlocks { rank, tokens }.to_string() };
+                    let e = ComputeError::OutOfBlocks { rank: lease.rank, tokens };
+                    *status = Status::Failed(Failure::new(PhaseName::Decode, Role::Decode, e.cause()));
                     break;
                 }
             }
@@ -197,10 +218,8 @@ pub fn run_decode(
         match &result {
             Ok(tokens) => {
                 let Some(&tok) = tokens.get(i) else {
-                    *status = Status::Failed {
-                        phase: PhaseName::Decode,
-                        reason: format!("the compute returned {} tokens for a batch of {}", tokens.len(), live.len()),
-                    };
+                    let detail = format!("the compute returned {} tokens for a batch of {}", tokens.len(), live.len());
+                    *status = Status::Failed(Failure::new(PhaseName::Decode, Role::Decode, Cause::Compute { detail }));
                     continue;
                 };
                 events.write(EngineEvent::Token { request: req.id, index: generation.emitted, token: tok });
@@ -210,7 +229,13 @@ pub fn run_decode(
                     *status = Status::Finished;
                 }
             }
-            Err(reason) => *status = Status::Failed { phase: PhaseName::Decode, reason: format!("decode step: {reason}") },
+            Err(e) => {
+                let cause = match e.cause() {
+                    Cause::Compute { detail } => Cause::Compute { detail: format!("decode step: {detail}") },
+                    other => other,
+                };
+                *status = Status::Failed(Failure::new(PhaseName::Decode, Role::Decode, cause));
+            }
         }
     }
 }

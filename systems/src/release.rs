@@ -4,8 +4,9 @@
 use crate::placement::release_lease;
 use bevy_ecs::prelude::*;
 use handoff_components::ecs::*;
+use handoff_components::failure::{Cause, Failure, Role};
 use handoff_components::vocab::RankId;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Turns the reports of stages in other processes into write-done reports of their
 /// pairs; a report marks its stage computed and may carry the first token.
@@ -56,7 +57,7 @@ pub fn apply_cancels(mut cancels: MessageReader<Cancel>, index: Res<RequestIndex
             computed.0.iter_mut().for_each(|done| *done = true);
         }
         if !matches!(*s, Status::Failed { .. } | Status::Finished) {
-            *s = Status::Failed { phase: c.phase, reason: c.reason.clone() };
+            *s = Status::Failed(c.failure.clone());
         }
     }
 }
@@ -157,7 +158,7 @@ pub fn record_reports(
 /// has every expected report is handed off: its source blocks and slots go back to
 /// the pools. Decode then emits the first token (from the last stage); a World
 /// without decode ranks is done with the request.
-#[allow(clippy::type_complexity)]
+#[allow(clippy::type_complexity, clippy::too_many_arguments)]
 pub fn complete_handoffs(
     mut commands: Commands,
     mut requests: Query<(&Request, &mut Status, &mut Holdings, Option<&FirstToken>, Option<&mut Generation>, Option<&mut Timing>)>,
@@ -166,7 +167,9 @@ pub fn complete_handoffs(
     mut pools: ResMut<Pools>,
     mut outcomes: MessageWriter<Outcome>,
     mut events: MessageWriter<EngineEvent>,
+    topo: Res<TopologyRes>,
 ) {
+    let last_stage = topo.0.config.prefill.pp.saturating_sub(1);
     for (req, mut status, mut holdings, first, generation, timing) in requests.iter_mut() {
         if *status != Status::Planned {
             continue;
@@ -196,7 +199,9 @@ pub fn complete_handoffs(
             continue;
         };
         let Some(FirstToken(tok)) = first.copied() else {
-            *status = Status::Failed { phase: PhaseName::Transfer, reason: "every stage reported, but the last stage sent no first token".into() };
+            // The last stage owes the first token with its report.
+            let detail = "every stage reported, but the last stage sent no first token".to_string();
+            *status = Status::Failed(Failure::new(PhaseName::Transfer, Role::Prefill { stage: last_stage }, Cause::Protocol { detail }));
             continue;
         };
         *status = Status::HandedOff;
@@ -215,7 +220,7 @@ pub fn complete_handoffs(
 
 /// Fails every request whose current phase has run past its deadline, naming the
 /// stages it still waited for.
-pub fn expire_requests(mut requests: Query<(&mut Status, &Deadline, &StagesComputed)>, topo: Res<TopologyRes>) {
+pub fn expire_requests(mut requests: Query<(&mut Status, &Deadline, &StagesComputed)>, topo: Res<TopologyRes>, local: Res<LocalRanks>) {
     let now = Instant::now();
     let t = &topo.0.config.timeouts;
     for (mut status, deadline, computed) in requests.iter_mut() {
@@ -226,12 +231,12 @@ pub fn expire_requests(mut requests: Query<(&mut Status, &Deadline, &StagesCompu
                 PhaseName::Compute => t.compute_s,
                 _ => t.transfer_s,
             };
-            let missing: Vec<String> = computed.0.iter().enumerate().filter(|(_, c)| !**c).map(|(s, _)| s.to_string()).collect();
-            let waiting = match (deadline.phase, missing.is_empty()) {
-                (PhaseName::Admission, _) | (_, true) => String::new(),
-                _ => format!(" waiting for prefill stage {}", missing.join(", ")),
+            // Admission waits for blocks and slots, not for stages.
+            let waiting_for = match deadline.phase {
+                PhaseName::Admission => Vec::new(),
+                _ => computed.0.iter().enumerate().filter(|(_, c)| !**c).map(|(s, _)| s as u32).collect(),
             };
-            *status = Status::Failed { phase: deadline.phase, reason: format!("{} phase timed out after {secs} s{waiting}", deadline.phase.name()) };
+            *status = Status::Failed(Failure::deadline(deadline.phase, local.role(), Duration::from_secs_f64(secs), waiting_for));
         }
     }
 }
@@ -283,8 +288,8 @@ pub fn retire_requests(
         commands.entity(e).despawn();
         index.0.remove(&req.id);
         match status {
-            Status::Failed { phase, reason } => {
-                outcomes.write(Outcome { request: req.id, nonce: Some(req.nonce), result: Err((*phase, reason.clone())) });
+            Status::Failed(failure) => {
+                outcomes.write(Outcome { request: req.id, nonce: Some(req.nonce), result: Err(failure.clone()) });
             }
             _ => {
                 if let Some(t) = timing {

@@ -374,12 +374,13 @@ fn plan_whole(
 
 use bevy_ecs::prelude::*;
 use handoff_components::ecs::*;
+use handoff_components::failure::{Cause, Failure};
 use handoff_components::vocab::RankId;
 
 /// Plans every (local producer, consumer) pair of each placed request from the
 /// consumers' published layouts: those of this World's decode ranks, or the copy a
 /// stage received with the request. A pair that cannot be planned fails the request.
-#[allow(clippy::type_complexity)]
+#[allow(clippy::type_complexity, clippy::too_many_arguments)]
 pub fn split_requests(
     mut commands: Commands,
     mut requests: Query<(Entity, &Request, &mut Status, &mut Holdings, Option<&RemoteConsumers>)>,
@@ -388,6 +389,7 @@ pub fn split_requests(
     segments: Query<&Segment>,
     mut entries: Query<&mut ProducerEntry>,
     topo: Res<TopologyRes>,
+    local: Res<LocalRanks>,
 ) {
     let prefill_tp = topo.0.prefill().tp;
     for (e, req, mut status, mut holdings, remote) in requests.iter_mut() {
@@ -427,8 +429,10 @@ pub fn split_requests(
                 }
             }
         }
-        if let Some(reason) = failure {
-            *status = Status::Failed { phase: PhaseName::Transfer, reason };
+        if let Some(detail) = failure {
+            // A consumer the producer cannot serve is refused at hand-off time
+            // (docs/design.md section 3).
+            *status = Status::Failed(Failure::new(PhaseName::Transfer, local.role(), Cause::Refused { detail }));
             continue;
         }
         for plan in plans {

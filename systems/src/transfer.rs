@@ -4,6 +4,7 @@
 
 use bevy_ecs::prelude::*;
 use handoff_components::ecs::*;
+use handoff_components::failure::{Cause, Failure, Role};
 use handoff_components::plan::Plan;
 use handoff_components::vocab::{DecodeRank, PrefillRank, RankId, RegionKind};
 use std::time::{Duration, Instant};
@@ -19,7 +20,7 @@ pub struct Ticket {
 }
 
 /// Why a mover could not start or finish a plan's writes.
-#[derive(Debug, Clone, Error, PartialEq, Eq)]
+#[derive(Debug, Clone, Error)]
 pub enum MoveError {
     #[error("no {kind} region of {rank} known to the mover ({side})")]
     UnknownRegion { kind: RegionKind, rank: RankId, side: &'static str },
@@ -27,9 +28,9 @@ pub enum MoveError {
     AlreadyInFlight(u64),
     #[error("the mover's workers have stopped")]
     Stopped,
-    /// The transport failed the writes; its own message.
+    /// The transport failed the writes; its own error.
     #[error("{0}")]
-    Transport(String),
+    Transport(#[source] crate::Source),
     #[error("no write-done report from prefill pp{pp} tp{tp} within {after:?} (producer gone or stalled)")]
     NoReport { pp: u32, tp: u32, after: Duration },
 }
@@ -47,6 +48,19 @@ pub trait Mover: Send + Sync + 'static {
     fn submit(&mut self, ticket: Ticket, plan: &Plan) -> Result<(), MoveError>;
     /// Appends the completions that arrived since the last call.
     fn poll(&mut self, out: &mut Vec<Completion>);
+}
+
+/// What a request fails with when the mover could not start (`what` = "submit")
+/// or finish ("write") one plan's writes: charged to the producing stage, a
+/// report that never came as a timeout, anything else as a failed transfer.
+pub fn move_failure(t: &Ticket, what: &str, e: &MoveError) -> Failure {
+    let role = Role::Prefill { stage: t.producer.pp };
+    let pair = format!("{what} from prefill pp{} tp{} to decode tp{}", t.producer.pp, t.producer.tp, t.consumer.tp);
+    let cause = match e {
+        MoveError::NoReport { pp, after, .. } => Cause::Timeout { after: *after, waiting_for: vec![*pp], detail: format!("{pair}: {e}") },
+        _ => Cause::Transfer { detail: format!("{pair}: {e}") },
+    };
+    Failure::new(PhaseName::Transfer, role, cause)
 }
 
 /// The engine's mover.
@@ -81,11 +95,8 @@ pub fn submit_plans(
             let ticket = Ticket { request: req.id, nonce: req.nonce, producer: entry.plan.producer, consumer: entry.plan.consumer };
             match transfers.0.submit(ticket, &entry.plan) {
                 Ok(()) => entry.state = WriteState::InFlight,
-                Err(reason) => {
-                    *status = Status::Failed {
-                        phase: PhaseName::Transfer,
-                        reason: format!("submit from prefill pp{} tp{} to decode tp{}: {reason}", ticket.producer.pp, ticket.producer.tp, ticket.consumer.tp),
-                    };
+                Err(e) => {
+                    *status = Status::Failed(move_failure(&ticket, "submit", &e));
                     break;
                 }
             }
@@ -126,10 +137,7 @@ pub fn poll_transfers(
                     }
                 }
                 if !matches!(*status, Status::Failed { .. }) {
-                    *status = Status::Failed {
-                        phase: PhaseName::Transfer,
-                        reason: format!("write from prefill pp{} tp{} to decode tp{} failed: {reason}", t.producer.pp, t.producer.tp, t.consumer.tp),
-                    };
+                    *status = Status::Failed(move_failure(&t, "write", &reason));
                 }
             }
         }

@@ -8,6 +8,7 @@ use handoff::transport::{MemoryKind, PeerAddr, RegionHandle};
 use handoff_components::ecs::{PhaseName, StageReport};
 use handoff_components::layout::ConsumerLayout;
 use handoff_components::vocab::{DecodeRank, PrefillRank, RankId, RegionKind};
+use handoff_components::{Cause, Failure, PeerLoss, Role};
 use handoff_systems::placement::place_rank;
 use std::fmt::Debug;
 use std::io::Cursor;
@@ -46,8 +47,11 @@ pub fn valid_lines() -> Vec<(&'static str, Vec<u8>)> {
         Msg::Admitted(Box::new(admitted)),
         Msg::Token { id: 3, token: 255 },
         Msg::Done { id: 3, handoff_ms: 1.5, decode_ms: 0.25, bytes: 1 << 40 },
-        Msg::Error { id: 4, phase: PhaseName::Transfer, message: "stage 1 died".into() },
-        Msg::Cancel { id: 4, phase: PhaseName::Admission, message: "client left".into(), unsent: true },
+        Msg::Error {
+            id: 4,
+            failure: Failure::new(PhaseName::Transfer, Role::Prefill { stage: 1 }, Cause::PeerDown { loss: PeerLoss::Dead, detail: "died".into() }),
+        },
+        Msg::Cancel { id: 4, failure: Failure::new(PhaseName::Admission, Role::Proxy, Cause::Cancelled { detail: "client left".into() }), unsent: true },
         Msg::Prefill(Box::new(job)),
         Msg::StageDown { stage: 2, dead: true, message: "exited".into() },
     ];
@@ -61,7 +65,15 @@ pub fn valid_lines() -> Vec<(&'static str, Vec<u8>)> {
         .collect();
     let report =
         StageReport { request: 5, nonce: 9, stage: 0, pairs: vec![(PrefillRank { pp: 0, tp: 0 }, DecodeRank { tp: 1 })], first_token: Some(b'a'), bytes: 4096 };
-    for n in [Notice::Written(report), Notice::Failed { id: 5, nonce: None, stage: 1, phase: PhaseName::Compute, message: "oom".into() }] {
+    for n in [
+        Notice::Written(report),
+        Notice::Failed {
+            id: 5,
+            nonce: None,
+            stage: 1,
+            failure: Failure::new(PhaseName::Compute, Role::Prefill { stage: 1 }, Cause::Compute { detail: "oom".into() }),
+        },
+    ] {
         out.push(("notice", serde_json::to_vec(&n).expect("encode")));
     }
     let reg = Register {

@@ -1,7 +1,7 @@
 //! One generation request: its body, its place in the bounded queue, and each of
 //! its choices through decode's admission, prefill and decode's stream.
 
-use super::error::{ServeError, role_of};
+use super::error::ServeError;
 use super::links::{Reached, decode_link, send_stage0};
 use super::registry::peers;
 use super::state::{Ev, Proxy, Route, Served, Summary, body_limit, set_phase};
@@ -18,6 +18,7 @@ use axum::http::{HeaderMap, header};
 use axum::response::Response;
 use futures_util::StreamExt;
 use handoff_components::ecs::PhaseName;
+use handoff_components::failure::{Cause, Failure, PeerLoss, Role};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -182,14 +183,17 @@ pub(super) struct Choice {
 pub(super) async fn run_choice(p: &Arc<Proxy>, choice: Choice, tx: mpsc::Sender<(u32, Ev)>) {
     let Choice { id, index, prompt, max_tokens, sampling, stops, arrived, queue_ms } = choice;
     let t = p.topo.config.timeouts.clone();
-    let fail = |phase: PhaseName, message: String| {
-        let role = role_of(&message);
-        (index, Ev::Error(ServeError::Failed { phase, role, message }))
-    };
+    let fail = |failure: Failure| (index, Ev::Error(ServeError::Failed(failure)));
+    // The failures the proxy itself finds: decode's silence, its link, its answers.
+    let decode_failed = |phase: PhaseName, cause: Cause| Failure::new(phase, Role::Decode, cause);
+    let late = |phase: PhaseName, after: std::time::Duration, detail: String| decode_failed(phase, Cause::Timeout { after, waiting_for: Vec::new(), detail });
+    // What the proxy gives up on itself (no role failed it).
+    let ended = |phase: PhaseName, detail: &str| Failure::new(phase, Role::Proxy, Cause::Cancelled { detail: detail.to_string() });
     let decode = match peers(p) {
         Ok((d, _)) => d,
         Err(m) => return drop(tx.send((index, Ev::Error(ServeError::NotReady(m)))).await),
     };
+    let link_closed = |phase: PhaseName| decode_failed(phase, Cause::PeerDown { loss: PeerLoss::Dead, detail: format!("died (its link at {decode} closed)") });
     // 1. Decode admission: blocks, slots, published layouts.
     let (link_id, link) = match decode_link(p, decode).await {
         Ok(l) => l,
@@ -199,32 +203,35 @@ pub(super) async fn run_choice(p: &Arc<Proxy>, choice: Choice, tx: mpsc::Sender<
     lock(&p.routes).insert(id, Route { tx: rtx, phase: PhaseName::Admission, link: link_id });
     // `unsent`: this task returns without having sent the prefill job, so no
     // stage has the request and decode frees it at once.
-    let cancel_as = |phase: PhaseName, message: String, unsent: bool| {
-        let _ = link.send(Msg::Cancel { id, phase, message, unsent });
+    let cancel_as = |failure: Failure, unsent: bool| {
+        let _ = link.send(Msg::Cancel { id, failure, unsent });
     };
-    let cancel = |phase: PhaseName, message: String| cancel_as(phase, message, false);
-    let cancel_unsent = |phase: PhaseName, message: String| cancel_as(phase, message, true);
+    let cancel = |failure: Failure| cancel_as(failure, false);
+    let cancel_unsent = |failure: Failure| cancel_as(failure, true);
     let sampled = (!sampling.is_greedy()).then_some(sampling);
     if link.send(Msg::Admit { id, prompt_tokens: prompt.len() as u64, max_tokens, sampling: sampled }).is_err() {
-        return drop(tx.send(fail(PhaseName::Admission, format!("decode at {decode}: link closed"))).await);
+        return drop(tx.send(fail(link_closed(PhaseName::Admission))).await);
     }
-    let admitted: Admitted = match tokio::time::timeout(secs(t.admission_s + 1.0), rrx.recv()).await {
+    let admission_wait = secs(t.admission_s + 1.0);
+    let admitted: Admitted = match tokio::time::timeout(admission_wait, rrx.recv()).await {
         Ok(Some(Msg::Admitted(a))) => *a,
         // The error may be the proxy's own (decode went down while this request
         // was being admitted), whose cancel can have reached decode before the
         // Admit did; a cancel sent now follows the Admit on the link, so decode
         // frees what it admitted (it ignores a cancel of a request it never had).
-        Ok(Some(Msg::Error { phase, message, .. })) => {
-            cancel_unsent(phase, message.clone());
-            return drop(tx.send(fail(phase, message)).await);
+        Ok(Some(Msg::Error { failure, .. })) => {
+            cancel_unsent(failure.clone());
+            return drop(tx.send(fail(failure)).await);
         }
         Ok(other) => {
-            cancel_unsent(PhaseName::Admission, "unexpected answer to the admission".into());
-            return drop(tx.send(fail(PhaseName::Admission, format!("decode answered {other:?}"))).await);
+            let failure = decode_failed(PhaseName::Admission, Cause::Protocol { detail: format!("answered the admission with {other:?}") });
+            cancel_unsent(failure.clone());
+            return drop(tx.send(fail(failure)).await);
         }
         Err(_) => {
-            cancel_unsent(PhaseName::Admission, "no answer from decode in time".into());
-            return drop(tx.send(fail(PhaseName::Admission, format!("decode at {decode}: no answer in time"))).await);
+            let failure = late(PhaseName::Admission, admission_wait, format!("no answer from decode at {decode}"));
+            cancel_unsent(failure.clone());
+            return drop(tx.send(fail(failure)).await);
         }
     };
     // 2. Prefill: stage 0, which passes the job on stage by stage; stages report to
@@ -232,15 +239,21 @@ pub(super) async fn run_choice(p: &Arc<Proxy>, choice: Choice, tx: mpsc::Sender<
     let stages = match peers(p) {
         Ok((_, s)) => s,
         Err(m) => {
-            cancel_unsent(PhaseName::Compute, m.clone());
+            cancel_unsent(ended(PhaseName::Compute, &m.to_string()));
             return drop(tx.send((index, Ev::Error(ServeError::NotReady(m)))).await);
         }
     };
     set_phase(p, id, PhaseName::Compute);
     let job = PrefillJob { admitted, prompt, stage: 0, stages: stages.clone(), hidden: None, sampling: sampled };
     if let Err((e, reached)) = send_stage0(p, stages[0], &Msg::Prefill(Box::new(job))).await {
+        // Decode frees the request with the stage's failure; a refused connection
+        // (the 503 of a stage 0 found dead) is that stage gone.
+        let failure = match &e {
+            ServeError::Failed(f) => f.clone(),
+            other => Failure::new(PhaseName::Compute, Role::Prefill { stage: 0 }, Cause::PeerDown { loss: PeerLoss::Dead, detail: other.to_string() }),
+        };
         // A job that never reached stage 0 reaches no stage: decode frees at once.
-        cancel_as(PhaseName::Compute, e.to_string(), reached == Reached::No);
+        cancel_as(failure, reached == Reached::No);
         return drop(tx.send((index, Ev::Error(e))).await);
     }
     // 3. Decode's stream.
@@ -252,10 +265,11 @@ pub(super) async fn run_choice(p: &Arc<Proxy>, choice: Choice, tx: mpsc::Sender<
     let finish = loop {
         let msg = match tokio::time::timeout(budget, rrx.recv()).await {
             Ok(Some(m)) => m,
-            Ok(None) => return drop(tx.send(fail(PhaseName::Decode, "decode's link closed".into())).await),
+            Ok(None) => return drop(tx.send(fail(link_closed(PhaseName::Decode))).await),
             Err(_) => {
-                cancel(PhaseName::Decode, "no token from decode in time".into());
-                return drop(tx.send(fail(PhaseName::Decode, format!("decode at {decode}: no token in time (within {budget:?})"))).await);
+                let failure = late(PhaseName::Decode, budget, format!("no token from decode at {decode}"));
+                cancel(failure.clone());
+                return drop(tx.send(fail(failure)).await);
             }
         };
         match msg {
@@ -280,12 +294,12 @@ pub(super) async fn run_choice(p: &Arc<Proxy>, choice: Choice, tx: mpsc::Sender<
                 };
                 if (!piece.is_empty() || stopped) && tx.send((index, Ev::Piece(piece))).await.is_err() {
                     // The client went away: decode frees the request.
-                    cancel(PhaseName::Decode, "the client went away".into());
+                    cancel(ended(PhaseName::Decode, "the client went away"));
                     return;
                 }
                 if stopped {
                     // Decode still generates: it frees the request at the cancel.
-                    cancel(PhaseName::Decode, "a stop sequence ended the generation".into());
+                    cancel(ended(PhaseName::Decode, "a stop sequence ended the generation"));
                     break "stop";
                 }
             }
@@ -299,8 +313,8 @@ pub(super) async fn run_choice(p: &Arc<Proxy>, choice: Choice, tx: mpsc::Sender<
                 }
                 break "length";
             }
-            Msg::Error { phase, message, .. } => return drop(tx.send(fail(phase, message)).await),
-            other => return drop(tx.send(fail(PhaseName::Decode, format!("decode sent {other:?}"))).await),
+            Msg::Error { failure, .. } => return drop(tx.send(fail(failure)).await),
+            other => return drop(tx.send(fail(decode_failed(PhaseName::Decode, Cause::Protocol { detail: format!("sent {other:?}") }))).await),
         }
     };
     {

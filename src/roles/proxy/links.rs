@@ -8,6 +8,7 @@ use crate::base::lock;
 use crate::roles::wire::Msg;
 use crate::transport::auth::ClusterSecret;
 use handoff_components::ecs::PhaseName;
+use handoff_components::failure::{Cause, Failure, PeerLoss, Role};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -30,6 +31,17 @@ pub(super) async fn answer_challenge(r: &mut (impl AsyncBufRead + Unpin), w: &mu
     tokio::time::timeout(t, w.write_all(&answer)).await.map_err(|_| late("room for the answer"))?
 }
 
+/// What a failed control handshake with `role` at `addr` fails a request with: a
+/// step that ran past its wait is a timeout, anything else a broken protocol.
+fn handshake_failure(phase: PhaseName, role: Role, addr: SocketAddr, e: &std::io::Error) -> Failure {
+    let detail = format!("control handshake with {addr}: {e}");
+    let cause = match e.kind() {
+        std::io::ErrorKind::TimedOut => Cause::Timeout { after: crate::roles::wire::HANDSHAKE_TIMEOUT, waiting_for: Vec::new(), detail },
+        _ => Cause::Protocol { detail },
+    };
+    Failure::new(phase, role, cause)
+}
+
 pub(super) async fn send_line(s: &mut tokio::net::tcp::OwnedWriteHalf, m: &Msg) -> std::io::Result<()> {
     let mut line = serde_json::to_vec(m).map_err(std::io::Error::other)?;
     line.push(b'\n');
@@ -46,23 +58,23 @@ pub(super) async fn decode_link(p: &Arc<Proxy>, addr: SocketAddr) -> Result<(u64
     {
         return Ok((*n, tx.clone()));
     }
-    let conn = match tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(addr)).await {
+    let connect_wait = Duration::from_secs(5);
+    let conn = match tokio::time::timeout(connect_wait, TcpStream::connect(addr)).await {
         Ok(Ok(c)) => c,
         Ok(Err(e)) => {
             drop(links);
             return Err(refused(p, 0, addr, e).await);
         }
         Err(_) => {
-            let message = format!("decode at {addr}: connect timed out");
-            return Err(ServeError::Failed { phase: PhaseName::Admission, role: "decode".into(), message });
+            let cause = Cause::Timeout { after: connect_wait, waiting_for: Vec::new(), detail: format!("connect to {addr}") };
+            return Err(ServeError::Failed(Failure::new(PhaseName::Admission, Role::Decode, cause)));
         }
     };
     let _ = conn.set_nodelay(true);
     let (rd, mut wr) = conn.into_split();
     let mut rd = BufReader::new(rd);
     if let Err(e) = answer_challenge(&mut rd, &mut wr, &p.secret).await {
-        let message = format!("decode at {addr}: control handshake: {e}");
-        return Err(ServeError::Failed { phase: PhaseName::Admission, role: "decode".into(), message });
+        return Err(ServeError::Failed(handshake_failure(PhaseName::Admission, Role::Decode, addr, &e)));
     }
     let (tx, mut out) = mpsc::unbounded_channel::<Msg>();
     let routes = Arc::clone(&p.routes);
@@ -97,8 +109,8 @@ pub(super) async fn decode_link(p: &Arc<Proxy>, addr: SocketAddr) -> Result<(u64
             let id = match &m {
                 Msg::Admitted(a) => a.id,
                 Msg::Token { id, .. } | Msg::Done { id, .. } | Msg::Error { id, .. } => *id,
-                Msg::Orphaned { stage, requests, endpoint, message } => {
-                    settle(&proxy, *stage, requests.clone(), endpoint.clone(), message.clone());
+                Msg::Orphaned { stage, requests, endpoint, failure } => {
+                    settle(&proxy, *stage, requests.clone(), endpoint.clone(), failure.clone());
                     continue;
                 }
                 _ => continue,
@@ -116,7 +128,8 @@ pub(super) async fn decode_link(p: &Arc<Proxy>, addr: SocketAddr) -> Result<(u64
             ids.into_iter().filter_map(|id| routes.remove(&id).map(|r| (id, r))).collect()
         };
         for (id, r) in lost {
-            let _ = r.tx.send(Msg::Error { id, phase: r.phase, message: format!("decode died (its link at {addr} closed)") });
+            let cause = Cause::PeerDown { loss: PeerLoss::Dead, detail: format!("died (its link at {addr} closed)") };
+            let _ = r.tx.send(Msg::Error { id, failure: Failure::new(r.phase, Role::Decode, cause) });
         }
     });
     links.decode = Some((addr, link, tx.clone()));
@@ -127,7 +140,7 @@ pub(super) async fn decode_link(p: &Arc<Proxy>, addr: SocketAddr) -> Result<(u64
 /// left waiting for it (see [`Msg::Settle`]). Best effort, on its own connection:
 /// a stage that is down has its own StageDown, and a stage that cannot be reached
 /// leaves the requests to their phase deadline, as before.
-pub(super) fn settle(p: &Arc<Proxy>, stage: u32, requests: Vec<(u64, u64)>, endpoint: crate::transport::PeerAddr, message: String) {
+pub(super) fn settle(p: &Arc<Proxy>, stage: u32, requests: Vec<(u64, u64)>, endpoint: crate::transport::PeerAddr, failure: Failure) {
     let addr = lock(&p.roles).slots.get(stage as usize + 1).and_then(|s| s.as_ref().filter(|s| s.state == PeerState::Up).map(|s| s.reg.addr));
     let Some(addr) = addr else { return };
     let n = requests.len();
@@ -137,7 +150,7 @@ pub(super) fn settle(p: &Arc<Proxy>, stage: u32, requests: Vec<(u64, u64)>, endp
             let conn = TcpStream::connect(addr).await?;
             let (rd, mut wr) = conn.into_split();
             answer_challenge(&mut BufReader::new(rd), &mut wr, &secret).await?;
-            send_line(&mut wr, &Msg::Settle { requests, endpoint, message }).await?;
+            send_line(&mut wr, &Msg::Settle { requests, endpoint, failure }).await?;
             wr.shutdown().await
         };
         match tokio::time::timeout(Duration::from_secs(2), sent).await {
@@ -153,43 +166,46 @@ pub(super) fn settle(p: &Arc<Proxy>, stage: u32, requests: Vec<(u64, u64)>, endp
 /// An error says whether the job may have reached the stage: not when the stage
 /// could not be connected to, maybe when a write on the link failed or stalled.
 pub(super) async fn send_stage0(p: &Arc<Proxy>, addr: SocketAddr, msg: &Msg) -> Result<(), (ServeError, Reached)> {
-    let failed = |message: String| ServeError::Failed { phase: PhaseName::Compute, role: "prefill stage 0".into(), message };
+    let failed = |cause: Cause| ServeError::Failed(Failure::new(PhaseName::Compute, Role::Prefill { stage: 0 }, cause));
+    let late = |after: Duration, detail: String| failed(Cause::Timeout { after, waiting_for: Vec::new(), detail });
+    let gone = |detail: String| failed(Cause::PeerDown { loss: PeerLoss::Dead, detail });
     let unsent = |e: ServeError| (e, Reached::No);
     let maybe = |e: ServeError| (e, Reached::Maybe);
+    let wait = Duration::from_secs(2);
     let mut links = p.links.lock().await;
     for attempt in 0..2 {
         if links.stage0.as_ref().is_none_or(|(a, _)| *a != addr) {
-            let conn = match tokio::time::timeout(Duration::from_secs(2), TcpStream::connect(addr)).await {
+            let conn = match tokio::time::timeout(wait, TcpStream::connect(addr)).await {
                 Ok(Ok(c)) => c,
                 Ok(Err(e)) => {
                     drop(links);
                     return Err(unsent(refused(p, 1, addr, e).await));
                 }
-                Err(_) => return Err(unsent(failed(format!("prefill stage 0 at {addr}: connect timed out")))),
+                Err(_) => return Err(unsent(late(wait, format!("connect to {addr}")))),
             };
             let _ = conn.set_nodelay(true);
             let (rd, mut wr) = conn.into_split();
             if let Err(e) = answer_challenge(&mut BufReader::new(rd), &mut wr, &p.secret).await {
-                return Err(unsent(failed(format!("prefill stage 0 at {addr}: control handshake: {e}"))));
+                return Err(unsent(ServeError::Failed(handshake_failure(PhaseName::Compute, Role::Prefill { stage: 0 }, addr, &e))));
             }
             links.stage0 = Some((addr, wr));
         }
         let Some((_, w)) = links.stage0.as_mut() else { continue };
-        match tokio::time::timeout(Duration::from_secs(2), send_line(w, msg)).await {
+        match tokio::time::timeout(wait, send_line(w, msg)).await {
             Ok(Ok(())) => return Ok(()),
             Ok(Err(e)) => {
                 links.stage0 = None;
                 if attempt == 1 {
-                    return Err(maybe(failed(format!("prefill stage 0 at {addr}: {e}"))));
+                    return Err(maybe(gone(format!("the link at {addr} failed: {e}"))));
                 }
             }
             Err(_) => {
                 links.stage0 = None;
-                return Err(maybe(failed(format!("prefill stage 0 at {addr}: the write did not complete in 2 s"))));
+                return Err(maybe(late(wait, format!("the job's write to {addr} did not complete"))));
             }
         }
     }
-    Err(maybe(failed(format!("prefill stage 0 at {addr}: not reachable"))))
+    Err(maybe(gone(format!("not reachable at {addr}"))))
 }
 
 /// Whether a job that failed to send may have reached its stage.

@@ -2,7 +2,7 @@
 //! and `/health`.
 
 use super::error::ServeError;
-use super::state::{ALIVE, LATE, Peer, PeerState, Proxy, role_name};
+use super::state::{ALIVE, Absence, LATE, NotReady, Peer, PeerState, Proxy, role_name, slot_role};
 use crate::base::lock;
 use crate::roles::openai::BodyError;
 use crate::roles::wire::{Msg, Register};
@@ -10,6 +10,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use handoff_components::ecs::PhaseName;
+use handoff_components::failure::{Cause, Failure, PeerLoss, Role};
 use serde_json::{Value, json};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -110,15 +111,16 @@ pub(super) async fn role_down(p: &Arc<Proxy>, slot: usize, dead: bool, why: Stri
     if slot == 0 {
         let link = p.links.lock().await.decode.as_ref().map(|(_, _, tx)| tx.clone());
         let routes: Vec<(u64, mpsc::UnboundedSender<Msg>, PhaseName)> = lock(&p.routes).drain().map(|(id, r)| (id, r.tx, r.phase)).collect();
+        let loss = if dead { PeerLoss::Dead } else { PeerLoss::Stopped };
         for (id, tx, phase) in routes {
-            let message = format!("decode {why}");
+            let failure = Failure::new(phase, Role::Decode, Cause::PeerDown { loss, detail: why.clone() });
             // A stopped decode reads the cancel when it resumes, and frees the request.
             if let Some(l) = &link {
                 // Not `unsent`: the request's task may be sending its job right
                 // now; the task itself says so when it returns before sending.
-                let _ = l.send(Msg::Cancel { id, phase, message: message.clone(), unsent: false });
+                let _ = l.send(Msg::Cancel { id, failure: failure.clone(), unsent: false });
             }
-            let _ = tx.send(Msg::Error { id, phase, message });
+            let _ = tx.send(Msg::Error { id, failure });
         }
         if dead {
             p.links.lock().await.decode = None;
@@ -156,11 +158,11 @@ pub(super) async fn refused(p: &Arc<Proxy>, slot: usize, addr: SocketAddr, e: st
         tracing::warn!(role = %role_name(slot), %why, "role down");
         role_down(p, slot, true, why.clone()).await;
     }
-    ServeError::NotReady(format!("not ready: {} is down: {why}", role_name(slot)))
+    ServeError::NotReady(NotReady(vec![Absence::Down { role: slot_role(slot), why }]))
 }
 
 /// Decode's and every stage's control address, or which roles are down.
-pub(super) fn peers(p: &Proxy) -> Result<(SocketAddr, Vec<SocketAddr>), String> {
+pub(super) fn peers(p: &Proxy) -> Result<(SocketAddr, Vec<SocketAddr>), NotReady> {
     let roles = lock(&p.roles);
     let mut missing = Vec::new();
     let mut addrs = Vec::new();
@@ -169,12 +171,12 @@ pub(super) fn peers(p: &Proxy) -> Result<(SocketAddr, Vec<SocketAddr>), String> 
             Some(peer) if peer.state == PeerState::Up && peer.seen.elapsed() < ALIVE => addrs.push(peer.reg.addr),
             Some(peer) => {
                 let why = peer.down.as_ref().map_or_else(|| "stopped answering".to_string(), |(t, w)| format!("{w}, {:.1} s ago", t.elapsed().as_secs_f64()));
-                missing.push(format!("{} is down: {why}", role_name(i)));
+                missing.push(Absence::Down { role: slot_role(i), why });
             }
-            None => missing.push(format!("waiting for {} to register", role_name(i))),
+            None => missing.push(Absence::Unregistered(slot_role(i))),
         }
     }
-    if missing.is_empty() { Ok((addrs[0], addrs[1..].to_vec())) } else { Err(format!("not ready: {}", missing.join("; "))) }
+    if missing.is_empty() { Ok((addrs[0], addrs[1..].to_vec())) } else { Err(NotReady(missing)) }
 }
 
 pub(super) fn roles_json(p: &Proxy) -> Value {
@@ -201,6 +203,8 @@ pub(super) async fn health(State(p): State<Arc<Proxy>>) -> Response {
     }
     match peers(&p) {
         Ok(_) => (StatusCode::OK, axum::Json(json!({"status": "ok", "roles": roles_json(&p)}))).into_response(),
-        Err(m) => (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"status": "unavailable", "message": m, "roles": roles_json(&p)}))).into_response(),
+        Err(m) => {
+            (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"status": "unavailable", "message": m.to_string(), "roles": roles_json(&p)}))).into_response()
+        }
     }
 }

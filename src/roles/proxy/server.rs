@@ -18,6 +18,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use handoff_components::Topology;
 use handoff_components::ecs::PhaseName;
+use handoff_components::failure::{Cause, Failure, Role};
 use serde_json::{Value, json};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -210,7 +211,8 @@ pub(super) async fn drain(p: &Arc<Proxy>) {
             if crate::roles::signals::signals() >= 2 { "a second signal stopped the proxy".to_string() } else { format!("serve.drain_s = {drain_s} s passed") };
         eprintln!("proxy: {} requests still in flight; failing them ({why})", left.len());
         for (id, tx, phase) in left {
-            let _ = tx.send(Msg::Error { id, phase, message: format!("the proxy stopped before the request finished: {why}") });
+            let detail = format!("the proxy stopped before the request finished: {why}");
+            let _ = tx.send(Msg::Error { id, failure: Failure::new(phase, Role::Proxy, Cause::Cancelled { detail }) });
         }
         // Lets the failed requests' answers reach their clients.
         tokio::time::sleep(Duration::from_millis(100)).await;

@@ -1,7 +1,7 @@
 //! The proxy's shared state: the registered roles, the routes of the choices in
 //! flight, the links, the metrics, and the per-request accounting ([`Served`]).
 
-use super::error::{ServeError, is_timeout};
+use super::error::{ServeError, classify};
 use crate::base::lock;
 use crate::roles::prom::{Histogram, REQUEST_BUCKETS_S};
 use crate::roles::wire::{Msg, Register};
@@ -9,6 +9,7 @@ use crate::transport::auth::ClusterSecret;
 use axum::response::{IntoResponse, Response};
 use handoff_components::Topology;
 use handoff_components::ecs::PhaseName;
+use handoff_components::failure::Role;
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -59,8 +60,36 @@ pub(super) struct Roles {
     pub(super) downs: Vec<u64>,
 }
 
+/// The role of a slot.
+pub(super) fn slot_role(slot: usize) -> Role {
+    if slot == 0 { Role::Decode } else { Role::Prefill { stage: (slot - 1) as u32 } }
+}
+
 pub(super) fn role_name(slot: usize) -> String {
-    if slot == 0 { "decode".into() } else { format!("prefill stage {}", slot - 1) }
+    slot_role(slot).to_string()
+}
+
+/// Why a role cannot take requests now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Absence {
+    /// It went down (`why`: what the watchdog or a refused connection saw, and when).
+    Down { role: Role, why: String },
+    /// It has not registered yet.
+    Unregistered(Role),
+}
+
+/// The roles that are not up: the proxy takes no request until each is.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("not ready: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+pub struct NotReady(pub Vec<Absence>);
+
+impl std::fmt::Display for Absence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Absence::Down { role, why } => write!(f, "{role} is down: {why}"),
+            Absence::Unregistered(role) => write!(f, "waiting for {role} to register"),
+        }
+    }
 }
 
 /// The role's label in `/metrics`.
@@ -209,10 +238,11 @@ impl Served {
             self.outcome = Some(e.outcome());
             let mut m = lock(&self.p.metrics);
             match e {
-                ServeError::Failed { phase, role, message } => {
-                    *m.failures.entry((phase.name(), role.clone())).or_default() += 1;
-                    if is_timeout(message) {
-                        *m.timeouts.entry(phase.name()).or_default() += 1;
+                ServeError::Failed(f) => {
+                    let class = classify(f);
+                    *m.failures.entry(class.labels).or_default() += 1;
+                    if let Some(phase) = class.timeout {
+                        *m.timeouts.entry(phase).or_default() += 1;
                     }
                 }
                 _ => {

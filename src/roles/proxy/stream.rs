@@ -6,6 +6,7 @@ use crate::roles::openai::{Endpoint, Generation, Utf8Stream};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use handoff_components::ecs::PhaseName;
+use handoff_components::failure::{Cause, Failure, Role};
 use serde_json::{Value, json};
 use std::collections::VecDeque;
 use tokio::sync::mpsc;
@@ -46,7 +47,8 @@ pub(super) async fn collect_response(
         }
     }
     if let Some(i) = outs.iter().position(|o| o.finish.is_none()) {
-        let e = ServeError::Failed { phase: PhaseName::Decode, role: "proxy".into(), message: format!("choice {i} ended without an answer") };
+        let detail = format!("choice {i} ended without an answer");
+        let e = ServeError::Failed(Failure::new(PhaseName::Decode, Role::Proxy, Cause::Protocol { detail }));
         return served.fail(e);
     }
     served.outcome = Some("ok");
