@@ -21,7 +21,7 @@ fn svg_texts(path: &PathBuf) -> Vec<String> {
     let body = std::fs::read_to_string(path).expect("read svg");
     let doc = roxmltree::Document::parse(&body).unwrap_or_else(|e| panic!("{} is not XML: {e}", path.display()));
     assert_eq!(doc.root_element().tag_name().name(), "svg", "root element");
-    doc.descendants().filter(|n| n.has_tag_name("text")).map(|n| n.descendants().filter_map(|t| t.text()).collect::<String>()).collect()
+    doc.descendants().filter(|n| n.has_tag_name("text")).map(|n| n.descendants().filter(|t| t.is_text()).filter_map(|t| t.text()).collect::<String>()).collect()
 }
 
 fn has(texts: &[String], want: &str) -> bool {
@@ -94,10 +94,10 @@ fn compute_plot_draws_each_op_against_the_roofline() {
         "roofline: host memcpy 10.00 GB/s",
         "op (as `bench compute` prints it)",
         "achieved fraction of roofline (floor time / measured time, %)",
-        // The bars' own labels: 638 / 3190, 638 / 6380, 50 / 100.
-        "20%",
-        "10%",
-        "50%",
+        // The bars' own labels: 638 / 3190, 638 / 6380, 50 / 100, with the times.
+        "20% (3190 us)",
+        "10% (6380 us)",
+        "50% (100 us)",
     ] {
         assert!(has(&texts, want), "no text {want:?} in {texts:?}");
     }

@@ -168,7 +168,18 @@ fn level_panel(
         // Half a step of headroom each side, so C1's few ms and C88's queueing
         // seconds are both readable.
         let mut c = b.build_cartesian_2d(xs, (lo / 1.5..hi * 1.5).log_scale())?;
-        c.configure_mesh().disable_x_mesh().x_labels(0).x_desc("concurrency (clients in flight)").y_desc(y_desc).y_label_formatter(&|y| short(*y)).draw()?;
+        // plotters' log axis labels only some decades here; 1-2-5 steps are
+        // drawn by hand instead (log_ticks), so every panel reads alike.
+        // (y_labels(0) still leaves one key point on a log axis: blank its label.)
+        c.configure_mesh()
+            .disable_mesh()
+            .x_labels(0)
+            .y_labels(0)
+            .y_label_formatter(&|_| String::new())
+            .x_desc("concurrency (clients in flight)")
+            .y_desc(y_desc)
+            .draw()?;
+        log_ticks(area, &mut c, lo / 1.5, hi * 1.5)?;
         lines(&mut c, series)?;
         x_ticks(area, &c, &names)?;
     } else {
@@ -198,15 +209,46 @@ where
     Ok(())
 }
 
+/// Faint lines and labels at 1, 2 and 5 times each power of ten in `lo..hi`.
+fn log_ticks<X, Y>(area: &DrawingArea<SVGBackend<'_>, Shift>, c: &mut ChartContext<'_, SVGBackend<'_>, Cartesian2d<X, Y>>, lo: f64, hi: f64) -> PlotResult<()>
+where
+    X: Ranged<ValueType = f64>,
+    Y: Ranged<ValueType = f64>,
+{
+    let (bx, by) = area.get_base_pixel();
+    let xr = c.x_range();
+    let mut ticks = Vec::new();
+    for d in lo.log10().floor() as i32..=hi.log10().ceil() as i32 {
+        for m in [1.0, 2.0, 5.0] {
+            let v = m * 10f64.powi(d);
+            if (lo..=hi).contains(&v) {
+                ticks.push(v);
+            }
+        }
+    }
+    for v in ticks {
+        c.draw_series(LineSeries::new(vec![(xr.start, v), (xr.end, v)], BLACK.mix(0.12)))?;
+        let (px, py) = c.backend_coord(&(xr.start, v));
+        let style = (FONT, 12).into_font().color(&BLACK).pos(Pos::new(HPos::Right, VPos::Center));
+        area.draw(&Text::new(short(v), (px - bx - 6, py - by), style))?;
+    }
+    Ok(())
+}
+
 /// An axis value without trailing noise: 2,814 -> "2814", 0.39 -> "0.39".
 fn short(v: f64) -> String {
-    if v >= 100.0 {
+    if v == 0.0 || v >= 10.0 {
         format!("{v:.0}")
     } else if v >= 1.0 {
         format!("{v:.1}")
     } else {
         format!("{v:.2}")
     }
+}
+
+/// A time in us as a bar label reads it: 282 us, 16.3 ms.
+fn micros(us: f64) -> String {
+    if us >= 10_000.0 { format!("{:.1} ms", us / 1000.0) } else { format!("{us:.0} us") }
 }
 
 /// Draws `chart` into the SVG file `path`: one bar per op and series, its
@@ -253,7 +295,8 @@ fn compute_svg(chart: &ComputeChart, path: &Path) -> PlotResult<()> {
             let x0 = i as f64 - 0.4 + j as f64 * w;
             let f = op.fraction(op.runs[j].1);
             bars.push(Rectangle::new([(x0 + 0.02, 0.0), (x0 + w - 0.02, f)], colour.filled()));
-            labels.push(Text::new(format!("{:.0}%", f * 100.0), (x0 + w / 2.0, f), centred(12, BLACK, VPos::Bottom)));
+            // The measured time too, so the bar reads without the table.
+            labels.push(Text::new(format!("{:.0}% ({})", f * 100.0, micros(op.runs[j].1)), (x0 + w / 2.0, f), centred(12, BLACK, VPos::Bottom)));
         }
         c.draw_series(bars)?.label(*name).legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 14, y + 6)], colour.filled()));
         c.draw_series(labels)?;
