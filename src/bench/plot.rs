@@ -131,7 +131,7 @@ fn centred(size: u32, colour: RGBColor, v: VPos) -> TextStyle<'static> {
 
 /// The category names under the x axis, one centred under each of x = 0, 1, ...
 /// The mesh's own labels sit at "nice" numbers, not at the categories, so they
-/// are off and these are drawn at the categories' pixels instead.
+/// are switched off and these are drawn at the categories' pixels instead.
 fn x_ticks<X, Y>(area: &DrawingArea<SVGBackend<'_>, Shift>, c: &ChartContext<'_, SVGBackend<'_>, Cartesian2d<X, Y>>, names: &[String]) -> PlotResult<()>
 where
     X: Ranged<ValueType = f64>,
@@ -165,8 +165,8 @@ fn level_panel(
     let mut b = ChartBuilder::on(area);
     b.caption(caption, (FONT, 16)).margin(12).x_label_area_size(50).y_label_area_size(70);
     if log {
-        // Half a step of headroom each side, so C1's few ms and C88's queueing
-        // seconds are both readable.
+        // Log scale, so C1's few ms and C88's queueing seconds are both
+        // readable; a factor of 1.5 of room past the extremes.
         let mut c = b.build_cartesian_2d(xs, (lo / 1.5..hi * 1.5).log_scale())?;
         // plotters' log axis labels only some decades here; 1-2-5 steps are
         // drawn by hand instead (log_ticks), so every panel reads alike.
