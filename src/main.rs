@@ -121,6 +121,9 @@ enum BenchCommand {
         /// Exit 0 even when requests failed (they are still listed by status and reason).
         #[arg(long)]
         allow_failures: bool,
+        /// Also draw tok/s, TTFT and ITL (p50, p99) per level into this SVG file.
+        #[arg(long)]
+        plot: Option<std::path::PathBuf>,
     },
     /// A long load through `handoff up` with faults injected: a prefill stage killed
     /// at 1/4 (restarted by up), decode stopped (SIGSTOP) at 1/2; then requests by
@@ -175,6 +178,9 @@ enum BenchCommand {
         /// Backend: cpu, cuda[:N] or hip[:N] (default: the topology's [device], else cpu).
         #[arg(long)]
         device: Option<String>,
+        /// Also draw each op's fraction of its roofline into this SVG file.
+        #[arg(long)]
+        plot: Option<std::path::PathBuf>,
     },
 }
 
@@ -401,7 +407,7 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::Role(r) => handoff::cli::roles::dispatch(r)?,
-        Command::Bench { what: BenchCommand::Serve { config, concurrency, requests, allow_failures } } => {
+        Command::Bench { what: BenchCommand::Serve { config, concurrency, requests, allow_failures, plot } } => {
             if concurrency.is_empty() || concurrency.contains(&0) {
                 return Err(Refusal("--concurrency needs levels of at least 1".into()).into());
             }
@@ -409,6 +415,11 @@ fn run(cli: Cli) -> Result<()> {
                 load(c)?;
             }
             let levels = handoff::bench::bench_serve(config.as_deref().map(std::path::Path::new), &concurrency, requests)?;
+            if let Some(p) = &plot {
+                // Drawn before the failure check, so a sweep with failures still has its picture.
+                handoff::bench::plot::draw_serve(&handoff::bench::serve::serve_chart(&levels, config.as_deref().map(std::path::Path::new)), p)?;
+                println!("plot: {}", p.display());
+            }
             let failed = handoff::bench::serve::failed_requests(&levels);
             if failed > 0 && !allow_failures {
                 let total: u32 = levels.iter().map(|l| l.requests).sum();
@@ -439,12 +450,18 @@ fn run(cli: Cli) -> Result<()> {
                 anyhow::bail!("soak: {}", problems.join("; "));
             }
         }
-        Command::Bench { what: BenchCommand::Compute { config, prompt, steps, device } } => {
+        Command::Bench { what: BenchCommand::Compute { config, prompt, steps, device, plot } } => {
             let topo = load(&config)?;
             let dev = handoff::engine::device::resolve(&topo, device.as_deref())?;
             let f = handoff::with_backend!(dev, |be| handoff::model::bench_compute(&be, &topo, prompt, steps)).map_err(|e| anyhow::anyhow!("{e}"))?;
             println!("bench compute on {dev}");
             print!("{f}");
+            let chart = handoff::bench::compute::compute_chart(&f, &topo, &dev, &config);
+            print!("{chart}");
+            if let Some(p) = &plot {
+                handoff::bench::plot::draw_compute(&chart, p)?;
+                println!("plot: {}", p.display());
+            }
         }
     }
     Ok(())

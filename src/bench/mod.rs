@@ -4,9 +4,13 @@
 //! - [`transfer`]: `bench transfer`, the hand-off bytes through one transport;
 //! - [`ipc`]: `bench transfer --transport cuda-ipc`, across two processes of one GPU;
 //! - [`serve`]: `bench serve`, a whole deployment under load per concurrency level;
-//! - [`soak`]: `bench soak`, a long load with faults, checking that nothing leaks.
+//! - [`soak`]: `bench soak`, a long load with faults, checking that nothing leaks;
+//! - [`plot`]: the `--plot FILE.svg` pictures of `bench serve` and `bench compute`,
+//!   drawn from plain structs the benches fill ([`compute`] fills the latter).
 
+pub mod compute;
 pub mod ipc;
+pub mod plot;
 pub mod serve;
 pub mod soak;
 pub mod transfer;

@@ -153,6 +153,28 @@ pub fn failure_lines(reasons: &BTreeMap<(u16, String), u32>, most: usize) -> Str
     out
 }
 
+/// The picture of a sweep (`bench serve --plot`): one point per level, the
+/// same figures the table prints.
+pub fn serve_chart(levels: &[ServeLevel], config: Option<&Path>) -> super::plot::ServeChart {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let config = config.map_or("the built-in default (config/trained.toml)".to_string(), |p| p.display().to_string());
+    super::plot::ServeChart {
+        title: "bench serve: throughput and latency per concurrency level".into(),
+        subtitle: format!("{config}, 16 tokens a request, {cores} host cores; successful requests only"),
+        points: levels
+            .iter()
+            .map(|l| super::plot::ServePoint {
+                concurrency: l.concurrency,
+                tok_s: l.tok_s,
+                ttft_p50: l.ttft_p50,
+                ttft_p99: l.ttft_p99,
+                itl_p50: l.itl_p50,
+                itl_p99: l.itl_p99,
+            })
+            .collect(),
+    }
+}
+
 /// Requests that failed over every level of a sweep.
 pub fn failed_requests(levels: &[ServeLevel]) -> u32 {
     levels.iter().map(|l| l.failed.values().sum::<u32>()).sum()
