@@ -58,7 +58,7 @@ matrix)
   ;;
 compute)
   step "bench compute on cuda, config/gpu.toml: the fused decode step through device regions, against its floor"
-  timeout 300 handoff bench compute --config config/gpu.toml --device cuda 2>&1 | tee "$OUT/compute-gpu.txt" | tail -14 || fail=1
+  timeout 300 handoff bench compute --config config/gpu.toml --device cuda --plot "$OUT/compute-gpu.svg" 2>&1 | tee "$OUT/compute-gpu.txt" | tail -14 || fail=1
   step "the same model in plain PyTorch (same weights), eager and CUDA graph"
   handoff weights --config config/gpu.toml --out /tmp/gpu-weights.safetensors >/dev/null || fail=1
   PYTHONUNBUFFERED=1 timeout 300 python3 benches/peers/torch_model.py --config config/gpu.toml --weights /tmp/gpu-weights.safetensors 2>&1 | tee "$OUT/torch.txt" | grep -v Warning || fail=1
