@@ -1,6 +1,6 @@
 //! Transfer benchmark, for `handoff bench transfer --transport local|shm|tcp`.
 //!
-//! Reports, never asserts (conventions.md). Every report carries this machine's
+//! Reports, never asserts (benchmarks measure; tests assert). Every report carries this machine's
 //! memcpy bandwidth measured in the same run (one thread and two threads), so a
 //! transfer figure always comes with the limit it is compared to.
 

@@ -1,6 +1,6 @@
 //! Transports: one-sided writes of registered memory regions between ranks.
 //!
-//! A transport knows regions and descriptors, never requests (conventions.md). A
+//! A transport knows regions and descriptors, never requests (docs/design.md section 6). A
 //! consumer rank registers a region and hands its [`RegionHandle`] (plain serde data)
 //! to a producer, possibly in another process or on another host; the producer
 //! [`Transport::attach`]es it and [`Transport::submit`]s descriptor batches that copy

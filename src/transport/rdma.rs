@@ -2,7 +2,7 @@
 //!
 //! Built without the `rdma` feature, [`RdmaTransport::open`] says so; built with it,
 //! it says that the verbs path is not written yet. Either way the rest of the engine
-//! compiles against the same types (conventions.md: a disabled backend is a stub
+//! compiles against the same types (a disabled backend is a stub
 //! that returns a clear error). Handles already carry [`super::MemoryKind`] so that
 //! registered device memory (GPUDirect) needs no API change.
 

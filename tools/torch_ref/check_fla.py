@@ -4,7 +4,7 @@
 
 Ground truth: model.kda_recurrent in float64 (on the CPU), fed q, k normalised and
 q scaled by Dk^-1/2, g = -exp(a_log) * softplus(g_raw + dt_bias), beta =
-sigmoid(b_raw), as design.md section 5 states. Compared with it, all in f32 on the
+sigmoid(b_raw), as docs/design.md section 5 states. Compared with it, all in f32 on the
 GPU, with a random start state and a ragged length (not a multiple of 64):
 
   mine-chunked   model.kda_chunked (the training form)

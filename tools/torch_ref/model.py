@@ -1,7 +1,7 @@
 """Independent PyTorch reference of handoff's compute model.
 
 Written from docs/weights.md (tensor names, shapes, the forward pass) and
-design.md section 5 (the KDA and MLA math), not from the Rust source. Two forms of
+docs/design.md section 5 (the KDA and MLA math), not from the Rust source. Two forms of
 every mixer live here:
 
 * the reference: token by token, the way decode runs (`Model.step`). KDA keeps its
@@ -78,7 +78,7 @@ def rms(x, w):
 
 
 def l2n(x):
-    # x / sqrt(|x|^2 + 1e-6): eps inside the root, as design.md section 5 writes it
+    # x / sqrt(|x|^2 + 1e-6): eps inside the root, as docs/design.md section 5 writes it
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + EPS)
 
 
@@ -97,7 +97,7 @@ def kda_gate(g_raw, a_log, dt_bias):
 # ---------------------------------------------------------------------------
 
 def kda_recurrent(q, k, v, g, beta, S=None, records=None):
-    """The reference, one token at a time (design.md section 5, steps 4-7).
+    """The reference, one token at a time (docs/design.md section 5, steps 4-7).
 
     q, k [T, H, Dk] already normalised (q also scaled by Dk^-1/2), v [T, H, Dv],
     g [T, H, Dk] log decay, beta [T, H]. S [H, Dk, Dv] (zeros when None).
