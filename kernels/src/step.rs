@@ -3,7 +3,7 @@
 //! per-step tick the host uploads. A backend that can run a decode step
 //! without the host in the loop ([`crate::Backend::decode_step`]) builds a
 //! [`DecodeStep`] from a [`StepSpec`]; the CUDA backend does
-//! (`gpu/step_cuda.rs` and `hip/step.hip`), the CPU runs the generic forward
+//! (`gpu/step_cuda/` and `hip/step.hip`), the CPU runs the generic forward
 //! pass instead.
 //!
 //! What a step is: one fixed sequence of launches over a whole batch bucket

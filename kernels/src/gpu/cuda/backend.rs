@@ -1,0 +1,662 @@
+//! `impl Backend for CudaBackend`: every op's checks and launches.
+
+use super::*;
+
+impl Backend for CudaBackend {
+    fn decode_step(&self, spec: &crate::step::StepSpec) -> Result<Box<dyn crate::step::DecodeStep>> {
+        let step = crate::gpu::step_cuda::CudaStep::new(self.ctx.clone(), self.stream.clone(), self.module.clone(), spec)?;
+        Ok(Box::new(step))
+    }
+
+    fn device_memory(&self) -> Result<Arc<dyn DeviceMemory>> {
+        Ok(Arc::new(crate::gpu::CudaMemory::new(Arc::clone(&self.ctx))?))
+    }
+
+    fn region_gather(&self, region: DeviceRegion, items: RegionItems<'_>) -> Result<CudaBuf> {
+        let op = "region_gather";
+        let n = items.check(op, region)?;
+        let out = self.alloc(n)?;
+        self.region_launch(op, region, items, n, |offs, it, per, code| {
+            self.region_kernel(op, &self.f.region_gather_b32, &self.f.region_gather_b16, region, offs, it, per, code, &out.data)
+        })?;
+        Ok(out)
+    }
+
+    fn region_scatter(&self, src: &CudaBuf, region: DeviceRegion, items: RegionItems<'_>) -> Result<()> {
+        let op = "region_scatter";
+        self.region_launch(op, region, items, src.len, |offs, it, per, code| {
+            self.region_kernel(op, &self.f.region_scatter_b32, &self.f.region_scatter_b16, region, offs, it, per, code, &src.data)
+        })
+    }
+
+    fn region_gather_i32(&self, region: DeviceRegion, offsets: &[u64]) -> Result<CudaIBuf> {
+        let op = "region_gather_i32";
+        let items = RegionItems { offsets, values: 1, dtype: StorageDtype::F32 };
+        let mut out = self.alloc_i32(offsets.len())?;
+        out.set_known(None);
+        self.region_launch(op, region, items, offsets.len(), |offs, it, per, code| {
+            self.region_kernel(op, &self.f.region_gather_b32, &self.f.region_gather_b16, region, offs, it, per, code, &out.data)
+        })?;
+        Ok(out)
+    }
+
+    fn region_scatter_i32(&self, src: &CudaIBuf, region: DeviceRegion, offsets: &[u64]) -> Result<()> {
+        let op = "region_scatter_i32";
+        let items = RegionItems { offsets, values: 1, dtype: StorageDtype::F32 };
+        self.region_launch(op, region, items, src.len, |offs, it, per, code| {
+            self.region_kernel(op, &self.f.region_scatter_b32, &self.f.region_scatter_b16, region, offs, it, per, code, &src.data)
+        })
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        CudaBackend::synchronize(self)
+    }
+
+    type Buf = CudaBuf;
+    type IBuf = CudaIBuf;
+    type F64Buf = CudaF64Buf;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn alloc(&self, len: usize) -> Result<CudaBuf> {
+        Ok(CudaBuf { data: self.alloc_t("alloc", len)?, len })
+    }
+
+    fn upload(&self, data: &[f32]) -> Result<CudaBuf> {
+        Ok(CudaBuf { data: self.upload_t("upload", data)?, len: data.len() })
+    }
+
+    fn upload_into(&self, dst: &mut CudaBuf, offset: usize, data: &[f32]) -> Result<()> {
+        let op = "upload_into";
+        let r = range(op, "dst", offset, data.len(), dst.len)?;
+        if !data.is_empty() {
+            self.stream.memcpy_htod(data, &mut dst.data.slice_mut(r)).map_err(dev(op))?;
+        }
+        Ok(())
+    }
+
+    fn download(&self, buf: &CudaBuf) -> Result<Vec<f32>> {
+        self.download_t("download", &buf.data, buf.len)
+    }
+
+    fn buf_len(&self, buf: &CudaBuf) -> usize {
+        buf.len
+    }
+
+    fn alloc_i32(&self, len: usize) -> Result<CudaIBuf> {
+        Ok(CudaIBuf::new(self.alloc_t("alloc_i32", len)?, len, Some(vec![0; len])))
+    }
+
+    fn upload_i32(&self, data: &[i32]) -> Result<CudaIBuf> {
+        Ok(CudaIBuf::new(self.upload_t("upload_i32", data)?, data.len(), Some(data.to_vec())))
+    }
+
+    fn download_i32(&self, buf: &CudaIBuf) -> Result<Vec<i32>> {
+        let mut known = buf.known();
+        if let (true, Some(v)) = (self.fused, known.as_ref()) {
+            return Ok(v.clone());
+        }
+        let v = self.download_t("download_i32", &buf.data, buf.len)?;
+        *known = Some(v.clone());
+        Ok(v)
+    }
+
+    fn alloc_f64(&self, len: usize) -> Result<CudaF64Buf> {
+        Ok(CudaF64Buf { data: self.alloc_t("alloc_f64", len)?, len })
+    }
+
+    fn upload_f64(&self, data: &[f64]) -> Result<CudaF64Buf> {
+        Ok(CudaF64Buf { data: self.upload_t("upload_f64", data)?, len: data.len() })
+    }
+
+    fn download_f64(&self, buf: &CudaF64Buf) -> Result<Vec<f64>> {
+        self.download_t("download_f64", &buf.data, buf.len)
+    }
+
+    fn fill(&self, buf: &mut CudaBuf, value: f32) -> Result<()> {
+        let n = buf.len;
+        self.fill_unchecked("fill", &mut buf.data, n, value)
+    }
+
+    fn copy(&self, src: &CudaBuf, src_off: usize, dst: &mut CudaBuf, dst_off: usize, len: usize) -> Result<()> {
+        let op = "copy";
+        let rs = range(op, "src", src_off, len, src.len)?;
+        let rd = range(op, "dst", dst_off, len, dst.len)?;
+        if len > 0 {
+            self.stream.memcpy_dtod(&src.data.slice(rs), &mut dst.data.slice_mut(rd)).map_err(dev(op))?;
+        }
+        Ok(())
+    }
+
+    fn copy_cols(&self, shape: ColsCopy, src: &CudaBuf, dst: &mut CudaBuf) -> Result<()> {
+        let op = "copy_cols";
+        let ColsCopy { rows, src_cols, src_col, dst_cols, dst_col, width } = shape;
+        check_len(op, "src", src.len, elems(op, &[rows, src_cols])?)?;
+        check_len(op, "dst", dst.len, elems(op, &[rows, dst_cols])?)?;
+        range(op, "src row", src_col, width, src_cols)?;
+        range(op, "dst row", dst_col, width, dst_cols)?;
+        let n = rows * width;
+        if n == 0 {
+            return Ok(());
+        }
+        let a = [rows, src_cols, src_col, dst_cols, dst_col, width].map(i64_of);
+        let mut b = self.stream.launch_builder(&self.f.copy_cols);
+        b.arg(&src.data).arg(&mut dst.data);
+        for v in &a {
+            b.arg(v);
+        }
+        // SAFETY: types and order match copy_cols; ranges were checked.
+        unsafe { b.launch(ew_cfg(n)) }.map_err(dev(op))?;
+        Ok(())
+    }
+
+    fn copy_f64(&self, src: &CudaF64Buf, src_off: usize, dst: &mut CudaF64Buf, dst_off: usize, len: usize) -> Result<()> {
+        let op = "copy_f64";
+        let rs = range(op, "src", src_off, len, src.len)?;
+        let rd = range(op, "dst", dst_off, len, dst.len)?;
+        if len > 0 {
+            self.stream.memcpy_dtod(&src.data.slice(rs), &mut dst.data.slice_mut(rd)).map_err(dev(op))?;
+        }
+        Ok(())
+    }
+
+    fn round_to(&self, buf: &mut CudaBuf, dtype: StorageDtype) -> Result<()> {
+        let op = "round_to";
+        let code: i32 = match dtype {
+            StorageDtype::F32 => return Ok(()),
+            StorageDtype::Bf16 => 1,
+            StorageDtype::F16 => 2,
+        };
+        let n = buf.len;
+        if n == 0 {
+            return Ok(());
+        }
+        let nn = i64_of(n);
+        let mut b = self.stream.launch_builder(&self.f.round_to);
+        b.arg(&mut buf.data).arg(&code).arg(&nn);
+        // SAFETY: types and order match round_to.
+        unsafe { b.launch(ew_cfg(n)) }.map_err(dev(op))?;
+        Ok(())
+    }
+
+    fn kda_step(
+        &self,
+        shape: KdaStepShape,
+        state: &mut CudaBuf,
+        x: KdaInputs<'_, CudaBuf>,
+        params: KdaParams<'_, CudaBuf>,
+        out: &mut CudaBuf,
+        record: Option<&mut CudaBuf>,
+    ) -> Result<()> {
+        let op = "kda_step";
+        let KdaStepShape { batch, heads, dk, dv } = shape;
+        check_kda(op, batch, heads, dk, dv, state.len, batch, &x, &params, out.len, record.as_ref().map(|r| r.len))?;
+        self.kda_recurrent(op, batch, 1, heads, dk, dv, state, x, params, out, record)
+    }
+
+    /// The chunked form (kda_chunk.hip) where the CPU reference takes it too
+    /// (at least one chunk of 64 tokens and 2 dv >= 3 x 64), dk <= 128 and the
+    /// device gives the kernels their shared memory (the H200 does): a
+    /// parallel pass over all chunks, then one block per (head, 16 value
+    /// columns) walks the chunks; it agrees with the CPU's chunked form to
+    /// rounding. Otherwise the recurrent form: one block per (head, column
+    /// tile) walks the tokens with the state in registers, so the result
+    /// equals `tokens` decode steps bit for bit.
+    fn kda_prefill(
+        &self,
+        shape: KdaPrefillShape,
+        state: &mut CudaBuf,
+        x: KdaInputs<'_, CudaBuf>,
+        params: KdaParams<'_, CudaBuf>,
+        out: &mut CudaBuf,
+        record: Option<&mut CudaBuf>,
+    ) -> Result<()> {
+        let op = "kda_prefill";
+        let KdaPrefillShape { tokens, heads, dk, dv } = shape;
+        check_kda(op, tokens, heads, dk, dv, state.len, 1, &x, &params, out.len, record.as_ref().map(|r| r.len))?;
+        let chunk = cpu_kda::KDA_CHUNK;
+        let Some((prep, pass)) = self.f.kda_chunk.as_ref().filter(|_| tokens >= chunk && dk <= KDA_CHUNK_DK && 2 * dv >= 3 * chunk) else {
+            return self.kda_recurrent(op, 1, tokens, heads, dk, dv, state, x, params, out, record);
+        };
+        // Workspace of kda_chunk.hip (kda_chunk_ws), every element written by
+        // kda_chunk_prep before kda_chunk_state reads it.
+        let chunks = tokens.div_ceil(chunk);
+        let ws_len = (|| {
+            let rows = heads.checked_mul(chunks)?.checked_mul(chunk)?;
+            let per_chunk = heads.checked_mul(chunks)?.checked_mul(chunk * chunk + KDA_CHUNK_DK)?;
+            rows.checked_mul(3 * KDA_CHUNK_DK + dv)?.checked_add(per_chunk)
+        })()
+        .ok_or(KernelError::SizeOverflow { op, dims: vec![tokens, heads, dv] })?;
+        // SAFETY: kda_chunk_prep writes every element before kda_chunk_state,
+        // queued after it on the same stream, reads any.
+        let ws = unsafe { self.stream.alloc::<f32>(ws_len) }.map_err(dev(op))?;
+        let tiles = dv.div_ceil(KDA_CHUNK_TILE);
+        if tiles > 65535 || heads > 65535 {
+            return Err(KernelError::InvalidShape { op, reason: format!("{heads} heads of dv = {dv}: too many blocks") });
+        }
+        let (t, h, k, v) = (int(op, "tokens", tokens)?, int(op, "heads", heads)?, int(op, "dk", dk)?, int(op, "dv", dv)?);
+        let nch = int(op, "chunks", chunks)?;
+        let null: u64 = 0;
+        let mut b = self.stream.launch_builder(prep);
+        b.arg(&x.q.data).arg(&x.k.data).arg(&x.v.data).arg(&x.g_raw.data).arg(&x.b_raw.data).arg(&params.a_log.data).arg(&params.dt_bias.data);
+        match record.as_deref() {
+            Some(r) => b.arg(&r.data),
+            None => b.arg(&null),
+        };
+        b.arg(&ws).arg(&t).arg(&h).arg(&k).arg(&v);
+        let cfg = LaunchConfig { grid_dim: (nch as u32, heads as u32, 1), block_dim: (KDA_CHUNK_THREADS, 1, 1), shared_mem_bytes: KDA_CHUNK_PREP_SMEM };
+        // SAFETY: argument types and order match kda_chunk_prep; the inputs
+        // and the record were checked to hold tokens x heads rows, the
+        // workspace is sized as kda_chunk_ws lays it out.
+        unsafe { b.launch(cfg) }.map_err(dev(op))?;
+        let mut b = self.stream.launch_builder(pass);
+        b.arg(&mut state.data).arg(&mut out.data);
+        match record {
+            Some(r) => b.arg(&mut r.data),
+            None => b.arg(&null),
+        };
+        b.arg(&ws).arg(&t).arg(&h).arg(&k).arg(&v);
+        let cfg = LaunchConfig { grid_dim: (heads as u32, tiles as u32, 1), block_dim: (KDA_CHUNK_THREADS, 1, 1), shared_mem_bytes: KDA_CHUNK_STATE_SMEM };
+        // SAFETY: argument types and order match kda_chunk_state; state, out
+        // and record were checked against the shape.
+        unsafe { b.launch(cfg) }.map_err(dev(op))?;
+        Ok(())
+    }
+
+    fn replay_append(&self, shape: ReplayShape, tokens: usize, ring: &mut CudaBuf, cursor: &mut CudaIBuf, records: &CudaBuf) -> Result<()> {
+        let op = "replay_append";
+        let w = cpu_kda::check_replay(op, &shape, ring.len, cursor.len)?;
+        let ReplayShape { batch, heads, capacity, .. } = shape;
+        check_len(op, "records", records.len, elems(op, &[batch, tokens, heads, w])?)?;
+        let cur = self.read_cursors(op, cursor, capacity)?;
+        for (b, &c) in cur.iter().enumerate() {
+            if c + tokens > capacity {
+                return Err(KernelError::ReplayFull { slot: b, cursor: c, tokens, capacity });
+            }
+        }
+        let per = heads * w;
+        let n = tokens * per;
+        if batch == 0 || n == 0 {
+            return Ok(());
+        }
+        if batch > 65535 {
+            return Err(KernelError::InvalidShape { op, reason: format!("{batch} slots exceed the device grid") });
+        }
+        let mut cfg = ew_cfg(n);
+        cfg.grid_dim.0 = cfg.grid_dim.0.min((EW_MAX_BLOCKS / batch).max(1) as u32);
+        cfg.grid_dim.1 = batch as u32;
+        let (cap, tok, per64) = (int(op, "capacity", capacity)?, int(op, "tokens", tokens)?, i64_of(per));
+        let mut b = self.stream.launch_builder(&self.f.replay_append);
+        b.arg(&mut ring.data).arg(&cursor.data).arg(&records.data).arg(&cap).arg(&tok).arg(&per64);
+        // SAFETY: types and order match replay_append; every cursor + tokens
+        // was checked to fit the ring.
+        unsafe { b.launch(cfg) }.map_err(dev(op))?;
+        // c + tokens <= capacity, which the cursor range check bounds by i32.
+        let next: Vec<i32> = cur.iter().map(|&c| (c + tokens) as i32).collect();
+        self.stream.memcpy_htod(&next, &mut cursor.data.slice_mut(0..batch)).map_err(dev(op))?;
+        cursor.set_known(Some(next));
+        Ok(())
+    }
+
+    fn replay_commit(&self, shape: ReplayShape, state: &mut CudaBuf, ring: &CudaBuf, cursor: &mut CudaIBuf) -> Result<()> {
+        let op = "replay_commit";
+        cpu_kda::check_replay(op, &shape, ring.len, cursor.len)?;
+        let ReplayShape { batch, heads, dk, dv, capacity } = shape;
+        check_len(op, "state", state.len, elems(op, &[batch, heads, dk, dv])?)?;
+        self.read_cursors(op, cursor, capacity)?;
+        if dk > KDA_MAX_DK {
+            return Err(KernelError::InvalidShape { op, reason: format!("dk = {dk}: the device KDA kernels hold at most {KDA_MAX_DK} key rows per head") });
+        }
+        if batch == 0 {
+            return Ok(());
+        }
+        let tiles = dv.div_ceil(128); // replay_commit's tile: 4 columns per lane
+        let (threads, _) = kda_block(dk, 4);
+        let cfg =
+            LaunchConfig { grid_dim: (int(op, "slots x heads", batch * heads)? as u32, tiles as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+        let (cap, h, k, v) = (int(op, "capacity", capacity)?, int(op, "heads", heads)?, int(op, "dk", dk)?, int(op, "dv", dv)?);
+        let mut b = self.stream.launch_builder(&self.f.replay_commit);
+        b.arg(&mut state.data).arg(&ring.data).arg(&cursor.data).arg(&cap).arg(&h).arg(&k).arg(&v);
+        // SAFETY: types and order match replay_commit; cursors were checked.
+        unsafe { b.launch(cfg) }.map_err(dev(op))?;
+        self.stream.memset_zeros(&mut cursor.data.slice_mut(0..batch)).map_err(dev(op))?;
+        cursor.set_known(Some(vec![0; batch]));
+        Ok(())
+    }
+
+    fn conv_prefill(&self, shape: ConvShape, tokens: usize, x: &CudaBuf, weight: &CudaBuf, state: &mut CudaBuf, out: &mut CudaBuf) -> Result<()> {
+        let op = "conv_prefill";
+        let ConvShape { channels: ch, width } = shape;
+        check_nonzero(op, "conv width", width)?;
+        check_len(op, "weight", weight.len, elems(op, &[ch, width])?)?;
+        let hist = width - 1;
+        check_len(op, "x", x.len, elems(op, &[tokens, ch])?)?;
+        check_len(op, "out", out.len, elems(op, &[tokens, ch])?)?;
+        check_len(op, "state", state.len, elems(op, &[hist, ch])?)?;
+        if ch == 0 {
+            return Ok(());
+        }
+        let (t, c, w) = (int(op, "tokens", tokens)?, int(op, "channels", ch)?, int(op, "width", width)?);
+        if tokens > 0 {
+            let mut b = self.stream.launch_builder(&self.f.conv_prefill_out);
+            b.arg(&x.data).arg(&weight.data).arg(&state.data).arg(&mut out.data).arg(&t).arg(&c).arg(&w);
+            // SAFETY: types and order match conv_prefill_out; lengths checked.
+            unsafe { b.launch(ew_cfg(tokens * ch)) }.map_err(dev(op))?;
+        }
+        if hist > 0 {
+            // After the outputs (same stream), which read the old state.
+            let mut b = self.stream.launch_builder(&self.f.conv_prefill_state);
+            b.arg(&x.data).arg(&mut state.data).arg(&t).arg(&c).arg(&w);
+            // SAFETY: types and order match conv_prefill_state; lengths checked.
+            unsafe { b.launch(ew_cfg(ch)) }.map_err(dev(op))?;
+        }
+        Ok(())
+    }
+
+    fn conv_step(&self, shape: ConvShape, batch: usize, x: &CudaBuf, weight: &CudaBuf, state: &mut CudaBuf, out: &mut CudaBuf) -> Result<()> {
+        let op = "conv_step";
+        let ConvShape { channels: ch, width } = shape;
+        check_nonzero(op, "conv width", width)?;
+        check_len(op, "weight", weight.len, elems(op, &[ch, width])?)?;
+        let hist = width - 1;
+        check_len(op, "x", x.len, elems(op, &[batch, ch])?)?;
+        check_len(op, "out", out.len, elems(op, &[batch, ch])?)?;
+        check_len(op, "state", state.len, elems(op, &[batch, hist, ch])?)?;
+        if ch == 0 || batch == 0 {
+            return Ok(());
+        }
+        let (bb, c, w) = (int(op, "batch", batch)?, int(op, "channels", ch)?, int(op, "width", width)?);
+        let mut b = self.stream.launch_builder(&self.f.conv_step);
+        b.arg(&x.data).arg(&weight.data).arg(&mut state.data).arg(&mut out.data).arg(&bb).arg(&c).arg(&w);
+        // SAFETY: types and order match conv_step; lengths checked.
+        unsafe { b.launch(ew_cfg(batch * ch)) }.map_err(dev(op))?;
+        Ok(())
+    }
+
+    fn rms_norm(&self, shape: NormShape, x: &CudaBuf, weight: &CudaBuf, out: &mut CudaBuf) -> Result<()> {
+        let op = "rms_norm";
+        let n = elems(op, &[shape.rows, shape.dim])?;
+        check_len(op, "x", x.len, n)?;
+        check_len(op, "weight", weight.len, shape.dim)?;
+        check_len(op, "out", out.len, n)?;
+        if shape.dim == 0 || shape.rows == 0 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig { grid_dim: (int(op, "rows", shape.rows)? as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: (256 / 32) * 4 };
+        let d = int(op, "dim", shape.dim)?;
+        let mut b = self.stream.launch_builder(&self.f.rms_norm);
+        b.arg(&x.data).arg(&weight.data).arg(&mut out.data).arg(&d).arg(&shape.eps);
+        // SAFETY: types and order match rms_norm; lengths checked.
+        unsafe { b.launch(cfg) }.map_err(dev(op))?;
+        Ok(())
+    }
+
+    fn gated_rms_norm(&self, shape: NormShape, o: &CudaBuf, gate: &CudaBuf, weight: &CudaBuf, out: &mut CudaBuf) -> Result<()> {
+        let op = "gated_rms_norm";
+        let n = elems(op, &[shape.rows, shape.dim])?;
+        check_len(op, "x", o.len, n)?;
+        check_len(op, "weight", weight.len, shape.dim)?;
+        check_len(op, "out", out.len, n)?;
+        check_len(op, "gate", gate.len, o.len)?;
+        if shape.dim == 0 || shape.rows == 0 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig { grid_dim: (int(op, "rows", shape.rows)? as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: (256 / 32) * 4 };
+        let d = int(op, "dim", shape.dim)?;
+        let mut b = self.stream.launch_builder(&self.f.gated_rms_norm);
+        b.arg(&o.data).arg(&gate.data).arg(&weight.data).arg(&mut out.data).arg(&d).arg(&shape.eps);
+        // SAFETY: types and order match gated_rms_norm; lengths checked.
+        unsafe { b.launch(cfg) }.map_err(dev(op))?;
+        Ok(())
+    }
+
+    fn mla_prefill(
+        &self,
+        shape: MlaShape,
+        tokens: usize,
+        q_lat: &CudaBuf,
+        rows: RowSet<'_, CudaBuf>,
+        out: &mut CudaBuf,
+        lse: Option<&mut CudaBuf>,
+    ) -> Result<()> {
+        let op = "mla_prefill";
+        let n = rows.count;
+        let width = cpu_mla::check_rows(op, &shape, rows.buf.len, n)?;
+        if n < tokens {
+            return Err(KernelError::InvalidShape { op, reason: format!("{tokens} query tokens need at least as many rows, got {n}") });
+        }
+        let (h, l) = (shape.heads, shape.kv_lora_rank);
+        check_len(op, "q_lat", q_lat.len, elems(op, &[tokens, h, width])?)?;
+        check_len(op, "out", out.len, elems(op, &[tokens, h, l])?)?;
+        if let Some(x) = lse.as_ref() {
+            check_len(op, "lse", x.len, elems(op, &[tokens, h])?)?;
+        }
+        // Query t sees rows 0..=prefix + t: base = prefix + 1 rows for t = 0.
+        self.mla_attend(op, shape, tokens, n - tokens + 1, q_lat, rows.buf, out, lse)
+    }
+
+    fn mla_decode(&self, shape: MlaShape, q_lat: &CudaBuf, rows: RowSet<'_, CudaBuf>, out: &mut CudaBuf, lse: &mut CudaBuf) -> Result<()> {
+        let op = "mla_decode";
+        let n = rows.count;
+        let width = cpu_mla::check_rows(op, &shape, rows.buf.len, n)?;
+        let (h, l) = (shape.heads, shape.kv_lora_rank);
+        check_len(op, "q_lat", q_lat.len, elems(op, &[h, width])?)?;
+        check_len(op, "out", out.len, elems(op, &[h, l])?)?;
+        check_len(op, "lse", lse.len, h)?;
+        self.mla_attend(op, shape, 1, n, q_lat, rows.buf, out, Some(lse))
+    }
+
+    fn dcp_merge(&self, shape: MergeShape, o_shards: &CudaBuf, lse_shards: &CudaBuf, out: &mut CudaBuf, lse: &mut CudaBuf) -> Result<()> {
+        let op = "dcp_merge";
+        let MergeShape { shards, heads, width } = shape;
+        check_len(op, "o_shards", o_shards.len, elems(op, &[shards, heads, width])?)?;
+        check_len(op, "lse_shards", lse_shards.len, elems(op, &[shards, heads])?)?;
+        check_len(op, "out", out.len, elems(op, &[heads, width])?)?;
+        check_len(op, "lse", lse.len, heads)?;
+        if heads == 0 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig { grid_dim: (int(op, "heads", heads)? as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        let (s, h, w) = (int(op, "shards", shards)?, int(op, "heads", heads)?, int(op, "width", width)?);
+        let mut b = self.stream.launch_builder(&self.f.dcp_merge_f32);
+        b.arg(&o_shards.data).arg(&lse_shards.data).arg(&mut out.data).arg(&mut lse.data).arg(&s).arg(&h).arg(&w);
+        // SAFETY: types and order match dcp_merge_f32; lengths checked.
+        unsafe { b.launch(cfg) }.map_err(dev(op))?;
+        Ok(())
+    }
+
+    fn mla_decode_partial(&self, shape: MlaShape, q_lat: &CudaBuf, rows: RowSet<'_, CudaBuf>, partial: &mut CudaF64Buf) -> Result<()> {
+        let op = "mla_decode_partial";
+        let n = rows.count;
+        let width = cpu_mla::check_rows(op, &shape, rows.buf.len, n)?;
+        let (h, l) = (shape.heads, shape.kv_lora_rank);
+        check_len(op, "q_lat", q_lat.len, elems(op, &[h, width])?)?;
+        check_len(op, "partial", partial.len, elems(op, &[h, mla_partial_width(l)])?)?;
+        self.mla_partial_any(op, shape, q_lat, rows.buf, &[n], partial)
+    }
+
+    fn mla_decode_partial_ragged(&self, shape: MlaShape, q_lat: &CudaBuf, rows: &CudaBuf, counts: &[usize], partial: &mut CudaF64Buf) -> Result<()> {
+        let op = "mla_decode_partial_ragged";
+        let total = counts.iter().try_fold(0usize, |a, &n| a.checked_add(n)).ok_or_else(|| KernelError::SizeOverflow { op, dims: counts.to_vec() })?;
+        let width = cpu_mla::check_rows(op, &shape, rows.len, total)?;
+        let (h, l) = (shape.heads, shape.kv_lora_rank);
+        let batch = counts.len();
+        check_len(op, "q_lat", q_lat.len, elems(op, &[batch, h, width])?)?;
+        check_len(op, "partial", partial.len, elems(op, &[batch, h, mla_partial_width(l)])?)?;
+        self.mla_partial_any(op, shape, q_lat, rows, counts, partial)
+    }
+
+    fn dcp_merge_partials(&self, shape: MergeShape, partials: &CudaF64Buf, out: &mut CudaBuf, lse: &mut CudaBuf) -> Result<()> {
+        let op = "dcp_merge_partials";
+        let MergeShape { shards, heads, width } = shape;
+        check_len(op, "partials", partials.len, elems(op, &[shards, heads, mla_partial_width(width)])?)?;
+        check_len(op, "out", out.len, elems(op, &[heads, width])?)?;
+        check_len(op, "lse", lse.len, heads)?;
+        if heads == 0 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig { grid_dim: (int(op, "heads", heads)? as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        let (s, h, w) = (int(op, "shards", shards)?, int(op, "heads", heads)?, int(op, "width", width)?);
+        let mut b = self.stream.launch_builder(&self.f.dcp_merge_f64);
+        b.arg(&partials.data).arg(&mut out.data).arg(&mut lse.data).arg(&s).arg(&h).arg(&w);
+        // SAFETY: types and order match dcp_merge_f64; lengths checked.
+        unsafe { b.launch(cfg) }.map_err(dev(op))?;
+        Ok(())
+    }
+
+    /// Both matmul kernels sum in one order whatever the rows (dense.hip).
+    fn matmul_fixed_order(&self) -> bool {
+        true
+    }
+
+    fn matmul(&self, shape: MatmulShape, x: &CudaBuf, w: &CudaBuf, out: &mut CudaBuf) -> Result<()> {
+        let op = "matmul";
+        let MatmulShape { rows, inner, cols } = shape;
+        check_len(op, "x", x.len, elems(op, &[rows, inner])?)?;
+        check_len(op, "w", w.len, elems(op, &[inner, cols])?)?;
+        check_len(op, "out", out.len, elems(op, &[rows, cols])?)?;
+        self.matmul_unchecked(op, rows, inner, cols, &x.data, &w.data, &mut out.data.slice_mut(..))
+    }
+
+    fn swiglu(&self, shape: MlpShape, x: &CudaBuf, w: MlpWeights<'_, CudaBuf>, out: &mut CudaBuf) -> Result<()> {
+        let op = "swiglu";
+        let MlpShape { tokens, hidden, intermediate } = shape;
+        check_len(op, "x", x.len, elems(op, &[tokens, hidden])?)?;
+        check_len(op, "gate", w.gate.len, elems(op, &[hidden, intermediate])?)?;
+        check_len(op, "up", w.up.len, elems(op, &[hidden, intermediate])?)?;
+        check_len(op, "down", w.down.len, elems(op, &[intermediate, hidden])?)?;
+        check_len(op, "out", out.len, elems(op, &[tokens, hidden])?)?;
+        if hidden == 0 || tokens == 0 {
+            return Ok(());
+        }
+        if intermediate == 0 {
+            return self.fill_unchecked(op, &mut out.data, out.len, 0.0);
+        }
+        let n = tokens * intermediate;
+        let mut g = self.alloc_t::<f32>(op, n)?;
+        let mut u = self.alloc_t::<f32>(op, n)?;
+        let mut a = self.alloc_t::<f32>(op, n)?;
+        self.matmul_unchecked(op, tokens, hidden, intermediate, &x.data, &w.gate.data, &mut g.slice_mut(..))?;
+        self.matmul_unchecked(op, tokens, hidden, intermediate, &x.data, &w.up.data, &mut u.slice_mut(..))?;
+        self.silu_mul_unchecked(op, n, &g, &u, &mut a)?;
+        self.matmul_unchecked(op, tokens, intermediate, hidden, &a, &w.down.data, &mut out.data.slice_mut(..))
+    }
+
+    fn silu_mul(&self, gate: &CudaBuf, up: &CudaBuf, out: &mut CudaBuf) -> Result<()> {
+        let op = "silu_mul";
+        check_len(op, "up", up.len, gate.len)?;
+        check_len(op, "out", out.len, gate.len)?;
+        self.silu_mul_unchecked(op, gate.len, &gate.data, &up.data, &mut out.data)
+    }
+
+    fn embedding(&self, shape: EmbeddingShape, table: &CudaBuf, ids: &CudaIBuf, out: &mut CudaBuf) -> Result<()> {
+        let op = "embedding";
+        let EmbeddingShape { tokens, vocab, dim } = shape;
+        check_len(op, "table", table.len, elems(op, &[vocab, dim])?)?;
+        check_len(op, "ids", ids.len, tokens)?;
+        check_len(op, "out", out.len, elems(op, &[tokens, dim])?)?;
+        // The ids are device data (argmax writes them): read them back to give
+        // the CPU's IndexOutOfRange instead of reading outside the table.
+        let host = self.download_i32(ids)?;
+        for (t, &id) in host.iter().enumerate() {
+            if id < 0 || id as usize >= vocab {
+                return Err(KernelError::IndexOutOfRange { op, what: "token id", index: id as i64, position: t, bound: vocab });
+            }
+        }
+        if dim == 0 || tokens == 0 {
+            return Ok(());
+        }
+        let (t, d) = (int(op, "tokens", tokens)?, int(op, "dim", dim)?);
+        let mut b = self.stream.launch_builder(&self.f.embedding);
+        b.arg(&table.data).arg(&ids.data).arg(&mut out.data).arg(&t).arg(&d);
+        // SAFETY: types and order match embedding; ids were checked.
+        unsafe { b.launch(ew_cfg(tokens * dim)) }.map_err(dev(op))?;
+        Ok(())
+    }
+
+    fn argmax(&self, rows: usize, cols: usize, logits: &CudaBuf, ids: &mut CudaIBuf) -> Result<()> {
+        let op = "argmax";
+        check_len(op, "logits", logits.len, elems(op, &[rows, cols])?)?;
+        check_len(op, "ids", ids.len, rows)?;
+        if cols > i32::MAX as usize {
+            return Err(KernelError::InvalidShape { op, reason: format!("{cols} columns do not fit an i32 id") });
+        }
+        if cols == 0 {
+            return Err(KernelError::InvalidShape { op, reason: "argmax over 0 columns".into() });
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig { grid_dim: (int(op, "rows", rows)? as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let c = cols as i32;
+        ids.set_known(None);
+        let mut b = self.stream.launch_builder(&self.f.argmax_rows);
+        b.arg(&logits.data).arg(&mut ids.data).arg(&c);
+        // SAFETY: types and order match argmax_rows; lengths checked.
+        unsafe { b.launch(cfg) }.map_err(dev(op))?;
+        Ok(())
+    }
+
+    fn matmul_units(&self, shape: UnitsShape, x: &CudaBuf, units: &[UnitProduct<'_, CudaBuf>], out: &mut CudaBuf) -> Result<()> {
+        let op = "matmul_units";
+        check_len(op, "x", x.len, elems(op, &[shape.rows, shape.x_width])?)?;
+        check_len(op, "out", out.len, shape.out_len(op, units)?)?;
+        for u in units {
+            check_len(op, "w", u.w.len, elems(op, &[u.inner, u.cols])?)?;
+        }
+        if shape.rows == 0 {
+            return Ok(());
+        }
+        if !self.fused {
+            return self.matmul_units_each(op, shape, x, units, out);
+        }
+        for (g, group) in units.chunks(UNITS_PER_LAUNCH).enumerate() {
+            self.matmul_units_launch(op, shape, x, group, g * UNITS_PER_LAUNCH, out)?;
+        }
+        Ok(())
+    }
+
+    fn add_units(&self, acc: &mut CudaBuf, stacked: &CudaBuf, units: std::ops::Range<usize>) -> Result<()> {
+        let op = "add_units";
+        let n = acc.len;
+        crate::error::check_units(op, n, stacked.len, &units)?;
+        if n == 0 || units.is_empty() {
+            return Ok(());
+        }
+        let nn = i64_of(n);
+        if !self.fused {
+            // Unit by unit through add_inplace, reading each unit in place.
+            for u in units {
+                let unit = stacked.data.slice(u * n..(u + 1) * n);
+                let mut b = self.stream.launch_builder(&self.f.add_inplace);
+                b.arg(&mut acc.data).arg(&unit).arg(&nn);
+                // SAFETY: types and order match add_inplace; the unit lies in stacked.
+                unsafe { b.launch(ew_cfg(n)) }.map_err(dev(op))?;
+            }
+            return Ok(());
+        }
+        let (from, to) = (int(op, "units", units.start)?, int(op, "units", units.end)?);
+        let mut b = self.stream.launch_builder(&self.f.add_units);
+        b.arg(&mut acc.data).arg(&stacked.data).arg(&nn).arg(&from).arg(&to);
+        // SAFETY: types and order match add_units; every unit lies in stacked.
+        unsafe { b.launch(ew_cfg(n)) }.map_err(dev(op))?;
+        Ok(())
+    }
+
+    fn add_inplace(&self, dst: &mut CudaBuf, src: &CudaBuf) -> Result<()> {
+        let op = "add_inplace";
+        check_len(op, "src", src.len, dst.len)?;
+        let n = dst.len;
+        if n == 0 {
+            return Ok(());
+        }
+        let nn = i64_of(n);
+        let mut b = self.stream.launch_builder(&self.f.add_inplace);
+        b.arg(&mut dst.data).arg(&src.data).arg(&nn);
+        // SAFETY: types and order match add_inplace; lengths checked.
+        unsafe { b.launch(ew_cfg(n)) }.map_err(dev(op))?;
+        Ok(())
+    }
+}

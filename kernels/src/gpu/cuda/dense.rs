@@ -1,0 +1,199 @@
+//! Dense launchers (dense.hip): the tensor-core matmul, its chunk and units
+//! sums, SwiGLU's activation.
+
+use super::*;
+
+/// The matmul's k chunk (MM_KC in dense.hip).
+pub(super) const MATMUL_KC: usize = 128;
+/// matmul_tc's dynamic shared memory for a `bm` x `bn` tile (dense.hip: x
+/// rows of MM_KC + 8 floats, w rows of bn + 4).
+pub(super) const fn tc_smem(bm: usize, bn: usize) -> u32 {
+    ((bm * (MATMUL_KC + 8) + MATMUL_KC * (bn + 4)) * 4) as u32
+}
+/// Products of one `matmul_tc` launch at most (MU_UNITS in dense.hip).
+pub(super) const UNITS_PER_LAUNCH: usize = 32;
+
+/// `hk_mm_units` of dense.hip, the by-value table of the units kernels: per
+/// product w's address, x's first column, out's element of row 0, the first
+/// element of its scratch, inner, cols.
+#[repr(C)]
+pub(super) struct UnitsTable {
+    pub(super) u: [[i64; 6]; UNITS_PER_LAUNCH],
+}
+
+// SAFETY: plain integers in the C layout of hk_mm_units (1,536 bytes, within
+// the 4 KB kernel argument limit).
+unsafe impl cudarc::driver::DeviceRepr for UnitsTable {}
+
+impl CudaBackend {
+    /// Both matmul kernels sum in the one order dense.hip describes, so the
+    /// choice between them never changes a bit: few rows (decode) go split
+    /// over k chunks, many rows (prefill) through the tiled kernel.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn matmul_unchecked(
+        &self,
+        op: &'static str,
+        rows: usize,
+        inner: usize,
+        cols: usize,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        use cudarc::driver::DevicePtr;
+        if rows == 0 || cols == 0 {
+            return Ok(());
+        }
+        if inner == 0 {
+            return self.stream.memset_zeros(out).map_err(dev(op));
+        }
+        int(op, "inner", inner)?;
+        int(op, "cols", cols)?;
+        let chunks = inner.div_ceil(MATMUL_KC);
+        let mut t = UnitsTable { u: [[0; 6]; UNITS_PER_LAUNCH] };
+        let (wp, _sync) = w.device_ptr(&self.stream);
+        t.u[0] = [wp as i64, 0, 0, 0, i64_of(inner), i64_of(cols)];
+        // SAFETY: matmul_tc writes every chunk sum of every element before
+        // matmul_chunk_sum, queued after it on the same stream, reads any.
+        let mut part = unsafe { self.stream.alloc::<f32>(chunks * rows * cols) }.map_err(dev(op))?;
+        self.tc_launch(op, &t, 1, x, i64_of(inner), &mut part, rows, cols, chunks)?;
+        let n = rows * cols;
+        let (nn, nc) = (i64_of(n), chunks as i32);
+        let mut b = self.stream.launch_builder(&self.f.matmul_chunk_sum);
+        b.arg(&part).arg(out).arg(&nn).arg(&nc);
+        // SAFETY: types and order match matmul_chunk_sum; part holds chunks x
+        // rows x cols sums, out rows x cols.
+        unsafe { b.launch(ew_cfg(n)) }.map_err(dev(op))?;
+        Ok(())
+    }
+
+    /// matmul_tc over the `units` products of `t` (chunk sums into `part`),
+    /// its tile from the row count: 16 x 128 for few rows, 32 x 64 for more.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn tc_launch(
+        &self,
+        op: &'static str,
+        t: &UnitsTable,
+        units: usize,
+        x: &CudaSlice<f32>,
+        x_row: i64,
+        part: &mut CudaSlice<f32>,
+        rows: usize,
+        max_cols: usize,
+        max_chunks: usize,
+    ) -> Result<()> {
+        let (func, bm, bn) = if rows <= 16 { (&self.f.matmul_tc16, 16, 128) } else { (&self.f.matmul_tc32, 32, 64) };
+        let z = rows.div_ceil(bm) * units;
+        if z > 65535 || max_chunks > 65535 {
+            return Err(KernelError::InvalidShape { op, reason: format!("{rows} rows x {units} products exceed the device grid") });
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (int(op, "column tiles", max_cols.div_ceil(bn))? as u32, max_chunks as u32, z as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: tc_smem(bm, bn),
+        };
+        let r = int(op, "rows", rows)?;
+        let mut b = self.stream.launch_builder(func);
+        b.arg(t).arg(x).arg(part).arg(&r).arg(&x_row);
+        // SAFETY: types and order match matmul_tc16/32; the caller checked the
+        // table's blocks of x and w and sized part for every product's chunks.
+        unsafe { b.launch(cfg) }.map_err(dev(op))?;
+        Ok(())
+    }
+
+    /// The products of a checked `matmul_units` one matmul at a time: a block of
+    /// x that is not all of it copied out; a stacked product written in place, a
+    /// side-by-side one copied to its columns.
+    pub(super) fn matmul_units_each(
+        &self,
+        op: &'static str,
+        shape: UnitsShape,
+        x: &CudaBuf,
+        units: &[UnitProduct<'_, CudaBuf>],
+        out: &mut CudaBuf,
+    ) -> Result<()> {
+        let rows = shape.rows;
+        for (i, u) in units.iter().enumerate() {
+            let block = if u.x_col == 0 && u.inner == shape.x_width {
+                None
+            } else {
+                let mut b = self.alloc(rows * u.inner)?;
+                let cols = ColsCopy { rows, src_cols: shape.x_width, src_col: u.x_col, dst_cols: u.inner, dst_col: 0, width: u.inner };
+                self.copy_cols(cols, x, &mut b)?;
+                Some(b)
+            };
+            let xb = &block.as_ref().unwrap_or(x).data;
+            let (at, _) = shape.out_at(i, u);
+            match shape.out {
+                UnitsOut::Stacked => {
+                    let mut o = out.data.slice_mut(at..at + rows * u.cols);
+                    self.matmul_unchecked(op, rows, u.inner, u.cols, xb, &u.w.data, &mut o)?;
+                }
+                UnitsOut::Columns { width } => {
+                    let mut p = self.alloc(rows * u.cols)?;
+                    self.matmul_unchecked(op, rows, u.inner, u.cols, xb, &u.w.data, &mut p.data.slice_mut(..))?;
+                    self.copy_cols(ColsCopy { rows, src_cols: u.cols, src_col: 0, dst_cols: width, dst_col: at, width: u.cols }, &p, out)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Up to UNITS_PER_LAUNCH split-k products (checked by the caller) in two
+    /// launches: the chunk sums of all, then their sums into place.
+    pub(super) fn matmul_units_launch(
+        &self,
+        op: &'static str,
+        shape: UnitsShape,
+        x: &CudaBuf,
+        units: &[UnitProduct<'_, CudaBuf>],
+        first: usize,
+        out: &mut CudaBuf,
+    ) -> Result<()> {
+        use cudarc::driver::DevicePtr;
+        let rows = shape.rows;
+        let mut t = UnitsTable { u: [[0; 6]; UNITS_PER_LAUNCH] };
+        let (mut scratch, mut max_cols, mut max_chunks, mut max_n) = (0usize, 1usize, 1usize, 1usize);
+        for (i, u) in units.iter().enumerate() {
+            let (at, _) = shape.out_at(first + i, u);
+            let (w, _sync) = u.w.data.device_ptr(&self.stream);
+            let chunks = u.inner.div_ceil(MATMUL_KC);
+            t.u[i] = [w as i64, i64_of(u.x_col), i64_of(at), i64_of(scratch), i64_of(u.inner), i64_of(u.cols)];
+            int(op, "inner", u.inner)?;
+            int(op, "cols", u.cols)?;
+            scratch += chunks * rows * u.cols;
+            max_cols = max_cols.max(u.cols);
+            max_chunks = max_chunks.max(chunks);
+            max_n = max_n.max(rows * u.cols);
+        }
+        // SAFETY: every element of a product's scratch is written by
+        // matmul_tc before matmul_units_sum reads it.
+        let mut part = unsafe { self.stream.alloc::<f32>(scratch.max(1)) }.map_err(dev(op))?;
+        let r = int(op, "rows", rows)?;
+        let xr = i64_of(shape.x_width);
+        self.tc_launch(op, &t, units.len(), &x.data, xr, &mut part, rows, max_cols, max_chunks)?;
+        let (_, pitch) = units.first().map_or((0, 0), |u| shape.out_at(first, u));
+        let or = i64_of(pitch);
+        let mut cfg = ew_cfg(max_n);
+        cfg.grid_dim.0 = cfg.grid_dim.0.min((EW_MAX_BLOCKS / units.len()).max(1) as u32);
+        cfg.grid_dim.1 = units.len() as u32;
+        let mut b = self.stream.launch_builder(&self.f.matmul_units_sum);
+        b.arg(&t).arg(&part).arg(&mut out.data).arg(&r).arg(&or);
+        // SAFETY: types and order match matmul_units_sum; every product's rows
+        // fall inside out (UnitsShape::out_len).
+        unsafe { b.launch(cfg) }.map_err(dev(op))?;
+        Ok(())
+    }
+
+    pub(super) fn silu_mul_unchecked(&self, op: &'static str, n: usize, gate: &CudaSlice<f32>, up: &CudaSlice<f32>, out: &mut CudaSlice<f32>) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let nn = i64_of(n);
+        let mut b = self.stream.launch_builder(&self.f.silu_mul);
+        b.arg(gate).arg(up).arg(out).arg(&nn);
+        // SAFETY: types and order match silu_mul; lengths were checked.
+        unsafe { b.launch(ew_cfg(n)) }.map_err(dev(op))?;
+        Ok(())
+    }
+}

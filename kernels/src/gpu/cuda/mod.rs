@@ -1,0 +1,489 @@
+//! The CUDA backend (feature `cuda`): cudarc's driver API and NVRTC, both
+//! loaded at run time, and the HIP/CUDA-common sources of `kernels/hip/`.
+//!
+//! - [`CudaBackend::new`] checks that the driver (`libcuda.so.1`) and NVRTC
+//!   (`libnvrtc.so*`) can be loaded *before* the first cudarc call, because
+//!   cudarc's loaders panic on a missing library; a missing one is
+//!   `BackendUnavailable("cuda: no CUDA driver: ...")`. It then opens the
+//!   device's primary context, compiles [`super::device_program`] with NVRTC to
+//!   a cubin for the device's architecture (sm_90 on the H200) and loads it.
+//! - One stream per backend; every op enqueues on it in call order, so ops
+//!   need no events between them (cudarc's per-buffer event tracking, meant
+//!   for several streams, is switched off). `download*` synchronizes. Ops that
+//!   must validate device data against the CPU reference's errors (token ids,
+//!   replay cursors) read that small data back first, which synchronizes too.
+//! - Buffers are allocated with at least one element (a zero-length device
+//!   allocation is not portable) and remember their logical length.
+//!
+//! Numerics: f32 storage and accumulation, f64 for the MLA partials and their
+//! merge, as on the CPU; reductions have a fixed order (see the sources), so a
+//! result is the same bits on every run and a row's, slot's or request's result
+//! does not depend on the batch it is in. Against the CPU the results agree to
+//! rounding (fused multiply-adds, other summation trees); the device check
+//! (`examples/cuda_check/`) states the tolerance of each op.
+
+use std::ffi::CString;
+use std::fmt;
+use std::sync::Arc;
+
+use cudarc::driver::sys::{CUevent_flags, CUfunction_attribute};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, CudaViewMut, DriverError, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::Ptx;
+
+use super::KdaKernel;
+use crate::backend::Backend;
+use crate::cpu::{kda as cpu_kda, mla as cpu_mla};
+use crate::dtype::StorageDtype;
+use crate::error::{KernelError, Result, check_len, check_nonzero, elems, range};
+use crate::region::{DeviceMemory, DeviceRegion, RegionItems};
+use crate::shapes::{
+    ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape, MatmulShape, MergeShape, MlaShape, MlpShape, MlpWeights,
+    NormShape, ReplayShape, RowSet, UnitProduct, UnitsOut, UnitsShape, mla_partial_width,
+};
+
+mod backend;
+mod buffers;
+mod copy;
+mod dense;
+mod kda;
+mod mla;
+mod program;
+
+pub(crate) use buffers::open_memory;
+pub use buffers::{CudaBuf, CudaF64Buf, CudaIBuf};
+use dense::{UNITS_PER_LAUNCH, tc_smem};
+use kda::{check_kda, kda_block};
+#[cfg(test)]
+use mla::mla_warps;
+pub(crate) use program::nvrtc_cubin_of;
+#[cfg(test)]
+use program::nvrtc_present;
+use program::{nvrtc_cubin, runtime_missing};
+
+/// Threads of the element-wise (grid-stride) kernels.
+const EW_THREADS: u32 = 256;
+/// Most blocks of a grid-stride launch (enough to fill any current device).
+const EW_MAX_BLOCKS: usize = 8192;
+/// Key rows per warp of the KDA kernels (kda.hip).
+const KDA_ROWS: usize = 16;
+/// The KDA kernel for dk <= 128 unless set otherwise.
+const DEFAULT_KDA_KERNEL: KdaKernel = KdaKernel::C2;
+/// Largest dk the KDA kernels take: 16 warps of 16 rows in registers.
+const KDA_MAX_DK: usize = 256;
+/// The chunked KDA prefill (kda_chunk.hip): key channels padded to (and at
+/// most) KC_DK, 16 value columns per state block, 256 threads, and the
+/// dynamic shared memory of its two kernels (opted in at open).
+const KDA_CHUNK_DK: usize = 128;
+const KDA_CHUNK_TILE: usize = 16;
+const KDA_CHUNK_THREADS: u32 = 256;
+const KDA_CHUNK_PREP_SMEM: u32 = ((3 * 64 * (KDA_CHUNK_DK + 1) + 64) * 4) as u32;
+const KDA_CHUNK_STATE_SMEM: u32 = ((KDA_CHUNK_DK * KDA_CHUNK_TILE + 64 * KDA_CHUNK_TILE + 64 * 68 + 3 * 64 * (KDA_CHUNK_DK + 4) + KDA_CHUNK_DK) * 4) as u32;
+/// Dynamic shared memory a block may use without opting in to more.
+const SMEM_BUDGET: usize = 48 * 1024;
+/// The row shape of the tensor-core MLA partial (mla.hip's MLA_TC_L, MLA_TC_W
+/// - MLA_TC_L); heads go in groups of 8.
+const MLA_TC_L: usize = 512;
+const MLA_TC_R: usize = 64;
+/// Rows per tile of the tensor-core MLA partial (MLA_TC_TILE); chunks are
+/// whole tiles.
+const MLA_TC_TILE: usize = 16;
+/// Shared memory of `mla_partial_tc<nw>` (mla.hip's MLA_TC_SMEM).
+const fn mla_tc_smem(nw: usize) -> usize {
+    ((nw * 8 + 8) * 20 + 8) * 8 + 2 * MLA_TC_TILE * (MLA_TC_L + MLA_TC_R) * 4
+}
+/// Threads of `mla_chunk_merge_f64` (MLA_MERGE_THREADS); it keeps 4 columns
+/// per thread, so L <= 512.
+const MLA_MERGE_THREADS: u32 = 128;
+
+/// Which kernel runs the f64 MLA partials of K3's row shape (L = 512, R = 64,
+/// heads a multiple of 8), and how many rows a chunk (one block) takes. Other
+/// shapes always run the scalar `mla_partial_f64`. The choice changes bits
+/// (another chunking is another sum order) but never batch invariance: a
+/// request's chunks are its own rows. Default `tc8` (8 warps a block) with
+/// 512-row chunks, the fastest measured on the H200 at B = 88;
+/// [`CudaBackend::set_mla_kernel`] picks another, for measuring the
+/// alternatives (`cuda_check --mla`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct MlaTc {
+    /// Warps per block: 4 or 8; 0 = the scalar kernel.
+    warps: usize,
+    /// Rows per chunk.
+    chunk: usize,
+}
+
+const DEFAULT_MLA_TC: MlaTc = MlaTc { warps: 8, chunk: 512 };
+
+impl MlaTc {
+    /// Parses `scalar`, `tc4` or `tc8`, optionally `:<rows per chunk>` (a
+    /// multiple of 16); None for anything else.
+    fn parse(v: &str) -> Option<MlaTc> {
+        let (kind, chunk) = match v.split_once(':') {
+            Some((k, c)) => (k, Some(c.trim().parse::<usize>().ok()?)),
+            None => (v, None),
+        };
+        let warps = match kind.trim() {
+            "scalar" => 0,
+            "tc4" => 4,
+            "tc8" => 8,
+            _ => return None,
+        };
+        let chunk = chunk.unwrap_or(DEFAULT_MLA_TC.chunk);
+        (chunk > 0 && chunk.is_multiple_of(MLA_TC_TILE)).then_some(MlaTc { warps, chunk })
+    }
+}
+
+/// The kernels of the loaded module.
+#[derive(Clone)]
+struct Funcs {
+    /// The decode-step kernels, indexed like `KdaKernel::ALL`.
+    kda_step: Vec<CudaFunction>,
+    kda_prefill: CudaFunction,
+    kda_recurrent_wide: CudaFunction,
+    /// The chunked prefill's two phases (kda_chunk_prep, kda_chunk_state of
+    /// kda_chunk.hip); None on a device that cannot give their blocks the
+    /// shared memory they take (the prefill stays recurrent there).
+    kda_chunk: Option<(CudaFunction, CudaFunction)>,
+    replay_append: CudaFunction,
+    replay_commit: CudaFunction,
+    conv_prefill_out: CudaFunction,
+    conv_prefill_state: CudaFunction,
+    conv_step: CudaFunction,
+    rms_norm: CudaFunction,
+    gated_rms_norm: CudaFunction,
+    mla_attend_f32: CudaFunction,
+    mla_partial_f64: CudaFunction,
+    mla_partial_tc4: CudaFunction,
+    mla_partial_tc8: CudaFunction,
+    mla_chunk_merge_f64: CudaFunction,
+    dcp_merge_f32: CudaFunction,
+    dcp_merge_f64: CudaFunction,
+    matmul_tc16: CudaFunction,
+    matmul_tc32: CudaFunction,
+    matmul_chunk_sum: CudaFunction,
+    matmul_units_sum: CudaFunction,
+    add_units: CudaFunction,
+    silu_mul: CudaFunction,
+    add_inplace: CudaFunction,
+    embedding: CudaFunction,
+    argmax_rows: CudaFunction,
+    fill_f32: CudaFunction,
+    copy_cols: CudaFunction,
+    round_to: CudaFunction,
+    region_gather_b32: CudaFunction,
+    region_scatter_b32: CudaFunction,
+    region_gather_b16: CudaFunction,
+    region_scatter_b16: CudaFunction,
+}
+
+/// NVIDIA backend: device memory buffers and the model's ops as NVRTC-compiled
+/// kernels on one stream.
+///
+/// ```no_run
+/// use handoff_kernels::{Backend, CudaBackend};
+/// if CudaBackend::is_available() {
+///     let be = CudaBackend::new(0).unwrap();
+///     let x = be.upload(&[1.0, 2.0]).unwrap();
+///     assert_eq!(be.download(&x).unwrap(), vec![1.0, 2.0]);
+/// }
+/// ```
+///
+/// Cloning shares the context, stream and compiled program (no recompile).
+#[derive(Clone)]
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    f: Funcs,
+    device_name: String,
+    cc: (i32, i32),
+    kda_kernel: KdaKernel,
+    mla_tc: MlaTc,
+    /// The launch-saving paths ([`CudaBackend::set_fused`]).
+    fused: bool,
+    /// The compiled program (the fused decode step loads its kernels from it).
+    module: Arc<cudarc::driver::CudaModule>,
+}
+
+impl fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "CudaBackend(device {} {:?}, sm_{}{})", self.ctx.ordinal(), self.device_name, self.cc.0, self.cc.1)
+    }
+}
+
+fn unavailable(what: &str, e: DriverError) -> KernelError {
+    KernelError::BackendUnavailable(format!("cuda: {what}: {e}"))
+}
+
+/// Maps a driver error of op `op` to a `KernelError::Device`.
+fn dev(op: &'static str) -> impl Fn(DriverError) -> KernelError {
+    move |e| KernelError::Device { op, message: e.to_string() }
+}
+
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic".to_string()
+    }
+}
+
+fn int(op: &'static str, what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| KernelError::InvalidShape { op, reason: format!("{what} = {v} exceeds the device kernels' 32-bit index") })
+}
+
+fn i64_of(v: usize) -> i64 {
+    // Buffer lengths come from allocations, far below i64::MAX.
+    v as i64
+}
+
+/// A grid-stride launch over `n` elements.
+fn ew_cfg(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(EW_THREADS as usize).clamp(1, EW_MAX_BLOCKS) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (EW_THREADS, 1, 1), shared_mem_bytes: 0 }
+}
+
+impl CudaBackend {
+    /// Opens CUDA device `device` and compiles the kernels for it (NVRTC, a
+    /// few hundred milliseconds). Refuses with `BackendUnavailable` and a
+    /// reason when the driver or NVRTC library is missing ("cuda: no CUDA
+    /// driver: ..."), there is no such device, or the compile fails.
+    pub fn new(device: usize) -> Result<Self> {
+        if let Some(why) = runtime_missing() {
+            return Err(KernelError::BackendUnavailable(why));
+        }
+        // cudarc still panics on a missing symbol (a driver older than the
+        // CUDA 13 API it binds): keep that a refusal as well.
+        match std::panic::catch_unwind(|| Self::open(device)) {
+            Ok(r) => r,
+            Err(p) => Err(KernelError::BackendUnavailable(format!("cuda: the CUDA runtime failed while opening device {device}: {}", panic_text(p.as_ref())))),
+        }
+    }
+
+    /// Whether `CudaBackend::new(0)` can open a device here: the libraries
+    /// load and the driver reports at least one device. Does not compile.
+    pub fn is_available() -> bool {
+        runtime_missing().is_none() && std::panic::catch_unwind(|| CudaContext::device_count().map(|n| n > 0).unwrap_or(false)).unwrap_or(false)
+    }
+
+    fn open(device: usize) -> Result<Self> {
+        let count = CudaContext::device_count().map_err(|e| unavailable("no device (cuInit or device count failed)", e))?;
+        if count <= 0 {
+            return Err(KernelError::BackendUnavailable("cuda: no device: the driver reports 0 CUDA devices".to_string()));
+        }
+        if device >= count as usize {
+            return Err(KernelError::BackendUnavailable(format!("cuda: no device {device}: the driver reports {count}")));
+        }
+        let ctx = CudaContext::new(device).map_err(|e| unavailable("cannot open the device context", e))?;
+        // SAFETY: called before any buffer or stream exists; every op of this
+        // backend runs on its one stream, in order, so no buffer needs the
+        // events cudarc records for cross-stream use.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(|e| unavailable("cannot create a stream", e))?;
+        let cc = ctx.compute_capability().map_err(|e| unavailable("compute capability", e))?;
+        let device_name = ctx.name().map_err(|e| unavailable("device name", e))?;
+        let cubin = nvrtc_cubin(&format!("{}{}", cc.0, cc.1))?;
+        let module = ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| unavailable("cannot load the compiled kernels", e))?;
+        let get = |name: &str| module.load_function(name).map_err(|e| unavailable(&format!("kernel {name} missing from the module"), e));
+        let mut f = Funcs {
+            kda_step: KdaKernel::ALL.iter().map(|k| get(k.kernel_name())).collect::<Result<_>>()?,
+            kda_prefill: get("kda_prefill")?,
+            kda_recurrent_wide: get("kda_recurrent_wide")?,
+            kda_chunk: Some((get("kda_chunk_prep")?, get("kda_chunk_state")?)),
+            replay_append: get("replay_append")?,
+            replay_commit: get("replay_commit")?,
+            conv_prefill_out: get("conv_prefill_out")?,
+            conv_prefill_state: get("conv_prefill_state")?,
+            conv_step: get("conv_step")?,
+            rms_norm: get("rms_norm")?,
+            gated_rms_norm: get("gated_rms_norm")?,
+            mla_attend_f32: get("mla_attend_f32")?,
+            mla_partial_f64: get("mla_partial_f64")?,
+            mla_partial_tc4: get("mla_partial_tc4")?,
+            mla_partial_tc8: get("mla_partial_tc8")?,
+            mla_chunk_merge_f64: get("mla_chunk_merge_f64")?,
+            dcp_merge_f32: get("dcp_merge_f32")?,
+            dcp_merge_f64: get("dcp_merge_f64")?,
+            matmul_tc16: get("matmul_tc16")?,
+            matmul_tc32: get("matmul_tc32")?,
+            matmul_chunk_sum: get("matmul_chunk_sum")?,
+            matmul_units_sum: get("matmul_units_sum")?,
+            add_units: get("add_units")?,
+            silu_mul: get("silu_mul")?,
+            add_inplace: get("add_inplace")?,
+            embedding: get("embedding")?,
+            argmax_rows: get("argmax_rows")?,
+            fill_f32: get("fill_f32")?,
+            copy_cols: get("copy_cols")?,
+            round_to: get("round_to")?,
+            region_gather_b32: get("region_gather_b32")?,
+            region_scatter_b32: get("region_scatter_b32")?,
+            region_gather_b16: get("region_gather_b16")?,
+            region_scatter_b16: get("region_scatter_b16")?,
+        };
+        // The tensor-core MLA partials take more than 48 KB of shared memory
+        // (two 16-row tiles): opt in, and ask for the largest carveout so two
+        // blocks share a multiprocessor.
+        for (func, nw) in [(&f.mla_partial_tc4, 4usize), (&f.mla_partial_tc8, 8)] {
+            func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, mla_tc_smem(nw) as i32)
+                .map_err(|e| unavailable("cannot give the MLA kernel its shared memory", e))?;
+            func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
+                .map_err(|e| unavailable("cannot set the MLA kernel's shared memory carveout", e))?;
+        }
+        // The tensor-core matmul stages a whole k chunk of x and w (52 and 75
+        // KB, dense.hip): opt in.
+        for (func, bytes) in [(&f.matmul_tc16, tc_smem(16, 128)), (&f.matmul_tc32, tc_smem(32, 64))] {
+            func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
+                .map_err(|e| unavailable("cannot give the matmul its shared memory", e))?;
+        }
+        // The chunked KDA prefill's blocks hold a chunk's 64 x 128 operands in
+        // shared memory (97 and 129 KB, kda_chunk.hip): opt in likewise; a
+        // device with less per block keeps the recurrent prefill.
+        let chunk_ok = f.kda_chunk.as_ref().is_some_and(|(prep, state)| {
+            [(prep, KDA_CHUNK_PREP_SMEM), (state, KDA_CHUNK_STATE_SMEM)]
+                .iter()
+                .all(|(func, bytes)| func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, *bytes as i32).is_ok())
+        });
+        if !chunk_ok {
+            f.kda_chunk = None;
+        }
+        Ok(Self { ctx, stream, f, device_name, cc, kda_kernel: DEFAULT_KDA_KERNEL, mla_tc: DEFAULT_MLA_TC, fused: true, module })
+    }
+
+    /// The fused decode step's tensor-core product alone (see
+    /// `step_cuda::tc_matmul`): the product and its mean device time in us.
+    #[allow(clippy::too_many_arguments)]
+    pub fn step_matmul(
+        &self,
+        x: &[f32],
+        m: usize,
+        w: &crate::step::StepMat,
+        dtype: crate::step::WeightDtype,
+        terms: u32,
+        reps: usize,
+    ) -> Result<(Vec<f32>, f64)> {
+        crate::gpu::step_cuda::tc_matmul(&self.ctx, &self.stream, &self.module, x, m, w, dtype, terms, reps)
+    }
+
+    /// Picks the generic path's MLA partial kernel: `scalar`, `tc4` or `tc8`,
+    /// optionally `:<rows per chunk>` (a multiple of 16). Another kernel or
+    /// chunk gives other bits (another sum order), each batch invariant; for
+    /// measuring. A name it does not know is refused.
+    pub fn set_mla_kernel(&mut self, kernel: &str) -> Result<()> {
+        self.mla_tc = MlaTc::parse(kernel).ok_or_else(|| KernelError::InvalidShape {
+            op: "set_mla_kernel",
+            reason: format!("{kernel:?}: expected scalar, tc4 or tc8, optionally :<rows per chunk, a multiple of 16>"),
+        })?;
+        Ok(())
+    }
+
+    /// The device's name, e.g. "NVIDIA H200".
+    pub fn device_name(&self) -> &str {
+        &self.device_name
+    }
+
+    /// The device ordinal this backend opened.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    /// Compute capability (major, minor); the kernels were compiled for it.
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.cc
+    }
+
+    /// Chooses the KDA decode-step kernel for dk <= 128 (see [`KdaKernel`];
+    /// the default is the fastest measured on the H200). All give the same
+    /// bits; `cuda_check --bench` times each.
+    pub fn set_kda_kernel(&mut self, kernel: KdaKernel) {
+        self.kda_kernel = kernel;
+    }
+
+    /// The KDA decode-step kernel in use for dk <= 128.
+    pub fn kda_kernel(&self) -> KdaKernel {
+        self.kda_kernel
+    }
+
+    /// The paths that save launches and round trips in the generic forward
+    /// pass (on by default): `matmul_units` as two launches for up to 32
+    /// products, `add_units` as one, and i32 downloads answered from what the
+    /// host already knows of the buffer. Off, one matmul a product, one add a
+    /// unit and a round trip a download: the same bits (`cuda_check` checks it),
+    /// kept for that comparison.
+    pub fn set_fused(&mut self, on: bool) {
+        self.fused = on;
+    }
+
+    /// Waits until every queued op has finished; reports a failed one.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(dev("synchronize"))
+    }
+
+    /// Device time of `f`, mean microseconds per call over `reps` calls:
+    /// CUDA events around the `reps` calls queued back to back, one wait at
+    /// the end (launch overhead overlaps the previous call's run).
+    pub fn time_us(&self, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+        let op = "time_us";
+        let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.stream.record_event(flags).map_err(dev(op))?;
+        for _ in 0..reps {
+            f()?;
+        }
+        let end = self.stream.record_event(flags).map_err(dev(op))?;
+        let ms = start.elapsed_ms(&end).map_err(dev(op))?;
+        Ok(ms as f64 * 1e3 / reps.max(1) as f64)
+    }
+
+    /// Device-to-device copy bandwidth in GB/s (1e9 bytes/s), counting the
+    /// bytes read plus the bytes written, of `reps` copies of `bytes` bytes:
+    /// the roofline that state traffic is compared against.
+    pub fn copy_bandwidth_gbs(&self, bytes: usize, reps: usize) -> Result<f64> {
+        let op = "copy_bandwidth";
+        let n = (bytes / 4).max(1);
+        let src = self.stream.alloc_zeros::<f32>(n).map_err(dev(op))?;
+        let mut dst = self.stream.alloc_zeros::<f32>(n).map_err(dev(op))?;
+        // Warm-up copy, then the timed ones.
+        self.stream.memcpy_dtod(&src, &mut dst).map_err(dev(op))?;
+        let us = self.time_us(reps, || self.stream.memcpy_dtod(&src, &mut dst).map_err(dev(op)))?;
+        Ok(2.0 * (n * 4) as f64 / (us * 1e-6) / 1e9)
+    }
+}
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Compiles every kernel source through NVRTC for sm_90 where libnvrtc can
+    /// be loaded (no driver or GPU needed); elsewhere there is nothing to run.
+    #[test]
+    fn nvrtc_compiles_the_sources_for_sm_90_where_nvrtc_exists() {
+        if !nvrtc_present() {
+            // CI puts NVIDIA's NVRTC wheel on the loader path (.ci/run), so
+            // there a missing library is a failure, not a skip.
+            assert!(std::env::var("CI").map_or(true, |v| v != "true"), "CI: libnvrtc is not on the loader path, so the kernels were not compiled for sm_90");
+            eprintln!("libnvrtc not on the loader path: NVRTC compile not checked here");
+            return;
+        }
+        let cubin = nvrtc_cubin("90").unwrap_or_else(|e| panic!("{e}"));
+        assert!(cubin.starts_with(b"\x7fELF"), "NVRTC did not return a cubin");
+    }
+
+    #[test]
+    fn without_a_driver_new_refuses_naming_the_missing_library() {
+        if runtime_missing().is_none() {
+            return; // a machine with the driver: CudaBackend::new is tested on the device
+        }
+        let e = CudaBackend::new(0).unwrap_err();
+        let KernelError::BackendUnavailable(msg) = e else { panic!("{e:?}") };
+        assert!(msg.starts_with("cuda: no "), "{msg}");
+        assert!(!CudaBackend::is_available());
+    }
+
+    #[test]
+    fn launch_shapes_depend_on_widths_only() {
+        assert_eq!(kda_block(128, 4), (256, ((4 * 128 + 2 * 8 * 128 + 16) * 4) as u32));
+        assert_eq!(kda_block(16, 1).0, 32);
+        assert_eq!(kda_block(7, 1).0, 32);
+        assert_eq!(mla_warps("t", 512, 576, 8).unwrap().0, 256);
+        assert!(mla_warps("t", 100_000, 100_064, 8).is_err());
+    }
+}
