@@ -14,7 +14,7 @@
 //! would only measure how fast the proxy refuses.
 
 use super::serve::{failure_lines, load_prompt};
-use crate::roles::client::{Completion, complete, failure_reason};
+use crate::roles::client::{CompletionAnswer, complete, failure_reason};
 use crate::roles::up::{free_port, proc_usage};
 use crate::roles::wire;
 use std::collections::BTreeMap;
@@ -263,7 +263,7 @@ fn explained(status: u16, body: &str) -> bool {
 }
 
 /// `concurrency` clients sending `requests` completions; `done` counts answers.
-fn run_load(addr: &str, o: &SoakOptions, requests: u32, done: &AtomicU32) -> Vec<Result<Completion, (u16, String)>> {
+fn run_load(addr: &str, o: &SoakOptions, requests: u32, done: &AtomicU32) -> Vec<Result<CompletionAnswer, (u16, String)>> {
     let next = AtomicU32::new(0);
     let results = std::sync::Mutex::new(Vec::with_capacity(requests as usize));
     std::thread::scope(|s| {
