@@ -151,6 +151,12 @@ fn metrics_parse_as_prometheus_and_count_what_was_served() {
             assert!(runs > 0.0, "{role}: no run of phase {ph}");
         }
         assert_eq!(sample(family(&fams, "handoff_engine_requests"), "handoff_engine_requests", &[("role", role)]), Some(0.0), "{role} still holds requests");
+        assert_eq!(
+            sample(family(&fams, "handoff_sampling_entries"), "handoff_sampling_entries", &[("role", role)]),
+            Some(0.0),
+            "{role} still holds sampling state"
+        );
+        assert_eq!(sample(family(&fams, "handoff_prefill_settled"), "handoff_prefill_settled", &[("role", role)]), Some(0.0), "{role} settled without a fault");
         assert!(sample(family(&fams, "handoff_resident_memory_bytes"), "handoff_resident_memory_bytes", &[("role", role)]).expect("rss") > 0.0);
     }
 

@@ -51,6 +51,15 @@ pub struct Counts {
     pub plans: u32,
     pub free_blocks: u64,
     pub free_slots: u64,
+    /// Requests with sampling state in the role's table (`roles::sampling`): it
+    /// lives beside the World, so the role fills it in, not [`Engine::counts`].
+    #[serde(default)]
+    pub sampling: u32,
+    /// Prefill only: requests settled before their job came, remembered so a late
+    /// job is dropped (each forgotten 120 s after it was settled). Filled in by
+    /// the role, like `sampling`.
+    #[serde(default)]
+    pub settled: u32,
 }
 
 pub mod compute;
@@ -257,6 +266,8 @@ impl Engine {
             plans,
             free_blocks: pools.0.values().map(|p| p.free_block_count()).sum(),
             free_slots: pools.0.values().map(|p| p.free_slots.len() as u64).sum(),
+            sampling: 0,
+            settled: 0,
         }
     }
 

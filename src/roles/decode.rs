@@ -222,7 +222,9 @@ fn engine_loop(
             }
         }
         flush(link, &out);
-        *crate::base::lock(counts) = engine.counts();
+        let mut c = engine.counts();
+        c.sampling = crate::base::lock(table).len() as u32;
+        *crate::base::lock(counts) = c;
     }
 }
 

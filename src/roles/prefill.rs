@@ -309,7 +309,10 @@ fn engine_loop(
                 notify(notices, &route, &Notice::Failed { id: o.request, nonce: o.nonce, stage, failure });
             }
         }
-        *crate::base::lock(counts) = engine.counts();
+        let mut c = engine.counts();
+        c.sampling = crate::base::lock(table).len() as u32;
+        c.settled = settled.len() as u32;
+        *crate::base::lock(counts) = c;
     }
 }
 
