@@ -4,7 +4,7 @@
 //! cargo bench --bench planner
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use handoff::engine::{Engine, NoMover, QueueMover, Role};
+use handoff::engine::{Engine, EngineRole, NoMover, QueueMover};
 use handoff_components::Topology;
 use handoff_components::layout::{ConsumerLayout, ProducerLayout};
 use handoff_components::vocab::{DecodeRank, PrefillRank, RankId};
@@ -86,7 +86,7 @@ fn tick_in_flight(c: &mut Criterion) {
     // The same 88 requests in decode's own World (what a decode process ticks):
     // placed and published, waiting for the stages' reports.
     let topo = Topology::load(FLAGSHIP).expect("flagship config");
-    let mut engine = Engine::for_role(topo, Role::Decode, cap, Box::new(NoMover));
+    let mut engine = Engine::for_role(topo, EngineRole::Decode, cap, Box::new(NoMover));
     for id in 0..88 {
         engine.submit(id, 8192);
     }

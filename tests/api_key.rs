@@ -2,7 +2,7 @@
 //! `Authorization: Bearer KEY`; without it, or with another key, 401 with an
 //! OpenAI-style JSON body. Health and metrics stay open.
 
-use handoff::roles::up::{Cluster, free_port};
+use handoff::roles::up::{Deployment, free_port};
 use handoff::roles::wire;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -13,7 +13,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_handoff");
 fn a_request_without_the_api_key_gets_401_json_and_one_with_it_is_served() {
     let port = free_port().expect("port");
     let envs = vec![("HANDOFF_API_KEY".to_string(), "sekrit-key".to_string())];
-    let mut c = Cluster::start_with(None, "127.0.0.1", port, Some(PathBuf::from(BIN)), envs).expect("start");
+    let mut c = Deployment::start_with(None, "127.0.0.1", port, Some(PathBuf::from(BIN)), envs).expect("start");
     c.wait_healthy(Duration::from_secs(60), false).expect("health is not behind the key");
     let body = r#"{"prompt": "hello", "max_tokens": 3}"#;
     let t = Duration::from_secs(60);

@@ -5,7 +5,7 @@
 //! past `serve.max_connections` are refused.
 
 use handoff::check::oracle::fill_canary;
-use handoff::roles::up::{Cluster, free_port};
+use handoff::roles::up::{Deployment, free_port};
 use handoff::roles::wire;
 use handoff::transport::auth::{ClusterSecret, SECRET_ENV, SECRET_FILE_ENV};
 use handoff::transport::tcp::wire as tcpwire;
@@ -67,7 +67,7 @@ fn forged_register(stage: Option<u32>) -> String {
 #[test]
 fn a_strangers_register_is_refused_and_the_public_port_has_no_internal_routes() {
     let port = free_port().expect("port");
-    let mut c = Cluster::start(Some(std::path::Path::new(SMALL)), "127.0.0.1", port, Some(PathBuf::from(BIN))).expect("start");
+    let mut c = Deployment::start(Some(std::path::Path::new(SMALL)), "127.0.0.1", port, Some(PathBuf::from(BIN))).expect("start");
     c.wait_healthy(Duration::from_secs(60), false).expect("healthy");
     let decode_pid = c.pid("decode").expect("decode pid");
 
@@ -352,7 +352,7 @@ fn over_tcp_the_roles_hand_off_and_a_stranger_at_decodes_transport_port_is_count
     let path = std::env::temp_dir().join(format!("handoff-cluster-secret-tcp-{}.toml", std::process::id()));
     std::fs::write(&path, text).expect("config");
     let port = free_port().expect("port");
-    let mut c = Cluster::start(Some(&path), "127.0.0.1", port, Some(PathBuf::from(BIN))).expect("start");
+    let mut c = Deployment::start(Some(&path), "127.0.0.1", port, Some(PathBuf::from(BIN))).expect("start");
     c.wait_healthy(Duration::from_secs(60), false).expect("healthy");
     let r = wire::http(&c.addr, "POST", "/v1/completions", Some(r#"{"prompt": "over tcp", "max_tokens": 3}"#), T).expect("http");
     assert_eq!(r.status, 200, "{}", r.body);

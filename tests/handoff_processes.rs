@@ -16,7 +16,7 @@ mod transport_util;
 use handoff::check::oracle::{self, OracleRequest, Placement};
 use handoff::engine::Engine;
 use handoff::engine::mover::{MoverOptions, TransportMover};
-use handoff::engine::{NoMover, Role};
+use handoff::engine::{EngineRole, NoMover};
 use handoff::transport::{PeerAddr, RegionHandle, ShmTransport, TcpOptions, TcpTransport, Transport, TransportExt};
 use handoff_components::Topology;
 use handoff_components::config::Config;
@@ -26,7 +26,7 @@ use handoff_components::vocab::{DecodeRank, PrefillRank, RankId, RegionKind};
 use handoff_systems::placement::blocks_for;
 use handoff_systems::placement::{Capacity, place_rank};
 use handoff_systems::splitting::{plan_pair, share};
-use handoff_systems::transfer::{Completion, Mover, Ticket};
+use handoff_systems::transfer::{Mover, PlanCompletion, Ticket};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
@@ -201,7 +201,7 @@ fn produce(t: std::sync::Arc<dyn Transport>, p: Publish) {
     let deadline = Instant::now() + WAIT;
     while done.len() < plans.len() && Instant::now() < deadline {
         mover.handle().wait_idle(Duration::from_millis(100));
-        let mut got: Vec<Completion> = Vec::new();
+        let mut got: Vec<PlanCompletion> = Vec::new();
         mover.poll(&mut got);
         for c in got {
             c.result.as_ref().unwrap_or_else(|e| panic!("write failed: {e}"));
@@ -244,7 +244,7 @@ impl DecodeSide {
         let topo = cfg.validate().expect("topology");
         let cap = Capacity::for_requests(&topo, 2, MAX_TOKENS);
         // Decode's World holds the decode ranks only; the producers are the children.
-        let mut engine = Engine::for_role(topo.clone(), Role::Decode, cap, Box::new(NoMover));
+        let mut engine = Engine::for_role(topo.clone(), EngineRole::Decode, cap, Box::new(NoMover));
         let mut handles = BTreeMap::new();
         let mut units = BTreeMap::new();
         for r in engine.regions() {

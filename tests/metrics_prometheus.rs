@@ -13,7 +13,7 @@
 //! Under CI (`CI=true`) a missing python3 or `prometheus_client` fails the test; on
 //! a developer's machine without them it says so and passes.
 
-use handoff::roles::up::{Cluster, free_port};
+use handoff::roles::up::{Deployment, free_port};
 use serde_json::Value;
 use std::io::Write;
 use std::path::PathBuf;
@@ -28,7 +28,7 @@ fn python_with_prometheus_client() -> bool {
 }
 
 /// The families of `/metrics`, as the official parser reads them.
-fn scrape(c: &Cluster) -> Vec<Value> {
+fn scrape(c: &Deployment) -> Vec<Value> {
     let text = c.http("GET", "/metrics", None).expect("GET /metrics").body;
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/prom_parse.py");
     let mut child = Command::new("python3").arg(script).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("python3");
@@ -82,7 +82,7 @@ fn metrics_parse_as_prometheus_and_count_what_was_served() {
     let _ = std::fs::remove_dir_all(&traces);
     std::fs::create_dir_all(&traces).expect("trace dir");
     let envs = vec![(handoff::roles::up::TRACE_DIR_ENV.to_string(), traces.to_string_lossy().into_owned())];
-    let mut c = Cluster::start_with(Some(&path), "127.0.0.1", free_port().expect("port"), Some(PathBuf::from(BIN)), envs).expect("start cluster");
+    let mut c = Deployment::start_with(Some(&path), "127.0.0.1", free_port().expect("port"), Some(PathBuf::from(BIN)), envs).expect("start cluster");
     c.wait_healthy(Duration::from_secs(60), false).expect("healthy");
 
     // 5 completions of 6 tokens, one of them with n = 2: 6 choices, 6 x 5 token gaps.
@@ -151,6 +151,12 @@ fn metrics_parse_as_prometheus_and_count_what_was_served() {
             assert!(runs > 0.0, "{role}: no run of phase {ph}");
         }
         assert_eq!(sample(family(&fams, "handoff_engine_requests"), "handoff_engine_requests", &[("role", role)]), Some(0.0), "{role} still holds requests");
+        assert_eq!(
+            sample(family(&fams, "handoff_sampling_entries"), "handoff_sampling_entries", &[("role", role)]),
+            Some(0.0),
+            "{role} still holds sampling state"
+        );
+        assert_eq!(sample(family(&fams, "handoff_prefill_settled"), "handoff_prefill_settled", &[("role", role)]), Some(0.0), "{role} settled without a fault");
         assert!(sample(family(&fams, "handoff_resident_memory_bytes"), "handoff_resident_memory_bytes", &[("role", role)]).expect("rss") > 0.0);
     }
 

@@ -9,7 +9,7 @@
 use handoff::model::{Model, run_colocated};
 use handoff::roles::openai::chat_prompt;
 use handoff::roles::sampling::{self, Sampling};
-use handoff::roles::up::{Cluster, free_port};
+use handoff::roles::up::{Deployment, free_port};
 use handoff_components::Topology;
 use std::path::PathBuf;
 use std::process::Command;
@@ -41,7 +41,7 @@ fn the_official_openai_client_gets_what_the_colocated_reference_says() {
     let topo = Topology::load(path.to_str().expect("path")).expect("topology");
     let model = Model::new(&topo).expect("model");
     let port = free_port().expect("port");
-    let mut c = Cluster::start(Some(&path), "127.0.0.1", port, Some(PathBuf::from(BIN))).expect("start cluster");
+    let mut c = Deployment::start(Some(&path), "127.0.0.1", port, Some(PathBuf::from(BIN))).expect("start cluster");
     c.wait_healthy(Duration::from_secs(60), false).expect("healthy");
 
     let greedy = |prompt: &[u8], n: u32| run_colocated(&model, prompt, n - 1).expect("reference").tokens;

@@ -263,7 +263,7 @@ fn dispatch_phase_computes_stages_in_order_and_failures_name_the_phase() {
                 assert_eq!(log, vec!["prefill 5 stage 0 ranks 1", "prefill 5 stage 1 ranks 1"]);
                 let failure = outcomes.iter().find_map(|o| o.result.clone().err()).expect("failed");
                 assert_eq!(failure.phase.name(), "compute");
-                assert_eq!(failure.role, handoff_components::Role::Prefill { stage: 1 });
+                assert_eq!(failure.role, handoff_components::ProcessRole::Prefill { stage: 1 });
                 assert!(matches!(failure.cause, handoff_components::Cause::Compute { .. }), "{failure:?}");
                 assert!(failure.to_string().contains("prefill stage 1: out of memory"), "{failure}");
             }
@@ -279,13 +279,14 @@ fn dispatch_phase_computes_stages_in_order_and_failures_name_the_phase() {
 #[test]
 fn cancels_of_another_life_of_the_id_are_ignored() {
     use handoff_components::ecs::{Cancel, PhaseName};
-    use handoff_components::{Cause, Failure, PeerLoss, Role};
+    use handoff_components::{Cause, Failure, PeerLoss, ProcessRole};
     let (mut e, _mover) = engine(&Shape::default(), 1, 8);
     let baseline = e.entity_count();
     e.submit(3, 8);
     e.tick();
     let nonce = e.nonce(3).expect("placed");
-    let died = |detail: &str| Failure::new(PhaseName::Compute, Role::Prefill { stage: 0 }, Cause::PeerDown { loss: PeerLoss::Dead, detail: detail.into() });
+    let died =
+        |detail: &str| Failure::new(PhaseName::Compute, ProcessRole::Prefill { stage: 0 }, Cause::PeerDown { loss: PeerLoss::Dead, detail: detail.into() });
     e.cancel(Cancel { request: 3, failure: died("stale"), stage: None, nonce: Some(nonce ^ 1), unsent: false });
     e.tick();
     assert_eq!(e.status(3), Some(Status::Planned));
@@ -303,12 +304,12 @@ fn cancels_of_another_life_of_the_id_are_ignored() {
 /// held such requests until the compute deadline.
 #[test]
 fn a_decode_frees_at_once_a_request_no_stage_was_given() {
-    use handoff::engine::{NoMover, Role};
+    use handoff::engine::{EngineRole, NoMover};
     use handoff_components::ecs::{Cancel, PhaseName};
     use handoff_components::{Cause, Failure, PeerLoss};
     let topo = Shape { pp: 2, dtp: 2, ..Default::default() }.topology();
     let cap = Capacity::for_requests(&topo, 2, 8);
-    let mut e = Engine::for_role(topo, Role::Decode, cap, Box::new(NoMover));
+    let mut e = Engine::for_role(topo, EngineRole::Decode, cap, Box::new(NoMover));
     e.tick();
     let (baseline, pools) = (e.entity_count(), free_counts(&e));
     e.submit(1, 8);
@@ -318,8 +319,11 @@ fn a_decode_frees_at_once_a_request_no_stage_was_given() {
         assert!(matches!(e.status(id), Some(Status::Placed | Status::Planned)), "request {id} placed: {:?}", e.status(id));
     }
     assert_ne!(free_counts(&e), pools);
-    let stopped =
-        Failure::new(PhaseName::Admission, handoff_components::Role::Decode, Cause::PeerDown { loss: PeerLoss::Stopped, detail: "stopped answering".into() });
+    let stopped = Failure::new(
+        PhaseName::Admission,
+        handoff_components::ProcessRole::Decode,
+        Cause::PeerDown { loss: PeerLoss::Stopped, detail: "stopped answering".into() },
+    );
     let cancel = |request, unsent| Cancel { request, failure: stopped.clone(), stage: None, nonce: None, unsent };
     e.cancel(cancel(1, false));
     e.cancel(cancel(2, true));

@@ -9,7 +9,7 @@ mod fuzz;
 
 use fuzz::{DescSpec, FrameCase, FrameConsumer, FrameSpec, Options, PeakAlloc, Report, Target};
 use handoff::roles::openai::{self, BodyError, Endpoint};
-use handoff::roles::up::{Cluster, free_port};
+use handoff::roles::up::{Deployment, free_port};
 use handoff::roles::wire;
 use handoff::transport::tcp::wire as frames;
 use handoff::transport::{PeerAddr, Transport};
@@ -401,7 +401,7 @@ fn fuzzed_bodies_through_a_running_proxy_get_json_answers_and_leave_it_healthy()
     let path = std::env::temp_dir().join(format!("handoff-robust-serve-{}.toml", std::process::id()));
     std::fs::write(&path, &text).expect("write config");
     let port = free_port().expect("port");
-    let mut cluster = Cluster::start(Some(&path), "127.0.0.1", port, Some(PathBuf::from(env!("CARGO_BIN_EXE_handoff")))).expect("start");
+    let mut cluster = Deployment::start(Some(&path), "127.0.0.1", port, Some(PathBuf::from(env!("CARGO_BIN_EXE_handoff")))).expect("start");
     cluster.wait_healthy(Duration::from_secs(60), false).expect("healthy");
     let addr = cluster.addr.clone();
 

@@ -2,7 +2,7 @@
 //! stage) on loopback, the prefill stages writing into decode's regions over shm.
 
 use handoff::model::{Model, run_colocated};
-use handoff::roles::up::{Cluster, free_port};
+use handoff::roles::up::{Deployment, free_port};
 use handoff::roles::wire::{self, HttpResponse};
 use handoff_components::Topology;
 use std::io::{BufRead, BufReader};
@@ -220,10 +220,10 @@ fn up_pp3tp2_to_tp4dcp2_completions_equal_colocated_reference() {
     check_topology_end_to_end("pp3", &pp3_config());
 }
 
-fn cluster(name: &str, text: &str, envs: Vec<(String, String)>) -> (Cluster, Topology) {
+fn cluster(name: &str, text: &str, envs: Vec<(String, String)>) -> (Deployment, Topology) {
     let path = write_config(name, text);
     let port = free_port().expect("port");
-    let mut c = Cluster::start_with(Some(&path), "127.0.0.1", port, Some(PathBuf::from(BIN)), envs).expect("start cluster");
+    let mut c = Deployment::start_with(Some(&path), "127.0.0.1", port, Some(PathBuf::from(BIN)), envs).expect("start cluster");
     c.wait_healthy(Duration::from_secs(50), false).expect("healthy");
     let topo = c.topo.clone();
     (c, topo)

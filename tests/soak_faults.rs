@@ -27,7 +27,16 @@ fn a_killed_stage_and_a_stopped_decode_lose_nothing_and_leak_nothing() {
     for (role, f) in &r.after {
         assert_eq!(f.producer_entries, 0, "{role}");
         assert_eq!(f.requests, 0, "{role}");
+        // Sampling state goes with its request, on every role.
+        assert_eq!(f.sampling, 0, "{role}: sampling state left behind");
     }
+    // A request the killed stage's successor settled before its job came is
+    // remembered for 120 s, so it may still be counted; never more of them than
+    // requests failed, and none on roles that settle nothing.
+    let failed_total: u32 = r.failed.values().sum();
+    assert!(r.after["prefill1"].settled <= failed_total as u64, "prefill1 settled {} > {failed_total} failed", r.after["prefill1"].settled);
+    assert_eq!(r.after["decode"].settled, 0);
+    assert_eq!(r.after["prefill0"].settled, 0, "stage 0 has no earlier stage to settle for");
     for role in ["decode", "prefill0", "prefill1"] {
         let (b, a) = (&r.before[role], &r.after[role]);
         assert_eq!((a.entities, a.free_blocks, a.free_slots), (b.entities, b.free_blocks, b.free_slots), "{role}");

@@ -4,7 +4,7 @@
 
 use handoff::check::oracle::{self, OracleRequest, Placement};
 use handoff::engine::Engine;
-use handoff::engine::mover::{Cluster, local_cluster};
+use handoff::engine::mover::{LocalCluster, local_cluster};
 use handoff::transport::TransportExt;
 use handoff_components::Topology;
 use handoff_components::config::{Config, TransportKind};
@@ -51,7 +51,7 @@ fn pools_full(engine: &Engine) -> Result<(), String> {
 
 /// Ticks until every request of the wave has an outcome; panics on a failure.
 /// Outcomes are taken after every tick: a message lives for two ticks only.
-fn run_until_outcomes(engine: &mut Engine, cluster: &Cluster, ids: &[u64]) {
+fn run_until_outcomes(engine: &mut Engine, cluster: &LocalCluster, ids: &[u64]) {
     let deadline = Instant::now() + WAIT;
     let mut left: std::collections::HashSet<u64> = ids.iter().copied().collect();
     while !left.is_empty() {

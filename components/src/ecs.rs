@@ -5,7 +5,7 @@
 //! (producer, consumer) pair and one producer entry per PP stage.
 
 use crate::config::Topology;
-use crate::failure::{Failure, Role};
+use crate::failure::{Failure, ProcessRole};
 use crate::layout::{ConsumerLayout, RegionLayout, SegmentSpec};
 use crate::plan::Plan;
 use crate::vocab::{DecodeRank, PrefillRank, RankId, RegionKind};
@@ -176,7 +176,7 @@ pub struct Timing {
 /// left the engine, `last` is the token the next step feeds (at position
 /// prompt + emitted - 1).
 #[derive(Component, Debug, Clone, Copy, Default)]
-pub struct Generation {
+pub struct DecodeProgress {
     pub max_tokens: u32,
     pub emitted: u32,
     pub last: Option<u8>,
@@ -235,10 +235,10 @@ impl LocalRanks {
 
     /// The role a failure this World makes is charged to, where no one system
     /// knows better: decode where the decode ranks live, else its first stage.
-    pub fn role(&self) -> Role {
+    pub fn role(&self) -> ProcessRole {
         match self.stages.first() {
-            Some(&stage) if !self.decode => Role::Prefill { stage },
-            _ => Role::Decode,
+            Some(&stage) if !self.decode => ProcessRole::Prefill { stage },
+            _ => ProcessRole::Decode,
         }
     }
 }

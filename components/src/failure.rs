@@ -13,18 +13,18 @@ use std::time::Duration;
 /// silence or death made another give up on it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(tag = "role", rename_all = "snake_case")]
-pub enum Role {
+pub enum ProcessRole {
     Proxy,
     Prefill { stage: u32 },
     Decode,
 }
 
-impl fmt::Display for Role {
+impl fmt::Display for ProcessRole {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Role::Proxy => f.write_str("proxy"),
-            Role::Prefill { stage } => write!(f, "prefill stage {stage}"),
-            Role::Decode => f.write_str("decode"),
+            ProcessRole::Proxy => f.write_str("proxy"),
+            ProcessRole::Prefill { stage } => write!(f, "prefill stage {stage}"),
+            ProcessRole::Decode => f.write_str("decode"),
         }
     }
 }
@@ -85,17 +85,17 @@ impl Cause {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Failure {
     pub phase: PhaseName,
-    pub role: Role,
+    pub role: ProcessRole,
     pub cause: Cause,
 }
 
 impl Failure {
-    pub fn new(phase: PhaseName, role: Role, cause: Cause) -> Failure {
+    pub fn new(phase: PhaseName, role: ProcessRole, cause: Cause) -> Failure {
         Failure { phase, role, cause }
     }
 
     /// A phase deadline that passed after `after`, with the stages still owed.
-    pub fn deadline(phase: PhaseName, role: Role, after: Duration, waiting_for: Vec<u32>) -> Failure {
+    pub fn deadline(phase: PhaseName, role: ProcessRole, after: Duration, waiting_for: Vec<u32>) -> Failure {
         Failure::new(phase, role, Cause::Timeout { after, waiting_for, detail: String::new() })
     }
 }
@@ -137,13 +137,13 @@ mod tests {
 
     #[test]
     fn a_failure_names_its_role_then_what_happened() {
-        let f = Failure::deadline(PhaseName::Transfer, Role::Decode, Duration::from_secs(300), vec![1, 2]);
+        let f = Failure::deadline(PhaseName::Transfer, ProcessRole::Decode, Duration::from_secs(300), vec![1, 2]);
         assert_eq!(f.to_string(), "decode: transfer phase timed out after 300 s waiting for prefill stage 1, 2");
-        let f = Failure::new(PhaseName::Compute, Role::Prefill { stage: 1 }, Cause::Compute { detail: "out of memory".into() });
+        let f = Failure::new(PhaseName::Compute, ProcessRole::Prefill { stage: 1 }, Cause::Compute { detail: "out of memory".into() });
         assert_eq!(f.to_string(), "prefill stage 1: out of memory");
         let f = Failure::new(
             PhaseName::Admission,
-            Role::Decode,
+            ProcessRole::Decode,
             Cause::Timeout { after: Duration::from_millis(1500), waiting_for: vec![], detail: "no answer".into() },
         );
         assert_eq!(f.to_string(), "decode: admission phase timed out after 1.5 s: no answer");
@@ -152,9 +152,9 @@ mod tests {
     #[test]
     fn a_failure_round_trips_through_json() {
         let fs = [
-            Failure::deadline(PhaseName::Compute, Role::Prefill { stage: 3 }, Duration::from_millis(250), vec![3]),
-            Failure::new(PhaseName::Transfer, Role::Proxy, Cause::Cancelled { detail: "the client went away".into() }),
-            Failure::new(PhaseName::Admission, Role::Decode, Cause::PeerDown { loss: PeerLoss::Dead, detail: "x".into() }),
+            Failure::deadline(PhaseName::Compute, ProcessRole::Prefill { stage: 3 }, Duration::from_millis(250), vec![3]),
+            Failure::new(PhaseName::Transfer, ProcessRole::Proxy, Cause::Cancelled { detail: "the client went away".into() }),
+            Failure::new(PhaseName::Admission, ProcessRole::Decode, Cause::PeerDown { loss: PeerLoss::Dead, detail: "x".into() }),
         ];
         for f in fs {
             let text = serde_json::to_string(&f).expect("encode");

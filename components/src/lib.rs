@@ -11,7 +11,7 @@ pub mod plan;
 pub mod vocab;
 
 pub use config::{Config, ConfigError, Topology};
-pub use failure::{Cause, Failure, PeerLoss, Role};
+pub use failure::{Cause, Failure, PeerLoss, ProcessRole};
 pub use layout::{RankLayout, RegionLayout, SegmentSpec};
 pub use plan::{Descriptor, Plan};
 pub use vocab::{DecodeRank, Dtype, LayerKind, ModuleLayer, PrefillRank, RegionKind};

@@ -1,9 +1,9 @@
 //! `handoff bench serve`: a load generator against a whole deployment started as
-//! child processes ([`Cluster`]), one level per concurrency, reporting tokens per
+//! child processes ([`Deployment`]), one level per concurrency, reporting tokens per
 //! second, TTFT and inter-token latency percentiles, and why requests failed.
 
-use crate::roles::client::{Completion, complete, failure_reason, percentile};
-use crate::roles::up::{Cluster, free_port};
+use crate::roles::client::{CompletionAnswer, complete, failure_reason, percentile};
+use crate::roles::up::{Deployment, free_port};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -56,7 +56,7 @@ pub fn load(addr: &str, concurrency: u32, requests: u32, max_tokens: u32) -> Ser
     });
     let wall = t0.elapsed().as_secs_f64();
     let results = results.into_inner().unwrap_or_else(|p| p.into_inner());
-    let ok: Vec<&Completion> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
+    let ok: Vec<&CompletionAnswer> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
     let mut failed = BTreeMap::new();
     let mut reasons = BTreeMap::new();
     for r in &results {
@@ -93,7 +93,7 @@ pub fn load(addr: &str, concurrency: u32, requests: u32, max_tokens: u32) -> Ser
 /// (the caller decides whether a failure fails the run: see [`failed_requests`]).
 pub fn bench_serve(config: Option<&Path>, levels: &[u32], requests: u32) -> anyhow::Result<Vec<ServeLevel>> {
     let port = free_port()?;
-    let mut c = Cluster::start(config, "127.0.0.1", port, None)?;
+    let mut c = Deployment::start(config, "127.0.0.1", port, None)?;
     eprintln!("bench serve: {} at {}", config.map_or("the built-in default (config/trained.toml)".to_string(), |p| p.display().to_string()), c.addr);
     c.wait_healthy(Duration::from_secs(60), true)?;
     // Warm-up, so the first level does not pay for the first requests' page faults.

@@ -22,7 +22,7 @@ use handoff_components::ecs::Region;
 use handoff_components::plan::Plan;
 use handoff_components::vocab::{RankId, RegionKind};
 use handoff_systems::placement::Capacity;
-use handoff_systems::transfer::{Completion, Mover, Ticket};
+use handoff_systems::transfer::{Mover, PlanCompletion, Ticket};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
@@ -219,12 +219,12 @@ pub fn run_pass(mover: &mut TransportMover, jobs: &[(Ticket, Plan)]) -> anyhow::
     if !mover.handle().wait_idle(Duration::from_secs(600)) {
         bail!("transfers did not complete within 600 s");
     }
-    let mut done: Vec<Completion> = Vec::new();
+    let mut done: Vec<PlanCompletion> = Vec::new();
     mover.poll(&mut done);
     if done.len() != jobs.len() {
         bail!("{} completions for {} plans", done.len(), jobs.len());
     }
-    if let Some(Completion { ticket, result: Err(e) }) = done.into_iter().find(|c| c.result.is_err()) {
+    if let Some(PlanCompletion { ticket, result: Err(e) }) = done.into_iter().find(|c| c.result.is_err()) {
         bail!("write from prefill pp{} tp{} to decode tp{} failed: {e}", ticket.producer.pp, ticket.producer.tp, ticket.consumer.tp);
     }
     Ok(())

@@ -5,10 +5,10 @@
 use super::oracle::{ExecError, OracleError};
 use handoff_components::config::{ConfigError, TransferModeError};
 use handoff_components::failure::Failure;
+/// An error of the layers the checks drive (the model, a backend, device memory):
+/// the same shared error the phases carry, not a second definition.
+pub use handoff_systems::ErrorSource;
 use std::sync::Arc;
-
-/// An error of the layers the checks drive (the model, a backend, device memory).
-pub type Source = Arc<dyn std::error::Error + Send + Sync + 'static>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckError {
@@ -27,7 +27,7 @@ pub enum CheckError {
     Model {
         what: &'static str,
         #[source]
-        source: Source,
+        source: ErrorSource,
     },
     /// The engine failed a request the check submitted.
     #[error("request {request} failed in {phase}: {failure}", phase = failure.phase)]

@@ -16,12 +16,12 @@ use handoff_components::layout::ConsumerLayout;
 use handoff_components::plan::Plan;
 use handoff_systems::dispatch::{Compute, Dispatcher};
 use handoff_systems::placement::{Capacity, spawn_ranks};
-use handoff_systems::transfer::{Completion, MoveError, Mover, Ticket, Transfers};
+use handoff_systems::transfer::{MoveError, Mover, PlanCompletion, Ticket, Transfers};
 use std::sync::{Arc, Mutex};
 
 /// Which ranks an engine holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Role {
+pub enum EngineRole {
     /// One PP stage's TP ranks.
     Stage(u32),
     /// The decode TP x DCP ranks.
@@ -30,12 +30,12 @@ pub enum Role {
     All,
 }
 
-impl Role {
+impl EngineRole {
     pub fn local(self, topo: &Topology) -> LocalRanks {
         match self {
-            Role::Stage(s) => LocalRanks { stages: vec![s], decode: false },
-            Role::Decode => LocalRanks { stages: Vec::new(), decode: true },
-            Role::All => LocalRanks { stages: (0..topo.prefill().pp).collect(), decode: true },
+            EngineRole::Stage(s) => LocalRanks { stages: vec![s], decode: false },
+            EngineRole::Decode => LocalRanks { stages: Vec::new(), decode: true },
+            EngineRole::All => LocalRanks { stages: (0..topo.prefill().pp).collect(), decode: true },
         }
     }
 }
@@ -51,6 +51,15 @@ pub struct Counts {
     pub plans: u32,
     pub free_blocks: u64,
     pub free_slots: u64,
+    /// Requests with sampling state in the role's table (`roles::sampling`): it
+    /// lives beside the World, so the role fills it in, not [`Engine::counts`].
+    #[serde(default)]
+    pub sampling: u32,
+    /// Prefill only: requests settled before their job came, remembered so a late
+    /// job is dropped (each forgotten 120 s after it was settled). Filled in by
+    /// the role, like `sampling`.
+    #[serde(default)]
+    pub settled: u32,
 }
 
 pub mod compute;
@@ -62,17 +71,17 @@ pub mod profile;
 pub struct Engine {
     world: World,
     schedule: Schedule,
-    role: Role,
+    role: EngineRole,
 }
 
 impl Engine {
     /// An engine of every rank (the `verify` shape).
     pub fn new(topo: Topology, cap: Capacity, mover: Box<dyn Mover>) -> Engine {
-        Engine::for_role(topo, Role::All, cap, mover)
+        Engine::for_role(topo, EngineRole::All, cap, mover)
     }
 
     /// An engine holding only `role`'s ranks.
-    pub fn for_role(topo: Topology, role: Role, cap: Capacity, mover: Box<dyn Mover>) -> Engine {
+    pub fn for_role(topo: Topology, role: EngineRole, cap: Capacity, mover: Box<dyn Mover>) -> Engine {
         let mut world = World::new();
         MessageRegistry::register_message::<Submit>(&mut world);
         MessageRegistry::register_message::<WriteDone>(&mut world);
@@ -99,7 +108,7 @@ impl Engine {
         self.world.insert_resource(Dispatcher(compute));
     }
 
-    pub fn role(&self) -> Role {
+    pub fn role(&self) -> EngineRole {
         self.role
     }
 
@@ -152,7 +161,7 @@ impl Engine {
 
     /// Whether any held request is decoding (the role keeps ticking without waiting).
     pub fn decoding(&mut self) -> bool {
-        let mut q = self.world.query::<(&Status, &Generation)>();
+        let mut q = self.world.query::<(&Status, &DecodeProgress)>();
         q.iter(&self.world).any(|(s, g)| *s == Status::HandedOff && g.last.is_some())
     }
 
@@ -257,6 +266,8 @@ impl Engine {
             plans,
             free_blocks: pools.0.values().map(|p| p.free_block_count()).sum(),
             free_slots: pools.0.values().map(|p| p.free_slots.len() as u64).sum(),
+            sampling: 0,
+            settled: 0,
         }
     }
 
@@ -290,7 +301,7 @@ pub struct QueueMover {
 #[derive(Default)]
 pub struct QueueState {
     pub submitted: Vec<(Ticket, Plan)>,
-    pub completed: Vec<Completion>,
+    pub completed: Vec<PlanCompletion>,
 }
 
 use crate::base::lock;
@@ -300,7 +311,7 @@ impl Mover for QueueMover {
         lock(&self.inner).submitted.push((ticket, plan.clone()));
         Ok(())
     }
-    fn poll(&mut self, out: &mut Vec<Completion>) {
+    fn poll(&mut self, out: &mut Vec<PlanCompletion>) {
         out.append(&mut lock(&self.inner).completed);
     }
 }
@@ -310,7 +321,7 @@ impl QueueMover {
         std::mem::take(&mut lock(&self.inner).submitted)
     }
     pub fn complete(&self, ticket: Ticket, result: Result<(), MoveError>) {
-        lock(&self.inner).completed.push(Completion { ticket, result });
+        lock(&self.inner).completed.push(PlanCompletion { ticket, result });
     }
 }
 
@@ -325,5 +336,5 @@ impl Mover for NoMover {
             side: "source",
         })
     }
-    fn poll(&mut self, _out: &mut Vec<Completion>) {}
+    fn poll(&mut self, _out: &mut Vec<PlanCompletion>) {}
 }

@@ -29,7 +29,7 @@ use handoff_components::config::{Topology, TransportKind};
 use handoff_components::plan::{Descriptor, Plan};
 use handoff_components::vocab::{Distribution, RankId, RegionKind};
 use handoff_systems::placement::Capacity;
-use handoff_systems::transfer::{Completion, MoveError, Mover, Ticket};
+use handoff_systems::transfer::{MoveError, Mover, PlanCompletion, Ticket};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
@@ -96,7 +96,7 @@ impl MoverOptions {
 #[derive(Default)]
 struct Book {
     in_flight: HashMap<Ticket, Instant>,
-    done: Vec<Completion>,
+    done: Vec<PlanCompletion>,
 }
 
 struct Shared {
@@ -257,7 +257,7 @@ impl Mover for TransportMover {
         Ok(())
     }
 
-    fn poll(&mut self, out: &mut Vec<Completion>) {
+    fn poll(&mut self, out: &mut Vec<PlanCompletion>) {
         out.append(&mut lock(&self.shared.book).done);
     }
 }
@@ -303,7 +303,7 @@ fn worker(shared: &Shared, rx: &Mutex<mpsc::Receiver<Job>>) {
                 tracing::warn!(request = job.ticket.request, %reason, "mover: plan failed");
             }
             book.in_flight.remove(&job.ticket);
-            book.done.push(Completion { ticket: job.ticket, result });
+            book.done.push(PlanCompletion { ticket: job.ticket, result });
         }
         drop(book);
         shared.idle.notify_all();
@@ -445,7 +445,7 @@ fn write_direct(shared: &Shared, writes: &[DirectWrite]) -> Vec<(usize, Transpor
 pub type RegionHandles = BTreeMap<(RankId, RegionKind), RegionHandle>;
 
 /// What [`local_cluster`] built besides the engine.
-pub struct Cluster {
+pub struct LocalCluster {
     /// Every rank's regions, producer and consumer, registered in the transport.
     pub regions: RegionHandles,
     /// The engine's mover, for its bookkeeping.
@@ -461,7 +461,7 @@ pub fn cluster_over(
     producer: Arc<dyn Transport>,
     consumer: Arc<dyn Transport>,
     opts: MoverOptions,
-) -> Result<(Engine, Cluster), TransportError> {
+) -> Result<(Engine, LocalCluster), TransportError> {
     let mover = TransportMover::new(Arc::clone(&producer), opts)?;
     let handle = mover.handle();
     // The engine owns the mover; regions are added through `handle`'s shared state.
@@ -484,12 +484,12 @@ pub fn cluster_over(
         };
         regions.insert((rank, kind), h);
     }
-    Ok((engine, Cluster { regions, mover: handle }))
+    Ok((engine, LocalCluster { regions, mover: handle }))
 }
 
 /// An in-process engine whose regions live in one transport of `kind` (tcp: its
 /// writes go over loopback to itself), with the `[transport]` settings of `topo`.
-pub fn local_cluster(topo: &Topology, cap: Capacity, kind: TransportKind) -> Result<(Engine, Arc<dyn Transport>, Cluster), TransportError> {
+pub fn local_cluster(topo: &Topology, cap: Capacity, kind: TransportKind) -> Result<(Engine, Arc<dyn Transport>, LocalCluster), TransportError> {
     let t = transport::open(kind, None)?;
     let (engine, cluster) = cluster_over(topo, cap, Arc::clone(&t), Arc::clone(&t), MoverOptions::from_topology(topo))?;
     Ok((engine, t, cluster))

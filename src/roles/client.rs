@@ -7,7 +7,7 @@ use std::time::Duration;
 
 /// One completion's answer, as the demo and bench read it.
 #[derive(Debug, Clone, Default)]
-pub struct Completion {
+pub struct CompletionAnswer {
     pub text: String,
     pub token_ids: Vec<u8>,
     pub ttft_ms: f64,
@@ -19,7 +19,7 @@ pub struct Completion {
 }
 
 /// Sends one non-streaming completion; Err carries status and body.
-pub fn complete(addr: &str, prompt: &str, max_tokens: u32) -> Result<Completion, (u16, String)> {
+pub fn complete(addr: &str, prompt: &str, max_tokens: u32) -> Result<CompletionAnswer, (u16, String)> {
     let body = serde_json::json!({"prompt": prompt, "max_tokens": max_tokens}).to_string();
     let r = wire::http(addr, "POST", "/v1/completions", Some(&body), Duration::from_secs(120)).map_err(|e| (0, e.to_string()))?;
     if r.status != 200 {
@@ -29,7 +29,7 @@ pub fn complete(addr: &str, prompt: &str, max_tokens: u32) -> Result<Completion,
     let c = &v["choices"][0];
     let h = &v["handoff"];
     let f = |k: &str| h[k].as_f64().unwrap_or(0.0);
-    Ok(Completion {
+    Ok(CompletionAnswer {
         text: c["text"].as_str().unwrap_or("").to_string(),
         token_ids: c["token_ids"].as_array().map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as u8).collect()).unwrap_or_default(),
         ttft_ms: f("ttft_ms"),

@@ -16,14 +16,13 @@
 use super::sampling::{Live, Sampling, SamplingTable};
 use super::wire::{self, Admitted, Msg, Notice};
 use crate::engine::compute::{TransportRegions, layouts_of};
-use crate::engine::{Counts, Engine, NoMover, Role};
+use crate::engine::{Counts, Engine, EngineRole, NoMover};
 use crate::transport::auth::ClusterSecret;
 use crate::transport::{PeerAddr, RegionHandle, Transport};
 use anyhow::Context;
 use handoff_components::Topology;
 use handoff_components::ecs::{Cancel, EngineEvent, PhaseName, Submit};
-// `Charged`: the role a failure is charged to (`Role` here is the engine's).
-use handoff_components::failure::{Cause, Failure, PeerLoss, Role as Charged};
+use handoff_components::failure::{Cause, Failure, PeerLoss, ProcessRole};
 use handoff_systems::placement::Capacity;
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -45,7 +44,7 @@ pub fn run_decode(topo: &Topology, proxy: &str, secret: &ClusterSecret) -> anyho
     super::signals::install_signal_handlers();
     let super::host::RoleTransport { transport, memory } = super::host::open_transport(topo, secret)?;
     let refused = super::host::Refused::new(&transport);
-    let mut engine = Engine::for_role(topo.clone(), Role::Decode, Capacity::serving(topo), Box::new(NoMover));
+    let mut engine = Engine::for_role(topo.clone(), EngineRole::Decode, Capacity::serving(topo), Box::new(NoMover));
     let regions = engine.regions();
     let mut handles = BTreeMap::new();
     for r in &regions {
@@ -223,7 +222,9 @@ fn engine_loop(
             }
         }
         flush(link, &out);
-        *crate::base::lock(counts) = engine.counts();
+        let mut c = engine.counts();
+        c.sampling = crate::base::lock(table).len() as u32;
+        *crate::base::lock(counts) = c;
     }
 }
 
@@ -251,7 +252,7 @@ fn apply(engine: &mut Engine, table: &SamplingTable, endpoint: &PeerAddr, cmd: C
             // request, which for a stopped stage is at the phase deadline.
             let awaiting = engine.awaiting_stage(stage);
             let loss = if dead { PeerLoss::Dead } else { PeerLoss::Stopped };
-            let failure = Failure::new(PhaseName::Compute, Charged::Prefill { stage }, Cause::PeerDown { loss, detail: message });
+            let failure = Failure::new(PhaseName::Compute, ProcessRole::Prefill { stage }, Cause::PeerDown { loss, detail: message });
             if dead {
                 // A later stage that has not reported may never have got the job
                 // (the dead stage had not passed it on), and then never reports:

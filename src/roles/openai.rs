@@ -1,5 +1,5 @@
 //! The OpenAI surface of the proxy: what `POST /v1/completions` and
-//! `POST /v1/chat/completions` accept, validated into one [`Generation`], and the
+//! `POST /v1/chat/completions` accept, validated into one [`CompletionRequest`], and the
 //! pieces that turn byte tokens into the text a client reads.
 //!
 //! # Fields
@@ -74,7 +74,7 @@ impl BodyError {
 
 /// One validated request: every choice it runs.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Generation {
+pub struct CompletionRequest {
     pub endpoint: Endpoint,
     /// The served model's name (what the response says).
     pub model: String,
@@ -103,7 +103,7 @@ pub struct Choice {
     pub sampling: Sampling,
 }
 
-impl Generation {
+impl CompletionRequest {
     pub fn choices(&self) -> Vec<Choice> {
         let mut out = Vec::new();
         for (pi, max_tokens) in self.max_tokens.iter().enumerate() {
@@ -297,7 +297,7 @@ fn refuse_unsupported(o: &Map<String, Value>, n: u64) -> Result<(), BodyError> {
 
 /// Validates a request body of `endpoint` against the served topology.
 /// `fresh_seed` is the seed a sampled request without one gets.
-pub fn parse(topo: &Topology, endpoint: Endpoint, body: &[u8], fresh_seed: u64) -> Result<Generation, BodyError> {
+pub fn parse(topo: &Topology, endpoint: Endpoint, body: &[u8], fresh_seed: u64) -> Result<CompletionRequest, BodyError> {
     let v: Value = serde_json::from_slice(body).map_err(|e| BodyError::Malformed(e.to_string()))?;
     let Value::Object(o) = v else { return Err(BodyError::Malformed("the body must be a JSON object".into())) };
     let served = &topo.model().name;
@@ -373,7 +373,7 @@ pub fn parse(topo: &Topology, endpoint: Endpoint, body: &[u8], fresh_seed: u64) 
     // A top_p in range as f64 may round to 0 as f32 (2e-308): keep it positive, the
     // nucleus of the single most likely token it asks for.
     let top_p = (top_p as f32).max(f32::MIN_POSITIVE);
-    Ok(Generation { endpoint, model, prompts, max_tokens, n: n as u32, stop, temperature: temperature as f32, top_p, seed, stream, include_usage })
+    Ok(CompletionRequest { endpoint, model, prompts, max_tokens, n: n as u32, stop, temperature: temperature as f32, top_p, seed, stream, include_usage })
 }
 
 /// Where a choice's generation stands after one more token.
@@ -476,7 +476,7 @@ mod tests {
         Topology::parse(super::super::up::DEFAULT_CONFIG).expect("default topology")
     }
 
-    fn parse_c(body: &str) -> Result<Generation, BodyError> {
+    fn parse_c(body: &str) -> Result<CompletionRequest, BodyError> {
         parse(&topo(), Endpoint::Completions, body.as_bytes(), 99)
     }
 

@@ -15,17 +15,16 @@
 //! the proxy's control listener (its heartbeat) and in its transport's hello.
 
 use super::sampling::{Live, SamplingTable};
-use super::wire::{self, Admitted, Msg, Notice, PrefillJob};
+use super::wire::{self, Admitted, Msg, Notice, WirePrefillJob};
 use crate::engine::compute::{TransportRegions, layouts_of};
 use crate::engine::mover::{MoverHandle, MoverOptions, TransportMover};
-use crate::engine::{Counts, Engine, Role};
+use crate::engine::{Counts, Engine, EngineRole};
 use crate::transport::auth::ClusterSecret;
 use crate::transport::{PeerAddr, RegionHandle, Transport};
 use anyhow::Context;
 use handoff_components::Topology;
 use handoff_components::ecs::{Cancel, EngineEvent, Inputs, PhaseName, Submit};
-// `Charged`: the role a failure is charged to (`Role` here is the engine's).
-use handoff_components::failure::{Cause, Failure, PeerLoss, Role as Charged};
+use handoff_components::failure::{Cause, Failure, PeerLoss, ProcessRole};
 use handoff_systems::placement::Capacity;
 use std::collections::{BTreeMap, HashMap};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -40,7 +39,7 @@ pub const DELAY_ENV: &str = "HANDOFF_TEST_STAGE_DELAY_MS";
 /// Where this stage's messages go: the deployment's decode and stages, as the
 /// latest job named them (the same for every request of one deployment).
 #[derive(Default)]
-struct Route {
+struct StageRoute {
     endpoint: Option<PeerAddr>,
     handles: Vec<RegionHandle>,
     stages: Vec<SocketAddr>,
@@ -57,7 +56,7 @@ pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str, secret: &ClusterSec
     let refused = super::host::Refused::new(&transport);
     let mover = TransportMover::new(Arc::clone(&transport), MoverOptions::from_topology(topo))?;
     let handle = mover.handle();
-    let mut engine = Engine::for_role(topo.clone(), Role::Stage(stage), Capacity::serving(topo), Box::new(mover));
+    let mut engine = Engine::for_role(topo.clone(), EngineRole::Stage(stage), Capacity::serving(topo), Box::new(mover));
     let regions = engine.regions();
     let mut handles = BTreeMap::new();
     for r in &regions {
@@ -105,7 +104,7 @@ pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str, secret: &ClusterSec
 
 /// What the links bring the engine thread.
 enum StageCmd {
-    Job(Box<PrefillJob>),
+    Job(Box<WirePrefillJob>),
     /// See [`Msg::Settle`].
     Settle {
         requests: Vec<(u64, u64)>,
@@ -182,7 +181,7 @@ impl NextStage {
 /// thread ([`send_notices`]) so that the engine never waits on decode.
 type Notices = Sender<(PeerAddr, Vec<u8>, Instant)>;
 
-fn notify(notices: &Notices, route: &Route, notice: &Notice) {
+fn notify(notices: &Notices, route: &StageRoute, notice: &Notice) {
     let Some(endpoint) = &route.endpoint else { return };
     match serde_json::to_vec(notice) {
         Ok(bytes) => {
@@ -236,7 +235,7 @@ fn engine_loop(
     rx: &Receiver<StageCmd>,
     mut next: NextStage,
 ) {
-    let mut route = Route::default();
+    let mut route = StageRoute::default();
     // Requests settled before their job came (id -> nonce, when): a job that
     // arrives for one afterwards is dropped. Kept for two minutes, which bounds
     // them by the settles of that long.
@@ -277,7 +276,7 @@ fn engine_loop(
                     // This stage is done with the request: its sampling moves on.
                     let sampling = crate::base::lock(table).remove(&request).map(|l| l.sampling);
                     let Some(&addr) = route.stages.get(s as usize + 1) else { continue };
-                    let job = PrefillJob {
+                    let job = WirePrefillJob {
                         admitted: Admitted {
                             id: request,
                             nonce,
@@ -295,7 +294,7 @@ fn engine_loop(
                         // The next stage never gets the job: it is charged with it, as
                         // a peer this stage could not reach.
                         let cause = Cause::PeerDown { loss: PeerLoss::Dead, detail: format!("unreachable at {addr}: {e}") };
-                        let failure = Failure::new(PhaseName::Compute, Charged::Prefill { stage: s + 1 }, cause);
+                        let failure = Failure::new(PhaseName::Compute, ProcessRole::Prefill { stage: s + 1 }, cause);
                         notify(notices, &route, &Notice::Failed { id: request, nonce: Some(nonce), stage: s + 1, failure });
                     }
                 }
@@ -310,7 +309,10 @@ fn engine_loop(
                 notify(notices, &route, &Notice::Failed { id: o.request, nonce: o.nonce, stage, failure });
             }
         }
-        *crate::base::lock(counts) = engine.counts();
+        let mut c = engine.counts();
+        c.sampling = crate::base::lock(table).len() as u32;
+        c.settled = settled.len() as u32;
+        *crate::base::lock(counts) = c;
     }
 }
 
@@ -333,7 +335,7 @@ fn settle(
             engine.cancel(Cancel { request: id, failure: failure.clone(), stage: None, nonce: Some(nonce), unsent: false });
         } else {
             settled.insert(id, (nonce, Instant::now()));
-            let route = Route { endpoint: Some(endpoint.clone()), ..Default::default() };
+            let route = StageRoute { endpoint: Some(endpoint.clone()), ..Default::default() };
             notify(notices, &route, &Notice::Failed { id, nonce: Some(nonce), stage, failure: failure.clone() });
         }
     }
@@ -341,7 +343,7 @@ fn settle(
 
 /// Attaches decode's regions (once per published handle) and submits the job;
 /// false when it could not (decode was told why).
-fn submit(engine: &mut Engine, stage: u32, notices: &Notices, mover: &MoverHandle, route: &mut Route, job: PrefillJob) -> bool {
+fn submit(engine: &mut Engine, stage: u32, notices: &Notices, mover: &MoverHandle, route: &mut StageRoute, job: WirePrefillJob) -> bool {
     let a = job.admitted;
     route.endpoint = Some(a.endpoint.clone());
     route.stages = job.stages;
@@ -352,7 +354,7 @@ fn submit(engine: &mut Engine, stage: u32, notices: &Notices, mover: &MoverHandl
         if !mover.attached(h)
             && let Err(e) = mover.attach_target(h)
         {
-            let failure = Failure::new(PhaseName::Transfer, Charged::Prefill { stage }, Cause::Transfer { detail: format!("attach {h}: {e}") });
+            let failure = Failure::new(PhaseName::Transfer, ProcessRole::Prefill { stage }, Cause::Transfer { detail: format!("attach {h}: {e}") });
             notify(notices, route, &Notice::Failed { id: a.id, nonce: Some(a.nonce), stage, failure });
             return false;
         }

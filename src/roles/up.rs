@@ -1,7 +1,7 @@
 //! `handoff up` and the demo (`cargo run --release`): a whole deployment as child
 //! processes of this one (the benches in [`crate::bench`] start theirs here too).
 //!
-//! A [`Cluster`] gives its roles one cluster secret ([`crate::transport::auth`]): the one
+//! A [`Deployment`] gives its roles one cluster secret ([`crate::transport::auth`]): the one
 //! this process was given (`HANDOFF_CLUSTER_SECRET_FILE` or
 //! `HANDOFF_CLUSTER_SECRET`), else 32 fresh random bytes. It writes the secret
 //! to `{tmp}/handoff-up-{pid}-{port}.secret` (mode 0600, removed at shutdown) and
@@ -27,7 +27,7 @@ pub const DEFAULT_WEIGHTS: &[u8] = include_bytes!("../../config/trained/byte-kkk
 /// The weights line of [`DEFAULT_CONFIG`], replaced by the written file's path.
 const DEFAULT_WEIGHTS_LINE: &str = "weights = \"trained/byte-kkkm.safetensors\"";
 
-struct Role {
+struct SupervisedRole {
     name: String,
     args: Vec<String>,
     child: Option<Child>,
@@ -39,9 +39,9 @@ struct Role {
     restart_at: Option<Instant>,
 }
 
-impl Role {
-    fn new(name: String, args: Vec<String>) -> Role {
-        Role { name, args, child: None, restarts: 0, deaths: Default::default(), restart_at: None }
+impl SupervisedRole {
+    fn new(name: String, args: Vec<String>) -> SupervisedRole {
+        SupervisedRole { name, args, child: None, restarts: 0, deaths: Default::default(), restart_at: None }
     }
 }
 
@@ -64,7 +64,7 @@ impl Default for RestartPolicy {
     }
 }
 
-/// What [`Cluster::supervise`] did.
+/// What [`Deployment::supervise`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Supervision {
     /// A role died; it starts again after the backoff.
@@ -90,8 +90,8 @@ pub enum Supervision {
 
 /// A running deployment: proxy, decode and one process per prefill stage.
 /// Dropping it stops every process.
-pub struct Cluster {
-    roles: Vec<Role>,
+pub struct Deployment {
+    roles: Vec<SupervisedRole>,
     /// `host:port` of the proxy.
     pub addr: String,
     /// `host:port` of the proxy's control listener (where the roles register).
@@ -109,15 +109,15 @@ pub fn free_port() -> std::io::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-impl Cluster {
+impl Deployment {
     /// Starts every role of the topology in `config` (None: the built-in default).
     /// `program`: the `handoff` binary the roles run; None starts this executable.
-    pub fn start(config: Option<&Path>, host: &str, port: u16, program: Option<PathBuf>) -> anyhow::Result<Cluster> {
+    pub fn start(config: Option<&Path>, host: &str, port: u16, program: Option<PathBuf>) -> anyhow::Result<Deployment> {
         Self::start_with(config, host, port, program, Vec::new())
     }
 
-    /// [`Cluster::start`] with extra environment variables for every role.
-    pub fn start_with(config: Option<&Path>, host: &str, port: u16, program: Option<PathBuf>, envs: Vec<(String, String)>) -> anyhow::Result<Cluster> {
+    /// [`Deployment::start`] with extra environment variables for every role.
+    pub fn start_with(config: Option<&Path>, host: &str, port: u16, program: Option<PathBuf>, envs: Vec<(String, String)>) -> anyhow::Result<Deployment> {
         sweep_stale_configs();
         let (path, tmp) = match config {
             Some(p) => (p.to_path_buf(), None),
@@ -154,7 +154,7 @@ impl Cluster {
             control_port = free_port().context("pick a port for the proxy's control listener")?;
         }
         let control_addr = format!("127.0.0.1:{control_port}");
-        let mut roles = vec![Role::new(
+        let mut roles = vec![SupervisedRole::new(
             "proxy".into(),
             vec![
                 "proxy".into(),
@@ -170,16 +170,16 @@ impl Cluster {
                 control_port.to_string(),
             ],
         )];
-        roles.push(Role::new("decode".into(), vec!["decode".into(), "--config".into(), path_s.clone(), "--proxy".into(), control_addr.clone()]));
+        roles.push(SupervisedRole::new("decode".into(), vec!["decode".into(), "--config".into(), path_s.clone(), "--proxy".into(), control_addr.clone()]));
         for s in 0..topo.prefill().pp {
-            roles.push(Role::new(
+            roles.push(SupervisedRole::new(
                 format!("prefill stage {s}"),
                 vec!["prefill".into(), "--config".into(), path_s.clone(), "--stage".into(), s.to_string(), "--proxy".into(), control_addr.clone()],
             ));
         }
         let mut envs = envs;
         envs.push((crate::transport::auth::SECRET_FILE_ENV.to_string(), secret_file.to_string_lossy().to_string()));
-        let mut c = Cluster { roles, addr, control_addr, secret, secret_file: Some(secret_file), topo, program, envs, tmp_config: tmp };
+        let mut c = Deployment { roles, addr, control_addr, secret, secret_file: Some(secret_file), topo, program, envs, tmp_config: tmp };
         for i in 0..c.roles.len() {
             c.spawn(i)?;
         }
@@ -250,7 +250,7 @@ impl Cluster {
         Ok(())
     }
 
-    /// Starts a role again (after [`Cluster::kill`] or its death).
+    /// Starts a role again (after [`Deployment::kill`] or its death).
     pub fn restart(&mut self, name: &str) -> anyhow::Result<()> {
         let i = self.roles.iter().position(|r| r.name == name).context("no such role")?;
         if let Some(mut c) = self.roles[i].child.take() {
@@ -436,7 +436,7 @@ fn write_secret(path: &Path, secret: &crate::transport::auth::ClusterSecret) -> 
     f.write_all(secret.to_hex().as_bytes()).with_context(|| format!("write {}", path.display()))
 }
 
-impl Drop for Cluster {
+impl Drop for Deployment {
     fn drop(&mut self) {
         self.shutdown();
     }
@@ -475,7 +475,7 @@ pub fn run_up(
         let abs = std::fs::canonicalize(dir).map_err(|e| anyhow::anyhow!("--trace-dir {}: {e}", dir.display()))?;
         envs.push((TRACE_DIR_ENV.to_string(), abs.to_string_lossy().into_owned()));
     }
-    let mut c = Cluster::start_with(config, host, port, None, envs)?;
+    let mut c = Deployment::start_with(config, host, port, None, envs)?;
     let p = c.topo.prefill();
     let d = c.topo.decode();
     let on = match device {
@@ -565,9 +565,9 @@ fn sweep_stale_configs() {
     }
 }
 
-fn start_default() -> anyhow::Result<Cluster> {
+fn start_default() -> anyhow::Result<Deployment> {
     let port = free_port()?;
-    let mut c = Cluster::start(None, "127.0.0.1", port, None)?;
+    let mut c = Deployment::start(None, "127.0.0.1", port, None)?;
     eprintln!("starting the built-in default cluster (config/trained.toml, the trained checkpoint) at {}", c.addr);
     c.wait_healthy(Duration::from_secs(60), true)?;
     Ok(c)

@@ -69,7 +69,7 @@ pub enum Msg {
         unsent: bool,
     },
     /// proxy -> stage 0, stage s -> stage s + 1: compute and hand off.
-    Prefill(Box<PrefillJob>),
+    Prefill(Box<WirePrefillJob>),
     /// proxy -> decode: prefill stage `stage` died (`dead`: its process is gone, so
     /// it writes no more) or stopped answering; decode fails every request still
     /// waiting for that stage's writes, naming it.
@@ -101,7 +101,7 @@ pub struct Admitted {
 
 /// A request as a prefill stage receives it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct PrefillJob {
+pub struct WirePrefillJob {
     pub admitted: Admitted,
     /// Byte-level prompt tokens.
     pub prompt: Vec<u8>,
@@ -534,7 +534,7 @@ mod tests {
     fn hidden_states_round_trip_bit_for_bit_and_bad_lengths_are_refused() {
         let xs = vec![0.0f32, -0.0, 1.5, f32::MIN_POSITIVE / 4.0, f32::from_bits(0x7fc0_1234), -3.25e7];
         let a = Admitted { id: 1, nonce: 2, consumers: vec![], handles: vec![], endpoint: PeerAddr::Local { instance: 3 } };
-        let job = PrefillJob { admitted: a, prompt: vec![1, 2], stage: 1, stages: vec![], hidden: Some(xs.clone()), sampling: None };
+        let job = WirePrefillJob { admitted: a, prompt: vec![1, 2], stage: 1, stages: vec![], hidden: Some(xs.clone()), sampling: None };
         let line = serde_json::to_vec(&Msg::Prefill(Box::new(job))).expect("encode");
         let Ok(Msg::Prefill(back)) = serde_json::from_slice::<Msg>(&line) else { panic!("decode") };
         let got: Vec<u32> = back.hidden.expect("hidden").iter().map(|x| x.to_bits()).collect();

@@ -21,8 +21,8 @@
 
 use super::shm::ShmTransport;
 use super::{
-    BatchId, Completion, Completions, Incident, IpcHandle, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, Transport, TransportError,
-    lock, read, validate, write,
+    BatchCompletion, BatchId, Completions, Incident, IpcHandle, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, Transport,
+    TransportError, lock, read, validate, write,
 };
 use crate::transport::auth::ClusterSecret;
 use handoff_components::plan::Descriptor;
@@ -445,7 +445,7 @@ impl Transport for DeviceTransport {
         true
     }
 
-    fn poll(&self) -> Vec<Completion> {
+    fn poll(&self) -> Vec<BatchCompletion> {
         self.reaper.completions.poll()
     }
 

@@ -2,7 +2,8 @@
 //! share: region and attachment tables, synchronous submit, completions, inbox.
 
 use super::{
-    BatchId, Completion, Completions, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, TransportError, copy, lock, pieces, read, validate, write,
+    BatchCompletion, BatchId, Completions, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, TransportError, copy, lock, pieces, read, validate,
+    write,
 };
 use handoff_components::plan::Descriptor;
 use std::collections::HashMap;
@@ -141,7 +142,7 @@ impl HostCore {
         Ok(batch)
     }
 
-    pub fn poll(&self) -> Vec<Completion> {
+    pub fn poll(&self) -> Vec<BatchCompletion> {
         self.completions.poll()
     }
 

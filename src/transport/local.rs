@@ -6,7 +6,7 @@
 
 use super::host::{HostCore, HostRegion, Mem};
 use super::{
-    BatchId, Completion, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, Transport, TransportError, host_only, lock, usize_len,
+    BatchCompletion, BatchId, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, Transport, TransportError, host_only, lock, usize_len,
 };
 use handoff_components::plan::Descriptor;
 use handoff_components::vocab::{RankId, RegionKind};
@@ -101,7 +101,7 @@ impl Transport for LocalTransport {
         self.core.submit(src, dst, descriptors)
     }
 
-    fn poll(&self) -> Vec<Completion> {
+    fn poll(&self) -> Vec<BatchCompletion> {
         self.core.poll()
     }
 

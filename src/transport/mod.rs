@@ -150,7 +150,7 @@ impl fmt::Display for BatchId {
 
 /// The outcome of one batch.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Completion {
+pub struct BatchCompletion {
     pub batch: BatchId,
     pub result: Result<(), TransportError>,
 }
@@ -305,7 +305,7 @@ pub trait Transport: Send + Sync {
     }
 
     /// Takes every completion reported since the last call, in batch order.
-    fn poll(&self) -> Vec<Completion>;
+    fn poll(&self) -> Vec<BatchCompletion>;
 
     /// Waits for one batch; takes its completion (a later `poll` will not see it).
     fn wait(&self, batch: BatchId, timeout: Duration) -> Result<()>;
@@ -479,9 +479,9 @@ impl Completions {
         lock(&self.state).pending.remove(&batch);
     }
 
-    pub fn poll(&self) -> Vec<Completion> {
+    pub fn poll(&self) -> Vec<BatchCompletion> {
         let mut s = lock(&self.state);
-        std::mem::take(&mut s.done).into_iter().map(|(batch, result)| Completion { batch, result }).collect()
+        std::mem::take(&mut s.done).into_iter().map(|(batch, result)| BatchCompletion { batch, result }).collect()
     }
 
     pub fn wait(&self, batch: BatchId, timeout: Duration) -> Result<()> {

@@ -6,7 +6,7 @@
 //! that returns a clear error). Handles already carry [`super::MemoryKind`] so that
 //! registered device memory (GPUDirect) needs no API change.
 
-use super::{BatchId, Completion, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, Transport, TransportError};
+use super::{BatchCompletion, BatchId, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, Transport, TransportError};
 use handoff_components::plan::Descriptor;
 use handoff_components::vocab::{RankId, RegionKind};
 use std::time::Duration;
@@ -57,7 +57,7 @@ impl Transport for RdmaTransport {
     fn submit(&self, _: &RegionHandle, _: RemoteRegion, _: &[Descriptor]) -> Result<BatchId> {
         Err(unavailable("submit"))
     }
-    fn poll(&self) -> Vec<Completion> {
+    fn poll(&self) -> Vec<BatchCompletion> {
         Vec::new()
     }
     fn wait(&self, batch: BatchId, _: Duration) -> Result<()> {

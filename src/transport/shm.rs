@@ -17,7 +17,9 @@
 //! by processes that died without dropping.
 
 use super::host::{HostCore, HostRegion, Mem};
-use super::{BatchId, Completion, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, Transport, TransportError, host_only, usize_len};
+use super::{
+    BatchCompletion, BatchId, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, Transport, TransportError, host_only, usize_len,
+};
 use crate::transport::auth::{ClusterSecret, context};
 use handoff_components::plan::Descriptor;
 use handoff_components::vocab::{RankId, RegionKind};
@@ -204,7 +206,7 @@ impl Transport for ShmTransport {
         self.core.submit(src, dst, descriptors)
     }
 
-    fn poll(&self) -> Vec<Completion> {
+    fn poll(&self) -> Vec<BatchCompletion> {
         self.core.poll()
     }
 

@@ -121,7 +121,7 @@ impl Drop for StagingPool {
 
 /// One contiguous destination range and, in order, the source pieces that fill it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Run {
+pub struct GatherRun {
     pub kind: RegionKind,
     pub dst_offset: u64,
     pub len: u64,
@@ -129,7 +129,7 @@ pub struct Run {
     pub sources: Vec<(u64, u64)>,
 }
 
-impl Run {
+impl GatherRun {
     /// A run that is one contiguous source range needs no staging.
     pub fn is_direct(&self) -> bool {
         self.sources.len() == 1
@@ -140,9 +140,9 @@ impl Run {
 /// bytes of at most `max_run` bytes, merging adjacent source pieces as it goes.
 /// Writing the runs in order writes what the descriptors write, provided no two
 /// pieces' destinations overlap (plans never overlap).
-pub fn gather_runs(descriptors: &[Descriptor], max_run: u64) -> Vec<Run> {
+pub fn gather_runs(descriptors: &[Descriptor], max_run: u64) -> Vec<GatherRun> {
     let max_run = max_run.max(1);
-    let mut runs: Vec<Run> = Vec::new();
+    let mut runs: Vec<GatherRun> = Vec::new();
     for d in descriptors {
         if d.len == 0 {
             continue;
@@ -152,7 +152,7 @@ pub fn gather_runs(descriptors: &[Descriptor], max_run: u64) -> Vec<Run> {
             while left > 0 {
                 let extend = runs.last().is_some_and(|r| r.kind == d.kind && r.dst_offset + r.len == dst && r.len < max_run);
                 if !extend {
-                    runs.push(Run { kind: d.kind, dst_offset: dst, len: 0, sources: Vec::new() });
+                    runs.push(GatherRun { kind: d.kind, dst_offset: dst, len: 0, sources: Vec::new() });
                 }
                 let Some(run) = runs.last_mut() else { break };
                 let take = left.min(max_run - run.len);
@@ -262,7 +262,7 @@ impl Stager {
     }
 
     /// Copies a group of staged runs from `src` into `buf`, returning their descriptors.
-    fn fill(&self, src: &RegionHandle, buf: &StagingBuffer<'_>, runs: &[&Run]) -> Result<Vec<Descriptor>> {
+    fn fill(&self, src: &RegionHandle, buf: &StagingBuffer<'_>, runs: &[&GatherRun]) -> Result<Vec<Descriptor>> {
         let mut out = Vec::with_capacity(runs.len());
         let mut at = 0;
         for r in runs {
@@ -304,7 +304,7 @@ impl Stager {
         self.write_batches(src, dst, &direct, &mut stats)?;
 
         // Staged runs, packed into buffers; up to the pool's size in flight.
-        let staged: Vec<&Run> = runs.iter().filter(|r| !r.is_direct()).collect();
+        let staged: Vec<&GatherRun> = runs.iter().filter(|r| !r.is_direct()).collect();
         stats.staged_runs = staged.len();
         let mut in_flight: VecDeque<InFlight<'_>> = VecDeque::new();
         let mut i = 0;

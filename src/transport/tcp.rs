@@ -24,8 +24,8 @@
 
 use super::host::{HostCore, HostRegion, Mem};
 use super::{
-    BatchId, Completion, Completions, Incident, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, Transport, TransportError, host_only,
-    lock, read, usize_len, validate, write,
+    BatchCompletion, BatchId, Completions, Incident, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, Transport, TransportError,
+    host_only, lock, read, usize_len, validate, write,
 };
 use crate::transport::auth::ClusterSecret;
 use handoff_components::plan::Descriptor;
@@ -825,7 +825,7 @@ impl Transport for TcpTransport {
         Ok(batch)
     }
 
-    fn poll(&self) -> Vec<Completion> {
+    fn poll(&self) -> Vec<BatchCompletion> {
         self.inner.completions.poll()
     }
 

@@ -104,7 +104,7 @@ pub fn admit_requests(
         // waits for its owner to finish it.
         if local.decode && s.max_tokens > 0 {
             e.insert((
-                Generation { max_tokens: s.max_tokens, emitted: 0, last: None, stepped: 0 },
+                DecodeProgress { max_tokens: s.max_tokens, emitted: 0, last: None, stepped: 0 },
                 Timing { admitted: Instant::now(), handed_off: None, bytes: 0 },
             ));
             if !s.forced.is_empty() {

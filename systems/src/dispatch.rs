@@ -5,11 +5,11 @@
 //! batch (continuous batching), growing block tables as positions pass them. The
 //! model lives behind `Compute`, so the phase stays plain scheduling.
 
-pub use crate::Source;
+pub use crate::ErrorSource;
 use crate::placement::{alloc_blocks, blocks_needed};
 use bevy_ecs::prelude::*;
 use handoff_components::ecs::*;
-use handoff_components::failure::{Cause, Failure, Role};
+use handoff_components::failure::{Cause, Failure, ProcessRole};
 use handoff_components::vocab::RankId;
 use std::sync::Arc;
 use thiserror::Error;
@@ -25,10 +25,10 @@ pub enum ComputeError {
     OutOfBlocks { rank: RankId, tokens: u64 },
     /// The model or its kernels refused; their own error.
     #[error("{0}")]
-    Model(#[source] Source),
+    Model(#[source] ErrorSource),
     /// A step of the compute's own (a per-step probe, a snapshot) failed.
     #[error("{what}: {source}")]
-    Step { what: &'static str, source: Source },
+    Step { what: &'static str, source: ErrorSource },
     #[error("{0}'s lock is poisoned")]
     Poisoned(&'static str),
 }
@@ -136,7 +136,7 @@ pub fn run_prefill(
                 }
             }
         }
-        Err(e) => *status = Status::Failed(Failure::new(PhaseName::Compute, Role::Prefill { stage }, e.cause())),
+        Err(e) => *status = Status::Failed(Failure::new(PhaseName::Compute, ProcessRole::Prefill { stage }, e.cause())),
     }
 }
 
@@ -144,7 +144,7 @@ pub fn run_prefill(
 /// rank's pool as its next position passes them.
 #[allow(clippy::type_complexity)]
 pub fn grow_leases(
-    mut requests: Query<(&Request, &mut Status, &Generation, &Holdings)>,
+    mut requests: Query<(&Request, &mut Status, &DecodeProgress, &Holdings)>,
     mut leases: Query<&mut Lease>,
     mut pools: ResMut<Pools>,
     topo: Res<TopologyRes>,
@@ -167,7 +167,7 @@ pub fn grow_leases(
                 Some(more) => lease.blocks.extend(more),
                 None => {
                     let e = ComputeError::OutOfBlocks { rank: lease.rank, tokens };
-                    *status = Status::Failed(Failure::new(PhaseName::Decode, Role::Decode, e.cause()));
+                    *status = Status::Failed(Failure::new(PhaseName::Decode, ProcessRole::Decode, e.cause()));
                     break;
                 }
             }
@@ -181,7 +181,7 @@ pub fn grow_leases(
 #[allow(clippy::type_complexity)]
 pub fn run_decode(
     dispatcher: Option<ResMut<Dispatcher>>,
-    mut requests: Query<(Entity, &Request, &mut Status, &mut Generation, &Holdings)>,
+    mut requests: Query<(Entity, &Request, &mut Status, &mut DecodeProgress, &Holdings)>,
     leases: Query<&Lease>,
     forced: Query<&Forced>,
     topo: Res<TopologyRes>,
@@ -219,7 +219,7 @@ pub fn run_decode(
             Ok(tokens) => {
                 let Some(&tok) = tokens.get(i) else {
                     let detail = format!("the compute returned {} tokens for a batch of {}", tokens.len(), live.len());
-                    *status = Status::Failed(Failure::new(PhaseName::Decode, Role::Decode, Cause::Compute { detail }));
+                    *status = Status::Failed(Failure::new(PhaseName::Decode, ProcessRole::Decode, Cause::Compute { detail }));
                     continue;
                 };
                 events.write(EngineEvent::Token { request: req.id, index: generation.emitted, token: tok });
@@ -234,7 +234,7 @@ pub fn run_decode(
                     Cause::Compute { detail } => Cause::Compute { detail: format!("decode step: {detail}") },
                     other => other,
                 };
-                *status = Status::Failed(Failure::new(PhaseName::Decode, Role::Decode, cause));
+                *status = Status::Failed(Failure::new(PhaseName::Decode, ProcessRole::Decode, cause));
             }
         }
     }

@@ -20,7 +20,7 @@ use bevy_ecs::prelude::*;
 /// The error of a layer below the systems (the model, its kernels, a transport),
 /// kept whole: the systems know it only as an error, and a failure's text is
 /// built from it where the request fails.
-pub type Source = std::sync::Arc<dyn std::error::Error + Send + Sync + 'static>;
+pub type ErrorSource = std::sync::Arc<dyn std::error::Error + Send + Sync + 'static>;
 
 /// The phases, as system sets chained in this order.
 #[derive(SystemSet, Debug, Clone, PartialEq, Eq, Hash)]

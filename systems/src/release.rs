@@ -4,7 +4,7 @@
 use crate::placement::release_lease;
 use bevy_ecs::prelude::*;
 use handoff_components::ecs::*;
-use handoff_components::failure::{Cause, Failure, Role};
+use handoff_components::failure::{Cause, Failure, ProcessRole};
 use handoff_components::vocab::RankId;
 use std::time::{Duration, Instant};
 
@@ -161,7 +161,7 @@ pub fn record_reports(
 #[allow(clippy::type_complexity, clippy::too_many_arguments)]
 pub fn complete_handoffs(
     mut commands: Commands,
-    mut requests: Query<(&Request, &mut Status, &mut Holdings, Option<&FirstToken>, Option<&mut Generation>, Option<&mut Timing>)>,
+    mut requests: Query<(&Request, &mut Status, &mut Holdings, Option<&FirstToken>, Option<&mut DecodeProgress>, Option<&mut Timing>)>,
     leases: Query<(&Lease, Option<&ConsumerProgress>)>,
     plans: Query<&PlanEntry>,
     mut pools: ResMut<Pools>,
@@ -201,7 +201,7 @@ pub fn complete_handoffs(
         let Some(FirstToken(tok)) = first.copied() else {
             // The last stage owes the first token with its report.
             let detail = "every stage reported, but the last stage sent no first token".to_string();
-            *status = Status::Failed(Failure::new(PhaseName::Transfer, Role::Prefill { stage: last_stage }, Cause::Protocol { detail }));
+            *status = Status::Failed(Failure::new(PhaseName::Transfer, ProcessRole::Prefill { stage: last_stage }, Cause::Protocol { detail }));
             continue;
         };
         *status = Status::HandedOff;

@@ -96,7 +96,7 @@ pub struct ProducerPlanner<'a> {
     producer: &'a ProducerLayout,
     tokens: u64,
     /// Physically contiguous runs of the producer's blocks, per paged region.
-    src_runs: Vec<(RegionKind, Vec<Run>)>,
+    src_runs: Vec<(RegionKind, Vec<BlockRun>)>,
 }
 
 impl<'a> ProducerPlanner<'a> {
@@ -162,16 +162,16 @@ fn check_unit(kind: RegionKind, side: &'static str, what: &'static str, index: u
 
 /// A maximal run of positions whose blocks are physically consecutive.
 #[derive(Debug, Clone, Copy)]
-struct Run {
+struct BlockRun {
     start: u64,
     end: u64,
     /// Row-relative byte offset of position `start`.
     base: u64,
 }
 
-fn runs(blocks: &[u32], block_size: u32, block_bytes: u64, token_bytes: u64, limit: u64) -> Vec<Run> {
+fn runs(blocks: &[u32], block_size: u32, block_bytes: u64, token_bytes: u64, limit: u64) -> Vec<BlockRun> {
     let bs = block_size as u64;
-    let mut out: Vec<Run> = Vec::new();
+    let mut out: Vec<BlockRun> = Vec::new();
     for (i, &b) in blocks.iter().enumerate() {
         let start = i as u64 * bs;
         if start >= limit {
@@ -181,7 +181,7 @@ fn runs(blocks: &[u32], block_size: u32, block_bytes: u64, token_bytes: u64, lim
         let base = b as u64 * block_bytes;
         match out.last_mut() {
             Some(r) if r.end == start && r.base + (start - r.start) * token_bytes == base => r.end = end,
-            _ => out.push(Run { start, end, base }),
+            _ => out.push(BlockRun { start, end, base }),
         }
     }
     out
@@ -195,7 +195,7 @@ fn plan_rows(
     consumer: &ConsumerLayout,
     src: &RegionLayout,
     dst: &RegionLayout,
-    src_runs: &[Run],
+    src_runs: &[BlockRun],
     pairs: &[(ModuleLayer, u64, u64)],
     tokens: u64,
     out: &mut Coalescer,

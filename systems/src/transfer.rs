@@ -4,7 +4,7 @@
 
 use bevy_ecs::prelude::*;
 use handoff_components::ecs::*;
-use handoff_components::failure::{Cause, Failure, Role};
+use handoff_components::failure::{Cause, Failure, ProcessRole};
 use handoff_components::plan::Plan;
 use handoff_components::vocab::{DecodeRank, PrefillRank, RankId, RegionKind};
 use std::time::{Duration, Instant};
@@ -30,14 +30,14 @@ pub enum MoveError {
     Stopped,
     /// The transport failed the writes; its own error.
     #[error("{0}")]
-    Transport(#[source] crate::Source),
+    Transport(#[source] crate::ErrorSource),
     #[error("no write-done report from prefill pp{pp} tp{tp} within {after:?} (producer gone or stalled)")]
     NoReport { pp: u32, tp: u32, after: Duration },
 }
 
 /// The end of one plan's writes.
 #[derive(Debug, Clone)]
-pub struct Completion {
+pub struct PlanCompletion {
     pub ticket: Ticket,
     pub result: Result<(), MoveError>,
 }
@@ -47,14 +47,14 @@ pub trait Mover: Send + Sync + 'static {
     /// Starts the writes of one plan; its completion comes back from `poll`.
     fn submit(&mut self, ticket: Ticket, plan: &Plan) -> Result<(), MoveError>;
     /// Appends the completions that arrived since the last call.
-    fn poll(&mut self, out: &mut Vec<Completion>);
+    fn poll(&mut self, out: &mut Vec<PlanCompletion>);
 }
 
 /// What a request fails with when the mover could not start (`what` = "submit")
 /// or finish ("write") one plan's writes: charged to the producing stage, a
 /// report that never came as a timeout, anything else as a failed transfer.
 pub fn move_failure(t: &Ticket, what: &str, e: &MoveError) -> Failure {
-    let role = Role::Prefill { stage: t.producer.pp };
+    let role = ProcessRole::Prefill { stage: t.producer.pp };
     let pair = format!("{what} from prefill pp{} tp{} to decode tp{}", t.producer.pp, t.producer.tp, t.consumer.tp);
     let cause = match e {
         MoveError::NoReport { pp, after, .. } => Cause::Timeout { after: *after, waiting_for: vec![*pp], detail: format!("{pair}: {e}") },
@@ -112,7 +112,7 @@ pub fn poll_transfers(
     mut requests: Query<(&Request, &mut Status, &Holdings)>,
     mut plans: Query<&mut PlanEntry>,
     mut reports: MessageWriter<WriteDone>,
-    mut buf: Local<Vec<Completion>>,
+    mut buf: Local<Vec<PlanCompletion>>,
 ) {
     buf.clear();
     transfers.0.poll(&mut buf);

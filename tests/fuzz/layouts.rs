@@ -1,7 +1,7 @@
 //! The consumer layouts a prefill stage plans from: valid ones and edits of them.
 
 use super::*;
-use handoff::roles::wire::{self, Admitted, Msg, PrefillJob};
+use handoff::roles::wire::{self, Admitted, Msg, WirePrefillJob};
 use handoff::transport::PeerAddr;
 use handoff_components::Topology;
 use handoff_components::layout::ConsumerLayout;
@@ -198,7 +198,7 @@ pub fn check_layout(topo: &Topology, case: &LayoutCase) -> Verdict {
         apply_layout_edit(&mut consumer, e);
     }
     let admitted = Admitted { id: 1, nonce: 1, consumers: vec![consumer], handles: vec![], endpoint: PeerAddr::Local { instance: 1 } };
-    let job = PrefillJob { admitted, prompt: vec![b'x'; case.tokens as usize], stage: 0, stages: vec![], hidden: None, sampling: None };
+    let job = WirePrefillJob { admitted, prompt: vec![b'x'; case.tokens as usize], stage: 0, stages: vec![], hidden: None, sampling: None };
     let mut line = Vec::new();
     wire::encode_into(&mut line, &Msg::Prefill(Box::new(job))).map_err(|e| format!("encode: {e}"))?;
     let Ok(Some(Msg::Prefill(job))) = wire::recv(&mut Cursor::new(&line)) else {

@@ -3,12 +3,12 @@
 
 use super::*;
 use handoff::roles::sampling::Sampling;
-use handoff::roles::wire::{self, Admitted, Msg, Notice, PrefillJob, Register};
+use handoff::roles::wire::{self, Admitted, Msg, Notice, Register, WirePrefillJob};
 use handoff::transport::{MemoryKind, PeerAddr, RegionHandle};
 use handoff_components::ecs::{PhaseName, StageReport};
 use handoff_components::layout::ConsumerLayout;
 use handoff_components::vocab::{DecodeRank, PrefillRank, RankId, RegionKind};
-use handoff_components::{Cause, Failure, PeerLoss, Role};
+use handoff_components::{Cause, Failure, PeerLoss, ProcessRole};
 use handoff_systems::placement::place_rank;
 use std::fmt::Debug;
 use std::io::Cursor;
@@ -33,7 +33,7 @@ pub fn valid_lines() -> Vec<(&'static str, Vec<u8>)> {
     };
     let admitted = Admitted { id: 5, nonce: 9, consumers: vec![consumer], handles: vec![handle], endpoint };
     let sampling = Some(Sampling { temperature: 0.7, top_p: 0.9, seed: u64::MAX, choice: 3 });
-    let job = PrefillJob {
+    let job = WirePrefillJob {
         admitted: admitted.clone(),
         prompt: b"hello".to_vec(),
         stage: 1,
@@ -49,9 +49,9 @@ pub fn valid_lines() -> Vec<(&'static str, Vec<u8>)> {
         Msg::Done { id: 3, handoff_ms: 1.5, decode_ms: 0.25, bytes: 1 << 40 },
         Msg::Error {
             id: 4,
-            failure: Failure::new(PhaseName::Transfer, Role::Prefill { stage: 1 }, Cause::PeerDown { loss: PeerLoss::Dead, detail: "died".into() }),
+            failure: Failure::new(PhaseName::Transfer, ProcessRole::Prefill { stage: 1 }, Cause::PeerDown { loss: PeerLoss::Dead, detail: "died".into() }),
         },
-        Msg::Cancel { id: 4, failure: Failure::new(PhaseName::Admission, Role::Proxy, Cause::Cancelled { detail: "client left".into() }), unsent: true },
+        Msg::Cancel { id: 4, failure: Failure::new(PhaseName::Admission, ProcessRole::Proxy, Cause::Cancelled { detail: "client left".into() }), unsent: true },
         Msg::Prefill(Box::new(job)),
         Msg::StageDown { stage: 2, dead: true, message: "exited".into() },
     ];
@@ -71,7 +71,7 @@ pub fn valid_lines() -> Vec<(&'static str, Vec<u8>)> {
             id: 5,
             nonce: None,
             stage: 1,
-            failure: Failure::new(PhaseName::Compute, Role::Prefill { stage: 1 }, Cause::Compute { detail: "oom".into() }),
+            failure: Failure::new(PhaseName::Compute, ProcessRole::Prefill { stage: 1 }, Cause::Compute { detail: "oom".into() }),
         },
     ] {
         out.push(("notice", serde_json::to_vec(&n).expect("encode")));

@@ -183,10 +183,10 @@ impl IntoResponse for ServeError {
 mod tests {
     use super::*;
     use handoff_components::ecs::PhaseName;
-    use handoff_components::failure::Role;
+    use handoff_components::failure::ProcessRole;
     use std::time::Duration;
 
-    fn class(phase: PhaseName, role: Role, cause: Cause) -> (FailureClass, ServeError) {
+    fn class(phase: PhaseName, role: ProcessRole, cause: Cause) -> (FailureClass, ServeError) {
         let f = Failure::new(phase, role, cause);
         (classify(&f), ServeError::Failed(f))
     }
@@ -195,7 +195,7 @@ mod tests {
     /// counted as a failure of (phase, role) and as a timeout of its phase.
     #[test]
     fn a_deadline_is_a_500_counted_as_a_timeout_of_its_phase() {
-        let f = Failure::deadline(PhaseName::Transfer, Role::Prefill { stage: 1 }, Duration::from_secs(300), vec![1]);
+        let f = Failure::deadline(PhaseName::Transfer, ProcessRole::Prefill { stage: 1 }, Duration::from_secs(300), vec![1]);
         let c = classify(&f);
         assert_eq!(c.status, StatusCode::INTERNAL_SERVER_ERROR);
         assert_eq!((c.kind, c.code), ("timeout_error", "transfer"));
@@ -214,12 +214,12 @@ mod tests {
     /// one found stopped by its heartbeat is a timeout of the phase it stopped in.
     #[test]
     fn a_dead_peer_is_a_failure_of_its_role_and_a_stopped_one_a_timeout() {
-        let (dead, e) = class(PhaseName::Decode, Role::Decode, Cause::PeerDown { loss: PeerLoss::Dead, detail: "died (pid 7: refused)".into() });
+        let (dead, e) = class(PhaseName::Decode, ProcessRole::Decode, Cause::PeerDown { loss: PeerLoss::Dead, detail: "died (pid 7: refused)".into() });
         assert_eq!((dead.status, dead.kind, dead.code), (StatusCode::INTERNAL_SERVER_ERROR, "server_error", "decode"));
         assert_eq!(dead.labels, ("decode", "decode".to_string()));
         assert_eq!(dead.timeout, None);
         assert_eq!(e.body()["error"]["cause"], "peer_down");
-        let (stopped, _) = class(PhaseName::Compute, Role::Prefill { stage: 0 }, Cause::PeerDown { loss: PeerLoss::Stopped, detail: "died".into() });
+        let (stopped, _) = class(PhaseName::Compute, ProcessRole::Prefill { stage: 0 }, Cause::PeerDown { loss: PeerLoss::Stopped, detail: "died".into() });
         assert_eq!(stopped.labels, ("compute", "prefill stage 0".to_string()));
         assert_eq!((stopped.kind, stopped.timeout), ("timeout_error", Some("compute")));
     }
@@ -230,7 +230,7 @@ mod tests {
     /// as decode's `Msg::Error` and the proxy answers and counts it as a timeout.
     #[test]
     fn a_deadline_in_the_engine_reaches_the_proxy_as_a_timeout() {
-        use crate::engine::{Engine, NoMover, Role as EngineRole};
+        use crate::engine::{Engine, EngineRole, NoMover};
         use crate::roles::wire::Msg;
         use handoff_components::Topology;
         use handoff_components::ecs::Submit;
@@ -244,7 +244,7 @@ mod tests {
         engine.tick();
         let failure = engine.take_outcomes().into_iter().find_map(|o| o.result.err()).expect("the request failed at its deadline");
         let stages: Vec<u32> = (0..topo.prefill().pp).collect();
-        assert_eq!(failure, Failure::deadline(PhaseName::Compute, Role::Decode, Duration::from_millis(50), stages));
+        assert_eq!(failure, Failure::deadline(PhaseName::Compute, ProcessRole::Decode, Duration::from_millis(50), stages));
         let line = serde_json::to_string(&Msg::Error { id: 7, failure }).expect("encode");
         let Ok(Msg::Error { failure, .. }) = serde_json::from_str::<Msg>(&line) else { panic!("decode {line}") };
         let c = classify(&failure);
@@ -256,11 +256,15 @@ mod tests {
     /// out" is no timeout, and a detail that names another role charges no one else.
     #[test]
     fn the_text_of_a_failure_decides_nothing() {
-        let (c, _) =
-            class(PhaseName::Compute, Role::Decode, Cause::Compute { detail: "prefill stage 3: timed out, stopped answering, no answer in time".into() });
+        let (c, _) = class(
+            PhaseName::Compute,
+            ProcessRole::Decode,
+            Cause::Compute { detail: "prefill stage 3: timed out, stopped answering, no answer in time".into() },
+        );
         assert_eq!((c.kind, c.timeout), ("server_error", None));
         assert_eq!(c.labels, ("compute", "decode".to_string()));
-        let (c, _) = class(PhaseName::Admission, Role::Proxy, Cause::Timeout { after: Duration::from_secs(1), waiting_for: vec![], detail: String::new() });
+        let (c, _) =
+            class(PhaseName::Admission, ProcessRole::Proxy, Cause::Timeout { after: Duration::from_secs(1), waiting_for: vec![], detail: String::new() });
         assert_eq!((c.kind, c.timeout, c.labels.1.as_str()), ("timeout_error", Some("admission"), "proxy"));
     }
 }

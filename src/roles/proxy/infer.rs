@@ -4,21 +4,21 @@
 use super::error::ServeError;
 use super::links::{Reached, decode_link, send_stage0};
 use super::registry::peers;
-use super::state::{Ev, Proxy, Route, Served, Summary, body_limit, set_phase};
+use super::state::{ChoiceRoute, Ev, Proxy, Served, Summary, body_limit, set_phase};
 use super::stream::{collect_response, stream_response};
 use crate::base::lock;
 use crate::roles::host::secs;
 use crate::roles::openai::{self, BodyError, Endpoint, StopMatcher, StopStep};
 use crate::roles::prom::{Histogram, REQUEST_BUCKETS_S};
 use crate::roles::sampling::Sampling;
-use crate::roles::wire::{Admitted, Msg, PrefillJob};
+use crate::roles::wire::{Admitted, Msg, WirePrefillJob};
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, header};
 use axum::response::Response;
 use futures_util::StreamExt;
 use handoff_components::ecs::PhaseName;
-use handoff_components::failure::{Cause, Failure, PeerLoss, Role};
+use handoff_components::failure::{Cause, Failure, PeerLoss, ProcessRole};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -143,7 +143,7 @@ pub(super) async fn generate(p: Arc<Proxy>, endpoint: Endpoint, headers: HeaderM
         let (task_p, tx) = (Arc::clone(&p), tx.clone());
         let cid = id + u64::from(c.index);
         let prompt = req.prompts[c.prompt].clone();
-        let choice = Choice { id: cid, index: c.index, prompt, max_tokens: c.max_tokens, sampling: c.sampling, stops: req.stop.clone(), arrived, queue_ms };
+        let choice = ChoiceTask { id: cid, index: c.index, prompt, max_tokens: c.max_tokens, sampling: c.sampling, stops: req.stop.clone(), arrived, queue_ms };
         tokio::spawn(async move {
             let _place = mine;
             run_choice(&task_p, choice, tx).await;
@@ -162,7 +162,7 @@ pub(super) async fn generate(p: Arc<Proxy>, endpoint: Endpoint, headers: HeaderM
 }
 
 /// One choice of a generation request, as its task runs it.
-pub(super) struct Choice {
+pub(super) struct ChoiceTask {
     /// The choice's request id (decode and the stages know it by this).
     pub id: u64,
     /// Its index among the request's choices (`choices[index]` of the answer).
@@ -180,15 +180,15 @@ pub(super) struct Choice {
 /// One choice through the cluster: decode's admission, prefill, decode's stream,
 /// with its stop sequences applied. What it produces goes to `tx`, tagged with
 /// the choice's index.
-pub(super) async fn run_choice(p: &Arc<Proxy>, choice: Choice, tx: mpsc::Sender<(u32, Ev)>) {
-    let Choice { id, index, prompt, max_tokens, sampling, stops, arrived, queue_ms } = choice;
+pub(super) async fn run_choice(p: &Arc<Proxy>, choice: ChoiceTask, tx: mpsc::Sender<(u32, Ev)>) {
+    let ChoiceTask { id, index, prompt, max_tokens, sampling, stops, arrived, queue_ms } = choice;
     let t = p.topo.config.timeouts.clone();
     let fail = |failure: Failure| (index, Ev::Error(ServeError::Failed(failure)));
     // The failures the proxy itself finds: decode's silence, its link, its answers.
-    let decode_failed = |phase: PhaseName, cause: Cause| Failure::new(phase, Role::Decode, cause);
+    let decode_failed = |phase: PhaseName, cause: Cause| Failure::new(phase, ProcessRole::Decode, cause);
     let late = |phase: PhaseName, after: std::time::Duration, detail: String| decode_failed(phase, Cause::Timeout { after, waiting_for: Vec::new(), detail });
     // What the proxy gives up on itself (no role failed it).
-    let ended = |phase: PhaseName, detail: &str| Failure::new(phase, Role::Proxy, Cause::Cancelled { detail: detail.to_string() });
+    let ended = |phase: PhaseName, detail: &str| Failure::new(phase, ProcessRole::Proxy, Cause::Cancelled { detail: detail.to_string() });
     let decode = match peers(p) {
         Ok((d, _)) => d,
         Err(m) => return drop(tx.send((index, Ev::Error(ServeError::NotReady(m)))).await),
@@ -200,7 +200,7 @@ pub(super) async fn run_choice(p: &Arc<Proxy>, choice: Choice, tx: mpsc::Sender<
         Err(e) => return drop(tx.send((index, Ev::Error(e))).await),
     };
     let (rtx, mut rrx) = mpsc::unbounded_channel();
-    lock(&p.routes).insert(id, Route { tx: rtx, phase: PhaseName::Admission, link: link_id });
+    lock(&p.routes).insert(id, ChoiceRoute { tx: rtx, phase: PhaseName::Admission, link: link_id });
     // `unsent`: this task returns without having sent the prefill job, so no
     // stage has the request and decode frees it at once.
     let cancel_as = |failure: Failure, unsent: bool| {
@@ -244,13 +244,13 @@ pub(super) async fn run_choice(p: &Arc<Proxy>, choice: Choice, tx: mpsc::Sender<
         }
     };
     set_phase(p, id, PhaseName::Compute);
-    let job = PrefillJob { admitted, prompt, stage: 0, stages: stages.clone(), hidden: None, sampling: sampled };
+    let job = WirePrefillJob { admitted, prompt, stage: 0, stages: stages.clone(), hidden: None, sampling: sampled };
     if let Err((e, reached)) = send_stage0(p, stages[0], &Msg::Prefill(Box::new(job))).await {
         // Decode frees the request with the stage's failure; a refused connection
         // (the 503 of a stage 0 found dead) is that stage gone.
         let failure = match &e {
             ServeError::Failed(f) => f.clone(),
-            other => Failure::new(PhaseName::Compute, Role::Prefill { stage: 0 }, Cause::PeerDown { loss: PeerLoss::Dead, detail: other.to_string() }),
+            other => Failure::new(PhaseName::Compute, ProcessRole::Prefill { stage: 0 }, Cause::PeerDown { loss: PeerLoss::Dead, detail: other.to_string() }),
         };
         // A job that never reached stage 0 reaches no stage: decode frees at once.
         cancel_as(failure, reached == Reached::No);

@@ -3,12 +3,12 @@
 
 use super::error::ServeError;
 use super::registry::refused;
-use super::state::{PeerState, Proxy, Route};
+use super::state::{ChoiceRoute, PeerState, Proxy};
 use crate::base::lock;
 use crate::roles::wire::Msg;
 use crate::transport::auth::ClusterSecret;
 use handoff_components::ecs::PhaseName;
-use handoff_components::failure::{Cause, Failure, PeerLoss, Role};
+use handoff_components::failure::{Cause, Failure, PeerLoss, ProcessRole};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -33,7 +33,7 @@ pub(super) async fn answer_challenge(r: &mut (impl AsyncBufRead + Unpin), w: &mu
 
 /// What a failed control handshake with `role` at `addr` fails a request with: a
 /// step that ran past its wait is a timeout, anything else a broken protocol.
-fn handshake_failure(phase: PhaseName, role: Role, addr: SocketAddr, e: &std::io::Error) -> Failure {
+fn handshake_failure(phase: PhaseName, role: ProcessRole, addr: SocketAddr, e: &std::io::Error) -> Failure {
     let detail = format!("control handshake with {addr}: {e}");
     let cause = match e.kind() {
         std::io::ErrorKind::TimedOut => Cause::Timeout { after: crate::roles::wire::HANDSHAKE_TIMEOUT, waiting_for: Vec::new(), detail },
@@ -67,14 +67,14 @@ pub(super) async fn decode_link(p: &Arc<Proxy>, addr: SocketAddr) -> Result<(u64
         }
         Err(_) => {
             let cause = Cause::Timeout { after: connect_wait, waiting_for: Vec::new(), detail: format!("connect to {addr}") };
-            return Err(ServeError::Failed(Failure::new(PhaseName::Admission, Role::Decode, cause)));
+            return Err(ServeError::Failed(Failure::new(PhaseName::Admission, ProcessRole::Decode, cause)));
         }
     };
     let _ = conn.set_nodelay(true);
     let (rd, mut wr) = conn.into_split();
     let mut rd = BufReader::new(rd);
     if let Err(e) = answer_challenge(&mut rd, &mut wr, &p.secret).await {
-        return Err(ServeError::Failed(handshake_failure(PhaseName::Admission, Role::Decode, addr, &e)));
+        return Err(ServeError::Failed(handshake_failure(PhaseName::Admission, ProcessRole::Decode, addr, &e)));
     }
     let (tx, mut out) = mpsc::unbounded_channel::<Msg>();
     let routes = Arc::clone(&p.routes);
@@ -122,14 +122,14 @@ pub(super) async fn decode_link(p: &Arc<Proxy>, addr: SocketAddr) -> Result<(u64
         writer.abort();
         // The link is gone: every request it carried fails, naming decode and the
         // phase each was in.
-        let lost: Vec<(u64, Route)> = {
+        let lost: Vec<(u64, ChoiceRoute)> = {
             let mut routes = lock(&routes);
             let ids: Vec<u64> = routes.iter().filter(|(_, r)| r.link == link).map(|(id, _)| *id).collect();
             ids.into_iter().filter_map(|id| routes.remove(&id).map(|r| (id, r))).collect()
         };
         for (id, r) in lost {
             let cause = Cause::PeerDown { loss: PeerLoss::Dead, detail: format!("died (its link at {addr} closed)") };
-            let _ = r.tx.send(Msg::Error { id, failure: Failure::new(r.phase, Role::Decode, cause) });
+            let _ = r.tx.send(Msg::Error { id, failure: Failure::new(r.phase, ProcessRole::Decode, cause) });
         }
     });
     links.decode = Some((addr, link, tx.clone()));
@@ -166,7 +166,7 @@ pub(super) fn settle(p: &Arc<Proxy>, stage: u32, requests: Vec<(u64, u64)>, endp
 /// An error says whether the job may have reached the stage: not when the stage
 /// could not be connected to, maybe when a write on the link failed or stalled.
 pub(super) async fn send_stage0(p: &Arc<Proxy>, addr: SocketAddr, msg: &Msg) -> Result<(), (ServeError, Reached)> {
-    let failed = |cause: Cause| ServeError::Failed(Failure::new(PhaseName::Compute, Role::Prefill { stage: 0 }, cause));
+    let failed = |cause: Cause| ServeError::Failed(Failure::new(PhaseName::Compute, ProcessRole::Prefill { stage: 0 }, cause));
     let late = |after: Duration, detail: String| failed(Cause::Timeout { after, waiting_for: Vec::new(), detail });
     let gone = |detail: String| failed(Cause::PeerDown { loss: PeerLoss::Dead, detail });
     let unsent = |e: ServeError| (e, Reached::No);
@@ -186,7 +186,7 @@ pub(super) async fn send_stage0(p: &Arc<Proxy>, addr: SocketAddr, msg: &Msg) -> 
             let _ = conn.set_nodelay(true);
             let (rd, mut wr) = conn.into_split();
             if let Err(e) = answer_challenge(&mut BufReader::new(rd), &mut wr, &p.secret).await {
-                return Err(unsent(ServeError::Failed(handshake_failure(PhaseName::Compute, Role::Prefill { stage: 0 }, addr, &e))));
+                return Err(unsent(ServeError::Failed(handshake_failure(PhaseName::Compute, ProcessRole::Prefill { stage: 0 }, addr, &e))));
             }
             links.stage0 = Some((addr, wr));
         }

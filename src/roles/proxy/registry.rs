@@ -10,7 +10,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use handoff_components::ecs::PhaseName;
-use handoff_components::failure::{Cause, Failure, PeerLoss, Role};
+use handoff_components::failure::{Cause, Failure, PeerLoss, ProcessRole};
 use serde_json::{Value, json};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -113,7 +113,7 @@ pub(super) async fn role_down(p: &Arc<Proxy>, slot: usize, dead: bool, why: Stri
         let routes: Vec<(u64, mpsc::UnboundedSender<Msg>, PhaseName)> = lock(&p.routes).drain().map(|(id, r)| (id, r.tx, r.phase)).collect();
         let loss = if dead { PeerLoss::Dead } else { PeerLoss::Stopped };
         for (id, tx, phase) in routes {
-            let failure = Failure::new(phase, Role::Decode, Cause::PeerDown { loss, detail: why.clone() });
+            let failure = Failure::new(phase, ProcessRole::Decode, Cause::PeerDown { loss, detail: why.clone() });
             // A stopped decode reads the cancel when it resumes, and frees the request.
             if let Some(l) = &link {
                 // Not `unsent`: the request's task may be sending its job right

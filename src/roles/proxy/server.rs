@@ -18,7 +18,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use handoff_components::Topology;
 use handoff_components::ecs::PhaseName;
-use handoff_components::failure::{Cause, Failure, Role};
+use handoff_components::failure::{Cause, Failure, ProcessRole};
 use serde_json::{Value, json};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -212,7 +212,7 @@ pub(super) async fn drain(p: &Arc<Proxy>) {
         eprintln!("proxy: {} requests still in flight; failing them ({why})", left.len());
         for (id, tx, phase) in left {
             let detail = format!("the proxy stopped before the request finished: {why}");
-            let _ = tx.send(Msg::Error { id, failure: Failure::new(phase, Role::Proxy, Cause::Cancelled { detail }) });
+            let _ = tx.send(Msg::Error { id, failure: Failure::new(phase, ProcessRole::Proxy, Cause::Cancelled { detail }) });
         }
         // Lets the failed requests' answers reach their clients.
         tokio::time::sleep(Duration::from_millis(100)).await;

@@ -9,7 +9,7 @@ use crate::transport::auth::ClusterSecret;
 use axum::response::{IntoResponse, Response};
 use handoff_components::Topology;
 use handoff_components::ecs::PhaseName;
-use handoff_components::failure::Role;
+use handoff_components::failure::ProcessRole;
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -61,8 +61,8 @@ pub(super) struct Roles {
 }
 
 /// The role of a slot.
-pub(super) fn slot_role(slot: usize) -> Role {
-    if slot == 0 { Role::Decode } else { Role::Prefill { stage: (slot - 1) as u32 } }
+pub(super) fn slot_role(slot: usize) -> ProcessRole {
+    if slot == 0 { ProcessRole::Decode } else { ProcessRole::Prefill { stage: (slot - 1) as u32 } }
 }
 
 pub(super) fn role_name(slot: usize) -> String {
@@ -73,9 +73,9 @@ pub(super) fn role_name(slot: usize) -> String {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Absence {
     /// It went down (`why`: what the watchdog or a refused connection saw, and when).
-    Down { role: Role, why: String },
+    Down { role: ProcessRole, why: String },
     /// It has not registered yet.
-    Unregistered(Role),
+    Unregistered(ProcessRole),
 }
 
 /// The roles that are not up: the proxy takes no request until each is.
@@ -139,7 +139,7 @@ impl Default for Metrics {
 
 /// A choice in flight on the decode link: where decode's messages for it go, the
 /// phase it is in (named when decode dies) and which link carries it.
-pub(super) struct Route {
+pub(super) struct ChoiceRoute {
     pub(super) tx: mpsc::UnboundedSender<Msg>,
     pub(super) phase: PhaseName,
     pub(super) link: u64,
@@ -154,7 +154,7 @@ pub(super) struct Proxy {
     pub(super) metrics: Mutex<Metrics>,
     /// One link to decode and one to stage 0, shared by every request.
     pub(super) links: tokio::sync::Mutex<Links>,
-    pub(super) routes: Arc<Mutex<HashMap<u64, Route>>>,
+    pub(super) routes: Arc<Mutex<HashMap<u64, ChoiceRoute>>>,
     pub(super) next_link: AtomicU64,
     pub(super) draining: AtomicBool,
     /// HTTP generation requests being served now.

@@ -2,11 +2,11 @@
 
 use super::error::ServeError;
 use super::state::{Ev, Served, Summary};
-use crate::roles::openai::{Endpoint, Generation, Utf8Stream};
+use crate::roles::openai::{CompletionRequest, Endpoint, Utf8Stream};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use handoff_components::ecs::PhaseName;
-use handoff_components::failure::{Cause, Failure, Role};
+use handoff_components::failure::{Cause, Failure, ProcessRole};
 use serde_json::{Value, json};
 use std::collections::VecDeque;
 use tokio::sync::mpsc;
@@ -25,7 +25,7 @@ pub(super) fn usage(prompt_tokens: usize, completion: u32) -> Value {
 }
 
 pub(super) async fn collect_response(
-    req: Generation,
+    req: CompletionRequest,
     mut rx: mpsc::Receiver<(u32, Ev)>,
     mut served: Served,
     rid: String,
@@ -48,7 +48,7 @@ pub(super) async fn collect_response(
     }
     if let Some(i) = outs.iter().position(|o| o.finish.is_none()) {
         let detail = format!("choice {i} ended without an answer");
-        let e = ServeError::Failed(Failure::new(PhaseName::Decode, Role::Proxy, Cause::Protocol { detail }));
+        let e = ServeError::Failed(Failure::new(PhaseName::Decode, ProcessRole::Proxy, Cause::Protocol { detail }));
         return served.fail(e);
     }
     served.outcome = Some("ok");
@@ -76,7 +76,7 @@ pub(super) async fn collect_response(
 
 /// The state of one streamed answer.
 pub(super) struct Streaming {
-    pub(super) req: Generation,
+    pub(super) req: CompletionRequest,
     pub(super) rx: mpsc::Receiver<(u32, Ev)>,
     pub(super) served: Served,
     pub(super) rid: String,
@@ -174,7 +174,14 @@ impl Streaming {
     }
 }
 
-pub(super) fn stream_response(req: Generation, rx: mpsc::Receiver<(u32, Ev)>, served: Served, rid: String, created: u64, prompt_tokens: usize) -> Response {
+pub(super) fn stream_response(
+    req: CompletionRequest,
+    rx: mpsc::Receiver<(u32, Ev)>,
+    served: Served,
+    rid: String,
+    created: u64,
+    prompt_tokens: usize,
+) -> Response {
     let k = req.prompts.len() * req.n as usize;
     let st = Streaming {
         req,
