@@ -2,7 +2,7 @@
 //! `Completion`s or two `Role`s in one tree make a reader, a grep and a
 //! `use` line guess which one is meant. The scan covers the engine, roles,
 //! transports and checks (`src/`), the phases (`systems/src`) and the plain
-//! data (`components/src`); `kernels/` and `src/model/` keep their own names.
+//! data (`components/src`), `src/model/` included; `kernels/` keeps its own names.
 //!
 //! "Public" is any `pub`, restricted ones (`pub(crate)`, `pub(super)`)
 //! included: those still meet in the same crate and the same greps.
@@ -10,9 +10,8 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-/// The folders scanned, relative to the workspace root, and the ones left out.
+/// The folders scanned, relative to the workspace root (all of each).
 const ROOTS: &[&str] = &["src", "systems/src", "components/src"];
-const SKIPPED: &[&str] = &["src/model"];
 
 /// The type name a line declares publicly (`pub struct X`, `pub(crate) enum Y<'a>`,
 /// `pub type Z = ...`, `pub trait W`), if it does.
@@ -60,9 +59,6 @@ fn rust_files(dir: &Path, root: &Path, out: &mut Vec<(PathBuf, String)>) {
     entries.sort();
     for path in entries {
         let rel = path.strip_prefix(root).expect("under the root").to_path_buf();
-        if SKIPPED.iter().any(|s| rel.starts_with(s)) {
-            continue;
-        }
         if path.is_dir() {
             rust_files(&path, root, out);
         } else if path.extension().is_some_and(|e| e == "rs") {

@@ -1,4 +1,4 @@
-// A probe of the fused step's tensor-core product (kernels/hip/step.hip) outside
+// A probe of the fused step's tensor-core product (kernels/hip/step_mm.hip) outside
 // the engine, for nvcc and Nsight Compute on the device machine:
 //   nvcc -O3 -arch=sm_90 -std=c++17 -I kernels/hip -include prelude.h \
 //        benches/gpu/mm_probe.cu -o mm_probe
@@ -17,6 +17,7 @@
 #include "mla.hip"
 #include "norm.hip"
 #include "step.hip"
+#include "step_mm.hip"
 #include <cstdio>
 #include <cstdlib>
 #include <vector>

@@ -20,7 +20,7 @@
 //! partials in f64, as the generic path does).
 //!
 //! Dense products: tensor-core bf16 operands with f32 accumulation, the inner
-//! dimension in fixed segments summed in order (see `hip/step.hip`). Weights are
+//! dimension in fixed segments summed in order (see `hip/step_mm.hip`). Weights are
 //! held as [`WeightDtype`] says; activations are split into a bf16 pair
 //! (x_hi + x_lo, 16 significant bits) so that a bf16 model multiplies f32
 //! activations by its bf16 weights, and an f32 model's weights are a bf16 pair
@@ -179,7 +179,7 @@ pub fn padded_k(k: usize, unit: usize, padded: usize) -> usize {
 }
 
 /// bf16 element index of A[m][k] in one plane of a packed activation
-/// operand with `kt` 16-wide k tiles (hip/step.hip's `st_a_at`): tile (m / 16,
+/// operand with `kt` 16-wide k tiles (hip/prelude.h's `st_a_at`): tile (m / 16,
 /// k / 16), then the mma.sync A fragment's lane and register.
 pub fn a_index(m: usize, k: usize, kt: usize) -> usize {
     let (mt, r, ktile, c) = (m >> 4, m & 15, k >> 4, k & 15);

@@ -41,7 +41,7 @@ pub struct ModelCompute<B: Backend> {
     /// memory): decode runs through it instead of the generic forward pass.
     step: Option<std::sync::Mutex<Box<dyn DecodeStep>>>,
     /// Why decode runs the generic forward pass, when it does.
-    generic_reason: Option<String>,
+    generic_reason: Option<crate::model::step::NoStep>,
     trace: Option<LogitTrace>,
     /// Which requests' logits the trace keeps (all when None).
     trace_only: Option<TraceFilter>,

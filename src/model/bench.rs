@@ -416,7 +416,7 @@ fn fused_figures<B: Backend>(be: &B, topo: &Topology, model: &Model, bw: f64) ->
         };
         regions.write_all(*id, *kind, &bytes)?;
     }
-    let mut step = super::step::open(be, &t, model, &layouts, &regions).map_err(ModelError::Config)?;
+    let mut step = super::step::open(be, &t, model, &layouts, &regions).map_err(|e| ModelError::Config(e.to_string()))?;
     let path = step.describe();
     let dims = &model.dims;
     let kda_layers = dims.layer_kinds.iter().filter(|k| **k == handoff_components::vocab::LayerKind::Kda).count();

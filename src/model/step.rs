@@ -113,15 +113,30 @@ pub fn step_model(model: &Model) -> StepModel {
     }
 }
 
+/// Why no fused step runs, so decode takes the generic forward pass.
+#[derive(Debug, thiserror::Error)]
+pub enum NoStep {
+    #[error("{rank} has no {kind} region")]
+    MissingRegion { rank: RankId, kind: RegionKind },
+    #[error("{rank}'s {kind} region is host memory")]
+    HostRegion { rank: RankId, kind: RegionKind },
+    #[error("the fused step runs hybrid models (KDA and MLA layers)")]
+    NotHybrid,
+    /// The step's shapes or the backend refused (the backend has no fused
+    /// step, a shape it cannot tile).
+    #[error("{0}")]
+    Kernel(#[from] handoff_kernels::KernelError),
+}
+
 /// Every decode rank's regions as device addresses, or why not (a region that
 /// is host memory, a kind missing).
-pub fn step_placement(topo: &Topology, layouts: &Layouts, view: &dyn RegionView) -> Result<StepPlacement, String> {
+pub fn step_placement(topo: &Topology, layouts: &Layouts, view: &dyn RegionView) -> Result<StepPlacement, NoStep> {
     let dc = topo.decode();
     let n = topo.layer_kinds.len();
-    let region = |rank: DecodeRank, kind: RegionKind| -> Result<StepRegion, String> {
+    let region = |rank: DecodeRank, kind: RegionKind| -> Result<StepRegion, NoStep> {
         let id = RankId::Decode(rank);
-        let l = layouts.get(&(id, kind)).ok_or_else(|| format!("{id} has no {kind} region"))?;
-        let dev = view.device(id, kind).ok_or_else(|| format!("{id}'s {kind} region is host memory"))?;
+        let l = layouts.get(&(id, kind)).ok_or(NoStep::MissingRegion { rank: id, kind })?;
+        let dev = view.device(id, kind).ok_or(NoStep::HostRegion { rank: id, kind })?;
         Ok(StepRegion {
             addr: dev.addr,
             len: dev.len,
@@ -134,7 +149,7 @@ pub fn step_placement(topo: &Topology, layouts: &Layouts, view: &dyn RegionView)
     let has_kda = topo.layer_kinds.contains(&handoff_components::vocab::LayerKind::Kda);
     let has_mla = topo.layer_kinds.contains(&handoff_components::vocab::LayerKind::Mla);
     if !has_kda || !has_mla {
-        return Err("the fused step runs hybrid models (KDA and MLA layers)".into());
+        return Err(NoStep::NotHybrid);
     }
     let mut ranks = Vec::with_capacity(dc.tp as usize);
     for t in 0..dc.tp {
@@ -147,7 +162,8 @@ pub fn step_placement(topo: &Topology, layouts: &Layouts, view: &dyn RegionView)
             mla: region(rank, RegionKind::MlaKv)?,
         });
     }
-    let mla = layouts.get(&(RankId::Decode(DecodeRank { tp: 0 }), RegionKind::MlaKv)).ok_or("decode rank 0 has no mla.kv region")?;
+    let rank0 = RankId::Decode(DecodeRank { tp: 0 });
+    let mla = layouts.get(&(rank0, RegionKind::MlaKv)).ok_or(NoStep::MissingRegion { rank: rank0, kind: RegionKind::MlaKv })?;
     Ok(StepPlacement {
         tp: dc.tp as usize,
         dcp: dc.dcp as usize,
@@ -162,12 +178,12 @@ pub fn step_placement(topo: &Topology, layouts: &Layouts, view: &dyn RegionView)
 /// The fused decode step of `model` on `be` over the decode regions, or why
 /// none runs (the backend has none, a region is host memory, a shape the step
 /// cannot tile).
-pub fn open<B: Backend>(be: &B, topo: &Topology, model: &Model, layouts: &Layouts, view: &dyn RegionView) -> Result<Box<dyn DecodeStep>, String> {
+pub fn open<B: Backend>(be: &B, topo: &Topology, model: &Model, layouts: &Layouts, view: &dyn RegionView) -> Result<Box<dyn DecodeStep>, NoStep> {
     let place = step_placement(topo, layouts, view)?;
     let spec =
         StepSpec { model: step_model(model), place, options: StepOptions { max_batch: topo.config.serve.batch() as usize, graphs: topo.config.device.graphs } };
-    spec.check().map_err(|e| e.to_string())?;
-    be.decode_step(&spec).map_err(|e| e.to_string())
+    spec.check()?;
+    Ok(be.decode_step(&spec)?)
 }
 
 /// One decode request's slots and block tables in rank order, held while its

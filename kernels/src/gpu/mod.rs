@@ -115,6 +115,7 @@ pub const HIP_SOURCES: &[(&str, &str)] = &[
     ("mla.hip", include_str!("../../hip/mla.hip")),
     ("norm.hip", include_str!("../../hip/norm.hip")),
     ("step.hip", include_str!("../../hip/step.hip")),
+    ("step_mm.hip", include_str!("../../hip/step_mm.hip")),
 ];
 
 /// The NVRTC program: the prelude, then every source, as one translation unit

@@ -101,7 +101,7 @@ pub(super) struct DevMat {
     pub(super) planes: usize,
 }
 
-/// The kernels of one tensor-core product (hip/step.hip).
+/// The kernels of one tensor-core product (hip/step_mm.hip).
 pub(super) struct MmFuncs {
     pub(super) few: CudaFunction,
     pub(super) one: CudaFunction,

@@ -1,4 +1,4 @@
-//! The fused decode step on CUDA ([`crate::step`], kernels in `hip/step.hip`).
+//! The fused decode step on CUDA ([`crate::step`], kernels in `hip/step.hip` and `hip/step_mm.hip`).
 //!
 //! Built once per decode process: the weights are packed into the tensor-core
 //! layout and uploaded, one workspace is allocated for the largest bucket (the
@@ -60,7 +60,7 @@ fn mm_shape(m: usize, terms: i32) -> (usize, usize, u32) {
     (wp, p, ((p + 1) * buf) as u32)
 }
 
-/// st_mm's block (ST_MM_THREADS of step.hip): 16 warps, two a column tile.
+/// st_mm's block (ST_MM_THREADS of step_mm.hip): 16 warps, two a column tile.
 const ST_MM_THREADS: u32 = 512;
 /// The dynamic shared memory st_mm's kernels may use, opted in at build: an
 /// sm_90 block may have 227 KiB in all, static (st_last_finish's flag) and
