@@ -293,6 +293,11 @@ pub struct ServeConfig {
     /// step's latency; requests past it take turns, oldest first.
     #[serde(default)]
     pub max_batch: Option<u32>,
+    /// Most prompt tokens a prefill stage computes in one pass: the oldest
+    /// ready request and those ready after it at the same stage run as one
+    /// batch while their prompts fit (a longer prompt still runs, alone).
+    #[serde(default = "default_prefill_batch_tokens")]
+    pub prefill_batch_tokens: u32,
     /// Compute threads of each role process (default: the host's cores shared
     /// among the PP stages and decode, at least one each).
     #[serde(default)]
@@ -329,6 +334,9 @@ fn default_max_context() -> u32 {
 fn default_max_requests() -> u32 {
     8
 }
+fn default_prefill_batch_tokens() -> u32 {
+    8192
+}
 fn default_queue() -> u32 {
     64
 }
@@ -352,6 +360,7 @@ impl Default for ServeConfig {
             max_requests: default_max_requests(),
             queue: default_queue(),
             max_batch: None,
+            prefill_batch_tokens: default_prefill_batch_tokens(),
             threads: None,
             drain_s: default_drain_s(),
             header_timeout_s: default_header_timeout_s(),
@@ -559,6 +568,7 @@ impl Topology {
             ("serve.max_requests", config.serve.max_requests),
             ("serve.max_connections", config.serve.max_connections),
             ("serve.max_batch", config.serve.max_batch.unwrap_or(1)),
+            ("serve.prefill_batch_tokens", config.serve.prefill_batch_tokens),
             ("serve.threads", config.serve.threads.unwrap_or(1)),
             ("transport.max_batch", config.transport.max_batch),
             ("transport.staging_buffers", config.transport.staging_buffers),

@@ -113,6 +113,72 @@ impl<B: Backend> ModelCompute<B> {
         }
     }
 
+    /// One PP stage of a batch of requests (one job alone is a batch of one) as
+    /// one forward pass over their prompts laid end to end: each rank's caches
+    /// of each prompt go straight into its leased regions (scattered on the
+    /// device when the regions live there), and the only host traffic is the
+    /// hidden states for the next stage or the first tokens.
+    fn prefill_pass(&mut self, jobs: Vec<PrefillJob<'_>>) -> Result<Vec<PrefillOutput>, ComputeError> {
+        let Some(first) = jobs.first() else { return Ok(Vec::new()) };
+        let stage = first.stage;
+        let group = self.prefill.as_ref().ok_or(ComputeError::MissingInput { stage, what: "prefill weights in this World" })?;
+        if jobs.iter().any(|j| j.stage != stage) {
+            return Err(ComputeError::MissingInput { stage, what: "one stage for every job of a prefill batch" });
+        }
+        let be = &self.be;
+        let lens: Vec<usize> = jobs.iter().map(|j| j.tokens as usize).collect();
+        let seqs = forward::PrefillSeq::packed(&lens, |t| ranks::prefill_record_tail(&self.topo, t));
+        let d = group.dims.hidden;
+        let mut h = if stage == 0 {
+            let mut prompt = Vec::with_capacity(lens.iter().sum());
+            for j in &jobs {
+                if j.prompt.len() != j.tokens as usize {
+                    return Err(ComputeError::MissingInput { stage, what: "a prompt of the request's token count" });
+                }
+                prompt.extend_from_slice(j.prompt);
+            }
+            forward::embed(be, group, &prompt).map_err(model_err)?
+        } else {
+            let mut hidden = Vec::with_capacity(lens.iter().sum::<usize>() * d);
+            for j in &jobs {
+                match j.hidden {
+                    Some(x) if x.len() == j.tokens as usize * d => hidden.extend_from_slice(x),
+                    _ => return Err(ComputeError::MissingInput { stage, what: "the previous stage's hidden states" }),
+                }
+            }
+            be.upload(&hidden).map_err(|e| model_err(e.into()))?
+        };
+        let layers = self.topo.stage_layers[stage as usize].clone();
+        let (topo, layouts, view) = (&self.topo, &self.layouts, self.view.as_ref());
+        forward::prefill_batch(be, group, layers.start as usize..layers.end as usize, &mut h, &seqs, &mut |i, tp, layer, cache| {
+            let rank = PrefillRank { pp: stage, tp: tp as u32 };
+            let lease = jobs[i]
+                .leases
+                .iter()
+                .find(|l| l.rank == RankId::Prefill(rank))
+                .ok_or_else(|| ModelError::Region(format!("request {}: no lease on prefill pp{stage} tp{tp}", jobs[i].request)))?;
+            ranks::store_prefill(be, topo, layouts, view, rank, lease, layer, cache)
+        })
+        .map_err(model_err)?;
+        // Device regions were written on the backend's stream; the transport's
+        // copies run on their own stream once the engine hands the request off,
+        // so the writes must have landed first.
+        be.synchronize().map_err(|e| model_err(e.into()))?;
+        if stage as usize + 1 == self.topo.stage_layers.len() {
+            let lasts = forward::logits_of_lasts(be, group, &h, &seqs).map_err(model_err)?;
+            return Ok(jobs
+                .iter()
+                .zip(lasts)
+                .map(|(j, (logits, first))| {
+                    self.record(j.request, logits);
+                    PrefillOutput { hidden: Vec::new(), first_token: Some(first) }
+                })
+                .collect());
+        }
+        let hidden = be.download(&h).map_err(|e| model_err(e.into()))?;
+        Ok(seqs.iter().map(|s| PrefillOutput { hidden: hidden[s.start * d..(s.start + s.len) * d].to_vec(), first_token: None }).collect())
+    }
+
     /// One decode step through the fused step.
     fn decode_fused(&mut self, batch: &[DecodeItem<'_>]) -> Result<Vec<u8>, ComputeError> {
         let rows: Vec<crate::model::step::TickRows<'_>> = batch.iter().map(|i| crate::model::step::TickRows::of(&i.leases)).collect();
@@ -134,36 +200,16 @@ impl<B: Backend> ModelCompute<B> {
 
 impl<B: Backend + 'static> Compute for ModelCompute<B> {
     fn prefill(&mut self, job: PrefillJob<'_>) -> Result<PrefillOutput, ComputeError> {
-        let stage = job.stage;
-        let group = self.prefill.as_ref().ok_or(ComputeError::MissingInput { stage, what: "prefill weights in this World" })?;
-        let t = job.tokens as usize;
-        let be = &self.be;
-        let mut h = match job.hidden {
-            None if stage == 0 => forward::embed(be, group, job.prompt).map_err(model_err)?,
-            None => return Err(ComputeError::MissingInput { stage, what: "the previous stage's hidden states" }),
-            Some(x) => be.upload(x).map_err(|e| model_err(e.into()))?,
-        };
-        let layers = self.topo.stage_layers[stage as usize].clone();
-        let tail = ranks::prefill_record_tail(&self.topo, t);
-        let (topo, layouts, view) = (&self.topo, &self.layouts, self.view.as_ref());
-        let leases = &job.leases;
-        forward::prefill_layers(be, group, layers.start as usize..layers.end as usize, &mut h, t, tail, &mut |tp, layer, cache| {
-            let rank = PrefillRank { pp: stage, tp: tp as u32 };
-            let lease =
-                leases.iter().find(|l| l.rank == RankId::Prefill(rank)).ok_or_else(|| ModelError::Region(format!("no lease on prefill pp{stage} tp{tp}")))?;
-            ranks::store_prefill(be, topo, layouts, view, rank, lease, layer, cache)
-        })
-        .map_err(model_err)?;
-        // Device regions were written on the backend's stream; the transport's
-        // copies run on their own stream once the engine hands the request off,
-        // so the writes must have landed first.
-        be.synchronize().map_err(|e| model_err(e.into()))?;
-        if stage as usize + 1 == self.topo.stage_layers.len() {
-            let (logits, first) = forward::logits_of_last(be, group, &h, t).map_err(model_err)?;
-            self.record(job.request, logits);
-            return Ok(PrefillOutput { hidden: Vec::new(), first_token: Some(first) });
+        let mut out = self.prefill_pass(vec![job])?;
+        out.pop().ok_or(ComputeError::MissingInput { stage: 0, what: "a prefill output" })
+    }
+
+    fn prefill_batch(&mut self, jobs: Vec<PrefillJob<'_>>) -> Vec<Result<PrefillOutput, ComputeError>> {
+        let n = jobs.len();
+        match self.prefill_pass(jobs) {
+            Ok(outs) => outs.into_iter().map(Ok).collect(),
+            Err(e) => vec![Err(e); n],
         }
-        Ok(PrefillOutput { hidden: be.download(&h).map_err(|e| model_err(e.into()))?, first_token: None })
     }
 
     fn decode(&mut self, batch: &[DecodeItem<'_>]) -> Result<Vec<u8>, ComputeError> {

@@ -74,6 +74,20 @@ pub struct PrefillFigure {
     pub by_kind: Vec<(char, usize, f64)>,
 }
 
+/// A prefill stage's batch in the figures: prompts of `bench serve`'s mean
+/// length (80 tokens), 32 of them (C32's worth) on a device, 8 on the CPU.
+pub const PREFILL_BATCH_TOKENS: usize = 80;
+
+/// The prefill of several prompts as one batched pass against the same prompts
+/// one pass each (the whole model at TP1, ReplaySSM tails included).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PrefillBatchFigure {
+    pub prompts: usize,
+    pub tokens: usize,
+    pub batched_us: f64,
+    pub one_by_one_us: f64,
+}
+
 /// Context (cached tokens) of each request of the fused step figures: the
 /// PyTorch peer (benches/peers/torch_model.py) steps at the same context.
 pub const FUSED_CONTEXT: usize = 192;
@@ -96,6 +110,8 @@ pub struct ComputeFigures {
     pub memcpy_bytes_per_s: f64,
     /// The prefill at each of [`PREFILL_LENS`] (up to the model's context).
     pub prefills: Vec<PrefillFigure>,
+    /// A prefill stage's batch of prompts as one pass and one by one.
+    pub prefill_batch: PrefillBatchFigure,
     /// KDA decode step (all KDA heads, batch `kda_batch`): time, state bytes moved,
     /// achieved bandwidth and its fraction of memcpy.
     pub kda_batch: usize,
@@ -138,6 +154,21 @@ impl std::fmt::Display for ComputeFigures {
                 p.total_us,
                 p.tokens as f64 / (p.total_us * 1e-6),
                 parts.join(", ")
+            )?;
+        }
+        let pb = &self.prefill_batch;
+        let all = (pb.prompts * pb.tokens) as f64;
+        if pb.prompts > 0 {
+            writeln!(
+                f,
+                "  prefill batch {} x {} tokens: {:>10.1} us as one pass ({:.0} tokens/s), {:.1} us one by one ({:.0} tokens/s): {:.2}x",
+                pb.prompts,
+                pb.tokens,
+                pb.batched_us,
+                all / (pb.batched_us * 1e-6),
+                pb.one_by_one_us,
+                all / (pb.one_by_one_us * 1e-6),
+                pb.one_by_one_us / pb.batched_us
             )?;
         }
         if !self.fused.is_empty() {
@@ -203,7 +234,7 @@ fn prefill_figure<B: Backend>(be: &B, topo: &Topology, group: &forward::ShardGro
     let n = group.dims.num_layers();
     let total = best(be, 2, || {
         let mut h = forward::embed(be, group, &prompt)?;
-        forward::prefill_layers(be, group, 0..n, &mut h, t, tail, &mut |_, _, _: PrefillCache<'_>| Ok(()))?;
+        forward::prefill_layers(be, group, 0..n, &mut h, t, tail, &mut |_, _, _: PrefillCache<'_, B>| Ok(()))?;
         forward::logits_of_last(be, group, &h, t)?;
         Ok(())
     })?;
@@ -212,7 +243,7 @@ fn prefill_figure<B: Backend>(be: &B, topo: &Topology, group: &forward::ShardGro
     for layer in 0..n {
         be.synchronize()?;
         let t0 = Instant::now();
-        forward::prefill_layers(be, group, layer..layer + 1, &mut h, t, tail, &mut |_, _, _: PrefillCache<'_>| Ok(()))?;
+        forward::prefill_layers(be, group, layer..layer + 1, &mut h, t, tail, &mut |_, _, _: PrefillCache<'_, B>| Ok(()))?;
         be.synchronize()?;
         let us = t0.elapsed().as_secs_f64() * 1e6;
         let kind = match group.dims.layer_kinds[layer] {
@@ -228,6 +259,36 @@ fn prefill_figure<B: Backend>(be: &B, topo: &Topology, group: &forward::ShardGro
         }
     }
     Ok(PrefillFigure { tokens: t, total_us: total * 1e6, by_kind })
+}
+
+/// `prompts` random prompts of `tokens` prefilled as one batch and one by one.
+fn prefill_batch_figure<B: Backend>(
+    be: &B,
+    group: &forward::ShardGroup<B>,
+    g: &mut SplitMix64,
+    prompts: usize,
+    tokens: usize,
+) -> Result<PrefillBatchFigure, ModelError> {
+    let dims = &group.dims;
+    let n = dims.num_layers();
+    let all: Vec<Vec<u8>> = (0..prompts).map(|_| (0..tokens).map(|_| g.below(256) as u8).collect()).collect();
+    let seqs = forward::PrefillSeq::packed(&vec![tokens; prompts], |t| dims.record_tail(t));
+    let flat = all.concat();
+    let batched = best(be, 2, || {
+        let mut h = forward::embed(be, group, &flat)?;
+        forward::prefill_batch(be, group, 0..n, &mut h, &seqs, &mut |_, _, _, _| Ok(()))?;
+        forward::logits_of_lasts(be, group, &h, &seqs)?;
+        Ok(())
+    })?;
+    let one_by_one = best(be, 2, || {
+        for p in &all {
+            let mut h = forward::embed(be, group, p)?;
+            forward::prefill_layers(be, group, 0..n, &mut h, tokens, dims.record_tail(tokens), &mut |_, _, _| Ok(()))?;
+            forward::logits_of_last(be, group, &h, tokens)?;
+        }
+        Ok(())
+    })?;
+    Ok(PrefillBatchFigure { prompts, tokens, batched_us: batched * 1e6, one_by_one_us: one_by_one * 1e6 })
 }
 
 /// The backend's own copy bandwidth over `bytes` (bytes read plus bytes
@@ -277,7 +338,7 @@ pub fn bench_compute<B: Backend>(be: &B, topo: &Topology, prompt_len: usize, ste
 
     let prefill_s = best(be, 2, || {
         let mut h = forward::embed(be, &group, &prompt)?;
-        forward::prefill_layers(be, &group, 0..n, &mut h, prompt_len, 0, &mut |_, _, _: PrefillCache<'_>| Ok(()))?;
+        forward::prefill_layers(be, &group, 0..n, &mut h, prompt_len, 0, &mut |_, _, _: PrefillCache<'_, B>| Ok(()))?;
         forward::logits_of_last(be, &group, &h, prompt_len)?;
         Ok(())
     })?;
@@ -288,6 +349,7 @@ pub fn bench_compute<B: Backend>(be: &B, topo: &Topology, prompt_len: usize, ste
     };
     let decode_s = (total - prefill_s).max(1e-9);
     let prefills = PREFILL_LENS.iter().map(|&t| prefill_figure(be, topo, &group, &mut g, t)).collect::<Result<Vec<_>, _>>()?;
+    let prefill_batch = prefill_batch_figure(be, &group, &mut g, if be.name() == "cpu" { 8 } else { 32 }, PREFILL_BATCH_TOKENS)?;
 
     // Past the caches: 64 MiB on the CPU (20x its L3 here), 1 GiB on a device.
     let bw = copy_bandwidth(be, if be.name() == "cpu" { 64 << 20 } else { 1 << 30 })?;
@@ -352,6 +414,7 @@ pub fn bench_compute<B: Backend>(be: &B, topo: &Topology, prompt_len: usize, ste
         batched,
         memcpy_bytes_per_s: bw,
         prefills,
+        prefill_batch,
         fused,
         fused_path,
         kda_batch: batch,

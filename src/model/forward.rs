@@ -203,18 +203,67 @@ pub fn logits_of_last<B: Backend>(be: &B, group: &ShardGroup<B>, h: &B::Buf, tok
 
 // ---- KDA ----------------------------------------------------------------------
 
-/// What a KDA layer leaves in the caches of one rank after prefill (host memory:
-/// the sink stores it into host regions).
-#[derive(Debug, Clone)]
-pub struct KdaCache {
+/// What a KDA layer leaves in the caches of one rank for one prompt after
+/// prefill, as backend buffers (on a GPU they stay on the device until the sink
+/// scatters them into the regions).
+pub struct KdaCache<B: Backend> {
     /// Recurrent state `[hl, Dk, Dv]` f32: the state after the prompt, or, when
     /// `records` holds the last r tokens, the state before them (S_{T-r}).
-    pub state: Vec<f32>,
+    pub state: B::Buf,
     /// Conv state `[W-1, C]` (q | k | v channels), rounded to the model dtype.
-    pub conv: Vec<f32>,
-    /// ReplaySSM records `[r, hl, 2Dk+Dv]` of the prompt's last r tokens.
-    pub records: Vec<f32>,
+    pub conv: B::Buf,
+    /// ReplaySSM records `[r, hl, 2Dk+Dv]` of the prompt's last r tokens (empty
+    /// when r = 0).
+    pub records: B::Buf,
     pub record_tokens: usize,
+}
+
+/// One prompt of a batched prefill: rows `start..start + len` of the batch's
+/// hidden states, whose last `record_tail` tokens leave ReplaySSM records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefillSeq {
+    pub start: usize,
+    pub len: usize,
+    pub record_tail: usize,
+}
+
+impl PrefillSeq {
+    /// The rows of the prompt in the batch.
+    pub fn rows(&self) -> Range<usize> {
+        self.start..self.start + self.len
+    }
+
+    /// Prompts of `lens` tokens laid end to end, each with the record tail `tail(len)`.
+    pub fn packed(lens: &[usize], tail: impl Fn(usize) -> usize) -> Vec<PrefillSeq> {
+        let mut start = 0;
+        lens.iter()
+            .map(|&len| {
+                let s = PrefillSeq { start, len, record_tail: tail(len).min(len) };
+                start += len;
+                s
+            })
+            .collect()
+    }
+}
+
+/// Rows of the batch the seqs cover, checked to be laid end to end from 0.
+fn batch_rows(seqs: &[PrefillSeq]) -> R<usize> {
+    let mut end = 0;
+    for s in seqs {
+        if s.start != end || s.len == 0 || s.record_tail > s.len {
+            return Err(ModelError::Config(format!("prefill batch: {s:?} does not follow row {end} (prompts are laid end to end, none empty)")));
+        }
+        end += s.len;
+    }
+    if end == 0 {
+        return Err(ModelError::Config("prefill batch of no prompts".into()));
+    }
+    Ok(end)
+}
+
+/// Rows `r` of a `[t, width]` buffer, copied out unless they are all of it.
+fn sub_rows<B: Backend>(be: &B, buf: &B::Buf, r: Range<usize>, t: usize, width: usize) -> R<Option<B::Buf>> {
+    if r == (0..t) { Ok(None) } else { rows_of(be, buf, r, width).map(Some) }
 }
 
 /// The per-token KDA inputs of one rank before the recurrence: q, k, v after the
@@ -247,63 +296,90 @@ fn kda_output<B: Backend>(be: &B, dims: &Dims, sh: &KdaShard<B>, xn: &B::Buf, o:
     per_head_out(be, &y, &sh.wo, t, dv)
 }
 
-/// KDA prefill of one rank's heads over `t` tokens from zero state. With
-/// `record_tail` = r > 0 the last r tokens run as a second chunked pass that emits
-/// ReplaySSM records, and the cached state is the one before them.
-pub fn kda_prefill<B: Backend>(be: &B, dims: &Dims, sh: &KdaShard<B>, xn: &B::Buf, t: usize, record_tail: usize) -> R<(Partials<B>, KdaCache)> {
+/// The short conv of every prompt of a batch from zero state: the conv outputs
+/// `[t, C]` of all rows and each prompt's final conv state, rounded to the model
+/// dtype.
+fn conv_batch<B: Backend>(be: &B, dims: &Dims, sh: &KdaShard<B>, qkv: &B::Buf, seqs: &[PrefillSeq], t: usize) -> R<(B::Buf, Vec<B::Buf>)> {
+    let c = dims.conv_channels(sh.heads);
+    let shape = ConvShape { channels: c, width: dims.conv };
+    let mut out = be.alloc(t * c)?;
+    let mut states = Vec::with_capacity(seqs.len());
+    for s in seqs {
+        let mut state = be.alloc((dims.conv - 1) * c)?;
+        match sub_rows(be, qkv, s.rows(), t, c)? {
+            None => be.conv_prefill(shape, t, qkv, &sh.conv, &mut state, &mut out)?,
+            Some(x) => {
+                let mut y = be.alloc(s.len * c)?;
+                be.conv_prefill(shape, s.len, &x, &sh.conv, &mut state, &mut y)?;
+                be.copy(&y, 0, &mut out, s.start * c, s.len * c)?;
+            }
+        }
+        be.round_to(&mut state, storage(dims.dtype))?;
+        states.push(state);
+    }
+    Ok((out, states))
+}
+
+/// KDA prefill of one rank's heads over a batch of prompts, each from zero
+/// state. The dense products run once over all rows; the conv and the
+/// recurrence run per prompt. A prompt with a record tail r > 0 runs its last r
+/// tokens as a second pass that emits ReplaySSM records, and caches the state
+/// before them.
+pub fn kda_prefill<B: Backend>(be: &B, dims: &Dims, sh: &KdaShard<B>, xn: &B::Buf, seqs: &[PrefillSeq]) -> R<(Partials<B>, Vec<KdaCache<B>>)> {
+    let t = batch_rows(seqs)?;
     let (hl, dk, dv) = (sh.heads, dims.dk, dims.dv);
-    let c = dims.conv_channels(hl);
     let qkv = matmul(be, xn, &sh.wqkv, t)?;
-    let mut conv_state = be.alloc((dims.conv - 1) * c)?;
-    let mut conv_out = be.alloc(t * c)?;
-    be.conv_prefill(ConvShape { channels: c, width: dims.conv }, t, &qkv, &sh.conv, &mut conv_state, &mut conv_out)?;
-    be.round_to(&mut conv_state, storage(dims.dtype))?;
-    let conv = be.download(&conv_state)?;
+    let (conv_out, convs) = conv_batch(be, dims, sh, &qkv, seqs, t)?;
     let x = kda_split(be, dims, sh, xn, &conv_out, t)?;
     let params = KdaParams { a_log: &sh.a_log, dt_bias: &sh.dt_bias };
-    let mut state = be.alloc(hl * dk * dv)?;
-    let tail = record_tail.min(t);
     let mut o = be.alloc(t * hl * dv)?;
-    let mut cached_state = None;
-    let mut records = Vec::new();
-    let mut pieces = vec![(0..t - tail, false)];
-    if tail > 0 {
-        pieces.push((t - tail..t, true));
+    let mut caches = Vec::with_capacity(seqs.len());
+    for (s, conv) in seqs.iter().zip(convs) {
+        let mut state = be.alloc(hl * dk * dv)?;
+        let tail = s.record_tail;
+        let end = s.start + s.len;
+        let mut cached_state = None;
+        let mut records = be.alloc(0)?;
+        for (range, record) in [(s.start..end - tail, false), (end - tail..end, true)] {
+            if record {
+                if tail == 0 {
+                    break;
+                }
+                let mut before = be.alloc(hl * dk * dv)?;
+                be.copy(&state, 0, &mut before, 0, hl * dk * dv)?;
+                cached_state = Some(before);
+            }
+            if range.is_empty() {
+                continue;
+            }
+            let n = range.len();
+            let piece = |buf: &B::Buf, w: usize| sub_rows(be, buf, range.clone(), t, w);
+            let (q, k, v, g, b) = (piece(&x.q, hl * dk)?, piece(&x.k, hl * dk)?, piece(&x.v, hl * dv)?, piece(&x.g, hl * dk)?, piece(&x.b, hl)?);
+            let inputs = KdaInputs {
+                q: q.as_ref().unwrap_or(&x.q),
+                k: k.as_ref().unwrap_or(&x.k),
+                v: v.as_ref().unwrap_or(&x.v),
+                g_raw: g.as_ref().unwrap_or(&x.g),
+                b_raw: b.as_ref().unwrap_or(&x.b),
+            };
+            let mut rec = if record { Some(be.alloc(n * hl * dims.record_width())?) } else { None };
+            let shape = KdaPrefillShape { tokens: n, heads: hl, dk, dv };
+            if n == t {
+                be.kda_prefill(shape, &mut state, inputs, params, &mut o, rec.as_mut())?;
+            } else {
+                let mut out = be.alloc(n * hl * dv)?;
+                be.kda_prefill(shape, &mut state, inputs, params, &mut out, rec.as_mut())?;
+                be.copy(&out, 0, &mut o, range.start * hl * dv, n * hl * dv)?;
+            }
+            if let Some(r) = rec {
+                records = r;
+            }
+        }
+        let state = cached_state.unwrap_or(state);
+        caches.push(KdaCache { state, conv, records, record_tokens: tail });
     }
-    for (range, record) in pieces {
-        if record {
-            cached_state = Some(be.download(&state)?);
-        }
-        if range.is_empty() {
-            continue;
-        }
-        let n = range.len();
-        let q = rows_of(be, &x.q, range.clone(), hl * dk)?;
-        let k = rows_of(be, &x.k, range.clone(), hl * dk)?;
-        let v = rows_of(be, &x.v, range.clone(), hl * dv)?;
-        let g = rows_of(be, &x.g, range.clone(), hl * dk)?;
-        let b = rows_of(be, &x.b, range.clone(), hl)?;
-        let mut out = be.alloc(n * hl * dv)?;
-        let mut rec = if record { Some(be.alloc(n * hl * dims.record_width())?) } else { None };
-        be.kda_prefill(
-            KdaPrefillShape { tokens: n, heads: hl, dk, dv },
-            &mut state,
-            KdaInputs { q: &q, k: &k, v: &v, g_raw: &g, b_raw: &b },
-            params,
-            &mut out,
-            rec.as_mut(),
-        )?;
-        be.copy(&out, 0, &mut o, range.start * hl * dv, n * hl * dv)?;
-        if let Some(r) = rec {
-            records = be.download(&r)?;
-        }
-    }
-    let state = match cached_state {
-        Some(s) => s,
-        None => be.download(&state)?,
-    };
     let partial = kda_output(be, dims, sh, xn, &o, t)?;
-    Ok((partial, KdaCache { state, conv, records, record_tokens: tail }))
+    Ok((partial, caches))
 }
 
 /// The KDA caches of one rank and one layer for every request of a decode batch,
@@ -562,13 +638,17 @@ fn mlp_block<B: Backend>(be: &B, group: &ShardGroup<B>, layer: usize, h: &mut B:
 
 // ---- drivers ------------------------------------------------------------------
 
-/// A cache a prefill rank produced for one layer (host memory: the sink stores it
-/// into host regions).
-pub enum PrefillCache<'a> {
-    Kda(&'a KdaCache),
-    /// MLA rows `[T, L+R]`, rounded to the model dtype.
-    Mla(&'a [f32]),
+/// A cache a prefill rank produced for one layer and one prompt, as backend
+/// buffers: the sink scatters them into the regions (on the device when the
+/// regions live there).
+pub enum PrefillCache<'a, B: Backend> {
+    Kda(&'a KdaCache<B>),
+    /// MLA rows `[T, L+R]` of the prompt, rounded to the model dtype.
+    Mla(&'a B::Buf),
 }
+
+/// Where a prefill puts what it caches: `(prompt, tp_rank, layer, cache)`.
+pub type PrefillSink<'s, B> = dyn FnMut(usize, usize, usize, PrefillCache<'_, B>) -> R<()> + 's;
 
 fn kind_err(layer: usize) -> ModelError {
     ModelError::Config(format!("layer {layer}: shard kind does not match the pattern"))
@@ -582,9 +662,9 @@ fn check_layers<B: Backend>(group: &ShardGroup<B>, layers: &Range<usize>) -> R<(
     Ok(())
 }
 
+/// Prefill of `layers` by one TP group over one prompt, `h` `[t, hidden]`
+/// (updated in place); `sink(tp_rank, layer, cache)` stores what each rank caches.
 #[allow(clippy::too_many_arguments)]
-/// Prefill of `layers` by one TP group over `h` `[t, hidden]` (updated in place).
-/// `sink(tp_rank, layer, cache)` stores what each rank caches.
 pub fn prefill_layers<B: Backend>(
     be: &B,
     group: &ShardGroup<B>,
@@ -592,9 +672,28 @@ pub fn prefill_layers<B: Backend>(
     h: &mut B::Buf,
     t: usize,
     record_tail: usize,
-    sink: &mut dyn FnMut(usize, usize, PrefillCache<'_>) -> R<()>,
+    sink: &mut dyn FnMut(usize, usize, PrefillCache<'_, B>) -> R<()>,
+) -> R<()> {
+    let seq = [PrefillSeq { start: 0, len: t, record_tail: record_tail.min(t) }];
+    prefill_batch(be, group, layers, h, &seq, &mut |_, r, layer, cache| sink(r, layer, cache))
+}
+
+/// Prefill of `layers` by one TP group over a batch of prompts laid end to end
+/// in `h` `[rows, hidden]` (updated in place). Every dense op runs once over all
+/// rows; the conv, the KDA recurrence and the MLA attention run per prompt. A
+/// row's products do not depend on the row count (see the module doc), so each
+/// prompt gets the bits it gets alone. `sink(prompt, tp_rank, layer, cache)`
+/// stores what each rank caches for each prompt.
+pub fn prefill_batch<B: Backend>(
+    be: &B,
+    group: &ShardGroup<B>,
+    layers: Range<usize>,
+    h: &mut B::Buf,
+    seqs: &[PrefillSeq],
+    sink: &mut PrefillSink<'_, B>,
 ) -> R<()> {
     check_layers(group, &layers)?;
+    let t = batch_rows(seqs)?;
     let dims = &group.dims;
     for layer in layers {
         let xn = rms(be, h, &group.ranks[0].layers[layer].attn_norm, t, dims.hidden)?;
@@ -603,21 +702,36 @@ pub fn prefill_layers<B: Backend>(
             LayerKind::Kda => {
                 for (r, s) in group.ranks.iter().enumerate() {
                     let MixerShard::Kda(sh) = &s.layers[layer].mixer else { return Err(kind_err(layer)) };
-                    let (p, cache) = kda_prefill(be, dims, sh, &xn, t, record_tail)?;
-                    sink(r, layer, PrefillCache::Kda(&cache))?;
+                    let (p, caches) = kda_prefill(be, dims, sh, &xn, seqs)?;
+                    for (i, cache) in caches.iter().enumerate() {
+                        sink(i, r, layer, PrefillCache::Kda(cache))?;
+                    }
                     parts.push(p);
                 }
             }
             LayerKind::Mla => {
                 let MixerShard::Mla(sh0) = &group.ranks[0].layers[layer].mixer else { return Err(kind_err(layer)) };
+                let w = dims.row_width();
                 let rows = mla_rows(be, dims, sh0, &xn, t)?;
-                let host_rows = be.download(&rows)?;
+                let seq_rows = seqs.iter().map(|s| sub_rows(be, &rows, s.rows(), t, w)).collect::<R<Vec<_>>>()?;
                 for (r, s) in group.ranks.iter().enumerate() {
                     let MixerShard::Mla(sh) = &s.layers[layer].mixer else { return Err(kind_err(layer)) };
-                    sink(r, layer, PrefillCache::Mla(&host_rows))?;
+                    for (i, own) in seq_rows.iter().enumerate() {
+                        sink(i, r, layer, PrefillCache::Mla(own.as_ref().unwrap_or(&rows)))?;
+                    }
                     let q_lat = mla_q_lat(be, dims, sh, &xn, t)?;
-                    let mut o = be.alloc(t * sh.heads * dims.kv_lora_rank)?;
-                    be.mla_prefill(mla_shape(dims, sh.heads), t, &q_lat, RowSet { buf: &rows, count: t }, &mut o, None)?;
+                    let (shape, lw) = (mla_shape(dims, sh.heads), sh.heads * dims.kv_lora_rank);
+                    let mut o = be.alloc(t * lw)?;
+                    for (s, own) in seqs.iter().zip(&seq_rows) {
+                        let Some(own) = own else {
+                            be.mla_prefill(shape, t, &q_lat, RowSet { buf: &rows, count: t }, &mut o, None)?;
+                            continue;
+                        };
+                        let q = rows_of(be, &q_lat, s.rows(), sh.heads * w)?;
+                        let mut out = be.alloc(s.len * lw)?;
+                        be.mla_prefill(shape, s.len, &q, RowSet { buf: own, count: s.len }, &mut out, None)?;
+                        be.copy(&out, 0, &mut o, s.start * lw, s.len * lw)?;
+                    }
                     parts.push(mla_out(be, dims, sh, &o, t)?);
                 }
             }
@@ -627,6 +741,17 @@ pub fn prefill_layers<B: Backend>(
         mlp_block(be, group, layer, h, t)?;
     }
     Ok(())
+}
+
+/// Final norm, LM head and greedy pick of the last row of every prompt of a batch.
+pub fn logits_of_lasts<B: Backend>(be: &B, group: &ShardGroup<B>, h: &B::Buf, seqs: &[PrefillSeq]) -> R<Vec<(Vec<f32>, u8)>> {
+    batch_rows(seqs)?;
+    let d = group.dims.hidden;
+    let mut lasts = be.alloc(seqs.len() * d)?;
+    for (i, s) in seqs.iter().enumerate() {
+        be.copy(h, (s.start + s.len - 1) * d, &mut lasts, i * d, d)?;
+    }
+    logits_rows(be, group, &lasts, seqs.len())
 }
 
 /// One decode step of one TP group for a batch of B requests: request b feeds

@@ -29,7 +29,7 @@ pub mod step;
 pub mod weights;
 
 pub use bench::{ComputeFigures, bench_compute};
-pub use forward::{BatchCaches, PrefillCache, ShardGroup};
+pub use forward::{BatchCaches, PrefillCache, PrefillSeq, ShardGroup};
 pub use reference::{Trace, run_colocated, run_colocated_forced_on, run_colocated_on};
 pub use regions::RegionView;
 pub use weights::{Dims, Model, RankShard};

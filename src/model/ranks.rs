@@ -78,7 +78,7 @@ pub fn store_prefill<B: Backend>(
     rank: PrefillRank,
     lease: &Lease,
     layer: usize,
-    cache: PrefillCache<'_>,
+    cache: PrefillCache<'_, B>,
 ) -> R<()> {
     let id = RankId::Prefill(rank);
     let dt = topo.model().dtype;
@@ -88,30 +88,32 @@ pub fn store_prefill<B: Backend>(
             let l = region(layouts, id, kind)?;
             let tb = l.token_bytes as usize;
             let width = tb / dt.bytes() as usize;
-            if width == 0 || !rows.len().is_multiple_of(width) {
-                return Err(ModelError::Region(format!("{id}: {} values are not rows of {width}", rows.len())));
+            let n = be.buf_len(rows);
+            if width == 0 || !n.is_multiple_of(width) {
+                return Err(ModelError::Region(format!("{id}: {n} values are not rows of {width}")));
             }
-            let offs = (0..rows.len() / width).map(|p| row_offset(l, id, &lease.blocks, layer, p)).collect::<R<Vec<_>>>()?;
-            put_items(be, view, id, kind, &offs, width, dt, rows)
+            let offs = (0..n / width).map(|p| row_offset(l, id, &lease.blocks, layer, p)).collect::<R<Vec<_>>>()?;
+            put_buf(be, view, id, kind, &offs, width, dt, rows)
         }
         PrefillCache::Kda(c) => store_kda(be, topo, layouts, view, id, lease.slot, layer, c),
     }
 }
 
-/// Writes `xs` (`offs.len()` items of `values` values) as `dt` at `offs` of a
-/// region: in place on a device region (uploaded, then scattered by the
-/// backend), through the bytes of a host one.
+/// Writes `buf` (`offs.len()` items of `values` values) as `dt` at `offs` of a
+/// region: scattered in place from the backend buffer on a device region,
+/// downloaded and written through the bytes of a host one.
 #[allow(clippy::too_many_arguments)]
-fn put_items<B: Backend>(be: &B, view: &dyn RegionView, id: RankId, kind: RegionKind, offs: &[u64], values: usize, dt: Dtype, xs: &[f32]) -> R<()> {
-    if xs.len() != offs.len() * values {
-        return Err(ModelError::Region(format!("{id} {kind}: {} values for {} items of {values}", xs.len(), offs.len())));
+fn put_buf<B: Backend>(be: &B, view: &dyn RegionView, id: RankId, kind: RegionKind, offs: &[u64], values: usize, dt: Dtype, buf: &B::Buf) -> R<()> {
+    let n = be.buf_len(buf);
+    if n != offs.len() * values {
+        return Err(ModelError::Region(format!("{id} {kind}: {n} values for {} items of {values}", offs.len())));
     }
     if let Some(reg) = view.device(id, kind) {
-        let buf = be.upload(xs)?;
-        return Ok(be.region_scatter(&buf, reg, RegionItems { offsets: offs, values, dtype: storage(dt) })?);
+        return Ok(be.region_scatter(buf, reg, RegionItems { offsets: offs, values, dtype: storage(dt) })?);
     }
+    let xs = be.download(buf)?;
     let all = vec![true; offs.len()];
-    write_items(view, id, kind, offs, values * dt.bytes() as usize, values, xs, &all, |x, o| dtype::encode(dt, x, o))
+    write_items(view, id, kind, offs, values * dt.bytes() as usize, values, &xs, &all, |x, o| dtype::encode(dt, x, o))
 }
 
 /// Writes one i32 per offset of a region (replay cursors), on a device or host region.
@@ -129,23 +131,24 @@ fn put_i32s<B: Backend>(be: &B, view: &dyn RegionView, id: RankId, kind: RegionK
 }
 
 #[allow(clippy::too_many_arguments)]
-fn store_kda<B: Backend>(be: &B, topo: &Topology, layouts: &Layouts, view: &dyn RegionView, id: RankId, slot: u32, layer: usize, c: &KdaCache) -> R<()> {
+fn store_kda<B: Backend>(be: &B, topo: &Topology, layouts: &Layouts, view: &dyn RegionView, id: RankId, slot: u32, layer: usize, c: &KdaCache<B>) -> R<()> {
     let dt = topo.model().dtype;
     let kind = RegionKind::KdaState;
-    put_items(be, view, id, kind, &[unit(layouts, id, kind, layer, slot)?], c.state.len(), Dtype::F32, &c.state)?;
+    put_buf(be, view, id, kind, &[unit(layouts, id, kind, layer, slot)?], be.buf_len(&c.state), Dtype::F32, &c.state)?;
     let kind = RegionKind::KdaConv;
-    put_items(be, view, id, kind, &[unit(layouts, id, kind, layer, slot)?], c.conv.len(), dt, &c.conv)?;
+    put_buf(be, view, id, kind, &[unit(layouts, id, kind, layer, slot)?], be.buf_len(&c.conv), dt, &c.conv)?;
     if topo.model().replay.is_some() {
         let kind = RegionKind::ReplayRecords;
         let off = unit(layouts, id, kind, layer, slot)?;
-        let len = region(layouts, id, kind)?.unit_bytes as usize;
-        if c.records.len() * 4 > len {
+        let len = region(layouts, id, kind)?.unit_bytes as usize / 4;
+        let n = be.buf_len(&c.records);
+        if n > len {
             return Err(ModelError::Region(format!("{id} layer {layer}: {} records overflow the ring", c.record_tokens)));
         }
         // The whole ring: the records, then zeros.
-        let mut ring = c.records.clone();
-        ring.resize(len / 4, 0.0);
-        put_items(be, view, id, kind, &[off], ring.len(), Dtype::F32, &ring)?;
+        let mut ring = be.alloc(len)?;
+        be.copy(&c.records, 0, &mut ring, 0, n)?;
+        put_buf(be, view, id, kind, &[off], len, Dtype::F32, &ring)?;
         let kind = RegionKind::ReplayCursor;
         put_i32s(be, view, id, kind, &[unit(layouts, id, kind, layer, slot)?], &[c.record_tokens as i32])?;
     }

@@ -208,19 +208,20 @@ pub fn prefill_local<B: Backend>(be: &B, group: &ShardGroup<B>, prompt: &[u8]) -
     forward::prefill_layers(be, group, 0..n, &mut h, t, tail, &mut |rank, layer, cache| {
         match cache {
             PrefillCache::Kda(c) => {
+                let (state, records) = (be.download(&c.state)?, be.download(&c.records)?);
                 let replay = match dims.replay {
                     Some(cap) => {
-                        let mut ring = vec![0.0f32; cap * (c.state.len() / (dims.dk * dims.dv)) * dims.record_width()];
-                        ring.get_mut(..c.records.len())
+                        let mut ring = vec![0.0f32; cap * (state.len() / (dims.dk * dims.dv)) * dims.record_width()];
+                        ring.get_mut(..records.len())
                             .ok_or_else(|| ModelError::Config(format!("layer {layer}: {} records overflow the ring", c.record_tokens)))?
-                            .copy_from_slice(&c.records);
+                            .copy_from_slice(&records);
                         Some((ring, c.record_tokens as i32))
                     }
                     None => None,
                 };
-                req.kda[layer][rank] = Some(KdaLocal { state: c.state.clone(), conv: c.conv.clone(), replay });
+                req.kda[layer][rank] = Some(KdaLocal { state, conv: be.download(&c.conv)?, replay });
             }
-            PrefillCache::Mla(rows) => req.mla[layer] = rows.to_vec(),
+            PrefillCache::Mla(rows) => req.mla[layer] = be.download(rows)?,
         }
         Ok(())
     })?;

@@ -1,7 +1,8 @@
-//! Dispatch: the compute. A prefill stage computes a planned request's layers into
-//! its registered source regions (one request per tick, oldest first, so the
-//! transfer phase of the next tick submits its writes while the stage computes the
-//! next request); decode runs one step for every live handed-off request as one
+//! Dispatch: the compute. A prefill stage computes planned requests' layers into
+//! its registered source regions, the oldest ready request and those ready at
+//! the same stage after it as one batch of at most `serve.prefill_batch_tokens`
+//! prompt tokens a tick (so the transfer phase of the next tick submits their
+//! writes while the stage computes the next batch); decode runs one step for every live handed-off request as one
 //! batch (continuous batching), growing block tables as positions pass them. The
 //! model lives behind `Compute`, so the phase stays plain scheduling.
 
@@ -87,6 +88,12 @@ pub trait Compute: Send + Sync + 'static {
     /// Runs PP stage `job.stage` of a request (every TP rank of the stage), writing
     /// the stage's KV rows and state into its producer regions.
     fn prefill(&mut self, job: PrefillJob<'_>) -> Result<PrefillOutput, ComputeError>;
+    /// Runs one PP stage of several requests as one pass; a result per job, in
+    /// job order, each what [`Compute::prefill`] gives that job alone. The
+    /// default runs them one by one.
+    fn prefill_batch(&mut self, jobs: Vec<PrefillJob<'_>>) -> Vec<Result<PrefillOutput, ComputeError>> {
+        jobs.into_iter().map(|j| self.prefill(j)).collect()
+    }
     /// One decode step for every request of the batch, reading and writing KV and
     /// state in the decode regions; the greedy token of each, in batch order.
     fn decode(&mut self, batch: &[DecodeItem<'_>]) -> Result<Vec<u8>, ComputeError>;
@@ -96,9 +103,12 @@ pub trait Compute: Send + Sync + 'static {
 #[derive(Resource)]
 pub struct Dispatcher(pub Box<dyn Compute>);
 
-/// Runs the oldest planned request's next local stage whose input is there. Stage
-/// s + 1 of the same World reads stage s's hidden states from `Inputs`; a stage
-/// whose successor lives elsewhere hands them out as `EngineEvent::Computed`.
+/// Runs the oldest planned request's next local stage whose input is there,
+/// batched with the requests ready at the same stage after it (by id) while
+/// their prompt tokens fit `serve.prefill_batch_tokens` (the first always
+/// runs). Stage s + 1 of the same World reads stage s's hidden states from
+/// `Inputs`; a stage whose successor lives elsewhere hands them out as
+/// `EngineEvent::Computed`.
 #[allow(clippy::type_complexity)]
 pub fn run_prefill(
     mut commands: Commands,
@@ -111,32 +121,60 @@ pub fn run_prefill(
 ) {
     let Some(mut dispatcher) = dispatcher else { return };
     let pp = topo.0.config.prefill.pp;
+    let budget = u64::from(topo.0.config.serve.prefill_batch_tokens);
     let ready =
         |computed: &StagesComputed, inputs: &Inputs| local.stages.iter().copied().find(|&s| !computed.0[s as usize] && (s == 0 || inputs.hidden.is_some()));
-    let next = requests.iter().filter(|(_, _, st, c, _, i, _)| **st == Status::Planned && ready(c, i).is_some()).map(|(e, r, ..)| (r.id, e)).min();
-    let Some((_, e)) = next else { return };
-    let Ok((e, req, mut status, mut computed, holdings, mut inputs, remote)) = requests.get_mut(e) else { return };
-    let Some(stage) = ready(&computed, &inputs) else { return };
-    let held: Vec<&Lease> =
-        holdings.leases.iter().filter_map(|&l| leases.get(l).ok()).filter(|l| matches!(l.rank, RankId::Prefill(p) if p.pp == stage)).collect();
-    let job = PrefillJob { request: req.id, stage, tokens: req.tokens, prompt: &inputs.prompt, hidden: inputs.hidden.as_deref(), leases: held };
-    match dispatcher.0.prefill(job) {
-        Ok(out) => {
-            computed.0[stage as usize] = true;
-            if let Some(tok) = out.first_token {
-                commands.entity(e).insert(FirstToken(tok));
-            }
-            if stage + 1 < pp {
-                if local.has_stage(stage + 1) {
-                    inputs.hidden = Some(out.hidden);
-                } else {
-                    inputs.hidden = None;
-                    let consumers = remote.map(|r| r.0.clone()).unwrap_or_default();
-                    events.write(EngineEvent::Computed { request: req.id, nonce: req.nonce, stage, tokens: req.tokens, hidden: out.hidden, consumers });
+    let mut cands: Vec<(u64, Entity, u32, u64)> = requests
+        .iter()
+        .filter(|(_, _, st, ..)| **st == Status::Planned)
+        .filter_map(|(e, r, _, c, _, i, _)| ready(c, i).map(|s| (r.id, e, s, r.tokens)))
+        .collect();
+    cands.sort_unstable();
+    let Some(&(_, _, stage, _)) = cands.first() else { return };
+    let mut batch = Vec::new();
+    let mut tokens = 0u64;
+    for &(_, e, s, t) in &cands {
+        if s != stage {
+            continue;
+        }
+        if !batch.is_empty() && tokens + t > budget {
+            break;
+        }
+        tokens += t;
+        batch.push(e);
+    }
+    let (batch, outs) = {
+        let (ents, jobs): (Vec<Entity>, Vec<PrefillJob<'_>>) = batch
+            .iter()
+            .filter_map(|&e| requests.get(e).ok())
+            .map(|(e, req, _, _, holdings, inputs, _)| {
+                let leases =
+                    holdings.leases.iter().filter_map(|&l| leases.get(l).ok()).filter(|l| matches!(l.rank, RankId::Prefill(p) if p.pp == stage)).collect();
+                (e, PrefillJob { request: req.id, stage, tokens: req.tokens, prompt: &inputs.prompt, hidden: inputs.hidden.as_deref(), leases })
+            })
+            .unzip();
+        (ents, dispatcher.0.prefill_batch(jobs))
+    };
+    for (&e, out) in batch.iter().zip(outs) {
+        let Ok((e, req, mut status, mut computed, _, mut inputs, remote)) = requests.get_mut(e) else { continue };
+        match out {
+            Ok(out) => {
+                computed.0[stage as usize] = true;
+                if let Some(tok) = out.first_token {
+                    commands.entity(e).insert(FirstToken(tok));
+                }
+                if stage + 1 < pp {
+                    if local.has_stage(stage + 1) {
+                        inputs.hidden = Some(out.hidden);
+                    } else {
+                        inputs.hidden = None;
+                        let consumers = remote.map(|r| r.0.clone()).unwrap_or_default();
+                        events.write(EngineEvent::Computed { request: req.id, nonce: req.nonce, stage, tokens: req.tokens, hidden: out.hidden, consumers });
+                    }
                 }
             }
+            Err(e) => *status = Status::Failed(Failure::new(PhaseName::Compute, ProcessRole::Prefill { stage }, e.cause())),
         }
-        Err(e) => *status = Status::Failed(Failure::new(PhaseName::Compute, ProcessRole::Prefill { stage }, e.cause())),
     }
 }
 
