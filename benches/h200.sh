@@ -25,6 +25,9 @@
 #   serve    bench serve on the default and on config/gpu.toml
 #   systems  handoff up on config/gpu.toml under a C32 load: where each role's
 #            engine time went (/metrics, benches/peers/serve_systems.py)
+#   systems-mps  the same under an MPS server (the roles' kernels side by side)
+#   profile  bench prefill at serving batches, then each kernel's time in a
+#            1 x 1024-token prefill (Nsight Compute)
 #   transfer the flagship hand-off through CUDA IPC
 # Prints each figure next to its peer from the same call; logs go to $OUT.
 set -uo pipefail
@@ -33,6 +36,15 @@ OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
 export PATH="$BIN:$PATH"
 step() { echo; echo "== $*"; }
+# handoff up on config/gpu.toml under a C32 load; each role's engine time by
+# system, into $OUT/$1.txt.
+systems_run() {
+  HANDOFF_DEVICE=cuda handoff up --config config/gpu.toml --port 8123 > "$OUT/$1-up.log" 2>&1 &
+  local up=$!
+  for _ in $(seq 120); do curl -sf http://127.0.0.1:8123/health >/dev/null 2>&1 && break; sleep 0.5; done
+  timeout 200 python3 benches/peers/serve_systems.py --url http://127.0.0.1:8123 --concurrency 32 --requests 256 2>&1 | tee "$OUT/$1.txt" || fail=1
+  kill -INT $up; sleep 2; kill -9 $up 2>/dev/null; wait $up 2>/dev/null
+}
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(check verify matrix compute matmul probe kernels fla serve systems transfer)
 fail=0
@@ -114,11 +126,35 @@ serve)
   ;;
 systems)
   step "handoff up on cuda, config/gpu.toml, C32: each role's engine time by system"
-  HANDOFF_DEVICE=cuda handoff up --config config/gpu.toml --port 8123 > "$OUT/up.log" 2>&1 &
-  up=$!
-  for _ in $(seq 120); do curl -sf http://127.0.0.1:8123/health >/dev/null 2>&1 && break; sleep 0.5; done
-  timeout 200 python3 benches/peers/serve_systems.py --url http://127.0.0.1:8123 --concurrency 32 --requests 128 2>&1 | tee "$OUT/systems.txt" || fail=1
-  kill -INT $up; sleep 2; kill -9 $up 2>/dev/null
+  systems_run systems
+  ;;
+systems-mps)
+  # The roles are separate processes on one GPU: without MPS their contexts
+  # take turns on the device (time slices); under an MPS server their kernels
+  # run side by side. Same run as `systems`, under a server started and
+  # stopped here (pipe and log directories in /tmp; no device setting changes).
+  step "the same, under an MPS server"
+  if command -v nvidia-cuda-mps-control >/dev/null; then
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+    mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+    nvidia-cuda-mps-control -d && sleep 1
+    systems_run systems-mps
+    echo quit | nvidia-cuda-mps-control
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  else
+    echo "no nvidia-cuda-mps-control on this machine"; fail=1
+  fi
+  ;;
+profile)
+  step "bench prefill (config/gpu.toml): batches of serving prompts and one long prompt"
+  for shape in "32 80" "8 80" "1 80" "1 1024" "4 1024"; do
+    set -- $shape
+    timeout 120 handoff bench prefill --config config/gpu.toml --device cuda --prompts $1 --tokens $2
+  done 2>&1 | tee "$OUT/prefill.txt"
+  step "Nsight Compute: each kernel's time in one pass of 1 x 1024 tokens (and the warm-up)"
+  timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
+    handoff bench prefill --config config/gpu.toml --device cuda --prompts 1 --tokens 1024 --reps 1 > "$OUT/prefill-ncu.txt" 2>&1 || fail=1
+  awk '/^  [a-z_0-9]+ \(/{name=$1; inv=$NF} /gpu__time_duration.sum/{t[name]+=inv*$NF; n[name]+=inv} END{for (k in t) printf "%10.1f us %6d launches  %s\n", t[k], n[k], k}' "$OUT/prefill-ncu.txt" | sort -rn | head -25
   ;;
 transfer)
   step "hand-off of the flagship request (32K tokens) between two processes through CUDA IPC, oracle-checked"

@@ -182,6 +182,24 @@ enum BenchCommand {
         #[arg(long)]
         plot: Option<std::path::PathBuf>,
     },
+    /// Prefill a batch of prompts through the whole model at TP1 as one pass, as
+    /// a prefill stage runs the requests ready in one tick.
+    Prefill {
+        #[arg(long, default_value = "config/small.toml")]
+        config: String,
+        /// Prompts in the batch.
+        #[arg(long, default_value_t = 32)]
+        prompts: usize,
+        /// Tokens of each prompt.
+        #[arg(long, default_value_t = 80)]
+        tokens: usize,
+        /// Timed passes (after one warm-up); the best is printed.
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+        /// Backend: cpu, cuda[:N] or hip[:N] (default: the topology's [device], else cpu).
+        #[arg(long)]
+        device: Option<String>,
+    },
 }
 
 /// Refusals and bad input exit with status 2.
@@ -449,6 +467,19 @@ fn run(cli: Cli) -> Result<()> {
             if !problems.is_empty() {
                 anyhow::bail!("soak: {}", problems.join("; "));
             }
+        }
+        Command::Bench { what: BenchCommand::Prefill { config, prompts, tokens, reps, device } } => {
+            let topo = load(&config)?;
+            let dev = handoff::engine::device::resolve(&topo, device.as_deref())?;
+            let f = handoff::with_backend!(dev, |be| handoff::model::bench_prefill(&be, &topo, prompts, tokens, reps)).map_err(|e| anyhow::anyhow!("{e}"))?;
+            let all = (f.prompts * f.tokens) as f64;
+            println!(
+                "bench prefill on {dev}, {config}: {} prompts x {} tokens as one pass: {:.1} us, {:.0} tokens/s",
+                f.prompts,
+                f.tokens,
+                f.batched_us,
+                all / (f.batched_us * 1e-6)
+            );
         }
         Command::Bench { what: BenchCommand::Compute { config, prompt, steps, device, plot } } => {
             let topo = load(&config)?;

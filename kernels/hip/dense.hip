@@ -193,6 +193,150 @@ extern "C" __global__ void __launch_bounds__(128) matmul_tc32(
     matmul_tc_body<2, 2>(t, x, part, rows, x_row);
 }
 
+// ---- the tensor-core matmul for many rows ------------------------------------------
+//
+// matmul_tcb: the same products as matmul_tc16/32 followed by their chunk sums,
+// for many rows (prefill), in one launch and with no scratch: block (column
+// tile bx, row tile by, product bz) owns a 64 x 128 tile of one product of the
+// table and walks all of the product's chunks itself. Each chunk's partial of
+// an element is the same mma.sync sequence from 0 as in matmul_tc (the chunk's
+// 8 k16 steps in order, three products a step: xh.wh, xl.wh, xh.wl, zeros past
+// inner), and the partials are added in chunk order to a total that starts at
+// 0, as matmul_chunk_sum / matmul_units_sum add them: so every element has the
+// bits of the two-launch path, whichever kernel the row count picks.
+//
+// Eight warps, 2 x 4, each a 32 x 32 tile (two m16 by four n8 accumulators, and
+// as many for the total). The k walk is in stages of 64 (half a chunk), two
+// stages in shared memory: stage i + 1 is copied by cp.async while stage i is
+// multiplied. Padded rows as in matmul_tc (x: 64 + 8 floats, w: 128 + 4).
+// Launch: grid (ceil(max cols / 128), ceil(rows / 64), units); block 256;
+// dynamic shared memory 2 x (64 x 72 + 64 x 132) x 4 = 104,448 bytes.
+#define TCB_XS (64 + 8)
+#define TCB_WS (128 + 4)
+#define TCB_STAGE (64 * TCB_XS + 64 * TCB_WS)
+
+extern "C" __global__ void __launch_bounds__(256) matmul_tcb(
+    hk_mm_units t, const float* __restrict__ x, float* __restrict__ out, int rows, hk_i64 x_row, hk_i64 out_row)
+{
+    HK_DYN_SMEM(float, sm);
+    const int u = blockIdx.z;
+    const int inner = (int)t.u[u][4];
+    const int cols = (int)t.u[u][5];
+    const int col0 = blockIdx.x * 128;
+    const int row0 = blockIdx.y * 64;
+    if (col0 >= cols || row0 >= rows) return;
+    const float* xb = x + t.u[u][1];
+    const float* w = (const float*)t.u[u][0];
+    const int tid = threadIdx.x;
+    const int stages = 2 * ((inner + MM_KC - 1) / MM_KC);
+    auto load = [&](int i) {
+        float* xs = sm + (i & 1) * TCB_STAGE;
+        float* ws = xs + 64 * TCB_XS;
+        const int k0 = 64 * i;
+        for (int q = tid; q < 64 * 16; q += 256) {
+            const int r = q / 16, kq = (q % 16) * 4;
+            const int gr = row0 + r, gk = k0 + kq;
+            float* d = xs + r * TCB_XS + kq;
+            const float* src = xb + (hk_i64)gr * x_row + gk;
+            if (gr < rows && gk + 3 < inner && ((((unsigned long long)src) & 15) == 0)) {
+                hk_cp16(d, src, true);
+            } else {
+                for (int e = 0; e < 4; ++e) d[e] = (gr < rows && gk + e < inner) ? src[e] : 0.0f;
+            }
+        }
+        for (int q = tid; q < 64 * 32; q += 256) {
+            const int kk = q / 32, c = (q % 32) * 4;
+            const int gk = k0 + kk, gc = col0 + c;
+            float* d = ws + kk * TCB_WS + c;
+            const float* src = w + (hk_i64)gk * cols + gc;
+            if (gk < inner && gc + 3 < cols && ((((unsigned long long)src) & 15) == 0)) {
+                hk_cp16(d, src, true);
+            } else {
+                for (int e = 0; e < 4; ++e) d[e] = (gk < inner && gc + e < cols) ? src[e] : 0.0f;
+            }
+        }
+        hk_cp_commit();
+    };
+    const int lane = tid & 31, warp = tid >> 5;
+    const int wm = warp / 4, wn = warp % 4;
+    const int g = lane >> 2, q4 = lane & 3;
+    float acc[2][4][4], total[2][4][4];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[m][j][i] = total[m][j][i] = 0.0f;
+    load(0);
+    for (int i = 0; i < stages; ++i) {
+        if (i + 1 < stages) {
+            load(i + 1);
+            hk_cp_wait_but_last();
+        } else {
+            hk_cp_wait_all();
+        }
+        __syncthreads();
+        const float* xs = sm + (i & 1) * TCB_STAGE;
+        const float* wb = xs + 64 * TCB_XS + (2 * q4) * TCB_WS + wn * 32 + g;
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            const int kk = 16 * s;
+            unsigned bh[4][2], bl[4][2];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float* b = wb + kk * TCB_WS + 8 * j;
+                tc_split(b[0], b[TCB_WS], bh[j][0], bl[j][0]);
+                tc_split(b[8 * TCB_WS], b[9 * TCB_WS], bh[j][1], bl[j][1]);
+            }
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+                const float* xa = xs + (wm * 32 + m * 16 + g) * TCB_XS + 2 * q4 + kk;
+                const float2 a0 = *(const float2*)(xa);
+                const float2 a1 = *(const float2*)(xa + 8 * TCB_XS);
+                const float2 a2 = *(const float2*)(xa + 8);
+                const float2 a3 = *(const float2*)(xa + 8 * TCB_XS + 8);
+                uint4 ah, al;
+                tc_split(a0.x, a0.y, ah.x, al.x);
+                tc_split(a1.x, a1.y, ah.y, al.y);
+                tc_split(a2.x, a2.y, ah.z, al.z);
+                tc_split(a3.x, a3.y, ah.w, al.w);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    st_mma(acc[m][j], ah, bh[j][0], bh[j][1]);
+                    st_mma(acc[m][j], al, bh[j][0], bh[j][1]);
+                    st_mma(acc[m][j], ah, bl[j][0], bl[j][1]);
+                }
+            }
+        }
+        if (i & 1) {
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        total[m][j][e] += acc[m][j][e];
+                        acc[m][j][e] = 0.0f;
+                    }
+        }
+        __syncthreads();
+    }
+    float* o = out + t.u[u][2];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int c = col0 + wn * 32 + 8 * j + 2 * q4;
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                const int r = row0 + wm * 32 + m * 16 + g + 8 * hr;
+                if (r >= rows) continue;
+                if (c < cols) o[(hk_i64)r * out_row + c] = total[m][j][2 * hr];
+                if (c + 1 < cols) o[(hk_i64)r * out_row + c + 1] = total[m][j][2 * hr + 1];
+            }
+        }
+}
+
 extern "C" __global__ void matmul_units_sum(
     hk_mm_units t, const float* __restrict__ part, float* __restrict__ out, int rows, hk_i64 out_row)
 {

@@ -261,34 +261,48 @@ fn prefill_figure<B: Backend>(be: &B, topo: &Topology, group: &forward::ShardGro
     Ok(PrefillFigure { tokens: t, total_us: total * 1e6, by_kind })
 }
 
-/// `prompts` random prompts of `tokens` prefilled as one batch and one by one.
+/// `prompts` random prompts of `tokens` prefilled as one batch, best of `reps`
+/// passes, and (`one_by_one`) the same prompts one pass each.
 fn prefill_batch_figure<B: Backend>(
     be: &B,
     group: &forward::ShardGroup<B>,
     g: &mut SplitMix64,
-    prompts: usize,
-    tokens: usize,
+    (prompts, tokens, reps): (usize, usize, usize),
+    one_by_one: bool,
 ) -> Result<PrefillBatchFigure, ModelError> {
     let dims = &group.dims;
     let n = dims.num_layers();
     let all: Vec<Vec<u8>> = (0..prompts).map(|_| (0..tokens).map(|_| g.below(256) as u8).collect()).collect();
     let seqs = forward::PrefillSeq::packed(&vec![tokens; prompts], |t| dims.record_tail(t));
     let flat = all.concat();
-    let batched = best(be, 2, || {
+    let batched = best(be, reps, || {
         let mut h = forward::embed(be, group, &flat)?;
         forward::prefill_batch(be, group, 0..n, &mut h, &seqs, &mut |_, _, _, _| Ok(()))?;
         forward::logits_of_lasts(be, group, &h, &seqs)?;
         Ok(())
     })?;
-    let one_by_one = best(be, 2, || {
-        for p in &all {
-            let mut h = forward::embed(be, group, p)?;
-            forward::prefill_layers(be, group, 0..n, &mut h, tokens, dims.record_tail(tokens), &mut |_, _, _| Ok(()))?;
-            forward::logits_of_last(be, group, &h, tokens)?;
-        }
-        Ok(())
-    })?;
-    Ok(PrefillBatchFigure { prompts, tokens, batched_us: batched * 1e6, one_by_one_us: one_by_one * 1e6 })
+    let alone = if !one_by_one {
+        0.0
+    } else {
+        best(be, reps, || {
+            for p in &all {
+                let mut h = forward::embed(be, group, p)?;
+                forward::prefill_layers(be, group, 0..n, &mut h, tokens, dims.record_tail(tokens), &mut |_, _, _| Ok(()))?;
+                forward::logits_of_last(be, group, &h, tokens)?;
+            }
+            Ok(())
+        })?
+    };
+    Ok(PrefillBatchFigure { prompts, tokens, batched_us: batched * 1e6, one_by_one_us: alone * 1e6 })
+}
+
+/// `bench prefill`: `prompts` prompts of `tokens` tokens prefilled as one batch
+/// through the whole model at TP1, the best of `reps` passes (after a warm-up);
+/// alone, a pass is short enough to run under a kernel profiler.
+pub fn bench_prefill<B: Backend>(be: &B, topo: &Topology, prompts: usize, tokens: usize, reps: usize) -> Result<PrefillBatchFigure, ModelError> {
+    let model = Model::new(topo)?;
+    let group = model.upload_group(be, 1)?;
+    prefill_batch_figure(be, &group, &mut SplitMix64::new(13), (prompts.max(1), tokens.max(1), reps), false)
 }
 
 /// The backend's own copy bandwidth over `bytes` (bytes read plus bytes
@@ -349,7 +363,7 @@ pub fn bench_compute<B: Backend>(be: &B, topo: &Topology, prompt_len: usize, ste
     };
     let decode_s = (total - prefill_s).max(1e-9);
     let prefills = PREFILL_LENS.iter().map(|&t| prefill_figure(be, topo, &group, &mut g, t)).collect::<Result<Vec<_>, _>>()?;
-    let prefill_batch = prefill_batch_figure(be, &group, &mut g, if be.name() == "cpu" { 8 } else { 32 }, PREFILL_BATCH_TOKENS)?;
+    let prefill_batch = prefill_batch_figure(be, &group, &mut g, (if be.name() == "cpu" { 8 } else { 32 }, PREFILL_BATCH_TOKENS, 2), true)?;
 
     // Past the caches: 64 MiB on the CPU (20x its L3 here), 1 GiB on a device.
     let bw = copy_bandwidth(be, if be.name() == "cpu" { 64 << 20 } else { 1 << 30 })?;

@@ -28,7 +28,7 @@ pub mod regions;
 pub mod step;
 pub mod weights;
 
-pub use bench::{ComputeFigures, bench_compute};
+pub use bench::{ComputeFigures, PrefillBatchFigure, bench_compute, bench_prefill};
 pub use forward::{BatchCaches, PrefillCache, PrefillSeq, ShardGroup};
 pub use reference::{Trace, run_colocated, run_colocated_forced_on, run_colocated_on};
 pub use regions::RegionView;

@@ -363,8 +363,9 @@ pub(crate) fn checks(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
         rep.exact_f32("determinism matmul", "88x1024 . 1024x520, two runs", &run_matmul(gpu, shape, &x, &w)?, &all);
     }
     {
-        // Across the two tile shapes: 300 and 129 rows take 32-row tiles, 1
-        // and 7 rows 16-row ones; inner 1000 ends mid-chunk and mid-tile.
+        // Across the kernels: 300, 129 and 88 rows take matmul_tcb (64-row
+        // tiles, all of k in a block), 7 and 1 rows matmul_tc16 and the chunk
+        // sums; inner 1000 ends mid-chunk and mid-tile, 200 columns mid-tile.
         let (rows, inner, cols) = (300usize, 1000usize, 200usize);
         let x = uni(&mut r, rows * inner, -1.0, 1.0);
         let w = uni(&mut r, inner * cols, -1.0, 1.0);
@@ -374,11 +375,11 @@ pub(crate) fn checks(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
             alone.extend(run_matmul(gpu, MatmulShape { rows: 1, inner, cols }, &x[i * inner..(i + 1) * inner], &w)?);
         }
         let picked: Vec<f32> = [0usize, 17, 150, 299].iter().flat_map(|&i| all[i * cols..(i + 1) * cols].iter().copied()).collect();
-        rep.exact_f32("batch-invariance matmul", "rows of a 300-row call (32-row tiles) vs each alone (16-row tiles)", &picked, &alone);
+        rep.exact_f32("batch-invariance matmul", "rows of a 300-row call (matmul_tcb) vs each alone (matmul_tc16 + chunk sums)", &picked, &alone);
         let seven = run_matmul(gpu, MatmulShape { rows: 7, inner, cols }, &x[100 * inner..107 * inner], &w)?;
-        rep.exact_f32("batch-invariance matmul", "rows 100..107 of 300 as a batch of 7 (16-row tiles)", &seven, &all[100 * cols..107 * cols]);
+        rep.exact_f32("batch-invariance matmul", "rows 100..107 of 300 as a batch of 7 (matmul_tc16)", &seven, &all[100 * cols..107 * cols]);
         let big = run_matmul(gpu, MatmulShape { rows: 129, inner, cols }, &x[..129 * inner], &w)?;
-        rep.exact_f32("batch-invariance matmul", "rows 0..129 of 300 as a batch of 129 (32-row tiles)", &big, &all[..129 * cols]);
+        rep.exact_f32("batch-invariance matmul", "rows 0..129 of 300 as a batch of 129 (matmul_tcb)", &big, &all[..129 * cols]);
     }
     {
         let (b, h, dk, dv) = (16usize, 2usize, 128usize, 128usize);

@@ -10,6 +10,15 @@ pub(super) const MATMUL_KC: usize = 128;
 pub(super) const fn tc_smem(bm: usize, bn: usize) -> u32 {
     ((bm * (MATMUL_KC + 8) + MATMUL_KC * (bn + 4)) * 4) as u32
 }
+/// matmul_tcb's dynamic shared memory: two stages of 64 x (64 + 8) x floats
+/// and 64 x (128 + 4) w floats (dense.hip).
+pub(super) const TCB_SMEM: u32 = (2 * (64 * 72 + 64 * 132) * 4) as u32;
+/// Rows from which a matmul runs as matmul_tcb (one launch, no scratch, each
+/// block over all of k) instead of matmul_tc + the chunk sums (split over k,
+/// for the few rows of a decode step, where 64-row tiles would leave the
+/// device idle). Both give the same bits; this is only speed.
+pub(super) const TCB_MIN_ROWS: usize = 64;
+
 /// Products of one `matmul_tc` launch at most (MU_UNITS in dense.hip).
 pub(super) const UNITS_PER_LAUNCH: usize = 32;
 
@@ -53,6 +62,9 @@ impl CudaBackend {
         let mut t = UnitsTable { u: [[0; 6]; UNITS_PER_LAUNCH] };
         let (wp, _sync) = w.device_ptr(&self.stream);
         t.u[0] = [wp as i64, 0, 0, 0, i64_of(inner), i64_of(cols)];
+        if rows >= TCB_MIN_ROWS {
+            return self.tcb_launch(op, &t, 1, x, i64_of(inner), out, rows, cols, i64_of(cols));
+        }
         // SAFETY: matmul_tc writes every chunk sum of every element before
         // matmul_chunk_sum, queued after it on the same stream, reads any.
         let mut part = unsafe { self.stream.alloc::<f32>(chunks * rows * cols) }.map_err(dev(op))?;
@@ -97,6 +109,40 @@ impl CudaBackend {
         b.arg(t).arg(x).arg(part).arg(&r).arg(&x_row);
         // SAFETY: types and order match matmul_tc16/32; the caller checked the
         // table's blocks of x and w and sized part for every product's chunks.
+        unsafe { b.launch(cfg) }.map_err(dev(op))?;
+        Ok(())
+    }
+
+    /// matmul_tcb over the `units` products of `t`, each written into `out` in
+    /// place (row r of product u at `t.u[u][2] + r * out_row`).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn tcb_launch(
+        &self,
+        op: &'static str,
+        t: &UnitsTable,
+        units: usize,
+        x: &CudaSlice<f32>,
+        x_row: i64,
+        out: &mut (impl cudarc::driver::DevicePtrMut<f32> + ?Sized),
+        rows: usize,
+        max_cols: usize,
+        out_row: i64,
+    ) -> Result<()> {
+        let tiles = rows.div_ceil(64);
+        if tiles > 65535 || units > UNITS_PER_LAUNCH {
+            return Err(KernelError::InvalidShape { op, reason: format!("{rows} rows x {units} products exceed the device grid") });
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (int(op, "column tiles", max_cols.div_ceil(128))? as u32, tiles as u32, units as u32),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: TCB_SMEM,
+        };
+        let r = int(op, "rows", rows)?;
+        let (o, _sync) = out.device_ptr_mut(&self.stream);
+        let mut b = self.stream.launch_builder(&self.f.matmul_tcb);
+        b.arg(t).arg(x).arg(&o).arg(&r).arg(&x_row).arg(&out_row);
+        // SAFETY: types and order match matmul_tcb; the caller checked the
+        // table's blocks of x and w and that every product's rows fall inside out.
         unsafe { b.launch(cfg) }.map_err(dev(op))?;
         Ok(())
     }
@@ -165,6 +211,10 @@ impl CudaBackend {
             max_cols = max_cols.max(u.cols);
             max_chunks = max_chunks.max(chunks);
             max_n = max_n.max(rows * u.cols);
+        }
+        if rows >= TCB_MIN_ROWS {
+            let (_, pitch) = units.first().map_or((0, 0), |u| shape.out_at(first, u));
+            return self.tcb_launch(op, &t, units.len(), &x.data, i64_of(shape.x_width), &mut out.data, rows, max_cols, i64_of(pitch));
         }
         // SAFETY: every element of a product's scratch is written by
         // matmul_tc before matmul_units_sum reads it.

@@ -159,6 +159,7 @@ struct Funcs {
     dcp_merge_f64: CudaFunction,
     matmul_tc16: CudaFunction,
     matmul_tc32: CudaFunction,
+    matmul_tcb: CudaFunction,
     matmul_chunk_sum: CudaFunction,
     matmul_units_sum: CudaFunction,
     add_units: CudaFunction,
@@ -279,6 +280,7 @@ impl CudaBackend {
         // backend runs on its one stream, in order, so no buffer needs the
         // events cudarc records for cross-stream use.
         unsafe { ctx.disable_event_tracking() };
+        keep_freed_memory(&ctx);
         let stream = ctx.new_stream().map_err(|e| unavailable("cannot create a stream", e))?;
         let cc = ctx.compute_capability().map_err(|e| unavailable("compute capability", e))?;
         let device_name = ctx.name().map_err(|e| unavailable("device name", e))?;
@@ -306,6 +308,7 @@ impl CudaBackend {
             dcp_merge_f64: get("dcp_merge_f64")?,
             matmul_tc16: get("matmul_tc16")?,
             matmul_tc32: get("matmul_tc32")?,
+            matmul_tcb: get("matmul_tcb")?,
             matmul_chunk_sum: get("matmul_chunk_sum")?,
             matmul_units_sum: get("matmul_units_sum")?,
             add_units: get("add_units")?,
@@ -332,7 +335,7 @@ impl CudaBackend {
         }
         // The tensor-core matmul stages a whole k chunk of x and w (52 and 75
         // KB, dense.hip): opt in.
-        for (func, bytes) in [(&f.matmul_tc16, tc_smem(16, 128)), (&f.matmul_tc32, tc_smem(32, 64))] {
+        for (func, bytes) in [(&f.matmul_tc16, tc_smem(16, 128)), (&f.matmul_tc32, tc_smem(32, 64)), (&f.matmul_tcb, dense::TCB_SMEM)] {
             func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
                 .map_err(|e| unavailable("cannot give the matmul its shared memory", e))?;
         }
@@ -485,5 +488,26 @@ mod tests {
         assert_eq!(kda_block(7, 1).0, 32);
         assert_eq!(mla_warps("t", 512, 576, 8).unwrap().0, 256);
         assert!(mla_warps("t", 100_000, 100_064, 8).is_err());
+    }
+}
+
+/// The backend's scratch (`stream.alloc`, `cuMemAllocAsync`) comes from the
+/// device's default memory pool, whose release threshold of 0 hands every freed
+/// byte back to the driver at the next synchronization: a prefill pass, which
+/// synchronizes to download its hidden states, then maps all of its scratch
+/// again on the next pass (measured on the H200: two thirds of a 1,024-token
+/// pass outside any kernel). Keep freed memory in the pool instead, as
+/// PyTorch's caching allocator does. Best effort: a driver without pools keeps
+/// the old behaviour.
+fn keep_freed_memory(ctx: &CudaContext) {
+    use cudarc::driver::sys;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut threshold = u64::MAX;
+    // SAFETY: plain driver queries on a live context's device; `threshold` is
+    // the u64 that CU_MEMPOOL_ATTR_RELEASE_THRESHOLD takes.
+    unsafe {
+        if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) == sys::CUresult::CUDA_SUCCESS && !pool.is_null() {
+            let _ = sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, (&mut threshold as *mut u64).cast());
+        }
     }
 }
