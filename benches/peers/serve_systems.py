@@ -62,6 +62,21 @@ def main():
         if m:
             kind, role, phase, system, v = m.groups()
             agg.setdefault((role, phase, system), {})[kind] = float(v)
+    # Where a request's time went, from the proxy's histograms: the phases of
+    # each completed choice (queue, handoff, decode), TTFT and ITL; means.
+    hist = {}
+    hp = re.compile(r'^(handoff_phase_seconds|handoff_time_to_first_token_seconds|handoff_inter_token_latency_seconds)_(sum|count)(\{[^}]*\})? (\S+)$')
+    for line in text.splitlines():
+        m = hp.match(line)
+        if m:
+            name, kind, labels, v = m.groups()
+            hist.setdefault((name, labels or ""), {})[kind] = float(v)
+    parts = []
+    for (name, labels), v in sorted(hist.items()):
+        if v.get("count", 0) > 0:
+            what = labels.strip("{}").replace('phase="', "").replace('"', "") or name.replace("handoff_", "").replace("_seconds", "")
+            parts.append(f"{what} {1e3 * v['sum'] / v['count']:.1f} ms")
+    print("a request's time, means: " + ", ".join(parts))
     by_role = {}
     for (role, phase, system), v in agg.items():
         by_role.setdefault(role, []).append((v.get("sum", 0.0), v.get("count", 0.0), phase, system))

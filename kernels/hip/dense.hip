@@ -206,14 +206,18 @@ extern "C" __global__ void __launch_bounds__(128) matmul_tc32(
 // bits of the two-launch path, whichever kernel the row count picks.
 //
 // Eight warps, 2 x 4, each a 32 x 32 tile (two m16 by four n8 accumulators, and
-// as many for the total). The k walk is in stages of 64 (half a chunk), two
-// stages in shared memory: stage i + 1 is copied by cp.async while stage i is
-// multiplied. Padded rows as in matmul_tc (x: 64 + 8 floats, w: 128 + 4).
+// as many for the total). The k walk is in stages of TCB_KS = 32 (a quarter
+// chunk), TCB_NST = 4 stages in a ring in shared memory: stage i + 3 is copied
+// by cp.async while stage i is multiplied (a group is committed every stage,
+// empty past the end, so one wait count holds throughout). Padded rows as in
+// matmul_tc (x: 32 + 8 floats, w: 128 + 4).
 // Launch: grid (ceil(max cols / 128), ceil(rows / 64), units); block 256;
-// dynamic shared memory 2 x (64 x 72 + 64 x 132) x 4 = 104,448 bytes.
-#define TCB_XS (64 + 8)
+// dynamic shared memory 4 x (64 x 40 + 32 x 132) x 4 = 108,544 bytes.
+#define TCB_KS 32
+#define TCB_NST 4
+#define TCB_XS (TCB_KS + 8)
 #define TCB_WS (128 + 4)
-#define TCB_STAGE (64 * TCB_XS + 64 * TCB_WS)
+#define TCB_STAGE (64 * TCB_XS + TCB_KS * TCB_WS)
 
 extern "C" __global__ void __launch_bounds__(256) matmul_tcb(
     hk_mm_units t, const float* __restrict__ x, float* __restrict__ out, int rows, hk_i64 x_row, hk_i64 out_row)
@@ -228,31 +232,34 @@ extern "C" __global__ void __launch_bounds__(256) matmul_tcb(
     const float* xb = x + t.u[u][1];
     const float* w = (const float*)t.u[u][0];
     const int tid = threadIdx.x;
-    const int stages = 2 * ((inner + MM_KC - 1) / MM_KC);
+    constexpr int per_chunk = MM_KC / TCB_KS;
+    const int stages = per_chunk * ((inner + MM_KC - 1) / MM_KC);
     auto load = [&](int i) {
-        float* xs = sm + (i & 1) * TCB_STAGE;
-        float* ws = xs + 64 * TCB_XS;
-        const int k0 = 64 * i;
-        for (int q = tid; q < 64 * 16; q += 256) {
-            const int r = q / 16, kq = (q % 16) * 4;
-            const int gr = row0 + r, gk = k0 + kq;
-            float* d = xs + r * TCB_XS + kq;
-            const float* src = xb + (hk_i64)gr * x_row + gk;
-            if (gr < rows && gk + 3 < inner && ((((unsigned long long)src) & 15) == 0)) {
-                hk_cp16(d, src, true);
-            } else {
-                for (int e = 0; e < 4; ++e) d[e] = (gr < rows && gk + e < inner) ? src[e] : 0.0f;
+        if (i < stages) {
+            float* xs = sm + (i % TCB_NST) * TCB_STAGE;
+            float* ws = xs + 64 * TCB_XS;
+            const int k0 = TCB_KS * i;
+            for (int q = tid; q < 64 * (TCB_KS / 4); q += 256) {
+                const int r = q / (TCB_KS / 4), kq = (q % (TCB_KS / 4)) * 4;
+                const int gr = row0 + r, gk = k0 + kq;
+                float* d = xs + r * TCB_XS + kq;
+                const float* src = xb + (hk_i64)gr * x_row + gk;
+                if (gr < rows && gk + 3 < inner && ((((unsigned long long)src) & 15) == 0)) {
+                    hk_cp16(d, src, true);
+                } else {
+                    for (int e = 0; e < 4; ++e) d[e] = (gr < rows && gk + e < inner) ? src[e] : 0.0f;
+                }
             }
-        }
-        for (int q = tid; q < 64 * 32; q += 256) {
-            const int kk = q / 32, c = (q % 32) * 4;
-            const int gk = k0 + kk, gc = col0 + c;
-            float* d = ws + kk * TCB_WS + c;
-            const float* src = w + (hk_i64)gk * cols + gc;
-            if (gk < inner && gc + 3 < cols && ((((unsigned long long)src) & 15) == 0)) {
-                hk_cp16(d, src, true);
-            } else {
-                for (int e = 0; e < 4; ++e) d[e] = (gk < inner && gc + e < cols) ? src[e] : 0.0f;
+            for (int q = tid; q < TCB_KS * 32; q += 256) {
+                const int kk = q / 32, c = (q % 32) * 4;
+                const int gk = k0 + kk, gc = col0 + c;
+                float* d = ws + kk * TCB_WS + c;
+                const float* src = w + (hk_i64)gk * cols + gc;
+                if (gk < inner && gc + 3 < cols && ((((unsigned long long)src) & 15) == 0)) {
+                    hk_cp16(d, src, true);
+                } else {
+                    for (int e = 0; e < 4; ++e) d[e] = (gk < inner && gc + e < cols) ? src[e] : 0.0f;
+                }
             }
         }
         hk_cp_commit();
@@ -267,19 +274,16 @@ extern "C" __global__ void __launch_bounds__(256) matmul_tcb(
         for (int j = 0; j < 4; ++j)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[m][j][i] = total[m][j][i] = 0.0f;
-    load(0);
+#pragma unroll
+    for (int i = 0; i < TCB_NST - 1; ++i) load(i);
     for (int i = 0; i < stages; ++i) {
-        if (i + 1 < stages) {
-            load(i + 1);
-            hk_cp_wait_but_last();
-        } else {
-            hk_cp_wait_all();
-        }
+        load(i + TCB_NST - 1);
+        hk_cp_wait_n<TCB_NST - 1>();
         __syncthreads();
-        const float* xs = sm + (i & 1) * TCB_STAGE;
+        const float* xs = sm + (i % TCB_NST) * TCB_STAGE;
         const float* wb = xs + 64 * TCB_XS + (2 * q4) * TCB_WS + wn * 32 + g;
 #pragma unroll
-        for (int s = 0; s < 4; ++s) {
+        for (int s = 0; s < TCB_KS / 16; ++s) {
             const int kk = 16 * s;
             unsigned bh[4][2], bl[4][2];
 #pragma unroll
@@ -308,7 +312,7 @@ extern "C" __global__ void __launch_bounds__(256) matmul_tcb(
                 }
             }
         }
-        if (i & 1) {
+        if (i % per_chunk == per_chunk - 1) {
 #pragma unroll
             for (int m = 0; m < 2; ++m)
 #pragma unroll
@@ -321,6 +325,7 @@ extern "C" __global__ void __launch_bounds__(256) matmul_tcb(
         }
         __syncthreads();
     }
+    hk_cp_wait_all();
     float* o = out + t.u[u][2];
 #pragma unroll
     for (int m = 0; m < 2; ++m)

@@ -19,7 +19,7 @@
 
 use super::ModelError;
 use super::dtype::storage;
-use super::weights::{Dims, KdaShard, LayerShard, Mat, MixerShard, MlaShard, NORM_EPS, RankShard};
+use super::weights::{Dims, KdaShard, LayerShard, Mat, MixerShard, MlaShard, NORM_EPS};
 use handoff_components::vocab::LayerKind;
 use handoff_kernels::{
     Backend, ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape, MatmulShape, MergeShape, MlaShape, NormShape,
@@ -29,33 +29,7 @@ use std::ops::Range;
 
 type R<T> = Result<T, ModelError>;
 
-/// Inner-dimension chunk of the model's matmuls: the kernel's decode path sums chunks of 64
-/// in whatever order its thread pool finishes them, and picks a different loop for
-/// many rows; calling it on one chunk at a time and summing our own chunks in
-/// order keeps every product independent of thread timing and of row count (the
-/// batch size). Weights are held in chunks of this many rows ([`Mat`]).
-pub const K_CHUNK: usize = 64;
-
-/// Every TP rank's weights of one group, plus the replicated embedding, final
-/// norm and LM head, as backend buffers ([`super::Model::upload_group`]).
-pub struct ShardGroup<B: Backend> {
-    pub dims: Dims,
-    /// TP rank r's shard at index r.
-    pub ranks: Vec<RankShard<B>>,
-    /// `[vocab, hidden]`.
-    pub embed: B::Buf,
-    /// `[hidden]`.
-    pub final_norm: B::Buf,
-    /// `[hidden, vocab]`.
-    pub lm_head: Mat<B>,
-}
-
-impl<B: Backend> ShardGroup<B> {
-    /// TP degree of the group.
-    pub fn tp(&self) -> usize {
-        self.ranks.len()
-    }
-}
+pub use super::weights::{K_CHUNK, ShardGroup};
 
 /// x `[rows, w.inner]` . w = `[rows, w.cols]`, chunk by chunk (see [`K_CHUNK`] and [`Mat`]).
 fn matmul<B: Backend>(be: &B, x: &B::Buf, w: &Mat<B>, rows: usize) -> R<B::Buf> {
@@ -647,6 +621,9 @@ pub enum PrefillCache<'a, B: Backend> {
     Mla(&'a B::Buf),
 }
 
+/// Where a one-prompt prefill puts what it caches: `(tp_rank, layer, cache)`.
+pub type LayerSink<'s, B> = dyn FnMut(usize, usize, PrefillCache<'_, B>) -> R<()> + 's;
+
 /// Where a prefill puts what it caches: `(prompt, tp_rank, layer, cache)`.
 pub type PrefillSink<'s, B> = dyn FnMut(usize, usize, usize, PrefillCache<'_, B>) -> R<()> + 's;
 
@@ -672,7 +649,7 @@ pub fn prefill_layers<B: Backend>(
     h: &mut B::Buf,
     t: usize,
     record_tail: usize,
-    sink: &mut dyn FnMut(usize, usize, PrefillCache<'_, B>) -> R<()>,
+    sink: &mut LayerSink<'_, B>,
 ) -> R<()> {
     let seq = [PrefillSeq { start: 0, len: t, record_tail: record_tail.min(t) }];
     prefill_batch(be, group, layers, h, &seq, &mut |_, r, layer, cache| sink(r, layer, cache))

@@ -22,6 +22,7 @@ pub mod bench;
 pub mod checkpoint;
 pub mod dtype;
 pub mod forward;
+mod init;
 pub mod ranks;
 pub mod reference;
 pub mod regions;

@@ -2,12 +2,39 @@
 //! weights, and their tensor-parallel shards.
 
 use super::ModelError;
-use super::forward::{K_CHUNK, ShardGroup};
 use handoff_components::Topology;
 use handoff_components::vocab::{Dtype, LayerKind};
 use handoff_kernels::step::WeightDtype;
 use handoff_kernels::{Backend, SplitMix64};
 use std::ops::Range;
+
+/// Inner-dimension chunk of the model's matmuls: the kernel's decode path sums chunks of 64
+/// in whatever order its thread pool finishes them, and picks a different loop for
+/// many rows; calling it on one chunk at a time and summing our own chunks in
+/// order keeps every product independent of thread timing and of row count (the
+/// batch size). Weights are held in chunks of this many rows ([`Mat`]).
+pub const K_CHUNK: usize = 64;
+
+/// Every TP rank's weights of one group, plus the replicated embedding, final
+/// norm and LM head, as backend buffers ([`super::Model::upload_group`]).
+pub struct ShardGroup<B: Backend> {
+    pub dims: Dims,
+    /// TP rank r's shard at index r.
+    pub ranks: Vec<RankShard<B>>,
+    /// `[vocab, hidden]`.
+    pub embed: B::Buf,
+    /// `[hidden]`.
+    pub final_norm: B::Buf,
+    /// `[hidden, vocab]`.
+    pub lm_head: Mat<B>,
+}
+
+impl<B: Backend> ShardGroup<B> {
+    /// TP degree of the group.
+    pub fn tp(&self) -> usize {
+        self.ranks.len()
+    }
+}
 
 /// Byte-level vocabulary.
 pub const VOCAB: usize = 256;
@@ -207,11 +234,10 @@ fn around(seed: u64, stream: u64, n: usize, center: f32, spread: f32) -> Vec<f32
     SplitMix64::with_stream(seed, stream).vec_uniform(n, center - spread, center + spread)
 }
 
-impl Model {
-    /// The weights of the topology's `[model]` table: the `weights` file when it
-    /// names one (src/model/checkpoint.rs), else seeded: each tensor draws from its
-    /// own SplitMix64 stream (layer x 32 + tensor), N(0, 1/sqrt(fan_in)).
-    pub fn new(topo: &Topology) -> Result<Model, ModelError> {
+impl Dims {
+    /// The topology's dimensions, refused (naming the values) when the weights
+    /// would not fit the compute path or the MLP is empty.
+    pub fn checked(topo: &Topology) -> Result<Dims, ModelError> {
         let dims = Dims::from_topology(topo);
         let bytes = dims.weight_bytes();
         if bytes > MAX_WEIGHT_BYTES as u128 {
@@ -232,12 +258,15 @@ impl Model {
         if dims.intermediate == 0 {
             return Err(ModelError::Config("model.intermediate_size must be at least 1".into()));
         }
-        if let Some(path) = &topo.model().weights {
-            let mut model = super::checkpoint::load(dims, path)?;
-            model.round_weights();
-            return Ok(model);
-        }
-        let seed = topo.model().seed;
+        Ok(dims)
+    }
+}
+
+impl Model {
+    /// Seeded weights of `dims`: each tensor draws from its own SplitMix64
+    /// stream (layer x 32 + tensor), N(0, 1/sqrt(fan_in)), rounded as the
+    /// products use them ([`Model::round_weights`]).
+    pub fn seeded(dims: Dims, seed: u64) -> Model {
         let d = dims.hidden;
         let (h, dk, dv) = (dims.kda_heads, dims.dk, dims.dv);
         let (hm, l, r, dn, dvh) = (dims.mla_heads, dims.kv_lora_rank, dims.rope_dim, dims.nope_dim, dims.v_head_dim);
@@ -287,7 +316,7 @@ impl Model {
             dims,
         };
         model.round_weights();
-        Ok(model)
+        model
     }
 
     /// Rounds every dense product's weights to what a device multiplies by

@@ -12,9 +12,10 @@ pub(crate) fn check_fused(gpu: &mut CudaBackend, rep: &mut Report, seed: u64) ->
         // Several products in one call (matmul_units): every product's bits are
         // those of matmul on its block alone (the one-by-one default); heads side
         // by side and stacked, unequal widths ending mid-chunk, 40 products (two
-        // launches), 1, 88 and 200 rows (200 through the tiled kernel).
+        // launches), 1, 88, 200 and 600 rows (600: the first launch's 32
+        // products through matmul_tcb, 10 x 32 tiles; the rest split over k).
         for stacked in [false, true] {
-            for &rows in &[1usize, 88, 200] {
+            for &rows in &[1usize, 88, 200, 600] {
                 let n = 40;
                 let dims: Vec<(usize, usize)> = (0..n).map(|i| (120 + 5 * (i % 3), if stacked { 96 } else { 64 + i % 2 })).collect();
                 let x_width: usize = dims.iter().map(|d| d.0).sum::<usize>() + 3;

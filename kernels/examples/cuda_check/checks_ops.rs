@@ -363,23 +363,28 @@ pub(crate) fn checks(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
         rep.exact_f32("determinism matmul", "88x1024 . 1024x520, two runs", &run_matmul(gpu, shape, &x, &w)?, &all);
     }
     {
-        // Across the kernels: 300, 129 and 88 rows take matmul_tcb (64-row
-        // tiles, all of k in a block), 7 and 1 rows matmul_tc16 and the chunk
-        // sums; inner 1000 ends mid-chunk and mid-tile, 200 columns mid-tile.
-        let (rows, inner, cols) = (300usize, 1000usize, 200usize);
+        // Across the kernels: a product of at least 264 64 x 128 tiles takes
+        // matmul_tcb (all of k in a block, no scratch): 2100 x 1000 columns
+        // (33 x 8 tiles); 300, 7 and 1 rows of it take matmul_tc32/16 and the
+        // chunk sums. Inner 1000 ends mid-chunk and mid-stage, 1000 columns
+        // mid-tile. Every row has the same bits whichever kernel ran it.
+        let (rows, inner, cols) = (2100usize, 1000usize, 1000usize);
         let x = uni(&mut r, rows * inner, -1.0, 1.0);
         let w = uni(&mut r, inner * cols, -1.0, 1.0);
         let all = run_matmul(gpu, MatmulShape { rows, inner, cols }, &x, &w)?;
         let mut alone = Vec::new();
-        for i in [0usize, 17, 150, 299] {
+        let picks = [0usize, 17, 1050, 2099];
+        for &i in &picks {
             alone.extend(run_matmul(gpu, MatmulShape { rows: 1, inner, cols }, &x[i * inner..(i + 1) * inner], &w)?);
         }
-        let picked: Vec<f32> = [0usize, 17, 150, 299].iter().flat_map(|&i| all[i * cols..(i + 1) * cols].iter().copied()).collect();
-        rep.exact_f32("batch-invariance matmul", "rows of a 300-row call (matmul_tcb) vs each alone (matmul_tc16 + chunk sums)", &picked, &alone);
+        let picked: Vec<f32> = picks.iter().flat_map(|&i| all[i * cols..(i + 1) * cols].iter().copied()).collect();
+        rep.exact_f32("batch-invariance matmul", "rows of a 2100-row call (matmul_tcb) vs each alone (matmul_tc16 + chunk sums)", &picked, &alone);
         let seven = run_matmul(gpu, MatmulShape { rows: 7, inner, cols }, &x[100 * inner..107 * inner], &w)?;
-        rep.exact_f32("batch-invariance matmul", "rows 100..107 of 300 as a batch of 7 (matmul_tc16)", &seven, &all[100 * cols..107 * cols]);
-        let big = run_matmul(gpu, MatmulShape { rows: 129, inner, cols }, &x[..129 * inner], &w)?;
-        rep.exact_f32("batch-invariance matmul", "rows 0..129 of 300 as a batch of 129 (matmul_tcb)", &big, &all[..129 * cols]);
+        rep.exact_f32("batch-invariance matmul", "rows 100..107 of 2100 as a batch of 7 (matmul_tc16)", &seven, &all[100 * cols..107 * cols]);
+        let mid = run_matmul(gpu, MatmulShape { rows: 300, inner, cols }, &x[..300 * inner], &w)?;
+        rep.exact_f32("batch-invariance matmul", "rows 0..300 of 2100 as a batch of 300 (matmul_tc32)", &mid, &all[..300 * cols]);
+        let cpu_rows = run_matmul(&cpu, MatmulShape { rows: 64, inner, cols }, &x[2036 * inner..], &w)?;
+        rep.close("matmul (matmul_tcb)", "rows 2036..2100 of 2100 x 1000 . 1000 x 1000", &all[2036 * cols..], &cpu_rows, 3e-5);
     }
     {
         let (b, h, dk, dv) = (16usize, 2usize, 128usize, 128usize);

@@ -280,7 +280,6 @@ impl CudaBackend {
         // backend runs on its one stream, in order, so no buffer needs the
         // events cudarc records for cross-stream use.
         unsafe { ctx.disable_event_tracking() };
-        keep_freed_memory(&ctx);
         let stream = ctx.new_stream().map_err(|e| unavailable("cannot create a stream", e))?;
         let cc = ctx.compute_capability().map_err(|e| unavailable("compute capability", e))?;
         let device_name = ctx.name().map_err(|e| unavailable("device name", e))?;
@@ -491,23 +490,3 @@ mod tests {
     }
 }
 
-/// The backend's scratch (`stream.alloc`, `cuMemAllocAsync`) comes from the
-/// device's default memory pool, whose release threshold of 0 hands every freed
-/// byte back to the driver at the next synchronization: a prefill pass, which
-/// synchronizes to download its hidden states, then maps all of its scratch
-/// again on the next pass (measured on the H200: two thirds of a 1,024-token
-/// pass outside any kernel). Keep freed memory in the pool instead, as
-/// PyTorch's caching allocator does. Best effort: a driver without pools keeps
-/// the old behaviour.
-fn keep_freed_memory(ctx: &CudaContext) {
-    use cudarc::driver::sys;
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    let mut threshold = u64::MAX;
-    // SAFETY: plain driver queries on a live context's device; `threshold` is
-    // the u64 that CU_MEMPOOL_ATTR_RELEASE_THRESHOLD takes.
-    unsafe {
-        if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) == sys::CUresult::CUDA_SUCCESS && !pool.is_null() {
-            let _ = sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, (&mut threshold as *mut u64).cast());
-        }
-    }
-}
