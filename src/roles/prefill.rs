@@ -263,6 +263,7 @@ fn engine_loop(
                 continue;
             }
             let (id, sampling, prompt) = (job.admitted.id, job.sampling.filter(|s| !s.is_greedy()), job.prompt.len() as u64);
+            tracing::debug!(stage, request = id, "prefill: job in");
             if submit(&mut engine, stage, notices, mover, &mut route, *job)
                 && let Some(s) = sampling
             {
@@ -273,6 +274,7 @@ fn engine_loop(
         for ev in engine.take_events() {
             match ev {
                 EngineEvent::Computed { request, nonce, stage: s, hidden, consumers, .. } => {
+                    tracing::debug!(stage, request, "prefill: computed; hidden states to the next stage");
                     // This stage is done with the request: its sampling moves on.
                     let sampling = crate::base::lock(table).remove(&request).map(|l| l.sampling);
                     let Some(&addr) = route.stages.get(s as usize + 1) else { continue };
@@ -298,7 +300,10 @@ fn engine_loop(
                         notify(notices, &route, &Notice::Failed { id: request, nonce: Some(nonce), stage: s + 1, failure });
                     }
                 }
-                EngineEvent::Written(report) => notify(notices, &route, &Notice::Written(report)),
+                EngineEvent::Written(report) => {
+                    tracing::debug!(stage, request = report.request, "prefill: written; telling decode");
+                    notify(notices, &route, &Notice::Written(report))
+                }
                 _ => {}
             }
         }
