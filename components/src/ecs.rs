@@ -7,6 +7,8 @@
 use crate::config::Topology;
 use crate::failure::{Failure, ProcessRole};
 use crate::layout::{ConsumerLayout, RegionLayout, SegmentSpec};
+// Re-exported: `ecs::PhaseName` is the path the systems, roles and tests name it by.
+pub use crate::phase::{PhaseName, UnknownPhase};
 use crate::plan::Plan;
 use crate::vocab::{DecodeRank, PrefillRank, RankId, RegionKind};
 use bevy_ecs::prelude::*;
@@ -33,48 +35,6 @@ pub struct Segment {
     pub rank: RankId,
     pub kind: RegionKind,
     pub spec: SegmentSpec,
-}
-
-/// The phase a request is in. Named phases are what timeouts and failures report,
-/// and they travel on the wire by name: an unknown name is an error, not a guess.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PhaseName {
-    Admission,
-    Compute,
-    Transfer,
-    Decode,
-}
-
-impl PhaseName {
-    pub const ALL: [PhaseName; 4] = [PhaseName::Admission, PhaseName::Compute, PhaseName::Transfer, PhaseName::Decode];
-
-    pub const fn name(self) -> &'static str {
-        match self {
-            PhaseName::Admission => "admission",
-            PhaseName::Compute => "compute",
-            PhaseName::Transfer => "transfer",
-            PhaseName::Decode => "decode",
-        }
-    }
-}
-
-impl std::fmt::Display for PhaseName {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-/// A phase name that names no phase.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown phase {0:?}")]
-pub struct UnknownPhase(pub String);
-
-impl std::str::FromStr for PhaseName {
-    type Err = UnknownPhase;
-    fn from_str(s: &str) -> Result<Self, UnknownPhase> {
-        PhaseName::ALL.into_iter().find(|p| p.name() == s).ok_or_else(|| UnknownPhase(s.to_string()))
-    }
 }
 
 /// One request being handed off.

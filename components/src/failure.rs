@@ -4,7 +4,7 @@
 //! as a timeout) is decided from these fields; the `detail` strings are for the
 //! person reading the message only and are never matched.
 
-use crate::ecs::PhaseName;
+use crate::phase::PhaseName;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::time::Duration;

@@ -7,6 +7,7 @@ pub mod config;
 pub mod ecs;
 pub mod failure;
 pub mod layout;
+pub mod phase;
 pub mod plan;
 pub mod vocab;
 

@@ -6,7 +6,7 @@
 //! batch (continuous batching), growing block tables as positions pass them. The
 //! model lives behind `Compute`, so the phase stays plain scheduling.
 
-pub use crate::ErrorSource;
+pub use crate::error::ErrorSource;
 use crate::placement::{alloc_blocks, blocks_needed};
 use bevy_ecs::prelude::*;
 use handoff_components::ecs::*;

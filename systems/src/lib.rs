@@ -4,23 +4,24 @@
 //! Order of one tick: admission -> placement -> splitting -> transfer -> release ->
 //! dispatch (the compute, when the engine has a `dispatch::Dispatcher`). `coalesce`
 //! (merging adjacent copies) and `share` (who sends what to whom) are rules the
-//! phases share; placement comes before splitting in the imports too.
+//! phases share; placement comes before splitting in the imports too. `error` holds
+//! `ErrorSource`, the error of the layers below that the phases share (re-exported
+//! here); this root only declares, re-exports and wires the phases into a schedule,
+//! so no phase imports from it.
 
 pub mod admission;
 pub mod coalesce;
 pub mod dispatch;
+pub mod error;
 pub mod placement;
 pub mod release;
 pub mod share;
 pub mod splitting;
 pub mod transfer;
 
-use bevy_ecs::prelude::*;
+pub use error::ErrorSource;
 
-/// The error of a layer below the systems (the model, its kernels, a transport),
-/// kept whole: the systems know it only as an error, and a failure's text is
-/// built from it where the request fails.
-pub type ErrorSource = std::sync::Arc<dyn std::error::Error + Send + Sync + 'static>;
+use bevy_ecs::prelude::*;
 
 /// The phases, as system sets chained in this order.
 #[derive(SystemSet, Debug, Clone, PartialEq, Eq, Hash)]

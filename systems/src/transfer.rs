@@ -30,7 +30,7 @@ pub enum MoveError {
     Stopped,
     /// The transport failed the writes; its own error.
     #[error("{0}")]
-    Transport(#[source] crate::ErrorSource),
+    Transport(#[source] crate::error::ErrorSource),
     #[error("no write-done report from prefill pp{pp} tp{tp} within {after:?} (producer gone or stalled)")]
     NoReport { pp: u32, tp: u32, after: Duration },
 }

@@ -5,7 +5,7 @@
 use crate::roles::openai::BodyError;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use handoff_components::failure::{Cause, Failure, PeerLoss};
+use handoff_components::failure::{Cause, Failure, PeerLoss, ProcessRole};
 use serde_json::{Value, json};
 
 /// How the proxy answers and counts a request that failed after admission.
@@ -40,6 +40,33 @@ pub fn classify(f: &Failure) -> FailureClass {
     }
 }
 
+// `Absence` and `NotReady` live here, beside the `ServeError` that carries them,
+// rather than in `state`: `state` imports this module (`ServeError`, `classify`),
+// so this one imports nothing from `state`.
+
+/// Why a role cannot take requests now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Absence {
+    /// It went down (`why`: what the watchdog or a refused connection saw, and when).
+    Down { role: ProcessRole, why: String },
+    /// It has not registered yet.
+    Unregistered(ProcessRole),
+}
+
+/// The roles that are not up: the proxy takes no request until each is.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("not ready: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+pub struct NotReady(pub Vec<Absence>);
+
+impl std::fmt::Display for Absence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Absence::Down { role, why } => write!(f, "{role} is down: {why}"),
+            Absence::Unregistered(role) => write!(f, "waiting for {role} to register"),
+        }
+    }
+}
+
 /// Every way a request ends badly, and the one place that maps each to its HTTP
 /// status, OpenAI error type, code (also the metrics label) and parameter.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -57,7 +84,7 @@ pub enum ServeError {
     #[error("overloaded: all {places} places are taken and the queue holds {queued} of serve.queue = {queue}; retry later")]
     Overloaded { places: u32, queued: u32, queue: u32 },
     #[error(transparent)]
-    NotReady(#[from] super::state::NotReady),
+    NotReady(#[from] NotReady),
     #[error("draining: the server is shutting down and takes no new requests")]
     Draining,
     #[error("admission phase timed out after {0} s waiting for a place")]

@@ -1,8 +1,8 @@
 //! The roles' registration and heartbeats, the watchdog that marks a role down,
 //! and `/health`.
 
-use super::error::ServeError;
-use super::state::{ALIVE, Absence, LATE, NotReady, Peer, PeerState, Proxy, role_name, slot_role};
+use super::error::{Absence, NotReady, ServeError};
+use super::state::{ALIVE, LATE, Peer, PeerState, Proxy, role_name, slot_role};
 use crate::base::lock;
 use crate::roles::openai::BodyError;
 use crate::roles::wire::{Msg, Register};

@@ -69,29 +69,6 @@ pub(super) fn role_name(slot: usize) -> String {
     slot_role(slot).to_string()
 }
 
-/// Why a role cannot take requests now.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Absence {
-    /// It went down (`why`: what the watchdog or a refused connection saw, and when).
-    Down { role: ProcessRole, why: String },
-    /// It has not registered yet.
-    Unregistered(ProcessRole),
-}
-
-/// The roles that are not up: the proxy takes no request until each is.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("not ready: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
-pub struct NotReady(pub Vec<Absence>);
-
-impl std::fmt::Display for Absence {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Absence::Down { role, why } => write!(f, "{role} is down: {why}"),
-            Absence::Unregistered(role) => write!(f, "waiting for {role} to register"),
-        }
-    }
-}
-
 /// The role's label in `/metrics`.
 pub(super) fn role_label(slot: usize) -> String {
     if slot == 0 { "decode".into() } else { format!("prefill{}", slot - 1) }
