@@ -489,4 +489,3 @@ mod tests {
         assert!(mla_warps("t", 100_000, 100_064, 8).is_err());
     }
 }
-
