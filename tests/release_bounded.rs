@@ -273,6 +273,73 @@ fn dispatch_phase_computes_stages_in_order_and_failures_name_the_phase() {
     }
 }
 
+/// Requests ready at the same stage run as one prefill batch; a batch that
+/// fails (one pass) runs its jobs again alone, so the one bad request fails,
+/// naming the phase, and the others complete; everything is freed.
+#[test]
+fn a_failed_prefill_batch_costs_only_its_bad_request() {
+    use handoff_systems::dispatch::{Compute, ComputeError, DecodeItem, PrefillJob, PrefillOutput};
+    use std::sync::{Arc, Mutex};
+    const BAD: u64 = 2;
+    struct Fake {
+        log: Arc<Mutex<Vec<String>>>,
+    }
+    impl Compute for Fake {
+        fn prefill(&mut self, job: PrefillJob<'_>) -> Result<PrefillOutput, ComputeError> {
+            self.log.lock().unwrap().push(format!("alone {} stage {}", job.request, job.stage));
+            if job.request == BAD {
+                return Err(ComputeError::model(std::io::Error::other("bad prompt")));
+            }
+            Ok(PrefillOutput { hidden: vec![0.0], first_token: Some(7) })
+        }
+        fn prefill_batch(&mut self, jobs: Vec<PrefillJob<'_>>) -> Vec<Result<PrefillOutput, ComputeError>> {
+            let ids: Vec<String> = jobs.iter().map(|j| j.request.to_string()).collect();
+            self.log.lock().unwrap().push(format!("batch [{}] stage {}", ids.join(" "), jobs[0].stage));
+            let bad = jobs.iter().any(|j| j.request == BAD);
+            jobs.iter()
+                .map(|_| {
+                    if bad {
+                        Err(ComputeError::model(std::io::Error::other("batch failed")))
+                    } else {
+                        Ok(PrefillOutput { hidden: vec![0.0], first_token: Some(7) })
+                    }
+                })
+                .collect()
+        }
+        fn decode(&mut self, batch: &[DecodeItem<'_>]) -> Result<Vec<u8>, ComputeError> {
+            Ok(batch.iter().map(|_| 9).collect())
+        }
+    }
+    let (mut e, mover) = engine(&Shape::default(), 3, 16);
+    let log = Arc::new(Mutex::new(Vec::new()));
+    e.set_compute(Box::new(Fake { log: log.clone() }));
+    e.tick();
+    let baseline = e.entity_count();
+    let pools = free_counts(&e);
+    for id in 1..=3 {
+        e.submit_request(handoff_components::ecs::Submit { id, tokens: 8, max_tokens: 2, ..Default::default() });
+    }
+    let mut outcomes = Vec::new();
+    for _ in 0..12 {
+        e.tick();
+        for (t, _) in mover.take_submitted() {
+            mover.complete(t, Ok(()));
+        }
+        outcomes.extend(e.take_outcomes());
+    }
+    let log = log.lock().unwrap().clone();
+    assert_eq!(log[..4], ["batch [1 2 3] stage 0", "alone 1 stage 0", "alone 2 stage 0", "alone 3 stage 0"], "{log:?}");
+    assert!(log[4..].iter().all(|l| !l.contains(" 2 ") && !l.contains("[2") && !l.contains(" 2]")), "the failed request ran no further: {log:?}");
+    for id in [1, 3] {
+        assert!(outcomes.iter().any(|o| o.request == id && o.result.is_ok()), "request {id}: {outcomes:?}");
+    }
+    let failure = outcomes.iter().find(|o| o.request == BAD).and_then(|o| o.result.clone().err()).expect("request 2 failed");
+    assert_eq!(failure.phase.name(), "compute");
+    assert!(failure.to_string().contains("bad prompt"), "{failure}");
+    assert_eq!(e.entity_count(), baseline);
+    assert_eq!(free_counts(&e), pools);
+}
+
 /// A cancel names the life of the id it cancels: one carrying another nonce (an
 /// earlier request that reused the id) leaves the live request alone; the right
 /// nonce fails it naming the phase, and everything it held is freed.

@@ -534,6 +534,10 @@ impl Compute for Probing {
         self.inner.prefill(job)
     }
 
+    fn prefill_batch(&mut self, jobs: Vec<PrefillJob<'_>>) -> Vec<Result<PrefillOutput, ComputeError>> {
+        self.inner.prefill_batch(jobs)
+    }
+
     fn decode(&mut self, batch: &[DecodeItem<'_>]) -> Result<Vec<u8>, ComputeError> {
         for item in batch {
             let lease = item.leases.first().ok_or(ComputeError::MissingInput { stage: 0, what: "a decode lease" })?;

@@ -200,8 +200,9 @@ impl<B: Backend> ModelCompute<B> {
 
 impl<B: Backend + 'static> Compute for ModelCompute<B> {
     fn prefill(&mut self, job: PrefillJob<'_>) -> Result<PrefillOutput, ComputeError> {
+        let stage = job.stage;
         let mut out = self.prefill_pass(vec![job])?;
-        out.pop().ok_or(ComputeError::MissingInput { stage: 0, what: "a prefill output" })
+        out.pop().ok_or(ComputeError::MissingInput { stage, what: "a prefill output" })
     }
 
     fn prefill_batch(&mut self, jobs: Vec<PrefillJob<'_>>) -> Vec<Result<PrefillOutput, ComputeError>> {

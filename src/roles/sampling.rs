@@ -139,10 +139,9 @@ impl Sampler {
     }
 }
 
-impl Compute for Sampler {
-    fn prefill(&mut self, job: PrefillJob<'_>) -> Result<PrefillOutput, ComputeError> {
-        let request = job.request;
-        let mut out = self.inner.prefill(job)?;
+impl Sampler {
+    /// Replaces the greedy first token of a sampled request by its sampled pick.
+    fn sample_first(&self, request: u64, out: &mut PrefillOutput) {
         let logits = self.take_last(request);
         if let Some(first) = out.first_token.as_mut() {
             // The last stage made token 0: this stage is done with the request.
@@ -151,7 +150,28 @@ impl Compute for Sampler {
                 *first = pick(&l, &live.sampling, 0);
             }
         }
+    }
+}
+
+impl Compute for Sampler {
+    fn prefill(&mut self, job: PrefillJob<'_>) -> Result<PrefillOutput, ComputeError> {
+        let request = job.request;
+        let mut out = self.inner.prefill(job)?;
+        self.sample_first(request, &mut out);
         Ok(out)
+    }
+
+    /// The batch goes to the model as one batch (the trait's default would run
+    /// it one job at a time), then each first token is sampled.
+    fn prefill_batch(&mut self, jobs: Vec<PrefillJob<'_>>) -> Vec<Result<PrefillOutput, ComputeError>> {
+        let ids: Vec<u64> = jobs.iter().map(|j| j.request).collect();
+        let mut outs = self.inner.prefill_batch(jobs);
+        for (id, out) in ids.into_iter().zip(outs.iter_mut()) {
+            if let Ok(out) = out {
+                self.sample_first(id, out);
+            }
+        }
+        outs
     }
 
     fn decode(&mut self, batch: &[DecodeItem<'_>]) -> Result<Vec<u8>, ComputeError> {
@@ -205,6 +225,46 @@ pub fn colocated(model: &Model, prompt: &[u8], max_tokens: u32, s: &Sampling) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A batch reaches the inner compute as one batch through the sampler, and
+    /// each sampled request's first token is its sampled pick.
+    #[test]
+    fn the_sampler_passes_a_prefill_batch_on_whole() {
+        struct Inner {
+            trace: LogitTrace,
+            batches: Arc<Mutex<Vec<usize>>>,
+        }
+        impl Compute for Inner {
+            fn prefill(&mut self, job: PrefillJob<'_>) -> Result<PrefillOutput, ComputeError> {
+                let mut v = self.prefill_batch(vec![job]);
+                v.pop().unwrap_or(Err(ComputeError::MissingInput { stage: 0, what: "an output" }))
+            }
+            fn prefill_batch(&mut self, jobs: Vec<PrefillJob<'_>>) -> Vec<Result<PrefillOutput, ComputeError>> {
+                self.batches.lock().unwrap().push(jobs.len());
+                let logits: Vec<f32> = (0..256).map(|i| ((i * 37) % 101) as f32 / 25.0).collect();
+                for j in &jobs {
+                    self.trace.lock().unwrap().entry(j.request).or_default().push(logits.clone());
+                }
+                jobs.iter().map(|_| Ok(PrefillOutput { hidden: Vec::new(), first_token: Some(argmax(&logits)) })).collect()
+            }
+            fn decode(&mut self, batch: &[DecodeItem<'_>]) -> Result<Vec<u8>, ComputeError> {
+                Ok(vec![0; batch.len()])
+            }
+        }
+        let trace = LogitTrace::default();
+        let batches = Arc::new(Mutex::new(Vec::new()));
+        let table = SamplingTable::default();
+        let hot = Sampling { temperature: 5.0, seed: 3, ..Sampling::default() };
+        table.lock().unwrap().insert(2, Live { sampling: hot, prompt: 4 });
+        let mut s = Sampler { inner: Box::new(Inner { trace: trace.clone(), batches: batches.clone() }), trace: trace.clone(), table: table.clone() };
+        let job = |request| PrefillJob { request, stage: 0, tokens: 4, prompt: &[1, 2, 3, 4], hidden: None, leases: Vec::new() };
+        let outs: Vec<u8> = s.prefill_batch(vec![job(1), job(2), job(3)]).into_iter().map(|o| o.unwrap().first_token.unwrap()).collect();
+        assert_eq!(*batches.lock().unwrap(), vec![3], "one batch of three reached the model");
+        let logits: Vec<f32> = (0..256).map(|i| ((i * 37) % 101) as f32 / 25.0).collect();
+        assert_eq!(outs, vec![argmax(&logits), pick(&logits, &hot, 0), argmax(&logits)]);
+        assert!(table.lock().unwrap().is_empty(), "the sampled request left the table");
+        assert!(trace.lock().unwrap().is_empty(), "no logits kept");
+    }
 
     /// Greedy is the argmax; a temperature near 0 is the argmax too; the same
     /// (seed, choice, step) gives the same token, and other choices or seeds

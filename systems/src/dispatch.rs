@@ -143,18 +143,22 @@ pub fn run_prefill(
         tokens += t;
         batch.push(e);
     }
-    let (batch, outs) = {
-        let (ents, jobs): (Vec<Entity>, Vec<PrefillJob<'_>>) = batch
-            .iter()
-            .filter_map(|&e| requests.get(e).ok())
-            .map(|(e, req, _, _, holdings, inputs, _)| {
-                let leases =
-                    holdings.leases.iter().filter_map(|&l| leases.get(l).ok()).filter(|l| matches!(l.rank, RankId::Prefill(p) if p.pp == stage)).collect();
-                (e, PrefillJob { request: req.id, stage, tokens: req.tokens, prompt: &inputs.prompt, hidden: inputs.hidden.as_deref(), leases })
-            })
-            .unzip();
+    let (batch, mut outs) = {
+        let (ents, jobs): (Vec<Entity>, Vec<PrefillJob<'_>>) =
+            batch.iter().filter_map(|&e| requests.get(e).ok()).map(|(e, req, _, _, h, i, _)| (e, stage_job(stage, req, h, i, &leases))).unzip();
         (ents, dispatcher.0.prefill_batch(jobs))
     };
+    // A batch fails as a whole (one pass), so a job of a failed batch runs
+    // again alone: one bad request costs only itself.
+    if batch.len() > 1 {
+        for (&e, out) in batch.iter().zip(outs.iter_mut()) {
+            if out.is_err()
+                && let Ok((_, req, _, _, h, i, _)) = requests.get(e)
+            {
+                *out = dispatcher.0.prefill(stage_job(stage, req, h, i, &leases));
+            }
+        }
+    }
     for (&e, out) in batch.iter().zip(outs) {
         let Ok((e, req, mut status, mut computed, _, mut inputs, remote)) = requests.get_mut(e) else { continue };
         match out {
@@ -176,6 +180,13 @@ pub fn run_prefill(
             Err(e) => *status = Status::Failed(Failure::new(PhaseName::Compute, ProcessRole::Prefill { stage }, e.cause())),
         }
     }
+}
+
+/// The job of `req` at `stage`: its prompt or hidden states and its leases on
+/// the stage's ranks.
+fn stage_job<'a>(stage: u32, req: &'a Request, holdings: &'a Holdings, inputs: &'a Inputs, leases: &'a Query<&Lease>) -> PrefillJob<'a> {
+    let leases = holdings.leases.iter().filter_map(|&l| leases.get(l).ok()).filter(|l| matches!(l.rank, RankId::Prefill(p) if p.pp == stage)).collect();
+    PrefillJob { request: req.id, stage, tokens: req.tokens, prompt: &inputs.prompt, hidden: inputs.hidden.as_deref(), leases }
 }
 
 /// Blocks for generated tokens: each decoding request's block tables grow from the
