@@ -19,13 +19,18 @@
 #   matmul   cuda_check --bench-matmul: the fused step's tensor-core products,
 #            next to torch.matmul from the peer (run `compute` first in the call)
 #   kernels  cuda_check --bench: KDA step, chunked prefill, MLA partial, matmuls
+#   dense    cuda_check --bench-dense: the generic matmul's two kernels (over all
+#            of k, split over k) at prefill shapes
 #   probe    benches/gpu/mm_probe.cu (nvcc): the fused step's st_mm alone at the
 #            decode shapes, then Nsight Compute's view of the 88 x 7168^2 one
 #   fla      FLA's fused_recurrent_kda and chunk_kda (needs .whl)
 #   serve    bench serve on the default and on config/gpu.toml
 #   systems  handoff up on config/gpu.toml under a C32 load: where each role's
 #            engine time went (/metrics, benches/peers/serve_systems.py)
-#   systems-mps  the same under an MPS server (the roles' kernels side by side)
+#   systems-nomps  the same with [device] mps = false (the roles take turns on
+#            the GPU in time slices, not side by side under up's MPS server)
+#   trace    the same at HANDOFF_LOG=debug: each request's steps between the
+#            roles (benches/peers/trace_phases.py), the log gzipped into $OUT
 #   profile  bench prefill at serving batches, then each kernel's time in a
 #            1 x 1024-token prefill (Nsight Compute)
 #   transfer the flagship hand-off through CUDA IPC
@@ -36,10 +41,10 @@ OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
 export PATH="$BIN:$PATH"
 step() { echo; echo "== $*"; }
-# handoff up on config/gpu.toml under a C32 load; each role's engine time by
-# system, into $OUT/$1.txt.
+# handoff up on a config (default config/gpu.toml) under a C32 load; each
+# role's engine time by system, into $OUT/$1.txt.
 systems_run() {
-  HANDOFF_DEVICE=cuda handoff up --config config/gpu.toml --port 8123 > "$OUT/$1-up.log" 2>&1 &
+  HANDOFF_DEVICE=cuda handoff up --config "${2:-config/gpu.toml}" --port 8123 > "$OUT/$1-up.log" 2>&1 &
   local up=$!
   for _ in $(seq 120); do curl -sf http://127.0.0.1:8123/health >/dev/null 2>&1 && break; sleep 0.5; done
   timeout 200 python3 benches/peers/serve_systems.py --url http://127.0.0.1:8123 --concurrency 32 --requests 256 2>&1 | tee "$OUT/$1.txt" || fail=1
@@ -109,6 +114,10 @@ kernels)
   step "kernel timings (cuda_check --bench)"
   timeout 300 cuda_check --bench 2>&1 | tee "$OUT/kernels.txt" | tail -40 || fail=1
   ;;
+dense)
+  step "the generic matmul at prefill shapes: matmul_tcb vs split over k (cuda_check --bench-dense)"
+  timeout 200 cuda_check --bench-dense 2>&1 | tee "$OUT/dense.txt" | grep "matmul kernels" || fail=1
+  ;;
 fla)
   step "peers: FLA fused_recurrent_kda and chunk_kda (same GPU, same call)"
   if ls .whl/*.whl >/dev/null 2>&1; then
@@ -128,22 +137,19 @@ systems)
   step "handoff up on cuda, config/gpu.toml, C32: each role's engine time by system"
   systems_run systems
   ;;
-systems-mps)
-  # The roles are separate processes on one GPU: without MPS their contexts
-  # take turns on the device (time slices); under an MPS server their kernels
-  # run side by side. Same run as `systems`, under a server started and
-  # stopped here (pipe and log directories in /tmp; no device setting changes).
-  step "the same, under an MPS server"
-  if command -v nvidia-cuda-mps-control >/dev/null; then
-    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-    mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-    nvidia-cuda-mps-control -d && sleep 1
-    systems_run systems-mps
-    echo quit | nvidia-cuda-mps-control
-    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-  else
-    echo "no nvidia-cuda-mps-control on this machine"; fail=1
-  fi
+trace)
+  step "the same at HANDOFF_LOG=debug: where a request waits between the roles"
+  HANDOFF_LOG=debug systems_run trace
+  python3 benches/peers/trace_phases.py "$OUT/trace-up.log" 2>&1 | tee "$OUT/trace-phases.txt" || fail=1
+  gzip -f "$OUT/trace-up.log"
+  ;;
+systems-nomps)
+  # config/gpu.toml runs its roles under an MPS server of up's own ([device]
+  # mps = true); the same run with mps = false shows what that is worth (the
+  # roles' contexts then take turns on the GPU in time slices).
+  step "the same with mps = false (time slices)"
+  sed 's/^mps = true/mps = false/' config/gpu.toml > /tmp/gpu-nomps.toml
+  systems_run systems-nomps /tmp/gpu-nomps.toml
   ;;
 profile)
   step "bench prefill (config/gpu.toml): batches of serving prompts and one long prompt"
@@ -155,6 +161,11 @@ profile)
   timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
     handoff bench prefill --config config/gpu.toml --device cuda --prompts 1 --tokens 1024 --reps 1 > "$OUT/prefill-ncu.txt" 2>&1 || fail=1
   awk '/^  [a-z_0-9]+ \(/{name=$1; inv=$NF} /gpu__time_duration.sum/{t[name]+=inv*$NF; n[name]+=inv} END{for (k in t) printf "%10.1f us %6d launches  %s\n", t[k], n[k], k}' "$OUT/prefill-ncu.txt" | sort -rn | head -25
+  step "Nsight Compute: one matmul_tcb launch of that pass (issue and stall view)"
+  timeout 120 ncu --clock-control none -k regex:matmul_tcb -s 20 -c 1 --section SpeedOfLight --section SchedulerStats \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+    handoff bench prefill --config config/gpu.toml --device cuda --prompts 1 --tokens 1024 --reps 1 2>&1 \
+    | grep -E "Duration|Throughput|Warps Per Scheduler|Issued Warp|stalled" | tee "$OUT/prefill-ncu-tcb.txt"
   ;;
 transfer)
   step "hand-off of the flagship request (32K tokens) between two processes through CUDA IPC, oracle-checked"

@@ -132,3 +132,15 @@ fn shipped_configs_pass_check() {
         assert!(out.status.success(), "{}: {}", p.display(), String::from_utf8_lossy(&out.stderr));
     }
 }
+
+#[test]
+fn the_mps_setting_is_read_printed_and_a_misspelling_refused() {
+    let gpu = std::fs::read_to_string("config/gpu.toml").unwrap();
+    assert!(Topology::parse(&gpu).unwrap().config.device.mps, "config/gpu.toml sets [device] mps = true");
+    let off = gpu.replace("mps = true", "");
+    assert!(!Topology::parse(&off).unwrap().config.device.mps, "off unless asked");
+    let out = Command::new(env!("CARGO_BIN_EXE_handoff")).args(["check", "--config", "config/gpu.toml"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("MPS server"), "check names the MPS setting: {text}");
+    assert_cli(&gpu.replace("mps = true", "mpss = true"), &["mpss"]);
+}

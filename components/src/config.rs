@@ -43,6 +43,12 @@ pub struct DeviceConfig {
     /// one, for profiling. The bits are the same either way.
     #[serde(default = "default_graphs")]
     pub graphs: bool,
+    /// On a CUDA device, `handoff up` runs its roles under an MPS server of its
+    /// own (started with it, stopped with it), so that roles sharing one GPU run
+    /// their kernels side by side instead of taking turns in time slices. For
+    /// a cluster on one GPU; off by default.
+    #[serde(default)]
+    pub mps: bool,
 }
 
 fn default_graphs() -> bool {
@@ -51,7 +57,7 @@ fn default_graphs() -> bool {
 
 impl Default for DeviceConfig {
     fn default() -> Self {
-        DeviceConfig { kind: DeviceKind::Cpu, ordinal: 0, graphs: true }
+        DeviceConfig { kind: DeviceKind::Cpu, ordinal: 0, graphs: true, mps: false }
     }
 }
 

@@ -154,16 +154,21 @@ static __device__ __forceinline__ void matmul_tc_body(hk_mm_units& t, const floa
             tc_split(a1.x, a1.y, ah.y, al.y);
             tc_split(a2.x, a2.y, ah.z, al.z);
             tc_split(a3.x, a3.y, ah.w, al.w);
+            unsigned bh[4][2], bl[4][2];
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const float* b = wb + kk * WS + 8 * j;
-                unsigned bh0, bl0, bh1, bl1;
-                tc_split(b[0], b[WS], bh0, bl0);
-                tc_split(b[8 * WS], b[9 * WS], bh1, bl1);
-                st_mma(acc[j], ah, bh0, bh1);
-                st_mma(acc[j], al, bh0, bh1);
-                st_mma(acc[j], ah, bl0, bl1);
+                tc_split(b[0], b[WS], bh[j][0], bl[j][0]);
+                tc_split(b[8 * WS], b[9 * WS], bh[j][1], bl[j][1]);
             }
+            // Term by term over the 4 accumulators (each still xh.wh, xl.wh,
+            // xh.wl in that order), so dependent products are not adjacent.
+#pragma unroll
+            for (int j = 0; j < 4; ++j) st_mma(acc[j], ah, bh[j][0], bh[j][1]);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) st_mma(acc[j], al, bh[j][0], bh[j][1]);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) st_mma(acc[j], ah, bl[j][0], bl[j][1]);
         }
     }
     // acc[j]: rows g, g + 8 of the warp tile; columns 8 j + 2 q4, + 1.
@@ -207,22 +212,34 @@ extern "C" __global__ void __launch_bounds__(128) matmul_tc32(
 //
 // Eight warps, 2 x 4, each a 32 x 32 tile (two m16 by four n8 accumulators, and
 // as many for the total). The k walk is in stages of TCB_KS = 32 (a quarter
-// chunk), TCB_NST = 4 stages in a ring in shared memory: stage i + 3 is copied
-// by cp.async while stage i is multiplied (a group is committed every stage,
-// empty past the end, so one wait count holds throughout). Padded rows as in
-// matmul_tc (x: 32 + 8 floats, w: 128 + 4).
+// chunk). Each stage's f32 operands come by cp.async into a raw buffer of a
+// TCB_NST ring (stage i + 1 is copied while stage i is used), and are then split
+// once for the whole block into bf16 planes (hi, lo) packed two k a word, in the
+// layout of the mma fragments: x as [row][k pair], w as [k pair][column]. So every
+// fragment register is one 32-bit shared load, and each operand is converted
+// once, not once per warp that reads it (the split on the SIMT units was most
+// of the issue slots when every warp split its own fragments). The split values
+// and the mma sequence are those of matmul_tc, so the bits are too.
+// Planes are double-buffered: stage i + 1 is split while slower warps still
+// multiply stage i, with two barriers a stage.
 // Launch: grid (ceil(max cols / 128), ceil(rows / 64), units); block 256;
-// dynamic shared memory 4 x (64 x 40 + 32 x 132) x 4 = 108,544 bytes.
+// dynamic shared memory TCB_NST x (64 x 32 + 32 x 128) x 4
+// + 2 x 2 x (64 x TCB_XP + 16 x TCB_WP) x 4 = 104,448 bytes (two blocks a
+// multiprocessor).
 #define TCB_KS 32
-#define TCB_NST 4
-#define TCB_XS (TCB_KS + 8)
-#define TCB_WS (128 + 4)
-#define TCB_STAGE (64 * TCB_XS + TCB_KS * TCB_WS)
+#define TCB_NST 2
+#define TCB_RAW (64 * TCB_KS + TCB_KS * 128)
+// Plane row strides in words: 16 pairs + 4 (x), 128 columns + 8 (w), so that a
+// warp's fragment loads fall on 32 different banks.
+#define TCB_XP (TCB_KS / 2 + 4)
+#define TCB_WP (128 + 8)
+#define TCB_PLANE (64 * TCB_XP + (TCB_KS / 2) * TCB_WP)
 
-extern "C" __global__ void __launch_bounds__(256) matmul_tcb(
+extern "C" __global__ void __launch_bounds__(256, 2) matmul_tcb(
     hk_mm_units t, const float* __restrict__ x, float* __restrict__ out, int rows, hk_i64 x_row, hk_i64 out_row)
 {
     HK_DYN_SMEM(float, sm);
+    unsigned* planes = (unsigned*)(sm + TCB_NST * TCB_RAW);
     const int u = blockIdx.z;
     const int inner = (int)t.u[u][4];
     const int cols = (int)t.u[u][5];
@@ -236,13 +253,13 @@ extern "C" __global__ void __launch_bounds__(256) matmul_tcb(
     const int stages = per_chunk * ((inner + MM_KC - 1) / MM_KC);
     auto load = [&](int i) {
         if (i < stages) {
-            float* xs = sm + (i % TCB_NST) * TCB_STAGE;
-            float* ws = xs + 64 * TCB_XS;
+            float* xs = sm + (i % TCB_NST) * TCB_RAW;
+            float* ws = xs + 64 * TCB_KS;
             const int k0 = TCB_KS * i;
             for (int q = tid; q < 64 * (TCB_KS / 4); q += 256) {
                 const int r = q / (TCB_KS / 4), kq = (q % (TCB_KS / 4)) * 4;
                 const int gr = row0 + r, gk = k0 + kq;
-                float* d = xs + r * TCB_XS + kq;
+                float* d = xs + r * TCB_KS + kq;
                 const float* src = xb + (hk_i64)gr * x_row + gk;
                 if (gr < rows && gk + 3 < inner && ((((unsigned long long)src) & 15) == 0)) {
                     hk_cp16(d, src, true);
@@ -253,7 +270,7 @@ extern "C" __global__ void __launch_bounds__(256) matmul_tcb(
             for (int q = tid; q < TCB_KS * 32; q += 256) {
                 const int kk = q / 32, c = (q % 32) * 4;
                 const int gk = k0 + kk, gc = col0 + c;
-                float* d = ws + kk * TCB_WS + c;
+                float* d = ws + kk * 128 + c;
                 const float* src = w + (hk_i64)gk * cols + gc;
                 if (gk < inner && gc + 3 < cols && ((((unsigned long long)src) & 15) == 0)) {
                     hk_cp16(d, src, true);
@@ -263,6 +280,33 @@ extern "C" __global__ void __launch_bounds__(256) matmul_tcb(
             }
         }
         hk_cp_commit();
+    };
+    // Stage i's raw operands into plane buffer i % 2: hi at p, lo at p + TCB_PLANE.
+    auto split = [&](int i) {
+        const float* xs = sm + (i % TCB_NST) * TCB_RAW;
+        const float* ws = xs + 64 * TCB_KS;
+        unsigned* p = planes + (i % 2) * 2 * TCB_PLANE;
+        for (int q = tid; q < 64 * (TCB_KS / 2); q += 256) {
+            const int r = q / (TCB_KS / 2), kp = q % (TCB_KS / 2);
+            const float2 v = *(const float2*)(xs + r * TCB_KS + 2 * kp);
+            unsigned h, l;
+            tc_split(v.x, v.y, h, l);
+            p[r * TCB_XP + kp] = h;
+            p[TCB_PLANE + r * TCB_XP + kp] = l;
+        }
+        unsigned* pw = p + 64 * TCB_XP;
+        for (int q = tid; q < (TCB_KS / 2) * 32; q += 256) {
+            const int kp = q / 32, c = (q % 32) * 4;
+            const float4 e = *(const float4*)(ws + (2 * kp) * 128 + c);
+            const float4 o = *(const float4*)(ws + (2 * kp + 1) * 128 + c);
+            uint4 h, l;
+            tc_split(e.x, o.x, h.x, l.x);
+            tc_split(e.y, o.y, h.y, l.y);
+            tc_split(e.z, o.z, h.z, l.z);
+            tc_split(e.w, o.w, h.w, l.w);
+            *(uint4*)(pw + kp * TCB_WP + c) = h;
+            *(uint4*)(pw + TCB_PLANE + kp * TCB_WP + c) = l;
+        }
     };
     const int lane = tid & 31, warp = tid >> 5;
     const int wm = warp / 4, wn = warp % 4;
@@ -280,37 +324,51 @@ extern "C" __global__ void __launch_bounds__(256) matmul_tcb(
         load(i + TCB_NST - 1);
         hk_cp_wait_n<TCB_NST - 1>();
         __syncthreads();
-        const float* xs = sm + (i % TCB_NST) * TCB_STAGE;
-        const float* wb = xs + 64 * TCB_XS + (2 * q4) * TCB_WS + wn * 32 + g;
+        split(i);
+        __syncthreads();
+        const unsigned* ph = planes + (i % 2) * 2 * TCB_PLANE;
+        const unsigned* xh = ph + (wm * 32 + g) * TCB_XP + q4;
+        const unsigned* wh = ph + 64 * TCB_XP + q4 * TCB_WP + wn * 32 + g;
 #pragma unroll
         for (int s = 0; s < TCB_KS / 16; ++s) {
-            const int kk = 16 * s;
             unsigned bh[4][2], bl[4][2];
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                const float* b = wb + kk * TCB_WS + 8 * j;
-                tc_split(b[0], b[TCB_WS], bh[j][0], bl[j][0]);
-                tc_split(b[8 * TCB_WS], b[9 * TCB_WS], bh[j][1], bl[j][1]);
+                const unsigned* b = wh + (8 * s) * TCB_WP + 8 * j;
+                bh[j][0] = b[0];
+                bh[j][1] = b[4 * TCB_WP];
+                bl[j][0] = b[TCB_PLANE];
+                bl[j][1] = b[TCB_PLANE + 4 * TCB_WP];
             }
+            uint4 ah[2], al[2];
 #pragma unroll
             for (int m = 0; m < 2; ++m) {
-                const float* xa = xs + (wm * 32 + m * 16 + g) * TCB_XS + 2 * q4 + kk;
-                const float2 a0 = *(const float2*)(xa);
-                const float2 a1 = *(const float2*)(xa + 8 * TCB_XS);
-                const float2 a2 = *(const float2*)(xa + 8);
-                const float2 a3 = *(const float2*)(xa + 8 * TCB_XS + 8);
-                uint4 ah, al;
-                tc_split(a0.x, a0.y, ah.x, al.x);
-                tc_split(a1.x, a1.y, ah.y, al.y);
-                tc_split(a2.x, a2.y, ah.z, al.z);
-                tc_split(a3.x, a3.y, ah.w, al.w);
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    st_mma(acc[m][j], ah, bh[j][0], bh[j][1]);
-                    st_mma(acc[m][j], al, bh[j][0], bh[j][1]);
-                    st_mma(acc[m][j], ah, bl[j][0], bl[j][1]);
-                }
+                const unsigned* a = xh + (m * 16) * TCB_XP + 8 * s;
+                ah[m].x = a[0];
+                ah[m].y = a[8 * TCB_XP];
+                ah[m].z = a[4];
+                ah[m].w = a[8 * TCB_XP + 4];
+                al[m].x = a[TCB_PLANE];
+                al[m].y = a[TCB_PLANE + 8 * TCB_XP];
+                al[m].z = a[TCB_PLANE + 4];
+                al[m].w = a[TCB_PLANE + 8 * TCB_XP + 4];
             }
+            // Term by term over the warp's 8 accumulators: each accumulator
+            // still takes xh.wh, xl.wh, xh.wl in that order (the bits of
+            // matmul_tc), but 7 independent products now stand between two
+            // that depend on each other, instead of none.
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) st_mma(acc[m][j], ah[m], bh[j][0], bh[j][1]);
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) st_mma(acc[m][j], al[m], bh[j][0], bh[j][1]);
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) st_mma(acc[m][j], ah[m], bl[j][0], bl[j][1]);
         }
         if (i % per_chunk == per_chunk - 1) {
 #pragma unroll
@@ -323,7 +381,6 @@ extern "C" __global__ void __launch_bounds__(256) matmul_tcb(
                         acc[m][j][e] = 0.0f;
                     }
         }
-        __syncthreads();
     }
     hk_cp_wait_all();
     float* o = out + t.u[u][2];

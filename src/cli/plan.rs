@@ -58,8 +58,13 @@ pub fn summary(topo: &Topology, path: &str) -> String {
             String::new()
         } else {
             format!(
-                ", decode step {}",
-                if dev.graphs { "captured as a CUDA graph per batch bucket (graphs = true)" } else { "launched kernel by kernel (graphs = false)" }
+                ", decode step {}{}",
+                if dev.graphs { "captured as a CUDA graph per batch bucket (graphs = true)" } else { "launched kernel by kernel (graphs = false)" },
+                if dev.mps && dev.kind == handoff_components::config::DeviceKind::Cuda {
+                    "; `up` runs the roles under an MPS server of its own (mps = true)"
+                } else {
+                    ""
+                }
             )
         }
     );

@@ -176,6 +176,24 @@ impl Engine {
             .collect()
     }
 
+    /// Writes of computed stages not yet reported done: in flight, or about to
+    /// be submitted (their stage has computed and the request is planned).
+    pub fn writes_outstanding(&mut self) -> u32 {
+        let mut q = self.world.query::<&PlanEntry>();
+        let plans: Vec<(Entity, u32, WriteState)> = q.iter(&self.world).map(|p| (p.request, p.plan.producer.pp, p.state)).collect();
+        plans
+            .into_iter()
+            .filter(|&(r, pp, state)| match state {
+                WriteState::InFlight => true,
+                WriteState::Pending => {
+                    self.world.get::<Status>(r) == Some(&Status::Planned)
+                        && self.world.get::<StagesComputed>(r).is_some_and(|c| c.0.get(pp as usize).copied().unwrap_or(false))
+                }
+                WriteState::Done => false,
+            })
+            .count() as u32
+    }
+
     pub fn entity_of(&self, id: u64) -> Option<Entity> {
         self.world.resource::<RequestIndex>().0.get(&id).copied()
     }

@@ -169,6 +169,23 @@ impl MoverHandle {
         true
     }
 
+    /// Waits until a completion is ready to poll, or nothing is in flight, or
+    /// `timeout` has passed.
+    pub fn wait_completion(&self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        let mut book = lock(&self.shared.book);
+        while book.done.is_empty() && !book.in_flight.is_empty() {
+            let now = Instant::now();
+            if now >= deadline {
+                return;
+            }
+            book = match self.shared.idle.wait_timeout(book, deadline - now) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+        }
+    }
+
     /// The transport the mover writes through.
     pub fn transport(&self) -> &Arc<dyn Transport> {
         &self.shared.transport

@@ -61,6 +61,7 @@
 pub mod client;
 pub mod decode;
 pub mod host;
+pub mod mps;
 pub mod openai;
 pub mod prefill;
 pub mod prom;

@@ -87,12 +87,16 @@ pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str, secret: &ClusterSec
         let max_age = Duration::from_secs_f64(topo.config.timeouts.transfer_s.max(topo.config.timeouts.compute_s));
         std::thread::Builder::new().name("prefill-notices".into()).spawn(move || send_notices(transport.as_ref(), &pending, max_age))?;
     }
+    let (next, handed) = mpsc::channel();
+    {
+        let (notices, next) = (notices.clone(), NextStage { addr: None, conn: None, secret: secret.clone() });
+        std::thread::Builder::new().name("prefill-next".into()).spawn(move || send_next(next, &handed, &notices))?;
+    }
     {
         let (counts, pool) = (Arc::clone(&counts), super::host::compute_pool(topo)?);
-        let next = NextStage { addr: None, conn: None, secret: secret.clone() };
         std::thread::Builder::new()
             .name("prefill-engine".into())
-            .spawn(move || pool.install(move || engine_loop(engine, stage, &notices, &handle, &counts, &table, &rx, next)))?;
+            .spawn(move || pool.install(move || engine_loop(engine, stage, &notices, &handle, &counts, &table, &rx, &next)))?;
     }
     drop(tx);
     tracing::info!(stage, %addr, "prefill stage listening");
@@ -177,6 +181,26 @@ impl NextStage {
     }
 }
 
+/// A computed request's job for the next stage (its address, the job, where
+/// decode hears of a failure), sent by its own thread ([`send_next`]): encoding
+/// and writing a job's hidden states takes a millisecond or two, which the
+/// engine thread would otherwise spend, job after job, between passes.
+type NextJobs = Sender<(SocketAddr, Box<WirePrefillJob>, StageRoute)>;
+
+/// Sends computed requests' jobs to the next stage, in order. A job the next
+/// stage cannot be sent fails its request there (the next stage is charged
+/// with it, as a peer this stage could not reach), and decode is told.
+fn send_next(mut next: NextStage, rx: &Receiver<(SocketAddr, Box<WirePrefillJob>, StageRoute)>, notices: &Notices) {
+    for (addr, job, route) in rx.iter() {
+        let (request, nonce, stage) = (job.admitted.id, job.admitted.nonce, job.stage);
+        if let Err(e) = next.send(addr, &Msg::Prefill(job)) {
+            let cause = Cause::PeerDown { loss: PeerLoss::Dead, detail: format!("unreachable at {addr}: {e}") };
+            let failure = Failure::new(PhaseName::Compute, ProcessRole::Prefill { stage }, cause);
+            notify(notices, &route, &Notice::Failed { id: request, nonce: Some(nonce), stage, failure });
+        }
+    }
+}
+
 /// Notices to decode (write-done reports, failures), sent in order by their own
 /// thread ([`send_notices`]) so that the engine never waits on decode.
 type Notices = Sender<(PeerAddr, Vec<u8>, Instant)>;
@@ -233,7 +257,7 @@ fn engine_loop(
     counts: &Mutex<Counts>,
     table: &SamplingTable,
     rx: &Receiver<StageCmd>,
-    mut next: NextStage,
+    next: &NextJobs,
 ) {
     let mut route = StageRoute::default();
     // Requests settled before their job came (id -> nonce, when): a job that
@@ -270,7 +294,35 @@ fn engine_loop(
                 crate::base::lock(table).insert(id, Live { sampling: s, prompt });
             }
         }
+        let pass = Instant::now();
         engine.tick();
+        carry_out(&mut engine, stage, notices, table, &route, next);
+        // The pass's writes are reported before the next pass starts: they take
+        // well under a millisecond on the device, while the next pass (jobs are
+        // usually waiting) would hold their report back for the whole of it.
+        // The wait is bounded by an eighth of the pass, so a slow transport
+        // costs the compute little.
+        let until = Instant::now() + (pass.elapsed() / 8).min(MAX_WRITE_WAIT);
+        while engine.writes_outstanding() > 0 && Instant::now() < until {
+            // The first round submits them; later ones sleep until one completes.
+            mover.wait_completion(until.saturating_duration_since(Instant::now()));
+            engine.tick();
+            carry_out(&mut engine, stage, notices, table, &route, next);
+        }
+        let mut c = engine.counts();
+        c.sampling = crate::base::lock(table).len() as u32;
+        c.settled = settled.len() as u32;
+        *crate::base::lock(counts) = c;
+    }
+}
+
+/// The longest a stage waits after a pass for its writes to be reported.
+const MAX_WRITE_WAIT: Duration = Duration::from_millis(5);
+
+/// Carries out a tick's events and outcomes: computed requests' jobs to the
+/// next stage, write-done reports and failures to decode.
+fn carry_out(engine: &mut Engine, stage: u32, notices: &Notices, table: &SamplingTable, route: &StageRoute, next: &NextJobs) {
+    {
         for ev in engine.take_events() {
             match ev {
                 EngineEvent::Computed { request, nonce, stage: s, hidden, consumers, .. } => {
@@ -292,17 +344,12 @@ fn engine_loop(
                         hidden: Some(hidden),
                         sampling,
                     };
-                    if let Err(e) = next.send(addr, &Msg::Prefill(Box::new(job))) {
-                        // The next stage never gets the job: it is charged with it, as
-                        // a peer this stage could not reach.
-                        let cause = Cause::PeerDown { loss: PeerLoss::Dead, detail: format!("unreachable at {addr}: {e}") };
-                        let failure = Failure::new(PhaseName::Compute, ProcessRole::Prefill { stage: s + 1 }, cause);
-                        notify(notices, &route, &Notice::Failed { id: request, nonce: Some(nonce), stage: s + 1, failure });
-                    }
+                    // The sender thread is gone only when the stage stops.
+                    let _ = next.send((addr, Box::new(job), StageRoute { endpoint: route.endpoint.clone(), ..Default::default() }));
                 }
                 EngineEvent::Written(report) => {
                     tracing::debug!(stage, request = report.request, "prefill: written; telling decode");
-                    notify(notices, &route, &Notice::Written(report))
+                    notify(notices, route, &Notice::Written(report))
                 }
                 _ => {}
             }
@@ -311,13 +358,9 @@ fn engine_loop(
             if let Err(failure) = o.result {
                 crate::base::lock(table).remove(&o.request);
                 tracing::warn!(stage, request = o.request, phase = %failure.phase, %failure, "prefill failed");
-                notify(notices, &route, &Notice::Failed { id: o.request, nonce: o.nonce, stage, failure });
+                notify(notices, route, &Notice::Failed { id: o.request, nonce: o.nonce, stage, failure });
             }
         }
-        let mut c = engine.counts();
-        c.sampling = crate::base::lock(table).len() as u32;
-        c.settled = settled.len() as u32;
-        *crate::base::lock(counts) = c;
     }
 }
 

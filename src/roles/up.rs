@@ -102,6 +102,9 @@ pub struct Deployment {
     program: Option<PathBuf>,
     envs: Vec<(String, String)>,
     tmp_config: Option<PathBuf>,
+    /// The cluster's MPS server (`[device] mps = true` on CUDA); dropped after
+    /// the roles have stopped.
+    mps: Option<super::mps::MpsServer>,
 }
 
 /// A port that was free a moment ago on 127.0.0.1.
@@ -179,7 +182,18 @@ impl Deployment {
         }
         let mut envs = envs;
         envs.push((crate::transport::auth::SECRET_FILE_ENV.to_string(), secret_file.to_string_lossy().to_string()));
-        let mut c = Deployment { roles, addr, control_addr, secret, secret_file: Some(secret_file), topo, program, envs, tmp_config: tmp };
+        // The device the roles will open: HANDOFF_DEVICE (given to them, or in
+        // this environment) names it over the topology's table.
+        let device = envs.iter().find(|(k, _)| k == "HANDOFF_DEVICE").map(|(_, v)| v.clone()).or_else(|| std::env::var("HANDOFF_DEVICE").ok());
+        let device = crate::engine::device::resolve(&topo, device.as_deref())?;
+        let mps = if device.mps && device.kind == handoff_components::config::DeviceKind::Cuda {
+            let m = super::mps::MpsServer::start(&format!("{}-{port}", std::process::id()))?;
+            envs.extend(m.envs());
+            Some(m)
+        } else {
+            None
+        };
+        let mut c = Deployment { roles, addr, control_addr, secret, secret_file: Some(secret_file), topo, program, envs, tmp_config: tmp, mps };
         for i in 0..c.roles.len() {
             c.spawn(i)?;
         }
@@ -418,6 +432,7 @@ impl Deployment {
             }
         }
         self.remove_files();
+        self.mps = None;
     }
 }
 

@@ -35,7 +35,10 @@ pub(crate) fn bench_mla(gpu: &CudaBackend, bw: f64, r: &mut SplitMix64, kernel: 
     Ok(())
 }
 
-pub(crate) fn bench(gpu: &mut CudaBackend, seed: u64, mla_only: bool, matmul_only: bool, mla_kernel: &str) -> R<()> {
+pub(crate) fn bench(gpu: &mut CudaBackend, seed: u64, mla_only: bool, matmul_only: bool, dense_only: bool, mla_kernel: &str) -> R<()> {
+    if dense_only {
+        return bench_matmul_kernels(gpu, &mut SplitMix64::new(seed ^ 0xde5e));
+    }
     println!();
     let copy_bytes = 1usize << 30;
     let bw = gpu.copy_bandwidth_gbs(copy_bytes, 20)?;
@@ -133,8 +136,11 @@ pub(crate) fn bench(gpu: &mut CudaBackend, seed: u64, mla_only: bool, matmul_onl
 
     bench_mla(gpu, bw, &mut r, mla_kernel)?;
 
-    // Dense: a decode-sized and a prefill-sized matmul.
-    for &(rows, inner, cols) in &[(1usize, 2048usize, 2048usize), (88, 2048, 2048), (1, 7168, 7168), (88, 7168, 7168), (4096, 4096, 4096)] {
+    // Dense: decode-sized products, gpu.toml's prefill products (1,024 and
+    // 2,560 rows, hidden 2,048) and a square one.
+    for &(rows, inner, cols) in
+        &[(1usize, 2048usize, 2048usize), (88, 2048, 2048), (1, 7168, 7168), (88, 7168, 7168), (1024, 2048, 2048), (2560, 2048, 8192), (4096, 4096, 4096)]
+    {
         let x = gpu.upload(&uni(&mut r, rows * inner, -1.0, 1.0))?;
         let w = gpu.upload(&uni(&mut r, inner * cols, -1.0, 1.0))?;
         let mut o = gpu.alloc(rows * cols)?;
@@ -147,6 +153,7 @@ pub(crate) fn bench(gpu: &mut CudaBackend, seed: u64, mla_only: bool, matmul_onl
         let wgbs = (inner * cols * 4) as f64 / (us * 1e-6) / 1e9;
         println!("| matmul | {rows}x{inner} . {inner}x{cols} | {us:.0} | w read {wgbs:.0} | {tflops:.1} TFLOP/s |");
     }
+    bench_matmul_kernels(gpu, &mut r)?;
     bench_step_matmul(gpu, &mut r)
 }
 
@@ -171,6 +178,42 @@ pub(crate) fn bench_step_matmul(gpu: &CudaBackend, r: &mut SplitMix64) -> R<()> 
                     mat.segments
                 );
             }
+        }
+    }
+    Ok(())
+}
+
+/// The generic matmul's two kernels at prefill shapes (`--bench-dense`, and
+/// the end of `--bench`).
+pub(crate) fn bench_matmul_kernels(gpu: &mut CudaBackend, r: &mut SplitMix64) -> R<()> {
+    // The generic matmul's two kernels at prefill shapes (gpu.toml's products,
+    // a serving batch of 256 to 2,560 rows): over all of k (matmul_tcb) or
+    // split over k (matmul_tc + chunk sums), to place the switch between them.
+    for &rows in &[128usize, 256, 512, 800, 1024, 2560] {
+        for &(inner, cols) in &[(2048usize, 2048usize), (2048, 576), (512, 4096), (2048, 8192)] {
+            let x = gpu.upload(&uni(r, rows * inner, -1.0, 1.0))?;
+            let w = gpu.upload(&uni(r, inner * cols, -1.0, 1.0))?;
+            let mut o = gpu.alloc(rows * cols)?;
+            let shape = MatmulShape { rows, inner, cols };
+            let mut us = [0.0f64; 2];
+            let default = gpu.tcb_min_tiles();
+            for (i, tiles) in [0usize, usize::MAX].into_iter().enumerate() {
+                gpu.set_tcb_min_tiles(tiles);
+                gpu.matmul(shape, &x, &w, &mut o)?;
+                let g = &*gpu;
+                us[i] = g.time_us(10, || g.matmul(shape, &x, &w, &mut o))?;
+            }
+            gpu.set_tcb_min_tiles(default);
+            let tiles = rows.div_ceil(64) * cols.div_ceil(128);
+            let tf = |u: f64| 2.0 * (rows * inner * cols) as f64 / (u * 1e-6) / 1e12;
+            println!(
+                "| matmul kernels | {rows}x{inner} . {inner}x{cols} ({tiles} tiles) | tcb {:.1} us ({:.1} TFLOP/s) | split-k {:.1} us ({:.1} TFLOP/s) | {} |",
+                us[0],
+                tf(us[0]),
+                us[1],
+                tf(us[1]),
+                if us[0] < us[1] { "tcb" } else { "split-k" }
+            );
         }
     }
     Ok(())

@@ -78,6 +78,15 @@ macro_rules! stub_backend {
                 match self.never {}
             }
 
+            pub fn set_tcb_min_tiles(&mut self, tiles: usize) {
+                let _ = tiles;
+                match self.never {}
+            }
+
+            pub fn tcb_min_tiles(&self) -> usize {
+                match self.never {}
+            }
+
             /// MLA kernel choice (unreachable: a stub has no values).
             pub fn set_mla_kernel(&mut self, kernel: &str) -> $crate::error::Result<()> {
                 let _ = kernel;

@@ -10,20 +10,25 @@ pub(super) const MATMUL_KC: usize = 128;
 pub(super) const fn tc_smem(bm: usize, bn: usize) -> u32 {
     ((bm * (MATMUL_KC + 8) + MATMUL_KC * (bn + 4)) * 4) as u32
 }
-/// matmul_tcb's dynamic shared memory: four stages of 64 x (32 + 8) x floats
-/// and 32 x (128 + 4) w floats (dense.hip).
-pub(super) const TCB_SMEM: u32 = (4 * (64 * 40 + 32 * 132) * 4) as u32;
+/// matmul_tcb's dynamic shared memory (dense.hip): two raw stages of 64 x 32 x
+/// floats and 32 x 128 w floats, and two buffers of bf16 planes (hi and lo),
+/// each 64 x (16 + 4) x words and 16 x (128 + 8) w words.
+pub(super) const TCB_SMEM: u32 = ((2 * (64 * 32 + 32 * 128) + 2 * 2 * (64 * 20 + 16 * 136)) * 4) as u32;
 /// A product runs as matmul_tcb (one launch, no scratch, each block over all
-/// of k) when it has at least this many 64 x 128 output tiles, twice the
-/// H200's 132 multiprocessors; fewer tiles (the few rows of a decode step, a
-/// short prompt's narrow products) go split over k (matmul_tc + the chunk
-/// sums), which keeps the device busy. Both give the same bits; this is only
-/// speed.
-pub(super) const TCB_MIN_TILES: usize = 264;
+/// of k) when it has at least this many 64 x 128 output tiles; fewer tiles
+/// (the few rows of a decode step, a short prompt's narrow products) go split
+/// over k (matmul_tc + the chunk sums), which keeps the device busy. Both give
+/// the same bits; this is only speed. On the H200 (`cuda_check --bench-dense`,
+/// 2026-12-03) the two tie near 80 tiles at k = 2,048 and matmul_tcb is twice
+/// as fast from 128 (a block over all of k takes about 160 us there, however
+/// few blocks run).
+pub const TCB_MIN_TILES: usize = 96;
 
-/// Whether a product of `rows` x `cols` (`units` of them) runs as matmul_tcb.
-pub(super) fn tcb_pays(rows: usize, cols: usize, units: usize) -> bool {
-    rows >= 64 && rows.div_ceil(64) * cols.div_ceil(128) * units >= TCB_MIN_TILES
+impl CudaBackend {
+    /// Whether a product of `rows` x `cols` (`units` of them) runs as matmul_tcb.
+    pub(super) fn tcb_pays(&self, rows: usize, cols: usize, units: usize) -> bool {
+        rows >= 64 && rows.div_ceil(64) * cols.div_ceil(128) * units >= self.tcb_min_tiles
+    }
 }
 
 /// Products of one `matmul_tc` launch at most (MU_UNITS in dense.hip).
@@ -69,7 +74,7 @@ impl CudaBackend {
         let mut t = UnitsTable { u: [[0; 6]; UNITS_PER_LAUNCH] };
         let (wp, _sync) = w.device_ptr(&self.stream);
         t.u[0] = [wp as i64, 0, 0, 0, i64_of(inner), i64_of(cols)];
-        if tcb_pays(rows, cols, 1) {
+        if self.tcb_pays(rows, cols, 1) {
             return self.tcb_launch(op, &t, 1, x, i64_of(inner), out, rows, cols, i64_of(cols));
         }
         // SAFETY: matmul_tc writes every chunk sum of every element before
@@ -219,7 +224,7 @@ impl CudaBackend {
             max_chunks = max_chunks.max(chunks);
             max_n = max_n.max(rows * u.cols);
         }
-        if tcb_pays(rows, max_cols, units.len()) {
+        if self.tcb_pays(rows, max_cols, units.len()) {
             let (_, pitch) = units.first().map_or((0, 0), |u| shape.out_at(first, u));
             return self.tcb_launch(op, &t, units.len(), &x.data, i64_of(shape.x_width), &mut out.data, rows, max_cols, i64_of(pitch));
         }

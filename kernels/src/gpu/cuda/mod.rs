@@ -200,6 +200,9 @@ pub struct CudaBackend {
     mla_tc: MlaTc,
     /// The launch-saving paths ([`CudaBackend::set_fused`]).
     fused: bool,
+    /// Output tiles from which a matmul runs as matmul_tcb
+    /// ([`CudaBackend::set_tcb_min_tiles`]).
+    tcb_min_tiles: usize,
     /// The compiled program (the fused decode step loads its kernels from it).
     module: Arc<cudarc::driver::CudaModule>,
 }
@@ -349,7 +352,18 @@ impl CudaBackend {
         if !chunk_ok {
             f.kda_chunk = None;
         }
-        Ok(Self { ctx, stream, f, device_name, cc, kda_kernel: DEFAULT_KDA_KERNEL, mla_tc: DEFAULT_MLA_TC, fused: true, module })
+        Ok(Self {
+            ctx,
+            stream,
+            f,
+            device_name,
+            cc,
+            kda_kernel: DEFAULT_KDA_KERNEL,
+            mla_tc: DEFAULT_MLA_TC,
+            fused: true,
+            tcb_min_tiles: dense::TCB_MIN_TILES,
+            module,
+        })
     }
 
     /// The fused decode step's tensor-core product alone (see
@@ -414,6 +428,19 @@ impl CudaBackend {
     /// kept for that comparison.
     pub fn set_fused(&mut self, on: bool) {
         self.fused = on;
+    }
+
+    /// From how many 64 x 128 output tiles a matmul of 64 rows or more runs as
+    /// `matmul_tcb` rather than split over k (default 96). Both give the same
+    /// bits; `cuda_check --bench-dense` times the two at the prefill shapes
+    /// with this (0: always `matmul_tcb`, `usize::MAX`: never).
+    pub fn set_tcb_min_tiles(&mut self, tiles: usize) {
+        self.tcb_min_tiles = tiles;
+    }
+
+    /// See [`CudaBackend::set_tcb_min_tiles`].
+    pub fn tcb_min_tiles(&self) -> usize {
+        self.tcb_min_tiles
     }
 
     /// Waits until every queued op has finished; reports a failed one.
