@@ -408,3 +408,32 @@ fn a_decode_frees_at_once_a_request_no_stage_was_given() {
     assert_eq!(e.entity_count(), baseline);
     assert_eq!(free_counts(&e), pools);
 }
+
+/// A stage's writes count as outstanding from its compute (about to be
+/// submitted) through the mover (in flight) until they complete; a prefill
+/// stage waits on this count after a pass.
+#[test]
+fn writes_are_outstanding_from_compute_until_their_completion() {
+    let shape = Shape { pp: 2, dtp: 2, ..Default::default() };
+    let (mut e, mover) = engine(&shape, 1, 8);
+    e.submit(5, 8);
+    e.tick();
+    assert_eq!(e.writes_outstanding(), 0, "nothing computed yet");
+    e.mark_computed(5, 0);
+    let pending = e.writes_outstanding();
+    assert!(pending > 0, "stage 0 computed: its plans wait to be submitted");
+    e.tick();
+    let sub = mover.take_submitted();
+    assert_eq!(sub.len() as u32, pending, "every outstanding write was submitted");
+    assert_eq!(e.writes_outstanding(), pending, "in flight until they complete");
+    let (first, rest) = sub.split_first().expect("a plan");
+    mover.complete(first.0, Ok(()));
+    e.tick();
+    assert_eq!(e.writes_outstanding(), pending - 1, "one completed");
+    for (t, _) in rest {
+        mover.complete(*t, Ok(()));
+    }
+    e.tick();
+    assert_eq!(e.writes_outstanding(), 0, "stage 1 has not computed: nothing of it counts");
+    assert_eq!(e.status(5), Some(Status::Planned));
+}
