@@ -376,7 +376,7 @@ fn run(cli: Cli) -> Result<()> {
                 return Err(Refusal(format!("--transport cuda-ipc needs --device cuda[:N], not {device:?}")).into());
             }
             let o = handoff::bench::transfer::BenchCmdOptions::default();
-            println!("{}", handoff::bench::ipc::bench_transfer_ipc(&config, dev.ordinal, tokens, requests, &o)?.trim_end());
+            println!("{}", handoff::bench::ipc::bench_transfer_ipc(&config, dev.ordinal, tokens, requests, &o)?);
         }
         Command::Bench { what: BenchCommand::Transfer { config, transport, tokens, requests, .. } } => {
             load(&config)?;
@@ -385,7 +385,7 @@ fn run(cli: Cli) -> Result<()> {
                 "tcp" => handoff_components::config::TransportKind::Tcp,
                 _ => handoff_components::config::TransportKind::Local,
             };
-            println!("{}", handoff::bench::transfer::bench_transfer_cmd(&config, kind, tokens, requests)?.trim_end());
+            println!("{}", handoff::bench::transfer::bench_transfer_cmd(&config, kind, tokens, requests)?);
         }
         Command::Eval { config, data, samples, prefix, continuation, drop, device } => {
             let topo = load(&config)?;

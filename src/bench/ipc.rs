@@ -26,7 +26,7 @@ use handoff_components::vocab::{DecodeRank, PrefillRank, RankId, RegionKind};
 use handoff_systems::transfer::Ticket;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
+use std::fmt::{self, Write as _};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -77,8 +77,66 @@ fn rate(bytes: u64, reps: u32, mut f: impl FnMut() -> anyhow::Result<()>) -> any
     Ok(bytes as f64 * reps.max(1) as f64 / t.elapsed().as_secs_f64().max(1e-9) / 1e9)
 }
 
-/// The producer side, and the report; its last line is `ratio to device copy: R`.
-pub fn bench_transfer_ipc(config_path: &str, ordinal: u32, tokens: u64, requests: u32, o: &BenchCmdOptions) -> anyhow::Result<String> {
+/// What the cuda-ipc bench measured; printed (`Display`) as the command's
+/// report, whose last line is `ratio to device copy: R`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct IpcReport {
+    pub config_path: String,
+    pub model: String,
+    /// Prefill PP and TP, decode TP and DCP.
+    pub shape: (u32, u32, u32, u32),
+    /// The device, as the transport names it.
+    pub device: String,
+    /// The consumer's process id.
+    pub consumer_pid: u32,
+    pub requests: u32,
+    pub tokens: u64,
+    pub plans: usize,
+    pub bytes_per_pass: u64,
+    /// Bytes per region kind, as `kind bytes, ...`.
+    pub by_kind_bytes: String,
+    pub descriptors_per_pass: usize,
+    pub passes: u32,
+    pub warmup: u32,
+    pub seconds: f64,
+    pub handoff_gbs: f64,
+    /// The passes one region kind at a time: time, descriptors, rows, GB/s.
+    pub by_kind: String,
+    /// Where one more pass's time goes (its submissions).
+    pub timeline: String,
+    /// The peers of the same run, GB/s: one contiguous copy in this process,
+    /// and one into the consumer's memory through IPC.
+    pub copy_gbs: f64,
+    pub ipc_gbs: f64,
+    /// Pattern bytes the consumer process checked with the oracle.
+    pub pattern_bytes: String,
+}
+
+impl fmt::Display for IpcReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (pp, ptp, dtp, dcp) = self.shape;
+        let (config_path, requests, tokens, bytes_per_pass) = (&self.config_path, self.requests, self.tokens, self.bytes_per_pass);
+        writeln!(
+            f,
+            "transfer bench: {config_path} ({}), prefill PP{pp} x TP{ptp} -> decode TP{dtp} x DCP{dcp}, cuda-ipc transport on {} (consumer in process {}), {requests} request(s) x {tokens} tokens",
+            self.model, self.device, self.consumer_pid
+        )?;
+        writeln!(f, "plans: {} per pass; {bytes_per_pass} bytes per pass ({})", self.plans, self.by_kind_bytes)?;
+        writeln!(f, "descriptors: {} per pass, each one device copy (2D when strided)", self.descriptors_per_pass)?;
+        writeln!(f, "passes: {} timed after {} warmup, {:.4} s", self.passes, self.warmup, self.seconds)?;
+        writeln!(f, "hand-off: {:.1} GB/s ({:.1} us per pass)", self.handoff_gbs, self.seconds / self.passes as f64 * 1e6)?;
+        writeln!(f, "by kind: {}", self.by_kind)?;
+        writeln!(f, "timeline of one more pass: {}", self.timeline)?;
+        writeln!(f, "device copy (same run, {bytes_per_pass} B contiguous, this process): {:.1} GB/s", self.copy_gbs)?;
+        writeln!(f, "IPC copy (same run, {bytes_per_pass} B contiguous into the consumer): {:.1} GB/s", self.ipc_gbs)?;
+        writeln!(f, "byte-exact: yes, every consumer byte checked by the oracle in the consumer process ({} pattern bytes)", self.pattern_bytes)?;
+        writeln!(f, "ratio to IPC copy: {:.3}", self.handoff_gbs / self.ipc_gbs.max(1e-9))?;
+        write!(f, "ratio to device copy: {:.3}", self.handoff_gbs / self.copy_gbs.max(1e-9))
+    }
+}
+
+/// The producer side, and what it measured.
+pub fn bench_transfer_ipc(config_path: &str, ordinal: u32, tokens: u64, requests: u32, o: &BenchCmdOptions) -> anyhow::Result<IpcReport> {
     let topo = load(config_path, tokens, requests)?;
     // The device first: where there is none, that is the answer.
     let producer = Arc::new(open(ordinal)?);
@@ -200,36 +258,35 @@ pub fn bench_transfer_ipc(config_path: &str, ordinal: u32, tokens: u64, requests
     line.clear();
     from_child.read_line(&mut line)?;
     let status = child.wait()?;
-    let verified = match line.trim().strip_prefix("checked ") {
-        Some(n) if status.success() => format!("yes, every consumer byte checked by the oracle in the consumer process ({n} pattern bytes)"),
+    let pattern_bytes = match line.trim().strip_prefix("checked ") {
+        Some(n) if status.success() => n.to_string(),
         _ => bail!("the hand-off is wrong: the consumer says {:?} ({status})", line.trim()),
     };
     drop(mover);
 
     let (p, d) = (topo.prefill(), topo.decode());
-    let mut s = String::new();
-    writeln!(
-        s,
-        "transfer bench: {config_path} ({}), prefill PP{} x TP{} -> decode TP{} x DCP{}, cuda-ipc transport on {device} (consumer in process {}), {requests} request(s) x {tokens} tokens",
-        topo.model().name,
-        p.pp,
-        p.tp,
-        d.tp,
-        d.dcp,
-        ready.scratch.ipc.as_ref().map_or(0, |i| i.pid)
-    )?;
-    writeln!(s, "plans: {} per pass; {bytes_per_pass} bytes per pass ({})", jobs.len(), kinds_line(&jobs))?;
-    writeln!(s, "descriptors: {} per pass, each one device copy (2D when strided)", jobs.iter().map(|(_, p)| p.descriptors.len()).sum::<usize>())?;
-    writeln!(s, "passes: {} timed after {} warmup, {seconds:.4} s", o.iterations.max(1), o.warmup)?;
-    writeln!(s, "hand-off: {handoff_gbs:.1} GB/s ({:.1} us per pass)", seconds / o.iterations.max(1) as f64 * 1e6)?;
-    writeln!(s, "by kind: {by_kind}")?;
-    writeln!(s, "timeline of one more pass: {timeline}")?;
-    writeln!(s, "device copy (same run, {bytes_per_pass} B contiguous, this process): {copy_gbs:.1} GB/s")?;
-    writeln!(s, "IPC copy (same run, {bytes_per_pass} B contiguous into the consumer): {ipc_gbs:.1} GB/s")?;
-    writeln!(s, "byte-exact: {verified}")?;
-    writeln!(s, "ratio to IPC copy: {:.3}", handoff_gbs / ipc_gbs.max(1e-9))?;
-    write!(s, "ratio to device copy: {:.3}", handoff_gbs / copy_gbs.max(1e-9))?;
-    Ok(s)
+    Ok(IpcReport {
+        config_path: config_path.to_string(),
+        model: topo.model().name.clone(),
+        shape: (p.pp, p.tp, d.tp, d.dcp),
+        device: device.to_string(),
+        consumer_pid: ready.scratch.ipc.as_ref().map_or(0, |i| i.pid),
+        requests,
+        tokens,
+        plans: jobs.len(),
+        bytes_per_pass,
+        by_kind_bytes: kinds_line(&jobs),
+        descriptors_per_pass: jobs.iter().map(|(_, p)| p.descriptors.len()).sum::<usize>(),
+        passes: o.iterations.max(1),
+        warmup: o.warmup,
+        seconds,
+        handoff_gbs,
+        by_kind,
+        timeline,
+        copy_gbs,
+        ipc_gbs,
+        pattern_bytes,
+    })
 }
 
 /// One pass's submissions, as times from the pass's start: how many, how

@@ -24,7 +24,7 @@ use handoff_components::vocab::{RankId, RegionKind};
 use handoff_systems::placement::Capacity;
 use handoff_systems::transfer::{Mover, PlanCompletion, Ticket};
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
+use std::fmt;
 use std::time::{Duration, Instant};
 
 /// Knobs of the transfer bench beyond the command's arguments.
@@ -54,14 +54,83 @@ impl Default for BenchCmdOptions {
     }
 }
 
-/// Runs the transfer bench with the default options and returns the printable
-/// report; its last line is exactly `ratio to memcpy: R`.
-pub fn bench_transfer_cmd(config_path: &str, kind: TransportKind, tokens: u64, requests: u32) -> anyhow::Result<String> {
+/// What a run of the transfer bench measured; printed (`Display`) as the
+/// command's report, whose last line is exactly `ratio to memcpy: R`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TransferReport {
+    pub config_path: String,
+    pub model: String,
+    /// Prefill PP and TP, decode TP and DCP.
+    pub shape: (u32, u32, u32, u32),
+    pub transport: &'static str,
+    pub requests: u32,
+    pub tokens: u64,
+    /// Plans, bytes and descriptors of one pass (each plan once).
+    pub plans: usize,
+    pub bytes_per_pass: u64,
+    /// Bytes per region kind, as `kind bytes, ...`.
+    pub by_kind: String,
+    pub descriptors_per_pass: u64,
+    /// Descriptors before coalescing.
+    pub uncoalesced: u64,
+    pub staging: StagingMode,
+    pub workers: usize,
+    pub passes: u32,
+    pub warmup: u32,
+    pub seconds: f64,
+    pub gb_per_s: f64,
+    pub descriptors_per_s: f64,
+    /// memcpy of the same run, GB/s, on 1 and 2 threads.
+    pub memcpy: (f64, f64),
+    /// Pattern bytes the oracle checked in the consumer's regions (None: not checked).
+    pub verified: Option<u64>,
+}
+
+impl TransferReport {
+    /// The bandwidth against the faster memcpy of the same run.
+    pub fn ratio_to_memcpy(&self) -> f64 {
+        self.gb_per_s / self.memcpy.0.max(self.memcpy.1).max(1e-9)
+    }
+}
+
+impl fmt::Display for TransferReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (pp, ptp, dtp, dcp) = self.shape;
+        let (config_path, requests, tokens) = (&self.config_path, self.requests, self.tokens);
+        writeln!(
+            f,
+            "transfer bench: {config_path} ({}), prefill PP{pp} x TP{ptp} -> decode TP{dtp} x DCP{dcp}, {} transport, {requests} request(s) x {tokens} tokens",
+            self.model, self.transport
+        )?;
+        writeln!(f, "plans: {} per pass; {} bytes per pass ({})", self.plans, self.bytes_per_pass, self.by_kind)?;
+        writeln!(
+            f,
+            "descriptors: {} per pass ({} before coalescing, {:.1}x fewer); staging {:?}, {} mover workers",
+            self.descriptors_per_pass,
+            self.uncoalesced,
+            self.uncoalesced as f64 / self.descriptors_per_pass.max(1) as f64,
+            self.staging,
+            self.workers
+        )?;
+        writeln!(f, "passes: {} timed after {} warmup, {:.3} s", self.passes, self.warmup, self.seconds)?;
+        writeln!(f, "bandwidth: {:.2} GB/s", self.gb_per_s)?;
+        writeln!(f, "descriptors per second: {:.0}", self.descriptors_per_s)?;
+        writeln!(f, "memcpy (same run): {:.2} GB/s on 1 thread, {:.2} GB/s on 2 threads", self.memcpy.0, self.memcpy.1)?;
+        match self.verified {
+            Some(pattern) => writeln!(f, "byte-exact: yes, every consumer byte checked by the oracle ({pattern} pattern bytes)")?,
+            None => writeln!(f, "byte-exact: not checked")?,
+        }
+        write!(f, "ratio to memcpy: {:.3}", self.ratio_to_memcpy())
+    }
+}
+
+/// Runs the transfer bench with the default options.
+pub fn bench_transfer_cmd(config_path: &str, kind: TransportKind, tokens: u64, requests: u32) -> anyhow::Result<TransferReport> {
     bench_transfer_with(config_path, kind, tokens, requests, &BenchCmdOptions::default())
 }
 
 /// [`bench_transfer_cmd`] with explicit options.
-pub fn bench_transfer_with(config_path: &str, kind: TransportKind, tokens: u64, requests: u32, o: &BenchCmdOptions) -> anyhow::Result<String> {
+pub fn bench_transfer_with(config_path: &str, kind: TransportKind, tokens: u64, requests: u32, o: &BenchCmdOptions) -> anyhow::Result<TransferReport> {
     let topo = Topology::load(config_path).with_context(|| format!("loading {config_path}"))?;
     if requests == 0 || tokens == 0 {
         bail!("the bench needs at least one request of at least one token");
@@ -138,44 +207,35 @@ pub fn bench_transfer_with(config_path: &str, kind: TransportKind, tokens: u64, 
                 .map_err(|e| anyhow!("the bench's transfer is wrong: {e}"))?;
             pattern += stats.pattern_bytes;
         }
-        format!("yes, every consumer byte checked by the oracle ({pattern} pattern bytes)")
+        Some(pattern)
     } else {
-        "not checked".into()
+        None
     };
     drop(mover);
 
-    let m1 = memcpy_bandwidth(o.memcpy_bytes, 1);
-    let m2 = memcpy_bandwidth(o.memcpy_bytes, 2);
-    let limit = m1.max(m2).max(1e-9);
-    let by_kind = kinds_line(&jobs);
-    let mut s = String::new();
-    let d = topo.decode();
-    let p = topo.prefill();
-    writeln!(
-        s,
-        "transfer bench: {config_path} ({}), prefill PP{} x TP{} -> decode TP{} x DCP{}, {} transport, {requests} request(s) x {tokens} tokens",
-        topo.model().name,
-        p.pp,
-        p.tp,
-        d.tp,
-        d.dcp,
-        kind.name()
-    )?;
-    writeln!(s, "plans: {} per pass; {bytes_per_pass} bytes per pass ({by_kind})", jobs.len())?;
-    writeln!(
-        s,
-        "descriptors: {descriptors_per_pass} per pass ({uncoalesced} before coalescing, {:.1}x fewer); staging {:?}, {} mover workers",
-        uncoalesced as f64 / descriptors_per_pass.max(1) as f64,
-        o.staging,
-        o.workers.max(1)
-    )?;
-    writeln!(s, "passes: {} timed after {} warmup, {seconds:.3} s", o.iterations.max(1), o.warmup)?;
-    writeln!(s, "bandwidth: {gb_per_s:.2} GB/s")?;
-    writeln!(s, "descriptors per second: {desc_per_s:.0}")?;
-    writeln!(s, "memcpy (same run): {m1:.2} GB/s on 1 thread, {m2:.2} GB/s on 2 threads")?;
-    writeln!(s, "byte-exact: {verified}")?;
-    write!(s, "ratio to memcpy: {:.3}", gb_per_s / limit)?;
-    Ok(s)
+    let (p, d) = (topo.prefill(), topo.decode());
+    Ok(TransferReport {
+        config_path: config_path.to_string(),
+        model: topo.model().name.clone(),
+        shape: (p.pp, p.tp, d.tp, d.dcp),
+        transport: kind.name(),
+        requests,
+        tokens,
+        plans: jobs.len(),
+        bytes_per_pass,
+        by_kind: kinds_line(&jobs),
+        descriptors_per_pass,
+        uncoalesced,
+        staging: o.staging,
+        workers: o.workers.max(1),
+        passes: o.iterations.max(1),
+        warmup: o.warmup,
+        seconds,
+        gb_per_s,
+        descriptors_per_s: desc_per_s,
+        memcpy: (memcpy_bandwidth(o.memcpy_bytes, 1), memcpy_bandwidth(o.memcpy_bytes, 2)),
+        verified,
+    })
 }
 
 /// What [`planned`] returns: the engine, its plans by ticket, the request ids.
