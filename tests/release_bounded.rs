@@ -200,7 +200,7 @@ fn admission_rejects_empty_too_long_and_unservable_requests() {
 /// and frees what it held.
 #[test]
 fn dispatch_phase_computes_stages_in_order_and_failures_name_the_phase() {
-    use handoff_systems::dispatch::{Compute, ComputeError, DecodeItem, PrefillJob, PrefillOutput};
+    use handoff_systems::dispatch::{Compute, ComputeError, DecodeItem, DecodeOutput, PrefillJob, PrefillOutput};
     use std::sync::{Arc, Mutex};
     struct Fake {
         log: Arc<Mutex<Vec<String>>>,
@@ -212,13 +212,13 @@ fn dispatch_phase_computes_stages_in_order_and_failures_name_the_phase() {
             if self.fail_stage == Some(job.stage) {
                 return Err(ComputeError::model(std::io::Error::other("out of memory")));
             }
-            Ok(PrefillOutput { hidden: vec![0.0], first_token: Some(7) })
+            Ok(PrefillOutput { hidden: vec![0.0], first_token: Some(7), logits: None })
         }
-        fn decode(&mut self, batch: &[DecodeItem<'_>]) -> Result<Vec<u8>, ComputeError> {
+        fn decode(&mut self, batch: &[DecodeItem<'_>]) -> Result<DecodeOutput, ComputeError> {
             for i in batch {
                 self.log.lock().unwrap().push(format!("decode {} at {} over {} ranks", i.request, i.pos, i.leases.len()));
             }
-            Ok(batch.iter().map(|_| 9).collect())
+            Ok(batch.iter().map(|_| 9).collect::<Vec<u8>>().into())
         }
     }
     for fail_stage in [None, Some(1)] {
@@ -278,7 +278,7 @@ fn dispatch_phase_computes_stages_in_order_and_failures_name_the_phase() {
 /// naming the phase, and the others complete; everything is freed.
 #[test]
 fn a_failed_prefill_batch_costs_only_its_bad_request() {
-    use handoff_systems::dispatch::{Compute, ComputeError, DecodeItem, PrefillJob, PrefillOutput};
+    use handoff_systems::dispatch::{Compute, ComputeError, DecodeItem, DecodeOutput, PrefillJob, PrefillOutput};
     use std::sync::{Arc, Mutex};
     const BAD: u64 = 2;
     struct Fake {
@@ -290,7 +290,7 @@ fn a_failed_prefill_batch_costs_only_its_bad_request() {
             if job.request == BAD {
                 return Err(ComputeError::model(std::io::Error::other("bad prompt")));
             }
-            Ok(PrefillOutput { hidden: vec![0.0], first_token: Some(7) })
+            Ok(PrefillOutput { hidden: vec![0.0], first_token: Some(7), logits: None })
         }
         fn prefill_batch(&mut self, jobs: Vec<PrefillJob<'_>>) -> Vec<Result<PrefillOutput, ComputeError>> {
             let ids: Vec<String> = jobs.iter().map(|j| j.request.to_string()).collect();
@@ -301,13 +301,13 @@ fn a_failed_prefill_batch_costs_only_its_bad_request() {
                     if bad {
                         Err(ComputeError::model(std::io::Error::other("batch failed")))
                     } else {
-                        Ok(PrefillOutput { hidden: vec![0.0], first_token: Some(7) })
+                        Ok(PrefillOutput { hidden: vec![0.0], first_token: Some(7), logits: None })
                     }
                 })
                 .collect()
         }
-        fn decode(&mut self, batch: &[DecodeItem<'_>]) -> Result<Vec<u8>, ComputeError> {
-            Ok(batch.iter().map(|_| 9).collect())
+        fn decode(&mut self, batch: &[DecodeItem<'_>]) -> Result<DecodeOutput, ComputeError> {
+            Ok(batch.iter().map(|_| 9).collect::<Vec<u8>>().into())
         }
     }
     let (mut e, mover) = engine(&Shape::default(), 3, 16);

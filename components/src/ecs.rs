@@ -10,10 +10,11 @@ use crate::layout::{ConsumerLayout, RegionLayout, SegmentSpec};
 // Re-exported: `ecs::PhaseName` is the path the systems, roles and tests name it by.
 pub use crate::phase::{PhaseName, UnknownPhase};
 use crate::plan::Plan;
+use crate::sampling::Sampling;
 use crate::vocab::{DecodeRank, PrefillRank, RankId, RegionKind};
 use bevy_ecs::prelude::*;
 use std::collections::{BTreeMap, HashMap};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// A worker of the deployment.
 #[derive(Component, Debug, Clone, Copy)]
@@ -253,6 +254,10 @@ pub struct Submit {
     /// Teacher forcing (`handoff eval`): the bytes decode feeds in place of its
     /// own picks, `forced[k]` at position prompt + k; empty = greedy.
     pub forced: Vec<u8>,
+    /// How the request picks its tokens (None or greedy: the model's own pick).
+    /// Admission puts a non-greedy one on the request entity, where the dispatch
+    /// phase reads it and from which it goes with the request.
+    pub sampling: Option<Sampling>,
 }
 
 /// A write-done report: producer (pp, tp) finished its writes into one decode rank.
@@ -311,13 +316,83 @@ pub enum EngineEvent {
     Published { request: u64, nonce: u64, consumers: Vec<ConsumerLayout> },
     /// A stage computed a request whose next stage lives elsewhere: its hidden
     /// states, and what the next stage needs to plan (decode's layouts, the nonce).
-    Computed { request: u64, nonce: u64, stage: u32, tokens: u64, hidden: Vec<f32>, consumers: Vec<ConsumerLayout> },
+    /// `sampling` goes with the job, so that the last stage samples token 0.
+    Computed { request: u64, nonce: u64, stage: u32, tokens: u64, hidden: Vec<f32>, consumers: Vec<ConsumerLayout>, sampling: Option<Sampling> },
     /// Every write of one stage for a request completed (its producer entry is gone).
     Written(StageReport),
     /// Decode produced a token (`index` 0 is the first, from prefill).
     Token { request: u64, index: u32, token: u8 },
     /// Decode emitted a request's last token; its blocks and slots are freed.
     Finished { request: u64, handoff_ms: f64, decode_ms: f64, bytes: u64 },
+    /// A prefill stage settled a request it never held ([`Settle`]): it will drop
+    /// the request's job if that still comes, and decode must hear now that this
+    /// stage writes nothing for it.
+    Settled { request: u64, nonce: u64, failure: Failure },
+    /// Decode: these requests (id, nonce) wait for PP stage `stage`, which may
+    /// never get their job (an earlier stage died before passing it on); the
+    /// stage is to be asked to settle them ([`Settle`]).
+    Orphaned { stage: u32, requests: Vec<(u64, u64)>, failure: Failure },
+    /// Decode failed a request now ([`StageDown`]); its outcome comes when it is
+    /// released, which may be as late as its phase deadline, so the client is
+    /// told at once.
+    Failing { request: u64, failure: Failure },
+}
+
+/// Decode: PP stage `stage` died (`dead`: its process is gone, so it writes no
+/// more) or stopped answering. The release phase fails every request still
+/// waiting for its writes and names the later stages' orphans.
+#[derive(Message, Debug, Clone, PartialEq, Eq)]
+pub struct StageDown {
+    pub stage: u32,
+    pub dead: bool,
+    pub detail: String,
+}
+
+/// A prefill stage: settle these requests (id, nonce), which an earlier stage's
+/// death left waiting for this one. One the World holds fails with `failure`
+/// (after its writes in flight complete); one it does not hold is remembered in
+/// [`Settled`], so that its job is dropped if it still comes.
+#[derive(Message, Debug, Clone, PartialEq, Eq)]
+pub struct Settle {
+    pub requests: Vec<(u64, u64)>,
+    pub failure: Failure,
+}
+
+/// Requests settled before their job came (id -> nonce and when), each kept for
+/// `keep` after it was settled: admission drops a job for one of them.
+#[derive(Resource, Debug, Clone)]
+pub struct Settled {
+    pub requests: HashMap<u64, (u64, Instant)>,
+    pub keep: Duration,
+}
+
+impl Default for Settled {
+    fn default() -> Self {
+        Settled { requests: HashMap::new(), keep: Settled::KEEP }
+    }
+}
+
+impl Settled {
+    /// Long enough that a job still in flight when its request was settled has
+    /// arrived; short enough that the entries are bounded by the settles of
+    /// that long.
+    pub const KEEP: Duration = Duration::from_secs(120);
+
+    pub fn holds(&self, request: u64, nonce: u64) -> bool {
+        self.requests.get(&request).is_some_and(|&(n, _)| n == nonce)
+    }
+}
+
+/// What decode hears from the stages of other processes, after their writes
+/// completed (so a report is received only after the bytes it reports are in
+/// place): the counterpart, on the consumer's side, of a mover's completions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StageNotice {
+    /// Every write of the stage for the request completed.
+    Written(StageReport),
+    /// Stage `stage` failed the request and writes no more for it; `nonce` is the
+    /// request's life when the stage knew it.
+    Failed { request: u64, nonce: Option<u64>, stage: u32, failure: Failure },
 }
 
 /// Counters of the completion protocol.

@@ -9,10 +9,12 @@ pub mod failure;
 pub mod layout;
 pub mod phase;
 pub mod plan;
+pub mod sampling;
 pub mod vocab;
 
 pub use config::{Config, ConfigError, Topology};
 pub use failure::{Cause, Failure, PeerLoss, ProcessRole};
 pub use layout::{RankLayout, RegionLayout, SegmentSpec};
 pub use plan::{Descriptor, Plan};
+pub use sampling::Sampling;
 pub use vocab::{DecodeRank, Dtype, LayerKind, ModuleLayer, PrefillRank, RegionKind};

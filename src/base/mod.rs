@@ -10,12 +10,6 @@ pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// SplitMix64's finalizer: a bijection of u64 with good avalanche. The oracle's
-/// fill pattern and the sampling's uniform draws are built on it; both must stay
-/// bit-for-bit as they are, since tests pin their outputs.
-#[inline]
-pub fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
+/// SplitMix64's finalizer, shared with the sampling's draws (one copy, in the
+/// components crate below every layer).
+pub use handoff_components::sampling::mix;

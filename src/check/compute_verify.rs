@@ -31,7 +31,7 @@ use handoff_components::plan::Plan;
 use handoff_components::vocab::RankId;
 use handoff_components::vocab::RegionKind;
 use handoff_kernels::{Backend, Copy2d, CpuBackend};
-use handoff_systems::dispatch::{Compute, ComputeError, DecodeItem, PrefillJob, PrefillOutput};
+use handoff_systems::dispatch::{Compute, ComputeError, DecodeItem, DecodeOutput, PrefillJob, PrefillOutput};
 use handoff_systems::placement::Capacity;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -538,7 +538,7 @@ impl Compute for Probing {
         self.inner.prefill_batch(jobs)
     }
 
-    fn decode(&mut self, batch: &[DecodeItem<'_>]) -> Result<Vec<u8>, ComputeError> {
+    fn decode(&mut self, batch: &[DecodeItem<'_>]) -> Result<DecodeOutput, ComputeError> {
         for item in batch {
             let lease = item.leases.first().ok_or(ComputeError::MissingInput { stage: 0, what: "a decode lease" })?;
             let caches = crate::model::ranks::snapshot_single_rank(&self.topo, &self.layouts, self.view.as_ref(), lease, item.pos as usize)

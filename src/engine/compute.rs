@@ -15,7 +15,7 @@ use handoff_components::ecs::Lease;
 use handoff_components::vocab::{PrefillRank, RankId, RegionKind};
 use handoff_kernels::Backend;
 use handoff_kernels::step::DecodeStep;
-use handoff_systems::dispatch::{Compute, ComputeError, DecodeItem, PrefillJob, PrefillOutput};
+use handoff_systems::dispatch::{Compute, ComputeError, DecodeItem, DecodeOutput, PrefillJob, PrefillOutput};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
@@ -42,14 +42,10 @@ pub struct ModelCompute<B: Backend> {
     step: Option<std::sync::Mutex<Box<dyn DecodeStep>>>,
     /// Why decode runs the generic forward pass, when it does.
     generic_reason: Option<crate::model::step::NoStep>,
+    /// Every step's logits of every request (verify); the role processes keep
+    /// none: a sampled request's logits go back with its step's output.
     trace: Option<LogitTrace>,
-    /// Which requests' logits the trace keeps (all when None).
-    trace_only: Option<TraceFilter>,
 }
-
-/// Which requests' logits a [`LogitTrace`] keeps: the sampler needs only the
-/// sampled ones, so greedy requests cost no logits download.
-pub type TraceFilter = Arc<dyn Fn(u64) -> bool + Send + Sync>;
 
 impl<B: Backend> ModelCompute<B> {
     /// `layouts`: every local region; the groups are uploaded for the sides present.
@@ -75,18 +71,12 @@ impl<B: Backend> ModelCompute<B> {
         }
         // The generic weights serve decode only without a fused step.
         let decode = if has_decode && step.is_none() { Some(model.upload_group(&be, topo.decode().tp as usize)?) } else { None };
-        Ok(ModelCompute { topo: topo.clone(), be, layouts, view, prefill, decode, step, generic_reason, trace: None, trace_only: None })
+        Ok(ModelCompute { topo: topo.clone(), be, layouts, view, prefill, decode, step, generic_reason, trace: None })
     }
 
     /// Keeps every step's logits in `trace` (verify compares them).
     pub fn with_trace(mut self, trace: LogitTrace) -> Self {
         self.trace = Some(trace);
-        self
-    }
-
-    /// Keeps only the logits of the requests `only` accepts.
-    pub fn with_trace_filter(mut self, only: TraceFilter) -> Self {
-        self.trace_only = Some(only);
         self
     }
 
@@ -100,17 +90,13 @@ impl<B: Backend> ModelCompute<B> {
         }
     }
 
-    fn wants_logits(&self, request: u64) -> bool {
-        self.trace.is_some() && self.trace_only.as_ref().is_none_or(|f| f(request))
-    }
-
-    fn record(&self, request: u64, logits: Vec<f32>) {
-        if !self.wants_logits(request) {
-            return;
-        }
-        if let Some(t) = &self.trace {
-            t.lock().unwrap_or_else(|p| p.into_inner()).entry(request).or_default().push(logits);
-        }
+    /// Keeps `logits` in the trace (when there is one) and gives them back when
+    /// the step asked for them (`asked`: a sampled request).
+    fn record(&self, request: u64, logits: Vec<f32>, asked: bool) -> Option<Vec<f32>> {
+        let Some(t) = &self.trace else { return asked.then_some(logits) };
+        let back = asked.then(|| logits.clone());
+        t.lock().unwrap_or_else(|p| p.into_inner()).entry(request).or_default().push(logits);
+        back
     }
 
     /// One PP stage of a batch of requests (one job alone is a batch of one) as
@@ -170,31 +156,31 @@ impl<B: Backend> ModelCompute<B> {
                 .iter()
                 .zip(lasts)
                 .map(|(j, (logits, first))| {
-                    self.record(j.request, logits);
-                    PrefillOutput { hidden: Vec::new(), first_token: Some(first) }
+                    let logits = self.record(j.request, logits, j.logits);
+                    PrefillOutput { hidden: Vec::new(), first_token: Some(first), logits }
                 })
                 .collect());
         }
         let hidden = be.download(&h).map_err(|e| model_err(e.into()))?;
-        Ok(seqs.iter().map(|s| PrefillOutput { hidden: hidden[s.start * d..(s.start + s.len) * d].to_vec(), first_token: None }).collect())
+        Ok(seqs.iter().map(|s| PrefillOutput { hidden: hidden[s.start * d..(s.start + s.len) * d].to_vec(), first_token: None, logits: None }).collect())
     }
 
-    /// One decode step through the fused step.
-    fn decode_fused(&mut self, batch: &[DecodeItem<'_>]) -> Result<Vec<u8>, ComputeError> {
+    /// One decode step through the fused step. The batch's logits come back
+    /// from the device only when a request samples (or verify keeps them).
+    fn decode_fused(&mut self, batch: &[DecodeItem<'_>]) -> Result<DecodeOutput, ComputeError> {
         let rows: Vec<crate::model::step::TickRows<'_>> = batch.iter().map(|i| crate::model::step::TickRows::of(&i.leases)).collect();
         let reqs: Vec<_> = batch.iter().zip(&rows).map(|(i, r)| r.request(u32::from(i.token), i.pos)).collect();
-        let want = batch.iter().any(|i| self.wants_logits(i.request));
+        let want = self.trace.is_some() || batch.iter().any(|i| i.logits);
         let mut logits = Vec::new();
         let step = self.step.as_mut().ok_or(ComputeError::MissingInput { stage: 0, what: "the fused decode step" })?;
         let step = step.get_mut().map_err(|_| ComputeError::Poisoned("the fused decode step"))?;
         let ids = step.run(&reqs, want.then_some(&mut logits)).map_err(ComputeError::model)?;
+        let mut out = DecodeOutput::from(ids.into_iter().map(|t| t.min(255) as u8).collect::<Vec<u8>>());
         if want {
             let v = logits.len() / batch.len().max(1);
-            for (b, item) in batch.iter().enumerate() {
-                self.record(item.request, logits[b * v..(b + 1) * v].to_vec());
-            }
+            out.logits = batch.iter().enumerate().map(|(b, item)| self.record(item.request, logits[b * v..(b + 1) * v].to_vec(), item.logits)).collect();
         }
-        Ok(ids.into_iter().map(|t| t.min(255) as u8).collect())
+        Ok(out)
     }
 }
 
@@ -213,7 +199,7 @@ impl<B: Backend + 'static> Compute for ModelCompute<B> {
         }
     }
 
-    fn decode(&mut self, batch: &[DecodeItem<'_>]) -> Result<Vec<u8>, ComputeError> {
+    fn decode(&mut self, batch: &[DecodeItem<'_>]) -> Result<DecodeOutput, ComputeError> {
         if self.step.is_some() {
             return self.decode_fused(batch);
         }
@@ -223,10 +209,10 @@ impl<B: Backend + 'static> Compute for ModelCompute<B> {
         let positions: Vec<usize> = batch.iter().map(|i| i.pos as usize).collect();
         let mut caches = DecodeRanks::new(&self.topo, &self.layouts, self.view.as_ref(), leases);
         let out = forward::decode_batch(&self.be, group, &tokens, &positions, &mut caches).map_err(model_err)?;
-        let mut picks = Vec::with_capacity(out.len());
+        let mut picks = DecodeOutput { tokens: Vec::with_capacity(out.len()), logits: Vec::with_capacity(out.len()) };
         for (item, (logits, tok)) in batch.iter().zip(out) {
-            self.record(item.request, logits);
-            picks.push(tok);
+            picks.logits.push(self.record(item.request, logits, item.logits));
+            picks.tokens.push(tok);
         }
         Ok(picks)
     }

@@ -7,7 +7,7 @@
 //! host cannot open (no feature, no driver, no device) is refused with the
 //! backend's own reason, before any work starts.
 
-use crate::engine::compute::{LogitTrace, ModelCompute, TraceFilter};
+use crate::engine::compute::ModelCompute;
 use crate::model::ranks::Layouts;
 use crate::model::regions::RegionView;
 use handoff_components::Topology;
@@ -64,23 +64,16 @@ macro_rules! with_backend {
 }
 
 /// The role processes' [`Compute`]: the model on `dev`, reading and writing the
-/// regions through `view`, recording into `trace` the logits of each step of
-/// the requests `only` accepts (the sampler reads them).
-pub fn model_compute(
-    dev: DeviceConfig,
-    topo: &Topology,
-    layouts: Layouts,
-    view: Arc<dyn RegionView>,
-    trace: LogitTrace,
-    only: TraceFilter,
-) -> anyhow::Result<Box<dyn Compute>> {
+/// regions through `view`. A sampled request's logits go back with its step's
+/// output, for the dispatch phase to sample from.
+pub fn model_compute(dev: DeviceConfig, topo: &Topology, layouts: Layouts, view: Arc<dyn RegionView>) -> anyhow::Result<Box<dyn Compute>> {
     let mut topo = topo.clone();
     topo.config.device = dev;
     let topo = &topo;
     let boxed: Box<dyn Compute> = match dev.kind {
-        DeviceKind::Cpu => Box::new(ModelCompute::new(topo, CpuBackend::new(), layouts, view)?.with_trace(trace).with_trace_filter(only)),
-        DeviceKind::Cuda => Box::new(ModelCompute::new(topo, open_cuda(dev.ordinal)?, layouts, view)?.with_trace(trace).with_trace_filter(only)),
-        DeviceKind::Hip => Box::new(ModelCompute::new(topo, open_hip(dev.ordinal)?, layouts, view)?.with_trace(trace).with_trace_filter(only)),
+        DeviceKind::Cpu => Box::new(ModelCompute::new(topo, CpuBackend::new(), layouts, view)?),
+        DeviceKind::Cuda => Box::new(ModelCompute::new(topo, open_cuda(dev.ordinal)?, layouts, view)?),
+        DeviceKind::Hip => Box::new(ModelCompute::new(topo, open_hip(dev.ordinal)?, layouts, view)?),
     };
     Ok(boxed)
 }

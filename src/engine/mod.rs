@@ -4,7 +4,7 @@
 //! Every role process builds one: a prefill stage's World holds its TP ranks, decode's
 //! holds the decode ranks, and `verify` builds one World of every rank. The role
 //! talks to it only through commands in ([`Engine::submit`], [`Engine::report`],
-//! [`Engine::cancel`]) and messages out ([`Engine::take_outcomes`],
+//! [`Engine::cancel`], [`Engine::stage_down`], [`Engine::settle`]) and messages out ([`Engine::take_outcomes`],
 //! [`Engine::take_events`]); the World itself stays private.
 
 use bevy_ecs::message::{MessageRegistry, Messages, message_update_system};
@@ -14,10 +14,12 @@ use handoff_components::Topology;
 use handoff_components::ecs::*;
 use handoff_components::layout::ConsumerLayout;
 use handoff_components::plan::Plan;
+use handoff_components::sampling::Sampling;
 use handoff_systems::dispatch::{Compute, Dispatcher};
 use handoff_systems::placement::{Capacity, spawn_ranks};
-use handoff_systems::transfer::{MoveError, Mover, PlanCompletion, Ticket, Transfers};
+use handoff_systems::transfer::{MoveError, Mover, NoticeSource, Notices, PlanCompletion, Ticket, Transfers};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 /// Which ranks an engine holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,7 +43,8 @@ impl EngineRole {
 }
 
 /// What a World holds now: the counts `/metrics` reports, which return to their
-/// baseline once every request has left.
+/// baseline once every request has left (`settled` once its entries are older
+/// than `Settled::keep`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Counts {
     pub entities: u32,
@@ -51,13 +54,12 @@ pub struct Counts {
     pub plans: u32,
     pub free_blocks: u64,
     pub free_slots: u64,
-    /// Requests with sampling state in the role's table (`roles::sampling`): it
-    /// lives beside the World, so the role fills it in, not [`Engine::counts`].
+    /// Requests that sample their tokens (a [`Sampling`] on the request entity).
     #[serde(default)]
     pub sampling: u32,
-    /// Prefill only: requests settled before their job came, remembered so a late
-    /// job is dropped (each forgotten 120 s after it was settled). Filled in by
-    /// the role, like `sampling`.
+    /// Prefill only: requests settled before their job came ([`Settled`]),
+    /// remembered so a late job is dropped (each forgotten `Settled::keep` after
+    /// it was settled).
     #[serde(default)]
     pub settled: u32,
 }
@@ -87,10 +89,13 @@ impl Engine {
         MessageRegistry::register_message::<WriteDone>(&mut world);
         MessageRegistry::register_message::<StageReport>(&mut world);
         MessageRegistry::register_message::<Cancel>(&mut world);
+        MessageRegistry::register_message::<StageDown>(&mut world);
+        MessageRegistry::register_message::<Settle>(&mut world);
         MessageRegistry::register_message::<Outcome>(&mut world);
         MessageRegistry::register_message::<EngineEvent>(&mut world);
         world.init_resource::<RequestIndex>();
         world.init_resource::<ReportStats>();
+        world.init_resource::<Settled>();
         spawn_ranks(&mut world, &topo, cap, &role.local(&topo));
         world.insert_resource(TopologyRes(topo));
         world.insert_resource(Transfers(mover));
@@ -106,6 +111,17 @@ impl Engine {
     /// Gives the dispatch phase its compute.
     pub fn set_compute(&mut self, compute: Box<dyn Compute>) {
         self.world.insert_resource(Dispatcher(compute));
+    }
+
+    /// Where the stages of other processes' notices come from (decode): the
+    /// transfer phase polls it every tick, as a stage's World polls its mover.
+    pub fn set_notices(&mut self, notices: Box<dyn NoticeSource>) {
+        self.world.insert_resource(Notices(notices));
+    }
+
+    /// How long a settled request is remembered (`Settled::KEEP` by default).
+    pub fn set_settle_keep(&mut self, keep: Duration) {
+        self.world.resource_mut::<Settled>().keep = keep;
     }
 
     pub fn role(&self) -> EngineRole {
@@ -136,6 +152,17 @@ impl Engine {
         self.world.write_message(c);
     }
 
+    /// Decode: a PP stage died or stopped answering (the release phase fails
+    /// what waits for it).
+    pub fn stage_down(&mut self, d: StageDown) {
+        self.world.write_message(d);
+    }
+
+    /// A prefill stage: settle requests an earlier stage's death left to it.
+    pub fn settle(&mut self, s: Settle) {
+        self.world.write_message(s);
+    }
+
     /// Runs every phase once.
     pub fn tick(&mut self) {
         self.schedule.run(&mut self.world);
@@ -163,17 +190,6 @@ impl Engine {
     pub fn decoding(&mut self) -> bool {
         let mut q = self.world.query::<(&Status, &DecodeProgress)>();
         q.iter(&self.world).any(|(s, g)| *s == Status::HandedOff && g.last.is_some())
-    }
-
-    /// The placed requests (id, nonce) still waiting for PP stage `stage` to report:
-    /// published but not handed off, and without that stage's report (decode fails
-    /// them when the stage dies or stops answering).
-    pub fn awaiting_stage(&mut self, stage: u32) -> Vec<(u64, u64)> {
-        let mut q = self.world.query::<(&Request, &Status, &StagesComputed)>();
-        q.iter(&self.world)
-            .filter(|(_, s, c)| matches!(s, Status::Placed | Status::Planned) && !c.0.get(stage as usize).copied().unwrap_or(true))
-            .map(|(r, ..)| (r.id, r.nonce))
-            .collect()
     }
 
     /// Writes of computed stages not yet reported done: in flight, or about to
@@ -276,6 +292,8 @@ impl Engine {
         let entries = self.producer_entries();
         let local = self.world.resource::<LocalRanks>().clone();
         let plans = self.world.query::<&PlanEntry>().iter(&self.world).count() as u32;
+        let sampling = self.world.query::<&Sampling>().iter(&self.world).count() as u32;
+        let settled = self.world.resource::<Settled>().requests.len() as u32;
         let pools = self.pools();
         Counts {
             entities: self.entity_count(),
@@ -284,8 +302,8 @@ impl Engine {
             plans,
             free_blocks: pools.0.values().map(|p| p.free_block_count()).sum(),
             free_slots: pools.0.values().map(|p| p.free_slots.len() as u64).sum(),
-            sampling: 0,
-            settled: 0,
+            sampling,
+            settled,
         }
     }
 

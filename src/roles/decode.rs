@@ -1,19 +1,21 @@
 //! `handoff decode --config F`: the decode instance, all of its TP x DCP ranks.
 //!
 //! One engine thread owns decode's [`Engine`] (a World of the decode ranks only).
-//! The proxy's link carries commands in (admit, cancel); transport notifications
-//! carry the stages' reports in; the engine's events go out on the link
-//! (published layouts, tokens, done, errors). Every tick's dispatch runs one
-//! batched decode step for every handed-off request, in place in the registered
-//! decode regions. The role keeps no table of requests: per-request state lives in
-//! the World, and every message names its request.
+//! The proxy's link carries commands in (admit, cancel, a stage down); transport
+//! notifications carry the stages' reports in, polled by the engine's transfer
+//! phase through [`TransportNotices`] as a stage polls its mover; the engine's
+//! events go out on the link (published layouts, tokens, done, errors, orphans).
+//! Every tick's dispatch runs one batched decode step for every handed-off
+//! request, in place in the registered decode regions. The role keeps no table
+//! of requests: per-request state (its sampling included) lives in the World,
+//! and every message names its request.
 //!
 //! The control listener lets in only connections that prove the cluster secret
 //! ([`wire::accept_control`]), and the transport only producers whose hello
 //! proves it, so a stranger can neither admit requests nor write into decode's
 //! regions.
 
-use super::sampling::{Live, Sampling, SamplingTable};
+use super::sampling::Sampling;
 use super::wire::{self, Admitted, Msg, Notice};
 use crate::engine::compute::{TransportRegions, layouts_of};
 use crate::engine::{Counts, Engine, EngineRole, NoMover};
@@ -21,9 +23,10 @@ use crate::transport::auth::ClusterSecret;
 use crate::transport::{PeerAddr, RegionHandle, Transport};
 use anyhow::Context;
 use handoff_components::Topology;
-use handoff_components::ecs::{Cancel, EngineEvent, PhaseName, Submit};
-use handoff_components::failure::{Cause, Failure, PeerLoss, ProcessRole};
+use handoff_components::ecs::{Cancel, EngineEvent, StageDown, StageNotice, Submit};
+use handoff_components::failure::Failure;
 use handoff_systems::placement::Capacity;
+use handoff_systems::transfer::NoticeSource;
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::{TcpListener, TcpStream};
@@ -53,9 +56,8 @@ pub fn run_decode(topo: &Topology, proxy: &str, secret: &ClusterSecret) -> anyho
     }
     let published: Vec<RegionHandle> = handles.values().cloned().collect();
     let view = Arc::new(TransportRegions { transport: Arc::clone(&transport), handles });
-    // Decode samples tokens 1.. of the requests that asked for sampling.
-    let table = SamplingTable::default();
-    engine.set_compute(super::sampling::sampled_compute(topo.config.device, topo, layouts_of(&regions), view, Arc::clone(&table))?);
+    engine.set_compute(crate::engine::device::model_compute(topo.config.device, topo, layouts_of(&regions), view)?);
+    engine.set_notices(Box::new(TransportNotices { transport: Arc::clone(&transport) }));
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
     let (tx, rx) = mpsc::channel();
@@ -66,11 +68,11 @@ pub fn run_decode(topo: &Topology, proxy: &str, secret: &ClusterSecret) -> anyho
         std::thread::Builder::new().name("decode-accept".into()).spawn(move || accept(listener, link, tx, &refused, &secret))?;
     }
     {
-        let (transport, link, counts, pool) = (Arc::clone(&transport), Arc::clone(&link), Arc::clone(&counts), super::host::compute_pool(topo)?);
+        let (link, counts, pool) = (Arc::clone(&link), Arc::clone(&counts), super::host::compute_pool(topo)?);
         let endpoint = transport.endpoint();
         std::thread::Builder::new()
             .name("decode-engine".into())
-            .spawn(move || pool.install(move || engine_loop(engine, transport.as_ref(), &endpoint, &published, &link, &counts, &table, &rx)))?;
+            .spawn(move || pool.install(move || engine_loop(engine, &endpoint, &published, &link, &counts, &rx)))?;
     }
     drop(tx);
     tracing::info!(%addr, "decode listening");
@@ -78,6 +80,24 @@ pub fn run_decode(topo: &Topology, proxy: &str, secret: &ClusterSecret) -> anyho
     tracing::info!("decode stopping");
     super::host::remove_own_shm_files(topo);
     Ok(())
+}
+
+/// The stages' notices as the transport received them: decoded here, taken by
+/// the engine's transfer phase every tick.
+struct TransportNotices {
+    transport: Arc<dyn Transport>,
+}
+
+impl NoticeSource for TransportNotices {
+    fn poll(&mut self, out: &mut Vec<StageNotice>) {
+        for n in self.transport.recv_notifications() {
+            match serde_json::from_slice::<Notice>(&n.bytes) {
+                Ok(Notice::Written(r)) => out.push(StageNotice::Written(r)),
+                Ok(Notice::Failed { id, nonce, stage, failure }) => out.push(StageNotice::Failed { request: id, nonce, stage, failure }),
+                Err(e) => tracing::warn!(error = %e, "decode: dropped a malformed notification"),
+            }
+        }
+    }
 }
 
 /// The proxy's link: where decode's messages go (the latest connection).
@@ -148,20 +168,10 @@ fn accept(listener: TcpListener, link: Link, tx: Sender<Cmd>, refused: &Arc<supe
     }
 }
 
-/// The engine thread: commands and reports in, one tick, events out. It waits for
-/// work only when no request is decoding, and blocks outright when it holds none,
-/// so an idle decode neither spins nor grows.
-#[allow(clippy::too_many_arguments)]
-fn engine_loop(
-    mut engine: Engine,
-    transport: &dyn Transport,
-    endpoint: &PeerAddr,
-    handles: &[RegionHandle],
-    link: &Link,
-    counts: &Mutex<Counts>,
-    table: &SamplingTable,
-    rx: &Receiver<Cmd>,
-) {
+/// The engine thread: commands in, one tick (which takes the stages' reports),
+/// events out. It waits for work only when no request is decoding, and blocks
+/// outright when it holds none, so an idle decode neither spins nor grows.
+fn engine_loop(mut engine: Engine, endpoint: &PeerAddr, handles: &[RegionHandle], link: &Link, counts: &Mutex<Counts>, rx: &Receiver<Cmd>) {
     // One tick's messages to the proxy, written at once.
     let mut out = Vec::new();
     loop {
@@ -175,26 +185,13 @@ fn engine_loop(
         };
         if let Some(wait) = wait {
             match rx.recv_timeout(wait) {
-                Ok(cmd) => apply(&mut engine, table, endpoint, cmd, &mut out),
+                Ok(cmd) => apply(&mut engine, cmd),
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => return,
             }
         }
         while let Ok(cmd) = rx.try_recv() {
-            apply(&mut engine, table, endpoint, cmd, &mut out);
-        }
-        for n in transport.recv_notifications() {
-            match serde_json::from_slice::<Notice>(&n.bytes) {
-                Ok(Notice::Written(r)) => {
-                    tracing::debug!(request = r.request, stage = r.stage, "decode: a stage's writes reported");
-                    engine.report(r)
-                }
-                Ok(Notice::Failed { id, nonce, stage, failure }) => engine.cancel({
-                    tracing::debug!(request = id, stage, %failure, "decode: a stage failed the request");
-                    Cancel { request: id, failure, stage: Some(stage), nonce, unsent: false }
-                }),
-                Err(e) => tracing::warn!(error = %e, "decode: dropped a malformed notification"),
-            }
+            apply(&mut engine, cmd);
         }
         let t0 = Instant::now();
         engine.tick();
@@ -208,69 +205,38 @@ fn engine_loop(
                 EngineEvent::Token { request, token, .. } => push(&mut out, &Msg::Token { id: request, token }),
                 EngineEvent::Finished { request, handoff_ms, decode_ms, bytes } => {
                     tracing::debug!(request, "decode: finished");
-                    crate::base::lock(table).remove(&request);
                     push(&mut out, &Msg::Done { id: request, handoff_ms, decode_ms, bytes });
                 }
-                EngineEvent::Computed { .. } | EngineEvent::Written(_) => {}
+                // A stage went down: the proxy asks the later stage to settle these.
+                EngineEvent::Orphaned { stage, requests, failure } => push(&mut out, &Msg::Orphaned { stage, requests, endpoint: endpoint.clone(), failure }),
+                EngineEvent::Failing { request, failure } => push(&mut out, &Msg::Error { id: request, failure }),
+                EngineEvent::Computed { .. } | EngineEvent::Written(_) | EngineEvent::Settled { .. } => {}
             }
         }
         for o in engine.take_outcomes() {
             if let Err(failure) = o.result {
                 tracing::debug!(request = o.request, %failure, "decode: released a failed request");
-                crate::base::lock(table).remove(&o.request);
                 push(&mut out, &Msg::Error { id: o.request, failure });
             }
         }
         flush(link, &out);
-        let mut c = engine.counts();
-        c.sampling = crate::base::lock(table).len() as u32;
-        *crate::base::lock(counts) = c;
+        *crate::base::lock(counts) = engine.counts();
     }
 }
 
-/// Applies one command; messages for the proxy that cannot wait for the tick's
-/// outcomes go into `out`.
-fn apply(engine: &mut Engine, table: &SamplingTable, endpoint: &PeerAddr, cmd: Cmd, out: &mut Vec<u8>) {
+/// Applies one command: the engine's phases do the rest.
+fn apply(engine: &mut Engine, cmd: Cmd) {
     match cmd {
         Cmd::Admit { id, tokens, max_tokens, sampling } => {
             tracing::debug!(request = id, tokens, "decode: admit");
-            match sampling.filter(|s| !s.is_greedy()) {
-                Some(s) => crate::base::lock(table).insert(id, Live { sampling: s, prompt: tokens }),
-                None => crate::base::lock(table).remove(&id),
-            };
-            engine.submit_request(Submit { id, tokens, max_tokens, ..Default::default() })
+            engine.submit_request(Submit { id, tokens, max_tokens, sampling, ..Default::default() })
         }
         Cmd::Cancel { id, failure, unsent } => engine.cancel({
             tracing::debug!(request = id, phase = failure.phase.name(), unsent, %failure, "decode: cancel");
             Cancel { request: id, failure, stage: None, nonce: None, unsent }
         }),
-        Cmd::StageDown { stage, dead, message } => {
-            // A dead stage writes no more, so its share is settled and the blocks
-            // can be freed at once; a stopped one may still write when it resumes,
-            // so decode keeps the blocks until the phase deadline (stage: None).
-            // The client hears now: the outcome comes only when decode releases the
-            // request, which for a stopped stage is at the phase deadline.
-            let awaiting = engine.awaiting_stage(stage);
-            let loss = if dead { PeerLoss::Dead } else { PeerLoss::Stopped };
-            let failure = Failure::new(PhaseName::Compute, ProcessRole::Prefill { stage }, Cause::PeerDown { loss, detail: message });
-            if dead {
-                // A later stage that has not reported may never have got the job
-                // (the dead stage had not passed it on), and then never reports:
-                // the proxy asks each such stage to settle them, so that the blocks
-                // are freed now and not at the phase deadline.
-                let pp = engine.topology().prefill().pp;
-                for later in stage + 1..pp {
-                    let waiting = engine.awaiting_stage(later);
-                    let requests: Vec<(u64, u64)> = awaiting.iter().filter(|r| waiting.contains(r)).copied().collect();
-                    if !requests.is_empty() {
-                        push(out, &Msg::Orphaned { stage: later, requests, endpoint: endpoint.clone(), failure: failure.clone() });
-                    }
-                }
-            }
-            for (id, nonce) in awaiting {
-                push(out, &Msg::Error { id, failure: failure.clone() });
-                engine.cancel(Cancel { request: id, failure: failure.clone(), stage: dead.then_some(stage), nonce: Some(nonce), unsent: false });
-            }
-        }
+        // The release phase fails what waits for the stage, and names the
+        // later stages' orphans (`EngineEvent::Failing`, `Orphaned`).
+        Cmd::StageDown { stage, dead, message } => engine.stage_down(StageDown { stage, dead, detail: message }),
     }
 }

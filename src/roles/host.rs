@@ -99,7 +99,10 @@ impl handoff_systems::dispatch::Compute for Delayed {
         std::thread::sleep(self.delay);
         self.inner.prefill(job)
     }
-    fn decode(&mut self, batch: &[handoff_systems::dispatch::DecodeItem<'_>]) -> Result<Vec<u8>, handoff_systems::dispatch::ComputeError> {
+    fn decode(
+        &mut self,
+        batch: &[handoff_systems::dispatch::DecodeItem<'_>],
+    ) -> Result<handoff_systems::dispatch::DecodeOutput, handoff_systems::dispatch::ComputeError> {
         self.inner.decode(batch)
     }
 }

@@ -8,13 +8,14 @@
 //! writes them into decode's regions while the next request computes, and the
 //! release phase drops the producer entry when the stage's writes complete. The
 //! role carries the engine's events out: hidden states to the next stage, the
-//! write-done report (or a failure) to decode over the transport.
+//! write-done report (or a failure) to decode over the transport. What a request
+//! holds lives in the World, its sampling and the requests settled for an
+//! earlier stage's death included; the role keeps only where its messages go.
 //!
 //! The control listener lets in only connections that prove the cluster secret
 //! ([`wire::accept_control`]); the stage proves it in turn to the next stage, to
 //! the proxy's control listener (its heartbeat) and in its transport's hello.
 
-use super::sampling::{Live, SamplingTable};
 use super::wire::{self, Admitted, Msg, Notice, WirePrefillJob};
 use crate::engine::compute::{TransportRegions, layouts_of};
 use crate::engine::mover::{MoverHandle, MoverOptions, TransportMover};
@@ -23,10 +24,10 @@ use crate::transport::auth::ClusterSecret;
 use crate::transport::{PeerAddr, RegionHandle, Transport};
 use anyhow::Context;
 use handoff_components::Topology;
-use handoff_components::ecs::{Cancel, EngineEvent, Inputs, PhaseName, Submit};
+use handoff_components::ecs::{EngineEvent, Inputs, PhaseName, Settle, Submit};
 use handoff_components::failure::{Cause, Failure, PeerLoss, ProcessRole};
 use handoff_systems::placement::Capacity;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
@@ -66,9 +67,7 @@ pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str, secret: &ClusterSec
     }
     let view = Arc::new(TransportRegions { transport: Arc::clone(&transport), handles });
     let delay = std::env::var(DELAY_ENV).ok().and_then(|v| v.parse::<u64>().ok()).map(Duration::from_millis);
-    // The last stage samples token 0 of the requests that asked for sampling.
-    let table = super::sampling::SamplingTable::default();
-    let compute = super::sampling::sampled_compute(topo.config.device, topo, layouts_of(&regions), view, Arc::clone(&table))?;
+    let compute = crate::engine::device::model_compute(topo.config.device, topo, layouts_of(&regions), view)?;
     engine.set_compute(match delay {
         Some(d) => Box::new(super::host::Delayed { inner: compute, delay: d }),
         None => compute,
@@ -96,7 +95,7 @@ pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str, secret: &ClusterSec
         let (counts, pool) = (Arc::clone(&counts), super::host::compute_pool(topo)?);
         std::thread::Builder::new()
             .name("prefill-engine".into())
-            .spawn(move || pool.install(move || engine_loop(engine, stage, &notices, &handle, &counts, &table, &rx, &next)))?;
+            .spawn(move || pool.install(move || engine_loop(engine, stage, &notices, &handle, &counts, &rx, &next)))?;
     }
     drop(tx);
     tracing::info!(stage, %addr, "prefill stage listening");
@@ -248,22 +247,8 @@ fn send_notices(transport: &dyn Transport, rx: &Receiver<(PeerAddr, Vec<u8>, Ins
 
 /// The engine thread: jobs in, one tick, events out. It blocks while it holds no
 /// request.
-#[allow(clippy::too_many_arguments)]
-fn engine_loop(
-    mut engine: Engine,
-    stage: u32,
-    notices: &Notices,
-    mover: &MoverHandle,
-    counts: &Mutex<Counts>,
-    table: &SamplingTable,
-    rx: &Receiver<StageCmd>,
-    next: &NextJobs,
-) {
+fn engine_loop(mut engine: Engine, stage: u32, notices: &Notices, mover: &MoverHandle, counts: &Mutex<Counts>, rx: &Receiver<StageCmd>, next: &NextJobs) {
     let mut route = StageRoute::default();
-    // Requests settled before their job came (id -> nonce, when): a job that
-    // arrives for one afterwards is dropped. Kept for two minutes, which bounds
-    // them by the settles of that long.
-    let mut settled: HashMap<u64, (u64, Instant)> = HashMap::new();
     loop {
         let wait = if engine.live_requests() > 0 { Duration::from_micros(200) } else { Duration::from_millis(100) };
         let mut jobs = Vec::new();
@@ -273,30 +258,22 @@ fn engine_loop(
             Err(RecvTimeoutError::Disconnected) => return,
         }
         jobs.extend(rx.try_iter());
-        settled.retain(|_, (_, at)| at.elapsed() < Duration::from_secs(120));
         for cmd in jobs {
-            let job = match cmd {
-                StageCmd::Job(job) => job,
-                StageCmd::Settle { requests, endpoint, failure } => {
-                    settle(&mut engine, stage, notices, &endpoint, &requests, &failure, &mut settled);
-                    continue;
+            match cmd {
+                StageCmd::Job(job) => {
+                    tracing::debug!(stage, request = job.admitted.id, "prefill: job in");
+                    submit(&mut engine, stage, notices, mover, &mut route, *job);
                 }
-            };
-            if settled.get(&job.admitted.id).is_some_and(|&(n, _)| n == job.admitted.nonce) {
-                tracing::info!(stage, request = job.admitted.id, "prefill: dropped the job of a settled request");
-                continue;
-            }
-            let (id, sampling, prompt) = (job.admitted.id, job.sampling.filter(|s| !s.is_greedy()), job.prompt.len() as u64);
-            tracing::debug!(stage, request = id, "prefill: job in");
-            if submit(&mut engine, stage, notices, mover, &mut route, *job)
-                && let Some(s) = sampling
-            {
-                crate::base::lock(table).insert(id, Live { sampling: s, prompt });
+                // The release phase settles them; decode hears from carry_out.
+                StageCmd::Settle { requests, endpoint, failure } => {
+                    route.endpoint = Some(endpoint);
+                    engine.settle(Settle { requests, failure });
+                }
             }
         }
         let pass = Instant::now();
         engine.tick();
-        carry_out(&mut engine, stage, notices, table, &route, next);
+        carry_out(&mut engine, stage, notices, &route, next);
         // The pass's writes are reported before the next pass starts: they take
         // well under a millisecond on the device, while the next pass (jobs are
         // usually waiting) would hold their report back for the whole of it.
@@ -307,12 +284,9 @@ fn engine_loop(
             // The first round submits them; later ones sleep until one completes.
             mover.wait_completion(until.saturating_duration_since(Instant::now()));
             engine.tick();
-            carry_out(&mut engine, stage, notices, table, &route, next);
+            carry_out(&mut engine, stage, notices, &route, next);
         }
-        let mut c = engine.counts();
-        c.sampling = crate::base::lock(table).len() as u32;
-        c.settled = settled.len() as u32;
-        *crate::base::lock(counts) = c;
+        *crate::base::lock(counts) = engine.counts();
     }
 }
 
@@ -320,15 +294,14 @@ fn engine_loop(
 const MAX_WRITE_WAIT: Duration = Duration::from_millis(5);
 
 /// Carries out a tick's events and outcomes: computed requests' jobs to the
-/// next stage, write-done reports and failures to decode.
-fn carry_out(engine: &mut Engine, stage: u32, notices: &Notices, table: &SamplingTable, route: &StageRoute, next: &NextJobs) {
+/// next stage (with their sampling), write-done reports, settles and failures
+/// to decode.
+fn carry_out(engine: &mut Engine, stage: u32, notices: &Notices, route: &StageRoute, next: &NextJobs) {
     {
         for ev in engine.take_events() {
             match ev {
-                EngineEvent::Computed { request, nonce, stage: s, hidden, consumers, .. } => {
+                EngineEvent::Computed { request, nonce, stage: s, hidden, consumers, sampling, .. } => {
                     tracing::debug!(stage, request, "prefill: computed; hidden states to the next stage");
-                    // This stage is done with the request: its sampling moves on.
-                    let sampling = crate::base::lock(table).remove(&request).map(|l| l.sampling);
                     let Some(&addr) = route.stages.get(s as usize + 1) else { continue };
                     let job = WirePrefillJob {
                         admitted: Admitted {
@@ -351,12 +324,15 @@ fn carry_out(engine: &mut Engine, stage: u32, notices: &Notices, table: &Samplin
                     tracing::debug!(stage, request = report.request, "prefill: written; telling decode");
                     notify(notices, route, &Notice::Written(report))
                 }
+                EngineEvent::Settled { request, nonce, failure } => {
+                    tracing::info!(stage, request, "prefill: settled a request this stage never got");
+                    notify(notices, route, &Notice::Failed { id: request, nonce: Some(nonce), stage, failure })
+                }
                 _ => {}
             }
         }
         for o in engine.take_outcomes() {
             if let Err(failure) = o.result {
-                crate::base::lock(table).remove(&o.request);
                 tracing::warn!(stage, request = o.request, phase = %failure.phase, %failure, "prefill failed");
                 notify(notices, route, &Notice::Failed { id: o.request, nonce: o.nonce, stage, failure });
             }
@@ -364,34 +340,9 @@ fn carry_out(engine: &mut Engine, stage: u32, notices: &Notices, table: &Samplin
     }
 }
 
-/// Settles requests an earlier stage's death left waiting for this one: a request
-/// the engine holds is cancelled (it fails once its writes in flight complete, and
-/// its failure notice tells decode); one it does not hold is remembered, so that
-/// its job is dropped if it still comes, and decode is told at once.
-fn settle(
-    engine: &mut Engine,
-    stage: u32,
-    notices: &Notices,
-    endpoint: &PeerAddr,
-    requests: &[(u64, u64)],
-    failure: &Failure,
-    settled: &mut HashMap<u64, (u64, Instant)>,
-) {
-    // Each request fails with the earlier stage's failure, which is why it ends.
-    for &(id, nonce) in requests {
-        if engine.nonce(id) == Some(nonce) {
-            engine.cancel(Cancel { request: id, failure: failure.clone(), stage: None, nonce: Some(nonce), unsent: false });
-        } else {
-            settled.insert(id, (nonce, Instant::now()));
-            let route = StageRoute { endpoint: Some(endpoint.clone()), ..Default::default() };
-            notify(notices, &route, &Notice::Failed { id, nonce: Some(nonce), stage, failure: failure.clone() });
-        }
-    }
-}
-
-/// Attaches decode's regions (once per published handle) and submits the job;
-/// false when it could not (decode was told why).
-fn submit(engine: &mut Engine, stage: u32, notices: &Notices, mover: &MoverHandle, route: &mut StageRoute, job: WirePrefillJob) -> bool {
+/// Attaches decode's regions (once per published handle) and submits the job
+/// (with its sampling); when it could not, decode is told why.
+fn submit(engine: &mut Engine, stage: u32, notices: &Notices, mover: &MoverHandle, route: &mut StageRoute, job: WirePrefillJob) {
     let a = job.admitted;
     route.endpoint = Some(a.endpoint.clone());
     route.stages = job.stages;
@@ -404,7 +355,7 @@ fn submit(engine: &mut Engine, stage: u32, notices: &Notices, mover: &MoverHandl
         {
             let failure = Failure::new(PhaseName::Transfer, ProcessRole::Prefill { stage }, Cause::Transfer { detail: format!("attach {h}: {e}") });
             notify(notices, route, &Notice::Failed { id: a.id, nonce: Some(a.nonce), stage, failure });
-            return false;
+            return;
         }
     }
     let tokens = job.hidden.as_ref().map_or(job.prompt.len() as u64, |h| {
@@ -417,7 +368,7 @@ fn submit(engine: &mut Engine, stage: u32, notices: &Notices, mover: &MoverHandl
         nonce: Some(a.nonce),
         consumers: a.consumers,
         inputs: Inputs { prompt: job.prompt, hidden: job.hidden },
+        sampling: job.sampling,
         ..Default::default()
     });
-    true
 }

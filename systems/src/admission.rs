@@ -59,18 +59,27 @@ pub fn validate_generation(topo: &handoff_components::Topology, tokens: u64, max
     Ok(())
 }
 
-/// Turns `Submit` messages into waiting requests, or rejects them.
+/// Turns `Submit` messages into waiting requests, or rejects them. The job of a
+/// request this World settled before it came ([`Settled`]) is dropped: decode
+/// already knows this stage writes nothing for it.
 pub fn admit_requests(
     mut commands: Commands,
     mut submits: MessageReader<Submit>,
     topo: Res<TopologyRes>,
     local: Res<LocalRanks>,
+    settled: Option<Res<Settled>>,
     mut index: ResMut<RequestIndex>,
     mut outcomes: MessageWriter<Outcome>,
 ) {
     let timeout = Duration::from_secs_f64(topo.0.config.timeouts.admission_s);
     let pp = topo.0.config.prefill.pp;
     for s in submits.read() {
+        if let (Some(settled), Some(nonce)) = (&settled, s.nonce)
+            && settled.holds(s.id, nonce)
+        {
+            tracing::info!(request = s.id, "dropped the job of a settled request");
+            continue;
+        }
         let rejected = if index.0.contains_key(&s.id) {
             Err(AdmissionError::Duplicate(s.id))
         } else if local.decode && s.max_tokens > 0 {
@@ -99,6 +108,10 @@ pub fn admit_requests(
         }
         if !s.consumers.is_empty() {
             e.insert(RemoteConsumers(s.consumers.clone()));
+        }
+        // A greedy request carries no sampling: the model's pick stands.
+        if let Some(sampling) = s.sampling.filter(|x| !x.is_greedy()) {
+            e.insert(sampling);
         }
         // Without tokens to generate (the byte-level checks) a handed-off request
         // waits for its owner to finish it.

@@ -8,9 +8,11 @@
 
 pub use crate::error::ErrorSource;
 use crate::placement::{alloc_blocks, blocks_needed};
+use crate::sampling::choose;
 use bevy_ecs::prelude::*;
 use handoff_components::ecs::*;
 use handoff_components::failure::{Cause, Failure, ProcessRole};
+use handoff_components::sampling::Sampling;
 use handoff_components::vocab::RankId;
 use std::sync::Arc;
 use thiserror::Error;
@@ -62,6 +64,9 @@ pub struct PrefillJob<'a> {
     pub hidden: Option<&'a [f32]>,
     /// The stage's leases (one per TP rank).
     pub leases: Vec<&'a Lease>,
+    /// The request samples its first token: the last stage returns the logits
+    /// of the prompt's last position ([`PrefillOutput::logits`]).
+    pub logits: bool,
 }
 
 /// What a stage's compute leaves besides its caches.
@@ -71,6 +76,9 @@ pub struct PrefillOutput {
     pub hidden: Vec<f32>,
     /// The greedy pick at the prompt's last position (last stage).
     pub first_token: Option<u8>,
+    /// The logits at the prompt's last position, when the job asked for them
+    /// (last stage): the dispatch phase samples token 0 from them.
+    pub logits: Option<Vec<f32>>,
 }
 
 /// One request of a decode batch: feed `token` at position `pos`.
@@ -81,6 +89,26 @@ pub struct DecodeItem<'a> {
     pub pos: u64,
     /// The request's lease on every decode rank, in TP order; blocks cover `pos`.
     pub leases: Vec<&'a Lease>,
+    /// The request samples: return this step's logits ([`DecodeOutput::logits`]).
+    pub logits: bool,
+}
+
+/// What one decode step gives back.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DecodeOutput {
+    /// The greedy token of each request, in batch order.
+    pub tokens: Vec<u8>,
+    /// In batch order, the step's logits of each request whose item asked for
+    /// them, None for the others; empty when none asked. The dispatch phase
+    /// samples those requests' tokens from them: only the sampled requests'
+    /// logits leave the device.
+    pub logits: Vec<Option<Vec<f32>>>,
+}
+
+impl From<Vec<u8>> for DecodeOutput {
+    fn from(tokens: Vec<u8>) -> Self {
+        DecodeOutput { tokens, logits: Vec::new() }
+    }
 }
 
 /// The compute of the prefill stages and the decode ranks.
@@ -95,8 +123,9 @@ pub trait Compute: Send + Sync + 'static {
         jobs.into_iter().map(|j| self.prefill(j)).collect()
     }
     /// One decode step for every request of the batch, reading and writing KV and
-    /// state in the decode regions; the greedy token of each, in batch order.
-    fn decode(&mut self, batch: &[DecodeItem<'_>]) -> Result<Vec<u8>, ComputeError>;
+    /// state in the decode regions; the greedy token of each, in batch order, and
+    /// the logits of the items that ask for them.
+    fn decode(&mut self, batch: &[DecodeItem<'_>]) -> Result<DecodeOutput, ComputeError>;
 }
 
 /// The engine's compute, when it has one.
@@ -108,12 +137,13 @@ pub struct Dispatcher(pub Box<dyn Compute>);
 /// their prompt tokens fit `serve.prefill_batch_tokens` (the first always
 /// runs). Stage s + 1 of the same World reads stage s's hidden states from
 /// `Inputs`; a stage whose successor lives elsewhere hands them out as
-/// `EngineEvent::Computed`.
+/// `EngineEvent::Computed`. A request with [`Sampling`] gets its first token
+/// sampled from the last position's logits, the others the model's greedy pick.
 #[allow(clippy::type_complexity)]
 pub fn run_prefill(
     mut commands: Commands,
     dispatcher: Option<ResMut<Dispatcher>>,
-    mut requests: Query<(Entity, &Request, &mut Status, &mut StagesComputed, &Holdings, &mut Inputs, Option<&RemoteConsumers>)>,
+    mut requests: Query<(Entity, &Request, &mut Status, &mut StagesComputed, &Holdings, &mut Inputs, Option<&RemoteConsumers>, Option<&Sampling>)>,
     leases: Query<&Lease>,
     local: Res<LocalRanks>,
     topo: Res<TopologyRes>,
@@ -127,7 +157,7 @@ pub fn run_prefill(
     let mut cands: Vec<(u64, Entity, u32, u64)> = requests
         .iter()
         .filter(|(_, _, st, ..)| **st == Status::Planned)
-        .filter_map(|(e, r, _, c, _, i, _)| ready(c, i).map(|s| (r.id, e, s, r.tokens)))
+        .filter_map(|(e, r, _, c, _, i, ..)| ready(c, i).map(|s| (r.id, e, s, r.tokens)))
         .collect();
     cands.sort_unstable();
     let Some(&(_, _, stage, _)) = cands.first() else { return };
@@ -145,7 +175,7 @@ pub fn run_prefill(
     }
     let (batch, mut outs) = {
         let (ents, jobs): (Vec<Entity>, Vec<PrefillJob<'_>>) =
-            batch.iter().filter_map(|&e| requests.get(e).ok()).map(|(e, req, _, _, h, i, _)| (e, stage_job(stage, req, h, i, &leases))).unzip();
+            batch.iter().filter_map(|&e| requests.get(e).ok()).map(|(e, req, _, _, h, i, _, smp)| (e, stage_job(stage, req, h, i, smp, &leases))).unzip();
         (ents, dispatcher.0.prefill_batch(jobs))
     };
     // A batch fails as a whole (one pass), so a job of a failed batch runs
@@ -153,19 +183,19 @@ pub fn run_prefill(
     if batch.len() > 1 {
         for (&e, out) in batch.iter().zip(outs.iter_mut()) {
             if out.is_err()
-                && let Ok((_, req, _, _, h, i, _)) = requests.get(e)
+                && let Ok((_, req, _, _, h, i, _, smp)) = requests.get(e)
             {
-                *out = dispatcher.0.prefill(stage_job(stage, req, h, i, &leases));
+                *out = dispatcher.0.prefill(stage_job(stage, req, h, i, smp, &leases));
             }
         }
     }
     for (&e, out) in batch.iter().zip(outs) {
-        let Ok((e, req, mut status, mut computed, _, mut inputs, remote)) = requests.get_mut(e) else { continue };
+        let Ok((e, req, mut status, mut computed, _, mut inputs, remote, sampling)) = requests.get_mut(e) else { continue };
         match out {
             Ok(out) => {
                 computed.0[stage as usize] = true;
-                if let Some(tok) = out.first_token {
-                    commands.entity(e).insert(FirstToken(tok));
+                if let Some(greedy) = out.first_token {
+                    commands.entity(e).insert(FirstToken(choose(greedy, sampling, out.logits.as_deref(), 0)));
                 }
                 if stage + 1 < pp {
                     if local.has_stage(stage + 1) {
@@ -173,7 +203,16 @@ pub fn run_prefill(
                     } else {
                         inputs.hidden = None;
                         let consumers = remote.map(|r| r.0.clone()).unwrap_or_default();
-                        events.write(EngineEvent::Computed { request: req.id, nonce: req.nonce, stage, tokens: req.tokens, hidden: out.hidden, consumers });
+                        let sampling = sampling.copied();
+                        events.write(EngineEvent::Computed {
+                            request: req.id,
+                            nonce: req.nonce,
+                            stage,
+                            tokens: req.tokens,
+                            hidden: out.hidden,
+                            consumers,
+                            sampling,
+                        });
                     }
                 }
             }
@@ -184,9 +223,16 @@ pub fn run_prefill(
 
 /// The job of `req` at `stage`: its prompt or hidden states and its leases on
 /// the stage's ranks.
-fn stage_job<'a>(stage: u32, req: &'a Request, holdings: &'a Holdings, inputs: &'a Inputs, leases: &'a Query<&Lease>) -> PrefillJob<'a> {
+fn stage_job<'a>(
+    stage: u32,
+    req: &'a Request,
+    holdings: &'a Holdings,
+    inputs: &'a Inputs,
+    sampling: Option<&Sampling>,
+    leases: &'a Query<&Lease>,
+) -> PrefillJob<'a> {
     let leases = holdings.leases.iter().filter_map(|&l| leases.get(l).ok()).filter(|l| matches!(l.rank, RankId::Prefill(p) if p.pp == stage)).collect();
-    PrefillJob { request: req.id, stage, tokens: req.tokens, prompt: &inputs.prompt, hidden: inputs.hidden.as_deref(), leases }
+    PrefillJob { request: req.id, stage, tokens: req.tokens, prompt: &inputs.prompt, hidden: inputs.hidden.as_deref(), leases, logits: sampling.is_some() }
 }
 
 /// Blocks for generated tokens: each decoding request's block tables grow from the
@@ -227,10 +273,11 @@ pub fn grow_leases(
 /// One decode step for every handed-off request (up to `serve.max_batch`, those
 /// stepped longest ago first) as one batch; each token leaves as `EngineEvent::Token`, and
 /// a request that emitted its last token is finished (release frees it next tick).
+/// A request with [`Sampling`] keeps the token sampled from its step's logits.
 #[allow(clippy::type_complexity)]
 pub fn run_decode(
     dispatcher: Option<ResMut<Dispatcher>>,
-    mut requests: Query<(Entity, &Request, &mut Status, &mut DecodeProgress, &Holdings)>,
+    mut requests: Query<(Entity, &Request, &mut Status, &mut DecodeProgress, &Holdings, Option<&Sampling>)>,
     leases: Query<&Lease>,
     forced: Query<&Forced>,
     topo: Res<TopologyRes>,
@@ -241,8 +288,8 @@ pub fn run_decode(
     *tick += 1;
     let mut live: Vec<(u64, u64, Entity)> = requests
         .iter()
-        .filter(|(_, _, s, g, _)| **s == Status::HandedOff && g.last.is_some() && g.emitted < g.max_tokens)
-        .map(|(e, r, _, g, _)| (g.stepped, r.id, e))
+        .filter(|(_, _, s, g, ..)| **s == Status::HandedOff && g.last.is_some() && g.emitted < g.max_tokens)
+        .map(|(e, r, _, g, ..)| (g.stepped, r.id, e))
         .collect();
     if live.is_empty() {
         return;
@@ -251,26 +298,31 @@ pub fn run_decode(
     live.truncate(topo.0.config.serve.batch() as usize);
     let mut batch = Vec::with_capacity(live.len());
     for &(_, _, e) in &live {
-        let Ok((_, req, _, generation, holdings)) = requests.get(e) else { continue };
+        let Ok((_, req, _, generation, holdings, sampling)) = requests.get(e) else { continue };
         let mut held: Vec<&Lease> = holdings.leases.iter().filter_map(|&l| leases.get(l).ok()).filter(|l| matches!(l.rank, RankId::Decode(_))).collect();
         held.sort_by_key(|l| l.rank);
         // Teacher forcing feeds the true byte of this position instead of the pick.
         let truth = forced.get(e).ok().and_then(|f| f.0.get(generation.emitted.saturating_sub(1) as usize).copied());
         let token = truth.or(generation.last).unwrap_or(0);
-        batch.push(DecodeItem { request: req.id, token, pos: req.tokens + generation.emitted as u64 - 1, leases: held });
+        let pos = req.tokens + generation.emitted as u64 - 1;
+        batch.push(DecodeItem { request: req.id, token, pos, leases: held, logits: sampling.is_some() });
     }
     let result = dispatcher.0.decode(&batch);
     drop(batch);
     for (i, &(_, _, e)) in live.iter().enumerate() {
-        let Ok((_, req, mut status, mut generation, _)) = requests.get_mut(e) else { continue };
+        let Ok((_, req, mut status, mut generation, _, sampling)) = requests.get_mut(e) else { continue };
         generation.stepped = *tick;
         match &result {
-            Ok(tokens) => {
-                let Some(&tok) = tokens.get(i) else {
-                    let detail = format!("the compute returned {} tokens for a batch of {}", tokens.len(), live.len());
+            Ok(out) => {
+                let Some(&greedy) = out.tokens.get(i) else {
+                    let detail = format!("the compute returned {} tokens for a batch of {}", out.tokens.len(), live.len());
                     *status = Status::Failed(Failure::new(PhaseName::Decode, ProcessRole::Decode, Cause::Compute { detail }));
                     continue;
                 };
+                // Token k of the request is step k of its draws (token 0 came
+                // from the last prefill stage).
+                let logits = out.logits.get(i).and_then(|l| l.as_deref());
+                let tok = choose(greedy, sampling, logits, generation.emitted);
                 events.write(EngineEvent::Token { request: req.id, index: generation.emitted, token: tok });
                 generation.last = Some(tok);
                 generation.emitted += 1;

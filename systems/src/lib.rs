@@ -3,8 +3,8 @@
 //!
 //! Order of one tick: admission -> placement -> splitting -> transfer -> release ->
 //! dispatch (the compute, when the engine has a `dispatch::Dispatcher`). `coalesce`
-//! (merging adjacent copies) and `share` (who sends what to whom) are rules the
-//! phases share; placement comes before splitting in the imports too. `error` holds
+//! (merging adjacent copies), `share` (who sends what to whom) and `sampling`
+//! (the pick of a sampled token) are rules the phases share; placement comes before splitting in the imports too. `error` holds
 //! `ErrorSource`, the error of the layers below that the phases share (re-exported
 //! here); this root only declares, re-exports and wires the phases into a schedule,
 //! so no phase imports from it.
@@ -15,6 +15,7 @@ pub mod dispatch;
 pub mod error;
 pub mod placement;
 pub mod release;
+pub mod sampling;
 pub mod share;
 pub mod splitting;
 pub mod transfer;
@@ -41,8 +42,10 @@ pub fn add_phases(schedule: &mut Schedule) {
         admission::admit_requests.in_set(Phase::Admission),
         placement::place_requests.in_set(Phase::Placement),
         splitting::split_requests.in_set(Phase::Splitting),
-        (transfer::advance_deadlines, transfer::submit_plans, transfer::poll_transfers).chain().in_set(Phase::Transfer),
+        (transfer::advance_deadlines, transfer::submit_plans, transfer::poll_transfers, transfer::poll_notices).chain().in_set(Phase::Transfer),
         (
+            release::fail_stage_down,
+            release::settle_requests,
             release::receive_reports,
             release::apply_cancels,
             release::record_reports,

@@ -1,12 +1,99 @@
 //! Release: the completion protocol, producer entries, cancellations, timeouts, and
-//! freeing every block, slot and entity a request held.
+//! freeing every block, slot and entity a request held; and the faults of other
+//! processes: decode fails what waits for a stage that went down and names its
+//! orphans, a prefill stage settles what an earlier stage's death left to it.
 
 use crate::placement::release_lease;
 use bevy_ecs::prelude::*;
 use handoff_components::ecs::*;
-use handoff_components::failure::{Cause, Failure, ProcessRole};
+use handoff_components::failure::{Cause, Failure, PeerLoss, ProcessRole};
 use handoff_components::vocab::RankId;
 use std::time::{Duration, Instant};
+
+/// The placed requests (id, nonce) still waiting for PP stage `stage`: published
+/// but not handed off, and without that stage's report. A request admitted in
+/// this tick is not one of them (`fresh`): its job left the proxy after the
+/// news of the stage did.
+fn awaiting<'a>(requests: impl Iterator<Item = (&'a Request, &'a Status, &'a StagesComputed, bool)>, stage: u32) -> Vec<(u64, u64)> {
+    requests
+        .filter(|(_, s, c, fresh)| !fresh && matches!(s, Status::Placed | Status::Planned) && !c.0.get(stage as usize).copied().unwrap_or(true))
+        .map(|(r, ..)| (r.id, r.nonce))
+        .collect()
+}
+
+/// Decode's orphan handling: a stage that died or stopped answering fails every
+/// request still waiting for its writes, and the client hears at once
+/// (`EngineEvent::Failing`: the outcome comes only when the request is released,
+/// which for a stopped stage is at the phase deadline). A dead stage writes no
+/// more, so its share counts as settled and the blocks can be freed at once; a
+/// stopped one may still write when it resumes, so decode keeps the blocks until
+/// the phase deadline. A later stage that has not reported may never have got
+/// the job (the dead stage had not passed it on), and then never reports: its
+/// requests leave as `EngineEvent::Orphaned`, for the stage to settle them.
+pub fn fail_stage_down(
+    mut downs: MessageReader<StageDown>,
+    requests: Query<(Ref<Request>, &Status, &StagesComputed)>,
+    topo: Res<TopologyRes>,
+    mut cancels: MessageWriter<Cancel>,
+    mut events: MessageWriter<EngineEvent>,
+) {
+    let pp = topo.0.config.prefill.pp;
+    for d in downs.read() {
+        let rows = || {
+            requests.iter().map(|(r, s, c)| {
+                let fresh = r.is_added();
+                (r.into_inner(), s, c, fresh)
+            })
+        };
+        let waiting = awaiting(rows(), d.stage);
+        let loss = if d.dead { PeerLoss::Dead } else { PeerLoss::Stopped };
+        let failure = Failure::new(PhaseName::Compute, ProcessRole::Prefill { stage: d.stage }, Cause::PeerDown { loss, detail: d.detail.clone() });
+        if d.dead {
+            for later in d.stage + 1..pp {
+                let theirs = awaiting(rows(), later);
+                let orphans: Vec<(u64, u64)> = waiting.iter().filter(|r| theirs.contains(r)).copied().collect();
+                if !orphans.is_empty() {
+                    events.write(EngineEvent::Orphaned { stage: later, requests: orphans, failure: failure.clone() });
+                }
+            }
+        }
+        for &(request, nonce) in &waiting {
+            events.write(EngineEvent::Failing { request, failure: failure.clone() });
+            cancels.write(Cancel { request, failure: failure.clone(), stage: d.dead.then_some(d.stage), nonce: Some(nonce), unsent: false });
+        }
+    }
+}
+
+/// A prefill stage's settle handling: a settled request the World holds (this
+/// life of it) is cancelled, and fails once its writes in flight complete (its
+/// failure tells decode); one it does not hold is remembered in [`Settled`], so
+/// that admission drops its job if it still comes, and leaves as
+/// `EngineEvent::Settled` (decode is told at once). Entries older than
+/// `Settled::keep` are forgotten here.
+pub fn settle_requests(
+    mut settles: MessageReader<Settle>,
+    index: Res<RequestIndex>,
+    requests: Query<&Request>,
+    mut settled: ResMut<Settled>,
+    mut cancels: MessageWriter<Cancel>,
+    mut events: MessageWriter<EngineEvent>,
+) {
+    let keep = settled.keep;
+    if !settled.requests.is_empty() {
+        settled.requests.retain(|_, (_, at)| at.elapsed() < keep);
+    }
+    for s in settles.read() {
+        for &(request, nonce) in &s.requests {
+            let held = index.0.get(&request).and_then(|&e| requests.get(e).ok()).is_some_and(|r| r.nonce == nonce);
+            if held {
+                cancels.write(Cancel { request, failure: s.failure.clone(), stage: None, nonce: Some(nonce), unsent: false });
+            } else {
+                settled.requests.insert(request, (nonce, Instant::now()));
+                events.write(EngineEvent::Settled { request, nonce, failure: s.failure.clone() });
+            }
+        }
+    }
+}
 
 /// Turns the reports of stages in other processes into write-done reports of their
 /// pairs; a report marks its stage computed and may carry the first token.

@@ -143,3 +143,41 @@ pub fn poll_transfers(
         }
     }
 }
+
+/// Where a World whose producers are other processes (decode) hears from them:
+/// the stages' write-done reports and failures, as they arrive. The consumer's
+/// side of a hand-off, polled like the producer's [`Mover`].
+pub trait NoticeSource: Send + Sync + 'static {
+    /// Appends the notices that arrived since the last call (never blocks).
+    fn poll(&mut self, out: &mut Vec<StageNotice>);
+}
+
+/// The engine's notice source, when its producers live elsewhere.
+#[derive(Resource)]
+pub struct Notices(pub Box<dyn NoticeSource>);
+
+/// Takes the stages' notices: a report goes to the release phase as a
+/// [`StageReport`]; a stage's failure fails the request there as a [`Cancel`]
+/// naming the stage (it writes no more).
+pub fn poll_notices(
+    notices: Option<ResMut<Notices>>,
+    mut reports: MessageWriter<StageReport>,
+    mut cancels: MessageWriter<Cancel>,
+    mut buf: Local<Vec<StageNotice>>,
+) {
+    let Some(mut notices) = notices else { return };
+    buf.clear();
+    notices.0.poll(&mut buf);
+    for n in buf.drain(..) {
+        match n {
+            StageNotice::Written(r) => {
+                tracing::debug!(request = r.request, stage = r.stage, "a stage's writes reported");
+                reports.write(r);
+            }
+            StageNotice::Failed { request, nonce, stage, failure } => {
+                tracing::debug!(request, stage, %failure, "a stage failed the request");
+                cancels.write(Cancel { request, failure, stage: Some(stage), nonce, unsent: false });
+            }
+        }
+    }
+}
