@@ -4,8 +4,10 @@
 //! Every role process builds one: a prefill stage's World holds its TP ranks, decode's
 //! holds the decode ranks, and `verify` builds one World of every rank. The role
 //! talks to it only through commands in ([`Engine::submit`], [`Engine::report`],
-//! [`Engine::cancel`], [`Engine::stage_down`], [`Engine::settle`]) and messages out ([`Engine::take_outcomes`],
-//! [`Engine::take_events`]); the World itself stays private.
+//! [`Engine::cancel`], [`Engine::stage_down`], [`Engine::settle`]) and messages
+//! out ([`Engine::take_outcomes`], [`Engine::take_events`]); the World itself
+//! stays private. Decode's World also takes the stages' notices itself, from the
+//! [`NoticeSource`] the role gives it ([`Engine::set_notices`]).
 
 use bevy_ecs::message::{MessageRegistry, Messages, message_update_system};
 use bevy_ecs::prelude::*;

@@ -3,7 +3,7 @@
 //! One engine thread owns decode's [`Engine`] (a World of the decode ranks only).
 //! The proxy's link carries commands in (admit, cancel, a stage down); transport
 //! notifications carry the stages' reports in, polled by the engine's transfer
-//! phase through [`TransportNotices`] as a stage polls its mover; the engine's
+//! phase through `TransportNotices` as a stage polls its mover; the engine's
 //! events go out on the link (published layouts, tokens, done, errors, orphans).
 //! Every tick's dispatch runs one batched decode step for every handed-off
 //! request, in place in the registered decode regions. The role keeps no table

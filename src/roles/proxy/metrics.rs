@@ -92,7 +92,7 @@ pub(super) async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
         ("handoff_producer_entries", "Live producer entries of the role's stage.", |c| c.producer_entries.iter().map(|&(_, n)| n as u64).sum()),
         ("handoff_engine_free_blocks", "Free blocks over the role's ranks.", |c| c.free_blocks),
         ("handoff_engine_free_slots", "Free slots over the role's ranks.", |c| c.free_slots),
-        ("handoff_sampling_entries", "Requests with sampling state in the role's table (0 once every request has left).", |c| c.sampling as u64),
+        ("handoff_sampling_entries", "Requests that sample, in the role's engine (0 once every request has left).", |c| c.sampling as u64),
         ("handoff_prefill_settled", "Requests a prefill stage settled before their job came (each forgotten 120 s after).", |c| c.settled as u64),
     ] {
         out += &format!("# HELP {name} {help}\n# TYPE {name} gauge\n");
