@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 
 /// The placed requests (id, nonce) still waiting for PP stage `stage`: published
 /// but not handed off, and without that stage's report. A request admitted in
-/// this tick is not one of them (`fresh`): its job left the proxy after the
-/// news of the stage did.
+/// this tick is not one of them (`fresh`): it came in with the news of the
+/// stage, and the proxy sends its job only once decode has admitted it (a job
+/// that cannot reach stage 0 is cancelled there as unsent).
 fn awaiting<'a>(requests: impl Iterator<Item = (&'a Request, &'a Status, &'a StagesComputed, bool)>, stage: u32) -> Vec<(u64, u64)> {
     requests
         .filter(|(_, s, c, fresh)| !fresh && matches!(s, Status::Placed | Status::Planned) && !c.0.get(stage as usize).copied().unwrap_or(true))
