@@ -458,13 +458,20 @@ extern "C" __global__ void __launch_bounds__(256) mla_partial_tc8(
 // M = max m_c, l = sum l_c e^(m_c - M), acc = sum acc_c e^(m_c - M). A request
 // of no chunks (no rows) gets m = -inf, l = 0, acc = 0.
 // cstart: [B + 1] first chunk of each request; parts [chunks, H, 2 + L];
-// partial [B, H, 2 + L]. Launch: grid (B * heads); block MLA_MERGE_THREADS.
+// partial [B, H, 2 + L]. One block a (request, head) and 128 columns, one
+// column a thread, so a long request (hundreds of chunks) is merged by
+// L / 128 blocks, each with eight chunks' loads in flight a thread; the max
+// is order-free, every sum keeps chunk order. Launch: grid (B * heads,
+// ceil(L / 128)); block MLA_MERGE_THREADS.
 #define MLA_MERGE_THREADS 128
+#define MLA_MERGE_U 8
 extern "C" __global__ void __launch_bounds__(MLA_MERGE_THREADS) mla_chunk_merge_f64(
     const double* __restrict__ parts, const hk_i64* __restrict__ cstart, double* __restrict__ partial,
     int heads, int L)
 {
     __shared__ double swt[MLA_MERGE_THREADS];
+    __shared__ double swl[MLA_MERGE_THREADS];
+    __shared__ double smax[MLA_MERGE_THREADS];
     const hk_i64 bh = blockIdx.x;
     const hk_i64 b = bh / heads;
     const hk_i64 h = bh - b * heads;
@@ -473,39 +480,45 @@ extern "C" __global__ void __launch_bounds__(MLA_MERGE_THREADS) mla_chunk_merge_
     const int pw = L + 2;
     const double* base = parts + (c0 * heads + h) * pw;
     const hk_i64 cs = (hk_i64)heads * pw;  // stride between chunks
+    const int tid = threadIdx.x;
     double M = HK_NEG_INF_D;
-    for (hk_i64 c = 0; c < nc; ++c) {
+    for (hk_i64 c = tid; c < nc; c += MLA_MERGE_THREADS) {
         const double x = base[c * cs];
         M = x > M ? x : M;
     }
+    smax[tid] = M;
+    __syncthreads();
+    M = HK_NEG_INF_D;
+    for (int x = 0; x < MLA_MERGE_THREADS; ++x) M = smax[x] > M ? smax[x] : M;
     double* p = partial + bh * pw;
-    double a[4] = {0.0, 0.0, 0.0, 0.0};  // columns tid + 128 k
+    const int col = blockIdx.y * MLA_MERGE_THREADS + tid;
+    const bool has = col < L;
+    double a = 0.0;
     double lt = 0.0;
     for (hk_i64 c0p = 0; c0p < nc; c0p += MLA_MERGE_THREADS) {
-        const hk_i64 cn = nc - c0p < MLA_MERGE_THREADS ? nc - c0p : MLA_MERGE_THREADS;
+        const int cn = (int)(nc - c0p < MLA_MERGE_THREADS ? nc - c0p : MLA_MERGE_THREADS);
         __syncthreads();
-        if (threadIdx.x < cn) {
-            const double mc = base[(c0p + threadIdx.x) * cs];
-            swt[threadIdx.x] = mc == HK_NEG_INF_D ? 0.0 : exp(mc - M);
+        if (tid < cn) {
+            const double* pc = base + (c0p + tid) * cs;
+            const double mc = pc[0];
+            swt[tid] = mc == HK_NEG_INF_D ? 0.0 : exp(mc - M);
+            swl[tid] = pc[1];
         }
         __syncthreads();
-        for (int x = 0; x < cn; ++x) {
-            const double wt = swt[x];
-            const double* pc = base + (c0p + x) * cs;
-            if (threadIdx.x == 0) lt += pc[1] * wt;
+        if (blockIdx.y == 0 && tid == 0)
+            for (int x = 0; x < cn; ++x) lt += swl[x] * swt[x];
+        const double* pcol = base + c0p * cs + 2 + (has ? col : 0);
+        for (int x = 0; x < cn; x += MLA_MERGE_U) {
+            double v[MLA_MERGE_U];
 #pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const int col = threadIdx.x + MLA_MERGE_THREADS * k;
-                if (col < L) a[k] += pc[2 + col] * wt;
-            }
+            for (int u = 0; u < MLA_MERGE_U; ++u) v[u] = x + u < cn ? pcol[(hk_i64)(x + u) * cs] : 0.0;
+#pragma unroll
+            for (int u = 0; u < MLA_MERGE_U; ++u)
+                if (x + u < cn) a += v[u] * swt[x + u];
         }
     }
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const int col = threadIdx.x + MLA_MERGE_THREADS * k;
-        if (col < L) p[2 + col] = a[k];
-    }
-    if (threadIdx.x == 0) {
+    if (has) p[2 + col] = a;
+    if (blockIdx.y == 0 && tid == 0) {
         p[0] = M;
         p[1] = lt;
     }

@@ -366,7 +366,10 @@ static __device__ __forceinline__ void st_mm_body(
 // element of every group, spread over the whole device: with many rows the
 // sums are too many for the last block of a column group to add them alone
 // (st_mm_few's way), which would leave one block a column group working
-// while the rest of the device waits. Launch: grid-stride over G * M * ncols.
+// while the rest of the device waits. One block row a (group, row) pair, so
+// the index math is one division a block, not 64-bit divisions an element
+// (they cost more than the loads). Launch: grid (ceil(ncols / 256), min(G *
+// M, 65535)); block 256.
 extern "C" __global__ void st_reduce(
     const float* __restrict__ part, hk_i64 part_seg, hk_i64 part_group, int ldp,
     int M, int ncols, int S, int G,
@@ -374,11 +377,12 @@ extern "C" __global__ void st_reduce(
     unsigned short* __restrict__ ap, hk_i64 ap_plane, int akt, int uw, int uwp)
 {
     const StEpi e{mode, out, ldo, gcol, ap, ap_plane, akt, uw, uwp};
-    const hk_i64 total = (hk_i64)G * M * ncols;
-    for (hk_i64 x = (hk_i64)blockIdx.x * blockDim.x + threadIdx.x; x < total; x += (hk_i64)gridDim.x * blockDim.x) {
-        const int n = (int)(x % ncols);
-        const int r = (int)((x / ncols) % M);
-        const int g = (int)(x / ((hk_i64)ncols * M));
+    const int n = blockIdx.x * blockDim.x + threadIdx.x;
+    if (n >= ncols) return;
+    // Block rows past the grid's y limit (65535) stride over the rest.
+    for (unsigned y = blockIdx.y; y < (unsigned)G * (unsigned)M; y += gridDim.y) {
+        const int r = (int)(y % (unsigned)M);
+        const int g = (int)(y / (unsigned)M);
         st_finish(part + (hk_i64)g * part_group, part_seg, ldp, S, r, n, g, e);
     }
 }

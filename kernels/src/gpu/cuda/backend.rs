@@ -445,6 +445,14 @@ impl Backend for CudaBackend {
         check_len(op, "q_lat", q_lat.len, elems(op, &[h, width])?)?;
         check_len(op, "out", out.len, elems(op, &[h, l])?)?;
         check_len(op, "lse", lse.len, h)?;
+        if n > 0 && self.mla_tc_applies(shape) {
+            // The tensor-core partial splits the rows over chunks (one block a
+            // chunk and 8 heads, as the ragged partial does); one shard's merge
+            // then normalizes it. mla_attend walks every row in one block a head.
+            let mut partial = self.alloc_f64(h * mla_partial_width(l))?;
+            self.mla_partial_any(op, shape, q_lat, rows.buf, &[n], &mut partial)?;
+            return self.dcp_merge_partials(MergeShape { shards: 1, heads: h, width: l }, &partial, out, lse);
+        }
         self.mla_attend(op, shape, 1, n, q_lat, rows.buf, out, Some(lse))
     }
 

@@ -52,6 +52,12 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Whether the tensor-core partial takes `shape` (K3's row shape, heads
+    /// in groups of 8, and not switched off by `--mla scalar`).
+    pub(super) fn mla_tc_applies(&self, shape: MlaShape) -> bool {
+        self.mla_tc.warps != 0 && shape.kv_lora_rank == MLA_TC_L && shape.rope_dim == MLA_TC_R && shape.heads.is_multiple_of(8)
+    }
+
     /// f64 partials of `counts.len()` requests whose rows lie one after the
     /// other in `rows` (lengths checked by the caller): the tensor-core kernel
     /// for K3's row shape, else the scalar one.
@@ -68,9 +74,8 @@ impl CudaBackend {
         if batch == 0 {
             return Ok(());
         }
-        let tc = self.mla_tc;
-        if tc.warps != 0 && shape.kv_lora_rank == MLA_TC_L && shape.rope_dim == MLA_TC_R && shape.heads.is_multiple_of(8) {
-            return self.mla_partial_tc(op, shape, q_lat, rows, counts, partial, tc);
+        if self.mla_tc_applies(shape) {
+            return self.mla_partial_tc(op, shape, q_lat, rows, counts, partial, self.mla_tc);
         }
         if batch == 1 {
             return self.mla_partial(op, shape, 1, q_lat, rows, None, counts[0], partial);
@@ -105,33 +110,43 @@ impl CudaBackend {
     ) -> Result<()> {
         let (h, l) = (shape.heads, shape.kv_lora_rank);
         let batch = counts.len();
-        // One table: [B + 1] first chunk of each request, then per chunk
-        // (first row, rows, request).
         let nchunks: usize = counts.iter().map(|&n| n.div_ceil(tc.chunk)).sum();
-        let mut table: Vec<i64> = Vec::with_capacity(batch + 1 + 3 * nchunks);
-        let mut c = 0usize;
-        table.push(0);
-        for &n in counts {
-            c += n.div_ceil(tc.chunk);
-            table.push(i64_of(c));
-        }
-        let mut row0 = 0usize;
-        for (b, &n) in counts.iter().enumerate() {
-            let mut r = 0usize;
-            while r < n {
-                let k = tc.chunk.min(n - r);
-                table.extend([i64_of(row0 + r), i64_of(k), i64_of(b)]);
-                r += k;
-            }
-            row0 += n;
-        }
-        let table = self.upload_t(op, &table)?;
         let pw = mla_partial_width(l);
+        // The work table and the chunk partials' scratch stay on the device
+        // while the row counts do (a repeated call uploads and allocates
+        // nothing: the device never waits for the host between calls).
+        let mut cache = self.mla_scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let fresh = !matches!(&*cache, Some(c) if c.counts == counts && c.chunk == tc.chunk && c.heads == h && c.parts.len() >= (nchunks * h * pw).max(1));
+        if fresh {
+            // One table: [B + 1] first chunk of each request, then per chunk
+            // (first row, rows, request).
+            let mut table: Vec<i64> = Vec::with_capacity(batch + 1 + 3 * nchunks);
+            let mut c = 0usize;
+            table.push(0);
+            for &n in counts {
+                c += n.div_ceil(tc.chunk);
+                table.push(i64_of(c));
+            }
+            let mut row0 = 0usize;
+            for (b, &n) in counts.iter().enumerate() {
+                let mut r = 0usize;
+                while r < n {
+                    let k = tc.chunk.min(n - r);
+                    table.extend([i64_of(row0 + r), i64_of(k), i64_of(b)]);
+                    r += k;
+                }
+                row0 += n;
+            }
+            *cache = None; // the old scratch goes first
+            let table = self.upload_t(op, &table)?;
+            // SAFETY: every element of the scratch is written by the chunk
+            // kernel (each (chunk, head) block writes its m, l and all L
+            // columns) before the merge reads it; both run on this stream in order.
+            let parts = unsafe { self.stream.alloc::<f64>((nchunks * h * pw).max(1)) }.map_err(dev(op))?;
+            *cache = Some(MlaScratch { counts: counts.to_vec(), chunk: tc.chunk, heads: h, table, parts });
+        }
+        let MlaScratch { table, parts, .. } = cache.as_mut().expect("filled above");
         let (hh, ll) = (int(op, "heads", h)?, int(op, "kv_lora_rank", l)?);
-        // SAFETY: every element of the scratch is written by the chunk kernel
-        // (each (chunk, head) block writes its m, l and all L columns) before
-        // the merge reads it; both run on this stream in order.
-        let mut parts = unsafe { self.stream.alloc::<f64>((nchunks * h * pw).max(1)) }.map_err(dev(op))?;
         if nchunks > 0 {
             if nchunks > i32::MAX as usize || h / 8 > 65535 {
                 return Err(KernelError::InvalidShape { op, reason: format!("{nchunks} chunks x {h} heads exceed the device grid") });
@@ -143,16 +158,21 @@ impl CudaBackend {
             let work = table.slice((batch + 1)..);
             let scale = shape.scale as f64;
             let mut b = self.stream.launch_builder(func);
-            b.arg(&q_lat.data).arg(&rows.data).arg(&work).arg(&mut parts).arg(&hh).arg(&scale);
+            b.arg(&q_lat.data).arg(&rows.data).arg(&work).arg(&mut *parts).arg(&hh).arg(&scale);
             // SAFETY: types and order match mla_partial_tc4/8; the table's rows
             // lie inside `rows` (checked by the caller), q_lat holds B x H rows.
             unsafe { b.launch(cfg) }.map_err(dev(op))?;
         }
-        let cfg = LaunchConfig { grid_dim: (int(op, "requests x heads", batch * h)? as u32, 1, 1), block_dim: (MLA_MERGE_THREADS, 1, 1), shared_mem_bytes: 0 };
+        let col_blocks = l.div_ceil(MLA_MERGE_THREADS as usize).max(1) as u32;
+        let cfg = LaunchConfig { grid_dim: (int(op, "requests x heads", batch * h)? as u32, col_blocks, 1), block_dim: (MLA_MERGE_THREADS, 1, 1), shared_mem_bytes: 0 };
         let mut b = self.stream.launch_builder(&self.f.mla_chunk_merge_f64);
-        b.arg(&parts).arg(&table).arg(&mut partial.data).arg(&hh).arg(&ll);
+        b.arg(&*parts).arg(&*table).arg(&mut partial.data).arg(&hh).arg(&ll);
         // SAFETY: types and order match mla_chunk_merge_f64; partial holds B x H x (2 + L).
         unsafe { b.launch(cfg) }.map_err(dev(op))?;
+        if nchunks * h * pw * 8 > MLA_SCRATCH_KEEP {
+            // Too large to hold between calls: freed in stream order, after the merge.
+            *cache = None;
+        }
         Ok(())
     }
 

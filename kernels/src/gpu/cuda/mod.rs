@@ -91,8 +91,8 @@ const MLA_TC_TILE: usize = 16;
 const fn mla_tc_smem(nw: usize) -> usize {
     ((nw * 8 + 8) * 20 + 8) * 8 + 2 * MLA_TC_TILE * (MLA_TC_L + MLA_TC_R) * 4
 }
-/// Threads of `mla_chunk_merge_f64` (MLA_MERGE_THREADS); it keeps 4 columns
-/// per thread, so L <= 512.
+/// Threads of `mla_chunk_merge_f64` (MLA_MERGE_THREADS): one column a thread,
+/// ceil(L / 128) blocks a (request, head).
 const MLA_MERGE_THREADS: u32 = 128;
 
 /// Which kernel runs the f64 MLA partials of K3's row shape (L = 512, R = 64,
@@ -112,6 +112,20 @@ struct MlaTc {
 }
 
 const DEFAULT_MLA_TC: MlaTc = MlaTc { warps: 8, chunk: 512 };
+
+/// Bytes of chunk partials `mla_partial_tc` keeps between calls; a larger
+/// scratch is freed after its call.
+const MLA_SCRATCH_KEEP: usize = 256 << 20;
+
+/// The device side of one shape of `mla_partial_tc`: the work table for these
+/// row counts and chunk size, and the chunk partials' scratch.
+struct MlaScratch {
+    counts: Vec<usize>,
+    chunk: usize,
+    heads: usize,
+    table: CudaSlice<i64>,
+    parts: CudaSlice<f64>,
+}
 
 impl MlaTc {
     /// Parses `scalar`, `tc4` or `tc8`, optionally `:<rows per chunk>` (a
@@ -198,6 +212,10 @@ pub struct CudaBackend {
     cc: (i32, i32),
     kda_kernel: KdaKernel,
     mla_tc: MlaTc,
+    /// The tensor-core MLA partial's work table and chunk scratch, kept while
+    /// the row counts repeat (`mla_partial_tc`); clones share it as they
+    /// share the stream its kernels run on.
+    mla_scratch: Arc<std::sync::Mutex<Option<MlaScratch>>>,
     /// The launch-saving paths ([`CudaBackend::set_fused`]).
     fused: bool,
     /// Output tiles from which a matmul runs as matmul_tcb
@@ -360,6 +378,7 @@ impl CudaBackend {
             cc,
             kda_kernel: DEFAULT_KDA_KERNEL,
             mla_tc: DEFAULT_MLA_TC,
+            mla_scratch: Arc::new(std::sync::Mutex::new(None)),
             fused: true,
             tcb_min_tiles: dense::TCB_MIN_TILES,
             module,

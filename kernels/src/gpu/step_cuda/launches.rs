@@ -143,15 +143,14 @@ impl MmFuncs {
         let mut red = args[6..10].to_vec();
         red.extend([args[11], args[17], args[14], Arg::I(groups as i32), args[16]]);
         red.extend_from_slice(&args[18..]);
-        let elems = groups
-            * m
-            * match args[17] {
-                Arg::I(n) => n.max(0) as usize,
-                _ => 1,
-            };
+        let ncols = match args[17] {
+            Arg::I(n) => n.max(0) as usize,
+            _ => 1,
+        };
         vec![
             Launch { f: f.cu_function(), name, grid: (nt.div_ceil(8) as u32, gy, m.div_ceil(128) as u32), block: ST_MM_THREADS, smem, args },
-            Launch { f: self.reduce.cu_function(), name: "st_reduce", grid: (elems.div_ceil(256).clamp(1, 4096) as u32, 1, 1), block: 256, smem: 0, args: red },
+            // One block row a (group, row); past the y limit the kernel strides.
+            Launch { f: self.reduce.cu_function(), name: "st_reduce", grid: (ncols.div_ceil(256).max(1) as u32, (groups * m).min(65535) as u32, 1), block: 256, smem: 0, args: red },
         ]
     }
 }
