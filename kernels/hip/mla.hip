@@ -454,24 +454,29 @@ extern "C" __global__ void __launch_bounds__(256) mla_partial_tc8(
     mla_partial_tc<8>(q_lat, rows, work, parts, heads, scale, smem);
 }
 
-// Merge of each request's chunk partials (mla_partial_tc*) in chunk order:
-// M = max m_c, l = sum l_c e^(m_c - M), acc = sum acc_c e^(m_c - M). A request
-// of no chunks (no rows) gets m = -inf, l = 0, acc = 0.
-// cstart: [B + 1] first chunk of each request; parts [chunks, H, 2 + L];
-// partial [B, H, 2 + L]. One block a (request, head) and 128 columns, one
-// column a thread, so a long request (hundreds of chunks) is merged by
-// L / 128 blocks, each with eight chunks' loads in flight a thread; the max
-// is order-free, every sum keeps chunk order. Launch: grid (B * heads,
-// ceil(L / 128)); block MLA_MERGE_THREADS.
-#define MLA_MERGE_THREADS 128
+// Merge of each request's chunk partials (mla_partial_tc*): M = max m_c,
+// l = sum l_c e^(m_c - M), acc = sum acc_c e^(m_c - M). A request of no
+// chunks (no rows) gets m = -inf, l = 0, acc = 0.
+// One block a (request, head) and 32 columns; its 256 threads are 32 columns
+// x 8 slices, slice s taking chunks s, s + 8, s + 16, .. of each window of
+// 256 chunks in order (eight loads in flight a thread), then the eight slice sums are added in slice
+// order. The order depends on the request's chunk count only (batch
+// invariant), and a long request (hundreds of chunks) is merged by L / 32
+// blocks in a few round trips, not one chunk after another. The max is
+// order-free. cstart: [B + 1] first chunk of each request; parts [chunks, H,
+// 2 + L]; partial [B, H, 2 + L]. Launch: grid (B * heads, ceil(L / 32));
+// block MLA_MERGE_THREADS.
+#define MLA_MERGE_THREADS 256
+#define MLA_MERGE_COLS 32
+#define MLA_MERGE_SLICES (MLA_MERGE_THREADS / MLA_MERGE_COLS)
 #define MLA_MERGE_U 8
 extern "C" __global__ void __launch_bounds__(MLA_MERGE_THREADS) mla_chunk_merge_f64(
     const double* __restrict__ parts, const hk_i64* __restrict__ cstart, double* __restrict__ partial,
     int heads, int L)
 {
-    __shared__ double swt[MLA_MERGE_THREADS];
-    __shared__ double swl[MLA_MERGE_THREADS];
-    __shared__ double smax[MLA_MERGE_THREADS];
+    __shared__ double smax[MLA_MERGE_THREADS];  // the max, then a window's weights
+    __shared__ double sl[MLA_MERGE_THREADS];    // a window's l_c, then the slices' l sums
+    __shared__ double sacc[MLA_MERGE_SLICES][MLA_MERGE_COLS];
     const hk_i64 bh = blockIdx.x;
     const hk_i64 b = bh / heads;
     const hk_i64 h = bh - b * heads;
@@ -490,35 +495,55 @@ extern "C" __global__ void __launch_bounds__(MLA_MERGE_THREADS) mla_chunk_merge_
     __syncthreads();
     M = HK_NEG_INF_D;
     for (int x = 0; x < MLA_MERGE_THREADS; ++x) M = smax[x] > M ? smax[x] : M;
-    double* p = partial + bh * pw;
-    const int col = blockIdx.y * MLA_MERGE_THREADS + tid;
+    const int cl = tid % MLA_MERGE_COLS;
+    const int sc = tid / MLA_MERGE_COLS;
+    const int col = blockIdx.y * MLA_MERGE_COLS + cl;
     const bool has = col < L;
+    const bool lead = blockIdx.y == 0 && cl == 0;  // also sums l for its slice
     double a = 0.0;
     double lt = 0.0;
-    for (hk_i64 c0p = 0; c0p < nc; c0p += MLA_MERGE_THREADS) {
-        const int cn = (int)(nc - c0p < MLA_MERGE_THREADS ? nc - c0p : MLA_MERGE_THREADS);
-        __syncthreads();
-        if (tid < cn) {
-            const double* pc = base + (c0p + tid) * cs;
+    const double* pcol = base + 2 + (has ? col : 0);
+    // Windows of 256 chunks: each thread weighs one (e^(m_c - M) and l_c into
+    // shared memory), then slice sc adds the window's chunks sc, sc + 8, ...
+    for (hk_i64 w0 = 0; w0 < nc; w0 += MLA_MERGE_THREADS) {
+        const int wn = (int)(nc - w0 < MLA_MERGE_THREADS ? nc - w0 : MLA_MERGE_THREADS);
+        __syncthreads();  // the previous window's weights are used
+        if (tid < wn) {
+            const double* pc = base + (w0 + tid) * cs;
             const double mc = pc[0];
-            swt[tid] = mc == HK_NEG_INF_D ? 0.0 : exp(mc - M);
-            swl[tid] = pc[1];
+            smax[tid] = mc == HK_NEG_INF_D ? 0.0 : exp(mc - M);
+            sl[tid] = pc[1];
         }
         __syncthreads();
-        if (blockIdx.y == 0 && tid == 0)
-            for (int x = 0; x < cn; ++x) lt += swl[x] * swt[x];
-        const double* pcol = base + c0p * cs + 2 + (has ? col : 0);
-        for (int x = 0; x < cn; x += MLA_MERGE_U) {
+        for (int x = sc; x < wn; x += MLA_MERGE_SLICES * MLA_MERGE_U) {
             double v[MLA_MERGE_U];
 #pragma unroll
-            for (int u = 0; u < MLA_MERGE_U; ++u) v[u] = x + u < cn ? pcol[(hk_i64)(x + u) * cs] : 0.0;
+            for (int u = 0; u < MLA_MERGE_U; ++u) {
+                const int xu = x + u * MLA_MERGE_SLICES;
+                v[u] = xu < wn ? pcol[(w0 + xu) * cs] : 0.0;
+            }
 #pragma unroll
-            for (int u = 0; u < MLA_MERGE_U; ++u)
-                if (x + u < cn) a += v[u] * swt[x + u];
+            for (int u = 0; u < MLA_MERGE_U; ++u) {
+                const int xu = x + u * MLA_MERGE_SLICES;
+                if (xu < wn) {
+                    a += v[u] * smax[xu];
+                    if (lead) lt += sl[xu] * smax[xu];
+                }
+            }
         }
     }
+    __syncthreads();  // smax and sl are free for the slice sums
+    sacc[sc][cl] = a;
+    if (lead) sl[sc] = lt;
+    __syncthreads();
+    if (sc != 0) return;
+    a = 0.0;
+    for (int x = 0; x < MLA_MERGE_SLICES; ++x) a += sacc[x][cl];
+    double* p = partial + bh * pw;
     if (has) p[2 + col] = a;
-    if (blockIdx.y == 0 && tid == 0) {
+    if (lead) {
+        lt = 0.0;
+        for (int x = 0; x < MLA_MERGE_SLICES; ++x) lt += sl[x];
         p[0] = M;
         p[1] = lt;
     }

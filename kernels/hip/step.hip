@@ -191,32 +191,28 @@ static __device__ __forceinline__ void st_kda_stage(
     float* srec, const float* __restrict__ rec0, hk_i64 rstride, int lo, int hi, int kpad, int dk, int dv, int col0)
 {
     const int per = 2 * kpad + ST_KDA_TILE;
-    const int total = (hi - lo) * per;
-    // Eight loads a thread in flight at once: the records are the step's
-    // longest chain of dependent reads, so they go in as few round trips as fit.
-    for (int base = 0; base < total; base += 8 * (int)blockDim.x) {
-        float v[8];
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-            const int q = base + u * (int)blockDim.x + (int)threadIdx.x;
-            v[u] = 0.0f;
-            if (q < total) {
-                const int x = q % per;
-                const float* rj = rec0 + (lo + q / per) * rstride;
-                if (x < kpad) {
-                    if (x < dk) v[u] = rj[x];
-                } else if (x < 2 * kpad) {
-                    if (x - kpad < dk) v[u] = rj[dk + dv + (x - kpad)];
-                } else {
-                    const int jc = col0 + (x - 2 * kpad);
-                    if (jc < dv) v[u] = rj[dk + jc];
-                }
-            }
+    const int n = hi - lo;  // <= ST_KDA_RC
+    // A thread owns positions x of a record (no division an element) and
+    // loads them from every staged record at once, eight in flight: the
+    // records are the step's longest chain of dependent reads, so they go in
+    // as few round trips as fit.
+    for (int x = threadIdx.x; x < per; x += blockDim.x) {
+        int src = -1;  // offset in a ring record, -1: a zero past dk or dv
+        if (x < kpad) {
+            if (x < dk) src = x;
+        } else if (x < 2 * kpad) {
+            if (x - kpad < dk) src = dk + dv + (x - kpad);
+        } else {
+            const int jc = col0 + (x - 2 * kpad);
+            if (jc < dv) src = dk + jc;
         }
+        for (int j0 = 0; j0 < n; j0 += 8) {
+            float v[8];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
-            const int q = base + u * (int)blockDim.x + (int)threadIdx.x;
-            if (q < total) srec[q] = v[u];
+            for (int u = 0; u < 8; ++u) v[u] = (j0 + u < n && src >= 0) ? rec0[(hk_i64)(lo + j0 + u) * rstride + src] : 0.0f;
+#pragma unroll
+            for (int u = 0; u < 8; ++u)
+                if (j0 + u < n) srec[(j0 + u) * per + x] = v[u];
         }
     }
     __syncthreads();

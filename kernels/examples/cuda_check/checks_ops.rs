@@ -216,7 +216,7 @@ pub(crate) fn checks(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
 
     // Ragged partials: against the CPU, against each request alone (batch
     // invariance), and twice (determinism).
-    // K3's rows run the tensor-core kernel (chunks of 512 rows by default,
+    // K3's rows run the tensor-core kernel (chunks of 256 rows by default,
     // tiles of 16, heads in groups of 8): counts across chunk and tile edges,
     // 16 heads.
     let k3h16 = MlaShape { heads: 16, ..k3 };

@@ -163,8 +163,12 @@ impl CudaBackend {
             // lie inside `rows` (checked by the caller), q_lat holds B x H rows.
             unsafe { b.launch(cfg) }.map_err(dev(op))?;
         }
-        let col_blocks = l.div_ceil(MLA_MERGE_THREADS as usize).max(1) as u32;
-        let cfg = LaunchConfig { grid_dim: (int(op, "requests x heads", batch * h)? as u32, col_blocks, 1), block_dim: (MLA_MERGE_THREADS, 1, 1), shared_mem_bytes: 0 };
+        let col_blocks = l.div_ceil(MLA_MERGE_COLS).max(1) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (int(op, "requests x heads", batch * h)? as u32, col_blocks, 1),
+            block_dim: (MLA_MERGE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let mut b = self.stream.launch_builder(&self.f.mla_chunk_merge_f64);
         b.arg(&*parts).arg(&*table).arg(&mut partial.data).arg(&hh).arg(&ll);
         // SAFETY: types and order match mla_chunk_merge_f64; partial holds B x H x (2 + L).

@@ -91,16 +91,20 @@ const MLA_TC_TILE: usize = 16;
 const fn mla_tc_smem(nw: usize) -> usize {
     ((nw * 8 + 8) * 20 + 8) * 8 + 2 * MLA_TC_TILE * (MLA_TC_L + MLA_TC_R) * 4
 }
-/// Threads of `mla_chunk_merge_f64` (MLA_MERGE_THREADS): one column a thread,
-/// ceil(L / 128) blocks a (request, head).
-const MLA_MERGE_THREADS: u32 = 128;
+/// Threads of `mla_chunk_merge_f64` (MLA_MERGE_THREADS) and the columns
+/// a block takes (MLA_MERGE_COLS): ceil(L / 32) blocks a (request, head).
+const MLA_MERGE_THREADS: u32 = 256;
+const MLA_MERGE_COLS: usize = 32;
 
 /// Which kernel runs the f64 MLA partials of K3's row shape (L = 512, R = 64,
 /// heads a multiple of 8), and how many rows a chunk (one block) takes. Other
 /// shapes always run the scalar `mla_partial_f64`. The choice changes bits
 /// (another chunking is another sum order) but never batch invariance: a
 /// request's chunks are its own rows. Default `tc8` (8 warps a block) with
-/// 512-row chunks, the fastest measured on the H200 at B = 88;
+/// 256-row chunks: on the H200 (session 6, `cuda_check --bench-mla --mla
+/// tc8:N`) 512 rows gave B = 88 x 32K 1.05x of copy/2 but one 32K request
+/// 0.35x (64 blocks); 256 gives 0.98x and 0.57x, 128 0.88x and 0.62x with
+/// B = 88 x 8K below 0.8x (the chunk partials' traffic);
 /// [`CudaBackend::set_mla_kernel`] picks another, for measuring the
 /// alternatives (`cuda_check --mla`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -111,7 +115,7 @@ struct MlaTc {
     chunk: usize,
 }
 
-const DEFAULT_MLA_TC: MlaTc = MlaTc { warps: 8, chunk: 512 };
+const DEFAULT_MLA_TC: MlaTc = MlaTc { warps: 8, chunk: 256 };
 
 /// Bytes of chunk partials `mla_partial_tc` keeps between calls; a larger
 /// scratch is freed after its call.

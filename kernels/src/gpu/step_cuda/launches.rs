@@ -150,7 +150,14 @@ impl MmFuncs {
         vec![
             Launch { f: f.cu_function(), name, grid: (nt.div_ceil(8) as u32, gy, m.div_ceil(128) as u32), block: ST_MM_THREADS, smem, args },
             // One block row a (group, row); past the y limit the kernel strides.
-            Launch { f: self.reduce.cu_function(), name: "st_reduce", grid: (ncols.div_ceil(256).max(1) as u32, (groups * m).min(65535) as u32, 1), block: 256, smem: 0, args: red },
+            Launch {
+                f: self.reduce.cu_function(),
+                name: "st_reduce",
+                grid: (ncols.div_ceil(256).max(1) as u32, (groups * m).min(65535) as u32, 1),
+                block: 256,
+                smem: 0,
+                args: red,
+            },
         ]
     }
 }
