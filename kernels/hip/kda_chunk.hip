@@ -249,8 +249,9 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
 // of tokens tq, tq + 16, tq + 32, tq + 48 in column j and owns state rows
 // tq + 16 r (r < 8) of that column.
 // Per chunk three barriers: A the chunk's W, e^Gam q^, e^(..) k^, P and
-// e^Gam_last are in shared memory; B u is; C every thread is done with them
-// and with u (the next chunk overwrites them) and the state tile is updated.
+// e^Gam_last are in shared memory; B u is, and W and e^Gam q^ are free (the
+// next chunk's start loading); C every thread is done with the rest and with
+// u (the next chunk overwrites them) and the state tile is updated.
 // Launch: grid (heads, ceil(dv / 16)); block KC_THREADS; dynamic shared memory
 // (128 * 16 + 64 * 16 + 64 * KC_LDP + 3 * 64 * KC_LDW + 128) floats.
 extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
@@ -286,19 +287,37 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
         S[i * KC_TILE + j] = (i < dk && on) ? Sg[(hk_i64)i * dv + col] : 0.0f;
     }
 
+    // Chunk cc's W and e^Gam q^ into shared memory as 16-byte asynchronous
+    // copies, all in flight at once (every offset is a multiple of 4 floats:
+    // rows of 128, workspace parts of whole 64-token chunks, stride 132). They
+    // are read before barrier B only, so the next chunk's load starts there
+    // and runs under the rest of this chunk's work.
+    auto load_wq = [&](int cc) {
+        const hk_i64 r0 = (hk_i64)h * chunks * KC_C + (hk_i64)cc * KC_C;
+        for (int e = tid; e < KC_C * (KC_DK / 4); e += KC_THREADS) {
+            const int t = e / (KC_DK / 4), i = (e % (KC_DK / 4)) * 4;
+            const hk_i64 src = (r0 + t) * KC_DK + i;
+            hk_cp16(Ws + t * KC_LDW + i, W.w + src, true);
+            hk_cp16(Qs + t * KC_LDW + i, W.qg + src, true);
+        }
+        hk_cp_commit();
+    };
+    if (chunks > 0) load_wq(0);
+
     for (int c = 0; c < chunks; ++c) {
         const int c0 = c * KC_C;
         const int n = tokens - c0 < KC_C ? tokens - c0 : KC_C;
         const hk_i64 row0 = (hk_i64)h * chunks * KC_C + c0;
-        for (int e = tid; e < KC_C * KC_DK; e += KC_THREADS) {
-            const int t = e / KC_DK, i = e % KC_DK;
-            const hk_i64 src = (row0 + t) * KC_DK + i;
-            Ws[t * KC_LDW + i] = W.w[src];
-            Qs[t * KC_LDW + i] = W.qg[src];
-            Ks[t * KC_LDW + i] = W.kd[src];
+        // The chunk's e^(..) k^ and P (its W and e^Gam q^ are in flight since
+        // the previous chunk's barrier B), as 16-byte asynchronous copies.
+        for (int e = tid; e < KC_C * (KC_DK / 4); e += KC_THREADS) {
+            const int t = e / (KC_DK / 4), i = (e % (KC_DK / 4)) * 4;
+            hk_cp16(Ks + t * KC_LDW + i, W.kd + (row0 + t) * KC_DK + i, true);
         }
         const float* Pg = W.p + ((hk_i64)h * chunks + c) * KC_C * KC_C;
-        for (int e = tid; e < KC_C * KC_C; e += KC_THREADS) Ps[(e / KC_C) * KC_LDP + e % KC_C] = Pg[e];
+        for (int e = tid; e < KC_C * (KC_C / 4); e += KC_THREADS)
+            hk_cp16(Ps + (e / (KC_C / 4)) * KC_LDP + (e % (KC_C / 4)) * 4, Pg + 4 * e, true);
+        hk_cp_commit();
         if (tid < KC_DK) dc[tid] = W.dc[((hk_i64)h * chunks + c) * KC_DK + tid];
         float u0[KC_C / KC_TILE];
 #pragma unroll
@@ -306,6 +325,7 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
             const int t = tq + KC_TILE * m;
             u0[m] = on ? W.u0[(row0 + t) * dv + col] : 0.0f;
         }
+        hk_cp_wait_all();
         __syncthreads();  // A
 
         // u = U0 - W S and the inter-chunk part of o, (e^Gam q^) S, over the
@@ -328,6 +348,7 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
 #pragma unroll
         for (int m = 0; m < KC_C / KC_TILE; ++m) U[(tq + KC_TILE * m) * KC_TILE + j] = u0[m] - wsum[m];
         __syncthreads();  // B
+        if (c + 1 < chunks) load_wq(c + 1);  // Ws and Qs are free
 
         // o += sum_{s <= t} P_ts u_s, in token order.
 #pragma unroll
