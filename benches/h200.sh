@@ -34,6 +34,10 @@
 #   profile  bench prefill at serving batches, then each kernel's time in a
 #            1 x 1024-token prefill (Nsight Compute)
 #   transfer the flagship hand-off through CUDA IPC
+#   ncu-step Nsight Compute on one B = 88 launch of the fused step's st_kda and
+#            st_mm_w2 inside bench compute (launch-skip past B = 1, 8, 32:
+#            st_kda runs 126 times a batch size, st_mm_w2 777 at B = 32), with
+#            the source-level counters (where a warp's instructions stall)
 # Prints each figure next to its peer from the same call; logs go to $OUT.
 set -uo pipefail
 BIN=${BIN:-.gpu-carry}
@@ -142,6 +146,17 @@ trace)
   HANDOFF_LOG=debug systems_run trace
   python3 benches/peers/trace_phases.py "$OUT/trace-up.log" 2>&1 | tee "$OUT/trace-phases.txt" || fail=1
   gzip -f "$OUT/trace-up.log"
+  ;;
+ncu-step)
+  step "Nsight Compute: one B = 88 launch each of st_kda and st_mm_w2 in bench compute"
+  for k in st_kda:385 st_mm_w2:790; do
+    name=${k%%:*}; skip=${k##*:}
+    timeout 240 ncu --clock-control none -k regex:"^$name\$" --launch-skip "$skip" -c 1 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+      --section LaunchStats --section SchedulerStats --section SourceCounters \
+      handoff bench compute --config config/gpu.toml --device cuda > "$OUT/ncu-$name.txt" 2>&1 || fail=1
+    grep -E "Grid Size|Duration|DRAM Throughput|Issued Warp|Eligible Warps|Warp Cycles Per Issued|Registers Per|Achieved Occupancy|Stall|stall" "$OUT/ncu-$name.txt" | head -40
+  done
   ;;
 systems-nomps)
   # config/gpu.toml runs its roles under an MPS server of up's own ([device]
