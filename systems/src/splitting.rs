@@ -53,17 +53,7 @@ pub fn check_consumer(consumer: &ConsumerLayout) -> Result<(), SplitError> {
             Some(r.unit_bytes)
         };
         let Some(unit) = unit else { return bad(format!("{kind} block of {} x {} B", r.block_size, r.token_bytes)) };
-        // A row ends at its offset plus the span of its units, so the row at the
-        // largest offset ends last: when it fits, every row fits (one pass for the
-        // maximum); otherwise the first row that does not is named.
-        let span = r.units.checked_sub(1).and_then(|u| u64::from(u).checked_mul(r.unit_stride)?.checked_add(unit));
-        let last = r.rows.iter().map(|row| row.offset).max();
-        let fits = match (span, last) {
-            (_, None) => true,
-            (Some(span), Some(last)) => last.checked_add(span).is_some_and(|e| e <= r.len),
-            (None, Some(_)) => r.units == 0,
-        };
-        if !fits {
+        if r.units > 0 {
             for row in &r.rows {
                 let end = u64::from(r.units - 1).checked_mul(r.unit_stride).and_then(|x| x.checked_add(row.offset)?.checked_add(unit));
                 if end.is_none_or(|e| e > r.len) {
@@ -116,8 +106,7 @@ impl<'a> ProducerPlanner<'a> {
             .regions
             .iter()
             .filter(|r| r.kind.is_paged())
-            // A producer's own blocks: checked per pair, against its own region, in `plan_rows`.
-            .map(|r| (r.kind, runs(&producer.blocks, r.block_size, r.unit_stride, r.token_bytes, tokens, None).unwrap_or_default()))
+            .map(|r| (r.kind, runs(&producer.blocks, r.block_size, r.unit_stride, r.token_bytes, tokens)))
             .collect();
         ProducerPlanner { producer, tokens, src_runs }
     }
@@ -127,7 +116,6 @@ impl<'a> ProducerPlanner<'a> {
         let producer = self.producer;
         let mut out = Coalescer::default();
         let mut uncoalesced = 0u64;
-        let mut pairs = Vec::new();
         for src in &producer.layout.regions {
             if src.rows.is_empty() {
                 continue;
@@ -140,7 +128,7 @@ impl<'a> ProducerPlanner<'a> {
                 continue;
             }
             let dst = consumer.layout.region(src.kind).ok_or(SplitError::MissingRegion { kind: src.kind, consumer: consumer.rank.tp, pp: producer.rank.pp })?;
-            row_pairs(src, dst, consumer, &mut pairs)?;
+            let pairs = row_pairs(src, dst, consumer)?;
             uncoalesced += match src.kind.distribution() {
                 Distribution::TokenSharded => {
                     let src_runs = self.src_runs.iter().find(|(k, _)| *k == src.kind).map(|(_, r)| r.as_slice()).unwrap_or(&[]);
@@ -154,26 +142,15 @@ impl<'a> ProducerPlanner<'a> {
     }
 }
 
-/// The consumer's row of each layer the producer holds, as (module layer, producer
-/// row offset, consumer row offset), into `out`. A stage holds a run of layers and
-/// both row tables are sorted by layer, so the consumer's next row is the one after
-/// the last match; it is looked up only where that guess is wrong.
-fn row_pairs(src: &RegionLayout, dst: &RegionLayout, consumer: &ConsumerLayout, out: &mut Vec<(ModuleLayer, u64, u64)>) -> Result<(), SplitError> {
-    out.clear();
-    let mut next = 0;
-    for r in &src.rows {
-        let i = match dst.rows.get(next) {
-            Some(d) if d.layer == r.layer => next,
-            _ => dst.rows.binary_search_by_key(&r.layer, |d| d.layer).map_err(|_| SplitError::MissingRow {
-                kind: src.kind,
-                consumer: consumer.rank.tp,
-                layer: r.layer.0,
-            })?,
-        };
-        next = i + 1;
-        out.push((r.layer, r.offset, dst.rows[i].offset));
-    }
-    Ok(())
+/// (producer row offset, consumer row offset) for each module layer the producer holds.
+fn row_pairs(src: &RegionLayout, dst: &RegionLayout, consumer: &ConsumerLayout) -> Result<Vec<(ModuleLayer, u64, u64)>, SplitError> {
+    src.rows
+        .iter()
+        .map(|r| {
+            let d = dst.row(r.layer).ok_or(SplitError::MissingRow { kind: src.kind, consumer: consumer.rank.tp, layer: r.layer.0 })?;
+            Ok((r.layer, r.offset, d.offset))
+        })
+        .collect()
 }
 
 fn check_unit(kind: RegionKind, side: &'static str, what: &'static str, index: u32, region: &RegionLayout) -> Result<(), SplitError> {
@@ -192,74 +169,22 @@ struct BlockRun {
     base: u64,
 }
 
-/// The runs of the blocks that hold the first `limit` positions. With `units`, every
-/// one of those blocks must lie below it: `Err` names the first that does not, in
-/// block order, before any offset is taken from it.
-fn runs(blocks: &[u32], block_size: u32, block_bytes: u64, token_bytes: u64, limit: u64, units: Option<u32>) -> Result<Vec<BlockRun>, u32> {
+fn runs(blocks: &[u32], block_size: u32, block_bytes: u64, token_bytes: u64, limit: u64) -> Vec<BlockRun> {
     let bs = block_size as u64;
-    if bs == 0 {
-        return Ok(Vec::new());
-    }
-    let blocks = &blocks[..limit.div_ceil(bs).min(blocks.len() as u64) as usize];
     let mut out: Vec<BlockRun> = Vec::new();
-    if block_bytes == 0 || bs.checked_mul(token_bytes) != Some(block_bytes) {
-        // Blocks that do not tile the row: checked, then merged block by block.
-        if let Some(units) = units
-            && let Some(&bad) = blocks.iter().find(|&&b| b >= units)
-        {
-            return Err(bad);
-        }
-        for (i, &b) in blocks.iter().enumerate() {
-            let start = i as u64 * bs;
-            let end = (start + bs).min(limit);
-            let base = b as u64 * block_bytes;
-            match out.last_mut() {
-                Some(r) if r.end == start && r.base + (start - r.start) * token_bytes == base => r.end = end,
-                _ => out.push(BlockRun { start, end, base }),
-            }
-        }
-        return Ok(out);
-    }
-    // Blocks tile the row (a block is `block_size` tokens of `token_bytes`): positions
-    // continue physically exactly where block numbers continue, so each run is one
-    // scan for the end of a run of consecutive block numbers, and checked as a whole
-    // (its blocks are `b .. b + n`).
-    let mut i = 0;
-    while i < blocks.len() {
-        let (b, n) = (blocks[i], consecutive(&blocks[i..]));
-        if let Some(units) = units
-            && u64::from(b) + n as u64 > u64::from(units)
-        {
-            return Err(b.max(units));
-        }
-        out.push(BlockRun { start: i as u64 * bs, end: ((i + n) as u64 * bs).min(limit), base: u64::from(b).wrapping_mul(block_bytes) });
-        i += n;
-    }
-    Ok(out)
-}
-
-/// How many leading entries of `blocks` (not empty) continue `blocks[0]` one by one:
-/// compared a chunk at a time, so that a long run costs a few instructions a chunk.
-fn consecutive(blocks: &[u32]) -> usize {
-    const W: usize = 16;
-    let b0 = blocks[0];
-    if blocks.get(1).is_none_or(|&b| b.wrapping_sub(b0) != 1 || b0 == u32::MAX) {
-        return 1;
-    }
-    // No number past u32::MAX: `b0 + k` never wraps below.
-    let blocks = &blocks[..blocks.len().min((u32::MAX - b0) as usize + 1)];
-    let mut n = 0;
-    for chunk in blocks.chunks_exact(W) {
-        let k = n as u32;
-        if !chunk.iter().zip(0..W as u32).fold(true, |ok, (&b, j)| ok & (b.wrapping_sub(b0) == k + j)) {
+    for (i, &b) in blocks.iter().enumerate() {
+        let start = i as u64 * bs;
+        if start >= limit {
             break;
         }
-        n += W;
+        let end = (start + bs).min(limit);
+        let base = b as u64 * block_bytes;
+        match out.last_mut() {
+            Some(r) if r.end == start && r.base + (start - r.start) * token_bytes == base => r.end = end,
+            _ => out.push(BlockRun { start, end, base }),
+        }
     }
-    while n < blocks.len() && blocks[n].wrapping_sub(b0) == n as u32 {
-        n += 1;
-    }
-    n
+    out
 }
 
 /// Token-sharded rows: the tokens the consumer's dcp rank owns, as strided runs.
@@ -294,13 +219,10 @@ fn plan_rows(
     if let Some(bad) = src_runs.iter().find(|r| r.base + (r.end - r.start) * tb > src.units as u64 * src.unit_stride) {
         return Err(SplitError::OutOfRegion { kind, side: "producer", what: "block", index: (bad.base / src.unit_stride) as u32, units: src.units });
     }
-    let dst_runs = runs(&consumer.blocks, dst.block_size, dst.unit_stride, tb, owned, Some(dst.units)).map_err(|index| SplitError::OutOfRegion {
-        kind,
-        side: "consumer",
-        what: "block",
-        index,
-        units: dst.units,
-    })?;
+    for &b in &consumer.blocks[..need_dst as usize] {
+        check_unit(kind, "consumer", "block", b, dst)?;
+    }
+    let dst_runs = runs(&consumer.blocks, dst.block_size, dst.unit_stride, tb, owned);
 
     // Template: copies relative to the row start.
     let mut template = Coalescer::default();
@@ -522,76 +444,5 @@ pub fn split_requests(
             holdings.plans.push(commands.spawn(PlanEntry { request: e, plan, state: WriteState::Pending }).id());
         }
         *status = Status::Planned;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    /// The runs block by block, checked block by block: what `runs` computed before
-    /// it scanned runs of consecutive block numbers.
-    fn runs_by_block(blocks: &[u32], bs: u32, block_bytes: u64, tb: u64, limit: u64, units: Option<u32>) -> Result<Vec<(u64, u64, u64)>, u32> {
-        let bs = bs as u64;
-        let mut out: Vec<(u64, u64, u64)> = Vec::new();
-        for (i, &b) in blocks.iter().enumerate() {
-            let start = i as u64 * bs;
-            if start >= limit {
-                break;
-            }
-            if units.is_some_and(|u| b >= u) {
-                return Err(b);
-            }
-            let (end, base) = ((start + bs).min(limit), b as u64 * block_bytes);
-            match out.last_mut() {
-                Some(r) if r.1 == start && r.2 + (start - r.0) * tb == base => r.1 = end,
-                _ => out.push((start, end, base)),
-            }
-        }
-        Ok(out)
-    }
-
-    fn triples(r: Result<Vec<BlockRun>, u32>) -> Result<Vec<(u64, u64, u64)>, u32> {
-        r.map(|v| v.iter().map(|r| (r.start, r.end, r.base)).collect())
-    }
-
-    proptest! {
-        // Runs of consecutive blocks, jumps, repeats and blocks near u32::MAX; tiling
-        // and non-tiling block strides; limits inside, at and past the blocks.
-        #[test]
-        fn scanned_runs_equal_the_block_by_block_runs(
-            pieces in proptest::collection::vec((0u32..40, 1usize..40), 1..12),
-            high in any::<bool>(),
-            bs in 1u32..5,
-            tb in 1u64..4,
-            pad in 0u64..3,
-            limit_frac in 0u64..=110,
-            units_cut in 0u32..50,
-        ) {
-            let mut blocks = Vec::new();
-            for (first, n) in pieces {
-                let first = if high { u32::MAX - first } else { first };
-                blocks.extend((0..n as u32).map_while(|k| first.checked_add(k)));
-            }
-            let limit = blocks.len() as u64 * bs as u64 * limit_frac / 100;
-            let block_bytes = bs as u64 * tb + pad;
-            let units = if high { u32::MAX - units_cut } else { 40 - units_cut.min(40) };
-            for units in [Some(units), None] {
-                let want = runs_by_block(&blocks, bs, block_bytes, tb, limit, units);
-                prop_assert_eq!(triples(runs(&blocks, bs, block_bytes, tb, limit, units)), want);
-            }
-        }
-    }
-
-    #[test]
-    fn consecutive_counts_across_chunks_and_stops_at_the_first_gap() {
-        let mut v: Vec<u32> = (7..7 + 100).collect();
-        assert_eq!(consecutive(&v), 100);
-        v[37] = 0;
-        assert_eq!(consecutive(&v), 37);
-        assert_eq!(consecutive(&[u32::MAX, 0, 1]), 1);
-        assert_eq!(consecutive(&[u32::MAX - 1, u32::MAX, 0]), 2);
-        assert_eq!(consecutive(&[5]), 1);
     }
 }
