@@ -38,7 +38,11 @@
 //   decode step: seqs = B, tokens = 1  (inputs [B, H, *], state [B, H, dk, dv])
 //   prefill:     seqs = 1, tokens = T  (inputs [T, H, *], state [1, H, dk, dv])
 // Row r = seq * tokens + t of the inputs, outputs and records is token t of
-// sequence seq. The state stays in registers across the tokens, so a prefill
+// sequence seq. With a sequence table `seg` (a ragged prefill over several
+// prompts at once; null otherwise) sequence seq is instead rows
+// seg[3 seq] .. + seg[3 seq + 1] - 1 and its state is number seg[3 seq + 2]
+// of `state`; `tokens` is then unused. The arithmetic of a sequence is the
+// same either way, so a ragged launch gives each prompt the bits of its own. The state stays in registers across the tokens, so a prefill
 // reads and writes it once, and its result equals T decode steps exactly. The
 // next token's inputs are loaded while the current one is computed.
 //
@@ -65,6 +69,7 @@ static __device__ __forceinline__ void kda_recurrent_body(
     const float* __restrict__ dt_bias,  // [H, dk]
     float* __restrict__ out,            // [seqs * tokens, H, dv]
     float* __restrict__ record,         // [seqs * tokens, H, 2*dk + dv] or null
+    const int* __restrict__ seg,        // [seqs][3] (first row, rows, state) or null
     int tokens, int heads, int dk, int dv)
 {
     const int TILE = HK_WARP * COLS;
@@ -88,7 +93,14 @@ static __device__ __forceinline__ void kda_recurrent_body(
     const int col0 = blockIdx.y * TILE;
     const int wrec = 2 * dk + dv;
 
-    float* S = state + (hk_i64)sh * dk * dv;
+    hk_i64 row0 = (hk_i64)seq * tokens;
+    hk_i64 sidx = sh;
+    if (seg) {
+        row0 = seg[3 * seq];
+        tokens = seg[3 * seq + 1];
+        sidx = (hk_i64)seg[3 * seq + 2] * heads + h;
+    }
+    float* S = state + sidx * dk * dv;
     float s[KDA_ROWS][COLS];
 #pragma unroll
     for (int r = 0; r < KDA_ROWS; ++r) {
@@ -104,7 +116,7 @@ static __device__ __forceinline__ void kda_recurrent_body(
     const float inv_sqrt_dk = 1.0f / sqrtf((float)dk);
 
     // Token 0's inputs; later ones are loaded one token ahead.
-    hk_i64 th = (hk_i64)seq * tokens * heads + h;
+    hk_i64 th = row0 * heads + h;
     float qn = tid < dk ? q[th * dk + tid] : 0.0f;
     float kn = tid < dk ? k[th * dk + tid] : 0.0f;
     float gn = tid < dk ? g_raw[th * dk + tid] : 0.0f;
@@ -253,9 +265,9 @@ static __device__ __forceinline__ void kda_recurrent_body(
     const float* __restrict__ v, const float* __restrict__ g_raw,                         \
     const float* __restrict__ b_raw, const float* __restrict__ a_log,                     \
     const float* __restrict__ dt_bias, float* __restrict__ out, float* __restrict__ record, \
-    int tokens, int heads, int dk, int dv
+    const int* __restrict__ seg, int tokens, int heads, int dk, int dv
 #define KDA_RECURRENT_CALL(cols) \
-    kda_recurrent_body<cols>(state, q, k, v, g_raw, b_raw, a_log, dt_bias, out, record, tokens, heads, dk, dv)
+    kda_recurrent_body<cols>(state, q, k, v, g_raw, b_raw, a_log, dt_bias, out, record, seg, tokens, heads, dk, dv)
 
 // Entry points. They differ in the tile width (value columns per lane) and in
 // the launch bounds, which set the register budget (65536 / (threads x blocks

@@ -32,12 +32,22 @@
 // chunked form to rounding (fused multiply-adds; the solve applied to the two
 // parts of the right-hand side separately), not bit for bit.
 //
+// Several prompts at once. Both kernels take a sequence table: sequence i is
+// rows seg[4i] .. + seg[4i + 1] - 1 of the inputs, out and record, its chunks
+// are numbers seg[4i + 2] .. of the workspace, and its state is number
+// seg[4i + 3] of `state`; after the nseq entries, one int per chunk names its
+// sequence. kda_chunk_prep runs over every chunk of every sequence, and
+// kda_chunk_state one block per (head, value tile, sequence). A sequence's
+// arithmetic does not depend on the others, so one launch over a batch of
+// prompts gives each the bits it gets alone.
+//
 // Limits (the Rust side keeps the recurrent kernel otherwise): dk <= 128 (key
 // channels are padded to 128 with zeros, which add nothing); any dv (tiles);
 // tokens >= 1 (the last chunk may be short: its missing tokens are zero rows
 // with g = 0, which leave every sum unchanged).
 //
-// Workspace (floats; Tp = chunks * 64), written in full by kda_chunk_prep:
+// Workspace (floats; Tp = chunks * 64, chunks summed over the sequences),
+// written in full by kda_chunk_prep:
 //   W  [H][Tp][128]   U0 [H][Tp][dv]    e^Gam q^ [H][Tp][128]
 //   e^(Gam_last - Gam) k^ [H][Tp][128]  P [H][chunks][64][64] (zero above the
 //   diagonal)  e^Gam_last [H][chunks][128]
@@ -75,8 +85,9 @@ static __device__ __forceinline__ KdaChunkWs kda_chunk_ws(float* ws, int heads, 
     return r;
 }
 
-// Phase 1: everything of chunk blockIdx.x, head blockIdx.y that does not need
-// the state. Writes k^ and g of the record (u comes from kda_chunk_state).
+// Phase 1: everything of chunk blockIdx.x (of all sequences), head blockIdx.y
+// that does not need the state. Writes k^ and g of the record (u comes from
+// kda_chunk_state).
 // Launch: grid (chunks, heads); block KC_THREADS; dynamic shared memory
 // (3 * 64 * KC_LD1 + 64) floats.
 // Shared memory: q^, k^, Gam [64][KC_LD1] and beta [64]; after barrier C the
@@ -91,7 +102,8 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
     const float* __restrict__ dt_bias,  // [H, dk]
     float* __restrict__ record,         // [T, H, 2*dk + dv] or null
     float* __restrict__ ws,
-    int tokens, int heads, int dk, int dv)
+    const int* __restrict__ seg,        // the sequence table (above)
+    int nseq, int heads, int dk, int dv)
 {
     HK_DYN_SMEM(float, smem);
     float* qh = smem;
@@ -106,11 +118,14 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
     const int tid = threadIdx.x;
     const int lane = tid & (HK_WARP - 1);
     const int wp = tid / HK_WARP;
-    const int c0 = c * KC_C;
-    const int n = tokens - c0 < KC_C ? tokens - c0 : KC_C;
+    const int sq = seg[4 * nseq + c];                     // the chunk's sequence
+    const int c0 = (c - seg[4 * sq + 2]) * KC_C;          // its first token there
+    const hk_i64 in0 = (hk_i64)seg[4 * sq] + c0;          // and that token's row
+    const int left = seg[4 * sq + 1] - c0;
+    const int n = left < KC_C ? left : KC_C;
     const int wrec = 2 * dk + dv;
     const KdaChunkWs W = kda_chunk_ws(ws, heads, chunks, dv);
-    const hk_i64 row0 = (hk_i64)h * chunks * KC_C + c0;  // workspace row of token c0
+    const hk_i64 row0 = (hk_i64)h * chunks * KC_C + (hk_i64)c * KC_C;  // workspace row of token c0
 
     // Step 1: q^, k^, g, beta; one warp per token (8 warps, 8 tokens each).
     const float rate = -expf(a_log[h]);
@@ -118,7 +133,7 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
     for (int t = wp; t < KC_C; t += KC_THREADS / HK_WARP) {
         float qv[KC_DK / HK_WARP], kv[KC_DK / HK_WARP], gv[KC_DK / HK_WARP];
         float sq = 0.0f, sk = 0.0f;
-        const hk_i64 th = (hk_i64)(c0 + t) * heads + h;
+        const hk_i64 th = (in0 + t) * heads + h;
 #pragma unroll
         for (int x = 0; x < KC_DK / HK_WARP; ++x) {
             const int i = lane + HK_WARP * x;
@@ -226,7 +241,7 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
             const int j = col - KC_DK;
 #pragma unroll
             for (int t = 0; t < KC_C; ++t)
-                x[t] = t < n ? bt[t] * v[((hk_i64)(c0 + t) * heads + h) * dv + j] : 0.0f;
+                x[t] = t < n ? bt[t] * v[((in0 + t) * heads + h) * dv + j] : 0.0f;
         }
 #pragma unroll
         for (int t = 1; t < KC_C; ++t) {
@@ -244,22 +259,23 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
     }
 }
 
-// Phase 2: the chunks of head blockIdx.x in order, for value columns
-// blockIdx.y * 16 .. + 15. Thread (tq = tid / 16, j = tid % 16) computes u and o
+// Phase 2: the chunks of sequence blockIdx.z, head blockIdx.x in order, for
+// value columns blockIdx.y * 16 .. + 15. Thread (tq = tid / 16, j = tid % 16) computes u and o
 // of tokens tq, tq + 16, tq + 32, tq + 48 in column j and owns state rows
 // tq + 16 r (r < 8) of that column.
 // Per chunk three barriers: A the chunk's W, e^Gam q^, e^(..) k^, P and
 // e^Gam_last are in shared memory; B u is, and W and e^Gam q^ are free (the
 // next chunk's start loading); C every thread is done with the rest and with
 // u (the next chunk overwrites them) and the state tile is updated.
-// Launch: grid (heads, ceil(dv / 16)); block KC_THREADS; dynamic shared memory
-// (128 * 16 + 64 * 16 + 64 * KC_LDP + 3 * 64 * KC_LDW + 128) floats.
+// Launch: grid (heads, ceil(dv / 16), nseq); block KC_THREADS; dynamic shared
+// memory (128 * 16 + 64 * 16 + 64 * KC_LDP + 3 * 64 * KC_LDW + 128) floats.
 extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
-    float* __restrict__ state,   // [H, dk, dv], updated in place
+    float* __restrict__ state,   // [states, H, dk, dv], updated in place
     float* __restrict__ out,     // [T, H, dv]
     float* __restrict__ record,  // [T, H, 2*dk + dv] or null
     const float* __restrict__ ws,
-    int tokens, int heads, int dk, int dv)
+    const int* __restrict__ seg,  // the sequence table (above)
+    int wchunks, int heads, int dk, int dv)  // wchunks: the workspace's chunks
 {
     HK_DYN_SMEM(float, smem);
     float* S = smem;                      // [128][16]
@@ -276,10 +292,16 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
     const int tq = tid / KC_TILE;
     const int col = blockIdx.y * KC_TILE + j;
     const bool on = col < dv;
+    const int sq = blockIdx.z;
+    const hk_i64 in0 = seg[4 * sq];  // the sequence's first row
+    const int tokens = seg[4 * sq + 1];
+    const int cbase = seg[4 * sq + 2];
     const int chunks = (tokens + KC_C - 1) / KC_C;
     const int wrec = 2 * dk + dv;
-    const KdaChunkWs W = kda_chunk_ws((float*)ws, heads, chunks, dv);
-    float* Sg = state + (hk_i64)h * dk * dv;
+    const KdaChunkWs W = kda_chunk_ws((float*)ws, heads, wchunks, dv);
+    float* Sg = state + ((hk_i64)seg[4 * sq + 3] * heads + h) * dk * dv;
+    // Workspace row of the sequence's token 0 for head h.
+    const hk_i64 wrow = (hk_i64)h * wchunks * KC_C + (hk_i64)cbase * KC_C;
 
 #pragma unroll
     for (int r = 0; r < KC_DK / KC_TILE; ++r) {
@@ -293,7 +315,7 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
     // are read before barrier B only, so the next chunk's load starts there
     // and runs under the rest of this chunk's work.
     auto load_wq = [&](int cc) {
-        const hk_i64 r0 = (hk_i64)h * chunks * KC_C + (hk_i64)cc * KC_C;
+        const hk_i64 r0 = wrow + (hk_i64)cc * KC_C;
         for (int e = tid; e < KC_C * (KC_DK / 4); e += KC_THREADS) {
             const int t = e / (KC_DK / 4), i = (e % (KC_DK / 4)) * 4;
             const hk_i64 src = (r0 + t) * KC_DK + i;
@@ -307,18 +329,18 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
     for (int c = 0; c < chunks; ++c) {
         const int c0 = c * KC_C;
         const int n = tokens - c0 < KC_C ? tokens - c0 : KC_C;
-        const hk_i64 row0 = (hk_i64)h * chunks * KC_C + c0;
+        const hk_i64 row0 = wrow + c0;
         // The chunk's e^(..) k^ and P (its W and e^Gam q^ are in flight since
         // the previous chunk's barrier B), as 16-byte asynchronous copies.
         for (int e = tid; e < KC_C * (KC_DK / 4); e += KC_THREADS) {
             const int t = e / (KC_DK / 4), i = (e % (KC_DK / 4)) * 4;
             hk_cp16(Ks + t * KC_LDW + i, W.kd + (row0 + t) * KC_DK + i, true);
         }
-        const float* Pg = W.p + ((hk_i64)h * chunks + c) * KC_C * KC_C;
+        const float* Pg = W.p + ((hk_i64)h * wchunks + cbase + c) * KC_C * KC_C;
         for (int e = tid; e < KC_C * (KC_C / 4); e += KC_THREADS)
             hk_cp16(Ps + (e / (KC_C / 4)) * KC_LDP + (e % (KC_C / 4)) * 4, Pg + 4 * e, true);
         hk_cp_commit();
-        if (tid < KC_DK) dc[tid] = W.dc[((hk_i64)h * chunks + c) * KC_DK + tid];
+        if (tid < KC_DK) dc[tid] = W.dc[((hk_i64)h * wchunks + cbase + c) * KC_DK + tid];
         float u0[KC_C / KC_TILE];
 #pragma unroll
         for (int m = 0; m < KC_C / KC_TILE; ++m) {
@@ -357,7 +379,7 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
             float acc = o[m];
             for (int s = 0; s <= t; ++s) acc = fmaf(Ps[t * KC_LDP + s], U[s * KC_TILE + j], acc);
             if (t < n && on) {
-                const hk_i64 th = (hk_i64)(c0 + t) * heads + h;
+                const hk_i64 th = (in0 + c0 + t) * heads + h;
                 out[th * dv + col] = acc;
                 if (record) record[th * wrec + dk + col] = U[t * KC_TILE + j];
             }

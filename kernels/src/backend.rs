@@ -12,8 +12,8 @@ use crate::dtype::StorageDtype;
 use crate::error::Result;
 use crate::region::{DeviceMemory, DeviceRegion, RegionItems, unsupported};
 use crate::shapes::{
-    ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape, MatmulShape, MergeShape, MlaShape, MlpShape, MlpWeights,
-    NormShape, ReplayShape, RowSet, UnitProduct, UnitsOut, UnitsShape,
+    ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaRaggedShape, KdaStepShape, MatmulShape, MergeShape, MlaShape, MlpShape,
+    MlpWeights, NormShape, ReplayShape, RowSet, UnitProduct, UnitsOut, UnitsShape,
 };
 use std::ops::Range;
 use std::sync::Arc;
@@ -108,6 +108,28 @@ pub trait Backend: Send + Sync {
         out: &mut Self::Buf,
         record: Option<&mut Self::Buf>,
     ) -> Result<()>;
+
+    /// KDA prefill of several independent sequences in one call: sequence `i`
+    /// is the rows `seqs[i]` of the inputs, `out` and `record` (each `[rows, H,
+    /// *]` as in [`Backend::kda_prefill`]), and starts from and leaves its
+    /// state in `states[i]` (`[seqs.len(), H, Dk, Dv]`). Each sequence gets the
+    /// bits [`Backend::kda_prefill`] gives it alone; rows outside every
+    /// sequence, and the states of empty ones, are left as they are. This
+    /// default runs `kda_prefill` once per sequence through copies; a device
+    /// backend runs all of them in one launch per phase.
+    #[allow(clippy::too_many_arguments)]
+    fn kda_prefill_ragged(
+        &self,
+        shape: KdaRaggedShape,
+        seqs: &[Range<usize>],
+        states: &mut Self::Buf,
+        x: KdaInputs<'_, Self::Buf>,
+        params: KdaParams<'_, Self::Buf>,
+        out: &mut Self::Buf,
+        record: Option<&mut Self::Buf>,
+    ) -> Result<()> {
+        kda_prefill_ragged_by_copies(self, shape, seqs, states, x, params, out, record)
+    }
 
     /// Appends `tokens` records per slot, `records` `[B, tokens, H, 2*Dk+Dv]`,
     /// to the rings (see [`ReplayShape`]) at each slot's cursor and advances
@@ -315,6 +337,56 @@ pub fn matmul_units_each<B: Backend + ?Sized>(be: &B, shape: UnitsShape, x: &B::
             UnitsOut::Columns { width } => {
                 be.copy_cols(ColsCopy { rows, src_cols: u.cols, src_col: 0, dst_cols: width, dst_col: at, width: u.cols }, &p, out)?
             }
+        }
+    }
+    Ok(())
+}
+
+/// [`Backend::kda_prefill_ragged`] as `kda_prefill` once per sequence, through
+/// copies of its rows and state: the trait's default, public so that tests can
+/// hold a backend's own ragged prefill against it.
+#[allow(clippy::too_many_arguments)]
+pub fn kda_prefill_ragged_by_copies<B: Backend + ?Sized>(
+    be: &B,
+    shape: KdaRaggedShape,
+    seqs: &[Range<usize>],
+    states: &mut B::Buf,
+    x: KdaInputs<'_, B::Buf>,
+    params: KdaParams<'_, B::Buf>,
+    out: &mut B::Buf,
+    mut record: Option<&mut B::Buf>,
+) -> Result<()> {
+    let op = "kda_prefill_ragged";
+    crate::shapes::check_ragged_seqs(op, shape.rows, seqs)?;
+    let KdaRaggedShape { heads, dk, dv, .. } = shape;
+    let w = crate::shapes::replay_record_width(dk, dv);
+    let per_state = heads * dk * dv;
+    crate::error::check_len(op, "states", be.buf_len(states), seqs.len() * per_state)?;
+    for (i, r) in seqs.iter().enumerate() {
+        if r.is_empty() {
+            continue;
+        }
+        let n = r.len();
+        let rows_of = |b: &B::Buf, width: usize| -> Result<B::Buf> {
+            let mut part = be.alloc(n * width)?;
+            be.copy(b, r.start * width, &mut part, 0, n * width)?;
+            Ok(part)
+        };
+        let (q, k, v) = (rows_of(x.q, heads * dk)?, rows_of(x.k, heads * dk)?, rows_of(x.v, heads * dv)?);
+        let (g_raw, b_raw) = (rows_of(x.g_raw, heads * dk)?, rows_of(x.b_raw, heads)?);
+        let mut state = be.alloc(per_state)?;
+        be.copy(states, i * per_state, &mut state, 0, per_state)?;
+        let mut o = be.alloc(n * heads * dv)?;
+        let mut rec = match record {
+            Some(_) => Some(be.alloc(n * heads * w)?),
+            None => None,
+        };
+        let one = KdaPrefillShape { tokens: n, heads, dk, dv };
+        be.kda_prefill(one, &mut state, KdaInputs { q: &q, k: &k, v: &v, g_raw: &g_raw, b_raw: &b_raw }, params, &mut o, rec.as_mut())?;
+        be.copy(&o, 0, out, r.start * heads * dv, n * heads * dv)?;
+        be.copy(&state, 0, states, i * per_state, per_state)?;
+        if let (Some(dst), Some(src)) = (record.as_deref_mut(), rec.as_ref()) {
+            be.copy(src, 0, dst, r.start * heads * w, n * heads * w)?;
         }
     }
     Ok(())

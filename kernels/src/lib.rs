@@ -30,7 +30,7 @@ pub mod step;
 #[cfg(test)]
 pub(crate) mod testutil;
 
-pub use backend::Backend;
+pub use backend::{Backend, kda_prefill_ragged_by_copies};
 pub use cpu::{CpuBackend, CpuBuf, CpuF64Buf, CpuIBuf, KDA_CHUNK};
 pub use dtype::StorageDtype;
 pub use error::{KernelError, Result};

@@ -27,6 +27,40 @@ pub struct KdaPrefillShape {
     pub dv: usize,
 }
 
+/// KDA prefill of several independent sequences in one call (the prompts of a
+/// prefill batch): inputs of `rows` rows over `heads` heads, each sequence a
+/// range of those rows with its own state (see `Backend::kda_prefill_ragged`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KdaRaggedShape {
+    /// Rows of the inputs, `out` and `record`.
+    pub rows: usize,
+    /// KDA heads on this rank.
+    pub heads: usize,
+    /// Key width per head (Dk).
+    pub dk: usize,
+    /// Value width per head (Dv).
+    pub dv: usize,
+}
+
+/// Checks the sequences of a ragged prefill: each inside `rows`, no two
+/// sharing a row (they write the same output rows otherwise). Empty ones are
+/// allowed (their state is left as it is).
+pub fn check_ragged_seqs(op: &'static str, rows: usize, seqs: &[std::ops::Range<usize>]) -> crate::Result<()> {
+    let mut sorted: Vec<&std::ops::Range<usize>> = seqs.iter().filter(|r| !r.is_empty()).collect();
+    sorted.sort_by_key(|r| r.start);
+    for r in &sorted {
+        if r.end > rows {
+            return Err(crate::KernelError::InvalidShape { op, reason: format!("sequence rows {r:?} run past the {rows} rows of the inputs") });
+        }
+    }
+    for pair in sorted.windows(2) {
+        if pair[1].start < pair[0].end {
+            return Err(crate::KernelError::InvalidShape { op, reason: format!("sequences {:?} and {:?} share rows", pair[0], pair[1]) });
+        }
+    }
+    Ok(())
+}
+
 /// Width of one ReplaySSM record of one head: k^ (Dk), u (Dv), g (Dk).
 pub fn replay_record_width(dk: usize, dv: usize) -> usize {
     dk.saturating_mul(2).saturating_add(dv)

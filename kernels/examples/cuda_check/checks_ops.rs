@@ -110,6 +110,37 @@ pub(crate) fn checks(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
         rep.exact_f32("determinism kda_prefill chunk", &format!("{case}, two runs"), &[go2, gs2, gr2].concat(), &[go, gs, gr].concat());
     }
 
+    // Ragged prefill (a batch of prompts, one launch per phase): chunked
+    // prompts (64, 65 and 1000 tokens), recurrent ones (1 and 20 tokens) and
+    // an empty one mixed, with records. Each prompt equals its own
+    // kda_prefill on the device bit for bit, rows in no prompt keep what
+    // they held, and the empty prompt's state is left as it was.
+    {
+        let (h, dk, dv) = (3usize, 128usize, 128usize);
+        let seqs = [0..1, 1..65, 65..65, 66..131, 131..151, 151..1151];
+        let rows = 1153;
+        let c = KdaHost::new(&mut r, rows, h, dk, dv);
+        let (per, w) = (h * dk * dv, replay_record_width(dk, dv));
+        let s0 = uni(&mut r, seqs.len() * per, -0.5, 0.5);
+        let d = KdaDev::new(gpu, &c)?;
+        let mut states = gpu.upload(&s0)?;
+        let mut out = gpu.upload(&vec![7.0; rows * h * dv])?;
+        let mut rec = gpu.upload(&vec![-3.0; rows * h * w])?;
+        let shape = KdaRaggedShape { rows, heads: h, dk, dv };
+        gpu.kda_prefill_ragged(shape, &seqs, &mut states, d.inputs(), d.params(), &mut out, Some(&mut rec))?;
+        let (mut want_o, mut want_r, mut want_s) = (vec![7.0; rows * h * dv], vec![-3.0; rows * h * w], s0.clone());
+        for (i, q) in seqs.iter().enumerate().filter(|(_, q)| !q.is_empty()) {
+            let (go, gs, gr) = run_kda_prefill(gpu, q.len(), &c.rows(q.start, q.end), &s0[i * per..(i + 1) * per])?;
+            want_o[q.start * h * dv..q.end * h * dv].copy_from_slice(&go);
+            want_r[q.start * h * w..q.end * h * w].copy_from_slice(&gr);
+            want_s[i * per..(i + 1) * per].copy_from_slice(&gs);
+        }
+        let case = "6 prompts of 1 / 64 / 0 / 65 / 20 / 1000 tokens, H=3 128x128";
+        rep.exact_f32("kda_prefill_ragged = each prompt alone", &format!("{case}: out"), &gpu.download(&out)?, &want_o);
+        rep.exact_f32("kda_prefill_ragged = each prompt alone", &format!("{case}: record"), &gpu.download(&rec)?, &want_r);
+        rep.exact_f32("kda_prefill_ragged = each prompt alone", &format!("{case}: states"), &gpu.download(&states)?, &want_s);
+    }
+
     // ReplaySSM: records from real steps, two appends of 3 tokens, commit.
     {
         let (b, h, dk, dv, cap, tokens) = (3usize, 2usize, 32usize, 48usize, 8usize, 3usize);

@@ -31,8 +31,8 @@ use handoff_kernels::backend::matmul_units_each;
 use handoff_kernels::dtype::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use handoff_kernels::{
     Backend, ColsCopy, ConvShape, Copy2d, CpuBackend, CudaBackend, DeviceRegion, EmbeddingShape, KdaInputs, KdaKernel, KdaParams, KdaPrefillShape,
-    KdaStepShape, KernelError, MatmulShape, MergeShape, MlaShape, MlpShape, MlpWeights, NormShape, RegionItems, ReplayShape, RowSet, SplitMix64, StorageDtype,
-    UnitProduct, UnitsOut, UnitsShape, mla_partial_width, replay_record_width,
+    KdaRaggedShape, KdaStepShape, KernelError, MatmulShape, MergeShape, MlaShape, MlpShape, MlpWeights, NormShape, RegionItems, ReplayShape, RowSet,
+    SplitMix64, StorageDtype, UnitProduct, UnitsOut, UnitsShape, mla_partial_width, replay_record_width,
 };
 
 type R<T> = Result<T, KernelError>;

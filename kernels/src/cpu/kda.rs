@@ -4,7 +4,8 @@ use rayon::prelude::*;
 
 use super::math::{L2_EPS, axpy, sigmoid, softplus};
 use crate::error::{KernelError, Result, check_len, check_nonzero, elems};
-use crate::shapes::{KdaPrefillShape, KdaStepShape, ReplayShape, replay_record_width};
+use crate::shapes::{KdaPrefillShape, KdaRaggedShape, KdaStepShape, ReplayShape, check_ragged_seqs, replay_record_width};
+use std::ops::Range;
 
 /// Chunk length of the chunked prefill.
 pub const KDA_CHUNK: usize = 64;
@@ -175,6 +176,40 @@ pub(crate) fn step(shape: KdaStepShape, state: &mut [f32], x: Inputs<'_>, p: Par
 pub(crate) fn prefill(shape: KdaPrefillShape, state: &mut [f32], x: Inputs<'_>, p: Params<'_>, out: &mut [f32], record: Option<&mut [f32]>) -> Result<()> {
     let c = shape.tokens.min(KDA_CHUNK);
     if 2 * shape.dv < 3 * c { prefill_recurrent(shape, state, x, p, out, record) } else { prefill_chunked(shape, KDA_CHUNK, state, x, p, out, record) }
+}
+
+/// Prefill of several sequences, see [`crate::Backend::kda_prefill_ragged`]:
+/// [`prefill`] on each one's rows, in place (no copies).
+pub(crate) fn prefill_ragged(
+    shape: KdaRaggedShape,
+    seqs: &[Range<usize>],
+    states: &mut [f32],
+    x: Inputs<'_>,
+    p: Params<'_>,
+    out: &mut [f32],
+    mut record: Option<&mut [f32]>,
+) -> Result<()> {
+    let op = "kda_prefill_ragged";
+    let KdaRaggedShape { rows, heads, dk, dv } = shape;
+    check_ragged_seqs(op, rows, seqs)?;
+    check_kda(op, rows, heads, dk, dv, states.len(), seqs.len(), &x, &p, out.len(), record.as_ref().map(|r| r.len()))?;
+    let (hk, hv, hw, per) = (heads * dk, heads * dv, heads * replay_record_width(dk, dv), heads * dk * dv);
+    for (i, r) in seqs.iter().enumerate() {
+        if r.is_empty() {
+            continue;
+        }
+        let xi = Inputs {
+            q: &x.q[r.start * hk..r.end * hk],
+            k: &x.k[r.start * hk..r.end * hk],
+            v: &x.v[r.start * hv..r.end * hv],
+            g_raw: &x.g_raw[r.start * hk..r.end * hk],
+            b_raw: &x.b_raw[r.start * heads..r.end * heads],
+        };
+        let rec = record.as_deref_mut().map(|rr| &mut rr[r.start * hw..r.end * hw]);
+        let one = KdaPrefillShape { tokens: r.len(), heads, dk, dv };
+        prefill(one, &mut states[i * per..(i + 1) * per], xi, p, &mut out[r.start * hv..r.end * hv], rec)?;
+    }
+    Ok(())
 }
 
 /// Prefill as `tokens` recurrent steps of the sequence (batch of one per step).

@@ -15,8 +15,8 @@ use crate::backend::Backend;
 use crate::dtype::StorageDtype;
 use crate::error::{Result, check_len, elems, range};
 use crate::shapes::{
-    ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape, MatmulShape, MergeShape, MlaShape, MlpShape, MlpWeights,
-    NormShape, ReplayShape, RowSet,
+    ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaRaggedShape, KdaStepShape, MatmulShape, MergeShape, MlaShape, MlpShape,
+    MlpWeights, NormShape, ReplayShape, RowSet,
 };
 
 pub use kda::KDA_CHUNK;
@@ -236,6 +236,19 @@ impl Backend for CpuBackend {
         record: Option<&mut CpuBuf>,
     ) -> Result<()> {
         kda::prefill(shape, &mut state.0, kda_inputs(&x), kda_params(&params), &mut out.0, record.map(|r| &mut r.0[..]))
+    }
+
+    fn kda_prefill_ragged(
+        &self,
+        shape: KdaRaggedShape,
+        seqs: &[std::ops::Range<usize>],
+        states: &mut CpuBuf,
+        x: KdaInputs<'_, CpuBuf>,
+        params: KdaParams<'_, CpuBuf>,
+        out: &mut CpuBuf,
+        record: Option<&mut CpuBuf>,
+    ) -> Result<()> {
+        kda::prefill_ragged(shape, seqs, &mut states.0, kda_inputs(&x), kda_params(&params), &mut out.0, record.map(|r| &mut r.0[..]))
     }
 
     fn replay_append(&self, shape: ReplayShape, tokens: usize, ring: &mut CpuBuf, cursor: &mut CpuIBuf, records: &CpuBuf) -> Result<()> {

@@ -416,3 +416,74 @@ fn kda_prefill_picks_the_cheaper_form_and_the_recurrent_one_is_the_steps_exactly
         }
     }
 }
+
+/// A ragged prefill over several prompts gives each prompt what `kda_prefill`
+/// gives it alone, bit for bit (outputs, records, final state), in both forms
+/// (small heads: recurrent; wide heads: chunked, with prompts shorter and
+/// longer than a chunk). Rows outside every prompt and the state of an empty
+/// prompt keep what they held. The copies-based default (what a backend
+/// without its own takes) gives the same bits, and both refuse prompts that
+/// share rows or run past the inputs.
+#[test]
+fn kda_prefill_ragged_gives_each_prompt_its_bits_alone() {
+    for dv in [8usize, 128] {
+        let (h, dk, rows) = (2, 8, 220);
+        let case = KdaCase::new(43, rows, h, dk, dv);
+        let seqs = [0..5, 5..5, 7..77, 80..81, 81..220];
+        let (w, per) = (replay_record_width(dk, dv), h * dk * dv);
+        let s0 = rand(&mut SplitMix64::new(9), seqs.len() * per, -0.5, 0.5);
+        let shape = KdaRaggedShape { rows, heads: h, dk, dv };
+        let (x, p) = (case.all(), case.params());
+        type Ragged = fn(
+            &CpuBackend,
+            KdaRaggedShape,
+            &[std::ops::Range<usize>],
+            &mut CpuBuf,
+            KdaInputs<'_, CpuBuf>,
+            KdaParams<'_, CpuBuf>,
+            &mut CpuBuf,
+            Option<&mut CpuBuf>,
+        ) -> Result<()>;
+        let own: Ragged = |be, s, q, st, x, p, o, r| be.kda_prefill_ragged(s, q, st, x, p, o, r);
+        let by_copies: Ragged = |be, s, q, st, x, p, o, r| crate::backend::kda_prefill_ragged_by_copies(be, s, q, st, x, p, o, r);
+        let mut results = Vec::new();
+        for run in [own, by_copies] {
+            let mut states = up(&s0);
+            let mut o = up(&vec![7.0; rows * h * dv]);
+            let mut rec = up(&vec![-3.0; rows * h * w]);
+            run(&BE, shape, &seqs, &mut states, inputs(&x), params(&p), &mut o, Some(&mut rec)).unwrap();
+            // Each prompt alone.
+            for (i, r) in seqs.iter().enumerate() {
+                let st = &states.as_slice()[i * per..(i + 1) * per];
+                if r.is_empty() {
+                    assert_eq!(st, &s0[i * per..(i + 1) * per], "dv {dv}: an empty prompt's state is left as it was");
+                    continue;
+                }
+                let n = r.len();
+                let cut = |v: &[f32], wd: usize| up(&v[r.start * wd..r.end * wd]);
+                let xi = [cut(&case.q, h * dk), cut(&case.k, h * dk), cut(&case.v, h * dv), cut(&case.g_raw, h * dk), cut(&case.b_raw, h)];
+                let mut si = up(&s0[i * per..(i + 1) * per]);
+                let mut oi = BE.alloc(n * h * dv).unwrap();
+                let mut ri = BE.alloc(n * h * w).unwrap();
+                BE.kda_prefill(KdaPrefillShape { tokens: n, heads: h, dk, dv }, &mut si, inputs(&xi), params(&p), &mut oi, Some(&mut ri)).unwrap();
+                assert_eq!(&o.as_slice()[r.start * h * dv..r.end * h * dv], oi.as_slice(), "dv {dv}: prompt {r:?} outputs");
+                assert_eq!(&rec.as_slice()[r.start * h * w..r.end * h * w], ri.as_slice(), "dv {dv}: prompt {r:?} records");
+                assert_eq!(st, si.as_slice(), "dv {dv}: prompt {r:?} final state");
+            }
+            for gap in [5..7, 77..80] {
+                assert!(o.as_slice()[gap.start * h * dv..gap.end * h * dv].iter().all(|&v| v == 7.0), "dv {dv}: rows {gap:?} are in no prompt");
+                assert!(rec.as_slice()[gap.start * h * w..gap.end * h * w].iter().all(|&v| v == -3.0), "dv {dv}: records {gap:?}");
+            }
+            results.push((o.into_vec(), rec.into_vec(), states.into_vec()));
+        }
+        assert!(results[0] == results[1], "dv {dv}: the backend's ragged prefill and the copies-based default differ");
+        for (bad, what) in [(vec![0..10, 9..20], "share rows"), (vec![0..10, 200..221], "run past")] {
+            for run in [own, by_copies] {
+                let mut states = up(&vec![0.0; bad.len() * per]);
+                let mut o = BE.alloc(rows * h * dv).unwrap();
+                let e = run(&BE, shape, &bad, &mut states, inputs(&x), params(&p), &mut o, None).unwrap_err();
+                assert!(e.to_string().contains(what), "dv {dv}: {bad:?} refused for the wrong reason: {e}");
+            }
+        }
+    }
+}

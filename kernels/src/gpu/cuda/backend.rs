@@ -193,12 +193,11 @@ impl Backend for CudaBackend {
         let op = "kda_step";
         let KdaStepShape { batch, heads, dk, dv } = shape;
         check_kda(op, batch, heads, dk, dv, state.len, batch, &x, &params, out.len, record.as_ref().map(|r| r.len))?;
-        self.kda_recurrent(op, batch, 1, heads, dk, dv, state, x, params, out, record)
+        self.kda_recurrent(op, batch, 1, None, heads, dk, dv, state, x, params, out, record)
     }
 
-    /// The chunked form (kda_chunk.hip) where the CPU reference takes it too
-    /// (at least one chunk of 64 tokens and 2 dv >= 3 x 64), dk <= 128 and the
-    /// device gives the kernels their shared memory (the H200 does): a
+    /// The chunked form (kda_chunk.hip) where it applies (at least one chunk
+    /// of 64 tokens, 2 dv >= 3 x 64, dk <= 128, the shared memory given): a
     /// parallel pass over all chunks, then one block per (head, 16 value
     /// columns) walks the chunks; it agrees with the CPU's chunked form to
     /// rounding. Otherwise the recurrent form: one block per (head, column
@@ -213,56 +212,25 @@ impl Backend for CudaBackend {
         out: &mut CudaBuf,
         record: Option<&mut CudaBuf>,
     ) -> Result<()> {
-        let op = "kda_prefill";
         let KdaPrefillShape { tokens, heads, dk, dv } = shape;
-        check_kda(op, tokens, heads, dk, dv, state.len, 1, &x, &params, out.len, record.as_ref().map(|r| r.len))?;
-        let chunk = cpu_kda::KDA_CHUNK;
-        let Some((prep, pass)) = self.f.kda_chunk.as_ref().filter(|_| tokens >= chunk && dk <= KDA_CHUNK_DK && 2 * dv >= 3 * chunk) else {
-            return self.kda_recurrent(op, 1, tokens, heads, dk, dv, state, x, params, out, record);
-        };
-        // Workspace of kda_chunk.hip (kda_chunk_ws), every element written by
-        // kda_chunk_prep before kda_chunk_state reads it.
-        let chunks = tokens.div_ceil(chunk);
-        let ws_len = (|| {
-            let rows = heads.checked_mul(chunks)?.checked_mul(chunk)?;
-            let per_chunk = heads.checked_mul(chunks)?.checked_mul(chunk * chunk + KDA_CHUNK_DK)?;
-            rows.checked_mul(3 * KDA_CHUNK_DK + dv)?.checked_add(per_chunk)
-        })()
-        .ok_or(KernelError::SizeOverflow { op, dims: vec![tokens, heads, dv] })?;
-        // SAFETY: kda_chunk_prep writes every element before kda_chunk_state,
-        // queued after it on the same stream, reads any.
-        let ws = unsafe { self.stream.alloc::<f32>(ws_len) }.map_err(dev(op))?;
-        let tiles = dv.div_ceil(KDA_CHUNK_TILE);
-        if tiles > 65535 || heads > 65535 {
-            return Err(KernelError::InvalidShape { op, reason: format!("{heads} heads of dv = {dv}: too many blocks") });
-        }
-        let (t, h, k, v) = (int(op, "tokens", tokens)?, int(op, "heads", heads)?, int(op, "dk", dk)?, int(op, "dv", dv)?);
-        let nch = int(op, "chunks", chunks)?;
-        let null: u64 = 0;
-        let mut b = self.stream.launch_builder(prep);
-        b.arg(&x.q.data).arg(&x.k.data).arg(&x.v.data).arg(&x.g_raw.data).arg(&x.b_raw.data).arg(&params.a_log.data).arg(&params.dt_bias.data);
-        match record.as_deref() {
-            Some(r) => b.arg(&r.data),
-            None => b.arg(&null),
-        };
-        b.arg(&ws).arg(&t).arg(&h).arg(&k).arg(&v);
-        let cfg = LaunchConfig { grid_dim: (nch as u32, heads as u32, 1), block_dim: (KDA_CHUNK_THREADS, 1, 1), shared_mem_bytes: KDA_CHUNK_PREP_SMEM };
-        // SAFETY: argument types and order match kda_chunk_prep; the inputs
-        // and the record were checked to hold tokens x heads rows, the
-        // workspace is sized as kda_chunk_ws lays it out.
-        unsafe { b.launch(cfg) }.map_err(dev(op))?;
-        let mut b = self.stream.launch_builder(pass);
-        b.arg(&mut state.data).arg(&mut out.data);
-        match record {
-            Some(r) => b.arg(&mut r.data),
-            None => b.arg(&null),
-        };
-        b.arg(&ws).arg(&t).arg(&h).arg(&k).arg(&v);
-        let cfg = LaunchConfig { grid_dim: (heads as u32, tiles as u32, 1), block_dim: (KDA_CHUNK_THREADS, 1, 1), shared_mem_bytes: KDA_CHUNK_STATE_SMEM };
-        // SAFETY: argument types and order match kda_chunk_state; state, out
-        // and record were checked against the shape.
-        unsafe { b.launch(cfg) }.map_err(dev(op))?;
-        Ok(())
+        let one = KdaRaggedShape { rows: tokens, heads, dk, dv };
+        self.kda_prefill_seqs("kda_prefill", one, &[0..tokens], state, x, params, out, record)
+    }
+
+    /// Every prompt of a batch in one launch per phase: the chunked ones
+    /// through kda_chunk_prep and kda_chunk_state, the short ones through one
+    /// recurrent launch (each as `kda_prefill` would run it alone).
+    fn kda_prefill_ragged(
+        &self,
+        shape: KdaRaggedShape,
+        seqs: &[std::ops::Range<usize>],
+        states: &mut CudaBuf,
+        x: KdaInputs<'_, CudaBuf>,
+        params: KdaParams<'_, CudaBuf>,
+        out: &mut CudaBuf,
+        record: Option<&mut CudaBuf>,
+    ) -> Result<()> {
+        self.kda_prefill_seqs("kda_prefill_ragged", shape, seqs, states, x, params, out, record)
     }
 
     fn replay_append(&self, shape: ReplayShape, tokens: usize, ring: &mut CudaBuf, cursor: &mut CudaIBuf, records: &CudaBuf) -> Result<()> {

@@ -51,13 +51,142 @@ pub(super) fn kda_block(dk: usize, cols: usize) -> (u32, u32) {
 }
 
 impl CudaBackend {
-    /// Recurrent KDA over `seqs` sequences of `tokens` tokens (see kda.hip).
+    /// Whether a sequence of `tokens` takes the chunked form (kda_chunk.hip):
+    /// where the CPU reference takes it too (at least one chunk of 64 tokens
+    /// and 2 dv >= 3 x 64), dk <= 128, and the device gives the kernels their
+    /// shared memory (the H200 does).
+    fn kda_chunked_fits(&self, tokens: usize, dk: usize, dv: usize) -> bool {
+        let chunk = cpu_kda::KDA_CHUNK;
+        self.f.kda_chunk.is_some() && tokens >= chunk && dk <= KDA_CHUNK_DK && 2 * dv >= 3 * chunk
+    }
+
+    /// The prefill of every non-empty sequence of `seqs` (rows of the inputs;
+    /// sequence i's state is number i of `states`): the chunked ones in one
+    /// launch per phase, the others in one recurrent launch. A sequence's
+    /// result does not depend on the others in the launch.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn kda_prefill_seqs(
+        &self,
+        op: &'static str,
+        shape: KdaRaggedShape,
+        seqs: &[std::ops::Range<usize>],
+        states: &mut CudaBuf,
+        x: KdaInputs<'_, CudaBuf>,
+        p: KdaParams<'_, CudaBuf>,
+        out: &mut CudaBuf,
+        mut record: Option<&mut CudaBuf>,
+    ) -> Result<()> {
+        let KdaRaggedShape { rows, heads, dk, dv } = shape;
+        crate::shapes::check_ragged_seqs(op, rows, seqs)?;
+        check_kda(op, rows, heads, dk, dv, states.len, seqs.len(), &x, &p, out.len, record.as_ref().map(|r| r.len))?;
+        // Sequence tables (kda.hip, kda_chunk.hip): (first row, rows, state)
+        // for the recurrent kernel; (first row, rows, first chunk, state) and
+        // then each chunk's sequence for the chunked ones.
+        let (mut recurrent, mut chunked, mut chunk_seq) = (Vec::new(), Vec::new(), Vec::new());
+        for (i, r) in seqs.iter().enumerate() {
+            if r.is_empty() {
+                continue;
+            }
+            let (row0, len, si) = (int(op, "first row", r.start)?, int(op, "tokens", r.len())?, int(op, "sequences", i)?);
+            if self.kda_chunked_fits(r.len(), dk, dv) {
+                let at = int(op, "sequences", chunked.len() / 4)?;
+                chunked.extend([row0, len, int(op, "chunks", chunk_seq.len())?, si]);
+                chunk_seq.extend(std::iter::repeat_n(at, r.len().div_ceil(cpu_kda::KDA_CHUNK)));
+            } else {
+                recurrent.extend([row0, len, si]);
+            }
+        }
+        if !recurrent.is_empty() {
+            let seg = self.upload_t(op, &recurrent)?;
+            self.kda_recurrent(op, recurrent.len() / 3, 0, Some(&seg), heads, dk, dv, states, x, p, out, record.as_deref_mut())?;
+        }
+        if !chunked.is_empty() {
+            let nseq = chunked.len() / 4;
+            let chunks = chunk_seq.len();
+            chunked.extend(chunk_seq);
+            self.kda_chunked(op, nseq, chunks, &chunked, heads, dk, dv, states, x, p, out, record)?;
+        }
+        Ok(())
+    }
+
+    /// The chunked form over `nseq` sequences of `chunks` chunks in all, `table`
+    /// as kda_chunk.hip reads it.
+    #[allow(clippy::too_many_arguments)]
+    fn kda_chunked(
+        &self,
+        op: &'static str,
+        nseq: usize,
+        chunks: usize,
+        table: &[i32],
+        heads: usize,
+        dk: usize,
+        dv: usize,
+        states: &mut CudaBuf,
+        x: KdaInputs<'_, CudaBuf>,
+        p: KdaParams<'_, CudaBuf>,
+        out: &mut CudaBuf,
+        record: Option<&mut CudaBuf>,
+    ) -> Result<()> {
+        let Some((prep, pass)) = self.f.kda_chunk.as_ref() else {
+            return Err(KernelError::InvalidShape { op, reason: "the device cannot run the chunked KDA kernels".into() });
+        };
+        let chunk = cpu_kda::KDA_CHUNK;
+        // Workspace of kda_chunk.hip (kda_chunk_ws), every element written by
+        // kda_chunk_prep before kda_chunk_state reads it.
+        let ws_len = (|| {
+            let rows = heads.checked_mul(chunks)?.checked_mul(chunk)?;
+            let per_chunk = heads.checked_mul(chunks)?.checked_mul(chunk * chunk + KDA_CHUNK_DK)?;
+            rows.checked_mul(3 * KDA_CHUNK_DK + dv)?.checked_add(per_chunk)
+        })()
+        .ok_or(KernelError::SizeOverflow { op, dims: vec![chunks, heads, dv] })?;
+        let tiles = dv.div_ceil(KDA_CHUNK_TILE);
+        if tiles > 65535 || heads > 65535 || nseq > 65535 {
+            return Err(KernelError::InvalidShape { op, reason: format!("{nseq} sequences of {heads} heads of dv = {dv}: too many blocks") });
+        }
+        // SAFETY: kda_chunk_prep writes every element before kda_chunk_state,
+        // queued after it on the same stream, reads any.
+        let ws = unsafe { self.stream.alloc::<f32>(ws_len) }.map_err(dev(op))?;
+        let seg = self.upload_t(op, table)?;
+        let (h, k, v) = (int(op, "heads", heads)?, int(op, "dk", dk)?, int(op, "dv", dv)?);
+        let (ns, nch) = (int(op, "sequences", nseq)?, int(op, "chunks", chunks)?);
+        let null: u64 = 0;
+        let mut b = self.stream.launch_builder(prep);
+        b.arg(&x.q.data).arg(&x.k.data).arg(&x.v.data).arg(&x.g_raw.data).arg(&x.b_raw.data).arg(&p.a_log.data).arg(&p.dt_bias.data);
+        match record.as_deref() {
+            Some(r) => b.arg(&r.data),
+            None => b.arg(&null),
+        };
+        b.arg(&ws).arg(&seg).arg(&ns).arg(&h).arg(&k).arg(&v);
+        let cfg = LaunchConfig { grid_dim: (nch as u32, heads as u32, 1), block_dim: (KDA_CHUNK_THREADS, 1, 1), shared_mem_bytes: KDA_CHUNK_PREP_SMEM };
+        // SAFETY: argument types and order match kda_chunk_prep; the table's
+        // rows were checked to lie inside the inputs and the record, the
+        // workspace is sized as kda_chunk_ws lays it out for `chunks`.
+        unsafe { b.launch(cfg) }.map_err(dev(op))?;
+        let mut b = self.stream.launch_builder(pass);
+        b.arg(&mut states.data).arg(&mut out.data);
+        match record {
+            Some(r) => b.arg(&mut r.data),
+            None => b.arg(&null),
+        };
+        b.arg(&ws).arg(&seg).arg(&nch).arg(&h).arg(&k).arg(&v);
+        let cfg =
+            LaunchConfig { grid_dim: (heads as u32, tiles as u32, nseq as u32), block_dim: (KDA_CHUNK_THREADS, 1, 1), shared_mem_bytes: KDA_CHUNK_STATE_SMEM };
+        // SAFETY: argument types and order match kda_chunk_state; the states,
+        // out and record were checked against the table's sequences.
+        unsafe { b.launch(cfg) }.map_err(dev(op))?;
+        Ok(())
+    }
+
+    /// Recurrent KDA (see kda.hip) over `seqs` sequences: of `tokens` tokens
+    /// each, or, with a sequence table `seg` ((first row, rows, state) each),
+    /// as the table says.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn kda_recurrent(
         &self,
         op: &'static str,
         seqs: usize,
         tokens: usize,
+        seg: Option<&CudaSlice<i32>>,
         heads: usize,
         dk: usize,
         dv: usize,
@@ -67,14 +196,14 @@ impl CudaBackend {
         out: &mut CudaBuf,
         record: Option<&mut CudaBuf>,
     ) -> Result<()> {
-        if seqs == 0 || tokens == 0 {
+        if seqs == 0 || (seg.is_none() && tokens == 0) {
             return Ok(());
         }
         let grid_x = int(op, "slots x heads", seqs * heads)? as u32;
         // The step kernels are compiled for tokens == 1 (no token loop).
         let (func, cols) = if dk > 128 {
             (&self.f.kda_recurrent_wide, 1)
-        } else if tokens == 1 {
+        } else if tokens == 1 && seg.is_none() {
             let k = self.kda_kernel;
             let at = KdaKernel::ALL.iter().position(|&x| x == k).expect("every variant is loaded");
             (&self.f.kda_step[at], k.cols_per_lane())
@@ -103,9 +232,14 @@ impl CudaBackend {
             Some(r) => b.arg(&mut r.data),
             None => b.arg(&null),
         };
+        match seg {
+            Some(s) => b.arg(s),
+            None => b.arg(&null),
+        };
         b.arg(&t).arg(&h).arg(&k).arg(&v);
         // SAFETY: argument types and order match kda_recurrent; every buffer
-        // was checked to hold the elements the launch touches.
+        // was checked to hold the elements the launch touches (with a table,
+        // every sequence's rows and state).
         unsafe { b.launch(cfg) }.map_err(dev(op))?;
         Ok(())
     }
