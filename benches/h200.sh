@@ -18,6 +18,8 @@
 #            same model and weights (benches/peers/torch_model.py), side by side
 #   matmul   cuda_check --bench-matmul: the fused step's tensor-core products,
 #            next to torch.matmul from the peer (run `compute` first in the call)
+#   wgprobe  benches/gpu/mm_wg_probe.cu (nvcc, sm_90a): the warpgroup product's
+#            variants against the mma.sync one, bit for bit and timed
 #   kernels  cuda_check --bench: KDA step, chunked prefill, MLA partial, matmuls
 #   dense    cuda_check --bench-dense: the generic matmul's two kernels (over all
 #            of k, split over k) at prefill shapes
@@ -32,7 +34,7 @@
 #   trace    the same at HANDOFF_LOG=debug: each request's steps between the
 #            roles (benches/peers/trace_phases.py), the log gzipped into $OUT
 #   profile  bench prefill at serving batches, then each kernel's time in a
-#            1 x 1024-token prefill (Nsight Compute)
+#            1 x 1024-token and a 32 x 80-token prefill (Nsight Compute)
 #   transfer the flagship hand-off through CUDA IPC
 #   ncu-step Nsight Compute on one B = 88 launch of the fused step's st_kda and
 #            st_mm_w2 inside bench compute (launch-skip past B = 1, 8, 32:
@@ -114,6 +116,15 @@ probe)
   timeout 120 ncu --clock-control none -k regex:st_mm -c 1 --section SpeedOfLight --section Occupancy --section SchedulerStats /tmp/mm_probe 88 7168 7168 1 2>&1 \
     | grep -E "Duration|Throughput|Warps Per Scheduler|Issued Warp|Achieved Occupancy" | tee "$OUT/probe-ncu.txt"
   ;;
+wgprobe)
+  step "st_mm_wg (the warpgroup product) against the step's mma.sync product, same bits (nvcc build of benches/gpu/mm_wg_probe.cu)"
+  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 1556,177,550 -I kernels/hip -include prelude.h \
+    benches/gpu/mm_wg_probe.cu -o /tmp/mm_wg_probe || fail=1
+  for shape in "88 7168 7168 1" "88 7168 7168 3" "88 2048 10256 3" "88 2048 8192 3" "88 4096 2048 3" "32 2048 10256 3" \
+               "64 2048 10256 3" "17 2048 8192 3" "8 2048 10256 3" "1 7168 7168 1" "88 2048 2048 2" "120 2048 8192 3"; do
+    timeout 60 /tmp/mm_wg_probe $shape
+  done 2>&1 | tee "$OUT/wgprobe.txt"
+  ;;
 kernels)
   step "kernel timings (cuda_check --bench)"
   timeout 300 cuda_check --bench 2>&1 | tee "$OUT/kernels.txt" | tail -40 || fail=1
@@ -176,6 +187,10 @@ profile)
   timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
     handoff bench prefill --config config/gpu.toml --device cuda --prompts 1 --tokens 1024 --reps 1 > "$OUT/prefill-ncu.txt" 2>&1 || fail=1
   awk '/^  [a-z_0-9]+ \(/{name=$1; inv=$NF} /gpu__time_duration.sum/{t[name]+=inv*$NF; n[name]+=inv} END{for (k in t) printf "%10.1f us %6d launches  %s\n", t[k], n[k], k}' "$OUT/prefill-ncu.txt" | sort -rn | head -25
+  step "Nsight Compute: each kernel's time in one serving pass of 32 x 80 tokens (and the warm-up)"
+  timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
+    handoff bench prefill --config config/gpu.toml --device cuda --prompts 32 --tokens 80 --reps 1 > "$OUT/prefill32-ncu.txt" 2>&1 || fail=1
+  awk '/^  [a-z_0-9]+ \(/{name=$1; inv=$NF} /gpu__time_duration.sum/{t[name]+=inv*$NF; n[name]+=inv} END{for (k in t) printf "%10.1f us %6d launches  %s\n", t[k], n[k], k}' "$OUT/prefill32-ncu.txt" | sort -rn | head -25
   step "Nsight Compute: one matmul_tcb launch of that pass (issue and stall view)"
   timeout 120 ncu --clock-control none -k regex:matmul_tcb -s 20 -c 1 --section SpeedOfLight --section SchedulerStats \
     --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \

@@ -402,3 +402,257 @@ extern "C" __global__ void st_reduce(
 extern "C" __global__ void __launch_bounds__(ST_MM_THREADS, 1) st_mm(ST_MM_ARGS) { st_mm_body<1, 3>(ST_MM_PASS); }
 extern "C" __global__ void __launch_bounds__(ST_MM_THREADS, 1) st_mm_w2(ST_MM_ARGS) { st_mm_body<2, 3>(ST_MM_PASS); }
 extern "C" __global__ void __launch_bounds__(ST_MM_THREADS, 1) st_mm_w2p2(ST_MM_ARGS) { st_mm_body<2, 2>(ST_MM_PASS); }
+
+// ---- Hopper: the warpgroup product (wgmma, sm_90a) ------------------------------------
+//
+// Rows 17 to 128 on a device of compute capability 9.0 (NVRTC builds for
+// sm_90a there). The product is the same one the kernels above compute, with
+// the operands' roles swapped: D^T = W^T X^T, so a warpgroup's 64 "rows" are
+// 64 output columns (4 weight tiles, one a warp) and its N "columns" are the
+// batch's rows. A weight tile as packed (kernels/src/step.rs's b_index) is
+// already the A fragment of a 16-row slice of W^T: registers (x, z, y, w) of
+// the B-fragment uint4 are the A fragment's (a0, a1, a2, a3). So weights go
+// from memory straight into registers, read once, and the activations, shared
+// by every column of the block, go through shared memory once a block, where
+// the tensor cores read them without the register file (the mma.sync kernels
+// load every A fragment into every warp that uses it; that is what held them
+// at a fifth of the copy rate with 88 rows, benches/README.md).
+//
+// Shared memory holds the activations of a k-step as the descriptor's
+// K-major core matrices with no swizzle: rows 8j .. 8j + 7 and k 8c .. 8c + 7
+// (16 bytes a row) at byte offset j * 256 + c * 128, so LBO (the next core
+// matrix along k) is 128 and SBO (the next along the rows) 256. A packed A
+// tile's lane 4g + t holds (row g, k 2t..) (row g + 8, k 2t..) (row g, k 2t + 8..)
+// (row g + 8, k 2t + 8..) (step.rs's a_index): each 32-bit register of the 32
+// lanes is one core matrix, lane L at byte 4 L.
+//
+// Per element, a k-step adds x_hi w_hi, then x_lo w_hi (terms >= 2), then
+// x_hi w_lo (terms = 3), k-steps in increasing order, exactly as
+// ST_MMA_KSTEP does; cuda_check holds its rows bit for bit against
+// st_mm_few's and st_mm's at every row count.
+
+// Declared for an sm_90a device pass and for nvcc's host pass (the probes
+// launch the templates); absent from every other build.
+#if (defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)) && !defined(__HIPCC__)
+#define ST_WG 1
+
+static __device__ __forceinline__ unsigned long long st_wg_desc(const void* smem) {
+    unsigned s;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(smem));
+    return (unsigned long long)((s >> 4) & 0x3fff) | ((unsigned long long)(128 >> 4) << 16) | ((unsigned long long)(256 >> 4) << 32);
+}
+static __device__ __forceinline__ void st_wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+static __device__ __forceinline__ void st_wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+static __device__ __forceinline__ void st_wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+static __device__ __forceinline__ void st_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// d[16] += W^T slice (a: (x, z, y, w) of a packed weight tile) . X^T (desc).
+static __device__ __forceinline__ void st_wgmma_n32(float* d, uint4 w, unsigned long long desc) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %21, 0; wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : "r"(w.x), "r"(w.z), "r"(w.y), "r"(w.w), "l"(desc), "r"(1) : "memory");
+}
+static __device__ __forceinline__ void st_wg_hold_n32(float* d) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// d[32] += W^T slice (a: (x, z, y, w) of a packed weight tile) . X^T (desc).
+static __device__ __forceinline__ void st_wgmma_n64(float* d, uint4 w, unsigned long long desc) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %37, 0; wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(w.x), "r"(w.z), "r"(w.y), "r"(w.w), "l"(desc), "r"(1) : "memory");
+}
+static __device__ __forceinline__ void st_wg_hold_n64(float* d) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// d[48] += W^T slice (a: (x, z, y, w) of a packed weight tile) . X^T (desc).
+static __device__ __forceinline__ void st_wgmma_n96(float* d, uint4 w, unsigned long long desc) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %53, 0; wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47}, {%48, %49, %50, %51}, %52, p, 1, 1, 0; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+                 : "r"(w.x), "r"(w.z), "r"(w.y), "r"(w.w), "l"(desc), "r"(1) : "memory");
+}
+static __device__ __forceinline__ void st_wg_hold_n96(float* d) {
+#pragma unroll
+    for (int i = 0; i < 48; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// d[64] += W^T slice (a: (x, z, y, w) of a packed weight tile) . X^T (desc).
+static __device__ __forceinline__ void st_wgmma_n128(float* d, uint4 w, unsigned long long desc) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %69, 0; wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(w.x), "r"(w.z), "r"(w.y), "r"(w.w), "l"(desc), "r"(1) : "memory");
+}
+static __device__ __forceinline__ void st_wg_hold_n128(float* d) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d += the slice of W^T in `w` times the activations at `desc`, for NB rows.
+template <int NB>
+static __device__ __forceinline__ void st_wgmma(float* d, uint4 w, unsigned long long desc) {
+    if constexpr (NB == 32) st_wgmma_n32(d, w, desc);
+    else if constexpr (NB == 64) st_wgmma_n64(d, w, desc);
+    else if constexpr (NB == 96) st_wgmma_n96(d, w, desc);
+    else st_wgmma_n128(d, w, desc);
+}
+template <int NB>
+static __device__ __forceinline__ void st_wg_hold(float* d) {
+    if constexpr (NB == 32) st_wg_hold_n32(d);
+    else if constexpr (NB == 64) st_wg_hold_n64(d);
+    else if constexpr (NB == 96) st_wg_hold_n96(d);
+    else st_wg_hold_n128(d);
+}
+
+// 4-byte global -> shared copy (cp.async; zero-filled when !valid): the
+// activations' registers land in their core matrices, 4 bytes apart.
+static __device__ __forceinline__ void st_cp4(void* dst, const void* src, bool valid) {
+    unsigned s;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(s), "l"(src), "r"(valid ? 4 : 0) : "memory");
+}
+
+// The warpgroup product of one block: 2 warpgroups, 8 column tiles (warp w:
+// tile blockIdx.x * 8 + w; warpgroup q: the 64 output columns of tiles 4q ..
+// 4q + 3) of one segment of one group, for the NB rows from blockIdx.z * NB.
+// The segment goes in chunks of KC k-steps through a ring of D + 1
+// shared-memory buffers that cp.async fills D chunks ahead, so that D chunks
+// of weights are in flight a block (the copy engine holds them, not
+// registers: one chunk in registers at a time held the first version at a
+// fifth of the copy rate). A buffer holds the chunk's weight tiles, each
+// lane's 16 bytes where that lane reads them back (no barrier needed for
+// them), then its activations as core matrices (both planes when terms >= 2),
+// which the block shares: one barrier a chunk makes them visible and frees
+// the buffer the next copy fills. A warpgroup's tiles past the last column
+// multiply zeros (its four warps must all issue each wgmma). Writes the
+// segment partials as st_mm does; st_reduce adds them. Launch: grid
+// (ceil(nt16 / 8), S * G, ceil(M / NB)); block 256; dynamic shared memory
+// (D + 1) KC (8 WP 512 + planes NB 32) bytes (planes: 2 when terms >= 2).
+#define ST_WG_THREADS 256
+template <int NB, int WP, int KC, int D>
+static __device__ __forceinline__ void st_mm_wg_body(
+    const uint4* __restrict__ A, hk_i64 a_plane, hk_i64 a_group, const uint4* __restrict__ W, hk_i64 w_plane,
+    hk_i64 w_group, float* __restrict__ part, hk_i64 part_seg, hk_i64 part_group, int ldp, int M, int nt16, int KT,
+    int S, int terms)
+{
+    constexpr int MTN = NB / 16;
+    constexpr int KB = NB * 32;   // bytes of one plane of one k-step's activations
+    constexpr int NBUF = D + 1;
+    HK_DYN_SMEM(unsigned char, sm);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int nt = blockIdx.x * 8 + warp;
+    const bool active = nt < nt16;
+    const int s = blockIdx.y % S, g = blockIdx.y / S;
+    const int row0 = blockIdx.z * NB;
+    const int left = (M - row0 + 15) >> 4;
+    const int mts = left < MTN ? left : MTN;
+    const int planes = terms >= 2 ? 2 : 1;
+    const int seg = KT / S, kt0 = s * seg, kend = kt0 + seg;
+    const int nchunks = (seg + KC - 1) / KC;
+    const int ntiles = KC * planes * MTN;
+    const int buf_bytes = KC * (8 * WP * 512 + planes * KB);
+    const uint4* Ag = A + (hk_i64)g * a_group + (hk_i64)(row0 >> 4) * KT * 32 + lane;
+    const uint4* Wt = W + (hk_i64)g * w_group + (hk_i64)(active ? nt : 0) * KT * 32 + lane;
+
+    // Chunk c into buffer c % NBUF: one commit group a chunk (empty past the
+    // last), so that the waits count chunks.
+    auto load = [&](int c) {
+        if (c < nchunks) {
+            unsigned char* b = sm + (hk_i64)(c % NBUF) * buf_bytes;
+            // This warp's weight tiles: [kk][p], lane's 16 bytes.
+#pragma unroll
+            for (int kk = 0; kk < KC; ++kk) {
+                const int kt = kt0 + c * KC + kk;
+                const bool ok = active && kt < kend;
+#pragma unroll
+                for (int p = 0; p < WP; ++p)
+                    hk_cp16(b + ((hk_i64)(warp * KC + kk) * WP + p) * 512 + lane * 16, Wt + (hk_i64)p * w_plane + (hk_i64)(ok ? kt : kt0) * 32, ok);
+            }
+            // The activations: warp w takes tiles w, w + 8, ...; a tile's four
+            // registers go to its four core matrices.
+            unsigned char* ab = b + KC * 8 * WP * 512;
+            for (int t = warp; t < ntiles; t += 8) {
+                const int kk = t / (planes * MTN), p = (t / MTN) % planes, mt = t % MTN;
+                const int kt = kt0 + c * KC + kk;
+                const bool ok = kt < kend && mt < mts;
+                const unsigned* src = (const unsigned*)(Ag + (hk_i64)p * a_plane + ((hk_i64)(ok ? mt : 0) * KT + (ok ? kt : kt0)) * 32);
+                unsigned* tile = (unsigned*)(ab + (hk_i64)(kk * planes + p) * KB + mt * 512);
+                st_cp4(tile + lane, src, ok);
+                st_cp4(tile + 64 + lane, src + 1, ok);
+                st_cp4(tile + 32 + lane, src + 2, ok);
+                st_cp4(tile + 96 + lane, src + 3, ok);
+            }
+        }
+        hk_cp_commit();
+    };
+
+    float d[NB / 2];
+#pragma unroll
+    for (int i = 0; i < NB / 2; ++i) d[i] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < D; ++c) load(c);
+    // The products of a chunk end before the next chunk's barrier: letting
+    // them run on under the next chunk's loads (wait_group 1, a second set of
+    // weight registers, one more buffer) measured no faster.
+    for (int c = 0; c < nchunks; ++c) {
+        hk_cp_wait_n<D - 1>();  // this thread's copies of chunk c are in
+        st_proxy_fence();       // ... and visible to the tensor cores
+        __syncthreads();        // every thread's; chunk c - 1's buffer is free
+        load(c + D);
+        const unsigned char* b = sm + (hk_i64)(c % NBUF) * buf_bytes;
+        const unsigned char* ab = b + KC * 8 * WP * 512;
+        uint4 w[KC][WP];
+#pragma unroll
+        for (int kk = 0; kk < KC; ++kk)
+#pragma unroll
+            for (int p = 0; p < WP; ++p) w[kk][p] = *(const uint4*)(b + ((hk_i64)(warp * KC + kk) * WP + p) * 512 + lane * 16);
+        st_wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < KC; ++kk) {
+            if (c * KC + kk < seg) {
+                const unsigned char* x = ab + (hk_i64)kk * planes * KB;
+                const unsigned long long dh = st_wg_desc(x);
+                st_wgmma<NB>(d, w[kk][0], dh);
+                if (terms >= 2) st_wgmma<NB>(d, w[kk][0], st_wg_desc(x + KB));
+                if (terms == 3) st_wgmma<NB>(d, w[kk][WP - 1], dh);
+            }
+        }
+        st_wg_commit();
+        st_wg_wait0();
+        st_wg_hold<NB>(d);
+    }
+    hk_cp_wait_all();
+    if (active) {
+        float* pg = part + (hk_i64)s * part_seg + (hk_i64)g * part_group;
+        const int gq = lane >> 2, t4 = lane & 3;
+#pragma unroll
+        for (int j = 0; j < NB / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = row0 + 8 * j + 2 * t4 + (e & 1);
+                if (r < M) pg[(hk_i64)r * ldp + nt * 16 + gq + 8 * (e >> 1)] = d[4 * j + e];
+            }
+    }
+}
+
+// The instances the step launches: st_mm_wg<NB>_<WP> (st_mm_few's
+// arguments; counters and the epilogue unused: st_reduce follows). Chunks of
+// 4 k-steps with one weight plane, 2 with two, 3 chunks in flight: the best
+// of the variants timed on the H200 at the step's shapes (benches/gpu/
+// mm_wg_probe.cu; a deeper ring leaves one block a multiprocessor, which is
+// slower). Shared memory: 4 ST_WG_KC(WP) (8 WP 512 + planes NB 32) bytes.
+// Present only in an sm_90a build: the Rust side takes st_mm without them.
+#define ST_WG_D 3
+#define ST_WG_KC(WP) ((WP) == 1 ? 4 : 2)
+#define ST_MM_WG(NB, WP)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(ST_WG_THREADS, 1) st_mm_wg##NB##_##WP(ST_MM_ARGS) {         \
+        st_mm_wg_body<NB, WP, ST_WG_KC(WP), ST_WG_D>(A, a_plane, a_group, W, w_plane, w_group, part, part_seg, \
+                                                   part_group, ldp, M, nt16, KT, S, terms);                \
+    }
+ST_MM_WG(32, 1)
+ST_MM_WG(64, 1)
+ST_MM_WG(96, 1)
+ST_MM_WG(128, 1)
+ST_MM_WG(32, 2)
+ST_MM_WG(64, 2)
+ST_MM_WG(96, 2)
+ST_MM_WG(128, 2)
+#endif  // sm_90a

@@ -214,7 +214,7 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         let KdaPrefillShape { tokens, heads, dk, dv } = shape;
         let one = KdaRaggedShape { rows: tokens, heads, dk, dv };
-        self.kda_prefill_seqs("kda_prefill", one, &[0..tokens], state, x, params, out, record)
+        self.kda_prefill_seqs("kda_prefill", one, std::slice::from_ref(&(0..tokens)), state, x, params, out, record)
     }
 
     /// Every prompt of a batch in one launch per phase: the chunked ones

@@ -58,7 +58,7 @@ use mla::mla_warps;
 pub(crate) use program::nvrtc_cubin_of;
 #[cfg(test)]
 use program::nvrtc_present;
-use program::{nvrtc_cubin, runtime_missing};
+use program::{nvrtc_arch, nvrtc_cubin, runtime_missing};
 
 /// Threads of the element-wise (grid-stride) kernels.
 const EW_THREADS: u32 = 256;
@@ -308,7 +308,7 @@ impl CudaBackend {
         let stream = ctx.new_stream().map_err(|e| unavailable("cannot create a stream", e))?;
         let cc = ctx.compute_capability().map_err(|e| unavailable("compute capability", e))?;
         let device_name = ctx.name().map_err(|e| unavailable("device name", e))?;
-        let cubin = nvrtc_cubin(&format!("{}{}", cc.0, cc.1))?;
+        let cubin = nvrtc_cubin(&nvrtc_arch(cc))?;
         let module = ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| unavailable("cannot load the compiled kernels", e))?;
         let get = |name: &str| module.load_function(name).map_err(|e| unavailable(&format!("kernel {name} missing from the module"), e));
         let mut f = Funcs {
@@ -515,8 +515,20 @@ mod tests {
             eprintln!("libnvrtc not on the loader path: NVRTC compile not checked here");
             return;
         }
-        let cubin = nvrtc_cubin("90").unwrap_or_else(|e| panic!("{e}"));
-        assert!(cubin.starts_with(b"\x7fELF"), "NVRTC did not return a cubin");
+        // The H200's target (sm_90a: the warpgroup products are in it) and
+        // plain sm_90 (they are left out, and the rest still builds).
+        for (arch, wg) in [(nvrtc_arch((9, 0)), true), ("90".to_string(), false)] {
+            let cubin = nvrtc_cubin(&arch).unwrap_or_else(|e| panic!("{e}"));
+            assert!(cubin.starts_with(b"\x7fELF"), "NVRTC did not return a cubin for sm_{arch}");
+            let has = |name: &[u8]| cubin.windows(name.len()).any(|w| w == name);
+            assert!(has(b"st_mm_few"), "sm_{arch}: st_mm_few missing");
+            for nb in [32, 64, 96, 128] {
+                for wp in [1, 2] {
+                    let name = format!("st_mm_wg{nb}_{wp}");
+                    assert_eq!(has(name.as_bytes()), wg, "sm_{arch}: {name} present = {}", !wg);
+                }
+            }
+        }
     }
 
     #[test]

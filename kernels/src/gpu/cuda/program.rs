@@ -21,6 +21,13 @@ pub(super) fn runtime_missing() -> Option<String> {
     None
 }
 
+/// The NVRTC target of a device of compute capability `cc`: `sm_90a` on 9.0,
+/// so that Hopper's warpgroup products (step_mm.hip's st_mm_wg) are built;
+/// plain `sm_<major><minor>` elsewhere, where they are left out.
+pub(crate) fn nvrtc_arch(cc: (i32, i32)) -> String {
+    if cc == (9, 0) { "90a".to_string() } else { format!("{}{}", cc.0, cc.1) }
+}
+
 /// Compiles the device program with NVRTC for `sm_<arch>` and returns the cubin.
 pub(crate) fn nvrtc_cubin(arch: &str) -> Result<Vec<u8>> {
     nvrtc_cubin_of(&crate::gpu::device_program(), arch)

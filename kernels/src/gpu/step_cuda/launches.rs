@@ -108,12 +108,41 @@ pub(super) struct MmFuncs {
     pub(super) two: CudaFunction,
     pub(super) two_p2: CudaFunction,
     pub(super) reduce: CudaFunction,
+    /// Hopper's warpgroup products (st_mm_wg<NB>_<WP>, 17 to 128 rows), in
+    /// [`WG_ROWS`] order, one plane then two; absent where the module was not
+    /// built for sm_90a.
+    pub(super) wg: Option<Vec<CudaFunction>>,
+}
+
+/// The row blocks of st_mm_wg's instances (a product takes the smallest that
+/// holds its rows).
+const WG_ROWS: [usize; 4] = [32, 64, 96, 128];
+
+/// st_mm_wg's dynamic shared memory for `nb` rows, `wp` weight planes and
+/// `terms` (step_mm.hip: ST_WG_D + 1 buffers of ST_WG_KC(WP) k-steps).
+fn wg_smem(nb: usize, wp: usize, terms: i32) -> u32 {
+    let (kc, planes) = (if wp == 1 { 4 } else { 2 }, if terms >= 2 { 2 } else { 1 });
+    (4 * kc * (8 * wp * 512 + planes * nb * 32)) as u32
 }
 
 impl MmFuncs {
     pub(super) fn load(module: &Arc<CudaModule>) -> Result<MmFuncs> {
         let get = |name: &str| module.load_function(name).map_err(|e| KernelError::BackendUnavailable(format!("cuda: kernel {name} missing: {e}")));
-        let f = MmFuncs { few: get("st_mm_few")?, one: get("st_mm")?, two: get("st_mm_w2")?, two_p2: get("st_mm_w2p2")?, reduce: get("st_reduce")? };
+        // Either every warpgroup instance is in the module or none is.
+        let wg = [1, 2]
+            .iter()
+            .flat_map(|wp| WG_ROWS.iter().map(move |nb| format!("st_mm_wg{nb}_{wp}")))
+            .map(|name| module.load_function(&name).ok())
+            .collect::<Option<Vec<_>>>();
+        if let Some(list) = &wg {
+            for (i, func) in list.iter().enumerate() {
+                // The most it takes: activations in two planes.
+                let (wp, nb) = (1 + i / WG_ROWS.len(), WG_ROWS[i % WG_ROWS.len()]);
+                func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, wg_smem(nb, wp, 2) as i32)
+                    .map_err(|e| KernelError::BackendUnavailable(format!("cuda: cannot give st_mm_wg its shared memory: {e}")))?;
+            }
+        }
+        let f = MmFuncs { few: get("st_mm_few")?, one: get("st_mm")?, two: get("st_mm_w2")?, two_p2: get("st_mm_w2p2")?, reduce: get("st_reduce")?, wg };
         for (func, what) in [(&f.one, "st_mm"), (&f.two, "st_mm_w2"), (&f.two_p2, "st_mm_w2p2")] {
             func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, MM_SMEM_MAX as i32)
                 .map_err(|e| KernelError::BackendUnavailable(format!("cuda: cannot give {what} {MM_SMEM_MAX} bytes of shared memory: {e}")))?;
@@ -124,8 +153,9 @@ impl MmFuncs {
     /// The launches of a product over `m` rows of a weight of `nt` column
     /// tiles, `segments` x `groups` blocks of inner rows, `terms` products a
     /// k-step; `args` in st_mm_few's order. Few rows: st_mm_few alone (its last
-    /// blocks sum the segments); more: st_mm (st_mm_w2(p2) when the weight has
-    /// two planes) writes the partials and st_reduce sums them over the device.
+    /// blocks sum the segments); more: st_mm_wg on Hopper up to 128 rows, or
+    /// st_mm (st_mm_w2(p2) when the weight has two planes), writes the
+    /// partials and st_reduce sums them over the device.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn launches(&self, name: &'static str, m: usize, nt: usize, segments: usize, groups: usize, terms: i32, args: Vec<Arg>) -> Vec<Launch> {
         let gy = (segments * groups) as u32;
@@ -133,10 +163,17 @@ impl MmFuncs {
             return vec![Launch { f: self.few.cu_function(), name, grid: (nt.div_ceil(4) as u32, gy, 1), block: 128, smem: 0, args }];
         }
         let (wp, p, smem) = mm_shape(m, terms);
-        let f = match (wp, p) {
-            (1, _) => &self.one,
-            (_, 3) => &self.two,
-            _ => &self.two_p2,
+        // 17 to 128 rows on Hopper: the warpgroup product (the same bits,
+        // cuda_check holds them against st_mm's), else st_mm.
+        let wg = self.wg.as_ref().and_then(|list| {
+            let at = WG_ROWS.iter().position(|&nb| m <= nb)?;
+            Some((&list[(wp - 1) * WG_ROWS.len() + at], WG_ROWS[at]))
+        });
+        let (f, grid, block, smem) = match (wg, wp, p) {
+            (Some((f, nb)), _, _) => (f, (nt.div_ceil(8) as u32, gy, m.div_ceil(nb) as u32), ST_WG_THREADS, wg_smem(nb, wp, terms)),
+            (None, 1, _) => (&self.one, (nt.div_ceil(8) as u32, gy, m.div_ceil(128) as u32), ST_MM_THREADS, smem),
+            (None, _, 3) => (&self.two, (nt.div_ceil(8) as u32, gy, m.div_ceil(128) as u32), ST_MM_THREADS, smem),
+            _ => (&self.two_p2, (nt.div_ceil(8) as u32, gy, m.div_ceil(128) as u32), ST_MM_THREADS, smem),
         };
         // st_reduce's arguments, from st_mm_few's: the partials (6..10), M (11),
         // ncols (17), S (14), G, mode (16) and the rest of the epilogue (18..).
@@ -148,7 +185,7 @@ impl MmFuncs {
             _ => 1,
         };
         vec![
-            Launch { f: f.cu_function(), name, grid: (nt.div_ceil(8) as u32, gy, m.div_ceil(128) as u32), block: ST_MM_THREADS, smem, args },
+            Launch { f: f.cu_function(), name, grid, block, smem, args },
             // One block row a (group, row); past the y limit the kernel strides.
             Launch {
                 f: self.reduce.cu_function(),

@@ -62,6 +62,8 @@ fn mm_shape(m: usize, terms: i32) -> (usize, usize, u32) {
 
 /// st_mm's block (ST_MM_THREADS of step_mm.hip): 16 warps, two a column tile.
 const ST_MM_THREADS: u32 = 512;
+/// st_mm_wg's block (ST_WG_THREADS of step_mm.hip): two warpgroups.
+const ST_WG_THREADS: u32 = 256;
 /// The dynamic shared memory st_mm's kernels may use, opted in at build: an
 /// sm_90 block may have 227 KiB in all, static (st_last_finish's flag) and
 /// dynamic together, so 1 KiB stays free of the dynamic part.
