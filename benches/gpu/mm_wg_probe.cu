@@ -40,10 +40,10 @@ typedef void (*WgFn)(const uint4*, hk_i64, hk_i64, const uint4*, hk_i64, hk_i64,
 struct Variant { int nb, wp, kc, d; WgFn f; };
 #define V(nb, wp, kc, d) Variant{nb, wp, kc, d, probe_wg<nb, wp, kc, d>}
 static const Variant variants[] = {
-    V(32, 1, 4, 3), V(32, 1, 2, 4), V(32, 2, 2, 3), V(32, 2, 1, 4),
-    V(64, 1, 4, 3), V(64, 1, 2, 3), V(64, 2, 2, 3), V(64, 2, 1, 4),
-    V(96, 1, 4, 3), V(96, 1, 2, 3), V(96, 2, 2, 3), V(96, 2, 1, 4),
-    V(128, 1, 4, 3), V(128, 1, 2, 3), V(128, 2, 2, 3), V(128, 2, 1, 6),
+    V(32, 1, 8, 1), V(32, 1, 4, 3), V(32, 2, 4, 1), V(32, 2, 2, 3),
+    V(64, 1, 8, 1), V(64, 1, 4, 3), V(64, 2, 4, 1), V(64, 2, 2, 3),
+    V(96, 1, 8, 1), V(96, 1, 4, 3), V(96, 2, 4, 1), V(96, 2, 2, 3),
+    V(128, 1, 8, 1), V(128, 1, 4, 3), V(128, 2, 4, 1), V(128, 2, 2, 3),
 };
 
 int main(int argc, char** argv) {

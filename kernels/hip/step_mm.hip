@@ -635,13 +635,15 @@ static __device__ __forceinline__ void st_mm_wg_body(
 
 // The instances the step launches: st_mm_wg<NB>_<WP> (st_mm_few's
 // arguments; counters and the epilogue unused: st_reduce follows). Chunks of
-// 4 k-steps with one weight plane, 2 with two, 3 chunks in flight: the best
-// of the variants timed on the H200 at the step's shapes (benches/gpu/
-// mm_wg_probe.cu; a deeper ring leaves one block a multiprocessor, which is
-// slower). Shared memory: 4 ST_WG_KC(WP) (8 WP 512 + planes NB 32) bytes.
-// Present only in an sm_90a build: the Rust side takes st_mm without them.
-#define ST_WG_D 3
-#define ST_WG_KC(WP) ((WP) == 1 ? 4 : 2)
+// 8 k-steps with one weight plane, 4 with two, double-buffered (one chunk in
+// flight): the best of the variants timed on the H200 at the step's shapes
+// (benches/gpu/mm_wg_probe.cu, benches/README.md session 9); a deeper ring at
+// the same shared memory means smaller chunks, and more shared memory leaves
+// one block a multiprocessor; both were slower. Shared memory:
+// 2 ST_WG_KC(WP) (8 WP 512 + planes NB 32) bytes. Present only in an sm_90a
+// build: the Rust side takes st_mm without them.
+#define ST_WG_D 1
+#define ST_WG_KC(WP) ((WP) == 1 ? 8 : 4)
 #define ST_MM_WG(NB, WP)                                                                                    \
     extern "C" __global__ void __launch_bounds__(ST_WG_THREADS, 1) st_mm_wg##NB##_##WP(ST_MM_ARGS) {         \
         st_mm_wg_body<NB, WP, ST_WG_KC(WP), ST_WG_D>(A, a_plane, a_group, W, w_plane, w_group, part, part_seg, \

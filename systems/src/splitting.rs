@@ -626,11 +626,15 @@ mod tests {
         out
     }
 
+    /// (region kind, producer row, consumer row) of every token row, or the
+    /// side and block that fell outside its region.
+    type TokenRows = Result<Vec<(RegionKind, u64, u64)>, (&'static str, u32)>;
+
     /// The same, token by token from the two block tables (the DCP rule of
     /// docs/design.md section 4: token p lives on dcp rank (p / S) % dcp, at local
     /// position (p / (S dcp)) S + p % S), or the first block outside its region in
     /// token order, producer side first.
-    fn expected_token_rows(producer: &ProducerLayout, consumer: &ConsumerLayout, tokens: u64) -> Result<Vec<(RegionKind, u64, u64)>, (&'static str, u32)> {
+    fn expected_token_rows(producer: &ProducerLayout, consumer: &ConsumerLayout, tokens: u64) -> TokenRows {
         let (s, dcp, d) = (u64::from(consumer.interleave), u64::from(consumer.dcp), u64::from(consumer.dcp_rank()));
         let mut out = Vec::new();
         for src in producer.layout.regions.iter().filter(|r| r.kind.distribution() == Distribution::TokenSharded && !r.rows.is_empty()) {

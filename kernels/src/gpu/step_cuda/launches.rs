@@ -119,10 +119,10 @@ pub(super) struct MmFuncs {
 const WG_ROWS: [usize; 4] = [32, 64, 96, 128];
 
 /// st_mm_wg's dynamic shared memory for `nb` rows, `wp` weight planes and
-/// `terms` (step_mm.hip: ST_WG_D + 1 buffers of ST_WG_KC(WP) k-steps).
+/// `terms` (step_mm.hip: ST_WG_D + 1 = 2 buffers of ST_WG_KC(WP) k-steps).
 fn wg_smem(nb: usize, wp: usize, terms: i32) -> u32 {
-    let (kc, planes) = (if wp == 1 { 4 } else { 2 }, if terms >= 2 { 2 } else { 1 });
-    (4 * kc * (8 * wp * 512 + planes * nb * 32)) as u32
+    let (kc, planes) = (if wp == 1 { 8 } else { 4 }, if terms >= 2 { 2 } else { 1 });
+    (2 * kc * (8 * wp * 512 + planes * nb * 32)) as u32
 }
 
 impl MmFuncs {
