@@ -12,23 +12,7 @@
 #include <cstring>
 #include <vector>
 
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e)); exit(1); } } while (0)
-
-static int auto_segments(int inner, int cols) {
-    int kt = inner / 16, tiles = (cols + 15) / 16, s = 1;
-    while (kt % (s * 2) == 0 && kt / (s * 2) >= 8 && tiles * s < 2048) s *= 2;
-    return s;
-}
-
-__global__ void fill_bits(unsigned* p, size_t n, unsigned seed) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        unsigned x = (unsigned)i * 2654435761u ^ seed;
-        x ^= x >> 13; x *= 0x5bd1e995u; x ^= x >> 15;
-        unsigned lo = (x & 0x807fu) | ((0x70u + (x >> 8) % 15u) << 7);
-        unsigned hi = ((x >> 16) & 0x807fu) | ((0x70u + (x >> 24) % 15u) << 7);
-        p[i] = lo | (hi << 16);
-    }
-}
+#include "probe_util.h"
 
 template <int NB, int WP, int KC, int D>
 __global__ void __launch_bounds__(ST_WG_THREADS, 1) probe_wg(const uint4* A, hk_i64 a_plane, hk_i64 a_group, const uint4* W, hk_i64 w_plane,
