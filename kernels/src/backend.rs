@@ -213,6 +213,14 @@ pub trait Backend: Send + Sync {
 
     // ---- dense -------------------------------------------------------------
 
+    /// Whether [`Backend::kda_prefill_ragged`] saves work over one
+    /// `kda_prefill` a sequence (a device: one launch a phase for a batch).
+    /// The model's prefill takes the ragged call only then; the bits are the
+    /// same either way.
+    fn ragged_prefill_pays(&self) -> bool {
+        false
+    }
+
     /// True when [`Backend::matmul`] sums every output element over k in one
     /// fixed order whatever the row count, so a caller may pass the whole inner
     /// dimension and still get batch-invariant rows. False (the default) means

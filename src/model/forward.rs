@@ -22,8 +22,8 @@ use super::dtype::storage;
 use super::weights::{Dims, KdaShard, LayerShard, Mat, MixerShard, MlaShard, NORM_EPS};
 use handoff_components::vocab::LayerKind;
 use handoff_kernels::{
-    Backend, ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaRaggedShape, KdaStepShape, MatmulShape, MergeShape, MlaShape, NormShape,
-    ReplayShape, RowSet, UnitProduct, UnitsOut, UnitsShape, mla_partial_width, replay_record_width,
+    Backend, ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaRaggedShape, KdaStepShape, MatmulShape, MergeShape, MlaShape,
+    NormShape, ReplayShape, RowSet, UnitProduct, UnitsOut, UnitsShape, mla_partial_width, replay_record_width,
 };
 use std::ops::Range;
 
@@ -295,25 +295,51 @@ fn conv_batch<B: Backend>(be: &B, dims: &Dims, sh: &KdaShard<B>, qkv: &B::Buf, s
 }
 
 /// KDA prefill of one rank's heads over a batch of prompts, each from zero
-/// state. The dense products run once over all rows, the conv per prompt, and
-/// the recurrence in one ragged call over all prompts (one launch per phase on
-/// a device; each prompt gets the bits it gets alone). A prompt with a record
-/// tail r > 0 runs its last r tokens in a second ragged call that emits
-/// ReplaySSM records, and caches the state before them.
+/// state. The dense products run once over all rows and the conv per prompt.
+/// The recurrence runs, on a backend that says it pays
+/// ([`Backend::ragged_prefill_pays`]: a device, one launch per phase for the
+/// whole batch), in one ragged call over all prompts, and elsewhere prompt by
+/// prompt; each prompt gets the same bits either way. A prompt with a record
+/// tail r > 0 runs its last r tokens as a second pass that emits ReplaySSM
+/// records, and caches the state before them.
 pub fn kda_prefill<B: Backend>(be: &B, dims: &Dims, sh: &KdaShard<B>, xn: &B::Buf, seqs: &[PrefillSeq]) -> R<(Partials<B>, Vec<KdaCache<B>>)> {
     let t = batch_rows(seqs)?;
-    let (hl, dk, dv) = (sh.heads, dims.dk, dims.dv);
+    let hl = sh.heads;
     let qkv = matmul(be, xn, &sh.wqkv, t)?;
     let (conv_out, convs) = conv_batch(be, dims, sh, &qkv, seqs, t)?;
     let x = kda_split(be, dims, sh, xn, &conv_out, t)?;
+    let mut o = be.alloc(t * hl * dims.dv)?;
+    let states = if be.ragged_prefill_pays() {
+        kda_recurrence_ragged(be, dims, sh, &x, seqs, t, &mut o)?
+    } else {
+        kda_recurrence_each(be, dims, sh, &x, seqs, t, &mut o)?
+    };
+    let caches =
+        seqs.iter().zip(convs).zip(states).map(|((s, conv), (state, records))| KdaCache { state, conv, records, record_tokens: s.record_tail }).collect();
+    let partial = kda_output(be, dims, sh, xn, &o, t)?;
+    Ok((partial, caches))
+}
+
+/// Each prompt's (state before its record tail, tail records) after the
+/// recurrence over the batch in two ragged calls (the heads, then the tails
+/// with records); outputs into `o`.
+fn kda_recurrence_ragged<B: Backend>(
+    be: &B,
+    dims: &Dims,
+    sh: &KdaShard<B>,
+    x: &KdaIn<B>,
+    seqs: &[PrefillSeq],
+    t: usize,
+    o: &mut B::Buf,
+) -> R<Vec<(B::Buf, B::Buf)>> {
+    let (hl, dk, dv) = (sh.heads, dims.dk, dims.dv);
     let params = KdaParams { a_log: &sh.a_log, dt_bias: &sh.dt_bias };
     let inputs = KdaInputs { q: &x.q, k: &x.k, v: &x.v, g_raw: &x.g, b_raw: &x.b };
     let shape = KdaRaggedShape { rows: t, heads: hl, dk, dv };
     let per = hl * dk * dv;
-    let mut o = be.alloc(t * hl * dv)?;
     let mut states = be.alloc(seqs.len() * per)?;
     let heads: Vec<Range<usize>> = seqs.iter().map(|s| s.start..s.start + s.len - s.record_tail).collect();
-    be.kda_prefill_ragged(shape, &heads, &mut states, inputs, params, &mut o, None)?;
+    be.kda_prefill_ragged(shape, &heads, &mut states, inputs, params, o, None)?;
     // Each cache's state is the one before its record tail, taken before the
     // tail pass moves the states on (ops run in order).
     let mut cached = Vec::with_capacity(seqs.len());
@@ -326,22 +352,84 @@ pub fn kda_prefill<B: Backend>(be: &B, dims: &Dims, sh: &KdaShard<B>, xn: &B::Bu
     let records = if seqs.iter().any(|s| s.record_tail > 0) {
         let tails: Vec<Range<usize>> = seqs.iter().map(|s| s.start + s.len - s.record_tail..s.start + s.len).collect();
         let mut rec = be.alloc(t * hl * w)?;
-        be.kda_prefill_ragged(shape, &tails, &mut states, inputs, params, &mut o, Some(&mut rec))?;
+        be.kda_prefill_ragged(shape, &tails, &mut states, inputs, params, o, Some(&mut rec))?;
         Some(rec)
     } else {
         None
     };
-    let mut caches = Vec::with_capacity(seqs.len());
-    for ((s, conv), state) in seqs.iter().zip(convs).zip(cached) {
+    let mut out = Vec::with_capacity(seqs.len());
+    for (s, state) in seqs.iter().zip(cached) {
         let tail = s.record_tail;
-        let records = match &records {
+        let recs = match &records {
             Some(rec) if tail > 0 => rows_of(be, rec, s.start + s.len - tail..s.start + s.len, hl * w)?,
             _ => be.alloc(0)?,
         };
-        caches.push(KdaCache { state, conv, records, record_tokens: tail });
+        out.push((state, recs));
     }
-    let partial = kda_output(be, dims, sh, xn, &o, t)?;
-    Ok((partial, caches))
+    Ok(out)
+}
+
+/// The same, prompt by prompt through `kda_prefill` on copies of its rows:
+/// what a backend whose ragged call would only loop over the prompts takes
+/// (on the CPU the ragged path's batch-sized buffers stepped a prefill
+/// stage's heap by 2 to 3 MiB over a soak, where these per-prompt ones stay
+/// flat: tests/serve_e2e.rs).
+fn kda_recurrence_each<B: Backend>(
+    be: &B,
+    dims: &Dims,
+    sh: &KdaShard<B>,
+    x: &KdaIn<B>,
+    seqs: &[PrefillSeq],
+    t: usize,
+    o: &mut B::Buf,
+) -> R<Vec<(B::Buf, B::Buf)>> {
+    let (hl, dk, dv) = (sh.heads, dims.dk, dims.dv);
+    let params = KdaParams { a_log: &sh.a_log, dt_bias: &sh.dt_bias };
+    let mut out = Vec::with_capacity(seqs.len());
+    for s in seqs {
+        let mut state = be.alloc(hl * dk * dv)?;
+        let tail = s.record_tail;
+        let end = s.start + s.len;
+        let mut cached_state = None;
+        let mut records = be.alloc(0)?;
+        for (range, record) in [(s.start..end - tail, false), (end - tail..end, true)] {
+            if record {
+                if tail == 0 {
+                    break;
+                }
+                let mut before = be.alloc(hl * dk * dv)?;
+                be.copy(&state, 0, &mut before, 0, hl * dk * dv)?;
+                cached_state = Some(before);
+            }
+            if range.is_empty() {
+                continue;
+            }
+            let n = range.len();
+            let piece = |buf: &B::Buf, w: usize| sub_rows(be, buf, range.clone(), t, w);
+            let (q, k, v, g, b) = (piece(&x.q, hl * dk)?, piece(&x.k, hl * dk)?, piece(&x.v, hl * dv)?, piece(&x.g, hl * dk)?, piece(&x.b, hl)?);
+            let inputs = KdaInputs {
+                q: q.as_ref().unwrap_or(&x.q),
+                k: k.as_ref().unwrap_or(&x.k),
+                v: v.as_ref().unwrap_or(&x.v),
+                g_raw: g.as_ref().unwrap_or(&x.g),
+                b_raw: b.as_ref().unwrap_or(&x.b),
+            };
+            let mut rec = if record { Some(be.alloc(n * hl * dims.record_width())?) } else { None };
+            let shape = KdaPrefillShape { tokens: n, heads: hl, dk, dv };
+            if n == t {
+                be.kda_prefill(shape, &mut state, inputs, params, o, rec.as_mut())?;
+            } else {
+                let mut part = be.alloc(n * hl * dv)?;
+                be.kda_prefill(shape, &mut state, inputs, params, &mut part, rec.as_mut())?;
+                be.copy(&part, 0, o, range.start * hl * dv, n * hl * dv)?;
+            }
+            if let Some(r) = rec {
+                records = r;
+            }
+        }
+        out.push((cached_state.unwrap_or(state), records));
+    }
+    Ok(out)
 }
 
 /// The KDA caches of one rank and one layer for every request of a decode batch,

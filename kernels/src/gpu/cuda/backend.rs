@@ -217,6 +217,10 @@ impl Backend for CudaBackend {
         self.kda_prefill_seqs("kda_prefill", one, std::slice::from_ref(&(0..tokens)), state, x, params, out, record)
     }
 
+    fn ragged_prefill_pays(&self) -> bool {
+        true
+    }
+
     /// Every prompt of a batch in one launch per phase: the chunked ones
     /// through kda_chunk_prep and kda_chunk_state, the short ones through one
     /// recurrent launch (each as `kda_prefill` would run it alone).
