@@ -399,6 +399,193 @@ extern "C" __global__ void __launch_bounds__(256, 2) matmul_tcb(
         }
 }
 
+// ---- Hopper: the same matmul on warpgroup products (wgmma, sm_90a) ---------------
+//
+// matmul_wg computes what matmul_tcb computes, bit for bit, on Hopper's
+// warpgroup tensor-core instructions, which read both operands from shared
+// memory: block (column tile bx, row tile by, product bz) owns a 128 x 128
+// tile (two warpgroups of 64 rows) and walks all of the product's chunks. Per
+// element, each chunk's partial is one accumulator from 0 over the chunk's 8
+// k16 steps in order, three products a step (xh.wh, then xl.wh, then xh.wl),
+// added at the chunk's end to a total that starts at 0: matmul_tc's sequence
+// (a wgmma k16 step sums in the order of an mma.sync one; cuda_check holds
+// the rows of the two kernels bit for bit).
+//
+// The k walk goes in stages of MWG_KS = 32 (two k-steps, a quarter chunk).
+// A stage's f32 operands come by cp.async into one of two raw buffers, two
+// stages ahead; the block splits them once into bf16 planes (hi, lo) laid out
+// as the instruction's K-major core matrices (8 rows of 8 k, 128 bytes; the
+// k halves 128 bytes apart, the next 8 rows 256 on), x by rows and w by
+// columns (so w is transposed on the way), into one of two plane buffers.
+// The products of a stage run asynchronously while the block splits the next
+// stage into the other plane buffer; at a chunk's end they are waited for and
+// added to the total. Only compiled where prelude.h declares the wgmma
+// helpers (HK_WGMMA); elsewhere the Rust side launches matmul_tcb.
+// Launch: grid (ceil(max cols / 128), ceil(rows / 128), units); block 256;
+// dynamic shared memory MWG_SMEM bytes (one block a multiprocessor).
+#ifdef HK_WGMMA
+#define MWG_KS 32
+#define MWG_XS (MWG_KS + 4)                        // raw x row stride (floats): 4-bank steps
+#define MWG_RAW (128 * MWG_XS + MWG_KS * 128)      // floats of one raw stage (x, then w)
+#define MWG_STEP 4096                              // bytes of one plane of one k-step (128 x 16 bf16)
+#define MWG_PSET (2 * 2 * 2 * MWG_STEP)            // x and w, 2 k-steps, hi and lo
+#define MWG_SMEM (2 * MWG_RAW * 4 + 2 * MWG_PSET)
+
+// d[64] += A (64 x 16, desc a) . B (16 x 128, desc b), both K-major in shared memory.
+static __device__ __forceinline__ void mwg_mma(float* d, unsigned long long a, unsigned long long b) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %66, 0; wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "l"(a), "l"(b), "r"(1) : "memory");
+}
+static __device__ __forceinline__ void mwg_hold(float* d) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) matmul_wg(
+    hk_mm_units t, const float* __restrict__ x, float* __restrict__ out, int rows, hk_i64 x_row, hk_i64 out_row)
+{
+    HK_DYN_SMEM(float, sm);
+    unsigned char* planes = (unsigned char*)(sm + 2 * MWG_RAW);
+    const int u = blockIdx.z;
+    const int inner = (int)t.u[u][4];
+    const int cols = (int)t.u[u][5];
+    const int col0 = blockIdx.x * 128;
+    const int row0 = blockIdx.y * 128;
+    if (col0 >= cols || row0 >= rows) return;
+    const float* xb = x + t.u[u][1];
+    const float* w = (const float*)t.u[u][0];
+    const int tid = threadIdx.x;
+    constexpr int per_chunk = MM_KC / MWG_KS;
+    const int stages = per_chunk * ((inner + MM_KC - 1) / MM_KC);
+    // Stage i's raw operands into buffer i % 2 (zeros past rows, inner, cols):
+    // x as [128 rows][MWG_XS], w as [MWG_KS k][128 columns].
+    auto load = [&](int i) {
+        if (i < stages) {
+            float* xs = sm + (i % 2) * MWG_RAW;
+            float* ws = xs + 128 * MWG_XS;
+            const int k0 = MWG_KS * i;
+            for (int q = tid; q < 128 * (MWG_KS / 4); q += 256) {
+                const int r = q / (MWG_KS / 4), kq = (q % (MWG_KS / 4)) * 4;
+                const int gr = row0 + r, gk = k0 + kq;
+                float* d = xs + r * MWG_XS + kq;
+                const float* src = xb + (hk_i64)gr * x_row + gk;
+                if (gr < rows && gk + 3 < inner && ((((unsigned long long)src) & 15) == 0)) {
+                    hk_cp16(d, src, true);
+                } else {
+                    for (int e = 0; e < 4; ++e) d[e] = (gr < rows && gk + e < inner) ? src[e] : 0.0f;
+                }
+            }
+            for (int q = tid; q < MWG_KS * 32; q += 256) {
+                const int kk = q / 32, c = (q % 32) * 4;
+                const int gk = k0 + kk, gc = col0 + c;
+                float* d = ws + kk * 128 + c;
+                const float* src = w + (hk_i64)gk * cols + gc;
+                if (gk < inner && gc + 3 < cols && ((((unsigned long long)src) & 15) == 0)) {
+                    hk_cp16(d, src, true);
+                } else {
+                    for (int e = 0; e < 4; ++e) d[e] = (gk < inner && gc + e < cols) ? src[e] : 0.0f;
+                }
+            }
+        }
+        hk_cp_commit();
+    };
+    // Stage i's raw operands into plane buffer i % 2: k-step ks's x planes at
+    // ks * 2 MWG_STEP (hi, then lo), w's MWG_PSET / 2 further. A thread makes
+    // 16 bytes (8 k of one row or column) of each plane a time; a quarter
+    // warp fills one core matrix.
+    auto split = [&](int i) {
+        const float* xs = sm + (i % 2) * MWG_RAW;
+        const float* ws = xs + 128 * MWG_XS;
+        unsigned char* p = planes + (i % 2) * MWG_PSET;
+        for (int q = tid; q < 512; q += 256) {
+            const int r = q & 7, c = (q >> 3) & 1, j = (q >> 4) & 15, ks = q >> 8;
+            const float* s = xs + (8 * j + r) * MWG_XS + 16 * ks + 8 * c;
+            const float4 a = *(const float4*)s, b = *(const float4*)(s + 4);
+            uint4 h, l;
+            tc_split(a.x, a.y, h.x, l.x);
+            tc_split(a.z, a.w, h.y, l.y);
+            tc_split(b.x, b.y, h.z, l.z);
+            tc_split(b.z, b.w, h.w, l.w);
+            unsigned char* o = p + ks * 2 * MWG_STEP + j * 256 + c * 128 + r * 16;
+            *(uint4*)o = h;
+            *(uint4*)(o + MWG_STEP) = l;
+        }
+        unsigned char* pw = p + MWG_PSET / 2;
+        for (int q = tid; q < 512; q += 256) {
+            const int n = q & 127, c = (q >> 7) & 1, ks = q >> 8;
+            const float* s = ws + (16 * ks + 8 * c) * 128 + n;
+            uint4 h, l;
+            tc_split(s[0], s[128], h.x, l.x);
+            tc_split(s[256], s[384], h.y, l.y);
+            tc_split(s[512], s[640], h.z, l.z);
+            tc_split(s[768], s[896], h.w, l.w);
+            unsigned char* o = pw + ks * 2 * MWG_STEP + (n >> 3) * 256 + c * 128 + (n & 7) * 16;
+            *(uint4*)o = h;
+            *(uint4*)(o + MWG_STEP) = l;
+        }
+    };
+    const int warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+    float d[64], total[64];
+#pragma unroll
+    for (int e = 0; e < 64; ++e) d[e] = total[e] = 0.0f;
+    load(0);
+    load(1);
+    // A chunk's stages unrolled, so that its accumulator is only ever written
+    // by the tensor cores between the zeroing and the chunk's final wait
+    // (a branch on the stage left ptxas waiting for every stage's products).
+    for (int ch = 0; ch < stages / per_chunk; ++ch) {
+#pragma unroll
+        for (int s = 0; s < per_chunk; ++s) {
+            const int i = ch * per_chunk + s;
+            hk_cp_wait_n<1>();  // this thread's copies of stage i are in
+            __syncthreads();    // ... and every thread's
+            split(i);           // (plane buffer i % 2: stage i - 2's products are done)
+            st_proxy_fence();   // the planes visible to the tensor cores
+            __syncthreads();    // every thread's planes; raw buffer i % 2 is free
+            load(i + 2);
+            const unsigned char* p = planes + (i % 2) * MWG_PSET;
+            st_wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < 2; ++ks) {
+                const unsigned char* xp = p + ks * 2 * MWG_STEP + wg * 2048;
+                const unsigned char* wp = p + MWG_PSET / 2 + ks * 2 * MWG_STEP;
+                const unsigned long long xh = st_wg_desc(xp), xl = st_wg_desc(xp + MWG_STEP);
+                const unsigned long long wh = st_wg_desc(wp), wl = st_wg_desc(wp + MWG_STEP);
+                mwg_mma(d, xh, wh);
+                mwg_mma(d, xl, wh);
+                mwg_mma(d, xh, wl);
+            }
+            st_wg_commit();
+            if (s < per_chunk - 1) st_wg_wait1();  // stage i - 1's products are done: its planes are free
+        }
+        st_wg_wait0();
+        mwg_hold(d);
+#pragma unroll
+        for (int e = 0; e < 64; ++e) {
+            total[e] += d[e];
+            d[e] = 0.0f;
+        }
+    }
+    hk_cp_wait_all();
+    // Accumulator element 4 j + e of lane 4 g + q4 in warp w of the warpgroup:
+    // row 16 w + g + 8 (e / 2), column 8 j + 2 q4 + e % 2.
+    float* o = out + t.u[u][2];
+    const int g = lane >> 2, q4 = lane & 3;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        const int c = col0 + 8 * j + 2 * q4;
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            const int r = row0 + wg * 64 + (warp & 3) * 16 + g + 8 * hr;
+            if (r >= rows) continue;
+            if (c < cols) o[(hk_i64)r * out_row + c] = total[4 * j + 2 * hr];
+            if (c + 1 < cols) o[(hk_i64)r * out_row + c + 1] = total[4 * j + 2 * hr + 1];
+        }
+    }
+}
+#endif  // HK_WGMMA
+
 extern "C" __global__ void matmul_units_sum(
     hk_mm_units t, const float* __restrict__ part, float* __restrict__ out, int rows, hk_i64 out_row)
 {

@@ -288,4 +288,28 @@ static __device__ __forceinline__ void st_st(unsigned char* p, int dt, float x) 
 
 static __device__ __forceinline__ int st_ebytes(int dt) { return dt == 0 ? 4 : 2; }
 
+// ---- Hopper's warpgroup products (wgmma, sm_90a) ----------------------------------
+//
+// Declared for an sm_90a device pass and for nvcc's host pass (the probes
+// launch the templates that use them); absent from every other build (HIP, a
+// plain sm_XY pass), whose kernels without them are the fallbacks.
+#if (defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)) && !defined(__HIPCC__)
+#define HK_WGMMA 1
+
+// The descriptor of a K-major operand in shared memory with no swizzle: core
+// matrices of 8 rows x 16 bytes (128 contiguous bytes), the next along k 128
+// bytes on (LBO), the next 8 rows 256 bytes on (SBO).
+static __device__ __forceinline__ unsigned long long st_wg_desc(const void* smem) {
+    unsigned s;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(smem));
+    return (unsigned long long)((s >> 4) & 0x3fff) | ((unsigned long long)(128 >> 4) << 16) | ((unsigned long long)(256 >> 4) << 32);
+}
+static __device__ __forceinline__ void st_wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+static __device__ __forceinline__ void st_wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+static __device__ __forceinline__ void st_wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+static __device__ __forceinline__ void st_wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
+// Shared-memory writes of this thread made visible to the tensor cores' reads.
+static __device__ __forceinline__ void st_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+#endif  // sm_90a
+
 #endif  // HANDOFF_PRELUDE_H

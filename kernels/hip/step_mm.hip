@@ -431,20 +431,11 @@ extern "C" __global__ void __launch_bounds__(ST_MM_THREADS, 1) st_mm_w2p2(ST_MM_
 // ST_MMA_KSTEP does; cuda_check holds its rows bit for bit against
 // st_mm_few's and st_mm's at every row count.
 
-// Declared for an sm_90a device pass and for nvcc's host pass (the probes
-// launch the templates); absent from every other build.
-#if (defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)) && !defined(__HIPCC__)
+// Present where prelude.h's wgmma helpers are (HK_WGMMA: an sm_90a pass, and
+// nvcc's host pass for the probes); absent from every other build.
+#ifdef HK_WGMMA
 #define ST_WG 1
 
-static __device__ __forceinline__ unsigned long long st_wg_desc(const void* smem) {
-    unsigned s;
-    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(smem));
-    return (unsigned long long)((s >> 4) & 0x3fff) | ((unsigned long long)(128 >> 4) << 16) | ((unsigned long long)(256 >> 4) << 32);
-}
-static __device__ __forceinline__ void st_wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-static __device__ __forceinline__ void st_wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-static __device__ __forceinline__ void st_wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-static __device__ __forceinline__ void st_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 // d[16] += W^T slice (a: (x, z, y, w) of a packed weight tile) . X^T (desc).
 static __device__ __forceinline__ void st_wgmma_n32(float* d, uint4 w, unsigned long long desc) {
     asm volatile("{ .reg .pred p; setp.ne.b32 p, %21, 0; wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0; }"

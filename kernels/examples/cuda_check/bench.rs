@@ -183,36 +183,40 @@ pub(crate) fn bench_step_matmul(gpu: &CudaBackend, r: &mut SplitMix64) -> R<()> 
     Ok(())
 }
 
-/// The generic matmul's two kernels at prefill shapes (`--bench-dense`, and
-/// the end of `--bench`).
+/// The generic matmul's kernels at prefill shapes (`--bench-dense`, and the
+/// end of `--bench`).
 pub(crate) fn bench_matmul_kernels(gpu: &mut CudaBackend, r: &mut SplitMix64) -> R<()> {
-    // The generic matmul's two kernels at prefill shapes (gpu.toml's products,
-    // a serving batch of 256 to 2,560 rows): over all of k (matmul_tcb) or
-    // split over k (matmul_tc + chunk sums), to place the switch between them.
+    // The generic matmul's kernels at prefill shapes (gpu.toml's products, a
+    // serving batch of 128 to 2,560 rows): over all of k (matmul_wg on Hopper,
+    // matmul_tcb) or split over k (matmul_tc + chunk sums), to place the
+    // switch between them.
     for &rows in &[128usize, 256, 512, 800, 1024, 2560] {
         for &(inner, cols) in &[(2048usize, 2048usize), (2048, 576), (512, 4096), (2048, 8192)] {
             let x = gpu.upload(&uni(r, rows * inner, -1.0, 1.0))?;
             let w = gpu.upload(&uni(r, inner * cols, -1.0, 1.0))?;
             let mut o = gpu.alloc(rows * cols)?;
             let shape = MatmulShape { rows, inner, cols };
-            let mut us = [0.0f64; 2];
+            // matmul_wg (Hopper), matmul_tcb, split over k.
+            let mut us = [0.0f64; 3];
             let default = gpu.tcb_min_tiles();
-            for (i, tiles) in [0usize, usize::MAX].into_iter().enumerate() {
+            for (i, (tiles, wg)) in [(0usize, true), (0, false), (usize::MAX, false)].into_iter().enumerate() {
                 gpu.set_tcb_min_tiles(tiles);
+                gpu.set_matmul_wg(wg);
                 gpu.matmul(shape, &x, &w, &mut o)?;
                 let g = &*gpu;
                 us[i] = g.time_us(10, || g.matmul(shape, &x, &w, &mut o))?;
             }
             gpu.set_tcb_min_tiles(default);
+            gpu.set_matmul_wg(true);
             let tiles = rows.div_ceil(64) * cols.div_ceil(128);
             let tf = |u: f64| 2.0 * (rows * inner * cols) as f64 / (u * 1e-6) / 1e12;
+            let wg = if gpu.matmul_wg() { format!("wg {:.1} us ({:.1} TFLOP/s)", us[0], tf(us[0])) } else { "wg absent".to_string() };
             println!(
-                "| matmul kernels | {rows}x{inner} . {inner}x{cols} ({tiles} tiles) | tcb {:.1} us ({:.1} TFLOP/s) | split-k {:.1} us ({:.1} TFLOP/s) | {} |",
-                us[0],
-                tf(us[0]),
+                "| matmul kernels | {rows}x{inner} . {inner}x{cols} ({tiles} tiles) | {wg} | tcb {:.1} us ({:.1} TFLOP/s) | split-k {:.1} us ({:.1} TFLOP/s) |",
                 us[1],
                 tf(us[1]),
-                if us[0] < us[1] { "tcb" } else { "split-k" }
+                us[2],
+                tf(us[2]),
             );
         }
     }

@@ -403,6 +403,12 @@ pub(crate) fn checks(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
         let x = uni(&mut r, rows * inner, -1.0, 1.0);
         let w = uni(&mut r, inner * cols, -1.0, 1.0);
         let all = run_matmul(gpu, MatmulShape { rows, inner, cols }, &x, &w)?;
+        // The tiled kernel on Hopper (matmul_wg, wgmma) and elsewhere
+        // (matmul_tcb, mma.sync): the same bits, edges of rows, k and columns.
+        let mut plain = gpu.clone();
+        plain.set_matmul_wg(false);
+        let tcb_all = run_matmul(&plain, MatmulShape { rows, inner, cols }, &x, &w)?;
+        rep.exact_f32("matmul_wg vs matmul_tcb", &format!("2100 x 1000 . 1000 x 1000 (matmul_wg in this build: {})", gpu.matmul_wg()), &all, &tcb_all);
         let mut alone = Vec::new();
         let picks = [0usize, 17, 1050, 2099];
         for &i in &picks {

@@ -87,6 +87,15 @@ macro_rules! stub_backend {
                 match self.never {}
             }
 
+            pub fn set_matmul_wg(&mut self, on: bool) {
+                let _ = on;
+                match self.never {}
+            }
+
+            pub fn matmul_wg(&self) -> bool {
+                match self.never {}
+            }
+
             /// MLA kernel choice (unreachable: a stub has no values).
             pub fn set_mla_kernel(&mut self, kernel: &str) -> $crate::error::Result<()> {
                 let _ = kernel;

@@ -14,6 +14,10 @@ pub(super) const fn tc_smem(bm: usize, bn: usize) -> u32 {
 /// floats and 32 x 128 w floats, and two buffers of bf16 planes (hi and lo),
 /// each 64 x (16 + 4) x words and 16 x (128 + 8) w words.
 pub(super) const TCB_SMEM: u32 = ((2 * (64 * 32 + 32 * 128) + 2 * 2 * (64 * 20 + 16 * 136)) * 4) as u32;
+/// matmul_wg's dynamic shared memory (dense.hip): two raw stages of 128 x
+/// (32 + 4) x floats and 32 x 128 w floats, and two buffers of bf16 planes, each
+/// 2 k-steps x 2 planes of 128 x 16 x and as many w.
+pub(super) const MWG_SMEM: u32 = (2 * (128 * 36 + 32 * 128) * 4 + 2 * (2 * 2 * 2 * 4096)) as u32;
 /// A product runs as matmul_tcb (one launch, no scratch, each block over all
 /// of k) when it has at least this many 64 x 128 output tiles; fewer tiles
 /// (the few rows of a decode step, a short prompt's narrow products) go split
@@ -125,8 +129,9 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// matmul_tcb over the `units` products of `t`, each written into `out` in
-    /// place (row r of product u at `t.u[u][2] + r * out_row`).
+    /// matmul_tcb (or, on Hopper, matmul_wg: the same bits) over the `units`
+    /// products of `t`, each written into `out` in place (row r of product u at
+    /// `t.u[u][2] + r * out_row`).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn tcb_launch(
         &self,
@@ -140,20 +145,26 @@ impl CudaBackend {
         max_cols: usize,
         out_row: i64,
     ) -> Result<()> {
-        let tiles = rows.div_ceil(64);
+        // On Hopper the same products and sums on wgmma, 128 x 128 tiles.
+        let (func, bm, smem) = match &self.f.matmul_wg {
+            Some(f) if self.matmul_wg => (f, 128, MWG_SMEM),
+            _ => (&self.f.matmul_tcb, 64, TCB_SMEM),
+        };
+        let tiles = rows.div_ceil(bm);
         if tiles > 65535 || units > UNITS_PER_LAUNCH {
             return Err(KernelError::InvalidShape { op, reason: format!("{rows} rows x {units} products exceed the device grid") });
         }
         let cfg = LaunchConfig {
             grid_dim: (int(op, "column tiles", max_cols.div_ceil(128))? as u32, tiles as u32, units as u32),
             block_dim: (256, 1, 1),
-            shared_mem_bytes: TCB_SMEM,
+            shared_mem_bytes: smem,
         };
         let r = int(op, "rows", rows)?;
         let (o, _sync) = out.device_ptr_mut(&self.stream);
-        let mut b = self.stream.launch_builder(&self.f.matmul_tcb);
+        let mut b = self.stream.launch_builder(func);
         b.arg(t).arg(x).arg(&o).arg(&r).arg(&x_row).arg(&out_row);
-        // SAFETY: types and order match matmul_tcb; the caller checked the
+        // SAFETY: types and order match matmul_tcb and matmul_wg (the same
+        // signature); the caller checked the
         // table's blocks of x and w and that every product's rows fall inside out.
         unsafe { b.launch(cfg) }.map_err(dev(op))?;
         Ok(())

@@ -178,6 +178,9 @@ struct Funcs {
     matmul_tc16: CudaFunction,
     matmul_tc32: CudaFunction,
     matmul_tcb: CudaFunction,
+    /// matmul_tcb's bits on Hopper's warpgroup products; only in an sm_90a
+    /// build (dense.hip), None elsewhere.
+    matmul_wg: Option<CudaFunction>,
     matmul_chunk_sum: CudaFunction,
     matmul_units_sum: CudaFunction,
     add_units: CudaFunction,
@@ -225,6 +228,9 @@ pub struct CudaBackend {
     /// Output tiles from which a matmul runs as matmul_tcb
     /// ([`CudaBackend::set_tcb_min_tiles`]).
     tcb_min_tiles: usize,
+    /// Whether the tiled products run as matmul_wg where the build has it
+    /// ([`CudaBackend::set_matmul_wg`]).
+    matmul_wg: bool,
     /// The compiled program (the fused decode step loads its kernels from it).
     module: Arc<cudarc::driver::CudaModule>,
 }
@@ -333,6 +339,7 @@ impl CudaBackend {
             matmul_tc16: get("matmul_tc16")?,
             matmul_tc32: get("matmul_tc32")?,
             matmul_tcb: get("matmul_tcb")?,
+            matmul_wg: module.load_function("matmul_wg").ok(),
             matmul_chunk_sum: get("matmul_chunk_sum")?,
             matmul_units_sum: get("matmul_units_sum")?,
             add_units: get("add_units")?,
@@ -363,6 +370,10 @@ impl CudaBackend {
             func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
                 .map_err(|e| unavailable("cannot give the matmul its shared memory", e))?;
         }
+        if let Some(func) = &f.matmul_wg {
+            func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dense::MWG_SMEM as i32)
+                .map_err(|e| unavailable("cannot give matmul_wg its shared memory", e))?;
+        }
         // The chunked KDA prefill's blocks hold a chunk's 64 x 128 operands in
         // shared memory (97 and 129 KB, kda_chunk.hip): opt in likewise; a
         // device with less per block keeps the recurrent prefill.
@@ -385,6 +396,7 @@ impl CudaBackend {
             mla_scratch: Arc::new(std::sync::Mutex::new(None)),
             fused: true,
             tcb_min_tiles: dense::TCB_MIN_TILES,
+            matmul_wg: true,
             module,
         })
     }
@@ -466,6 +478,20 @@ impl CudaBackend {
         self.tcb_min_tiles
     }
 
+    /// Whether the tiled products (those `set_tcb_min_tiles` sends to
+    /// `matmul_tcb`) run on Hopper's warpgroup products instead, `matmul_wg`
+    /// (on by default; only where the build has it: compute capability 9.0).
+    /// The same bits either way (`cuda_check` checks it); off, for measuring.
+    pub fn set_matmul_wg(&mut self, on: bool) {
+        self.matmul_wg = on;
+    }
+
+    /// Whether the tiled products run as `matmul_wg` (see
+    /// [`CudaBackend::set_matmul_wg`]): on, and present in this build.
+    pub fn matmul_wg(&self) -> bool {
+        self.matmul_wg && self.f.matmul_wg.is_some()
+    }
+
     /// Waits until every queued op has finished; reports a failed one.
     pub fn synchronize(&self) -> Result<()> {
         self.stream.synchronize().map_err(dev("synchronize"))
@@ -522,6 +548,7 @@ mod tests {
             assert!(cubin.starts_with(b"\x7fELF"), "NVRTC did not return a cubin for sm_{arch}");
             let has = |name: &[u8]| cubin.windows(name.len()).any(|w| w == name);
             assert!(has(b"st_mm_few"), "sm_{arch}: st_mm_few missing");
+            assert_eq!(has(b"matmul_wg"), wg, "sm_{arch}: matmul_wg present = {}", !wg);
             for nb in [32, 64, 96, 128] {
                 for wp in [1, 2] {
                     let name = format!("st_mm_wg{nb}_{wp}");
