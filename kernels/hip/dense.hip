@@ -403,33 +403,100 @@ extern "C" __global__ void __launch_bounds__(256, 2) matmul_tcb(
 //
 // matmul_wg computes what matmul_tcb computes, bit for bit, on Hopper's
 // warpgroup tensor-core instructions, which read both operands from shared
-// memory: block (column tile bx, row tile by, product bz) owns a 128 x 128
-// tile (two warpgroups of 64 rows) and walks all of the product's chunks. Per
-// element, each chunk's partial is one accumulator from 0 over the chunk's 8
-// k16 steps in order, three products a step (xh.wh, then xl.wh, then xh.wl),
-// added at the chunk's end to a total that starts at 0: matmul_tc's sequence
-// (a wgmma k16 step sums in the order of an mma.sync one; cuda_check holds
-// the rows of the two kernels bit for bit).
+// memory. Per element, each chunk's partial is one accumulator from 0 over the
+// chunk's 8 k16 steps in order, three products a step (xh.wh, then xl.wh,
+// then xh.wl), added at the chunk's end to a total that starts at 0:
+// matmul_tc's sequence (a wgmma k16 step sums in the order of an mma.sync
+// one; cuda_check holds the rows of the two kernels bit for bit).
 //
-// The k walk goes in stages of MWG_KS = 32 (two k-steps, a quarter chunk).
-// A stage's f32 operands come by cp.async into one of two raw buffers, two
-// stages ahead; the block splits them once into bf16 planes (hi, lo) laid out
-// as the instruction's K-major core matrices (8 rows of 8 k, 128 bytes; the
-// k halves 128 bytes apart, the next 8 rows 256 on), x by rows and w by
-// columns (so w is transposed on the way), into one of two plane buffers.
-// The products of a stage run asynchronously while the block splits the next
-// stage into the other plane buffer; at a chunk's end they are waited for and
-// added to the total. Only compiled where prelude.h declares the wgmma
-// helpers (HK_WGMMA); elsewhere the Rust side launches matmul_tcb.
-// Launch: grid (ceil(max cols / 128), ceil(rows / 128), units); block 256;
-// dynamic shared memory MWG_SMEM bytes (one block a multiprocessor).
+// Three launches. mwg_pack_x and mwg_pack_w split the f32 operands once into
+// bf16 planes (hi, lo; tc_split) laid out as the instruction's K-major core
+// matrices: a tile of 128 rows (x) or columns (w) by one k-step is 8 KB, hi
+// then lo, each 16 groups of 8 rows, each two core matrices of 8 x 8 (k 0-7,
+// then 8-15; 128 bytes each). Tiles go k-step after k-step for one block of
+// 128 rows or columns, zeros past rows, columns and inner up to a whole chunk,
+// so a block's operands for a stage of k are one contiguous run. matmul_wg
+// then only copies: block (column tile bx, row tile by, product bz) owns a
+// 128 x 128 tile (two warpgroups of 64 rows) and walks all of the product's
+// chunks in stages of two k-steps through a ring of MWG_NST shared-memory
+// buffers that cp.async fills MWG_NST - 2 stages ahead; a stage's products
+// run while the next stage's copies land, and are waited for at the chunk's
+// end to add the chunk to the total. Splitting inside the product kernel
+// (each operand split again by every block that reads it) ran at a quarter
+// of this.
+//
+// Packed layout of product u (the units table's order): x at byte offset
+// 8192 * MT * sum_{v < u} KT_v (or 0 for every product when they share one
+// block of x), w at 8192 * sum_{v < u} NT_v KT_v, where MT, NT_v and KT_v
+// count 128-row tiles, 128-column tiles and k-steps (a whole number of
+// chunks). Only compiled where prelude.h declares the wgmma helpers
+// (HK_WGMMA); elsewhere the Rust side launches matmul_tcb.
 #ifdef HK_WGMMA
-#define MWG_KS 32
-#define MWG_XS (MWG_KS + 4)                        // raw x row stride (floats): 4-bank steps
-#define MWG_RAW (128 * MWG_XS + MWG_KS * 128)      // floats of one raw stage (x, then w)
-#define MWG_STEP 4096                              // bytes of one plane of one k-step (128 x 16 bf16)
-#define MWG_PSET (2 * 2 * 2 * MWG_STEP)            // x and w, 2 k-steps, hi and lo
-#define MWG_SMEM (2 * MWG_RAW * 4 + 2 * MWG_PSET)
+#define MWG_TILE 8192                      // bytes of one 128 x 16 tile, both planes
+#define MWG_NST 6                          // ring buffers of one stage (2 k-steps of x and w)
+#define MWG_STAGE (4 * MWG_TILE)
+#define MWG_SMEM (MWG_NST * MWG_STAGE)
+
+// K-steps of product u (whole chunks of MM_KC) and its 128-wide tiles of columns.
+static __device__ __forceinline__ int mwg_kt(const hk_mm_units& t, int u) { return (int)((t.u[u][4] + MM_KC - 1) / MM_KC) * (MM_KC / 16); }
+static __device__ __forceinline__ int mwg_nt(const hk_mm_units& t, int u) { return (int)((t.u[u][5] + 127) / 128); }
+// Byte offsets of product u's packed x (mt_n row tiles) and w.
+static __device__ __forceinline__ hk_i64 mwg_x_at(const hk_mm_units& t, int u, int mt_n, int x_shared) {
+    hk_i64 k = 0;
+    if (!x_shared)
+        for (int v = 0; v < u; ++v) k += mwg_kt(t, v);
+    return k * mt_n * MWG_TILE;
+}
+static __device__ __forceinline__ hk_i64 mwg_w_at(const hk_mm_units& t, int u) {
+    hk_i64 k = 0;
+    for (int v = 0; v < u; ++v) k += (hk_i64)mwg_nt(t, v) * mwg_kt(t, v);
+    return k * MWG_TILE;
+}
+
+// One packed 16 bytes of each plane from 8 floats (k in order).
+static __device__ __forceinline__ void mwg_put(unsigned char* o, const float* v) {
+    uint4 h, l;
+    tc_split(v[0], v[1], h.x, l.x);
+    tc_split(v[2], v[3], h.y, l.y);
+    tc_split(v[4], v[5], h.z, l.z);
+    tc_split(v[6], v[7], h.w, l.w);
+    *(uint4*)o = h;
+    *(uint4*)(o + MWG_TILE / 2) = l;
+}
+
+// x's tile (row tile by, k-step bx) of product bz (of product 0 when they
+// share x): thread (r, c, j) makes row 8 j + r, k 8 c .. 8 c + 7.
+// Launch: grid (max KT, MT, x_shared ? 1 : units); block 256.
+extern "C" __global__ void mwg_pack_x(hk_mm_units t, const float* __restrict__ x, hk_i64 x_row, int rows, int x_shared, unsigned char* __restrict__ xp) {
+    const int u = blockIdx.z, kt = blockIdx.x, mt = blockIdx.y;
+    const int KT = mwg_kt(t, u);
+    if (kt >= KT) return;
+    const int inner = (int)t.u[u][4];
+    const int r = threadIdx.x & 7, c = (threadIdx.x >> 3) & 1, j = threadIdx.x >> 4;
+    const int row = mt * 128 + 8 * j + r, k0 = kt * 16 + 8 * c;
+    const float* src = x + t.u[u][1] + (hk_i64)row * x_row;
+    float v[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = row < rows && k0 + e < inner ? src[k0 + e] : 0.0f;
+    mwg_put(xp + mwg_x_at(t, u, gridDim.y, x_shared) + ((hk_i64)mt * KT + kt) * MWG_TILE + j * 256 + c * 128 + r * 16, v);
+}
+
+// w's tile (column tile by, k-step bx) of product bz: thread (r, j, c) makes
+// column 8 j + r, k 8 c .. 8 c + 7 (a warp reads 32 consecutive columns of a
+// row of w at a time). Launch: grid (max KT, max NT, units); block 256.
+extern "C" __global__ void mwg_pack_w(hk_mm_units t, unsigned char* __restrict__ wp) {
+    const int u = blockIdx.z, kt = blockIdx.x, nt = blockIdx.y;
+    const int KT = mwg_kt(t, u);
+    if (kt >= KT || nt >= mwg_nt(t, u)) return;
+    const float* w = (const float*)t.u[u][0];
+    const int inner = (int)t.u[u][4], cols = (int)t.u[u][5];
+    const int r = threadIdx.x & 7, j = (threadIdx.x >> 3) & 15, c = threadIdx.x >> 7;
+    const int n = nt * 128 + 8 * j + r, k0 = kt * 16 + 8 * c;
+    float v[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = n < cols && k0 + e < inner ? w[(hk_i64)(k0 + e) * cols + n] : 0.0f;
+    mwg_put(wp + mwg_w_at(t, u) + ((hk_i64)nt * KT + kt) * MWG_TILE + j * 256 + c * 128 + r * 16, v);
+}
 
 // d[64] += A (64 x 16, desc a) . B (16 x 128, desc b), both K-major in shared memory.
 static __device__ __forceinline__ void mwg_mma(float* d, unsigned long long a, unsigned long long b) {
@@ -442,122 +509,69 @@ static __device__ __forceinline__ void mwg_hold(float* d) {
     for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// Launch: grid (ceil(max cols / 128), MT, units); block 256; dynamic shared
+// memory MWG_SMEM bytes (one block a multiprocessor).
 extern "C" __global__ void __launch_bounds__(256, 1) matmul_wg(
-    hk_mm_units t, const float* __restrict__ x, float* __restrict__ out, int rows, hk_i64 x_row, hk_i64 out_row)
+    hk_mm_units t, const unsigned char* __restrict__ xp, const unsigned char* __restrict__ wp, int x_shared,
+    float* __restrict__ out, int rows, hk_i64 out_row)
 {
-    HK_DYN_SMEM(float, sm);
-    unsigned char* planes = (unsigned char*)(sm + 2 * MWG_RAW);
+    HK_DYN_SMEM(uint4, sm);
+    unsigned char* ring = (unsigned char*)sm;
     const int u = blockIdx.z;
-    const int inner = (int)t.u[u][4];
     const int cols = (int)t.u[u][5];
-    const int col0 = blockIdx.x * 128;
-    const int row0 = blockIdx.y * 128;
+    const int col0 = blockIdx.x * 128, row0 = blockIdx.y * 128;
     if (col0 >= cols || row0 >= rows) return;
-    const float* xb = x + t.u[u][1];
-    const float* w = (const float*)t.u[u][0];
+    const int KT = mwg_kt(t, u);
+    const uint4* xs = (const uint4*)(xp + mwg_x_at(t, u, gridDim.y, x_shared) + (hk_i64)blockIdx.y * KT * MWG_TILE);
+    const uint4* ws = (const uint4*)(wp + mwg_w_at(t, u) + (hk_i64)blockIdx.x * KT * MWG_TILE);
     const int tid = threadIdx.x;
-    constexpr int per_chunk = MM_KC / MWG_KS;
-    const int stages = per_chunk * ((inner + MM_KC - 1) / MM_KC);
-    // Stage i's raw operands into buffer i % 2 (zeros past rows, inner, cols):
-    // x as [128 rows][MWG_XS], w as [MWG_KS k][128 columns].
+    const int stages = KT / 2;
+    // Stage i (k-steps 2i, 2i + 1) into buffer i % MWG_NST: x's two tiles, then w's.
     auto load = [&](int i) {
         if (i < stages) {
-            float* xs = sm + (i % 2) * MWG_RAW;
-            float* ws = xs + 128 * MWG_XS;
-            const int k0 = MWG_KS * i;
-            for (int q = tid; q < 128 * (MWG_KS / 4); q += 256) {
-                const int r = q / (MWG_KS / 4), kq = (q % (MWG_KS / 4)) * 4;
-                const int gr = row0 + r, gk = k0 + kq;
-                float* d = xs + r * MWG_XS + kq;
-                const float* src = xb + (hk_i64)gr * x_row + gk;
-                if (gr < rows && gk + 3 < inner && ((((unsigned long long)src) & 15) == 0)) {
-                    hk_cp16(d, src, true);
-                } else {
-                    for (int e = 0; e < 4; ++e) d[e] = (gr < rows && gk + e < inner) ? src[e] : 0.0f;
-                }
-            }
-            for (int q = tid; q < MWG_KS * 32; q += 256) {
-                const int kk = q / 32, c = (q % 32) * 4;
-                const int gk = k0 + kk, gc = col0 + c;
-                float* d = ws + kk * 128 + c;
-                const float* src = w + (hk_i64)gk * cols + gc;
-                if (gk < inner && gc + 3 < cols && ((((unsigned long long)src) & 15) == 0)) {
-                    hk_cp16(d, src, true);
-                } else {
-                    for (int e = 0; e < 4; ++e) d[e] = (gk < inner && gc + e < cols) ? src[e] : 0.0f;
-                }
+            uint4* b = (uint4*)(ring + (i % MWG_NST) * MWG_STAGE);
+            const uint4* xa = xs + (hk_i64)i * (2 * MWG_TILE / 16);
+            const uint4* wa = ws + (hk_i64)i * (2 * MWG_TILE / 16);
+#pragma unroll
+            for (int q = tid; q < 2 * MWG_TILE / 16; q += 256) {
+                hk_cp16(b + q, xa + q, true);
+                hk_cp16(b + 2 * MWG_TILE / 16 + q, wa + q, true);
             }
         }
         hk_cp_commit();
-    };
-    // Stage i's raw operands into plane buffer i % 2: k-step ks's x planes at
-    // ks * 2 MWG_STEP (hi, then lo), w's MWG_PSET / 2 further. A thread makes
-    // 16 bytes (8 k of one row or column) of each plane a time; a quarter
-    // warp fills one core matrix.
-    auto split = [&](int i) {
-        const float* xs = sm + (i % 2) * MWG_RAW;
-        const float* ws = xs + 128 * MWG_XS;
-        unsigned char* p = planes + (i % 2) * MWG_PSET;
-        for (int q = tid; q < 512; q += 256) {
-            const int r = q & 7, c = (q >> 3) & 1, j = (q >> 4) & 15, ks = q >> 8;
-            const float* s = xs + (8 * j + r) * MWG_XS + 16 * ks + 8 * c;
-            const float4 a = *(const float4*)s, b = *(const float4*)(s + 4);
-            uint4 h, l;
-            tc_split(a.x, a.y, h.x, l.x);
-            tc_split(a.z, a.w, h.y, l.y);
-            tc_split(b.x, b.y, h.z, l.z);
-            tc_split(b.z, b.w, h.w, l.w);
-            unsigned char* o = p + ks * 2 * MWG_STEP + j * 256 + c * 128 + r * 16;
-            *(uint4*)o = h;
-            *(uint4*)(o + MWG_STEP) = l;
-        }
-        unsigned char* pw = p + MWG_PSET / 2;
-        for (int q = tid; q < 512; q += 256) {
-            const int n = q & 127, c = (q >> 7) & 1, ks = q >> 8;
-            const float* s = ws + (16 * ks + 8 * c) * 128 + n;
-            uint4 h, l;
-            tc_split(s[0], s[128], h.x, l.x);
-            tc_split(s[256], s[384], h.y, l.y);
-            tc_split(s[512], s[640], h.z, l.z);
-            tc_split(s[768], s[896], h.w, l.w);
-            unsigned char* o = pw + ks * 2 * MWG_STEP + (n >> 3) * 256 + c * 128 + (n & 7) * 16;
-            *(uint4*)o = h;
-            *(uint4*)(o + MWG_STEP) = l;
-        }
     };
     const int warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
     float d[64], total[64];
 #pragma unroll
     for (int e = 0; e < 64; ++e) d[e] = total[e] = 0.0f;
-    load(0);
-    load(1);
-    // A chunk's stages unrolled, so that its accumulator is only ever written
-    // by the tensor cores between the zeroing and the chunk's final wait
-    // (a branch on the stage left ptxas waiting for every stage's products).
+#pragma unroll
+    for (int i = 0; i < MWG_NST - 2; ++i) load(i);
+    constexpr int per_chunk = MM_KC / 32;
     for (int ch = 0; ch < stages / per_chunk; ++ch) {
+        // A chunk's stages unrolled, so that its accumulator is only ever
+        // written by the tensor cores between the zeroing and the chunk's
+        // final wait (a branch on the stage left ptxas waiting every stage).
 #pragma unroll
         for (int s = 0; s < per_chunk; ++s) {
             const int i = ch * per_chunk + s;
-            hk_cp_wait_n<1>();  // this thread's copies of stage i are in
-            __syncthreads();    // ... and every thread's
-            split(i);           // (plane buffer i % 2: stage i - 2's products are done)
-            st_proxy_fence();   // the planes visible to the tensor cores
-            __syncthreads();    // every thread's planes; raw buffer i % 2 is free
-            load(i + 2);
-            const unsigned char* p = planes + (i % 2) * MWG_PSET;
+            hk_cp_wait_n<MWG_NST - 3>();  // this thread's copies of stage i are in
+            st_proxy_fence();             // ... visible to the tensor cores
+            __syncthreads();              // ... every thread's; stage i - 2's products are done
+            load(i + MWG_NST - 2);        // (into stage i - 2's buffer)
+            const unsigned char* b = ring + (i % MWG_NST) * MWG_STAGE;
             st_wg_fence();
 #pragma unroll
             for (int ks = 0; ks < 2; ++ks) {
-                const unsigned char* xp = p + ks * 2 * MWG_STEP + wg * 2048;
-                const unsigned char* wp = p + MWG_PSET / 2 + ks * 2 * MWG_STEP;
-                const unsigned long long xh = st_wg_desc(xp), xl = st_wg_desc(xp + MWG_STEP);
-                const unsigned long long wh = st_wg_desc(wp), wl = st_wg_desc(wp + MWG_STEP);
+                const unsigned char* xa = b + ks * MWG_TILE + wg * 2048;
+                const unsigned char* wa = b + 2 * MWG_TILE + ks * MWG_TILE;
+                const unsigned long long xh = st_wg_desc(xa), xl = st_wg_desc(xa + MWG_TILE / 2);
+                const unsigned long long wh = st_wg_desc(wa), wl = st_wg_desc(wa + MWG_TILE / 2);
                 mwg_mma(d, xh, wh);
                 mwg_mma(d, xl, wh);
                 mwg_mma(d, xh, wl);
             }
             st_wg_commit();
-            if (s < per_chunk - 1) st_wg_wait1();  // stage i - 1's products are done: its planes are free
+            if (s < per_chunk - 1) st_wg_wait1();  // stage i - 1's products are done
         }
         st_wg_wait0();
         mwg_hold(d);

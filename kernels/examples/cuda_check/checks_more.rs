@@ -13,7 +13,8 @@ pub(crate) fn check_fused(gpu: &mut CudaBackend, rep: &mut Report, seed: u64) ->
         // those of matmul on its block alone (the one-by-one default); heads side
         // by side and stacked, unequal widths ending mid-chunk, 40 products (two
         // launches), 1, 88, 200 and 600 rows (600: the first launch's 32
-        // products through matmul_tcb, 10 x 32 tiles; the rest split over k).
+        // products tiled (matmul_wg or matmul_tcb), 10 x 32 tiles; the rest
+        // split over k).
         for stacked in [false, true] {
             for &rows in &[1usize, 88, 200, 600] {
                 let n = 40;

@@ -394,10 +394,10 @@ pub(crate) fn checks(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
         rep.exact_f32("determinism matmul", "88x1024 . 1024x520, two runs", &run_matmul(gpu, shape, &x, &w)?, &all);
     }
     {
-        // Across the kernels: a product of at least 96 64 x 128 tiles takes
-        // matmul_tcb (all of k in a block, no scratch): 2100 x 1000 columns
-        // (33 x 8 tiles); 300 (5 x 8 tiles), 7 and 1 rows of it take matmul_tc32/16 and the
-        // chunk sums. Inner 1000 ends mid-chunk and mid-stage, 1000 columns
+        // Across the kernels: a product of enough 64 x 128 tiles runs tiled
+        // (matmul_wg on Hopper, else matmul_tcb: all of k in a block): 2100 x
+        // 1000 columns (33 x 8 tiles); 7 and 1 rows of it take matmul_tc16 and
+        // the chunk sums, 300 (5 x 8 tiles) either, and forced split matmul_tc32. Inner 1000 ends mid-chunk and mid-stage, 1000 columns
         // mid-tile. Every row has the same bits whichever kernel ran it.
         let (rows, inner, cols) = (2100usize, 1000usize, 1000usize);
         let x = uni(&mut r, rows * inner, -1.0, 1.0);
@@ -415,13 +415,17 @@ pub(crate) fn checks(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
             alone.extend(run_matmul(gpu, MatmulShape { rows: 1, inner, cols }, &x[i * inner..(i + 1) * inner], &w)?);
         }
         let picked: Vec<f32> = picks.iter().flat_map(|&i| all[i * cols..(i + 1) * cols].iter().copied()).collect();
-        rep.exact_f32("batch-invariance matmul", "rows of a 2100-row call (matmul_tcb) vs each alone (matmul_tc16 + chunk sums)", &picked, &alone);
+        rep.exact_f32("batch-invariance matmul", "rows of a 2100-row call (tiled) vs each alone (matmul_tc16 + chunk sums)", &picked, &alone);
         let seven = run_matmul(gpu, MatmulShape { rows: 7, inner, cols }, &x[100 * inner..107 * inner], &w)?;
         rep.exact_f32("batch-invariance matmul", "rows 100..107 of 2100 as a batch of 7 (matmul_tc16)", &seven, &all[100 * cols..107 * cols]);
         let mid = run_matmul(gpu, MatmulShape { rows: 300, inner, cols }, &x[..300 * inner], &w)?;
-        rep.exact_f32("batch-invariance matmul", "rows 0..300 of 2100 as a batch of 300 (matmul_tc32)", &mid, &all[..300 * cols]);
+        rep.exact_f32("batch-invariance matmul", "rows 0..300 of 2100 as a batch of 300 (40 tiles: tiled on Hopper)", &mid, &all[..300 * cols]);
+        let mut split = gpu.clone();
+        split.set_tcb_min_tiles(usize::MAX);
+        let mid = run_matmul(&split, MatmulShape { rows: 300, inner, cols }, &x[..300 * inner], &w)?;
+        rep.exact_f32("batch-invariance matmul", "rows 0..300 of 2100 as a batch of 300, split over k (matmul_tc32)", &mid, &all[..300 * cols]);
         let cpu_rows = run_matmul(&cpu, MatmulShape { rows: 64, inner, cols }, &x[2036 * inner..], &w)?;
-        rep.close("matmul (matmul_tcb)", "rows 2036..2100 of 2100 x 1000 . 1000 x 1000", &all[2036 * cols..], &cpu_rows, 3e-5);
+        rep.close("matmul (tiled)", "rows 2036..2100 of 2100 x 1000 . 1000 x 1000", &all[2036 * cols..], &cpu_rows, 3e-5);
     }
     {
         let (b, h, dk, dv) = (16usize, 2usize, 128usize, 128usize);

@@ -14,10 +14,9 @@ pub(super) const fn tc_smem(bm: usize, bn: usize) -> u32 {
 /// floats and 32 x 128 w floats, and two buffers of bf16 planes (hi and lo),
 /// each 64 x (16 + 4) x words and 16 x (128 + 8) w words.
 pub(super) const TCB_SMEM: u32 = ((2 * (64 * 32 + 32 * 128) + 2 * 2 * (64 * 20 + 16 * 136)) * 4) as u32;
-/// matmul_wg's dynamic shared memory (dense.hip): two raw stages of 128 x
-/// (32 + 4) x floats and 32 x 128 w floats, and two buffers of bf16 planes, each
-/// 2 k-steps x 2 planes of 128 x 16 x and as many w.
-pub(super) const MWG_SMEM: u32 = (2 * (128 * 36 + 32 * 128) * 4 + 2 * (2 * 2 * 2 * 4096)) as u32;
+/// matmul_wg's dynamic shared memory (dense.hip): a ring of 6 stages, each two
+/// k-steps of packed x and w tiles (8 KB a tile).
+pub(super) const MWG_SMEM: u32 = 6 * 4 * 8192;
 /// A product runs as matmul_tcb (one launch, no scratch, each block over all
 /// of k) when it has at least this many 64 x 128 output tiles; fewer tiles
 /// (the few rows of a decode step, a short prompt's narrow products) go split
@@ -27,11 +26,15 @@ pub(super) const MWG_SMEM: u32 = (2 * (128 * 36 + 32 * 128) * 4 + 2 * (2 * 2 * 2
 /// as fast from 128 (a block over all of k takes about 160 us there, however
 /// few blocks run).
 pub const TCB_MIN_TILES: usize = 96;
+/// The same switch for matmul_wg: on the H200 (`cuda_check --bench-dense`,
+/// 2026-12-04) it beats the split from 32 tiles (128 x 2,048 . 2,048 x 2,048:
+/// 62.8 against 76.8 us) and by 2.7x at 80 (1,024 x 2,048 . 2,048 x 576).
+pub const WG_MIN_TILES: usize = 32;
 
 impl CudaBackend {
     /// Whether a product of `rows` x `cols` (`units` of them) runs as matmul_tcb.
     pub(super) fn tcb_pays(&self, rows: usize, cols: usize, units: usize) -> bool {
-        rows >= 64 && rows.div_ceil(64) * cols.div_ceil(128) * units >= self.tcb_min_tiles
+        rows >= 64 && rows.div_ceil(64) * cols.div_ceil(128) * units >= self.tcb_min_tiles()
     }
 }
 
@@ -145,27 +148,92 @@ impl CudaBackend {
         max_cols: usize,
         out_row: i64,
     ) -> Result<()> {
-        // On Hopper the same products and sums on wgmma, 128 x 128 tiles.
-        let (func, bm, smem) = match &self.f.matmul_wg {
-            Some(f) if self.matmul_wg => (f, 128, MWG_SMEM),
-            _ => (&self.f.matmul_tcb, 64, TCB_SMEM),
-        };
-        let tiles = rows.div_ceil(bm);
-        if tiles > 65535 || units > UNITS_PER_LAUNCH {
-            return Err(KernelError::InvalidShape { op, reason: format!("{rows} rows x {units} products exceed the device grid") });
+        if units > UNITS_PER_LAUNCH {
+            return Err(KernelError::InvalidShape { op, reason: format!("{units} products exceed the table of one launch") });
+        }
+        if let (Some(wg), true) = (&self.f.matmul_wg, self.matmul_wg) {
+            return self.wg_launch(op, wg, t, units, x, x_row, out, rows, max_cols, out_row);
+        }
+        let tiles = rows.div_ceil(64);
+        if tiles > 65535 {
+            return Err(KernelError::InvalidShape { op, reason: format!("{rows} rows exceed the device grid") });
         }
         let cfg = LaunchConfig {
             grid_dim: (int(op, "column tiles", max_cols.div_ceil(128))? as u32, tiles as u32, units as u32),
             block_dim: (256, 1, 1),
-            shared_mem_bytes: smem,
+            shared_mem_bytes: TCB_SMEM,
         };
         let r = int(op, "rows", rows)?;
         let (o, _sync) = out.device_ptr_mut(&self.stream);
-        let mut b = self.stream.launch_builder(func);
+        let mut b = self.stream.launch_builder(&self.f.matmul_tcb);
         b.arg(t).arg(x).arg(&o).arg(&r).arg(&x_row).arg(&out_row);
-        // SAFETY: types and order match matmul_tcb and matmul_wg (the same
-        // signature); the caller checked the
+        // SAFETY: types and order match matmul_tcb; the caller checked the
         // table's blocks of x and w and that every product's rows fall inside out.
+        unsafe { b.launch(cfg) }.map_err(dev(op))?;
+        Ok(())
+    }
+
+    /// matmul_wg (dense.hip) over the `units` products of `t`: x and w split
+    /// into packed bf16 planes (mwg_pack_x, mwg_pack_w, into scratch sized
+    /// here by the layout dense.hip describes), then the product.
+    #[allow(clippy::too_many_arguments)]
+    fn wg_launch(
+        &self,
+        op: &'static str,
+        wg: &MatmulWg,
+        t: &UnitsTable,
+        units: usize,
+        x: &CudaSlice<f32>,
+        x_row: i64,
+        out: &mut (impl cudarc::driver::DevicePtrMut<f32> + ?Sized),
+        rows: usize,
+        max_cols: usize,
+        out_row: i64,
+    ) -> Result<()> {
+        const TILE: usize = 8192;
+        let mt = rows.div_ceil(128);
+        let used = &t.u[..units];
+        let kt = |e: &[i64; 6]| (e[4] as usize).div_ceil(MATMUL_KC) * (MATMUL_KC / 16);
+        let nt = |e: &[i64; 6]| (e[5] as usize).div_ceil(128);
+        // Products reading the same block of x (the MLP's units) share one packing of it.
+        let x_shared = used.iter().all(|e| e[1] == used[0][1] && e[4] == used[0][4]);
+        let x_tiles = if x_shared { kt(&used[0]) } else { used.iter().map(kt).sum() };
+        let w_tiles: usize = used.iter().map(|e| nt(e) * kt(e)).sum();
+        let max_kt = used.iter().map(kt).max().unwrap_or(0);
+        let max_nt = used.iter().map(nt).max().unwrap_or(0);
+        if mt > 65535 || max_nt > 65535 || max_kt > i32::MAX as usize {
+            return Err(KernelError::InvalidShape { op, reason: format!("{rows} rows x {max_cols} columns exceed the device grid") });
+        }
+        if max_kt == 0 {
+            return Ok(());
+        }
+        // SAFETY: the pack kernels below write every byte of every tile the
+        // product reads before it runs (same stream, in order).
+        let mut xp = unsafe { self.stream.alloc::<u8>(mt * x_tiles * TILE) }.map_err(dev(op))?;
+        let mut wp = unsafe { self.stream.alloc::<u8>(w_tiles * TILE) }.map_err(dev(op))?;
+        let (r, xs) = (int(op, "rows", rows)?, i32::from(x_shared));
+        let block = (256, 1, 1);
+        let cfg = LaunchConfig { grid_dim: (max_kt as u32, mt as u32, if x_shared { 1 } else { units as u32 }), block_dim: block, shared_mem_bytes: 0 };
+        let mut b = self.stream.launch_builder(&wg.pack_x);
+        b.arg(t).arg(x).arg(&x_row).arg(&r).arg(&xs).arg(&mut xp);
+        // SAFETY: types and order match mwg_pack_x; xp holds every product's tiles.
+        unsafe { b.launch(cfg) }.map_err(dev(op))?;
+        let cfg = LaunchConfig { grid_dim: (max_kt as u32, max_nt as u32, units as u32), block_dim: block, shared_mem_bytes: 0 };
+        let mut b = self.stream.launch_builder(&wg.pack_w);
+        b.arg(t).arg(&mut wp);
+        // SAFETY: types and order match mwg_pack_w; wp holds every product's tiles.
+        unsafe { b.launch(cfg) }.map_err(dev(op))?;
+        let cfg = LaunchConfig {
+            grid_dim: (int(op, "column tiles", max_cols.div_ceil(128))? as u32, mt as u32, units as u32),
+            block_dim: block,
+            shared_mem_bytes: MWG_SMEM,
+        };
+        let (o, _sync) = out.device_ptr_mut(&self.stream);
+        let mut b = self.stream.launch_builder(&wg.product);
+        b.arg(t).arg(&xp).arg(&wp).arg(&xs).arg(&o).arg(&r).arg(&out_row);
+        // SAFETY: types and order match matmul_wg; xp and wp were packed for
+        // this table above, and the caller checked that every product's rows
+        // fall inside out.
         unsafe { b.launch(cfg) }.map_err(dev(op))?;
         Ok(())
     }

@@ -150,6 +150,15 @@ impl MlaTc {
     }
 }
 
+/// matmul_wg and its two packing kernels (dense.hip), present together in an
+/// sm_90a build.
+#[derive(Clone)]
+struct MatmulWg {
+    product: CudaFunction,
+    pack_x: CudaFunction,
+    pack_w: CudaFunction,
+}
+
 /// The kernels of the loaded module.
 #[derive(Clone)]
 struct Funcs {
@@ -180,7 +189,7 @@ struct Funcs {
     matmul_tcb: CudaFunction,
     /// matmul_tcb's bits on Hopper's warpgroup products; only in an sm_90a
     /// build (dense.hip), None elsewhere.
-    matmul_wg: Option<CudaFunction>,
+    matmul_wg: Option<MatmulWg>,
     matmul_chunk_sum: CudaFunction,
     matmul_units_sum: CudaFunction,
     add_units: CudaFunction,
@@ -226,8 +235,8 @@ pub struct CudaBackend {
     /// The launch-saving paths ([`CudaBackend::set_fused`]).
     fused: bool,
     /// Output tiles from which a matmul runs as matmul_tcb
-    /// ([`CudaBackend::set_tcb_min_tiles`]).
-    tcb_min_tiles: usize,
+    /// ([`CudaBackend::set_tcb_min_tiles`]); None: the tiled kernel's own default.
+    tcb_min_tiles: Option<usize>,
     /// Whether the tiled products run as matmul_wg where the build has it
     /// ([`CudaBackend::set_matmul_wg`]).
     matmul_wg: bool,
@@ -339,7 +348,10 @@ impl CudaBackend {
             matmul_tc16: get("matmul_tc16")?,
             matmul_tc32: get("matmul_tc32")?,
             matmul_tcb: get("matmul_tcb")?,
-            matmul_wg: module.load_function("matmul_wg").ok(),
+            matmul_wg: match (module.load_function("matmul_wg"), module.load_function("mwg_pack_x"), module.load_function("mwg_pack_w")) {
+                (Ok(product), Ok(pack_x), Ok(pack_w)) => Some(MatmulWg { product, pack_x, pack_w }),
+                _ => None,
+            },
             matmul_chunk_sum: get("matmul_chunk_sum")?,
             matmul_units_sum: get("matmul_units_sum")?,
             add_units: get("add_units")?,
@@ -370,8 +382,8 @@ impl CudaBackend {
             func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
                 .map_err(|e| unavailable("cannot give the matmul its shared memory", e))?;
         }
-        if let Some(func) = &f.matmul_wg {
-            func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dense::MWG_SMEM as i32)
+        if let Some(wg) = &f.matmul_wg {
+            wg.product.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dense::MWG_SMEM as i32)
                 .map_err(|e| unavailable("cannot give matmul_wg its shared memory", e))?;
         }
         // The chunked KDA prefill's blocks hold a chunk's 64 x 128 operands in
@@ -395,7 +407,7 @@ impl CudaBackend {
             mla_tc: DEFAULT_MLA_TC,
             mla_scratch: Arc::new(std::sync::Mutex::new(None)),
             fused: true,
-            tcb_min_tiles: dense::TCB_MIN_TILES,
+            tcb_min_tiles: None,
             matmul_wg: true,
             module,
         })
@@ -465,17 +477,18 @@ impl CudaBackend {
         self.fused = on;
     }
 
-    /// From how many 64 x 128 output tiles a matmul of 64 rows or more runs as
-    /// `matmul_tcb` rather than split over k (default 96). Both give the same
-    /// bits; `cuda_check --bench-dense` times the two at the prefill shapes
-    /// with this (0: always `matmul_tcb`, `usize::MAX`: never).
+    /// From how many 64 x 128 output tiles a matmul of 64 rows or more runs
+    /// tiled (`matmul_wg` on Hopper, else `matmul_tcb`) rather than split over
+    /// k (default 32 with `matmul_wg`, 96 with `matmul_tcb`). Both give the
+    /// same bits; `cuda_check --bench-dense` times them at the prefill shapes
+    /// with this (0: always tiled, `usize::MAX`: never).
     pub fn set_tcb_min_tiles(&mut self, tiles: usize) {
-        self.tcb_min_tiles = tiles;
+        self.tcb_min_tiles = Some(tiles);
     }
 
     /// See [`CudaBackend::set_tcb_min_tiles`].
     pub fn tcb_min_tiles(&self) -> usize {
-        self.tcb_min_tiles
+        self.tcb_min_tiles.unwrap_or(if self.matmul_wg() { dense::WG_MIN_TILES } else { dense::TCB_MIN_TILES })
     }
 
     /// Whether the tiled products (those `set_tcb_min_tiles` sends to
