@@ -252,13 +252,27 @@ static __device__ __forceinline__ void st_mma(float* c, uint4 a, unsigned b0, un
 //
 // Packed A operand of the tensor-core products: kernels/src/step.rs's a_index.
 
-// bf16 element index of A[m][k] within one plane of a [*, 16 KT] operand.
+// bf16 element index of A[m][k] within one plane of a [*, 16 KT] operand:
+// tile (m / 16, k / 16) of 256 values, tile index mt * KT + kt; in a tile the
+// four 8 x 8 core matrices (rows 0-7, then 8-15, 256 bytes apart; k 0-7, then
+// 8-15, 128 bytes apart), each row's 8 k in 16 contiguous bytes. That is
+// wgmma's K-major layout with no swizzle, so the warpgroup product copies a
+// tile as it is; read as 32-bit words, the mma.sync A fragment of lane L is
+// words L, L + 64, L + 32, L + 96 of the tile (st_a_frag).
 static __device__ __forceinline__ hk_i64 st_a_at(int m, int k, int KT) {
     const int mt = m >> 4, r = m & 15, kt = k >> 4, c = k & 15;
-    const int g = r & 7, rh = r >> 3, ch = c >> 3, cc = c & 7;
-    const int lane = g * 4 + (cc >> 1);
-    const int reg = rh + 2 * ch;
-    return ((((hk_i64)mt * KT + kt) * 32 + lane) * 4 + reg) * 2 + (cc & 1);
+    return ((hk_i64)mt * KT + kt) * 256 + (r >> 3) * 128 + (c >> 3) * 64 + (r & 7) * 8 + (c & 7);
+}
+
+// The mma.sync A fragment (a0..a3: rows g and g + 8 by k 2t.. and 2t + 8..)
+// of lane `lane` from a packed tile's 128 words (coalesced 32-bit loads).
+static __device__ __forceinline__ uint4 st_a_frag(const unsigned* t, int lane) {
+    uint4 a;
+    a.x = t[lane];
+    a.y = t[64 + lane];
+    a.z = t[32 + lane];
+    a.w = t[96 + lane];
+    return a;
 }
 
 // Writes x as the A operand element (m, k): its bf16 rounding in plane 0 and,

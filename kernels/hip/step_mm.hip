@@ -21,9 +21,9 @@
 // kernels/src/step.rs, and a CPU test checks them against the PTX fragment
 // layout):
 //   A (activations, [M, K] as bf16 planes): 16 x 16 tile (mt, kt) at tile
-//     index mt * KT + kt, 32 lanes x 8 values, lane 4g + t holding rows g and
-//     g + 8 and columns 2t, 2t + 1, 2t + 8, 2t + 9 in the order of the mma's
-//     four A registers;
+//     index mt * KT + kt, its four 8 x 8 core matrices as wgmma reads them
+//     from shared memory (prelude.h's st_a_at); the mma.sync kernels gather
+//     their fragments from it with four coalesced 32-bit loads (st_a_frag);
 //   B (weights, [K, N] as bf16 planes): 16 columns x 16 k tile (nt, kt) at tile
 //     index nt * KT + kt, lane 4g + t holding the two B registers of column
 //     g and of column 8 + g; a warp walking k reads one contiguous stream.
@@ -205,7 +205,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) st_mm_few(
     const int kt0 = s * seg;
     const int kend = kt0 + seg;
     const uint4* Wt = W + (hk_i64)g * w_group + (hk_i64)(active ? nt : 0) * KT * 32 + lane;
-    const uint4* At = A + (hk_i64)g * a_group + lane;
+    const unsigned* At = (const unsigned*)(A + (hk_i64)g * a_group);
     float acc[1][2][4];
 #pragma unroll
     for (int h = 0; h < 2; ++h)
@@ -224,8 +224,8 @@ extern "C" __global__ void __launch_bounds__(128, 4) st_mm_few(
 #pragma unroll
             for (int u = 0; u < ST_SK; ++u) {
                 if (kt + u < kend) {
-                    const uint4 ah = At[(hk_i64)(kt + u) * 32];
-                    const uint4 al = terms >= 2 ? At[a_plane + (hk_i64)(kt + u) * 32] : ah;
+                    const uint4 ah = st_a_frag(At + (hk_i64)(kt + u) * 128, lane);
+                    const uint4 al = terms >= 2 ? st_a_frag(At + 4 * a_plane + (hk_i64)(kt + u) * 128, lane) : ah;
                     ST_MMA_KSTEP(acc[0], ah, al, bh[u], bl[u], terms);
                 }
             }
@@ -337,7 +337,8 @@ static __device__ __forceinline__ void st_mm_body(
         hk_cp_wait_n<P - 1>();  // chunk c is in (the P - 1 after it may still fly)
         __syncthreads();        // ... for every thread; chunk c - 1's buffer is free
         load(c + P);
-        const uint4* buf = sm + (hk_i64)(c % NB) * buf_tiles * 32 + lane;
+        const uint4* tiles = sm + (hk_i64)(c % NB) * buf_tiles * 32;
+        const uint4* buf = tiles + lane;
         if (active) {
 #pragma unroll
             for (int kk = 0; kk < ST_KC; ++kk) {
@@ -349,8 +350,8 @@ static __device__ __forceinline__ void st_mm_body(
                     for (int i = 0; i < 4; ++i) {
                         const int mt = rh + 2 * i;
                         if (mt < mts) {
-                            const uint4 ah = buf[((hk_i64)mt * ST_KC + kk) * 32];
-                            const uint4 al = terms >= 2 ? buf[(((hk_i64)mrows + mt) * ST_KC + kk) * 32] : ah;
+                            const uint4 ah = st_a_frag((const unsigned*)(tiles + ((hk_i64)mt * ST_KC + kk) * 32), lane);
+                            const uint4 al = terms >= 2 ? st_a_frag((const unsigned*)(tiles + (((hk_i64)mrows + mt) * ST_KC + kk) * 32), lane) : ah;
                             ST_MMA_KSTEP(acc[i], ah, al, bh, bl, terms);
                         }
                     }
@@ -421,10 +422,9 @@ extern "C" __global__ void __launch_bounds__(ST_MM_THREADS, 1) st_mm_w2p2(ST_MM_
 // Shared memory holds the activations of a k-step as the descriptor's
 // K-major core matrices with no swizzle: rows 8j .. 8j + 7 and k 8c .. 8c + 7
 // (16 bytes a row) at byte offset j * 256 + c * 128, so LBO (the next core
-// matrix along k) is 128 and SBO (the next along the rows) 256. A packed A
-// tile's lane 4g + t holds (row g, k 2t..) (row g + 8, k 2t..) (row g, k 2t + 8..)
-// (row g + 8, k 2t + 8..) (step.rs's a_index): each 32-bit register of the 32
-// lanes is one core matrix, lane L at byte 4 L.
+// matrix along k) is 128 and SBO (the next along the rows) 256: a packed A
+// tile (st_a_at) as it is, copied 16 bytes a lane. (Packed as mma.sync
+// fragments, lane by lane, it took four 4-byte copies a lane and tile.)
 //
 // Per element, a k-step adds x_hi w_hi, then x_lo w_hi (terms >= 2), then
 // x_hi w_lo (terms = 3), k-steps in increasing order, exactly as
@@ -493,14 +493,6 @@ static __device__ __forceinline__ void st_wg_hold(float* d) {
     else st_wg_hold_n128(d);
 }
 
-// 4-byte global -> shared copy (cp.async; zero-filled when !valid): the
-// activations' registers land in their core matrices, 4 bytes apart.
-static __device__ __forceinline__ void st_cp4(void* dst, const void* src, bool valid) {
-    unsigned s;
-    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(dst));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(s), "l"(src), "r"(valid ? 4 : 0) : "memory");
-}
-
 // The warpgroup product of one block: 2 warpgroups, 8 column tiles (warp w:
 // tile blockIdx.x * 8 + w; warpgroup q: the 64 output columns of tiles 4q ..
 // 4q + 3) of one segment of one group, for the NB rows from blockIdx.z * NB.
@@ -557,19 +549,15 @@ static __device__ __forceinline__ void st_mm_wg_body(
                 for (int p = 0; p < WP; ++p)
                     hk_cp16(b + ((hk_i64)(warp * KC + kk) * WP + p) * 512 + lane * 16, Wt + (hk_i64)p * w_plane + (hk_i64)(ok ? kt : kt0) * 32, ok);
             }
-            // The activations: warp w takes tiles w, w + 8, ...; a tile's four
-            // registers go to its four core matrices.
+            // The activations: warp w takes tiles w, w + 8, ...; a packed tile
+            // is already the instruction's core matrices (st_a_at), 16 bytes a lane.
             unsigned char* ab = b + KC * 8 * WP * 512;
             for (int t = warp; t < ntiles; t += 8) {
                 const int kk = t / (planes * MTN), p = (t / MTN) % planes, mt = t % MTN;
                 const int kt = kt0 + c * KC + kk;
                 const bool ok = kt < kend && mt < mts;
-                const unsigned* src = (const unsigned*)(Ag + (hk_i64)p * a_plane + ((hk_i64)(ok ? mt : 0) * KT + (ok ? kt : kt0)) * 32);
-                unsigned* tile = (unsigned*)(ab + (hk_i64)(kk * planes + p) * KB + mt * 512);
-                st_cp4(tile + lane, src, ok);
-                st_cp4(tile + 64 + lane, src + 1, ok);
-                st_cp4(tile + 32 + lane, src + 2, ok);
-                st_cp4(tile + 96 + lane, src + 3, ok);
+                hk_cp16(ab + (hk_i64)(kk * planes + p) * KB + mt * 512 + lane * 16,
+                        Ag + (hk_i64)p * a_plane + ((hk_i64)(ok ? mt : 0) * KT + (ok ? kt : kt0)) * 32, ok);
             }
         }
         hk_cp_commit();

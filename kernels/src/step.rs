@@ -180,13 +180,18 @@ pub fn padded_k(k: usize, unit: usize, padded: usize) -> usize {
 
 /// bf16 element index of A[m][k] in one plane of a packed activation
 /// operand with `kt` 16-wide k tiles (hip/prelude.h's `st_a_at`): tile (m / 16,
-/// k / 16), then the mma.sync A fragment's lane and register.
+/// k / 16) of 256 values, then its four 8 x 8 core matrices (rows 0-7 then
+/// 8-15, each k 0-7 then 8-15), a row's 8 k contiguous: wgmma's K-major layout,
+/// from which the mma.sync kernels gather their fragments ([`a_frag_word`]).
 pub fn a_index(m: usize, k: usize, kt: usize) -> usize {
     let (mt, r, ktile, c) = (m >> 4, m & 15, k >> 4, k & 15);
-    let (g, rh, ch, cc) = (r & 7, r >> 3, c >> 3, c & 7);
-    let lane = g * 4 + (cc >> 1);
-    let reg = rh + 2 * ch;
-    (((mt * kt + ktile) * 32 + lane) * 4 + reg) * 2 + (cc & 1)
+    (mt * kt + ktile) * 256 + (r >> 3) * 128 + (c >> 3) * 64 + (r & 7) * 8 + (c & 7)
+}
+
+/// The 32-bit word of a packed A tile that holds register `reg` of lane
+/// `lane`'s mma.sync A fragment (prelude.h's `st_a_frag`).
+pub fn a_frag_word(lane: usize, reg: usize) -> usize {
+    lane + [0, 64, 32, 96][reg]
 }
 
 /// bf16 element index of W[k][n] in one plane of a packed weight with `kt` k
@@ -688,7 +693,7 @@ mod tests {
                             for reg in 0..4 {
                                 for h in 0..2 {
                                     let (r, c) = a_elem(lane, reg, h);
-                                    afull[r][c] = bf16_to_f32(pa[ta + (lane * 4 + reg) * 2 + h]) as f64;
+                                    afull[r][c] = bf16_to_f32(pa[ta + a_frag_word(lane, reg) * 2 + h]) as f64;
                                 }
                             }
                             for reg in 0..2 {
