@@ -21,8 +21,8 @@
 #   wgprobe  benches/gpu/mm_wg_probe.cu (nvcc, sm_90a): the warpgroup product's
 #            variants against the mma.sync one, bit for bit and timed
 #   kernels  cuda_check --bench: KDA step, chunked prefill, MLA partial, matmuls
-#   dense    cuda_check --bench-dense: the generic matmul's two kernels (over all
-#            of k, split over k) at prefill shapes
+#   dense    cuda_check --bench-dense: the generic matmul's kernels (over all of k:
+#            matmul_wg, matmul_tcb; split over k) at prefill shapes
 #   probe    benches/gpu/mm_probe.cu (nvcc): the fused step's st_mm alone at the
 #            decode shapes, then Nsight Compute's view of the 88 x 7168^2 one
 #   fla      FLA's fused_recurrent_kda and chunk_kda (needs .whl)
@@ -130,7 +130,7 @@ kernels)
   timeout 300 cuda_check --bench 2>&1 | tee "$OUT/kernels.txt" | tail -40 || fail=1
   ;;
 dense)
-  step "the generic matmul at prefill shapes: matmul_tcb vs split over k (cuda_check --bench-dense)"
+  step "the generic matmul at prefill shapes: matmul_wg and matmul_tcb vs split over k (cuda_check --bench-dense)"
   timeout 200 cuda_check --bench-dense 2>&1 | tee "$OUT/dense.txt" | grep "matmul kernels" || fail=1
   ;;
 fla)
