@@ -383,7 +383,8 @@ impl CudaBackend {
                 .map_err(|e| unavailable("cannot give the matmul its shared memory", e))?;
         }
         if let Some(wg) = &f.matmul_wg {
-            wg.product.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dense::MWG_SMEM as i32)
+            wg.product
+                .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dense::MWG_SMEM as i32)
                 .map_err(|e| unavailable("cannot give matmul_wg its shared memory", e))?;
         }
         // The chunked KDA prefill's blocks hold a chunk's 64 x 128 operands in
