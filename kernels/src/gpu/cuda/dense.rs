@@ -38,6 +38,19 @@ impl CudaBackend {
     }
 }
 
+/// One launch of a tiled kernel: the `units` products of a table over one x
+/// (rows `x_row` apart), `rows` rows, the widest product's `max_cols`, out
+/// rows `out_row` apart.
+pub(super) struct Tiled<'a> {
+    pub(super) t: &'a UnitsTable,
+    pub(super) units: usize,
+    pub(super) x: &'a CudaSlice<f32>,
+    pub(super) x_row: i64,
+    pub(super) rows: usize,
+    pub(super) max_cols: usize,
+    pub(super) out_row: i64,
+}
+
 /// Products of one `matmul_tc` launch at most (MU_UNITS in dense.hip).
 pub(super) const UNITS_PER_LAUNCH: usize = 32;
 
@@ -82,7 +95,8 @@ impl CudaBackend {
         let (wp, _sync) = w.device_ptr(&self.stream);
         t.u[0] = [wp as i64, 0, 0, 0, i64_of(inner), i64_of(cols)];
         if self.tcb_pays(rows, cols, 1) {
-            return self.tcb_launch(op, &t, 1, x, i64_of(inner), out, rows, cols, i64_of(cols));
+            let call = Tiled { t: &t, units: 1, x, x_row: i64_of(inner), rows, max_cols: cols, out_row: i64_of(cols) };
+            return self.tcb_launch(op, &call, out);
         }
         // SAFETY: matmul_tc writes every chunk sum of every element before
         // matmul_chunk_sum, queued after it on the same stream, reads any.
@@ -132,27 +146,16 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// matmul_tcb (or, on Hopper, matmul_wg: the same bits) over the `units`
-    /// products of `t`, each written into `out` in place (row r of product u at
+    /// matmul_tcb (or, on Hopper, matmul_wg: the same bits) over the products
+    /// of `call`, each written into `out` in place (row r of product u at
     /// `t.u[u][2] + r * out_row`).
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn tcb_launch(
-        &self,
-        op: &'static str,
-        t: &UnitsTable,
-        units: usize,
-        x: &CudaSlice<f32>,
-        x_row: i64,
-        out: &mut (impl cudarc::driver::DevicePtrMut<f32> + ?Sized),
-        rows: usize,
-        max_cols: usize,
-        out_row: i64,
-    ) -> Result<()> {
+    pub(super) fn tcb_launch(&self, op: &'static str, call: &Tiled<'_>, out: &mut (impl cudarc::driver::DevicePtrMut<f32> + ?Sized)) -> Result<()> {
+        let &Tiled { t, units, x, x_row, rows, max_cols, out_row } = call;
         if units > UNITS_PER_LAUNCH {
             return Err(KernelError::InvalidShape { op, reason: format!("{units} products exceed the table of one launch") });
         }
         if let (Some(wg), true) = (&self.f.matmul_wg, self.matmul_wg) {
-            return self.wg_launch(op, wg, t, units, x, x_row, out, rows, max_cols, out_row);
+            return self.wg_launch(op, wg, call, out);
         }
         let tiles = rows.div_ceil(64);
         if tiles > 65535 {
@@ -173,23 +176,11 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// matmul_wg (dense.hip) over the `units` products of `t`: x and w split
-    /// into packed bf16 planes (mwg_pack_x, mwg_pack_w, into scratch sized
-    /// here by the layout dense.hip describes), then the product.
-    #[allow(clippy::too_many_arguments)]
-    fn wg_launch(
-        &self,
-        op: &'static str,
-        wg: &MatmulWg,
-        t: &UnitsTable,
-        units: usize,
-        x: &CudaSlice<f32>,
-        x_row: i64,
-        out: &mut (impl cudarc::driver::DevicePtrMut<f32> + ?Sized),
-        rows: usize,
-        max_cols: usize,
-        out_row: i64,
-    ) -> Result<()> {
+    /// matmul_wg (dense.hip) over the products of `call`: x and w split into
+    /// packed bf16 planes (mwg_pack_x, mwg_pack_w, into scratch sized here by
+    /// the layout dense.hip describes), then the product.
+    fn wg_launch(&self, op: &'static str, wg: &MatmulWg, call: &Tiled<'_>, out: &mut (impl cudarc::driver::DevicePtrMut<f32> + ?Sized)) -> Result<()> {
+        let &Tiled { t, units, x, x_row, rows, max_cols, out_row } = call;
         const TILE: usize = 8192;
         let mt = rows.div_ceil(128);
         let used = &t.u[..units];
@@ -305,7 +296,8 @@ impl CudaBackend {
         }
         if self.tcb_pays(rows, max_cols, units.len()) {
             let (_, pitch) = units.first().map_or((0, 0), |u| shape.out_at(first, u));
-            return self.tcb_launch(op, &t, units.len(), &x.data, i64_of(shape.x_width), &mut out.data, rows, max_cols, i64_of(pitch));
+            let call = Tiled { t: &t, units: units.len(), x: &x.data, x_row: i64_of(shape.x_width), rows, max_cols, out_row: i64_of(pitch) };
+            return self.tcb_launch(op, &call, &mut out.data);
         }
         // SAFETY: every element of a product's scratch is written by
         // matmul_tc before matmul_units_sum reads it.
