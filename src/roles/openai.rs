@@ -14,8 +14,9 @@
 //! gives the same tokens, see [`super::sampling`]; sampling without one draws a
 //! seed), `stream` and `stream_options.include_usage`, `user` (ignored).
 //! Parameters handoff cannot honour (`logprobs`, `echo`, `best_of` other than `n`,
-//! `suffix`, penalties, `logit_bias`, `tools`, `response_format` other than text)
-//! are refused with 400 naming them, never silently ignored.
+//! `suffix`, penalties, `logit_bias`, a non-empty `tools` or `functions`,
+//! `response_format` other than text) are refused with 400 naming them, never
+//! silently ignored (an empty `tools` list asks for nothing).
 //!
 //! Completions: `prompt` is a string (one token per byte), an array of token ids
 //! 0..=255, or an array of several such prompts (each gets `n` choices, numbered
@@ -220,7 +221,8 @@ fn messages_of(v: Option<&Value>) -> Result<Vec<(String, String)>, BodyError> {
             let Some(o) = m.as_object() else { return Err(invalid("messages", format!("each message must be an object, got {m}"))) };
             let role = o.get("role").and_then(Value::as_str).unwrap_or("");
             if !["system", "developer", "user", "assistant", "tool"].contains(&role) {
-                return Err(invalid("messages", format!("message role must be system, developer, user, assistant or tool, got {:?}", o.get("role"))));
+                let got = o.get("role").map_or_else(|| "no role".to_string(), Value::to_string);
+                return Err(invalid("messages", format!("message role must be system, developer, user, assistant or tool, got {got}")));
             }
             Ok((role.to_string(), content_text(field(o, "content"))?))
         })
@@ -528,6 +530,13 @@ mod tests {
         assert_eq!(parts.max_tokens, vec![3]);
         for bad in [r#"{"messages": []}"#, r#"{"messages": [{"role": "wizard", "content": "x"}]}"#, r#"{"prompt": "x"}"#] {
             assert!(parse(&topo(), Endpoint::Chat, bad.as_bytes(), 0).is_err(), "{bad}");
+        }
+        // A bad role is named as the client wrote it, in JSON.
+        for (body, named) in
+            [(r#"{"messages": [{"role": "wizard", "content": "x"}]}"#, r#"got "wizard""#), (r#"{"messages": [{"content": "x"}]}"#, "got no role")]
+        {
+            let e = parse(&topo(), Endpoint::Chat, body.as_bytes(), 0).unwrap_err().to_string();
+            assert!(e.ends_with(named) && !e.contains("Some("), "{e}");
         }
     }
 
