@@ -140,7 +140,7 @@ impl Deployment {
         let secret = match crate::transport::auth::ClusterSecret::from_env() {
             Ok(s) => s,
             Err(crate::transport::auth::SecretError::Missing) => {
-                crate::transport::auth::ClusterSecret::generate().context("read 32 random bytes from /dev/urandom for the cluster secret")?
+                crate::transport::auth::ClusterSecret::generate().context("draw 32 random bytes for the cluster secret")?
             }
             Err(e) => anyhow::bail!("{e}"),
         };

@@ -282,8 +282,8 @@ pub enum Admission {
 /// The accepting side's handshake on a new control connection: the reader to
 /// read its messages from, once the peer proved `secret`.
 pub fn accept_control(conn: TcpStream, secret: &ClusterSecret) -> Result<BufReader<TcpStream>, Admission> {
-    let nonce = crate::transport::auth::nonce();
     let io = |e: io::Error| Admission::Refused(format!("handshake: {e}"));
+    let nonce = crate::transport::auth::nonce().map_err(io)?;
     (&conn).write_all(&challenge_line(&nonce)).map_err(|_| Admission::Closed)?;
     conn.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(io)?;
     let mut r = BufReader::new(conn);

@@ -1,7 +1,8 @@
 //! The cluster secret: how the roles of one deployment prove to each other that
 //! they belong to it.
 //!
-//! `handoff up` generates 32 random bytes (from `/dev/urandom`) and hands them to
+//! `handoff up` generates 32 random bytes (the system's random source, through
+//! `getrandom`) and hands them to
 //! every role it starts through a file of mode 0600 named by
 //! [`SECRET_FILE_ENV`]; roles started by hand read [`SECRET_FILE_ENV`] or
 //! [`SECRET_ENV`] (64 hex digits) and refuse to start when neither is set
@@ -16,15 +17,18 @@
 //! context string, so an answer for one kind of connection is worth nothing on
 //! another.
 //!
-//! Why HMAC-SHA256 written here is enough: the machine builds offline and no
-//! crypto crate is vendored; SHA-256 is short to write from FIPS 180-4 and is
-//! checked below against the standard's and RFC 4231's test vectors. The scheme
-//! authenticates, it does not encrypt: run roles on different hosts over a
-//! private network (or a tunnel) when the bytes themselves must stay private.
+//! The primitives are RustCrypto's: `hmac` over `sha2`'s SHA-256, and `subtle`
+//! for the constant-time compares. Where the system's random source fails there
+//! is no substitute: a secret or nonce that could be predicted would open the
+//! cluster, so the caller refuses to start (or to answer) and says why. The
+//! scheme authenticates, it does not encrypt: run roles on different hosts over
+//! a private network (or a tunnel) when the bytes themselves must stay private.
 
+use hmac::{Hmac, Mac};
+use sha2::{Digest, Sha256};
 use std::fmt;
-use std::io::Read;
 use std::path::Path;
+use subtle::ConstantTimeEq;
 
 /// The variable holding the secret itself (64 hex digits). Prefer the file: a
 /// process's environment is visible to its user in `/proc/PID/environ`, and a
@@ -142,9 +146,9 @@ impl ClusterSecret {
                     if !matches!(e, SecretError::Missing) {
                         tracing::warn!(error = %e, "cluster secret unusable; this process's transports use a random one");
                     }
-                    // /dev/urandom is absent only on a broken host; a time-based
-                    // secret still keeps other processes out of this one's transports.
-                    ClusterSecret::generate().unwrap_or_else(|_| ClusterSecret(fallback_bytes().to_vec()))
+                    // No substitute for the system's random source: a guessable
+                    // secret would let other processes into this one's transports.
+                    ClusterSecret::generate().unwrap_or_else(|e| panic!("cannot make this process's cluster secret: {e}"))
                 }
             })
             .clone()
@@ -157,12 +161,12 @@ impl ClusterSecret {
 
     /// HMAC-SHA256 of the concatenated `parts` under this secret, after `context`.
     pub fn mac(&self, context: &[u8], parts: &[&[u8]]) -> [u8; 32] {
-        let mut msg = Vec::with_capacity(context.len() + parts.iter().map(|p| p.len()).sum::<usize>());
-        msg.extend_from_slice(context);
+        let mut m = <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("HMAC takes a key of any length");
+        m.update(context);
         for p in parts {
-            msg.extend_from_slice(p);
+            m.update(p);
         }
-        hmac_sha256(&self.0, &msg)
+        m.finalize().into_bytes().into()
     }
 
     /// Whether `given` is the MAC of `parts`, compared in constant time.
@@ -171,31 +175,32 @@ impl ClusterSecret {
     }
 }
 
-/// `N` random bytes from `/dev/urandom`.
+/// `N` bytes from the system's random source, or why it failed.
 pub fn random_bytes<const N: usize>() -> std::io::Result<[u8; N]> {
     let mut b = [0u8; N];
-    std::fs::File::open("/dev/urandom")?.read_exact(&mut b)?;
+    getrandom::fill(&mut b).map_err(|e| std::io::Error::other(format!("the system's random source failed: {e}")))?;
     Ok(b)
 }
 
-/// A nonce for one challenge: random, or (only where /dev/urandom cannot be
-/// read) derived from the time and a counter, which still never repeats.
-pub fn nonce() -> [u8; SECRET_BYTES] {
-    random_bytes().unwrap_or_else(|_| fallback_bytes())
-}
-
-fn fallback_bytes() -> [u8; 32] {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-    let seed = format!("{t}-{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed));
-    sha256(seed.as_bytes())
+/// A fresh nonce for one challenge; an error where the system's random source
+/// fails (a challenge with a predictable nonce could be answered by replay).
+pub fn nonce() -> std::io::Result<[u8; SECRET_BYTES]> {
+    random_bytes()
 }
 
 /// Equality that takes as long for any two inputs of one length, so the time of
-/// a refusal does not tell how much of a guess was right.
+/// a refusal does not tell how much of a guess was right (`subtle`). Inputs of
+/// different lengths are unequal at once: use it for values of public length
+/// (MACs); [`ct_eq_secret`] hides the length too.
 pub fn ct_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    a.ct_eq(b).into()
+}
+
+/// Equality of a guess and a secret of any length that takes as long whatever
+/// either holds or how long the secret is: the SHA-256 digests of the two are
+/// compared in constant time (an API key's length is part of the secret).
+pub fn ct_eq_secret(guess: &[u8], secret: &[u8]) -> bool {
+    Sha256::digest(guess).ct_eq(&Sha256::digest(secret)).into()
 }
 
 pub fn to_hex(b: &[u8]) -> String {
@@ -210,129 +215,30 @@ pub fn from_hex(t: &str) -> Option<Vec<u8>> {
     (0..t.len()).step_by(2).map(|i| u8::from_str_radix(&t[i..i + 2], 16).ok()).collect()
 }
 
-// SHA-256 (FIPS 180-4, section 6.2) and HMAC (RFC 2104).
-
-const K: [u32; 64] = [
-    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5, 0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74,
-    0x80deb1fe, 0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d,
-    0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e,
-    0x92722c85, 0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5,
-    0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3, 0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2,
-];
-
-const H0: [u32; 8] = [0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19];
-
-fn compress(h: &mut [u32; 8], block: &[u8]) {
-    let mut w = [0u32; 64];
-    for (i, c) in block.chunks_exact(4).enumerate() {
-        w[i] = u32::from_be_bytes([c[0], c[1], c[2], c[3]]);
-    }
-    for t in 16..64 {
-        let s0 = w[t - 15].rotate_right(7) ^ w[t - 15].rotate_right(18) ^ (w[t - 15] >> 3);
-        let s1 = w[t - 2].rotate_right(17) ^ w[t - 2].rotate_right(19) ^ (w[t - 2] >> 10);
-        w[t] = w[t - 16].wrapping_add(s0).wrapping_add(w[t - 7]).wrapping_add(s1);
-    }
-    let [mut a, mut b, mut c, mut d, mut e, mut f, mut g, mut hh] = *h;
-    for t in 0..64 {
-        let s1 = e.rotate_right(6) ^ e.rotate_right(11) ^ e.rotate_right(25);
-        let ch = (e & f) ^ (!e & g);
-        let t1 = hh.wrapping_add(s1).wrapping_add(ch).wrapping_add(K[t]).wrapping_add(w[t]);
-        let s0 = a.rotate_right(2) ^ a.rotate_right(13) ^ a.rotate_right(22);
-        let maj = (a & b) ^ (a & c) ^ (b & c);
-        let t2 = s0.wrapping_add(maj);
-        hh = g;
-        g = f;
-        f = e;
-        e = d.wrapping_add(t1);
-        d = c;
-        c = b;
-        b = a;
-        a = t1.wrapping_add(t2);
-    }
-    for (x, y) in h.iter_mut().zip([a, b, c, d, e, f, g, hh]) {
-        *x = x.wrapping_add(y);
-    }
-}
-
-/// SHA-256 of `data`.
-pub fn sha256(data: &[u8]) -> [u8; 32] {
-    let mut h = H0;
-    let mut blocks = data.chunks_exact(64);
-    for b in &mut blocks {
-        compress(&mut h, b);
-    }
-    // Padding: 0x80, zeros, then the bit length as a big-endian u64.
-    let rest = blocks.remainder();
-    let mut tail = [0u8; 128];
-    tail[..rest.len()].copy_from_slice(rest);
-    tail[rest.len()] = 0x80;
-    let n = if rest.len() < 56 { 64 } else { 128 };
-    tail[n - 8..n].copy_from_slice(&((data.len() as u64).wrapping_mul(8)).to_be_bytes());
-    for b in tail[..n].chunks_exact(64) {
-        compress(&mut h, b);
-    }
-    let mut out = [0u8; 32];
-    for (o, x) in out.chunks_exact_mut(4).zip(h) {
-        o.copy_from_slice(&x.to_be_bytes());
-    }
-    out
-}
-
-/// HMAC-SHA256 (RFC 2104): H((K ^ opad) || H((K ^ ipad) || msg)).
-pub fn hmac_sha256(key: &[u8], msg: &[u8]) -> [u8; 32] {
-    let mut k = [0u8; 64];
-    if key.len() > 64 {
-        k[..32].copy_from_slice(&sha256(key));
-    } else {
-        k[..key.len()].copy_from_slice(key);
-    }
-    let mut inner = Vec::with_capacity(64 + msg.len());
-    inner.extend(k.iter().map(|b| b ^ 0x36));
-    inner.extend_from_slice(msg);
-    let ih = sha256(&inner);
-    let mut outer = Vec::with_capacity(96);
-    outer.extend(k.iter().map(|b| b ^ 0x5c));
-    outer.extend_from_slice(&ih);
-    sha256(&outer)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// FIPS 180-4 example digests, plus lengths around the padding boundary
-    /// (55 to 120 bytes of 'a') as coreutils' sha256sum computes them.
+    /// The MAC is HMAC-SHA256 keyed by the secret over context || parts: RFC
+    /// 4231's test case 2 ("Jefe"), its message cut into a context and parts
+    /// anywhere. (The primitives' own vectors are the library's to test.)
     #[test]
-    fn sha256_matches_the_standard_vectors() {
-        assert_eq!(to_hex(&sha256(b"")), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
-        assert_eq!(to_hex(&sha256(b"abc")), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
-        assert_eq!(
-            to_hex(&sha256(b"abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq")),
-            "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1"
-        );
-        let million = vec![b'a'; 1_000_000];
-        assert_eq!(to_hex(&sha256(&million)), "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
-        for (n, want) in [
-            (55, "9f4390f8d30c2dd92ec9f095b65e2b9ae9b0a925a5258e241c9f1e910f734318"),
-            (56, "b35439a4ac6f0948b6d6f9e3c6af0f5f590ce20f1bde7090ef7970686ec6738a"),
-            (63, "7d3e74a05d7db15bce4ad9ec0658ea98e3f06eeecf16b4c6fff2da457ddc2f34"),
-            (64, "ffe054fe7ae0cb6dc65c3af9b61d5209f439851db43d0ba5997337df154668eb"),
-            (119, "31eba51c313a5c08226adf18d4a359cfdfd8d2e816b13f4af952f7ea6584dcfb"),
-            (120, "2f3d335432c70b580af0e8e1b3674a7c020d683aa5f73aaaedfdc55af904c21c"),
-        ] {
-            assert_eq!(to_hex(&sha256(&vec![b'a'; n])), want, "{n} bytes of 'a'");
-        }
+    fn the_mac_is_hmac_sha256_of_the_context_and_parts() {
+        let s = ClusterSecret::from_bytes(b"Jefe");
+        let want = "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843";
+        assert_eq!(to_hex(&s.mac(b"what do ya", &[b" want ", b"for nothing?"])), want);
+        assert_eq!(to_hex(&s.mac(b"", &[b"what do ya want for nothing?"])), want);
     }
 
-    /// RFC 4231 test cases 1, 2 and 6 (a key longer than the block is hashed first).
+    /// The secret compare is equal for equal bytes only, at any length.
     #[test]
-    fn hmac_sha256_matches_rfc_4231() {
-        assert_eq!(to_hex(&hmac_sha256(&[0x0b; 20], b"Hi There")), "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7");
-        assert_eq!(to_hex(&hmac_sha256(b"Jefe", b"what do ya want for nothing?")), "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
-        assert_eq!(
-            to_hex(&hmac_sha256(&[0xaa; 131], b"Test Using Larger Than Block-Size Key - Hash Key First")),
-            "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54"
-        );
+    fn secrets_compare_by_value_at_any_length() {
+        assert!(ct_eq_secret(b"key-123", b"key-123"));
+        assert!(!ct_eq_secret(b"key-12", b"key-123"));
+        assert!(!ct_eq_secret(b"key-124", b"key-123"));
+        assert!(!ct_eq_secret(b"", b"k"));
+        assert!(ct_eq(b"ab", b"ab") && !ct_eq(b"ab", b"ac") && !ct_eq(b"ab", b"abc"));
+        assert_ne!(nonce().expect("random source"), nonce().expect("random source"));
     }
 
     /// A MAC verifies under its own secret and context only, and a one-bit change
@@ -359,7 +265,7 @@ mod tests {
         assert!(e.contains("HANDOFF_CLUSTER_SECRET") && e.contains("hex"), "{e}");
         let e = ClusterSecret::from_hex("abcd", "S").unwrap_err().to_string();
         assert!(e.contains("2 bytes is too short"), "{e}");
-        let g = ClusterSecret::generate().expect("urandom");
+        let g = ClusterSecret::generate().expect("random source");
         assert_eq!(ClusterSecret::from_hex(&format!(" {}\n", g.to_hex()), "S").expect("round trip"), g);
         assert!(!format!("{g:?}").contains(&g.to_hex()[..8]), "Debug shows no secret bytes");
 

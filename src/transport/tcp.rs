@@ -460,7 +460,9 @@ fn serve_connection(inner: &Inner, stream: TcpStream) {
     let Ok(ack_stream) = stream.try_clone() else { return };
     let mut acks = BufWriter::new(ack_stream);
     let Ok(mut r) = FrameReader::new(stream, &inner.shutdown, inner.opts.idle_timeout) else { return };
-    let nonce = crate::transport::auth::nonce();
+    let Ok(nonce) = crate::transport::auth::nonce().inspect_err(|e| tracing::error!(peer = %peer_sock, error = %e, "cannot challenge a connection")) else {
+        return;
+    };
     if wire::write_challenge(&mut acks, &nonce).and_then(|()| acks.flush()).is_err() {
         return;
     }
@@ -819,8 +821,17 @@ impl Transport for TcpTransport {
             if owned {
                 inner.completions.cancel(batch);
             }
-            conn.fail(&inner.completions, &e.to_string());
-            return Err(TransportError::Disconnected { peer: att.addr.to_string(), reason: format!("send: {e}") });
+            // A peer that refuses a connection says why in a frame and then
+            // closes, which can break this send first: give the ack reader a
+            // moment to read that frame, so the error names the refusal
+            // rather than the broken pipe it caused.
+            let deadline = Instant::now() + Duration::from_millis(200);
+            while lock(&conn.why).is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            conn.fail(&inner.completions, &format!("send: {e}"));
+            let reason = lock(&conn.why).clone().unwrap_or_else(|| format!("send: {e}"));
+            return Err(TransportError::Disconnected { peer: att.addr.to_string(), reason });
         }
         Ok(batch)
     }

@@ -233,7 +233,7 @@ pub(super) async fn method_not_allowed(method: Method, uri: Uri) -> Response {
 pub(super) async fn require_key(State(p): State<Arc<Proxy>>, req: axum::extract::Request, next: axum::middleware::Next) -> Response {
     let Some(key) = &p.api_key else { return next.run(req).await };
     let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).map(str::trim);
-    if given.is_some_and(|g| crate::transport::auth::ct_eq(g.as_bytes(), key.as_bytes())) {
+    if given.is_some_and(|g| crate::transport::auth::ct_eq_secret(g.as_bytes(), key.as_bytes())) {
         return next.run(req).await;
     }
     *lock(&p.metrics).refusals.entry("invalid_api_key").or_default() += 1;
