@@ -540,6 +540,19 @@ mod tests {
         }
     }
 
+    /// `tools` and `functions` are refused when they ask for a tool, and an
+    /// empty list (which asks for nothing) passes.
+    #[test]
+    fn an_empty_tools_list_passes_and_a_tool_is_refused() {
+        for key in ["tools", "functions"] {
+            let empty = format!(r#"{{"messages": [{{"role": "user", "content": "hi"}}], "{key}": []}}"#);
+            assert!(parse(&topo(), Endpoint::Chat, empty.as_bytes(), 0).is_ok(), "{empty}");
+            let one = format!(r#"{{"messages": [{{"role": "user", "content": "hi"}}], "{key}": [{{"type": "function", "function": {{"name": "f"}}}}]}}"#);
+            let e = parse(&topo(), Endpoint::Chat, one.as_bytes(), 0).unwrap_err().to_string();
+            assert!(e.contains(key), "{e}");
+        }
+    }
+
     #[test]
     fn a_stop_sequence_is_cut_and_never_shown_in_part() {
         let mut m = StopMatcher::new(vec![b"XYZ".to_vec(), b"YQ".to_vec()]);

@@ -3,11 +3,15 @@
 //!
 //! A [`Deployment`] gives its roles one cluster secret ([`crate::transport::auth`]): the one
 //! this process was given (`HANDOFF_CLUSTER_SECRET_FILE` or
-//! `HANDOFF_CLUSTER_SECRET`), else 32 fresh random bytes. It writes the secret
-//! to `{tmp}/handoff-up-{pid}-{port}.secret` (mode 0600, removed at shutdown) and
-//! names that file in every child's `HANDOFF_CLUSTER_SECRET_FILE`; the secret
-//! never appears in an argument. The proxy's control listener gets a free
-//! loopback port, which every other role receives as `--proxy`.
+//! `HANDOFF_CLUSTER_SECRET`), else 32 fresh random bytes. It hands the secret to
+//! each child in that child's own environment (`HANDOFF_CLUSTER_SECRET`, which
+//! only the user's processes can read, in `/proc/PID/environ`): no file holds
+//! it, so nothing of it stays on disk when `up` is killed, however it is killed,
+//! and the secret never appears in an argument. The built-in default's topology
+//! and weights go to a private directory, `{tmp}/handoff-up-{pid}-{port}/`
+//! (mode 0700), removed at shutdown; a SIGKILLed `up` leaves that directory (no
+//! secret in it), and the next `up` removes it. The proxy's control listener
+//! gets a free loopback port, which every other role receives as `--proxy`.
 
 use super::client::{complete, percentile};
 use super::wire::{self, HttpResponse};
@@ -97,11 +101,13 @@ pub struct Deployment {
     /// `host:port` of the proxy's control listener (where the roles register).
     pub control_addr: String,
     secret: crate::transport::auth::ClusterSecret,
-    secret_file: Option<PathBuf>,
+    /// Whether the secret was drawn here (no role outside this deployment knows it).
+    secret_drawn: bool,
     pub topo: Topology,
     program: Option<PathBuf>,
     envs: Vec<(String, String)>,
-    tmp_config: Option<PathBuf>,
+    /// The private directory of the built-in default's files (mode 0700).
+    tmp_dir: Option<PathBuf>,
     /// The cluster's MPS server (`[device] mps = true` on CUDA); dropped after
     /// the roles have stopped.
     mps: Option<super::mps::MpsServer>,
@@ -125,27 +131,27 @@ impl Deployment {
         let (path, tmp) = match config {
             Some(p) => (p.to_path_buf(), None),
             None => {
-                let p = std::env::temp_dir().join(format!("handoff-up-{}-{port}.toml", std::process::id()));
-                let w = p.with_extension("safetensors");
+                let dir = std::env::temp_dir().join(format!("handoff-up-{}-{port}", std::process::id()));
+                make_private_dir(&dir)?;
+                let p = dir.join("config.toml");
+                let w = dir.join("weights.safetensors");
                 std::fs::write(&w, DEFAULT_WEIGHTS).with_context(|| format!("write {}", w.display()))?;
                 anyhow::ensure!(DEFAULT_CONFIG.contains(DEFAULT_WEIGHTS_LINE), "the built-in topology names no weights file");
                 let text = DEFAULT_CONFIG.replace(DEFAULT_WEIGHTS_LINE, &format!("weights = {:?}", w.to_string_lossy()));
                 std::fs::write(&p, text).with_context(|| format!("write {}", p.display()))?;
-                (p.clone(), Some(p))
+                (p, Some(dir))
             }
         };
         let path_s = path.to_string_lossy().to_string();
         let topo = Topology::load(&path_s).map_err(|e| anyhow::anyhow!("{e}"))?;
         let addr = format!("{host}:{port}");
-        let secret = match crate::transport::auth::ClusterSecret::from_env() {
-            Ok(s) => s,
+        let (secret, secret_drawn) = match crate::transport::auth::ClusterSecret::from_env() {
+            Ok(s) => (s, false),
             Err(crate::transport::auth::SecretError::Missing) => {
-                crate::transport::auth::ClusterSecret::generate().context("draw 32 random bytes for the cluster secret")?
+                (crate::transport::auth::ClusterSecret::generate().context("draw 32 random bytes for the cluster secret")?, true)
             }
             Err(e) => anyhow::bail!("{e}"),
         };
-        let secret_file = std::env::temp_dir().join(format!("handoff-up-{}-{port}.secret", std::process::id()));
-        write_secret(&secret_file, &secret)?;
         // Loopback only: the roles of one `up` share its host.
         // A port free now and not the public one (which the caller may have
         // picked the same way and released).
@@ -181,7 +187,7 @@ impl Deployment {
             ));
         }
         let mut envs = envs;
-        envs.push((crate::transport::auth::SECRET_FILE_ENV.to_string(), secret_file.to_string_lossy().to_string()));
+        envs.push((crate::transport::auth::SECRET_ENV.to_string(), secret.to_hex()));
         // The device the roles will open: HANDOFF_DEVICE (given to them, or in
         // this environment) names it over the topology's table.
         let device = envs.iter().find(|(k, _)| k == "HANDOFF_DEVICE").map(|(_, v)| v.clone()).or_else(|| std::env::var("HANDOFF_DEVICE").ok());
@@ -193,7 +199,7 @@ impl Deployment {
         } else {
             None
         };
-        let mut c = Deployment { roles, addr, control_addr, secret, secret_file: Some(secret_file), topo, program, envs, tmp_config: tmp, mps };
+        let mut c = Deployment { roles, addr, control_addr, secret, secret_drawn, topo, program, envs, tmp_dir: tmp, mps };
         for i in 0..c.roles.len() {
             c.spawn(i)?;
         }
@@ -203,9 +209,9 @@ impl Deployment {
     fn spawn(&mut self, i: usize) -> anyhow::Result<()> {
         let role = &mut self.roles[i];
         let mut cmd = role_command(self.program.as_deref(), &role.args)?;
-        // The file is the one source: a stale secret in this process's environment
-        // must not reach a child.
-        cmd.env_remove(crate::transport::auth::SECRET_ENV);
+        // The child's environment is the one source (`envs` holds the secret): a
+        // file named in this process's environment must not reach it.
+        cmd.env_remove(crate::transport::auth::SECRET_FILE_ENV);
         cmd.envs(self.envs.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         cmd.env(super::host::RESTARTS_ENV, role.restarts.to_string());
         // SAFETY: prctl and setpgid are async-signal-safe. A role dies with its
@@ -229,18 +235,20 @@ impl Deployment {
         &self.secret
     }
 
-    /// The file (mode 0600) that holds the secret while the cluster runs.
-    pub fn secret_file(&self) -> Option<&Path> {
-        self.secret_file.as_deref()
+    /// Whether the secret was drawn by this deployment (rather than given to
+    /// it): then no process outside it can join.
+    pub fn secret_drawn(&self) -> bool {
+        self.secret_drawn
+    }
+
+    /// The private directory of the built-in default's files, while it exists.
+    pub fn private_dir(&self) -> Option<&Path> {
+        self.tmp_dir.as_deref()
     }
 
     fn remove_files(&mut self) {
-        if let Some(p) = self.tmp_config.take() {
-            let _ = std::fs::remove_file(p.with_extension("safetensors"));
-            let _ = std::fs::remove_file(p);
-        }
-        if let Some(p) = self.secret_file.take() {
-            let _ = std::fs::remove_file(p);
+        if let Some(d) = self.tmp_dir.take() {
+            let _ = std::fs::remove_dir_all(d);
         }
     }
 
@@ -436,19 +444,12 @@ impl Deployment {
     }
 }
 
-/// Writes the secret's hex digits to a new file of mode 0600 (replacing a stale
-/// one of the same name: the name holds this process's pid).
-fn write_secret(path: &Path, secret: &crate::transport::auth::ClusterSecret) -> anyhow::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let _ = std::fs::remove_file(path);
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(path)
-        .with_context(|| format!("create the cluster secret file {}", path.display()))?;
-    f.write_all(secret.to_hex().as_bytes()).with_context(|| format!("write {}", path.display()))
+/// Creates `dir` with mode 0700 (replacing a stale one of the same name: the
+/// name holds this process's pid).
+fn make_private_dir(dir: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::DirBuilder::new().mode(0o700).create(dir).with_context(|| format!("create the private directory {}", dir.display()))
 }
 
 impl Drop for Deployment {
@@ -508,9 +509,15 @@ pub fn run_up(
         p.pp + 2
     );
     c.wait_healthy(Duration::from_secs(60), true)?;
-    if let Some(f) = c.secret_file() {
-        // What a role started by hand needs to join this cluster.
-        eprintln!("handoff up: roles register at {} with the cluster secret in {} ({})", c.control_addr, f.display(), crate::transport::auth::SECRET_FILE_ENV);
+    // What a role started by hand needs to join this cluster.
+    if c.secret_drawn() {
+        eprintln!(
+            "handoff up: roles register at {}; the cluster secret was drawn here and lives only in the roles' environments (to start roles by hand too, give up a secret in {})",
+            c.control_addr,
+            crate::transport::auth::SECRET_FILE_ENV
+        );
+    } else {
+        eprintln!("handoff up: roles register at {} with the cluster secret up was given", c.control_addr);
     }
     println!("handoff serving at http://{}  (POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics; Ctrl-C drains and stops)", c.addr);
     loop {
@@ -558,24 +565,26 @@ pub fn run_up(
     }
 }
 
-/// Removes default-config and secret files that earlier `up` processes left
-/// behind when they were killed (named `handoff-up-{pid}-{port}.toml`,
-/// `.safetensors` and `.secret`, for a pid that is gone).
+/// Removes what earlier `up` processes left behind when they were killed: the
+/// private directories `handoff-up-{pid}-{port}/` (and the files of older
+/// versions, `handoff-up-{pid}-{port}.toml`, `.safetensors` and `.secret`), for
+/// a pid that is gone.
 fn sweep_stale_configs() {
     let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else { return };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().to_string();
-        let Some(rest) = name
-            .strip_prefix("handoff-up-")
-            .and_then(|r| r.strip_suffix(".toml").or_else(|| r.strip_suffix(".safetensors")).or_else(|| r.strip_suffix(".secret")))
+        let Some(rest) = name.strip_prefix("handoff-up-") else { continue };
+        let rest = rest.strip_suffix(".toml").or_else(|| rest.strip_suffix(".safetensors")).or_else(|| rest.strip_suffix(".secret")).unwrap_or(rest);
+        let mut parts = rest.split('-');
+        let (Some(pid), Some(_port), None) = (parts.next().and_then(|p| p.parse::<i32>().ok()), parts.next().and_then(|p| p.parse::<u16>().ok()), parts.next())
         else {
             continue;
         };
-        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<i32>().ok()) else { continue };
         // SAFETY: kill with signal 0 only checks whether the process exists.
         let gone = unsafe { libc::kill(pid, 0) } != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
         if gone {
-            let _ = std::fs::remove_file(e.path());
+            let p = e.path();
+            let _ = if p.is_dir() { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) };
         }
     }
 }
