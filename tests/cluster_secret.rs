@@ -2,7 +2,7 @@
 //! secret (see `handoff::transport::auth`), a stranger is refused before it can register,
 //! admit or write a byte, and every refusal is counted in the proxy's /metrics.
 //! Also the public listener's limits: slow clients are cut off and connections
-//! past `serve.max_connections` are refused.
+//! past `serve.max_connections` are refused (all but monitoring).
 
 use handoff::check::oracle::fill_canary;
 use handoff::roles::up::{Deployment, free_port};
@@ -313,7 +313,8 @@ fn slow_clients_are_cut_off_and_connections_past_the_cap_get_503() {
     assert!(took >= Duration::from_millis(900) && took < Duration::from_secs(5), "answered after {took:?}");
 
     // Once the connections above gave their places back (the /metrics request
-    // itself holds one), four connections held open; the fifth is answered 503.
+    // itself holds one), four connections held open; a fifth asking for the
+    // API is answered 503, while monitoring past the cap is still answered.
     let deadline = Instant::now() + T;
     while metric(&wire::http(&p.addr, "GET", "/metrics", None, T).expect("metrics").body, "handoff_open_connections") != Some(1.0) {
         assert!(Instant::now() < deadline, "the slow clients' places never came back");
@@ -321,14 +322,22 @@ fn slow_clients_are_cut_off_and_connections_past_the_cap_get_503() {
     }
     let held: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(&p.addr).expect("connect")).collect();
     std::thread::sleep(Duration::from_millis(300));
-    let mut s = TcpStream::connect(&p.addr).expect("connect");
-    s.set_read_timeout(Some(T)).expect("timeout");
-    let _ = s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n");
-    let mut got = Vec::new();
-    let _ = s.read_to_end(&mut got);
-    let text = String::from_utf8_lossy(&got);
+    let past_cap = |request: &[u8]| {
+        let mut s = TcpStream::connect(&p.addr).expect("connect");
+        s.set_read_timeout(Some(T)).expect("timeout");
+        let _ = s.write_all(request);
+        let mut got = Vec::new();
+        let _ = s.read_to_end(&mut got);
+        String::from_utf8_lossy(&got).into_owned()
+    };
+    let text = past_cap(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}");
     assert!(text.starts_with("HTTP/1.1 503"), "{text}");
-    assert!(text.contains("\"code\":\"too_many_connections\""), "{text}");
+    assert!(text.contains("\"code\":\"too_many_connections\"") && text.contains("retry-after: 1"), "{text}");
+    let text = past_cap(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert!(text.starts_with("HTTP/1.1 200") && text.contains("handoff_open_connections 4"), "{text}");
+    // /health answers for the cluster (no roles here: 503 not ready), not for the cap.
+    let text = past_cap(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert!(text.starts_with("HTTP/1.1 ") && !text.contains("too_many_connections") && text.contains("roles"), "{text}");
     drop(held);
     // Their places come back.
     let deadline = Instant::now() + T;

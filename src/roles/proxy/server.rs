@@ -1,5 +1,6 @@
 //! The listeners: the public API and the roles' control listener, each with its
-//! connection cap and header timeout, the API-key gate, and the drain.
+//! connection cap and header timeout (past the cap, monitoring is still
+//! answered), the API-key gate, and the drain.
 
 use super::error::ServeError;
 use super::infer::{chat_completions, completions};
@@ -24,8 +25,6 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::io::AsyncWriteExt;
-use tokio::net::TcpStream;
 use tokio::sync::{Semaphore, mpsc};
 
 /// Where the proxy listens: the public API and the roles' control listener.
@@ -91,6 +90,17 @@ pub(super) async fn serve(topo: Topology, listen: Listen, api_key: Option<String
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(Arc::clone(&state));
+    // Connections past a listener's cap: monitoring stays reachable on the
+    // public one (GET /health and /metrics are answered, one request a
+    // connection), and everything else is told 503 at once.
+    let refuse = move || async move { ServeError::TooManyConnections(max_connections).into_response() };
+    let monitor = Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(refuse)
+        .method_not_allowed_fallback(refuse)
+        .with_state(Arc::clone(&state));
+    let control_full = Router::new().fallback(refuse);
     let Listen { host, port, control_host, control_port } = listen;
     let listener = tokio::net::TcpListener::bind((host.as_str(), port)).await.map_err(|e| anyhow::anyhow!("proxy: cannot listen on {host}:{port}: {e}"))?;
     let control_listener = tokio::net::TcpListener::bind((control_host.as_str(), control_port))
@@ -103,9 +113,9 @@ pub(super) async fn serve(topo: Topology, listen: Listen, api_key: Option<String
     }
     tokio::spawn(watchdog(Arc::clone(&state)));
     let public_slots = Arc::clone(&state.public_slots);
-    let server = tokio::spawn(serve_http(listener, app, "public", public_slots, Arc::clone(&state)));
+    let server = tokio::spawn(serve_http(listener, (app, monitor), "public", public_slots, Arc::clone(&state)));
     let control_slots = Arc::new(Semaphore::new(max_connections as usize));
-    let control_server = tokio::spawn(serve_http(control_listener, control, "control", control_slots, Arc::clone(&state)));
+    let control_server = tokio::spawn(serve_http(control_listener, (control, control_full), "control", control_slots, Arc::clone(&state)));
     while !crate::roles::signals::shutting_down() {
         if server.is_finished() || control_server.is_finished() {
             break;
@@ -118,16 +128,18 @@ pub(super) async fn serve(topo: Topology, listen: Listen, api_key: Option<String
     Ok(())
 }
 
-/// Connections past the cap that may wait for their 503 at once; past this a
-/// flood's connections are closed without an answer.
+/// Connections past the cap that may be answered at once (monitoring, or their
+/// 503); past this a flood's connections are closed without an answer.
 pub(super) const REFUSALS_PENDING: usize = 64;
 
-/// Serves `app` on `listener` over HTTP/1.1 with the `[serve]` limits (see the
-/// module docs): at most `slots` connections, `serve.header_timeout_s` for each
-/// request's headers. axum's own `serve` sets no header timeout and no cap.
-pub(super) async fn serve_http(listener: tokio::net::TcpListener, app: Router, label: &'static str, slots: Arc<Semaphore>, p: Arc<Proxy>) {
+/// Serves `apps.0` on `listener` over HTTP/1.1 with the `[serve]` limits (see
+/// the module docs): at most `slots` connections, `serve.header_timeout_s` for
+/// each request's headers; a connection past the cap gets `apps.1` for one
+/// request (monitoring, or 503). axum's own `serve` sets no header timeout and
+/// no cap.
+pub(super) async fn serve_http(listener: tokio::net::TcpListener, apps: (Router, Router), label: &'static str, slots: Arc<Semaphore>, p: Arc<Proxy>) {
+    let (app, over_cap) = apps;
     let header_timeout = secs(p.topo.config.serve.header_timeout_s);
-    let max = p.topo.config.serve.max_connections;
     let refusing = Arc::new(Semaphore::new(REFUSALS_PENDING));
     loop {
         let stream = match listener.accept().await {
@@ -142,8 +154,14 @@ pub(super) async fn serve_http(listener: tokio::net::TcpListener, app: Router, l
         let Ok(place) = Arc::clone(&slots).try_acquire_owned() else {
             count_closed(&p, label, "max_connections");
             if let Ok(permit) = Arc::clone(&refusing).try_acquire_owned() {
+                let svc = hyper_util::service::TowerToHyperService::new(over_cap.clone());
                 tokio::spawn(async move {
-                    refuse_connection(stream, max).await;
+                    let conn = hyper::server::conn::http1::Builder::new()
+                        .timer(hyper_util::rt::TokioTimer::new())
+                        .header_read_timeout(header_timeout)
+                        .keep_alive(false)
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), svc);
+                    let _ = conn.await;
                     drop(permit);
                 });
             }
@@ -165,31 +183,6 @@ pub(super) async fn serve_http(listener: tokio::net::TcpListener, app: Router, l
             drop(place);
         });
     }
-}
-
-/// Answers a connection past the cap with 503 and closes it. It reads what the
-/// client sent, briefly, so that the close is a FIN after the answer rather than
-/// a reset that could discard it.
-pub(super) async fn refuse_connection(mut stream: TcpStream, max: u32) {
-    use tokio::io::AsyncReadExt;
-    let body = ServeError::TooManyConnections(max).body().to_string();
-    let answer = format!(
-        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    if tokio::time::timeout(Duration::from_secs(1), stream.write_all(answer.as_bytes())).await.is_err() {
-        return;
-    }
-    let _ = stream.shutdown().await;
-    let mut buf = [0u8; 4096];
-    let _ = tokio::time::timeout(Duration::from_millis(500), async {
-        while let Ok(n) = stream.read(&mut buf).await {
-            if n == 0 {
-                break;
-            }
-        }
-    })
-    .await;
 }
 
 /// Refuses new requests, waits for those in flight up to `serve.drain_s` (or a
