@@ -247,6 +247,8 @@ fn a_strangers_shm_notification_is_dropped_and_counted() {
 struct Proxy {
     child: Child,
     addr: String,
+    control: String,
+    secret: ClusterSecret,
 }
 
 impl Drop for Proxy {
@@ -263,15 +265,49 @@ fn proxy_with(serve: &str) -> Proxy {
     std::fs::write(&path, text).expect("config");
     let (port, control) = (free_port().expect("port"), free_port().expect("port"));
     let args = ["proxy", "--config", path.to_str().expect("utf8"), "--port", &port.to_string(), "--control-port", &control.to_string()];
-    let child =
-        Command::new(BIN).args(args).env(SECRET_ENV, ClusterSecret::generate().expect("secret").to_hex()).env_remove(SECRET_FILE_ENV).spawn().expect("proxy");
+    let secret = ClusterSecret::generate().expect("secret");
+    let child = Command::new(BIN).args(args).env(SECRET_ENV, secret.to_hex()).env_remove(SECRET_FILE_ENV).spawn().expect("proxy");
     let addr = format!("127.0.0.1:{port}");
     let deadline = Instant::now() + T;
     while wire::http(&addr, "GET", "/metrics", None, T).is_err() {
         assert!(Instant::now() < deadline, "the proxy did not come up");
         std::thread::sleep(Duration::from_millis(50));
     }
-    Proxy { child, addr }
+    Proxy { child, addr, control: format!("127.0.0.1:{control}"), secret }
+}
+
+/// A heartbeat (a registration) sent again, byte for byte, is refused as a
+/// replay and counted; the role's next one, later, passes.
+#[test]
+fn a_replayed_heartbeat_is_refused_and_counted() {
+    let p = proxy_with("");
+    let reg = wire::Register {
+        role: "decode".into(),
+        stage: None,
+        addr: "127.0.0.1:9".parse().expect("addr"),
+        pid: 1,
+        counts: Default::default(),
+        rss_bytes: 0,
+        restarts: 0,
+        timings: Vec::new(),
+        unauthenticated: Default::default(),
+    };
+    let body = serde_json::to_string(&reg).expect("json");
+    let send = |auth: &str| wire::http_with(&p.control, "POST", "/internal/register", Some(&body), &[(wire::REGISTER_AUTH_HEADER, auth)], T).expect("register");
+    let captured = wire::register_auth(&p.secret, wire::unix_ms(), body.as_bytes());
+    let first = send(&captured);
+    assert_eq!(first.status, 204, "{}", first.body);
+    let again = send(&captured);
+    assert_eq!(again.status, 401, "{}", again.body);
+    assert!(again.body.contains("replay") && again.body.contains("invalid_cluster_secret"), "{}", again.body);
+    std::thread::sleep(Duration::from_millis(5));
+    let next = send(&wire::register_auth(&p.secret, wire::unix_ms(), body.as_bytes()));
+    assert_eq!(next.status, 204, "{}", next.body);
+    // The captured one stays refused after a newer one was accepted.
+    assert_eq!(send(&captured).status, 401);
+    let m = wire::http(&p.addr, "GET", "/metrics", None, T).expect("metrics").body;
+    assert_eq!(metric(&m, "handoff_replayed_registrations_total"), Some(2.0), "{m}");
+    assert_eq!(metric(&m, "handoff_unauthenticated_connections_total{role=\"proxy\",listener=\"register\"}"), Some(2.0), "{m}");
 }
 
 #[test]

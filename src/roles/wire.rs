@@ -203,12 +203,20 @@ pub enum RegisterAuthError {
     Timestamp(String),
     #[error("the MAC does not prove the cluster secret")]
     Mac,
-    #[error("timestamp {at} ms is more than {window} ms from the proxy's clock {now} ms")]
-    Stale { at: u64, window: u64, now: u64 },
+    #[error("timestamp {at} ms is more than {window} ms before or {ahead} ms after the proxy's clock {now} ms")]
+    Stale { at: u64, window: u64, ahead: u64, now: u64 },
+    #[error("timestamp {at} ms is not after this role's last accepted one, {last} ms: a replay")]
+    Replayed { at: u64, last: u64 },
 }
 
-/// Checks a [`REGISTER_AUTH_HEADER`] value against `body` at `now_ms`; why not, if not.
-pub fn check_register_auth(secret: &ClusterSecret, header: Option<&str>, body: &[u8], now_ms: u64) -> Result<(), RegisterAuthError> {
+/// How far ahead of the proxy's clock a register timestamp may be (the roles of
+/// one `up` share a host, and so a clock).
+pub const REGISTER_AHEAD: Duration = Duration::from_secs(2);
+
+/// Checks a [`REGISTER_AUTH_HEADER`] value against `body` at `now_ms`: its
+/// timestamp when it proves the body, why not otherwise. (The proxy refuses a
+/// timestamp that is not after the role's last accepted one: a replay.)
+pub fn check_register_auth(secret: &ClusterSecret, header: Option<&str>, body: &[u8], now_ms: u64) -> Result<u64, RegisterAuthError> {
     let h = header.ok_or(RegisterAuthError::Missing)?;
     let (ts, mac) = h.split_once('.').ok_or(RegisterAuthError::Malformed)?;
     let t = ts.parse::<u64>().map_err(|_| RegisterAuthError::Timestamp(ts.to_string()))?;
@@ -217,10 +225,11 @@ pub fn check_register_auth(secret: &ClusterSecret, header: Option<&str>, body: &
         return Err(RegisterAuthError::Mac);
     }
     let window = crate::transport::auth::REGISTER_WINDOW.as_millis() as u64;
-    if t.abs_diff(now_ms) > window {
-        return Err(RegisterAuthError::Stale { at: t, window, now: now_ms });
+    let ahead = REGISTER_AHEAD.as_millis() as u64;
+    if t + window < now_ms || t > now_ms + ahead {
+        return Err(RegisterAuthError::Stale { at: t, window, ahead, now: now_ms });
     }
-    Ok(())
+    Ok(t)
 }
 
 /// Milliseconds since the Unix epoch.
@@ -462,13 +471,14 @@ mod tests {
         let s = ClusterSecret::from_bytes(&[9; 32]);
         let now = 1_000_000_000;
         let h = register_auth(&s, now, b"body");
-        assert_eq!(check_register_auth(&s, Some(&h), b"body", now + 29_000), Ok(()));
+        assert_eq!(check_register_auth(&s, Some(&h), b"body", now + 29_000), Ok(now));
+        assert_eq!(check_register_auth(&s, Some(&h), b"body", now - 1_900), Ok(now));
         let refused =
             |secret: &ClusterSecret, header: Option<&str>, body: &[u8], at: u64| check_register_auth(secret, header, body, at).unwrap_err().to_string();
         assert!(refused(&s, Some(&h), b"bodz", now).contains("does not prove"));
         assert!(refused(&ClusterSecret::from_bytes(&[8; 32]), Some(&h), b"body", now).contains("does not prove"));
         assert!(refused(&s, Some(&h), b"body", now + 31_000).contains("more than 30000 ms"));
-        assert!(refused(&s, Some(&h), b"body", now - 31_000).contains("more than 30000 ms"));
+        assert!(refused(&s, Some(&h), b"body", now - 2_100).contains("2000 ms after"), "a timestamp ahead of the clock");
         assert!(refused(&s, None, b"body", now).contains("no x-handoff-auth"));
         assert!(refused(&s, Some("nodot"), b"body", now).contains("not <unix ms>"));
         // The timestamp is inside the MAC: moving it breaks the proof.

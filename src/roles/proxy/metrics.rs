@@ -104,6 +104,8 @@ pub(super) async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
     // it restarts from 0 with the process, as Prometheus counters may).
     out += "# HELP handoff_unauthenticated_connections_total Connections (shm: notification datagrams) refused for not proving the cluster secret, by role and listener.\n# TYPE handoff_unauthenticated_connections_total counter\n";
     out += &format!("handoff_unauthenticated_connections_total{{role=\"proxy\",listener=\"register\"}} {}\n", lock(&p.metrics).unauthenticated_register);
+    out += "# HELP handoff_replayed_registrations_total Registrations and heartbeats refused as replays (a timestamp not after the role's last accepted one); also in the count above.\n# TYPE handoff_replayed_registrations_total counter\n";
+    out += &format!("handoff_replayed_registrations_total {}\n", lock(&p.metrics).replayed_register);
     for (i, s) in slots.iter().enumerate() {
         for (listener, n) in s.as_ref().map(|s| s.reg.unauthenticated.clone()).unwrap_or_default() {
             out += &format!("handoff_unauthenticated_connections_total{{role=\"{}\",listener=\"{listener}\"}} {n}\n", role_label(i));

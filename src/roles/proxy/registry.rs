@@ -21,11 +21,14 @@ use tokio::sync::mpsc;
 
 pub(super) async fn register(State(p): State<Arc<Proxy>>, headers: HeaderMap, body: axum::body::Bytes) -> Response {
     let auth = headers.get(crate::roles::wire::REGISTER_AUTH_HEADER).and_then(|v| v.to_str().ok());
-    if let Err(why) = crate::roles::wire::check_register_auth(&p.secret, auth, &body, crate::roles::wire::unix_ms()) {
-        lock(&p.metrics).unauthenticated_register += 1;
-        tracing::warn!(%why, "refused an unauthenticated registration");
-        return ServeError::ClusterSecret(why).into_response();
-    }
+    let at = match crate::roles::wire::check_register_auth(&p.secret, auth, &body, crate::roles::wire::unix_ms()) {
+        Ok(at) => at,
+        Err(why) => {
+            lock(&p.metrics).unauthenticated_register += 1;
+            tracing::warn!(%why, "refused an unauthenticated registration");
+            return ServeError::ClusterSecret(why).into_response();
+        }
+    };
     let reg = match serde_json::from_slice::<Register>(&body) {
         Ok(r) => r,
         Err(e) => return ServeError::Body(BodyError::Malformed(e.to_string())).into_response(),
@@ -39,6 +42,24 @@ pub(super) async fn register(State(p): State<Arc<Proxy>>, headers: HeaderMap, bo
             return ServeError::Body(e).into_response();
         }
     };
+    {
+        // Every registration of a slot is later than the one before, whichever
+        // process sent it: one sent again is refused, so a captured heartbeat
+        // cannot keep a stopped role looking alive.
+        let mut roles = lock(&p.roles);
+        let last = roles.last_auth[slot];
+        if at <= last {
+            drop(roles);
+            let mut m = lock(&p.metrics);
+            m.unauthenticated_register += 1;
+            m.replayed_register += 1;
+            drop(m);
+            let why = crate::roles::wire::RegisterAuthError::Replayed { at, last };
+            tracing::warn!(%why, role = %role_name(slot), "refused a replayed registration");
+            return ServeError::ClusterSecret(why).into_response();
+        }
+        roles.last_auth[slot] = at;
+    }
     let (replaced, settled) = {
         let mut roles = lock(&p.roles);
         let prev = roles.slots[slot].take();

@@ -58,6 +58,9 @@ pub(super) struct Roles {
     pub(super) slots: Vec<Option<Peer>>,
     /// Deaths (and stops) the watchdog saw, per slot.
     pub(super) downs: Vec<u64>,
+    /// The register timestamp last accepted, per slot: a registration must be
+    /// later (a captured heartbeat sent again is a replay).
+    pub(super) last_auth: Vec<u64>,
 }
 
 /// The role of a slot.
@@ -90,6 +93,8 @@ pub(super) struct Metrics {
     pub(super) tokens: u64,
     /// Register requests refused for not proving the cluster secret.
     pub(super) unauthenticated_register: u64,
+    /// Of those, registrations refused as replays.
+    pub(super) replayed_register: u64,
     /// Connections closed by a listener's limits: (listener, reason) -> count.
     pub(super) closed: BTreeMap<(&'static str, &'static str), u64>,
 }
@@ -109,6 +114,7 @@ impl Default for Metrics {
             bytes: 0,
             tokens: 0,
             unauthenticated_register: 0,
+            replayed_register: 0,
             closed: BTreeMap::new(),
         }
     }
