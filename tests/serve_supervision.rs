@@ -452,3 +452,67 @@ fn a_killed_up_leaves_no_secret_on_disk() {
     assert!(held.is_empty(), "after a SIGKILL, files hold the secret: {held:?}");
     let _ = std::fs::remove_dir_all(&tmp);
 }
+
+/// A heartbeat captured just before decode stops, sent again every 250 ms while
+/// decode is SIGSTOPped, is refused as a replay each time, and decode is still
+/// reported down by its missing heartbeats within seconds.
+#[test]
+fn a_replayed_heartbeat_does_not_keep_a_stopped_decode_up() {
+    use handoff::transport::auth::{ClusterSecret, SECRET_ENV};
+    let _serial = serial();
+    let cfg = config("replay", "");
+    let secret = ClusterSecret::generate().expect("secret");
+    let hex = secret.to_hex();
+    let up = start_up(&cfg, &[(SECRET_ENV, hex.as_str())], &[]);
+    // The control listener's address, as up prints it for roles started by hand.
+    let control = {
+        let t0 = Instant::now();
+        loop {
+            let lines = up.stderr.lock().map(|s| s.clone()).unwrap_or_default();
+            if let Some(a) = lines.iter().find_map(|l| l.split("roles register at ").nth(1)?.split(' ').next().map(str::to_string)) {
+                break a;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(5), "up did not print its control address: {lines:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let decode = pid_of(&up.addr, "decode").expect("decode pid");
+    let reg = wire::Register {
+        role: "decode".into(),
+        stage: None,
+        addr: "127.0.0.1:9".parse().expect("addr"),
+        pid: decode,
+        counts: Default::default(),
+        rss_bytes: 0,
+        restarts: 0,
+        timings: Vec::new(),
+        unauthenticated: Default::default(),
+    };
+    let body = serde_json::to_string(&reg).expect("json");
+    // What a listener on the control link would have seen half a second before the stop.
+    let captured = wire::register_auth(&secret, wire::unix_ms() - 500, body.as_bytes());
+    signal(decode, libc::SIGSTOP);
+    let stopped = Instant::now();
+    let mut replays = 0;
+    let down_after = loop {
+        let r = wire::http_with(&control, "POST", "/internal/register", Some(&body), &[(wire::REGISTER_AUTH_HEADER, &captured)], Duration::from_secs(2))
+            .expect("replay");
+        assert_eq!(r.status, 401, "a replayed heartbeat was accepted: {}", r.body);
+        assert!(r.body.contains("replay"), "{}", r.body);
+        replays += 1;
+        let (status, body) = health(&up.addr);
+        if status == 503 && body.contains("decode is down: stopped answering") {
+            break stopped.elapsed();
+        }
+        assert!(stopped.elapsed() < Duration::from_secs(8), "decode still up {:?} after the stop, under replays: {body}", stopped.elapsed());
+        std::thread::sleep(Duration::from_millis(250));
+    };
+    eprintln!("decode reported down {down_after:?} after the stop, {replays} replays refused");
+    assert!(metric(&up.addr, "handoff_replayed_registrations_total").is_some_and(|n| n >= replays as f64), "replays not counted");
+    signal(decode, libc::SIGCONT);
+    let t0 = Instant::now();
+    while health(&up.addr).0 != 200 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "decode not healthy after SIGCONT: {:?}", health(&up.addr));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
