@@ -281,17 +281,7 @@ fn proxy_with(serve: &str) -> Proxy {
 #[test]
 fn a_replayed_heartbeat_is_refused_and_counted() {
     let p = proxy_with("");
-    let reg = wire::Register {
-        role: "decode".into(),
-        stage: None,
-        addr: "127.0.0.1:9".parse().expect("addr"),
-        pid: 1,
-        counts: Default::default(),
-        rss_bytes: 0,
-        restarts: 0,
-        timings: Vec::new(),
-        unauthenticated: Default::default(),
-    };
+    let reg = wire::Register::new("decode", None, "127.0.0.1:9".parse().expect("addr"), 1);
     let body = serde_json::to_string(&reg).expect("json");
     let send = |auth: &str| wire::http_with(&p.control, "POST", "/internal/register", Some(&body), &[(wire::REGISTER_AUTH_HEADER, auth)], T).expect("register");
     let captured = wire::register_auth(&p.secret, wire::unix_ms(), body.as_bytes());

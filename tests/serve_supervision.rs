@@ -477,17 +477,7 @@ fn a_replayed_heartbeat_does_not_keep_a_stopped_decode_up() {
         }
     };
     let decode = pid_of(&up.addr, "decode").expect("decode pid");
-    let reg = wire::Register {
-        role: "decode".into(),
-        stage: None,
-        addr: "127.0.0.1:9".parse().expect("addr"),
-        pid: decode,
-        counts: Default::default(),
-        rss_bytes: 0,
-        restarts: 0,
-        timings: Vec::new(),
-        unauthenticated: Default::default(),
-    };
+    let reg = wire::Register::new("decode", None, "127.0.0.1:9".parse().expect("addr"), decode);
     let body = serde_json::to_string(&reg).expect("json");
     // What a listener on the control link would have seen half a second before the stop.
     let captured = wire::register_auth(&secret, wire::unix_ms() - 500, body.as_bytes());

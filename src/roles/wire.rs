@@ -183,6 +183,24 @@ pub struct Register {
     pub unauthenticated: std::collections::BTreeMap<String, u64>,
 }
 
+impl Register {
+    /// A registration of `role` (stage `stage`) at `addr` by process `pid`,
+    /// with nothing held, counted or refused yet.
+    pub fn new(role: &str, stage: Option<u32>, addr: SocketAddr, pid: u32) -> Register {
+        Register {
+            role: role.to_string(),
+            stage,
+            addr,
+            pid,
+            counts: Counts::default(),
+            rss_bytes: 0,
+            restarts: 0,
+            timings: Vec::new(),
+            unauthenticated: Default::default(),
+        }
+    }
+}
+
 /// The header that proves a register request: `<unix ms>.<hex MAC>`.
 pub const REGISTER_AUTH_HEADER: &str = "x-handoff-auth";
 
