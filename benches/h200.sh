@@ -36,6 +36,7 @@
 #   profile  bench prefill at serving batches, then each kernel's time in a
 #            1 x 1024-token and a 32 x 80-token prefill (Nsight Compute)
 #   transfer the flagship hand-off through CUDA IPC
+#   ncu-mla  the same for the MLA partial (st_mla_part_tc)
 #   ncu-step Nsight Compute on one B = 88 launch of the fused step's st_kda and
 #            st_mm_w2 inside bench compute (launch-skip past B = 1, 8, 32:
 #            st_kda runs 126 times a batch size, st_mm_w2 777 at B = 32), with
@@ -71,7 +72,7 @@ check)
   ;;
 verify)
   step "verify --compute --device cuda (4 requests as one batch, 32 steps): regions in device memory, the fused decode step"
-  for c in config/small.toml config/trained.toml config/medium.toml config/pp3-tp2-to-tp4dcp2.toml config/gpu.toml; do
+  for c in config/small.toml config/trained.toml config/trained-pp4-tp4dcp4.toml config/medium.toml config/pp3-tp2-to-tp4dcp2.toml config/gpu.toml; do
     timeout 240 handoff verify --config "$c" --compute --device cuda --requests 4 2>&1 | tee -a "$OUT/verify.txt" | head -6 || fail=1
   done
   ;;
@@ -158,9 +159,12 @@ trace)
   python3 benches/peers/trace_phases.py "$OUT/trace-up.log" 2>&1 | tee "$OUT/trace-phases.txt" || fail=1
   gzip -f "$OUT/trace-up.log"
   ;;
-ncu-step)
-  step "Nsight Compute: one B = 88 launch each of st_kda and st_mm_w2 in bench compute"
-  for k in st_kda:385 st_mm_w2:790; do
+ncu-step|ncu-mla)
+  # ncu-mla: the fused step's MLA partial (2 launches a step, 21 steps a batch size).
+  targets="st_kda:385 st_mm_w2:790"
+  [ "$s" = ncu-mla ] && targets="st_mla_part_tc:129"
+  step "Nsight Compute: one B = 88 launch each of ${targets//:[0-9]*/} in bench compute"
+  for k in $targets; do
     name=${k%%:*}; skip=${k##*:}
     timeout 240 ncu --clock-control none -k regex:"^$name\$" --launch-skip "$skip" -c 1 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \

@@ -700,10 +700,17 @@ struct MlaRowsPaged {
 };
 
 // The fused step's partials on the f64 tensor cores (L = 512, R = 64, 16-bit
-// rows, heads in groups of 8 within one TP group): one block per (request,
-// DCP member, chunk, 8 heads), the math of mla_partial_tc. parts as
-// st_mla_part's. Launch: grid (bmax * dcp * maxc, H / 8); block 256; dynamic
-// shared memory MLA_TC_SMEM(8).
+// rows, heads in groups of 8 within one TP group): the math of
+// mla_partial_tc for each (request, DCP member, chunk, 8 heads). The grid is
+// sized for the longest context a step may hold (maxc chunks a member), but
+// a tick's requests hold far fewer rows, and one block a possible chunk left
+// nine in ten blocks with nothing to do at a 192-token context: at one block
+// a multiprocessor (198 registers, 85 KB of tiles) their launches took most
+// of the kernel's 133 us at B = 88. So a block walks the possible chunks
+// it = blockIdx.x, + gridDim.x, ... in chunk-major order (c, b, j), skipping
+// empty ones in a few instructions; the live chunks come first. parts as
+// st_mla_part's. Launch: grid (any, H / 8); block 256; dynamic shared memory
+// MLA_TC_SMEM(8).
 extern "C" __global__ void __launch_bounds__(256) st_mla_part_tc(
     const float* __restrict__ q_lat, const int* __restrict__ tick, int pos, int blk, int maxblk, int bmax,
     int dcp, int interleave, int bs, int hg,
@@ -711,31 +718,35 @@ extern "C" __global__ void __launch_bounds__(256) st_mla_part_tc(
     double* __restrict__ parts, int maxc, int chunk, int heads, double scale)
 {
     HK_DYN_SMEM(double, smem);
-    const int c = blockIdx.x % maxc;
-    const int j = (blockIdx.x / maxc) % dcp;
-    const int b = blockIdx.x / (maxc * dcp);
     const int h0 = blockIdx.y * 8;
-    if (b >= tick[0]) return;
-    const int nj = st_owned(tick[pos + b] + 1, dcp, j, interleave);
-    const int r0 = c * chunk;
-    if (r0 >= nj) return;
-    MlaRowsPaged src;
-    src.tick = tick;
-    src.blk = blk;
-    src.maxblk = maxblk;
-    src.bmax = bmax;
-    src.rk = (h0 / hg) * dcp + j;
-    src.b = b;
-    src.r0 = r0;
-    src.bs = bs;
-    src.tb = tb;
-    src.dt = dt;
-    src.mla_rows = mla_rows;
-    src.block_stride = block_stride;
-    src.n = nj - r0 < chunk ? nj - r0 : chunk;
-    const hk_i64 head_stride = (hk_i64)dcp * maxc * (MLA_TC_L + 2);
-    double* p = parts + ((((hk_i64)b * heads + h0) * dcp + j) * maxc + c) * (MLA_TC_L + 2);
-    mla_partial_tc_body<8>(q_lat, src, src.n, b, h0, p, head_stride, heads, scale, smem);
+    const int live = tick[0];
+    const int items = maxc * live * dcp;
+    for (int it = blockIdx.x; it < items; it += gridDim.x) {
+        const int j = it % dcp;
+        const int b = (it / dcp) % live;
+        const int c = it / (dcp * live);
+        const int nj = st_owned(tick[pos + b] + 1, dcp, j, interleave);
+        const int r0 = c * chunk;
+        if (r0 >= nj) continue;  // uniform in the block
+        MlaRowsPaged src;
+        src.tick = tick;
+        src.blk = blk;
+        src.maxblk = maxblk;
+        src.bmax = bmax;
+        src.rk = (h0 / hg) * dcp + j;
+        src.b = b;
+        src.r0 = r0;
+        src.bs = bs;
+        src.tb = tb;
+        src.dt = dt;
+        src.mla_rows = mla_rows;
+        src.block_stride = block_stride;
+        src.n = nj - r0 < chunk ? nj - r0 : chunk;
+        const hk_i64 head_stride = (hk_i64)dcp * maxc * (MLA_TC_L + 2);
+        double* p = parts + ((((hk_i64)b * heads + h0) * dcp + j) * maxc + c) * (MLA_TC_L + 2);
+        mla_partial_tc_body<8>(q_lat, src, src.n, b, h0, p, head_stride, heads, scale, smem);
+        __syncthreads();  // the tiles are free for the next chunk
+    }
 }
 
 // Scalar f64 partials, every shape: one block per (b, member, chunk, head),

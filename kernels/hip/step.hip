@@ -301,23 +301,8 @@ static __device__ __forceinline__ void st_kda_rebuild(
     __syncthreads();
 }
 
-// The warp's key rows of the block's column tile of a head's state (int
+// The warp's key rows of the item's column tile back to the state region (int
 // offsets from one base: a head's state is far below 2^31 values).
-static __device__ __forceinline__ void st_kda_load(
-    float (&s)[ST_KDA_ROWS][ST_KDA_COLS], const float* S, int w, int lane, int col0, int dk, int dv)
-{
-    const float* base = S + (hk_i64)(w * ST_KDA_ROWS) * dv + col0 + lane;
-#pragma unroll
-    for (int r = 0; r < ST_KDA_ROWS; ++r) {
-        const int i = w * ST_KDA_ROWS + r;
-#pragma unroll
-        for (int c = 0; c < ST_KDA_COLS; ++c) {
-            const int j = col0 + lane + HK_WARP * c;
-            s[r][c] = (i < dk && j < dv) ? base[r * dv + HK_WARP * c] : 0.0f;
-        }
-    }
-}
-
 static __device__ __forceinline__ void st_kda_store(
     const float (&s)[ST_KDA_ROWS][ST_KDA_COLS], float* S, int w, int lane, int col0, int dk, int dv)
 {
@@ -333,12 +318,28 @@ static __device__ __forceinline__ void st_kda_store(
     }
 }
 
+// The warp's key rows of an S_0 tile in shared memory ([kpad][TILE], zeros
+// past dk and dv).
+static __device__ __forceinline__ void st_kda_tile(float (&s)[ST_KDA_ROWS][ST_KDA_COLS], const float* tS, int w, int lane) {
+#pragma unroll
+    for (int r = 0; r < ST_KDA_ROWS; ++r)
+#pragma unroll
+        for (int c = 0; c < ST_KDA_COLS; ++c) s[r][c] = tS[(w * ST_KDA_ROWS + r) * ST_KDA_TILE + lane + HK_WARP * c];
+}
+
 // q, k, v: the conv outputs cv [rows, C] (full order); g_raw, b_raw and the
 // gate in proj; out [rows, H, dv]. rows3: this layer's row addresses of the
 // state, ring and cursor regions, [3][tp] (ring and cursor 0 without replay).
-// Launch: grid (rows * H, ceil(dv / 64)); block 32 * ceil(dk / 16) (dk <= 128);
-// dynamic shared memory (4 kpad + 2 nw 64 + 2 nw) floats, kpad = 16 nw, and
-// under ReplaySSM (ST_KDA_RC (2 kpad + 64) + kpad) more.
+//
+// Persistent: a block takes the items (request, head, 64-column tile) it,
+// it + gridDim.x, ... of the live ones, and copies the next item's tile of
+// S_0 (dk x 64 floats) into shared memory by cp.async while it computes the
+// current one, so that the state's bytes stream in under the record walk's
+// latency instead of between blocks (one block an item measured 29% of the
+// copy rate at B = 88). Which block takes an item changes none of its bits.
+// Launch: grid (any, 1); block 32 * ceil(dk / 16) (dk <= 128); dynamic
+// shared memory (2 kpad 64 + 4 kpad + 2 nw 64 + 2 nw) floats, kpad = 16 nw,
+// and under ReplaySSM (ST_KDA_RC (2 kpad + 64) + kpad) more.
 extern "C" __global__ void __launch_bounds__(256, 2) st_kda(
     const float* __restrict__ cv, const float* __restrict__ proj, int ldproj, int g_off, int b_off,
     const float* __restrict__ a_log, const float* __restrict__ dt_bias, float* __restrict__ out,
@@ -350,7 +351,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) st_kda(
     const int nw = blockDim.x / HK_WARP;
     const int kpad = nw * ST_KDA_ROWS;
     HK_DYN_SMEM(float, smem);
-    float* qh = smem;
+    float* sbuf = smem;                           // [2][kpad][TILE] S_0 tiles
+    float* qh = sbuf + 2 * kpad * TILE;
     float* kh = qh + kpad;
     float* gs = kh + kpad;
     float* al = gs + kpad;
@@ -360,194 +362,239 @@ extern "C" __global__ void __launch_bounds__(256, 2) st_kda(
     float* srec = red + 2 * nw;                   // replay records (ST_KDA_RC at a time)
     float* stot = srec + ST_KDA_RC * (2 * kpad + TILE);
 
-    const int b = blockIdx.x / heads;
-    const int h = blockIdx.x % heads;
-    if (b >= tick[0]) return;
     const int tid = threadIdx.x;
     const int lane = tid & (HK_WARP - 1);
     const int w = tid / HK_WARP;
-    const int col0 = blockIdx.y * TILE;
-    const int r = h / hl;
-    const int lh = h % hl;
-    const unsigned long long sl = (unsigned long long)tick[slot + b * tp + r];
-    float* S = (float*)(rows3[r] + sl * state_stride) + (hk_i64)lh * dk * dv;
-    const int wrec = 2 * dk + dv;
+    const int tiles = (dv + TILE - 1) / TILE;
+    const int items = tick[0] * heads * tiles;
 
-    // S_0's tile, in flight while the records are walked.
-    float s[ST_KDA_ROWS][ST_KDA_COLS];
-    st_kda_load(s, S, w, lane, col0, dk, dv);
-
-    const int C = heads * (2 * dk + dv);
-    const float* cvb = cv + (hk_i64)b * C;
-    const float* pb = proj + (hk_i64)b * ldproj;
-    const float qi = tid < dk ? cvb[h * dk + tid] : 0.0f;
-    const float ki = tid < dk ? cvb[heads * dk + h * dk + tid] : 0.0f;
-    const float gr = tid < dk ? pb[g_off + h * dk + tid] : 0.0f;
-    const float br = pb[b_off + h];
-    float vv[ST_KDA_COLS];
-#pragma unroll
-    for (int c = 0; c < ST_KDA_COLS; ++c) {
-        const int j = col0 + lane + HK_WARP * c;
-        vv[c] = j < dv ? cvb[2 * heads * dk + h * dv + j] : 0.0f;
-    }
-    const float rate = -expf(a_log[h]);
-    const float bias = tid < dk ? dt_bias[(hk_i64)h * dk + tid] : 0.0f;
-    const float inv_sqrt_dk = 1.0f / sqrtf((float)dk);
-
-    // ReplaySSM: the committed state S_0 and the n records since.
-    float* rec0 = 0;
-    int n = 0;
-    const hk_i64 rstride = (hk_i64)hl * wrec;
-    if (cap > 0) {
-        rec0 = (float*)(rows3[tp + r] + sl * ring_stride) + (hk_i64)lh * wrec;
-        n = *(const int*)(rows3[2 * tp + r] + sl * cursor_stride);
-        n = n < 0 ? 0 : (n > cap - 1 ? cap - 1 : n);
-    }
-
-    // Step 1: L2 norms of q and k, one fixed-order block sum for both.
-    float sq = hk_warp_sum(qi * qi);
-    float sk = hk_warp_sum(ki * ki);
-    if (lane == 0) {
-        red[2 * w] = sq;
-        red[2 * w + 1] = sk;
-    }
-    __syncthreads();
-    sq = 0.0f;
-    sk = 0.0f;
-    for (int x = 0; x < nw; ++x) {
-        sq += red[2 * x];
-        sk += red[2 * x + 1];
-    }
-    const float qs = 1.0f / sqrtf(sq + 1e-6f) * inv_sqrt_dk;
-    const float ks = 1.0f / sqrtf(sk + 1e-6f);
-    // Steps 2-3: per-channel log decay, beta.
-    if (tid < kpad) {
-        if (tid < dk) {
-            qh[tid] = qi * qs;
-            kh[tid] = ki * ks;
-            gs[tid] = rate * hk_softplus(gr + bias);
-        } else {
-            qh[tid] = kh[tid] = gs[tid] = 0.0f;
-        }
-    }
-    const float beta = hk_sigmoid(br);
-    __syncthreads();
-
-    // The step reads the current state S only through S'^T x = (Diag(alpha) S)^T x
-    // for x = k^ and q^, and S = Diag(e^G) S_0 + sum_j Diag(e^(G - G_j)) k_j u_j^T
-    // over the records (G - G_j: the decay of the records newer than j), so
-    //   S'^T x = S_0^T (E x) + sum_j u_j (c_j . x),  E = e^(g + G),
-    //   c_j = e^(g + G - G_j) k_j,
-    // one pass over S_0 with no state written back (it is written only when
-    // the ring commits, or every step without ReplaySSM). Then
-    //   u = beta (v - S'^T k^),  o = S_t^T q^ = S'^T q^ + u (k^ . q^).
-    // Partial sums over the warp's key rows: pk for x = k^, pq for x = q^.
-    float pk[ST_KDA_COLS], pq[ST_KDA_COLS];
-#pragma unroll
-    for (int c = 0; c < ST_KDA_COLS; ++c) pk[c] = pq[c] = 0.0f;
-    // Key row tid's decay so far, newest record first.
-    float suf = tid < dk ? gs[tid] : 0.0f;
-    const int per = 2 * kpad + TILE;
-    for (int hi = n; hi > 0; hi -= ST_KDA_RC) {
-        const int lo = hi > ST_KDA_RC ? hi - ST_KDA_RC : 0;
-        if (hi != n) __syncthreads();  // the previous records are consumed
-        st_kda_stage(srec, rec0, rstride, lo, hi, kpad, dk, dv, col0);
-        if (tid < dk) {
-            for (int j = hi - 1; j >= lo; --j) {
-                float* rj = srec + (j - lo) * per;
-                const float coef = expf(suf) * rj[tid];
-                suf += rj[kpad + tid];
-                rj[tid] = coef;  // c_j in place of k_j
+    // Item it's state tile: its address in the region, and its copy into dst
+    // (zeros past dk and dv; one commit group, empty past the last item).
+    auto state_of = [&](int it) -> float* {
+        const int b = it / (heads * tiles);
+        const int h = (it / tiles) % heads;
+        const int r = h / hl;
+        const unsigned long long sl = (unsigned long long)tick[slot + b * tp + r];
+        return (float*)(rows3[r] + sl * state_stride) + (hk_i64)(h % hl) * dk * dv;
+    };
+    auto fetch = [&](int it, float* dst) {
+        if (it < items) {
+            const float* S = state_of(it);
+            const int col0 = (it % tiles) * TILE;
+            if ((dv & 3) == 0 && ((unsigned long long)S & 15ull) == 0) {
+                for (int q = tid; q < kpad * (TILE / 4); q += blockDim.x) {
+                    const int i = q / (TILE / 4);
+                    const int j = col0 + 4 * (q % (TILE / 4));
+                    const bool ok = i < dk && j < dv;
+                    hk_cp16(dst + i * TILE + (j - col0), S + (ok ? (hk_i64)i * dv + j : 0), ok);
+                }
+            } else {
+                for (int e = tid; e < kpad * TILE; e += blockDim.x) {
+                    const int i = e / TILE;
+                    const int j = col0 + e % TILE;
+                    dst[e] = i < dk && j < dv ? S[(hk_i64)i * dv + j] : 0.0f;
+                }
             }
+        }
+        hk_cp_commit();
+    };
+
+    // One item, its S_0 tile in tS (shared memory).
+    auto item = [&](int it, const float* tS) {
+        const int b = it / (heads * tiles);
+        const int h = (it / tiles) % heads;
+        const int col0 = (it % tiles) * TILE;
+        const int r = h / hl;
+        const int lh = h % hl;
+        const unsigned long long sl = (unsigned long long)tick[slot + b * tp + r];
+        float* S = state_of(it);
+        const int wrec = 2 * dk + dv;
+
+        float s[ST_KDA_ROWS][ST_KDA_COLS];
+        st_kda_tile(s, tS, w, lane);
+
+        const int C = heads * (2 * dk + dv);
+        const float* cvb = cv + (hk_i64)b * C;
+        const float* pb = proj + (hk_i64)b * ldproj;
+        const float qi = tid < dk ? cvb[h * dk + tid] : 0.0f;
+        const float ki = tid < dk ? cvb[heads * dk + h * dk + tid] : 0.0f;
+        const float gr = tid < dk ? pb[g_off + h * dk + tid] : 0.0f;
+        const float br = pb[b_off + h];
+        float vv[ST_KDA_COLS];
+    #pragma unroll
+        for (int c = 0; c < ST_KDA_COLS; ++c) {
+            const int j = col0 + lane + HK_WARP * c;
+            vv[c] = j < dv ? cvb[2 * heads * dk + h * dv + j] : 0.0f;
+        }
+        const float rate = -expf(a_log[h]);
+        const float bias = tid < dk ? dt_bias[(hk_i64)h * dk + tid] : 0.0f;
+        const float inv_sqrt_dk = 1.0f / sqrtf((float)dk);
+
+        // ReplaySSM: the committed state S_0 and the n records since.
+        float* rec0 = 0;
+        int n = 0;
+        const hk_i64 rstride = (hk_i64)hl * wrec;
+        if (cap > 0) {
+            rec0 = (float*)(rows3[tp + r] + sl * ring_stride) + (hk_i64)lh * wrec;
+            n = *(const int*)(rows3[2 * tp + r] + sl * cursor_stride);
+            n = n < 0 ? 0 : (n > cap - 1 ? cap - 1 : n);
+        }
+
+        // Step 1: L2 norms of q and k, one fixed-order block sum for both.
+        float sq = hk_warp_sum(qi * qi);
+        float sk = hk_warp_sum(ki * ki);
+        if (lane == 0) {
+            red[2 * w] = sq;
+            red[2 * w + 1] = sk;
         }
         __syncthreads();
-        // Record j's dot products, by warp j % nw, added to that warp's partials.
-        for (int j = lo + w; j < hi; j += nw) {
-            const float* rj = srec + (j - lo) * per;
-            float dk_ = 0.0f, dq_ = 0.0f;
-            for (int i = lane; i < kpad; i += HK_WARP) {
-                dk_ = fmaf(rj[i], kh[i], dk_);
-                dq_ = fmaf(rj[i], qh[i], dq_);
-            }
-            dk_ = hk_warp_sum(dk_);
-            dq_ = hk_warp_sum(dq_);
-#pragma unroll
-            for (int c = 0; c < ST_KDA_COLS; ++c) {
-                const float uj = rj[2 * kpad + lane + HK_WARP * c];
-                pk[c] = fmaf(uj, dk_, pk[c]);
-                pq[c] = fmaf(uj, dq_, pq[c]);
-            }
+        sq = 0.0f;
+        sk = 0.0f;
+        for (int x = 0; x < nw; ++x) {
+            sq += red[2 * x];
+            sk += red[2 * x + 1];
         }
-    }
-    if (tid < kpad) al[tid] = tid < dk ? expf(suf) : 0.0f;  // E (alpha itself without records)
-    __syncthreads();
-    // k^ . q^, in every warp in one order.
-    float kq = 0.0f;
-    for (int i = lane; i < kpad; i += HK_WARP) kq = fmaf(kh[i], qh[i], kq);
-    kq = hk_warp_sum(kq);
-    // S_0's part.
-#pragma unroll
-    for (int rr = 0; rr < ST_KDA_ROWS; ++rr) {
-        const int i = w * ST_KDA_ROWS + rr;
-        const float e = al[i];
-        const float xk = e * kh[i];
-        const float xq = e * qh[i];
-#pragma unroll
-        for (int c = 0; c < ST_KDA_COLS; ++c) {
-            pk[c] = fmaf(s[rr][c], xk, pk[c]);
-            pq[c] = fmaf(s[rr][c], xq, pq[c]);
-        }
-    }
-#pragma unroll
-    for (int c = 0; c < ST_KDA_COLS; ++c) {
-        part1[w * TILE + lane + HK_WARP * c] = pk[c];
-        part2[w * TILE + lane + HK_WARP * c] = pq[c];
-    }
-    __syncthreads();
-    float u[ST_KDA_COLS];
-#pragma unroll
-    for (int c = 0; c < ST_KDA_COLS; ++c) {
-        const int jj = lane + HK_WARP * c;
-        float kv = 0.0f;
-        for (int x = 0; x < nw; ++x) kv += part1[x * TILE + jj];
-        u[c] = col0 + jj < dv ? beta * (vv[c] - kv) : 0.0f;
-    }
-    float* rec = cap > 0 ? rec0 + (hk_i64)n * rstride : 0;
-    if (w == 0) {
-#pragma unroll
-        for (int c = 0; c < ST_KDA_COLS; ++c) {
-            const int jj = lane + HK_WARP * c;
-            const int j = col0 + jj;
-            if (j < dv) {
-                float o = 0.0f;
-                for (int x = 0; x < nw; ++x) o += part2[x * TILE + jj];
-                out[((hk_i64)b * heads + h) * dv + j] = fmaf(u[c], kq, o);
-                if (rec) rec[dk + j] = u[c];
+        const float qs = 1.0f / sqrtf(sq + 1e-6f) * inv_sqrt_dk;
+        const float ks = 1.0f / sqrtf(sk + 1e-6f);
+        // Steps 2-3: per-channel log decay, beta.
+        if (tid < kpad) {
+            if (tid < dk) {
+                qh[tid] = qi * qs;
+                kh[tid] = ki * ks;
+                gs[tid] = rate * hk_softplus(gr + bias);
+            } else {
+                qh[tid] = kh[tid] = gs[tid] = 0.0f;
             }
         }
-    }
-    if (rec && blockIdx.y == 0 && tid < dk) {
-        rec[tid] = kh[tid];
-        rec[dk + dv + tid] = gs[tid];
-    }
-    if (cap > 0) {
-        if (n + 1 < cap) return;  // the committed state stays; the ring holds the step
-        // The ring is full: S_0 := the state rebuilt from S_0 over all its records.
-        __syncthreads();  // srec is free
-        st_kda_load(s, S, w, lane, col0, dk, dv);
-        st_kda_rebuild(s, rec0, rstride, n, true, kh, gs, u, w, lane, col0, dk, dv, kpad, srec, stot);
-    } else {
-        // S_t = Diag(alpha) S + k^ u^T.
-#pragma unroll
+        const float beta = hk_sigmoid(br);
+        __syncthreads();
+
+        // The step reads the current state S only through S'^T x = (Diag(alpha) S)^T x
+        // for x = k^ and q^, and S = Diag(e^G) S_0 + sum_j Diag(e^(G - G_j)) k_j u_j^T
+        // over the records (G - G_j: the decay of the records newer than j), so
+        //   S'^T x = S_0^T (E x) + sum_j u_j (c_j . x),  E = e^(g + G),
+        //   c_j = e^(g + G - G_j) k_j,
+        // one pass over S_0 with no state written back (it is written only when
+        // the ring commits, or every step without ReplaySSM). Then
+        //   u = beta (v - S'^T k^),  o = S_t^T q^ = S'^T q^ + u (k^ . q^).
+        // Partial sums over the warp's key rows: pk for x = k^, pq for x = q^.
+        float pk[ST_KDA_COLS], pq[ST_KDA_COLS];
+    #pragma unroll
+        for (int c = 0; c < ST_KDA_COLS; ++c) pk[c] = pq[c] = 0.0f;
+        // Key row tid's decay so far, newest record first.
+        float suf = tid < dk ? gs[tid] : 0.0f;
+        const int per = 2 * kpad + TILE;
+        for (int hi = n; hi > 0; hi -= ST_KDA_RC) {
+            const int lo = hi > ST_KDA_RC ? hi - ST_KDA_RC : 0;
+            if (hi != n) __syncthreads();  // the previous records are consumed
+            st_kda_stage(srec, rec0, rstride, lo, hi, kpad, dk, dv, col0);
+            if (tid < dk) {
+                for (int j = hi - 1; j >= lo; --j) {
+                    float* rj = srec + (j - lo) * per;
+                    const float coef = expf(suf) * rj[tid];
+                    suf += rj[kpad + tid];
+                    rj[tid] = coef;  // c_j in place of k_j
+                }
+            }
+            __syncthreads();
+            // Record j's dot products, by warp j % nw, added to that warp's partials.
+            for (int j = lo + w; j < hi; j += nw) {
+                const float* rj = srec + (j - lo) * per;
+                float dk_ = 0.0f, dq_ = 0.0f;
+                for (int i = lane; i < kpad; i += HK_WARP) {
+                    dk_ = fmaf(rj[i], kh[i], dk_);
+                    dq_ = fmaf(rj[i], qh[i], dq_);
+                }
+                dk_ = hk_warp_sum(dk_);
+                dq_ = hk_warp_sum(dq_);
+    #pragma unroll
+                for (int c = 0; c < ST_KDA_COLS; ++c) {
+                    const float uj = rj[2 * kpad + lane + HK_WARP * c];
+                    pk[c] = fmaf(uj, dk_, pk[c]);
+                    pq[c] = fmaf(uj, dq_, pq[c]);
+                }
+            }
+        }
+        if (tid < kpad) al[tid] = tid < dk ? expf(suf) : 0.0f;  // E (alpha itself without records)
+        __syncthreads();
+        // k^ . q^, in every warp in one order.
+        float kq = 0.0f;
+        for (int i = lane; i < kpad; i += HK_WARP) kq = fmaf(kh[i], qh[i], kq);
+        kq = hk_warp_sum(kq);
+        // S_0's part.
+    #pragma unroll
         for (int rr = 0; rr < ST_KDA_ROWS; ++rr) {
             const int i = w * ST_KDA_ROWS + rr;
-            const float a = al[i];
-            const float kk = kh[i];
-#pragma unroll
-            for (int c = 0; c < ST_KDA_COLS; ++c) s[rr][c] = fmaf(kk, u[c], s[rr][c] * a);
+            const float e = al[i];
+            const float xk = e * kh[i];
+            const float xq = e * qh[i];
+    #pragma unroll
+            for (int c = 0; c < ST_KDA_COLS; ++c) {
+                pk[c] = fmaf(s[rr][c], xk, pk[c]);
+                pq[c] = fmaf(s[rr][c], xq, pq[c]);
+            }
         }
+    #pragma unroll
+        for (int c = 0; c < ST_KDA_COLS; ++c) {
+            part1[w * TILE + lane + HK_WARP * c] = pk[c];
+            part2[w * TILE + lane + HK_WARP * c] = pq[c];
+        }
+        __syncthreads();
+        float u[ST_KDA_COLS];
+    #pragma unroll
+        for (int c = 0; c < ST_KDA_COLS; ++c) {
+            const int jj = lane + HK_WARP * c;
+            float kv = 0.0f;
+            for (int x = 0; x < nw; ++x) kv += part1[x * TILE + jj];
+            u[c] = col0 + jj < dv ? beta * (vv[c] - kv) : 0.0f;
+        }
+        float* rec = cap > 0 ? rec0 + (hk_i64)n * rstride : 0;
+        if (w == 0) {
+    #pragma unroll
+            for (int c = 0; c < ST_KDA_COLS; ++c) {
+                const int jj = lane + HK_WARP * c;
+                const int j = col0 + jj;
+                if (j < dv) {
+                    float o = 0.0f;
+                    for (int x = 0; x < nw; ++x) o += part2[x * TILE + jj];
+                    out[((hk_i64)b * heads + h) * dv + j] = fmaf(u[c], kq, o);
+                    if (rec) rec[dk + j] = u[c];
+                }
+            }
+        }
+        if (rec && blockIdx.y == 0 && tid < dk) {
+            rec[tid] = kh[tid];
+            rec[dk + dv + tid] = gs[tid];
+        }
+        if (cap > 0) {
+            if (n + 1 < cap) return;  // the committed state stays; the ring holds the step
+            // The ring is full: S_0 := the state rebuilt from S_0 over all its records.
+            __syncthreads();  // srec is free
+            st_kda_tile(s, tS, w, lane);
+            st_kda_rebuild(s, rec0, rstride, n, true, kh, gs, u, w, lane, col0, dk, dv, kpad, srec, stot);
+        } else {
+            // S_t = Diag(alpha) S + k^ u^T.
+    #pragma unroll
+            for (int rr = 0; rr < ST_KDA_ROWS; ++rr) {
+                const int i = w * ST_KDA_ROWS + rr;
+                const float a = al[i];
+                const float kk = kh[i];
+    #pragma unroll
+                for (int c = 0; c < ST_KDA_COLS; ++c) s[rr][c] = fmaf(kk, u[c], s[rr][c] * a);
+            }
+        }
+        st_kda_store(s, S, w, lane, col0, dk, dv);
+    };
+
+    fetch(blockIdx.x, sbuf);
+    for (int it = blockIdx.x, i = 0; it < items; it += gridDim.x, ++i) {
+        fetch(it + gridDim.x, sbuf + ((i + 1) & 1) * kpad * TILE);
+        hk_cp_wait_but_last();
+        __syncthreads();  // item it's tile is in
+        item(it, sbuf + (i & 1) * kpad * TILE);
+        __syncthreads();  // its buffers are free for the next item
     }
-    st_kda_store(s, S, w, lane, col0, dk, dv);
+    hk_cp_wait_all();
 }
 
 // Advances every live request's ReplaySSM cursor of every KDA layer on every

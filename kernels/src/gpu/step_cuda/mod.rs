@@ -310,11 +310,19 @@ impl CudaStep {
         let kda_threads = (kda_nw * 32) as u32;
         let kpad = kda_nw * 16;
         let replay_smem = if m.replay > 0 { 16 * (2 * kpad + 64) + kpad } else { 0 };
-        let kda_smem = ((4 * kpad + 2 * kda_nw * 64 + 2 * kda_nw + replay_smem) * 4) as u32;
+        // Two S_0 tiles (the item computed and the next one in flight), then the rest.
+        let kda_smem = ((2 * kpad * 64 + 4 * kpad + 2 * kda_nw * 64 + 2 * kda_nw + replay_smem) * 4) as u32;
+        // st_kda is persistent: two blocks a multiprocessor (its launch bounds)
+        // walk the items.
+        let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(dev(op))?.max(1) as usize;
         if kda_smem > 48 * 1024 {
             f.kda
                 .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, kda_smem as i32)
                 .map_err(|e| KernelError::InvalidShape { op, reason: format!("the KDA step needs {kda_smem} bytes of shared memory: {e}") })?;
+            // The largest carveout, so that two blocks share a multiprocessor.
+            f.kda
+                .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
+                .map_err(|e| KernelError::InvalidShape { op, reason: format!("cannot set the KDA step's shared memory carveout: {e}") })?;
         }
         // The tensor-core MLA partial: K3's rows in 16-bit, 8 heads of one TP group a block.
         let mla_tc = ll == 512 && rr == 64 && ((hm / tp.max(1)) * p.dcp).is_multiple_of(8) && m.cache != StorageDtype::F32;
@@ -456,7 +464,7 @@ impl CudaStep {
                         list.push(Launch {
                             f: fun(&f.kda),
                             name: "st_kda",
-                            grid: ((bp * h) as u32, dv.div_ceil(64) as u32, 1),
+                            grid: ((bp * h * dv.div_ceil(64)).min(2 * sms) as u32, 1, 1),
                             block: kda_threads,
                             smem: kda_smem,
                             args: vec![
@@ -574,7 +582,9 @@ impl CudaStep {
                             list.push(Launch {
                                 f: fun(&f.mla_part_tc),
                                 name: "st_mla_part_tc",
-                                grid: ((bp * p.dcp * maxc) as u32, (hm / 8) as u32, 1),
+                                // Grid-stride over the possible chunks (st_mla_part_tc): two
+                                // blocks a multiprocessor's worth (one is resident).
+                                grid: ((bp * p.dcp * maxc).min((2 * sms).div_ceil(hm / 8)) as u32, (hm / 8) as u32, 1),
                                 block: 256,
                                 smem: MLA_TC_SMEM8,
                                 args,
