@@ -7,9 +7,9 @@
 use handoff::check::oracle::fill_canary;
 use handoff::roles::up::{Deployment, free_port};
 use handoff::roles::wire;
-use handoff::transport::auth::{ClusterSecret, SECRET_ENV, SECRET_FILE_ENV};
+use handoff::transport::auth::{ClusterSecret, Opener, SECRET_ENV, SECRET_FILE_ENV, Side};
 use handoff::transport::tcp::wire as tcpwire;
-use handoff::transport::{PeerAddr, ShmTransport, TcpOptions, TcpTransport, Transport, TransportExt};
+use handoff::transport::{MemoryKind, PeerAddr, RegionHandle, ShmTransport, TcpOptions, TcpTransport, Transport, TransportError, TransportExt};
 use handoff_components::plan::Descriptor;
 use handoff_components::vocab::RegionKind;
 use std::io::{Read, Write};
@@ -124,6 +124,26 @@ fn a_strangers_register_is_refused_and_the_public_port_has_no_internal_routes() 
         assert_eq!(text.lines().count(), 1, "nothing but the challenge: {text}");
     }
     drop(TcpStream::connect(&ctl).expect("probe"));
+
+    // A member's control line replayed on its connection: prefill stage 0 takes
+    // the first (a settle of nothing, harmless), refuses the copy, closes the
+    // connection and counts it.
+    let stage0 = listening_ports(c.pid("prefill stage 0").expect("stage 0 pid"));
+    assert_eq!(stage0.len(), 1, "stage 0 (over shm) listens on its control port only: {stage0:?}");
+    let (mut w, mut r, mut session) = wire::connect(format!("127.0.0.1:{}", stage0[0]).parse().expect("addr"), T, c.secret()).expect("a member connects");
+    let failure = handoff_components::Failure::new(
+        handoff_components::ecs::PhaseName::Compute,
+        handoff_components::ProcessRole::Proxy,
+        handoff_components::Cause::Cancelled { detail: "test".into() },
+    );
+    let settle = wire::Msg::Settle { requests: vec![], endpoint: PeerAddr::Local { instance: 0 }, failure };
+    let mut line = Vec::new();
+    wire::seal_into(&mut line, &mut session.sealer, &settle).expect("seal");
+    w.write_all(&line).expect("send");
+    w.write_all(&line).expect("replay");
+    let _ = r.read_to_end(&mut Vec::new());
+    wait_metric(&c.addr, "handoff_refused_frames_total{role=\"prefill0\",kind=\"control\"}", 1.0);
+
     // Decode's shm notification socket: a datagram that proves nothing.
     let sock = std::fs::read_dir(handoff::transport::shm::default_dir())
         .expect("shm dir")
@@ -177,8 +197,10 @@ fn a_strangers_tcp_write_is_refused_before_any_region_byte_moves() {
     // A stranger's WRITE may meet a socket the consumer already closed on
     // refusing it (a broken pipe): the refusal frames below and the canary are
     // what this test judges.
+    // A stranger's WRITE, sealed under a session it made up (it has none).
     let write_frame = |s: &mut TcpStream| {
-        let _ = tcpwire::write_batch_header(s, 1, dst.id, &desc, LEN).and_then(|()| s.write_all(&vec![0x42u8; LEN as usize]));
+        let mut sealer = ClusterSecret::from_bytes(&[1; 32]).session(b"made up", b"a", b"b").sealer(Side::Connector);
+        let _ = tcpwire::write_batch_header(s, &mut sealer, 1, dst.id, &desc, LEN).and_then(|()| s.write_all(&vec![0x42u8; LEN as usize]));
     };
 
     // No HELLO at all: a WRITE as the first frame.
@@ -189,13 +211,13 @@ fn a_strangers_tcp_write_is_refused_before_any_region_byte_moves() {
     let mut s = TcpStream::connect(consumer.addr()).expect("connect");
     let nonce = tcpwire::read_challenge(&mut s).expect("challenge");
     let me = PeerAddr::Tcp { addr: s.local_addr().expect("addr") };
-    tcpwire::write_hello(&mut s, &me, &ClusterSecret::from_bytes(&[1; 32]), &nonce).expect("hello");
+    tcpwire::write_hello(&mut s, &me, &ClusterSecret::from_bytes(&[1; 32]), &nonce, &[7; 32]).expect("hello");
     write_frame(&mut s);
     assert_eq!(frames_until_closed(&mut s), vec![tcpwire::ACK], "refused, closed");
     // The right secret answering another connection's nonce (a replay).
     let mut s = TcpStream::connect(consumer.addr()).expect("connect");
     let _ = tcpwire::read_challenge(&mut s).expect("challenge");
-    tcpwire::write_hello(&mut s, &me, &ClusterSecret::process(), &[0u8; 32]).expect("hello");
+    tcpwire::write_hello(&mut s, &me, &ClusterSecret::process(), &[0u8; 32], &[7; 32]).expect("hello");
     write_frame(&mut s);
     assert_eq!(frames_until_closed(&mut s), vec![tcpwire::ACK], "refused, closed");
     assert_eq!(consumer.unauthenticated(), 3, "every stranger counted");
@@ -241,6 +263,170 @@ fn a_strangers_shm_notification_is_dropped_and_counted() {
     assert_eq!(bytes, vec![&b"real report"[..]], "only the member's notification is delivered");
     assert_eq!(got[0].from, Some(member.endpoint()));
     assert_eq!(consumer.unauthenticated(), 2);
+
+    // A member's datagram (sender, counter, MAC over sender, receiver, counter
+    // and bytes) is taken once: the same datagram again, and one with a lower
+    // counter, are refused as replays; one sealed for another receiver fails
+    // its MAC.
+    let datagram = |to: &PeerAddr, counter: u64, bytes: &[u8]| {
+        let from = serde_json::to_vec(&PeerAddr::Local { instance: 77 }).expect("json");
+        let to = serde_json::to_vec(to).expect("json");
+        let mac = ClusterSecret::process().mac(handoff::transport::auth::context::SHM_NOTIFY, &[&from, &to, &counter.to_le_bytes(), bytes]);
+        let mut d = (from.len() as u32).to_le_bytes().to_vec();
+        d.extend_from_slice(&from);
+        d.extend_from_slice(&counter.to_le_bytes());
+        d.extend_from_slice(&mac);
+        d.extend_from_slice(bytes);
+        d
+    };
+    let second = datagram(&consumer.endpoint(), 2, b"second");
+    raw.send_to(&second, consumer.socket_path()).expect("send");
+    raw.send_to(&second, consumer.socket_path()).expect("replay");
+    raw.send_to(&datagram(&consumer.endpoint(), 1, b"first"), consumer.socket_path()).expect("send an older one");
+    raw.send_to(&datagram(&member.endpoint(), 3, b"for another"), consumer.socket_path()).expect("send another's");
+    raw.send_to(&datagram(&consumer.endpoint(), 3, b"third"), consumer.socket_path()).expect("send");
+    // The datagrams are queued at the socket already: one receive takes them all.
+    let got: Vec<Vec<u8>> = consumer.wait_notifications(T).into_iter().map(|n| n.bytes).collect();
+    assert_eq!(got, vec![b"second".to_vec(), b"third".to_vec()], "each datagram once, in counter order");
+    assert_eq!(consumer.refused_frames(), 2, "the replay and the older counter");
+    assert_eq!(consumer.unauthenticated(), 3, "the one sealed for another receiver");
+}
+
+/// Reads one sealed ACK frame: its batch and whether it is a success; the MAC
+/// must hold under `opener`.
+fn read_ack(s: &mut TcpStream, opener: &mut Opener) -> std::io::Result<(u64, bool)> {
+    let mut h = [0u8; 18];
+    s.read_exact(&mut h)?;
+    assert_eq!((&h[..4], h[4]), (&tcpwire::MAGIC.to_le_bytes()[..], tcpwire::ACK), "an ACK frame");
+    let n = u32::from_le_bytes([h[14], h[15], h[16], h[17]]) as usize;
+    let mut rest = vec![0u8; n + tcpwire::MAC_BYTES];
+    s.read_exact(&mut rest)?;
+    let mut body = h[5..].to_vec();
+    body.extend_from_slice(&rest[..n]);
+    opener.open(&[&[tcpwire::ACK], &body], &rest[n..]).expect("the consumer's ACK carries its MAC");
+    Ok((u64::from_le_bytes(h[5..13].try_into().expect("8 bytes")), h[13] == 0))
+}
+
+/// A member's connection to `consumer` (it proves the secret) and its session.
+fn member(consumer: &TcpTransport) -> (TcpStream, tcpwire::Session) {
+    let mut s = TcpStream::connect(consumer.addr()).expect("connect");
+    s.set_read_timeout(Some(T)).expect("timeout");
+    let me = PeerAddr::Tcp { addr: s.local_addr().expect("addr") };
+    let session = tcpwire::connect_handshake(&mut s, &me, &ClusterSecret::process()).expect("a member's handshake");
+    (s, session)
+}
+
+/// One WRITE frame of `fill` bytes over the region's first `len` bytes, sealed
+/// with `sealer`: its bytes, to send (and send again).
+fn write_frame(sealer: &mut handoff::transport::auth::Sealer, batch: u64, region: u64, len: u64, fill: u8) -> Vec<u8> {
+    let mut f = Vec::new();
+    tcpwire::write_batch_header(&mut f, sealer, batch, region, &[Descriptor::copy(RegionKind::MlaKv, 0, 0, len)], len).expect("header");
+    f.extend(std::iter::repeat_n(fill, len as usize));
+    f
+}
+
+/// Waits for the consumer's incident: the refusal, typed.
+fn refusal(consumer: &TcpTransport) -> String {
+    let deadline = Instant::now() + T;
+    loop {
+        if let Some(i) = consumer.take_incidents().into_iter().next() {
+            assert!(matches!(i.error, TransportError::Refused { .. }), "a typed refusal: {}", i.error);
+            return i.error.to_string();
+        }
+        assert!(Instant::now() < deadline, "no incident for a refused frame");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// After the handshake every tcp frame proves itself, once: a WRITE replayed on
+/// its connection, a WRITE with one header byte altered (its offset), and a
+/// WRITE sealed on another connection are each refused before a byte of their
+/// payload lands, with a typed incident, the connection closed, and counted.
+#[test]
+fn a_replayed_altered_or_foreign_tcp_frame_is_refused_and_counted() {
+    const LEN: u64 = 4096;
+    let consumer = TcpTransport::loopback().expect("tcp");
+    let dst = consumer.register(rank(), RegionKind::MlaKv, 2 * LEN).expect("register");
+    let closed = |s: &mut TcpStream| {
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest);
+        assert!(rest.is_empty(), "nothing after the refusal: {} B", rest.len());
+    };
+
+    // Replayed: frame 0 (0x42) lands, frame 1 (0x43) lands over it, and frame 0
+    // sent again would put 0x42 back.
+    let (mut s, mut session) = member(&consumer);
+    let first = write_frame(&mut session.sealer, 1, dst.id, LEN, 0x42);
+    s.write_all(&first).expect("send");
+    assert_eq!(read_ack(&mut s, &mut session.opener).expect("ack"), (1, true));
+    s.write_all(&write_frame(&mut session.sealer, 2, dst.id, LEN, 0x43)).expect("send");
+    assert_eq!(read_ack(&mut s, &mut session.opener).expect("ack"), (2, true));
+    let _ = s.write_all(&first);
+    closed(&mut s);
+    let why = refusal(&consumer);
+    assert!(why.contains("message 2 from the connector") && why.contains("replayed"), "{why}");
+    assert!(consumer.region_bytes(&dst).expect("read")[..LEN as usize].iter().all(|&b| b == 0x43), "the replay moved no byte");
+    assert_eq!(consumer.refused_frames(), 1);
+
+    // Altered: the descriptor's offset moved after sealing (to the second half).
+    let (mut s, mut session) = member(&consumer);
+    let mut frame = write_frame(&mut session.sealer, 1, dst.id, LEN, 0x44);
+    let offset_at = 5 + 28 + 1;
+    frame[offset_at + 1] = (LEN >> 8) as u8;
+    let _ = s.write_all(&frame);
+    closed(&mut s);
+    assert!(refusal(&consumer).contains("message 0 from the connector"));
+    assert!(consumer.region_bytes(&dst).expect("read")[LEN as usize..].iter().all(|&b| b == 0), "the altered frame moved no byte");
+    assert_eq!(consumer.refused_frames(), 2);
+
+    // Foreign: a frame sealed for one connection, sent on another (same secret).
+    let (_s1, mut session1) = member(&consumer);
+    let (mut s2, _session2) = member(&consumer);
+    let _ = s2.write_all(&write_frame(&mut session1.sealer, 1, dst.id, LEN, 0x45));
+    closed(&mut s2);
+    refusal(&consumer);
+    assert!(consumer.region_bytes(&dst).expect("read")[..LEN as usize].iter().all(|&b| b == 0x43), "the foreign frame moved no byte");
+    assert_eq!(consumer.refused_frames(), 3);
+    assert_eq!(consumer.unauthenticated(), 0, "members all: refused frames, not strangers");
+
+    // A member's transfer still lands.
+    let member = TcpTransport::loopback().expect("tcp");
+    let src = member.register(producer_rank(), RegionKind::MlaKv, LEN).expect("src");
+    member.write_region(&src, |b| b.fill(0x46)).expect("fill");
+    let r = member.attach(&dst).expect("attach");
+    member.transfer(&src, r, &[Descriptor::copy(RegionKind::MlaKv, 0, 0, LEN)], T).expect("a member's transfer");
+    assert!(consumer.region_bytes(&dst).expect("read")[..LEN as usize].iter().all(|&b| b == 0x46));
+}
+
+/// An endpoint on the port that does not hold the secret (it challenges, reads
+/// the HELLO and answers with a WELCOME under another secret) is refused by the
+/// connecting transport: attach fails, typed, and no WRITE is sent to it.
+#[test]
+fn a_tcp_endpoint_without_the_secret_is_refused_by_the_connector() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let impostor = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("accept");
+        s.set_read_timeout(Some(T)).expect("timeout");
+        tcpwire::write_challenge(&mut s, &[9; 32]).expect("challenge");
+        let mut h = [0u8; 9];
+        s.read_exact(&mut h).expect("hello head");
+        let n = u32::from_le_bytes([h[5], h[6], h[7], h[8]]) as usize;
+        let mut body = vec![0u8; n + 64];
+        s.read_exact(&mut body).expect("hello body");
+        let wrong = ClusterSecret::from_bytes(&[8; 32]);
+        let proof = wrong.proof(handoff::transport::auth::context::TCP_HELLO, Side::Acceptor, &[9; 32], &body[n..n + 32], &body[..n]);
+        tcpwire::write_welcome(&mut s, &proof).expect("welcome");
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest);
+        rest
+    });
+    let producer = TcpTransport::loopback().expect("tcp");
+    let handle = RegionHandle { peer: PeerAddr::Tcp { addr }, id: 1, rank: rank(), kind: RegionKind::MlaKv, len: 4096, memory: MemoryKind::Host, ipc: None };
+    let err = producer.attach(&handle).map(drop).expect_err("an endpoint without the secret is refused");
+    assert!(matches!(&err, TransportError::Refused { reason, .. } if reason.contains("WELCOME does not prove")), "{err}");
+    drop(producer);
+    assert!(impostor.join().expect("impostor").is_empty(), "nothing was sent after the HELLO");
 }
 
 /// A proxy started by hand (no `up`), with `[serve]` limits of its own.

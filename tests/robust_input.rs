@@ -257,15 +257,14 @@ fn a_descriptor_of_u32_max_pieces_allocates_nothing_by_its_count() {
     c.healthy().expect("healthy");
 }
 
-/// Connects, says hello, sends `bytes`, and holds the connection open.
+/// Connects, runs the handshake as a member, sends `bytes` (a frame's start:
+/// the consumer reads it before any MAC could be checked), and holds the
+/// connection open.
 fn hold_open(c: &FrameConsumer, bytes: &[u8]) -> TcpStream {
     let mut s = TcpStream::connect(c.transport().addr()).expect("connect");
-    let nonce = frames::read_challenge(&mut s).expect("challenge");
-    let mut out = Vec::new();
     let me = PeerAddr::Tcp { addr: SocketAddr::from(([127, 0, 0, 1], 1)) };
-    frames::write_hello(&mut out, &me, &handoff::transport::auth::ClusterSecret::process(), &nonce).expect("hello");
-    out.extend_from_slice(bytes);
-    s.write_all(&out).expect("send");
+    frames::connect_handshake(&mut s, &me, &handoff::transport::auth::ClusterSecret::process()).expect("handshake");
+    s.write_all(bytes).expect("send");
     s
 }
 

@@ -152,10 +152,9 @@ fn child_entry() {
             let PeerAddr::Tcp { addr } = h.peer else { panic!("tcp handle") };
             let mut s = std::net::TcpStream::connect(addr).expect("connect");
             let me = PeerAddr::Tcp { addr: s.local_addr().expect("addr") };
-            let nonce = wire::read_challenge(&mut s).expect("challenge");
-            wire::write_hello(&mut s, &me, &handoff::transport::auth::ClusterSecret::process(), &nonce).expect("hello");
+            let mut session = wire::connect_handshake(&mut s, &me, &handoff::transport::auth::ClusterSecret::process()).expect("handshake");
             let d = Descriptor::copy(RegionKind::MlaKv, 0, 0, 1 << 20);
-            wire::write_batch_header(&mut s, 7, h.id, &[d], 1 << 20).expect("header");
+            wire::write_batch_header(&mut s, &mut session.sealer, 7, h.id, &[d], 1 << 20).expect("header");
             s.write_all(&vec![0x77u8; 64 << 10]).expect("partial payload");
             s.flush().expect("flush");
             say("sent", 65536);
@@ -237,10 +236,9 @@ fn tcp_consumer_reports_stalled_producer_as_timeout() {
     let dst = consumer.register(consumer_rank(), RegionKind::MlaKv, 1 << 20).expect("register");
     let mut s = std::net::TcpStream::connect(consumer.addr()).expect("connect");
     // A member of the cluster (it proves the secret) that then stalls.
-    let nonce = wire::read_challenge(&mut s).expect("challenge");
     let me = PeerAddr::Tcp { addr: s.local_addr().expect("addr") };
-    wire::write_hello(&mut s, &me, &handoff::transport::auth::ClusterSecret::process(), &nonce).expect("hello");
-    wire::write_batch_header(&mut s, 9, dst.id, &[Descriptor::copy(RegionKind::MlaKv, 0, 0, 1 << 20)], 1 << 20).expect("header");
+    let mut session = wire::connect_handshake(&mut s, &me, &handoff::transport::auth::ClusterSecret::process()).expect("handshake");
+    wire::write_batch_header(&mut s, &mut session.sealer, 9, dst.id, &[Descriptor::copy(RegionKind::MlaKv, 0, 0, 1 << 20)], 1 << 20).expect("header");
     s.write_all(&[1u8; 1000]).expect("partial");
     let incident = wait_incident(&consumer);
     assert!(matches!(&incident.error, TransportError::Timeout { what, .. } if what.contains("batch 9")), "{}", incident.error);

@@ -19,7 +19,7 @@ use super::sampling::Sampling;
 use super::wire::{self, Admitted, Msg, Notice};
 use crate::engine::compute::{TransportRegions, layouts_of};
 use crate::engine::{Counts, Engine, EngineRole, NoMover};
-use crate::transport::auth::ClusterSecret;
+use crate::transport::auth::{ClusterSecret, Sealer};
 use crate::transport::{PeerAddr, RegionHandle, Transport};
 use anyhow::Context;
 use handoff_components::Topology;
@@ -100,25 +100,24 @@ impl NoticeSource for TransportNotices {
     }
 }
 
-/// The proxy's link: where decode's messages go (the latest connection).
-type Link = Arc<Mutex<Option<TcpStream>>>;
+/// The proxy's link: where decode's messages go (the latest connection), and
+/// what seals them for it.
+type Link = Arc<Mutex<Option<(TcpStream, Sealer)>>>;
 
-/// Queues `msg` for this tick's one write to the proxy.
-fn push(buf: &mut Vec<u8>, msg: &Msg) {
-    if let Err(e) = wire::encode_into(buf, msg) {
-        tracing::warn!(error = %e, "decode: message not encodable");
-    }
-}
-
-/// Writes a tick's queued messages to the proxy's link in one go.
-fn flush(link: &Link, buf: &[u8]) {
-    if buf.is_empty() {
+/// Seals a tick's messages and writes them to the proxy's link in one go.
+fn flush(link: &Link, msgs: &[Msg]) {
+    if msgs.is_empty() {
         return;
     }
     let mut l = crate::base::lock(link);
-    if let Some(w) = l.as_mut()
-        && let Err(e) = w.write_all(buf).and_then(|()| w.flush())
-    {
+    let Some((w, sealer)) = l.as_mut() else { return };
+    let mut buf = Vec::new();
+    for m in msgs {
+        if let Err(e) = wire::seal_into(&mut buf, sealer, m) {
+            tracing::warn!(error = %e, "decode: message not encodable");
+        }
+    }
+    if let Err(e) = w.write_all(&buf).and_then(|()| w.flush()) {
         tracing::warn!(error = %e, "decode: the proxy's link failed");
         *l = None;
     }
@@ -134,16 +133,16 @@ fn accept(listener: TcpListener, link: Link, tx: Sender<Cmd>, refused: &Arc<supe
         let (tx, link, refused, secret) = (tx.clone(), Arc::clone(&link), Arc::clone(refused), secret.clone());
         let _ = std::thread::Builder::new().name("decode-link".into()).spawn(move || {
             let peer = conn.peer_addr().map_or_else(|_| "unknown".to_string(), |a| a.to_string());
-            let mut r = match wire::accept_control(conn, &secret) {
+            let (mut r, wire::ControlSession { sealer, mut opener }) = match wire::accept_control(conn, &secret) {
                 Ok(r) => r,
                 Err(wire::Admission::Closed) => return,
                 Err(wire::Admission::Refused(why)) => return refused.control_refused("decode", &peer, &why),
             };
             // A connection becomes the link with its first command (a health probe
             // connects and sends nothing).
-            let mut w = Some(w);
+            let mut w = Some((w, sealer));
             loop {
-                let cmd = match wire::recv(&mut r) {
+                let cmd = match wire::recv_sealed(&mut r, &mut opener) {
                     Ok(Some(Msg::Admit { id, prompt_tokens, max_tokens, sampling })) => Cmd::Admit { id, tokens: prompt_tokens, max_tokens, sampling },
                     Ok(Some(Msg::Cancel { id, failure, unsent })) => Cmd::Cancel { id, failure, unsent },
                     Ok(Some(Msg::StageDown { stage, dead, message })) => Cmd::StageDown { stage, dead, message },
@@ -152,7 +151,12 @@ fn accept(listener: TcpListener, link: Link, tx: Sender<Cmd>, refused: &Arc<supe
                         continue;
                     }
                     Ok(None) => return,
-                    Err(e) => {
+                    Err(wire::RecvError::Refused(e)) => {
+                        // Closed for the link's writer too (it holds a clone of the stream).
+                        let _ = r.get_ref().shutdown(std::net::Shutdown::Both);
+                        return refused.message_refused("decode", &peer, &e);
+                    }
+                    Err(wire::RecvError::Io(e)) => {
                         tracing::warn!(error = %e, "decode: the proxy's link failed");
                         return;
                     }
@@ -173,7 +177,7 @@ fn accept(listener: TcpListener, link: Link, tx: Sender<Cmd>, refused: &Arc<supe
 /// outright when it holds none, so an idle decode neither spins nor grows.
 fn engine_loop(mut engine: Engine, endpoint: &PeerAddr, handles: &[RegionHandle], link: &Link, counts: &Mutex<Counts>, rx: &Receiver<Cmd>) {
     // One tick's messages to the proxy, written at once.
-    let mut out = Vec::new();
+    let mut out: Vec<Msg> = Vec::new();
     loop {
         out.clear();
         let wait = if engine.decoding() {
@@ -200,23 +204,23 @@ fn engine_loop(mut engine: Engine, endpoint: &PeerAddr, handles: &[RegionHandle]
             match ev {
                 EngineEvent::Published { request, nonce, consumers } => {
                     let a = Admitted { id: request, nonce, consumers, handles: handles.to_vec(), endpoint: endpoint.clone() };
-                    push(&mut out, &Msg::Admitted(Box::new(a)));
+                    out.push(Msg::Admitted(Box::new(a)));
                 }
-                EngineEvent::Token { request, token, .. } => push(&mut out, &Msg::Token { id: request, token }),
+                EngineEvent::Token { request, token, .. } => out.push(Msg::Token { id: request, token }),
                 EngineEvent::Finished { request, handoff_ms, decode_ms, bytes } => {
                     tracing::debug!(request, "decode: finished");
-                    push(&mut out, &Msg::Done { id: request, handoff_ms, decode_ms, bytes });
+                    out.push(Msg::Done { id: request, handoff_ms, decode_ms, bytes });
                 }
                 // A stage went down: the proxy asks the later stage to settle these.
-                EngineEvent::Orphaned { stage, requests, failure } => push(&mut out, &Msg::Orphaned { stage, requests, endpoint: endpoint.clone(), failure }),
-                EngineEvent::Failing { request, failure } => push(&mut out, &Msg::Error { id: request, failure }),
+                EngineEvent::Orphaned { stage, requests, failure } => out.push(Msg::Orphaned { stage, requests, endpoint: endpoint.clone(), failure }),
+                EngineEvent::Failing { request, failure } => out.push(Msg::Error { id: request, failure }),
                 EngineEvent::Computed { .. } | EngineEvent::Written(_) | EngineEvent::Settled { .. } => {}
             }
         }
         for o in engine.take_outcomes() {
             if let Err(failure) = o.result {
                 tracing::debug!(request = o.request, %failure, "decode: released a failed request");
-                push(&mut out, &Msg::Error { id: o.request, failure });
+                out.push(Msg::Error { id: o.request, failure });
             }
         }
         flush(link, &out);

@@ -135,15 +135,31 @@ pub(crate) fn heartbeat(proxy: &str, reg: &wire::Register, secret: &ClusterSecre
 }
 
 /// What a role process refused for want of the cluster secret: its control
-/// listener's connections, and what its transport counts.
+/// listener's connections and messages, and what its transport counts.
 pub(crate) struct Refused {
     pub control: std::sync::atomic::AtomicU64,
+    /// Control lines refused after a handshake ([`wire::RecvError::Refused`]).
+    pub control_messages: std::sync::atomic::AtomicU64,
     pub transport: Arc<dyn crate::transport::Transport>,
 }
 
 impl Refused {
     pub fn new(transport: &Arc<dyn crate::transport::Transport>) -> Arc<Refused> {
-        Arc::new(Refused { control: Default::default(), transport: Arc::clone(transport) })
+        Arc::new(Refused { control: Default::default(), control_messages: Default::default(), transport: Arc::clone(transport) })
+    }
+
+    fn frames_by_kind(&self) -> std::collections::BTreeMap<String, u64> {
+        let mut m = std::collections::BTreeMap::new();
+        m.insert("control".to_string(), self.control_messages.load(Ordering::Relaxed));
+        m.insert(self.transport.name().to_string(), self.transport.refused_frames());
+        m
+    }
+
+    /// Counts and logs one control line refused after the handshake (the
+    /// caller closes its connection).
+    pub fn message_refused(&self, role: &str, peer: &str, why: &crate::transport::auth::MessageRefused) {
+        self.control_messages.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(role, peer, %why, "refused a control message; connection closed");
     }
 
     fn by_listener(&self) -> std::collections::BTreeMap<String, u64> {
@@ -182,6 +198,7 @@ pub(crate) fn heartbeat_until_stopped(
             restarts: restarts(),
             timings: prom::system_timings(profiler()),
             unauthenticated: refused.by_listener(),
+            refused_frames: refused.frames_by_kind(),
         };
         heartbeat(proxy, &reg, secret);
         sleep_unless_stopping(Duration::from_millis(300));

@@ -20,7 +20,7 @@ use super::wire::{self, Admitted, Msg, Notice, WirePrefillJob};
 use crate::engine::compute::{TransportRegions, layouts_of};
 use crate::engine::mover::{MoverHandle, MoverOptions, TransportMover};
 use crate::engine::{Counts, Engine, EngineRole};
-use crate::transport::auth::ClusterSecret;
+use crate::transport::auth::{ClusterSecret, Sealer};
 use crate::transport::{PeerAddr, RegionHandle, Transport};
 use anyhow::Context;
 use handoff_components::Topology;
@@ -124,13 +124,14 @@ fn accept(listener: TcpListener, tx: Sender<StageCmd>, refused: &Arc<super::host
         let (tx, refused, secret) = (tx.clone(), Arc::clone(refused), secret.clone());
         let _ = std::thread::Builder::new().name("prefill-link".into()).spawn(move || {
             let peer = conn.peer_addr().map_or_else(|_| "unknown".to_string(), |a| a.to_string());
-            let mut r = match wire::accept_control(conn, &secret) {
+            // The sealer goes unused: a stage sends nothing back on a control link.
+            let (mut r, wire::ControlSession { mut opener, .. }) = match wire::accept_control(conn, &secret) {
                 Ok(r) => r,
                 Err(wire::Admission::Closed) => return,
                 Err(wire::Admission::Refused(why)) => return refused.control_refused("prefill", &peer, &why),
             };
             loop {
-                match wire::recv(&mut r) {
+                match wire::recv_sealed(&mut r, &mut opener) {
                     Ok(Some(Msg::Prefill(job))) => {
                         if tx.send(StageCmd::Job(job)).is_err() {
                             return;
@@ -143,7 +144,8 @@ fn accept(listener: TcpListener, tx: Sender<StageCmd>, refused: &Arc<super::host
                     }
                     Ok(Some(other)) => tracing::warn!(?other, "prefill: unexpected message"),
                     Ok(None) => return,
-                    Err(e) => {
+                    Err(wire::RecvError::Refused(e)) => return refused.message_refused("prefill", &peer, &e),
+                    Err(wire::RecvError::Io(e)) => {
                         tracing::warn!(error = %e, "prefill: link failed");
                         return;
                     }
@@ -156,19 +158,19 @@ fn accept(listener: TcpListener, tx: Sender<StageCmd>, refused: &Arc<super::host
 /// The next stage's link, reconnected when it breaks.
 struct NextStage {
     addr: Option<SocketAddr>,
-    conn: Option<TcpStream>,
+    conn: Option<(TcpStream, Sealer)>,
     secret: ClusterSecret,
 }
 
 impl NextStage {
     fn send(&mut self, addr: SocketAddr, msg: &Msg) -> std::io::Result<()> {
         if self.addr != Some(addr) || self.conn.is_none() {
-            let (w, _r) = wire::connect(addr, Duration::from_secs(5), &self.secret)?;
+            let (w, _r, session) = wire::connect(addr, Duration::from_secs(5), &self.secret)?;
             w.set_read_timeout(None)?;
-            self.conn = Some(w);
+            self.conn = Some((w, session.sealer));
             self.addr = Some(addr);
         }
-        let r = self.conn.as_mut().map(|c| wire::send(c, msg));
+        let r = self.conn.as_mut().map(|(w, sealer)| wire::send_sealed(w, sealer, msg));
         match r {
             Some(Ok(())) => Ok(()),
             Some(Err(e)) => {

@@ -8,12 +8,24 @@
 //! write-done report travels as a transport notification ([`StageReport`]), so a
 //! report is received only after the bytes it reports are in place.
 //!
-//! Every control connection starts with a handshake ([`accept_control`],
-//! [`answer_control`]): the accepting role sends `{"challenge": NONCE}` (64 hex
-//! digits, fresh for each connection), the connecting one answers
-//! `{"auth": HMAC-SHA256(cluster secret, context || nonce)}`; the acceptor reads
-//! nothing else until the answer proved the secret, and closes the connection
-//! (counting it) when it does not.
+//! Every control connection starts with a mutual handshake ([`accept_control`],
+//! [`answer_control`]; see [`crate::transport::auth`]): the accepting role sends
+//! `{"challenge": Na}` (64 hex digits, fresh for each connection), the connecting
+//! one answers `{"nonce": Nc, "auth": proof(connector, Na, Nc)}`, and the
+//! acceptor, once that proved the cluster secret, answers `{"auth": proof(acceptor,
+//! Na, Nc)}`. The acceptor reads nothing else until the connector proved the
+//! secret and closes the connection (counting it) when it does not; the connector
+//! sends nothing until the acceptor proved it, and gives the connection up
+//! ([`AcceptorUnproven`]) when it does not.
+//!
+//! After the handshake every line, in both directions, is `<MAC> <JSON>\n`: 64
+//! hex digits of the MAC under the connection's session key over the JSON's
+//! bytes and the line's number in its direction ([`seal_into`], [`open_line`]).
+//! A prefix rather than a field, so the MAC covers the exact bytes that are
+//! parsed (no canonical re-encoding). A line that does not open (altered,
+//! replayed, reordered, from another connection, or bare) is refused
+//! ([`RecvError::Refused`]): the reader closes the connection and counts it
+//! (`handoff_refused_frames_total{kind="control"}`).
 //!
 //! [`http`] is a minimal HTTP/1.1 client (one request per connection) that the
 //! roles use to register with the proxy and that tests, `demo` and `bench` use to
@@ -23,7 +35,7 @@
 
 use super::sampling::Sampling;
 use crate::engine::Counts;
-use crate::transport::auth::{ClusterSecret, context};
+use crate::transport::auth::{ClusterSecret, MessageRefused, Opener, Sealer, SessionKey, Side, context};
 use crate::transport::{PeerAddr, RegionHandle};
 use handoff_components::ecs::StageReport;
 use handoff_components::failure::Failure;
@@ -181,6 +193,10 @@ pub struct Register {
     /// cluster secret, by listener: `control`, `tcp`, `shm`.
     #[serde(default)]
     pub unauthenticated: std::collections::BTreeMap<String, u64>,
+    /// Messages this process refused after a handshake (altered, replayed,
+    /// reordered, from another connection), by kind: `control`, `tcp`, `shm`.
+    #[serde(default)]
+    pub refused_frames: std::collections::BTreeMap<String, u64>,
 }
 
 impl Register {
@@ -197,6 +213,7 @@ impl Register {
             restarts: 0,
             timings: Vec::new(),
             unauthenticated: Default::default(),
+            refused_frames: Default::default(),
         }
     }
 }
@@ -263,9 +280,48 @@ struct Challenge {
     challenge: String,
 }
 
+/// The connector's answer: its nonce and its proof.
 #[derive(Serialize, Deserialize)]
 struct Answer {
+    nonce: String,
     auth: String,
+}
+
+/// The acceptor's proof, its last handshake line.
+#[derive(Serialize, Deserialize)]
+struct Proof {
+    auth: String,
+}
+
+/// The sealing and checking halves of one control connection, for the side
+/// that holds them.
+#[derive(Debug)]
+pub struct ControlSession {
+    /// Seals what this side sends.
+    pub sealer: Sealer,
+    /// Checks what the other side sends.
+    pub opener: Opener,
+}
+
+impl ControlSession {
+    fn new(key: &SessionKey, me: Side) -> ControlSession {
+        let peer = if me == Side::Acceptor { Side::Connector } else { Side::Acceptor };
+        ControlSession { sealer: key.sealer(me), opener: key.opener(peer) }
+    }
+}
+
+/// A control listener that did not prove the cluster secret in the handshake:
+/// the connector sends it nothing.
+#[derive(Debug, thiserror::Error)]
+#[error("the control listener did not prove the cluster secret ({0}): nothing sent to it")]
+pub struct AcceptorUnproven(pub String);
+
+fn unproven(why: impl Into<String>) -> io::Error {
+    io::Error::new(io::ErrorKind::PermissionDenied, AcceptorUnproven(why.into()))
+}
+
+fn hex32(text: &str) -> Option<Vec<u8>> {
+    crate::transport::auth::from_hex(text).filter(|n| n.len() == 32)
 }
 
 /// The line an acceptor sends first, for `nonce`.
@@ -275,26 +331,54 @@ pub fn challenge_line(nonce: &[u8; 32]) -> Vec<u8> {
     line
 }
 
-/// The answer line to an acceptor's challenge line.
-pub fn answer_line(secret: &ClusterSecret, challenge: &[u8]) -> io::Result<Vec<u8>> {
-    let bad = |m: String| io::Error::new(io::ErrorKind::InvalidData, m);
-    let c: Challenge = serde_json::from_slice(challenge).map_err(|e| bad(format!("expected a control challenge line: {e}")))?;
-    let nonce = crate::transport::auth::from_hex(&c.challenge)
-        .filter(|n| n.len() == 32)
-        .ok_or_else(|| bad(format!("challenge {:?} is not 64 hex digits", c.challenge)))?;
-    let mut line = serde_json::to_vec(&Answer { auth: crate::transport::auth::to_hex(&secret.mac(context::CONTROL, &[&nonce])) }).map_err(io::Error::other)?;
-    line.push(b'\n');
-    Ok(line)
+/// The connector's half-done handshake: the two nonces, until the acceptor's
+/// proof comes.
+#[derive(Debug)]
+pub struct Answered {
+    na: Vec<u8>,
+    nc: [u8; 32],
 }
 
-/// The connecting side's handshake: reads the challenge from `r`, answers on `w`.
-pub fn answer_control(w: &mut impl Write, r: &mut impl BufRead, secret: &ClusterSecret) -> io::Result<()> {
+/// The answer line to an acceptor's challenge line, with a fresh nonce of the
+/// connector's, and what [`check_acceptor`] needs next.
+pub fn answer_line(secret: &ClusterSecret, challenge: &[u8]) -> io::Result<(Vec<u8>, Answered)> {
+    let nc = crate::transport::auth::nonce()?;
+    let bad = |m: String| io::Error::new(io::ErrorKind::InvalidData, m);
+    let c: Challenge = serde_json::from_slice(challenge).map_err(|e| bad(format!("expected a control challenge line: {e}")))?;
+    let na = hex32(&c.challenge).ok_or_else(|| bad(format!("challenge {:?} is not 64 hex digits", c.challenge)))?;
+    let auth = secret.proof(context::CONTROL, Side::Connector, &na, &nc, b"");
+    let answer = Answer { nonce: crate::transport::auth::to_hex(&nc), auth: crate::transport::auth::to_hex(&auth) };
+    let mut line = serde_json::to_vec(&answer).map_err(io::Error::other)?;
+    line.push(b'\n');
+    Ok((line, Answered { na, nc }))
+}
+
+/// Checks the acceptor's proof line: the connector's session when it proves the
+/// secret over both nonces, [`AcceptorUnproven`] (as `PermissionDenied`) when not.
+pub fn check_acceptor(secret: &ClusterSecret, answered: &Answered, line: &[u8]) -> io::Result<ControlSession> {
+    let given = serde_json::from_slice::<Proof>(line).ok().and_then(|p| crate::transport::auth::from_hex(&p.auth)).unwrap_or_default();
+    let want = secret.proof(context::CONTROL, Side::Acceptor, &answered.na, &answered.nc, b"");
+    if !crate::transport::auth::ct_eq(&want, &given) {
+        return Err(unproven("its proof line does not prove it"));
+    }
+    Ok(ControlSession::new(&secret.session(context::CONTROL, &answered.na, &answered.nc), Side::Connector))
+}
+
+/// The connecting side's handshake: reads the challenge from `r`, answers on
+/// `w`, and checks the acceptor's proof; this side's session when it holds.
+pub fn answer_control(w: &mut impl Write, r: &mut impl BufRead, secret: &ClusterSecret) -> io::Result<ControlSession> {
     let mut line = Vec::new();
     if r.take(1024).read_until(b'\n', &mut line)? == 0 {
         return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the control listener closed before its challenge"));
     }
-    w.write_all(&answer_line(secret, &line)?)?;
-    w.flush()
+    let (answer, answered) = answer_line(secret, &line)?;
+    w.write_all(&answer)?;
+    w.flush()?;
+    line.clear();
+    if r.take(1024).read_until(b'\n', &mut line)? == 0 {
+        return Err(unproven("it closed the connection instead (does it share this cluster secret?)"));
+    }
+    check_acceptor(secret, &answered, &line)
 }
 
 /// Why [`accept_control`] let a connection in or not.
@@ -307,11 +391,12 @@ pub enum Admission {
 }
 
 /// The accepting side's handshake on a new control connection: the reader to
-/// read its messages from, once the peer proved `secret`.
-pub fn accept_control(conn: TcpStream, secret: &ClusterSecret) -> Result<BufReader<TcpStream>, Admission> {
+/// read its messages from and this side's session, once the peer proved
+/// `secret` (and was sent this side's proof).
+pub fn accept_control(conn: TcpStream, secret: &ClusterSecret) -> Result<(BufReader<TcpStream>, ControlSession), Admission> {
     let io = |e: io::Error| Admission::Refused(format!("handshake: {e}"));
-    let nonce = crate::transport::auth::nonce().map_err(io)?;
-    (&conn).write_all(&challenge_line(&nonce)).map_err(|_| Admission::Closed)?;
+    let na = crate::transport::auth::nonce().map_err(io)?;
+    (&conn).write_all(&challenge_line(&na)).map_err(|_| Admission::Closed)?;
     conn.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(io)?;
     let mut r = BufReader::new(conn);
     let mut line = Vec::new();
@@ -324,31 +409,87 @@ pub fn accept_control(conn: TcpStream, secret: &ClusterSecret) -> Result<BufRead
         }
         Err(e) => return Err(io(e)),
     }
-    let given = serde_json::from_slice::<Answer>(&line).ok().and_then(|a| crate::transport::auth::from_hex(&a.auth)).unwrap_or_default();
-    if !secret.verify(context::CONTROL, &[&nonce], &given) {
+    let answer = serde_json::from_slice::<Answer>(&line).ok();
+    let nc = answer.as_ref().and_then(|a| hex32(&a.nonce)).unwrap_or_default();
+    let given = answer.and_then(|a| crate::transport::auth::from_hex(&a.auth)).unwrap_or_default();
+    if !crate::transport::auth::ct_eq(&secret.proof(context::CONTROL, Side::Connector, &na, &nc, b""), &given) {
         return Err(Admission::Refused("the first line does not prove the cluster secret".into()));
     }
+    let proof = Proof { auth: crate::transport::auth::to_hex(&secret.proof(context::CONTROL, Side::Acceptor, &na, &nc, b"")) };
+    let mut out = serde_json::to_vec(&proof).map_err(|e| io(io::Error::other(e)))?;
+    out.push(b'\n');
+    r.get_ref().write_all(&out).map_err(io)?;
     r.get_ref().set_read_timeout(None).map_err(io)?;
-    Ok(r)
+    Ok((r, ControlSession::new(&secret.session(context::CONTROL, &na, &nc), Side::Acceptor)))
 }
 
-/// Writes one message as a JSON line.
-pub fn send(w: &mut impl Write, msg: &Msg) -> io::Result<()> {
+/// Why a sealed control line was not read.
+#[derive(Debug, thiserror::Error)]
+pub enum RecvError {
+    /// The connection failed, or the line was too long or not a message.
+    #[error(transparent)]
+    Io(#[from] io::Error),
+    /// The line does not carry its MAC: the reader closes the connection.
+    #[error(transparent)]
+    Refused(#[from] MessageRefused),
+}
+
+/// Appends `msg` as one sealed line (`<MAC> <JSON>\n`) to `buf`, so that a
+/// caller can send the messages of one engine tick with one write (one syscall,
+/// not one a token).
+pub fn seal_into(buf: &mut Vec<u8>, sealer: &mut Sealer, msg: &Msg) -> io::Result<()> {
+    let json = serde_json::to_vec(msg).map_err(io::Error::other)?;
+    buf.extend_from_slice(crate::transport::auth::to_hex(&sealer.seal(&[&json])).as_bytes());
+    buf.push(b' ');
+    buf.extend_from_slice(&json);
+    buf.push(b'\n');
+    Ok(())
+}
+
+/// Writes one sealed message.
+pub fn send_sealed(w: &mut impl Write, sealer: &mut Sealer, msg: &Msg) -> io::Result<()> {
     let mut line = Vec::new();
-    encode_into(&mut line, msg)?;
+    seal_into(&mut line, sealer, msg)?;
     w.write_all(&line)?;
     w.flush()
 }
 
-/// Appends `msg` as one JSON line to `buf`, so that a caller can send the
-/// messages of one engine tick with one write (one syscall, not one a token).
+/// The message of one sealed line (its newline included or not) when it opens
+/// under `opener`.
+pub fn open_line(opener: &mut Opener, line: &[u8]) -> Result<Msg, RecvError> {
+    let line = line.strip_suffix(b"\n").unwrap_or(line);
+    let (tag, json) = match line.iter().position(|&b| b == b' ') {
+        Some(64) => (crate::transport::auth::from_hex(std::str::from_utf8(&line[..64]).unwrap_or("")).unwrap_or_default(), &line[65..]),
+        // No MAC where it belongs: refused as any forgery is (empty tag).
+        _ => (Vec::new(), line),
+    };
+    opener.open(&[json], &tag)?;
+    serde_json::from_slice(json).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("bad control message: {e}")).into())
+}
+
+/// Reads one sealed line; `Ok(None)` at a clean end of stream.
+pub fn recv_sealed(r: &mut impl BufRead, opener: &mut Opener) -> Result<Option<Msg>, RecvError> {
+    let mut line = Vec::new();
+    let n = r.take(MAX_LINE).read_until(b'\n', &mut line)?;
+    if n == 0 {
+        return Ok(None);
+    }
+    if too_long(&line, MAX_LINE) {
+        return Err(line_too_long(MAX_LINE).into());
+    }
+    open_line(opener, &line).map(Some)
+}
+
+/// Appends `msg` as one bare JSON line to `buf`: what a sealed line carries
+/// after its MAC, and what the fuzz tests decode. Roles never put a bare line
+/// on a connection ([`seal_into`]).
 pub fn encode_into(buf: &mut Vec<u8>, msg: &Msg) -> io::Result<()> {
     serde_json::to_writer(&mut *buf, msg).map_err(io::Error::other)?;
     buf.push(b'\n');
     Ok(())
 }
 
-/// Reads one JSON line; `Ok(None)` at a clean end of stream.
+/// Reads one bare JSON line ([`encode_into`]); `Ok(None)` at a clean end of stream.
 pub fn recv(r: &mut impl BufRead) -> io::Result<Option<Msg>> {
     recv_within(r, MAX_LINE)
 }
@@ -394,15 +535,15 @@ pub async fn read_line_async<R: tokio::io::AsyncBufRead + Unpin>(r: &mut R, line
 }
 
 /// Connects to a role's control listener with a timeout, sets both I/O timeouts
-/// and answers its challenge with `secret`.
-pub fn connect(addr: SocketAddr, timeout: Duration, secret: &ClusterSecret) -> io::Result<(TcpStream, BufReader<TcpStream>)> {
+/// and runs the handshake with `secret`.
+pub fn connect(addr: SocketAddr, timeout: Duration, secret: &ClusterSecret) -> io::Result<(TcpStream, BufReader<TcpStream>, ControlSession)> {
     let mut s = TcpStream::connect_timeout(&addr, timeout)?;
     s.set_nodelay(true)?;
     s.set_read_timeout(Some(timeout))?;
     s.set_write_timeout(Some(timeout))?;
     let mut r = BufReader::new(s.try_clone()?);
-    answer_control(&mut s, &mut r, secret)?;
-    Ok((s, r))
+    let session = answer_control(&mut s, &mut r, secret)?;
+    Ok((s, r, session))
 }
 
 /// An HTTP response: status and body (de-chunked).
@@ -504,10 +645,10 @@ mod tests {
         assert!(refused(&s, Some(&moved), b"body", now).contains("does not prove"));
     }
 
-    /// The control handshake over a real socket: a peer that answers the challenge
-    /// with the secret is let in and its next line is read; a wrong secret, a
-    /// message instead of an answer, and an answer to another nonce are refused;
-    /// a peer that closes at once is `Closed`, not a refusal.
+    /// The control handshake over a real socket: a peer that proves the secret
+    /// is let in, proved to in turn, and its next (sealed) line is read; a wrong
+    /// secret, a message instead of an answer, and an answer to another nonce
+    /// are refused; a peer that closes at once is `Closed`, not a refusal.
     #[test]
     fn the_control_handshake_lets_in_only_a_peer_that_proves_the_secret() {
         let secret = ClusterSecret::from_bytes(&[4; 32]);
@@ -519,25 +660,33 @@ mod tests {
         let s2 = secret.clone();
         let t = client(Box::new(move |mut s| {
             let mut r = BufReader::new(s.try_clone().expect("clone"));
-            answer_control(&mut s, &mut r, &s2).expect("answer");
-            send(&mut s, &Msg::Token { id: 7, token: 1 }).expect("send");
+            let mut session = answer_control(&mut s, &mut r, &s2).expect("answer");
+            send_sealed(&mut s, &mut session.sealer, &Msg::Token { id: 7, token: 1 }).expect("send");
         }));
-        let mut r = accept(&listener, &secret).expect("a member is let in");
-        assert!(matches!(recv(&mut r), Ok(Some(Msg::Token { id: 7, .. }))));
+        let (mut r, mut session) = accept(&listener, &secret).expect("a member is let in");
+        assert!(matches!(recv_sealed(&mut r, &mut session.opener), Ok(Some(Msg::Token { id: 7, .. }))));
         t.join().expect("client");
 
         // Each stranger reads until the listener closes, so that its own close
         // (with the challenge unread) cannot reset the connection first.
         let t = client(Box::new(|mut s| {
             let mut r = BufReader::new(s.try_clone().expect("clone"));
-            let _ = answer_control(&mut s, &mut r, &ClusterSecret::from_bytes(&[5; 32]));
+            let e = answer_control(&mut s, &mut r, &ClusterSecret::from_bytes(&[5; 32])).expect_err("the listener closes on a stranger");
+            assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{e}");
             let _ = r.read_to_end(&mut Vec::new());
         }));
         assert!(matches!(accept(&listener, &secret), Err(Admission::Refused(_))), "a wrong secret");
         t.join().expect("client");
 
         let t = client(Box::new(|mut s| {
-            let _ = send(&mut s, &Msg::Token { id: 1, token: 1 });
+            let mut line = Vec::new();
+            seal_into(
+                &mut line,
+                &mut ClusterSecret::from_bytes(&[4; 32]).session(context::CONTROL, b"a", b"b").sealer(Side::Connector),
+                &Msg::Token { id: 1, token: 1 },
+            )
+            .expect("seal");
+            let _ = s.write_all(&line);
             let _ = s.read_to_end(&mut Vec::new());
         }));
         assert!(matches!(accept(&listener, &secret), Err(Admission::Refused(_))), "a message before the answer");
@@ -545,7 +694,7 @@ mod tests {
 
         let s2 = secret.clone();
         let t = client(Box::new(move |mut s| {
-            let _ = s.write_all(&answer_line(&s2, &challenge_line(&[0; 32])).expect("answer"));
+            let _ = s.write_all(&answer_line(&s2, &challenge_line(&[0; 32])).expect("answer").0);
             let _ = s.read_to_end(&mut Vec::new());
         }));
         assert!(matches!(accept(&listener, &secret), Err(Admission::Refused(_))), "an answer to another nonce");
@@ -554,6 +703,116 @@ mod tests {
         let t = client(Box::new(drop));
         assert!(matches!(accept(&listener, &secret), Err(Admission::Closed)), "a probe");
         t.join().expect("client");
+    }
+
+    /// A listener on the port that does not hold the secret (it challenges, then
+    /// answers with a proof under another secret, or with bytes) is refused by
+    /// the connector, which sends it no message.
+    #[test]
+    fn a_connector_refuses_a_listener_without_the_secret() {
+        let secret = ClusterSecret::from_bytes(&[4; 32]);
+        for impostor in [Some(ClusterSecret::from_bytes(&[6; 32])), None] {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+            let addr = listener.local_addr().expect("addr");
+            let t = std::thread::spawn(move || {
+                let (conn, _) = listener.accept().expect("accept");
+                let na = [1u8; 32];
+                let mut w = conn.try_clone().expect("clone");
+                w.write_all(&challenge_line(&na)).expect("challenge");
+                let mut r = BufReader::new(conn.try_clone().expect("clone"));
+                let mut answer = Vec::new();
+                r.read_until(b'\n', &mut answer).expect("answer");
+                let proof = match &impostor {
+                    // An impostor that knows another secret proves that one, over
+                    // the right nonces.
+                    Some(other) => {
+                        let a: serde_json::Value = serde_json::from_slice(&answer).expect("answer json");
+                        let nc = crate::transport::auth::from_hex(a["nonce"].as_str().expect("nonce")).expect("hex");
+                        crate::transport::auth::to_hex(&other.proof(context::CONTROL, Side::Acceptor, &na, &nc, b""))
+                    }
+                    // One that sends any bytes where the proof belongs.
+                    None => "00".to_string(),
+                };
+                w.write_all(format!("{{\"auth\":\"{proof}\"}}\n").as_bytes()).expect("proof");
+                // Whatever else the connector sends, it is read here.
+                let mut rest = Vec::new();
+                conn.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+                let _ = r.read_to_end(&mut rest);
+                rest
+            });
+            let e = connect(addr, Duration::from_secs(5), &secret).map(drop).expect_err("an impostor listener is refused");
+            assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{e}");
+            assert!(e.get_ref().is_some_and(|i| i.is::<AcceptorUnproven>()), "typed: {e:?}");
+            let rest = t.join().expect("impostor");
+            assert!(rest.is_empty(), "the connector sent its answer and nothing more: {}", String::from_utf8_lossy(&rest));
+        }
+    }
+
+    /// A connected pair of control sessions over a real socket: the connector's
+    /// writer and session, the acceptor's reader and session.
+    fn pair(secret: &ClusterSecret) -> (TcpStream, ControlSession, BufReader<TcpStream>, ControlSession) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let s2 = secret.clone();
+        let t = std::thread::spawn(move || accept_control(listener.accept().expect("accept").0, &s2).expect("a member"));
+        let (w, _r, session) = connect(addr, Duration::from_secs(5), secret).expect("connect");
+        let (r, accepted) = t.join().expect("acceptor");
+        (w, session, r, accepted)
+    }
+
+    fn refused(got: Result<Option<Msg>, RecvError>) -> bool {
+        matches!(got, Err(RecvError::Refused(_)))
+    }
+
+    /// After the handshake every line proves itself, once: a line replayed on its
+    /// connection, a line with one byte altered, and a line sealed on another
+    /// connection (another session key) are each refused, typed; and lines the
+    /// acceptor sends back open at the connector in their own sequence.
+    #[test]
+    fn a_replayed_altered_or_foreign_control_line_is_refused() {
+        let secret = ClusterSecret::from_bytes(&[4; 32]);
+        let token = |id| Msg::Token { id, token: 1 };
+
+        // Replayed: the first line, captured and sent again.
+        let (mut w, mut tx, mut r, mut rx) = pair(&secret);
+        let mut captured = Vec::new();
+        seal_into(&mut captured, &mut tx.sealer, &token(1)).expect("seal");
+        w.write_all(&captured).expect("send");
+        assert!(matches!(recv_sealed(&mut r, &mut rx.opener), Ok(Some(Msg::Token { id: 1, .. }))));
+        // Both ways: the acceptor's own lines open at the connector.
+        let mut back = BufReader::new(w.try_clone().expect("clone"));
+        send_sealed(r.get_mut(), &mut rx.sealer, &token(9)).expect("send back");
+        assert!(matches!(recv_sealed(&mut back, &mut tx.opener), Ok(Some(Msg::Token { id: 9, .. }))));
+        w.write_all(&captured).expect("replay");
+        let got = recv_sealed(&mut r, &mut rx.opener);
+        assert!(refused(got), "a replayed line");
+
+        // Altered: one byte of the JSON (the id) changed.
+        let (mut w, mut tx, mut r, mut rx) = pair(&secret);
+        let mut line = Vec::new();
+        seal_into(&mut line, &mut tx.sealer, &token(1)).expect("seal");
+        let at = line.iter().rposition(|&b| b == b'1').expect("the id");
+        line[at] = b'2';
+        w.write_all(&line).expect("send");
+        let got = recv_sealed(&mut r, &mut rx.opener);
+        assert!(refused(got), "an altered line");
+
+        // Foreign: a line sealed on one connection sent on another (same secret).
+        let (_w1, mut tx1, _r1, _rx1) = pair(&secret);
+        let (mut w2, _tx2, mut r2, mut rx2) = pair(&secret);
+        let mut line = Vec::new();
+        seal_into(&mut line, &mut tx1.sealer, &token(1)).expect("seal");
+        w2.write_all(&line).expect("send");
+        let got = recv_sealed(&mut r2, &mut rx2.opener);
+        assert!(refused(got), "another connection's line");
+
+        // Bare: a JSON line without its MAC.
+        let (mut w, _tx, mut r, mut rx) = pair(&secret);
+        let mut line = Vec::new();
+        encode_into(&mut line, &token(1)).expect("encode");
+        w.write_all(&line).expect("send");
+        let got = recv_sealed(&mut r, &mut rx.opener);
+        assert!(matches!(&got, Err(RecvError::Refused(e)) if e.to_string().contains("replayed")), "a bare line: {got:?}");
     }
 
     /// Hidden states cross the wire bit for bit (NaN payloads, -0.0, subnormals

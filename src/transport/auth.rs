@@ -1,5 +1,5 @@
 //! The cluster secret: how the roles of one deployment prove to each other that
-//! they belong to it.
+//! they belong to it, and how every message between them proves itself, once.
 //!
 //! `handoff up` generates 32 random bytes (the system's random source, through
 //! `getrandom`) and hands them to
@@ -8,14 +8,35 @@
 //! [`SECRET_ENV`] (64 hex digits) and refuse to start when neither is set
 //! ([`ClusterSecret::from_env`]), so a cluster is never open by accident.
 //!
-//! Every role-to-role connection proves the secret without sending it: the side
-//! that accepts sends a fresh random nonce, the side that connects answers with
-//! HMAC-SHA256(secret, context || nonce || ...), and the acceptor compares the
-//! answer in constant time before it reads anything else. The register heartbeat
-//! (one HTTP request, no round trip to spare) carries an HMAC of its body and a
-//! timestamp instead, accepted within [`REGISTER_WINDOW`]. Each use has its own
-//! context string, so an answer for one kind of connection is worth nothing on
-//! another.
+//! Every role-to-role connection (control lines, the tcp transport) opens with a
+//! mutual handshake that proves the secret without sending it:
+//!
+//! 1. the acceptor sends a fresh random nonce `Na`;
+//! 2. the connector answers with its own fresh nonce `Nc` and
+//!    [`ClusterSecret::proof`]`(Connector, Na, Nc)`; the acceptor checks it (in
+//!    constant time) before it reads anything else;
+//! 3. the acceptor answers with `proof(Acceptor, Na, Nc)`, and the connector
+//!    checks it before it sends anything else: a listener without the secret
+//!    (an impostor on the port) is refused too.
+//!
+//! Both then hold the connection's [`SessionKey`], HMAC(secret, context ||
+//! "session" || Na || Nc), fresh because both nonces are. Every message after the
+//! handshake carries a MAC under that key over its direction, its sequence
+//! number in that direction (0, 1, 2, ...; each side counts, the number is not
+//! sent) and its bytes ([`Sealer`], [`Opener`]). So a message replayed on its
+//! connection, reordered, altered, reflected back to its sender, or copied from
+//! another connection fails its check ([`MessageRefused`]), and the connection
+//! is closed. The shm transport's datagrams have no connection: each carries a
+//! MAC under the secret itself over its sender, its receiver and a counter of its
+//! sender's that must grow (see `transport::shm`). The register heartbeat (one
+//! HTTP request, no round trip to spare) carries an HMAC of its body and a
+//! timestamp instead, accepted within [`REGISTER_WINDOW`] and only after the
+//! role's last accepted one.
+//!
+//! Every MAC is over length-prefixed parts (each part's length as a u64 LE
+//! before it), so bytes cannot move from one part to the next, and after a
+//! context string, one per use, so a MAC for one kind of message is worth
+//! nothing as another.
 //!
 //! The primitives are RustCrypto's: `hmac` over `sha2`'s SHA-256, and `subtle`
 //! for the constant-time compares. Where the system's random source fails there
@@ -159,20 +180,152 @@ impl ClusterSecret {
         to_hex(&self.0)
     }
 
-    /// HMAC-SHA256 of the concatenated `parts` under this secret, after `context`.
+    /// HMAC-SHA256 under this secret of `context`, then each of `parts` after
+    /// its length (u64 LE): `["ab", "c"]` and `["a", "bc"]` differ.
     pub fn mac(&self, context: &[u8], parts: &[&[u8]]) -> [u8; 32] {
-        let mut m = <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("HMAC takes a key of any length");
-        m.update(context);
-        for p in parts {
-            m.update(p);
-        }
-        m.finalize().into_bytes().into()
+        hmac_parts(&self.0, context, parts)
     }
 
     /// Whether `given` is the MAC of `parts`, compared in constant time.
     pub fn verify(&self, context: &[u8], parts: &[&[u8]], given: &[u8]) -> bool {
         ct_eq(&self.mac(context, parts), given)
     }
+
+    /// What `side` of a handshake under `context` sends to prove the secret,
+    /// for the acceptor's nonce `na` and the connector's `nc`; `bound`: what
+    /// else the proof vouches for (the tcp HELLO's endpoint). Each side's proof
+    /// names the side, so neither can be reflected back as the other's.
+    pub fn proof(&self, context: &[u8], side: Side, na: &[u8], nc: &[u8], bound: &[u8]) -> [u8; 32] {
+        self.mac(context, &[side.label(), na, nc, bound])
+    }
+
+    /// The session key of the connection whose handshake under `context` used
+    /// the nonces `na` (acceptor's) and `nc` (connector's).
+    pub fn session(&self, context: &[u8], na: &[u8], nc: &[u8]) -> SessionKey {
+        SessionKey(self.mac(context, &[b"session", na, nc]))
+    }
+}
+
+/// HMAC-SHA256 keyed by `key` over `context || (len || part)...`.
+fn hmac_parts(key: &[u8], context: &[u8], parts: &[&[u8]]) -> [u8; 32] {
+    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes a key of any length");
+    m.update(context);
+    for p in parts {
+        m.update(&(p.len() as u64).to_le_bytes());
+        m.update(p);
+    }
+    m.finalize().into_bytes().into()
+}
+
+/// Which end of a connection: the one that accepted it or the one that connected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Acceptor,
+    Connector,
+}
+
+impl Side {
+    fn label(self) -> &'static [u8] {
+        match self {
+            Side::Acceptor => b"acceptor",
+            Side::Connector => b"connector",
+        }
+    }
+}
+
+impl fmt::Display for Side {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Side::Acceptor => "acceptor",
+            Side::Connector => "connector",
+        })
+    }
+}
+
+/// The key of one connection, known to its two ends only ([`ClusterSecret::session`]).
+/// Its `Debug` never shows the bytes.
+#[derive(Clone)]
+pub struct SessionKey([u8; 32]);
+
+impl fmt::Debug for SessionKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("SessionKey(..)")
+    }
+}
+
+impl SessionKey {
+    /// The MAC of message `seq` sent by `from`.
+    fn tag(&self, from: Side, seq: u64, parts: &[&[u8]]) -> [u8; 32] {
+        let mut all: Vec<&[u8]> = Vec::with_capacity(parts.len() + 1);
+        let seq = seq.to_le_bytes();
+        all.push(&seq);
+        all.extend_from_slice(parts);
+        hmac_parts(&self.0, from.label(), &all)
+    }
+
+    /// What `me` seals its messages with.
+    pub fn sealer(&self, me: Side) -> Sealer {
+        Sealer { key: self.clone(), from: me, seq: 0 }
+    }
+
+    /// What checks the messages `peer` sends.
+    pub fn opener(&self, peer: Side) -> Opener {
+        Opener { key: self.clone(), from: peer, seq: 0 }
+    }
+}
+
+/// Seals the messages one side sends on one connection, numbering them.
+#[derive(Debug)]
+pub struct Sealer {
+    key: SessionKey,
+    from: Side,
+    seq: u64,
+}
+
+impl Sealer {
+    /// The MAC of the next message, made of `parts`.
+    pub fn seal(&mut self, parts: &[&[u8]]) -> [u8; 32] {
+        let t = self.key.tag(self.from, self.seq, parts);
+        self.seq += 1;
+        t
+    }
+}
+
+/// Checks the messages one side receives on one connection, in order.
+#[derive(Debug)]
+pub struct Opener {
+    key: SessionKey,
+    from: Side,
+    seq: u64,
+}
+
+impl Opener {
+    /// Whether `tag` seals the next message, made of `parts`; the number moves
+    /// on only for a message that does (a refused one ends the connection).
+    pub fn open(&mut self, parts: &[&[u8]], tag: &[u8]) -> Result<(), MessageRefused> {
+        if !ct_eq(&self.key.tag(self.from, self.seq, parts), tag) {
+            return Err(MessageRefused { from: self.from, seq: self.seq });
+        }
+        self.seq += 1;
+        Ok(())
+    }
+
+    /// A copy at the same place, for tests that try a message and go on.
+    #[cfg(test)]
+    fn clone_state(&self) -> Opener {
+        Opener { key: self.key.clone(), from: self.from, seq: self.seq }
+    }
+}
+
+/// A message after the handshake that does not carry its MAC under the
+/// connection's session key, at its place in the sequence.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "message {seq} from the {from} does not carry its MAC under this connection's session key (altered, replayed, reordered or from another connection): refused, connection closed"
+)]
+pub struct MessageRefused {
+    pub from: Side,
+    pub seq: u64,
 }
 
 /// `N` bytes from the system's random source, or why it failed.
@@ -219,15 +372,52 @@ pub fn from_hex(t: &str) -> Option<Vec<u8>> {
 mod tests {
     use super::*;
 
-    /// The MAC is HMAC-SHA256 keyed by the secret over context || parts: RFC
-    /// 4231's test case 2 ("Jefe"), its message cut into a context and parts
-    /// anywhere. (The primitives' own vectors are the library's to test.)
+    /// The primitive is HMAC-SHA256: RFC 4231's test case 2 ("Jefe").
+    /// (The primitives' own vectors are the library's to test.)
     #[test]
-    fn the_mac_is_hmac_sha256_of_the_context_and_parts() {
-        let s = ClusterSecret::from_bytes(b"Jefe");
+    fn the_primitive_is_hmac_sha256() {
         let want = "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843";
-        assert_eq!(to_hex(&s.mac(b"what do ya", &[b" want ", b"for nothing?"])), want);
-        assert_eq!(to_hex(&s.mac(b"", &[b"what do ya want for nothing?"])), want);
+        assert_eq!(to_hex(&hmac_parts(b"Jefe", b"what do ya want for nothing?", &[])), want);
+    }
+
+    /// The MAC is HMAC-SHA256 of the context and then each part after its
+    /// length, so moving a byte across a part boundary changes it.
+    #[test]
+    fn the_mac_length_prefixes_its_parts() {
+        let s = ClusterSecret::from_bytes(b"Jefe");
+        let mut msg = b"ctx".to_vec();
+        for p in [&b"ab"[..], b"c"] {
+            msg.extend_from_slice(&(p.len() as u64).to_le_bytes());
+            msg.extend_from_slice(p);
+        }
+        assert_eq!(s.mac(b"ctx", &[b"ab", b"c"]), hmac_parts(b"Jefe", &msg, &[]));
+        assert_ne!(s.mac(b"ctx", &[b"ab", b"c"]), s.mac(b"ctx", &[b"a", b"bc"]));
+        assert_ne!(s.mac(b"ctx", &[b"abc"]), s.mac(b"ctx", &[b"abc", b""]));
+    }
+
+    /// A session's messages open in order, once, in their direction, under
+    /// their connection's key only: a replay, a reorder, an altered byte, a
+    /// reflection to the sender and another session's message are refused.
+    #[test]
+    fn sealed_messages_open_once_in_order_and_only_on_their_connection() {
+        let s = ClusterSecret::from_bytes(&[7; 32]);
+        let key = s.session(context::CONTROL, b"na", b"nc");
+        let mut tx = key.sealer(Side::Connector);
+        let (m0, m1) = (tx.seal(&[b"zero"]), tx.seal(&[b"one"]));
+        let mut rx = key.opener(Side::Connector);
+        assert_eq!(rx.clone_state().open(&[b"one"], &m1), Err(MessageRefused { from: Side::Connector, seq: 0 }), "reordered");
+        assert_eq!(rx.clone_state().open(&[b"zerp"], &m0), Err(MessageRefused { from: Side::Connector, seq: 0 }), "altered");
+        assert_eq!(key.opener(Side::Acceptor).open(&[b"zero"], &m0), Err(MessageRefused { from: Side::Acceptor, seq: 0 }), "reflected");
+        let other = s.session(context::CONTROL, b"na", b"nd");
+        assert!(other.opener(Side::Connector).open(&[b"zero"], &m0).is_err(), "another connection's");
+        assert_ne!(s.session(context::TCP_HELLO, b"na", b"nc").0, key.0, "another context's");
+        rx.open(&[b"zero"], &m0).expect("in order");
+        assert_eq!(rx.clone_state().open(&[b"zero"], &m0), Err(MessageRefused { from: Side::Connector, seq: 1 }), "replayed");
+        rx.open(&[b"one"], &m1).expect("in order");
+        // The two sides' proofs differ, and neither is the other's.
+        let p = |side| s.proof(context::CONTROL, side, b"na", b"nc", b"");
+        assert_ne!(p(Side::Acceptor), p(Side::Connector));
+        assert!(format!("{key:?}").len() < 20, "Debug shows no key bytes");
     }
 
     /// The secret compare is equal for equal bytes only, at any length.
@@ -248,6 +438,7 @@ mod tests {
         let s = ClusterSecret::from_bytes(&[7; 32]);
         let other = ClusterSecret::from_bytes(&[8; 32]);
         let m = s.mac(context::CONTROL, &[b"nonce"]);
+        assert!(!s.verify(context::CONTROL, &[b"non", b"ce"], &m), "parts are length-prefixed");
         assert!(s.verify(context::CONTROL, &[b"nonce"], &m));
         assert!(!other.verify(context::CONTROL, &[b"nonce"], &m));
         assert!(!s.verify(context::TCP_HELLO, &[b"nonce"], &m));

@@ -468,6 +468,10 @@ impl Transport for DeviceTransport {
     fn unauthenticated(&self) -> u64 {
         self.notes.unauthenticated()
     }
+
+    fn refused_frames(&self) -> u64 {
+        self.notes.refused_frames()
+    }
 }
 
 #[cfg(test)]

@@ -215,6 +215,11 @@ pub enum TransportError {
     Rejected { peer: String, batch: BatchId, message: String },
     #[error("protocol error from {peer}: {message}")]
     Protocol { peer: String, message: String },
+    /// A peer's message after the handshake did not prove itself (altered,
+    /// replayed, reordered, from another connection), or a peer did not prove
+    /// the cluster secret: the connection was closed.
+    #[error("refused {peer}: {reason}")]
+    Refused { peer: String, reason: String },
     #[error("staging pool of {buffers} x {bytes} B exhausted for {waited:?}")]
     PoolExhausted { buffers: u32, bytes: u64, waited: Duration },
     #[error("gave up after {attempts} attempts: {last}")]
@@ -327,6 +332,14 @@ pub trait Transport: Send + Sync {
     /// cluster secret ([`crate::transport::auth`]). Transports that accept nothing from
     /// outside the process report 0.
     fn unauthenticated(&self) -> u64 {
+        0
+    }
+
+    /// Messages refused so far after a peer proved the secret: tcp frames or
+    /// shm datagrams whose MAC does not hold for their place (altered, replayed,
+    /// reordered, from another connection). Transports that accept nothing from
+    /// outside the process report 0.
+    fn refused_frames(&self) -> u64 {
         0
     }
 }

@@ -4,31 +4,41 @@
 //! shared with memmap2; the prefix `handoff-{pid}-{nonce}` is unique per transport
 //! instance. A producer maps the file named by the handle and copies into it, so a
 //! write is a memcpy into the consumer's pages. Notifications travel as datagrams on
-//! the Unix socket `{dir}/{prefix}.sock`, each tagged with the sender's endpoint
-//! and HMAC-SHA256(cluster secret, context || endpoint || bytes) ([`crate::transport::auth`]).
+//! the Unix socket `{dir}/{prefix}.sock`: u32 n, n bytes of the sender's endpoint
+//! (JSON), a u64 counter of the sender's, the MAC, the bytes. The MAC is
+//! [`ClusterSecret::mac`] over the sender's endpoint (its length prefix is n),
+//! the receiver's endpoint, the counter and the bytes ([`crate::transport::auth`]).
+//! A datagram has no connection to carry a session, so the counter does its
+//! work: each sender counts its datagrams from 1 and the receiver refuses one
+//! whose counter is not above the last it took from that sender (a replay, or
+//! one sent out of order), and one addressed to another receiver fails the MAC.
 //!
 //! Who may write: region files and the socket are mode 0600, so only processes of
 //! the same user can map a region or send a datagram at all; a mapping writes
 //! without any handshake, so the file mode is the boundary for region bytes. A
 //! datagram whose tag does not prove the cluster secret is dropped before it is
 //! delivered and counted ([`ShmTransport::unauthenticated`]): a same-user process
-//! that does not hold the secret cannot forge a write-done report.
+//! that does not hold the secret cannot forge a write-done report. A datagram
+//! that proves the secret but repeats an old counter is dropped and counted
+//! ([`ShmTransport::refused_frames`]): a captured report sent again is not
+//! delivered twice.
 //! The files and the socket are removed on drop; [`sweep_stale`] removes those left
 //! by processes that died without dropping.
 
 use super::host::{HostCore, HostRegion, Mem};
 use super::{
-    BatchCompletion, BatchId, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, Transport, TransportError, host_only, usize_len,
+    BatchCompletion, BatchId, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, Transport, TransportError, host_only, lock, usize_len,
 };
 use crate::transport::auth::{ClusterSecret, context};
 use handoff_components::plan::Descriptor;
 use handoff_components::vocab::{RankId, RegionKind};
+use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Largest notification, bounded by what one datagram carries on Linux by default.
@@ -42,6 +52,14 @@ pub struct ShmTransport {
     socket: UnixDatagram,
     secret: ClusterSecret,
     unauthenticated: AtomicU64,
+    /// This sender's last counter. Held while a datagram is sealed and sent, so
+    /// that datagrams leave in the order of their counters (a receiver would
+    /// refuse a lower one that overtook a higher).
+    sent: Mutex<u64>,
+    /// The last counter taken from each sender (its endpoint JSON). Only
+    /// senders that proved the secret get an entry.
+    seen: Mutex<HashMap<Vec<u8>, u64>>,
+    refused_frames: AtomicU64,
 }
 
 fn region_path(dir: &Path, prefix: &str, id: u64) -> PathBuf {
@@ -80,13 +98,29 @@ impl ShmTransport {
         std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o600)).map_err(|e| TransportError::io(format!("chmod 600 {}", sock.display()), e))?;
         socket.set_nonblocking(true).map_err(|e| TransportError::io("set_nonblocking", e))?;
         let endpoint = PeerAddr::Shm { dir: dir.clone(), prefix: prefix.clone() };
-        Ok(ShmTransport { core: Arc::new(HostCore::new("shm", endpoint)), dir, prefix, socket, secret, unauthenticated: AtomicU64::new(0) })
+        Ok(ShmTransport {
+            core: Arc::new(HostCore::new("shm", endpoint)),
+            dir,
+            prefix,
+            socket,
+            secret,
+            unauthenticated: AtomicU64::new(0),
+            sent: Mutex::new(0),
+            seen: Mutex::new(HashMap::new()),
+            refused_frames: AtomicU64::new(0),
+        })
     }
 
     /// Notification datagrams dropped so far because their tag did not prove the
     /// cluster secret (or they were not of this protocol).
     pub fn unauthenticated(&self) -> u64 {
         self.unauthenticated.load(Ordering::Relaxed)
+    }
+
+    /// Notification datagrams dropped so far that proved the secret but not
+    /// their place: a counter not above the last one taken from their sender.
+    pub fn refused_frames(&self) -> u64 {
+        self.refused_frames.load(Ordering::Relaxed)
     }
 
     /// The path of this transport's notification socket.
@@ -219,36 +253,54 @@ impl Transport for ShmTransport {
             return Err(TransportError::Unavailable { what: format!("peer {peer}"), reason: "not an shm endpoint".into() });
         };
         let from = serde_json::to_vec(&self.core.endpoint).map_err(|e| TransportError::Protocol { peer: peer.to_string(), message: e.to_string() })?;
-        if bytes.len() + from.len() + 4 + 32 > MAX_NOTIFICATION_BYTES {
+        let to = serde_json::to_vec(peer).map_err(|e| TransportError::Protocol { peer: peer.to_string(), message: e.to_string() })?;
+        if bytes.len() + from.len() + 4 + 8 + 32 > MAX_NOTIFICATION_BYTES {
             return Err(TransportError::Unavailable {
                 what: format!("a {}-byte notification", bytes.len()),
                 reason: format!("shm notifications carry at most {MAX_NOTIFICATION_BYTES} B"),
             });
         }
-        let mac = self.secret.mac(context::SHM_NOTIFY, &[&from, bytes]);
-        let mut msg = Vec::with_capacity(4 + from.len() + 32 + bytes.len());
-        msg.extend_from_slice(&(from.len() as u32).to_le_bytes());
-        msg.extend_from_slice(&from);
-        msg.extend_from_slice(&mac);
-        msg.extend_from_slice(bytes);
         let sock = UnixDatagram::unbound().map_err(|e| TransportError::io("socket", e))?;
         sock.set_write_timeout(Some(Duration::from_secs(5))).map_err(|e| TransportError::io("set_write_timeout", e))?;
         let path = socket_path(dir, prefix);
+        let mut sent = lock(&self.sent);
+        let counter = *sent + 1;
+        let mac = self.secret.mac(context::SHM_NOTIFY, &[&from, &to, &counter.to_le_bytes(), bytes]);
+        let mut msg = Vec::with_capacity(4 + from.len() + 8 + 32 + bytes.len());
+        msg.extend_from_slice(&(from.len() as u32).to_le_bytes());
+        msg.extend_from_slice(&from);
+        msg.extend_from_slice(&counter.to_le_bytes());
+        msg.extend_from_slice(&mac);
+        msg.extend_from_slice(bytes);
         sock.send_to(&msg, &path).map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused => {
                 TransportError::Disconnected { peer: peer.to_string(), reason: e.to_string() }
             }
             _ => TransportError::io(format!("send to {}", path.display()), e),
         })?;
+        // Counted once sent: a counter skipped by a failed send would do no harm
+        // (only order matters), but keeping them dense keeps the logs readable.
+        *sent = counter;
         Ok(())
     }
 
     fn recv_notifications(&self) -> Vec<Notification> {
         let mut out = self.core.take_inbox();
         let mut buf = vec![0u8; MAX_NOTIFICATION_BYTES];
+        let to = serde_json::to_vec(&self.core.endpoint).unwrap_or_default();
         while let Ok(n) = self.socket.recv(&mut buf) {
-            match authentic(&self.secret, &buf[..n]) {
-                Some(note) => out.push(note),
+            match authentic(&self.secret, &to, &buf[..n]) {
+                Some((note, from, counter)) => {
+                    let mut seen = lock(&self.seen);
+                    let last = seen.entry(from).or_insert(0);
+                    if counter <= *last {
+                        self.refused_frames.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(counter, last = *last, "shm: dropped a notification whose counter is not above its sender's last (a replay)");
+                        continue;
+                    }
+                    *last = counter;
+                    out.push(note);
+                }
                 None => {
                     // Not of this protocol, or not from this cluster: dropped, not trusted.
                     self.unauthenticated.fetch_add(1, Ordering::Relaxed);
@@ -262,17 +314,25 @@ impl Transport for ShmTransport {
     fn unauthenticated(&self) -> u64 {
         ShmTransport::unauthenticated(self)
     }
+
+    fn refused_frames(&self) -> u64 {
+        ShmTransport::refused_frames(self)
+    }
 }
 
-/// The notification in datagram `msg` when its tag proves `secret`.
-fn authentic(secret: &ClusterSecret, msg: &[u8]) -> Option<Notification> {
+/// The notification in datagram `msg` when its MAC proves `secret` for the
+/// receiver `to`, with its sender's endpoint bytes and counter.
+fn authentic(secret: &ClusterSecret, to: &[u8], msg: &[u8]) -> Option<(Notification, Vec<u8>, u64)> {
     let head = msg.get(..4)?;
     let from_len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
-    let from = msg.get(4..4usize.checked_add(from_len)?)?;
-    let mac = msg.get(4 + from_len..4 + from_len + 32)?;
-    let bytes = &msg[4 + from_len + 32..];
-    if !secret.verify(context::SHM_NOTIFY, &[from, bytes], mac) {
+    let from_end = 4usize.checked_add(from_len)?;
+    let from = msg.get(4..from_end)?;
+    let counter = msg.get(from_end..from_end + 8)?;
+    let mac = msg.get(from_end + 8..from_end + 8 + 32)?;
+    let bytes = &msg[from_end + 8 + 32..];
+    if !secret.verify(context::SHM_NOTIFY, &[from, to, counter, bytes], mac) {
         return None;
     }
-    Some(Notification { from: serde_json::from_slice::<PeerAddr>(from).ok(), bytes: bytes.to_vec() })
+    let counter = u64::from_le_bytes(counter.try_into().ok()?);
+    Some((Notification { from: serde_json::from_slice::<PeerAddr>(from).ok(), bytes: bytes.to_vec() }, from.to_vec(), counter))
 }

@@ -8,14 +8,25 @@
 //! region before writing, reads the payload in large chunks and scatters each chunk
 //! under the region's lock, then acks (or rejects, naming the reason).
 //!
-//! Authentication: the accepting side opens every connection with a CHALLENGE
-//! (a fresh random nonce); the connecting side's first frame must be a HELLO whose
-//! MAC is HMAC-SHA256(cluster secret, nonce || endpoint) ([`crate::transport::auth`]). A
-//! connection whose first frame is anything else, or whose MAC is wrong, is
+//! Authentication ([`crate::transport::auth`]): the accepting side opens every
+//! connection with a CHALLENGE (its fresh nonce Na); the connecting side's first
+//! frame must be a HELLO carrying its endpoint, its own fresh nonce Nc and its
+//! proof of the cluster secret over both nonces and the endpoint; the acceptor
+//! answers with a WELCOME carrying its own proof, which the connector checks
+//! before it sends anything else (an endpoint without the secret gets no WRITE).
+//! A connection whose first frame is anything else, or whose proof is wrong, is
 //! refused before any later frame is read (so no byte of a region is touched),
 //! told why in an ACK of batch 0, closed, and counted
 //! ([`TcpTransport::unauthenticated`]). A connection closed before its first
 //! byte (a port probe) is not counted.
+//!
+//! After the handshake every frame, both ways, carries a MAC under the
+//! connection's session key and its number in its direction ([`wire`] says
+//! which bytes). A frame whose MAC does not hold (altered, replayed, reordered,
+//! from another connection) is refused: the connection is closed, an
+//! [`Incident`] with [`TransportError::Refused`] is recorded, and it is counted
+//! ([`TcpTransport::refused_frames`]). A WRITE is checked before its payload
+//! is read, so a refused one moves no byte.
 //!
 //! Failure: a connection that drops fails that connection's pending batches with
 //! [`TransportError::Disconnected`]; a consumer whose producer vanishes or stalls
@@ -27,7 +38,7 @@ use super::{
     BatchCompletion, BatchId, Completions, Incident, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, Transport, TransportError,
     host_only, lock, read, usize_len, validate, write,
 };
-use crate::transport::auth::ClusterSecret;
+use crate::transport::auth::{ClusterSecret, Opener, Sealer, Side};
 use handoff_components::plan::Descriptor;
 use handoff_components::vocab::{RankId, RegionKind};
 use std::collections::{HashMap, HashSet};
@@ -74,19 +85,36 @@ impl Default for TcpOptions {
 /// The wire format, public so that tests can play a misbehaving peer.
 ///
 /// Little endian. Every frame starts with [`MAGIC`] and a type byte.
-/// CHALLENGE (acceptor to connector, first): 32 bytes of nonce.
+/// CHALLENGE (acceptor to connector, first): 32 bytes of nonce Na.
 /// HELLO (connector's first frame): u32 n, n bytes of JSON [`PeerAddr`] (the
-/// sender's endpoint), 32 bytes of HMAC-SHA256(secret, context || nonce || JSON).
+/// sender's endpoint), 32 bytes of nonce Nc, 32 bytes of the connector's proof
+/// ([`ClusterSecret::proof`] over Na, Nc and the JSON).
+/// WELCOME (acceptor's answer to a good HELLO): 32 bytes of the acceptor's proof
+/// over the same. Both ends then hold the session key [`ClusterSecret::session`]`(Na, Nc)`.
 /// WRITE: u64 batch, u64 region, u32 ndesc, u64 payload bytes, then ndesc x
-/// (u8 kind, u64 dst_offset, u64 len, u32 count, u64 dst_stride), then the payload:
-/// every piece of every descriptor, in order.
-/// NOTIFY: u32 n, n bytes. ACK: u64 batch, u8 status (0 ok), u32 n, n bytes of reason.
+/// (u8 kind, u64 dst_offset, u64 len, u32 count, u64 dst_stride), then the MAC
+/// (32 bytes), then the payload: every piece of every descriptor, in order.
+/// NOTIFY: u32 n, n bytes, MAC. ACK: u64 batch, u8 status (0 ok), u32 n, n bytes
+/// of reason, MAC (the ACK of batch 0 that refuses a handshake has none: there
+/// is no session yet).
+///
+/// Each MAC is under the session key, over the frame's number in its direction,
+/// its type byte and every byte after the type up to the MAC ([`seal_frame`]).
+/// A WRITE's MAC covers its header and descriptors (which region, which
+/// offsets, lengths, counts and strides, how many payload bytes) but not its
+/// payload: the consumer scatters the payload into the region as it arrives,
+/// so a MAC after it would be checked only once the bytes had landed, and
+/// HMAC-SHA256 over the hand-off's GB/s would cost a core per stream. So a
+/// forger on the path could change payload bytes but not where they go, nor
+/// shift the frame boundaries (the length is covered). The scheme authenticates
+/// peers; the payload's integrity in transit is the network's (run roles on a
+/// private network or a tunnel across hosts).
 pub mod wire {
     use super::Descriptor;
     use crate::transport::PeerAddr;
-    use crate::transport::auth::{ClusterSecret, context};
+    use crate::transport::auth::{ClusterSecret, Opener, Sealer, Side, context};
     use handoff_components::vocab::RegionKind;
-    use std::io::{self, Write};
+    use std::io::{self, Read, Write};
 
     pub const MAGIC: u32 = 0x484f_4646;
     pub const HELLO: u8 = 1;
@@ -94,15 +122,42 @@ pub mod wire {
     pub const NOTIFY: u8 = 3;
     pub const ACK: u8 = 4;
     pub const CHALLENGE: u8 = 5;
+    pub const WELCOME: u8 = 6;
     /// The batch id of the ACK that tells a refused connector why (batch ids
     /// start at 1).
     pub const REFUSAL_BATCH: u64 = 0;
     /// Bytes of one descriptor on the wire.
     pub const DESC_BYTES: usize = 1 + 8 + 8 + 4 + 8;
+    /// Bytes of a frame's MAC.
+    pub const MAC_BYTES: usize = 32;
     /// Most descriptors one frame may carry (bounds what a peer makes us allocate).
     pub const MAX_DESCRIPTORS: u32 = 1 << 22;
     /// Most bytes one notification may carry.
     pub const MAX_NOTIFY: u32 = 16 << 20;
+
+    /// The MAC of the next frame of type `ty` whose bytes after the type (up to
+    /// the MAC) are `body`.
+    pub fn seal_frame(sealer: &mut Sealer, ty: u8, body: &[u8]) -> [u8; 32] {
+        sealer.seal(&[&[ty], body])
+    }
+
+    /// The sealing and checking halves of one tcp connection, for the side that
+    /// holds them.
+    #[derive(Debug)]
+    pub struct Session {
+        /// Seals the frames this side sends.
+        pub sealer: Sealer,
+        /// Checks the frames the other side sends.
+        pub opener: Opener,
+    }
+
+    impl Session {
+        pub(super) fn new(secret: &ClusterSecret, na: &[u8], nc: &[u8], me: Side) -> Session {
+            let key = secret.session(context::TCP_HELLO, na, nc);
+            let peer = if me == Side::Acceptor { Side::Connector } else { Side::Acceptor };
+            Session { sealer: key.sealer(me), opener: key.opener(peer) }
+        }
+    }
 
     pub fn kind_code(kind: RegionKind) -> u8 {
         kind.index() as u8
@@ -134,19 +189,76 @@ pub mod wire {
         Ok(nonce)
     }
 
-    /// The HELLO that answers `nonce`: `me`, proved with `secret`.
-    pub fn write_hello(w: &mut impl Write, me: &PeerAddr, secret: &ClusterSecret, nonce: &[u8; 32]) -> io::Result<()> {
+    /// The HELLO that answers the challenge `na` with the connector's nonce
+    /// `nc`: `me`, proved with `secret`.
+    pub fn write_hello(w: &mut impl Write, me: &PeerAddr, secret: &ClusterSecret, na: &[u8; 32], nc: &[u8; 32]) -> io::Result<()> {
         let json = serde_json::to_vec(me).map_err(io::Error::other)?;
-        let mac = secret.mac(context::TCP_HELLO, &[nonce, &json]);
+        let proof = secret.proof(context::TCP_HELLO, Side::Connector, na, nc, &json);
         head(w, HELLO)?;
         w.write_all(&(json.len() as u32).to_le_bytes())?;
         w.write_all(&json)?;
-        w.write_all(&mac)
+        w.write_all(nc)?;
+        w.write_all(&proof)
     }
 
-    /// The header and descriptors of a WRITE frame; the payload follows.
-    pub fn write_batch_header(w: &mut impl Write, batch: u64, region: u64, descriptors: &[Descriptor], payload: u64) -> io::Result<()> {
-        head(w, WRITE)?;
+    /// The acceptor's answer to a good HELLO: its proof.
+    pub fn write_welcome(w: &mut impl Write, proof: &[u8; 32]) -> io::Result<()> {
+        head(w, WELCOME)?;
+        w.write_all(proof)
+    }
+
+    /// Why a connector's handshake let it send nothing.
+    #[derive(Debug, thiserror::Error)]
+    pub enum HandshakeError {
+        #[error("{0}")]
+        Io(#[from] io::Error),
+        /// The acceptor refused this side's HELLO, saying why.
+        #[error("{0}")]
+        RefusedByPeer(String),
+        /// The acceptor's WELCOME does not prove the cluster secret.
+        #[error("the endpoint's WELCOME does not prove the cluster secret: nothing sent to it")]
+        AcceptorUnproven,
+    }
+
+    /// The connector's side of the handshake on `s`: reads the CHALLENGE, says
+    /// HELLO as `me`, and checks the acceptor's WELCOME; the session once it holds.
+    pub fn connect_handshake<S: Read + Write>(s: &mut S, me: &PeerAddr, secret: &ClusterSecret) -> Result<Session, HandshakeError> {
+        let na = read_challenge(s)?;
+        let nc = crate::transport::auth::nonce()?;
+        let mut hello = Vec::new();
+        write_hello(&mut hello, me, secret, &na, &nc)?;
+        s.write_all(&hello)?;
+        s.flush()?;
+        let mut h = [0u8; 5];
+        s.read_exact(&mut h)?;
+        if h[..4] != MAGIC.to_le_bytes() {
+            return Err(HandshakeError::AcceptorUnproven);
+        }
+        match h[4] {
+            WELCOME => {
+                let mut proof = [0u8; 32];
+                s.read_exact(&mut proof)?;
+                let json = serde_json::to_vec(me).map_err(io::Error::other)?;
+                let want = secret.proof(context::TCP_HELLO, Side::Acceptor, &na, &nc, &json);
+                if !crate::transport::auth::ct_eq(&want, &proof) {
+                    return Err(HandshakeError::AcceptorUnproven);
+                }
+                Ok(Session::new(secret, &na, &nc, Side::Connector))
+            }
+            ACK => {
+                let mut a = [0u8; 13];
+                s.read_exact(&mut a)?;
+                let n = u32::from_le_bytes([a[9], a[10], a[11], a[12]]).min(1 << 16) as usize;
+                let mut reason = vec![0u8; n];
+                s.read_exact(&mut reason)?;
+                Err(HandshakeError::RefusedByPeer(String::from_utf8_lossy(&reason).into_owned()))
+            }
+            _ => Err(HandshakeError::AcceptorUnproven),
+        }
+    }
+
+    /// The bytes of a WRITE frame's header and descriptors after its type.
+    fn batch_header(batch: u64, region: u64, descriptors: &[Descriptor], payload: u64) -> Vec<u8> {
         let mut buf = Vec::with_capacity(28 + descriptors.len() * DESC_BYTES);
         buf.extend_from_slice(&batch.to_le_bytes());
         buf.extend_from_slice(&region.to_le_bytes());
@@ -159,24 +271,48 @@ pub mod wire {
             buf.extend_from_slice(&d.count.to_le_bytes());
             buf.extend_from_slice(&d.dst_stride.to_le_bytes());
         }
-        w.write_all(&buf)
+        buf
     }
 
-    pub fn write_notify(w: &mut impl Write, bytes: &[u8]) -> io::Result<()> {
-        head(w, NOTIFY)?;
-        w.write_all(&(bytes.len() as u32).to_le_bytes())?;
-        w.write_all(bytes)
+    /// A frame of type `ty`: `body`, sealed.
+    pub fn write_sealed(w: &mut impl Write, sealer: &mut Sealer, ty: u8, body: &[u8]) -> io::Result<()> {
+        let mac = seal_frame(sealer, ty, body);
+        head(w, ty)?;
+        w.write_all(body)?;
+        w.write_all(&mac)
     }
 
-    pub fn write_ack(w: &mut impl Write, batch: u64, error: Option<&str>) -> io::Result<()> {
-        head(w, ACK)?;
+    /// The header, descriptors and MAC of a WRITE frame; the payload follows.
+    pub fn write_batch_header(w: &mut impl Write, sealer: &mut Sealer, batch: u64, region: u64, descriptors: &[Descriptor], payload: u64) -> io::Result<()> {
+        write_sealed(w, sealer, WRITE, &batch_header(batch, region, descriptors, payload))
+    }
+
+    pub fn write_notify(w: &mut impl Write, sealer: &mut Sealer, bytes: &[u8]) -> io::Result<()> {
+        let mut body = Vec::with_capacity(4 + bytes.len());
+        body.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+        body.extend_from_slice(bytes);
+        write_sealed(w, sealer, NOTIFY, &body)
+    }
+
+    fn ack_body(batch: u64, error: Option<&str>) -> Vec<u8> {
         let msg = error.unwrap_or("").as_bytes();
         let mut buf = Vec::with_capacity(13 + msg.len());
         buf.extend_from_slice(&batch.to_le_bytes());
         buf.push(u8::from(error.is_some()));
         buf.extend_from_slice(&(msg.len() as u32).to_le_bytes());
         buf.extend_from_slice(msg);
-        w.write_all(&buf)
+        buf
+    }
+
+    /// An ACK within a session.
+    pub fn write_ack(w: &mut impl Write, sealer: &mut Sealer, batch: u64, error: Option<&str>) -> io::Result<()> {
+        write_sealed(w, sealer, ACK, &ack_body(batch, error))
+    }
+
+    /// The ACK of batch 0 that refuses a handshake, saying why (no session, no MAC).
+    pub fn write_refusal(w: &mut impl Write, reason: &str) -> io::Result<()> {
+        head(w, ACK)?;
+        w.write_all(&ack_body(REFUSAL_BATCH, Some(reason)))
     }
 }
 
@@ -199,6 +335,8 @@ enum ReadStop {
     Lost(String),
     /// No progress for the idle timeout in the middle of a frame.
     Stalled(Duration),
+    /// A frame whose MAC does not hold: the connection is closed.
+    Refused(crate::transport::auth::MessageRefused),
 }
 
 /// Reads with a short socket timeout, so that a reader notices shutdown and
@@ -275,6 +413,15 @@ impl FrameReader<'_> {
         Ok(out)
     }
 
+    /// Reads the MAC after a frame of type `ty` whose bytes after the type are
+    /// `body`, and checks it with `opener`.
+    fn open(&mut self, opener: &mut Opener, ty: u8, body: &[&[u8]]) -> std::result::Result<(), ReadStop> {
+        let mut mac = [0u8; wire::MAC_BYTES];
+        self.fill(&mut mac, false)?;
+        let joined: Vec<u8> = body.concat();
+        opener.open(&[&[ty], &joined], &mac).map_err(ReadStop::Refused)
+    }
+
     /// Reads a frame's magic and type; `None` at a clean end.
     fn frame_type(&mut self) -> std::result::Result<u8, ReadStop> {
         let mut h = [0u8; 5];
@@ -298,7 +445,9 @@ struct Attachment {
 /// One outbound connection.
 struct Conn {
     addr: SocketAddr,
-    writer: Mutex<BufWriter<TcpStream>>,
+    /// The stream and what seals its frames: one lock, so that frames go out
+    /// in the order of their numbers.
+    writer: Mutex<(BufWriter<TcpStream>, Sealer)>,
     /// Batches sent and not yet acked; `None` once the connection is dead.
     pending: Mutex<Option<HashSet<BatchId>>>,
     /// Why it died (a refusal's reason outlives the connection, so that a batch
@@ -335,6 +484,8 @@ struct Inner {
     incidents: Mutex<Vec<Incident>>,
     /// Inbound connections refused for a missing or wrong HELLO.
     unauthenticated: AtomicU64,
+    /// Frames refused after a handshake (either way: WRITE/NOTIFY in, ACK back).
+    refused_frames: AtomicU64,
     /// Threads and their streams, joined (after a shutdown of the stream) on drop.
     threads: Mutex<Vec<(Option<TcpStream>, JoinHandle<()>)>>,
 }
@@ -382,6 +533,7 @@ impl TcpTransport {
             conns: Mutex::new(HashMap::new()),
             incidents: Mutex::new(Vec::new()),
             unauthenticated: AtomicU64::new(0),
+            refused_frames: AtomicU64::new(0),
             threads: Mutex::new(Vec::new()),
         });
         let acceptor = Arc::clone(&inner);
@@ -406,6 +558,12 @@ impl TcpTransport {
     /// HELLO proving the cluster secret.
     pub fn unauthenticated(&self) -> u64 {
         self.inner.unauthenticated.load(Ordering::Relaxed)
+    }
+
+    /// Frames refused so far after a handshake because their MAC did not hold
+    /// (each closed its connection).
+    pub fn refused_frames(&self) -> u64 {
+        self.inner.refused_frames.load(Ordering::Relaxed)
     }
 }
 
@@ -467,14 +625,14 @@ fn serve_connection(inner: &Inner, stream: TcpStream) {
         return;
     }
     r.deadline = Some(Instant::now() + inner.opts.connect_timeout.max(Duration::from_secs(1)));
-    let from = match read_hello(&mut r, &inner.opts.secret, &nonce) {
-        Ok(from) => from,
+    let (from, mut session) = match read_hello(&mut r, &inner.opts.secret, &nonce) {
+        Ok(hello) => hello,
         Err(NoHello::Closed) => return,
         Err(NoHello::Refused(reason)) => {
             inner.unauthenticated.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(peer = %peer_sock, %reason, "tcp: refused an unauthenticated connection");
             let told = format!("refused: {reason} (do the roles share one cluster secret, {}?)", crate::transport::auth::SECRET_FILE_ENV);
-            let _ = wire::write_ack(&mut acks, wire::REFUSAL_BATCH, Some(&told)).and_then(|()| acks.flush());
+            let _ = wire::write_refusal(&mut acks, &told).and_then(|()| acks.flush());
             let _ = r.stream.shutdown(Shutdown::Both);
             return;
         }
@@ -489,11 +647,13 @@ fn serve_connection(inner: &Inner, stream: TcpStream) {
             wire::NOTIFY => {
                 let mut n = [0u8; 4];
                 r.fill(&mut n, false).map_err(|s| (s, None))?;
+                let len = n;
                 let n = le_u32(&n);
                 if n > wire::MAX_NOTIFY {
                     return Err((ReadStop::Lost(format!("notification of {n} B")), None));
                 }
                 let bytes = r.fill_vec(n as usize).map_err(|s| (s, None))?;
+                r.open(&mut session.opener, wire::NOTIFY, &[&len, &bytes]).map_err(|s| (s, None))?;
                 inner.core.deliver(Notification { from: from.clone(), bytes });
             }
             wire::WRITE => {
@@ -505,6 +665,9 @@ fn serve_connection(inner: &Inner, stream: TcpStream) {
                     return Err((ReadStop::Lost(format!("{ndesc} descriptors in one frame")), Some(batch)));
                 }
                 let raw = r.fill_vec(ndesc as usize * wire::DESC_BYTES).map_err(|s| (s, Some(batch)))?;
+                // Checked before anything of the frame is believed or a byte of
+                // its payload is read.
+                r.open(&mut session.opener, wire::WRITE, &[&h, &raw]).map_err(|s| (s, Some(batch)))?;
                 let mut descs = Vec::with_capacity(ndesc as usize);
                 for d in raw.chunks_exact(wire::DESC_BYTES) {
                     let Some(kind) = wire::kind_from_code(d[0]) else {
@@ -532,13 +695,17 @@ fn serve_connection(inner: &Inner, stream: TcpStream) {
                 match (verdict, target) {
                     (Ok(()), Some(t)) => {
                         receive_payload(&mut r, &t, &descs, payload, inner.opts.io_chunk, &mut chunk).map_err(|s| (s, Some(batch)))?;
-                        wire::write_ack(&mut acks, batch, None).and_then(|()| acks.flush()).map_err(|e| (ReadStop::Lost(e.to_string()), None))?;
+                        wire::write_ack(&mut acks, &mut session.sealer, batch, None)
+                            .and_then(|()| acks.flush())
+                            .map_err(|e| (ReadStop::Lost(e.to_string()), None))?;
                     }
                     (verdict, _) => {
                         let reason = verdict.err().unwrap_or_default();
                         tracing::warn!(peer = %peer_sock, batch, %reason, "tcp: rejected batch");
                         drain(&mut r, payload, inner.opts.io_chunk, &mut chunk).map_err(|s| (s, Some(batch)))?;
-                        wire::write_ack(&mut acks, batch, Some(&reason)).and_then(|()| acks.flush()).map_err(|e| (ReadStop::Lost(e.to_string()), None))?;
+                        wire::write_ack(&mut acks, &mut session.sealer, batch, Some(&reason))
+                            .and_then(|()| acks.flush())
+                            .map_err(|e| (ReadStop::Lost(e.to_string()), None))?;
                     }
                 }
             }
@@ -565,6 +732,10 @@ fn serve_connection(inner: &Inner, stream: TcpStream) {
         }
         ReadStop::Lost(reason) => TransportError::Disconnected { peer, reason: format!("{reason}{what}") },
         ReadStop::Stalled(after) => TransportError::Timeout { what: format!("bytes from {peer}{what}"), after },
+        ReadStop::Refused(e) => {
+            inner.refused_frames.fetch_add(1, Ordering::Relaxed);
+            TransportError::Refused { peer, reason: format!("{e}{what}") }
+        }
     };
     tracing::warn!(%error, "tcp: inbound connection failed");
     lock(&inner.incidents).push(Incident { peer: from, error });
@@ -580,8 +751,9 @@ enum NoHello {
 }
 
 /// Reads the connection's first frame, which must be a HELLO proving `secret`
-/// over `nonce`; the peer's endpoint when it does.
-fn read_hello(r: &mut FrameReader<'_>, secret: &ClusterSecret, nonce: &[u8; 32]) -> std::result::Result<Option<PeerAddr>, NoHello> {
+/// over `na` and its own nonce, and answers it with this side's proof (WELCOME);
+/// the peer's endpoint and this side's session when it does.
+fn read_hello(r: &mut FrameReader<'_>, secret: &ClusterSecret, na: &[u8; 32]) -> std::result::Result<(Option<PeerAddr>, wire::Session), NoHello> {
     let ty = match r.frame_type() {
         Ok(t) => t,
         Err(ReadStop::Closed | ReadStop::Shutdown) => return Err(NoHello::Closed),
@@ -596,13 +768,19 @@ fn read_hello(r: &mut FrameReader<'_>, secret: &ClusterSecret, nonce: &[u8; 32])
     if n > 1 << 16 {
         return Err(NoHello::Refused(format!("a HELLO of {n} B")));
     }
-    let mut json = vec![0u8; n as usize + 32];
-    r.fill(&mut json, false).map_err(|e| NoHello::Refused(stop_reason(e)))?;
-    let (json, mac) = json.split_at(n as usize);
-    if !secret.verify(crate::transport::auth::context::TCP_HELLO, &[nonce, json], mac) {
+    let mut body = vec![0u8; n as usize + 64];
+    r.fill(&mut body, false).map_err(|e| NoHello::Refused(stop_reason(e)))?;
+    let (json, rest) = body.split_at(n as usize);
+    let (nc, proof) = rest.split_at(32);
+    if !crate::transport::auth::ct_eq(&secret.proof(crate::transport::auth::context::TCP_HELLO, Side::Connector, na, nc, json), proof) {
         return Err(NoHello::Refused("the HELLO does not prove the cluster secret".into()));
     }
-    Ok(serde_json::from_slice(json).ok())
+    let welcome = secret.proof(crate::transport::auth::context::TCP_HELLO, Side::Acceptor, na, nc, json);
+    let mut out = Vec::new();
+    wire::write_welcome(&mut out, &welcome).map_err(|e| NoHello::Refused(e.to_string()))?;
+    // A peer that vanished here is a closed connection, not a stranger.
+    (&r.stream).write_all(&out).map_err(|_| NoHello::Closed)?;
+    Ok((serde_json::from_slice(json).ok(), wire::Session::new(secret, na, nc, Side::Acceptor)))
 }
 
 /// Reads `payload` bytes in chunks and scatters them over the descriptors' pieces.
@@ -653,8 +831,9 @@ fn drain(r: &mut FrameReader<'_>, mut left: u64, io_chunk: usize, chunk: &mut Ve
     Ok(())
 }
 
-/// The producer side of one connection: acks until the connection ends.
-fn read_acks(inner: &Inner, conn: &Conn, stream: TcpStream) {
+/// The producer side of one connection: acks (checked with `opener`) until the
+/// connection ends.
+fn read_acks(inner: &Inner, conn: &Conn, stream: TcpStream, mut opener: Opener) {
     let reason = match FrameReader::new(stream, &inner.shutdown, inner.opts.idle_timeout) {
         Err(e) => e.to_string(),
         Ok(mut r) => loop {
@@ -664,6 +843,7 @@ fn read_acks(inner: &Inner, conn: &Conn, stream: TcpStream) {
                 Err(ReadStop::Shutdown) => break "transport shut down".to_string(),
                 Err(ReadStop::Lost(m)) => break m,
                 Err(ReadStop::Stalled(d)) => break format!("no progress for {d:?}"),
+                Err(ReadStop::Refused(e)) => break e.to_string(),
             };
             if ty != wire::ACK {
                 break format!("unexpected frame type {ty} on an outbound connection");
@@ -680,8 +860,12 @@ fn read_acks(inner: &Inner, conn: &Conn, stream: TcpStream) {
             if let Err(e) = r.fill(&mut msg, false) {
                 break stop_reason(e);
             }
-            if batch.0 == wire::REFUSAL_BATCH && status != 0 {
-                break format!("{} {}", conn.addr, String::from_utf8_lossy(&msg));
+            if let Err(e) = r.open(&mut opener, wire::ACK, &[&h, &msg]) {
+                if let ReadStop::Refused(why) = &e {
+                    inner.refused_frames.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(peer = %conn.addr, %why, "tcp: refused an ACK; connection closed");
+                }
+                break stop_reason(e);
             }
             let known = lock(&conn.pending).as_mut().is_some_and(|p| p.remove(&batch));
             if known {
@@ -703,6 +887,28 @@ fn stop_reason(s: ReadStop) -> String {
         ReadStop::Shutdown => "transport shut down".into(),
         ReadStop::Lost(m) => m,
         ReadStop::Stalled(d) => format!("no progress for {d:?}"),
+        ReadStop::Refused(e) => e.to_string(),
+    }
+}
+
+/// One stream's read and write halves as one `Read + Write`, for the handshake.
+struct HandshakeStream<'a> {
+    r: &'a mut TcpStream,
+    w: &'a mut TcpStream,
+}
+
+impl Read for HandshakeStream<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.r.read(buf)
+    }
+}
+
+impl Write for HandshakeStream<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.w.write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.w.flush()
     }
 }
 
@@ -723,14 +929,20 @@ impl Inner {
         let keep = stream.try_clone().map_err(io)?;
         let mut writer = BufWriter::with_capacity(self.opts.io_chunk.max(64 << 10), stream.try_clone().map_err(io)?);
         reader.set_read_timeout(Some(self.opts.connect_timeout)).map_err(io)?;
-        let nonce = wire::read_challenge(&mut reader)
-            .map_err(|e| TransportError::Disconnected { peer: addr.to_string(), reason: format!("no CHALLENGE from the peer: {e}") })?;
-        wire::write_hello(&mut writer, &self.core.endpoint, &self.opts.secret, &nonce).and_then(|()| writer.flush()).map_err(io)?;
-        let conn = Arc::new(Conn { addr, writer: Mutex::new(writer), pending: Mutex::new(Some(HashSet::new())), why: Mutex::new(None), stream });
+        // The handshake reads and writes the stream itself, unbuffered; the
+        // buffered writer takes over once it holds.
+        let mut hs = HandshakeStream { r: &mut reader, w: writer.get_mut() };
+        let session = wire::connect_handshake(&mut hs, &self.core.endpoint, &self.opts.secret).map_err(|e| match e {
+            wire::HandshakeError::Io(e) => TransportError::Disconnected { peer: addr.to_string(), reason: format!("handshake: {e}") },
+            wire::HandshakeError::RefusedByPeer(why) => TransportError::Disconnected { peer: addr.to_string(), reason: format!("{addr} {why}") },
+            e @ wire::HandshakeError::AcceptorUnproven => TransportError::Refused { peer: addr.to_string(), reason: e.to_string() },
+        })?;
+        let wire::Session { sealer, opener } = session;
+        let conn = Arc::new(Conn { addr, writer: Mutex::new((writer, sealer)), pending: Mutex::new(Some(HashSet::new())), why: Mutex::new(None), stream });
         let (me, c) = (Arc::clone(self), Arc::clone(&conn));
         let handle = std::thread::Builder::new()
             .name(format!("tcp-acks-{addr}"))
-            .spawn(move || read_acks(&me, &c, reader))
+            .spawn(move || read_acks(&me, &c, reader, opener))
             .map_err(|e| TransportError::io("spawn ack thread", e))?;
         {
             let mut threads = lock(&self.threads);
@@ -802,8 +1014,9 @@ impl Transport for TcpTransport {
         }
         let _span = tracing::trace_span!("transport.tcp.send", peer = %att.addr, batch = batch.0, bytes = payload).entered();
         let sent = (|| -> std::io::Result<()> {
-            let mut w = lock(&conn.writer);
-            wire::write_batch_header(&mut *w, batch.0, att.region, descriptors, payload)?;
+            let mut guard = lock(&conn.writer);
+            let (w, sealer) = &mut *guard;
+            wire::write_batch_header(w, sealer, batch.0, att.region, descriptors, payload)?;
             let g = read(&s.mem);
             let bytes = g.bytes();
             for d in descriptors {
@@ -855,9 +1068,10 @@ impl Transport for TcpTransport {
             });
         }
         let conn = self.inner.conn(*addr)?;
-        let mut w = lock(&conn.writer);
-        let sent = wire::write_notify(&mut *w, bytes).and_then(|()| w.flush());
-        drop(w);
+        let mut guard = lock(&conn.writer);
+        let (w, sealer) = &mut *guard;
+        let sent = wire::write_notify(w, sealer, bytes).and_then(|()| w.flush());
+        drop(guard);
         sent.map_err(|e| {
             conn.fail(&self.inner.completions, &e.to_string());
             TransportError::Disconnected { peer: addr.to_string(), reason: format!("notify: {e}") }
@@ -874,5 +1088,9 @@ impl Transport for TcpTransport {
 
     fn unauthenticated(&self) -> u64 {
         TcpTransport::unauthenticated(self)
+    }
+
+    fn refused_frames(&self) -> u64 {
+        TcpTransport::refused_frames(self)
     }
 }

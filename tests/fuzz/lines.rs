@@ -92,6 +92,7 @@ pub fn valid_lines() -> Vec<(&'static str, Vec<u8>)> {
             sum_s: 1e-3,
         }],
         unauthenticated: [("tcp".to_string(), 3u64)].into_iter().collect(),
+        refused_frames: [("control".to_string(), 1u64)].into_iter().collect(),
     };
     out.push(("register", serde_json::to_vec(&reg).expect("encode")));
     out

@@ -1,6 +1,7 @@
 //! The tcp transport's binary frames, sent to a live consumer over loopback.
 
 use super::*;
+use handoff::transport::auth::{Opener, Sealer};
 use handoff::transport::tcp::wire as frames;
 use handoff::transport::{MemoryKind, PeerAddr, RegionHandle, TcpOptions, TcpTransport, Transport};
 use handoff_components::plan::Descriptor;
@@ -162,10 +163,12 @@ impl FrameConsumer {
         &self.region
     }
 
-    /// The bytes of a case, and what a correct consumer answers when they are sent
-    /// unedited (`None` when they were edited: anything clean goes).
-    fn encode(&self, case: &FrameCase) -> (Vec<u8>, Option<Expected>) {
-        // The HELLO that answers the consumer's challenge goes first ([`Self::check`]).
+    /// The bytes of a case, each frame sealed as a member seals it (after the
+    /// fuzz's edits of its fields, so the parser behind the MAC check is what
+    /// the case reaches), and what a correct consumer answers when they are
+    /// sent unedited (`None` when they were edited: anything clean goes).
+    fn encode(&self, case: &FrameCase, sealer: &mut Sealer) -> (Vec<u8>, Option<Expected>) {
+        // The handshake goes first ([`Self::check`]).
         let mut out = Vec::new();
         let me = FRAME_PEER;
         let mut exp = Expected { clean: true, ..Default::default() };
@@ -188,11 +191,10 @@ impl FrameConsumer {
                     (exp.clean, exp.definite) = (false, true);
                 }
                 FrameSpec::Notify { bytes, len } => {
-                    out.extend_from_slice(&frames::MAGIC.to_le_bytes());
-                    out.push(frames::NOTIFY);
                     let n = len.unwrap_or(bytes.len() as u32);
-                    out.extend_from_slice(&n.to_le_bytes());
-                    out.extend_from_slice(bytes);
+                    let mut body = n.to_le_bytes().to_vec();
+                    body.extend_from_slice(bytes);
+                    frames::write_sealed(&mut out, sealer, frames::NOTIFY, &body).expect("notify");
                     if n > frames::MAX_NOTIFY {
                         (exp.clean, exp.definite) = (false, true);
                     } else if n as usize == bytes.len() {
@@ -230,15 +232,21 @@ impl FrameConsumer {
                         .collect();
                     let covered = real.iter().try_fold(0u64, |a, d| a.checked_add(d.len.checked_mul(u64::from(d.count))?));
                     let claimed = payload.or(covered).unwrap_or(u64::MAX);
-                    let at = out.len();
-                    frames::write_batch_header(&mut out, batch as u64 + 1, region, &real, claimed).expect("header");
-                    // The real encoder writes kind codes of real kinds; put the spec's back.
-                    for (i, d) in descs.iter().enumerate() {
-                        out[at + 5 + 28 + i * frames::DESC_BYTES] = d.kind;
+                    // The header as the wire spells it, with the spec's kind codes
+                    // and descriptor count (the real encoder writes only real ones).
+                    let mut body = Vec::new();
+                    body.extend_from_slice(&(batch as u64 + 1).to_le_bytes());
+                    body.extend_from_slice(&region.to_le_bytes());
+                    body.extend_from_slice(&ndesc.unwrap_or(descs.len() as u32).to_le_bytes());
+                    body.extend_from_slice(&claimed.to_le_bytes());
+                    for d in descs {
+                        body.push(d.kind);
+                        body.extend_from_slice(&d.dst_offset.to_le_bytes());
+                        body.extend_from_slice(&d.len.to_le_bytes());
+                        body.extend_from_slice(&d.count.to_le_bytes());
+                        body.extend_from_slice(&d.dst_stride.to_le_bytes());
                     }
-                    if let Some(n) = ndesc {
-                        out[at + 5 + 16..at + 5 + 20].copy_from_slice(&n.to_le_bytes());
-                    }
+                    frames::write_sealed(&mut out, sealer, frames::WRITE, &body).expect("header");
                     let sent = claimed.min(FRAME_PAYLOAD_CAP);
                     out.extend((0..sent).map(|i| (i as u8).wrapping_mul(31).wrapping_add(batch as u8)));
                     if ndesc.is_some_and(|n| n > frames::MAX_DESCRIPTORS) {
@@ -282,16 +290,14 @@ impl FrameConsumer {
     pub fn check(&self, case: &FrameCase) -> Verdict {
         let _ = self.transport.take_incidents();
         let _ = self.transport.recv_notifications();
-        let (bytes, expected) = self.encode(case);
         let mut s = TcpStream::connect(self.transport.addr()).map_err(|e| format!("connect: {e}"))?;
-        // The consumer's challenge, and a HELLO that proves the cluster secret: the
-        // fuzzed frames are a member's, past the handshake (a stranger's are
-        // refused before any frame is read; tests/cluster_secret.rs shows that).
+        // The handshake of a member (it proves the cluster secret): the fuzzed
+        // frames are a member's, past the handshake (a stranger's are refused
+        // before any frame is read; tests/cluster_secret.rs shows that).
         s.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| e.to_string())?;
-        let nonce = frames::read_challenge(&mut s).map_err(|e| format!("challenge: {e}"))?;
-        let mut hello = Vec::new();
-        frames::write_hello(&mut hello, &FRAME_PEER, &handoff::transport::auth::ClusterSecret::process(), &nonce).map_err(|e| e.to_string())?;
-        s.write_all(&hello).map_err(|e| format!("hello: {e}"))?;
+        let mut session =
+            frames::connect_handshake(&mut s, &FRAME_PEER, &handoff::transport::auth::ClusterSecret::process()).map_err(|e| format!("handshake: {e}"))?;
+        let (bytes, expected) = self.encode(case, &mut session.sealer);
         s.set_read_timeout(Some(Duration::from_millis(50))).map_err(|e| e.to_string())?;
         // The consumer may close first (a malformed frame): a failed write is fine.
         let _ = s.write_all(&bytes);
@@ -311,7 +317,7 @@ impl FrameConsumer {
                 return Err(format!("the consumer kept the connection open 5 s after the peer's end ({} B of acks)", got.len()));
             }
         }
-        let acks = parse_acks(&got)?;
+        let acks = parse_acks(&got, &mut session.opener)?;
         let incidents = self.transport.take_incidents();
         let notices: Vec<Vec<u8>> = self.transport.recv_notifications().into_iter().map(|n| n.bytes).collect();
         if let Some(exp) = expected {
@@ -358,8 +364,8 @@ impl FrameConsumer {
     }
 }
 
-/// The ACK frames of a byte stream: (success, reason).
-fn parse_acks(mut b: &[u8]) -> std::result::Result<Vec<(bool, String)>, String> {
+/// The ACK frames of a byte stream: (success, reason); each must carry its MAC.
+fn parse_acks(mut b: &[u8], opener: &mut Opener) -> std::result::Result<Vec<(bool, String)>, String> {
     let mut out = Vec::new();
     while !b.is_empty() {
         if b.len() < 18 {
@@ -371,8 +377,10 @@ fn parse_acks(mut b: &[u8]) -> std::result::Result<Vec<(bool, String)>, String> 
         let status = b[13];
         let n = u32::from_le_bytes([b[14], b[15], b[16], b[17]]) as usize;
         let Some(reason) = b.get(18..18 + n) else { return Err("a truncated ack".into()) };
+        let Some(mac) = b.get(18 + n..18 + n + frames::MAC_BYTES) else { return Err("an ack without its MAC".into()) };
+        opener.open(&[&[frames::ACK], &b[5..18 + n]], mac).map_err(|e| format!("ack {}: {e}", out.len()))?;
         out.push((status == 0, String::from_utf8_lossy(reason).into_owned()));
-        b = &b[18 + n..];
+        b = &b[18 + n + frames::MAC_BYTES..];
     }
     Ok(out)
 }

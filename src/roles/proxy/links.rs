@@ -5,8 +5,8 @@ use super::error::ServeError;
 use super::registry::refused;
 use super::state::{ChoiceRoute, PeerState, Proxy};
 use crate::base::lock;
-use crate::roles::wire::Msg;
-use crate::transport::auth::ClusterSecret;
+use crate::roles::wire::{ControlSession, Msg, RecvError};
+use crate::transport::auth::{ClusterSecret, Sealer};
 use handoff_components::ecs::PhaseName;
 use handoff_components::failure::{Cause, Failure, PeerLoss, ProcessRole};
 use std::net::SocketAddr;
@@ -18,8 +18,13 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
 /// The connecting side of a control handshake ([`crate::roles::wire::answer_control`]),
-/// each step within [`crate::roles::wire::HANDSHAKE_TIMEOUT`].
-pub(super) async fn answer_challenge(r: &mut (impl AsyncBufRead + Unpin), w: &mut (impl AsyncWrite + Unpin), secret: &ClusterSecret) -> std::io::Result<()> {
+/// each step within [`crate::roles::wire::HANDSHAKE_TIMEOUT`]: the proxy's
+/// session once the listener proved the secret in turn.
+pub(super) async fn answer_challenge(
+    r: &mut (impl AsyncBufRead + Unpin),
+    w: &mut (impl AsyncWrite + Unpin),
+    secret: &ClusterSecret,
+) -> std::io::Result<ControlSession> {
     let t = crate::roles::wire::HANDSHAKE_TIMEOUT;
     let late = |what: &str| std::io::Error::new(std::io::ErrorKind::TimedOut, format!("no {what} within {t:?}"));
     let mut line = Vec::new();
@@ -27,8 +32,17 @@ pub(super) async fn answer_challenge(r: &mut (impl AsyncBufRead + Unpin), w: &mu
     if n == 0 {
         return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the listener closed before its challenge"));
     }
-    let answer = crate::roles::wire::answer_line(secret, &line)?;
-    tokio::time::timeout(t, w.write_all(&answer)).await.map_err(|_| late("room for the answer"))?
+    let (answer, answered) = crate::roles::wire::answer_line(secret, &line)?;
+    tokio::time::timeout(t, w.write_all(&answer)).await.map_err(|_| late("room for the answer"))??;
+    line.clear();
+    let n = tokio::time::timeout(t, (&mut *r).take(1024).read_until(b'\n', &mut line)).await.map_err(|_| late("proof from the listener"))??;
+    if n == 0 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            "the listener closed instead of proving the cluster secret (does it share this one?)",
+        ));
+    }
+    crate::roles::wire::check_acceptor(secret, &answered, &line)
 }
 
 /// What a failed control handshake with `role` at `addr` fails a request with: a
@@ -42,9 +56,10 @@ fn handshake_failure(phase: PhaseName, role: ProcessRole, addr: SocketAddr, e: &
     Failure::new(phase, role, cause)
 }
 
-pub(super) async fn send_line(s: &mut tokio::net::tcp::OwnedWriteHalf, m: &Msg) -> std::io::Result<()> {
-    let mut line = serde_json::to_vec(m).map_err(std::io::Error::other)?;
-    line.push(b'\n');
+/// Writes one sealed control line.
+pub(super) async fn send_line(s: &mut tokio::net::tcp::OwnedWriteHalf, sealer: &mut Sealer, m: &Msg) -> std::io::Result<()> {
+    let mut line = Vec::new();
+    crate::roles::wire::seal_into(&mut line, sealer, m)?;
     s.write_all(&line).await
 }
 
@@ -73,9 +88,10 @@ pub(super) async fn decode_link(p: &Arc<Proxy>, addr: SocketAddr) -> Result<(u64
     let _ = conn.set_nodelay(true);
     let (rd, mut wr) = conn.into_split();
     let mut rd = BufReader::new(rd);
-    if let Err(e) = answer_challenge(&mut rd, &mut wr, &p.secret).await {
-        return Err(ServeError::Failed(handshake_failure(PhaseName::Admission, ProcessRole::Decode, addr, &e)));
-    }
+    let ControlSession { mut sealer, mut opener } = match answer_challenge(&mut rd, &mut wr, &p.secret).await {
+        Ok(s) => s,
+        Err(e) => return Err(ServeError::Failed(handshake_failure(PhaseName::Admission, ProcessRole::Decode, addr, &e))),
+    };
     let (tx, mut out) = mpsc::unbounded_channel::<Msg>();
     let routes = Arc::clone(&p.routes);
     let proxy = Arc::clone(p);
@@ -85,7 +101,7 @@ pub(super) async fn decode_link(p: &Arc<Proxy>, addr: SocketAddr) -> Result<(u64
         // lose the bytes of a partly read line.
         let writer = tokio::spawn(async move {
             while let Some(m) = out.recv().await {
-                if send_line(&mut wr, &m).await.is_err() {
+                if send_line(&mut wr, &mut sealer, &m).await.is_err() {
                     break;
                 }
             }
@@ -102,9 +118,18 @@ pub(super) async fn decode_link(p: &Arc<Proxy>, addr: SocketAddr) -> Result<(u64
                     break;
                 }
             }
-            let Ok(m) = serde_json::from_slice::<Msg>(&line) else {
-                tracing::warn!("proxy: malformed message from decode");
-                continue;
+            let m = match crate::roles::wire::open_line(&mut opener, &line) {
+                Ok(m) => m,
+                // Not this link's next line: nothing after it can be trusted.
+                Err(RecvError::Refused(e)) => {
+                    lock(&proxy.metrics).refused_control_messages += 1;
+                    tracing::warn!(error = %e, "proxy: refused a message from decode; link closed");
+                    break;
+                }
+                Err(RecvError::Io(e)) => {
+                    tracing::warn!(error = %e, "proxy: malformed message from decode");
+                    continue;
+                }
             };
             let id = match &m {
                 Msg::Admitted(a) => a.id,
@@ -149,8 +174,8 @@ pub(super) fn settle(p: &Arc<Proxy>, stage: u32, requests: Vec<(u64, u64)>, endp
         let sent = async {
             let conn = TcpStream::connect(addr).await?;
             let (rd, mut wr) = conn.into_split();
-            answer_challenge(&mut BufReader::new(rd), &mut wr, &secret).await?;
-            send_line(&mut wr, &Msg::Settle { requests, endpoint, failure }).await?;
+            let mut session = answer_challenge(&mut BufReader::new(rd), &mut wr, &secret).await?;
+            send_line(&mut wr, &mut session.sealer, &Msg::Settle { requests, endpoint, failure }).await?;
             wr.shutdown().await
         };
         match tokio::time::timeout(Duration::from_secs(2), sent).await {
@@ -174,7 +199,7 @@ pub(super) async fn send_stage0(p: &Arc<Proxy>, addr: SocketAddr, msg: &Msg) -> 
     let wait = Duration::from_secs(2);
     let mut links = p.links.lock().await;
     for attempt in 0..2 {
-        if links.stage0.as_ref().is_none_or(|(a, _)| *a != addr) {
+        if links.stage0.as_ref().is_none_or(|(a, _, _)| *a != addr) {
             let conn = match tokio::time::timeout(wait, TcpStream::connect(addr)).await {
                 Ok(Ok(c)) => c,
                 Ok(Err(e)) => {
@@ -185,13 +210,14 @@ pub(super) async fn send_stage0(p: &Arc<Proxy>, addr: SocketAddr, msg: &Msg) -> 
             };
             let _ = conn.set_nodelay(true);
             let (rd, mut wr) = conn.into_split();
-            if let Err(e) = answer_challenge(&mut BufReader::new(rd), &mut wr, &p.secret).await {
-                return Err(unsent(ServeError::Failed(handshake_failure(PhaseName::Compute, ProcessRole::Prefill { stage: 0 }, addr, &e))));
-            }
-            links.stage0 = Some((addr, wr));
+            let session = match answer_challenge(&mut BufReader::new(rd), &mut wr, &p.secret).await {
+                Ok(s) => s,
+                Err(e) => return Err(unsent(ServeError::Failed(handshake_failure(PhaseName::Compute, ProcessRole::Prefill { stage: 0 }, addr, &e)))),
+            };
+            links.stage0 = Some((addr, wr, session.sealer));
         }
-        let Some((_, w)) = links.stage0.as_mut() else { continue };
-        match tokio::time::timeout(wait, send_line(w, msg)).await {
+        let Some((_, w, sealer)) = links.stage0.as_mut() else { continue };
+        match tokio::time::timeout(wait, send_line(w, sealer, msg)).await {
             Ok(Ok(())) => return Ok(()),
             Ok(Err(e)) => {
                 links.stage0 = None;

@@ -111,6 +111,13 @@ pub(super) async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
             out += &format!("handoff_unauthenticated_connections_total{{role=\"{}\",listener=\"{listener}\"}} {n}\n", role_label(i));
         }
     }
+    out += "# HELP handoff_refused_frames_total Messages refused after a handshake (control lines, tcp frames, shm datagrams whose MAC does not hold for their place: altered, replayed, reordered, from another connection), by role and kind; each closes its connection (shm: the datagram is dropped).\n# TYPE handoff_refused_frames_total counter\n";
+    out += &format!("handoff_refused_frames_total{{role=\"proxy\",kind=\"control\"}} {}\n", lock(&p.metrics).refused_control_messages);
+    for (i, s) in slots.iter().enumerate() {
+        for (kind, n) in s.as_ref().map(|s| s.reg.refused_frames.clone()).unwrap_or_default() {
+            out += &format!("handoff_refused_frames_total{{role=\"{}\",kind=\"{kind}\"}} {n}\n", role_label(i));
+        }
+    }
     out += "# HELP handoff_resident_memory_bytes Resident memory of each role process.\n# TYPE handoff_resident_memory_bytes gauge\n";
     out += &format!("handoff_resident_memory_bytes{{role=\"proxy\"}} {}\n", crate::roles::host::rss_bytes());
     for (role, peer) in &live {

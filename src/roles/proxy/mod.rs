@@ -28,9 +28,12 @@
 //! (`invalid_cluster_secret`), counted in
 //! `handoff_unauthenticated_connections_total{role="proxy",listener="register"}`.
 //! The proxy in turn answers each role's control-listener challenge with the
-//! same secret ([`super::wire`]). Every role reports its own refusals (control
-//! listener, transport) in its heartbeat, so `/metrics` shows those of the whole
-//! cluster.
+//! same secret, checks the role's proof back, and seals every line it sends and
+//! checks every line decode sends ([`super::wire`]); a line of decode's that
+//! does not open closes the link and is counted in
+//! `handoff_refused_frames_total{role="proxy",kind="control"}`. Every role
+//! reports its own refusals (control listener, transport) in its heartbeat, so
+//! `/metrics` shows those of the whole cluster.
 //!
 //! # Slow clients and the connection cap
 //!

@@ -95,6 +95,8 @@ pub(super) struct Metrics {
     pub(super) unauthenticated_register: u64,
     /// Of those, registrations refused as replays.
     pub(super) replayed_register: u64,
+    /// Control lines from decode refused after the handshake (the link closed).
+    pub(super) refused_control_messages: u64,
     /// Connections closed by a listener's limits: (listener, reason) -> count.
     pub(super) closed: BTreeMap<(&'static str, &'static str), u64>,
 }
@@ -115,6 +117,7 @@ impl Default for Metrics {
             tokens: 0,
             unauthenticated_register: 0,
             replayed_register: 0,
+            refused_control_messages: 0,
             closed: BTreeMap::new(),
         }
     }
@@ -155,7 +158,8 @@ pub(super) struct Proxy {
 #[derive(Default)]
 pub(super) struct Links {
     pub(super) decode: Option<(SocketAddr, u64, mpsc::UnboundedSender<Msg>)>,
-    pub(super) stage0: Option<(SocketAddr, tokio::net::tcp::OwnedWriteHalf)>,
+    /// Stage 0's link: its writing half and what seals the proxy's lines on it.
+    pub(super) stage0: Option<(SocketAddr, tokio::net::tcp::OwnedWriteHalf, crate::transport::auth::Sealer)>,
 }
 
 /// The largest body accepted: room for a prompt of `serve.max_context` tokens as
