@@ -7,7 +7,7 @@
 use handoff::check::oracle::fill_canary;
 use handoff::roles::up::{Deployment, free_port};
 use handoff::roles::wire;
-use handoff::transport::auth::{ClusterSecret, Opener, SECRET_ENV, SECRET_FILE_ENV, Side};
+use handoff::transport::auth::{ClusterSecret, End, Opener, SECRET_ENV, SECRET_FILE_ENV};
 use handoff::transport::tcp::wire as tcpwire;
 use handoff::transport::{MemoryKind, PeerAddr, RegionHandle, ShmTransport, TcpOptions, TcpTransport, Transport, TransportError, TransportExt};
 use handoff_components::plan::Descriptor;
@@ -199,7 +199,7 @@ fn a_strangers_tcp_write_is_refused_before_any_region_byte_moves() {
     // what this test judges.
     // A stranger's WRITE, sealed under a session it made up (it has none).
     let write_frame = |s: &mut TcpStream| {
-        let mut sealer = ClusterSecret::from_bytes(&[1; 32]).session(b"made up", b"a", b"b").sealer(Side::Connector);
+        let mut sealer = ClusterSecret::from_bytes(&[1; 32]).session(b"made up", b"a", b"b").sealer(End::Connector);
         let _ = tcpwire::write_batch_header(s, &mut sealer, 1, dst.id, &desc, LEN).and_then(|()| s.write_all(&vec![0x42u8; LEN as usize]));
     };
 
@@ -415,7 +415,7 @@ fn a_tcp_endpoint_without_the_secret_is_refused_by_the_connector() {
         let mut body = vec![0u8; n + 64];
         s.read_exact(&mut body).expect("hello body");
         let wrong = ClusterSecret::from_bytes(&[8; 32]);
-        let proof = wrong.proof(handoff::transport::auth::context::TCP_HELLO, Side::Acceptor, &[9; 32], &body[n..n + 32], &body[..n]);
+        let proof = wrong.proof(handoff::transport::auth::context::TCP_HELLO, End::Acceptor, &[9; 32], &body[n..n + 32], &body[..n]);
         tcpwire::write_welcome(&mut s, &proof).expect("welcome");
         let mut rest = Vec::new();
         let _ = s.read_to_end(&mut rest);

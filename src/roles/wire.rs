@@ -35,7 +35,7 @@
 
 use super::sampling::Sampling;
 use crate::engine::Counts;
-use crate::transport::auth::{ClusterSecret, MessageRefused, Opener, Sealer, SessionKey, Side, context};
+use crate::transport::auth::{ClusterSecret, End, MessageRefused, Opener, Sealer, SessionKey, context};
 use crate::transport::{PeerAddr, RegionHandle};
 use handoff_components::ecs::StageReport;
 use handoff_components::failure::Failure;
@@ -304,8 +304,8 @@ pub struct ControlSession {
 }
 
 impl ControlSession {
-    fn new(key: &SessionKey, me: Side) -> ControlSession {
-        let peer = if me == Side::Acceptor { Side::Connector } else { Side::Acceptor };
+    fn new(key: &SessionKey, me: End) -> ControlSession {
+        let peer = if me == End::Acceptor { End::Connector } else { End::Acceptor };
         ControlSession { sealer: key.sealer(me), opener: key.opener(peer) }
     }
 }
@@ -346,7 +346,7 @@ pub fn answer_line(secret: &ClusterSecret, challenge: &[u8]) -> io::Result<(Vec<
     let bad = |m: String| io::Error::new(io::ErrorKind::InvalidData, m);
     let c: Challenge = serde_json::from_slice(challenge).map_err(|e| bad(format!("expected a control challenge line: {e}")))?;
     let na = hex32(&c.challenge).ok_or_else(|| bad(format!("challenge {:?} is not 64 hex digits", c.challenge)))?;
-    let auth = secret.proof(context::CONTROL, Side::Connector, &na, &nc, b"");
+    let auth = secret.proof(context::CONTROL, End::Connector, &na, &nc, b"");
     let answer = Answer { nonce: crate::transport::auth::to_hex(&nc), auth: crate::transport::auth::to_hex(&auth) };
     let mut line = serde_json::to_vec(&answer).map_err(io::Error::other)?;
     line.push(b'\n');
@@ -357,11 +357,11 @@ pub fn answer_line(secret: &ClusterSecret, challenge: &[u8]) -> io::Result<(Vec<
 /// secret over both nonces, [`AcceptorUnproven`] (as `PermissionDenied`) when not.
 pub fn check_acceptor(secret: &ClusterSecret, answered: &Answered, line: &[u8]) -> io::Result<ControlSession> {
     let given = serde_json::from_slice::<Proof>(line).ok().and_then(|p| crate::transport::auth::from_hex(&p.auth)).unwrap_or_default();
-    let want = secret.proof(context::CONTROL, Side::Acceptor, &answered.na, &answered.nc, b"");
+    let want = secret.proof(context::CONTROL, End::Acceptor, &answered.na, &answered.nc, b"");
     if !crate::transport::auth::ct_eq(&want, &given) {
         return Err(unproven("its proof line does not prove it"));
     }
-    Ok(ControlSession::new(&secret.session(context::CONTROL, &answered.na, &answered.nc), Side::Connector))
+    Ok(ControlSession::new(&secret.session(context::CONTROL, &answered.na, &answered.nc), End::Connector))
 }
 
 /// The connecting side's handshake: reads the challenge from `r`, answers on
@@ -412,15 +412,15 @@ pub fn accept_control(conn: TcpStream, secret: &ClusterSecret) -> Result<(BufRea
     let answer = serde_json::from_slice::<Answer>(&line).ok();
     let nc = answer.as_ref().and_then(|a| hex32(&a.nonce)).unwrap_or_default();
     let given = answer.and_then(|a| crate::transport::auth::from_hex(&a.auth)).unwrap_or_default();
-    if !crate::transport::auth::ct_eq(&secret.proof(context::CONTROL, Side::Connector, &na, &nc, b""), &given) {
+    if !crate::transport::auth::ct_eq(&secret.proof(context::CONTROL, End::Connector, &na, &nc, b""), &given) {
         return Err(Admission::Refused("the first line does not prove the cluster secret".into()));
     }
-    let proof = Proof { auth: crate::transport::auth::to_hex(&secret.proof(context::CONTROL, Side::Acceptor, &na, &nc, b"")) };
+    let proof = Proof { auth: crate::transport::auth::to_hex(&secret.proof(context::CONTROL, End::Acceptor, &na, &nc, b"")) };
     let mut out = serde_json::to_vec(&proof).map_err(|e| io(io::Error::other(e)))?;
     out.push(b'\n');
     r.get_ref().write_all(&out).map_err(io)?;
     r.get_ref().set_read_timeout(None).map_err(io)?;
-    Ok((r, ControlSession::new(&secret.session(context::CONTROL, &na, &nc), Side::Acceptor)))
+    Ok((r, ControlSession::new(&secret.session(context::CONTROL, &na, &nc), End::Acceptor)))
 }
 
 /// Why a sealed control line was not read.
@@ -682,7 +682,7 @@ mod tests {
             let mut line = Vec::new();
             seal_into(
                 &mut line,
-                &mut ClusterSecret::from_bytes(&[4; 32]).session(context::CONTROL, b"a", b"b").sealer(Side::Connector),
+                &mut ClusterSecret::from_bytes(&[4; 32]).session(context::CONTROL, b"a", b"b").sealer(End::Connector),
                 &Msg::Token { id: 1, token: 1 },
             )
             .expect("seal");
@@ -728,7 +728,7 @@ mod tests {
                     Some(other) => {
                         let a: serde_json::Value = serde_json::from_slice(&answer).expect("answer json");
                         let nc = crate::transport::auth::from_hex(a["nonce"].as_str().expect("nonce")).expect("hex");
-                        crate::transport::auth::to_hex(&other.proof(context::CONTROL, Side::Acceptor, &na, &nc, b""))
+                        crate::transport::auth::to_hex(&other.proof(context::CONTROL, End::Acceptor, &na, &nc, b""))
                     }
                     // One that sends any bytes where the proof belongs.
                     None => "00".to_string(),

@@ -195,7 +195,7 @@ impl ClusterSecret {
     /// for the acceptor's nonce `na` and the connector's `nc`; `bound`: what
     /// else the proof vouches for (the tcp HELLO's endpoint). Each side's proof
     /// names the side, so neither can be reflected back as the other's.
-    pub fn proof(&self, context: &[u8], side: Side, na: &[u8], nc: &[u8], bound: &[u8]) -> [u8; 32] {
+    pub fn proof(&self, context: &[u8], side: End, na: &[u8], nc: &[u8], bound: &[u8]) -> [u8; 32] {
         self.mac(context, &[side.label(), na, nc, bound])
     }
 
@@ -219,25 +219,25 @@ fn hmac_parts(key: &[u8], context: &[u8], parts: &[&[u8]]) -> [u8; 32] {
 
 /// Which end of a connection: the one that accepted it or the one that connected.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Side {
+pub enum End {
     Acceptor,
     Connector,
 }
 
-impl Side {
+impl End {
     fn label(self) -> &'static [u8] {
         match self {
-            Side::Acceptor => b"acceptor",
-            Side::Connector => b"connector",
+            End::Acceptor => b"acceptor",
+            End::Connector => b"connector",
         }
     }
 }
 
-impl fmt::Display for Side {
+impl fmt::Display for End {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            Side::Acceptor => "acceptor",
-            Side::Connector => "connector",
+            End::Acceptor => "acceptor",
+            End::Connector => "connector",
         })
     }
 }
@@ -255,7 +255,7 @@ impl fmt::Debug for SessionKey {
 
 impl SessionKey {
     /// The MAC of message `seq` sent by `from`.
-    fn tag(&self, from: Side, seq: u64, parts: &[&[u8]]) -> [u8; 32] {
+    fn tag(&self, from: End, seq: u64, parts: &[&[u8]]) -> [u8; 32] {
         let mut all: Vec<&[u8]> = Vec::with_capacity(parts.len() + 1);
         let seq = seq.to_le_bytes();
         all.push(&seq);
@@ -264,12 +264,12 @@ impl SessionKey {
     }
 
     /// What `me` seals its messages with.
-    pub fn sealer(&self, me: Side) -> Sealer {
+    pub fn sealer(&self, me: End) -> Sealer {
         Sealer { key: self.clone(), from: me, seq: 0 }
     }
 
     /// What checks the messages `peer` sends.
-    pub fn opener(&self, peer: Side) -> Opener {
+    pub fn opener(&self, peer: End) -> Opener {
         Opener { key: self.clone(), from: peer, seq: 0 }
     }
 }
@@ -278,7 +278,7 @@ impl SessionKey {
 #[derive(Debug)]
 pub struct Sealer {
     key: SessionKey,
-    from: Side,
+    from: End,
     seq: u64,
 }
 
@@ -295,7 +295,7 @@ impl Sealer {
 #[derive(Debug)]
 pub struct Opener {
     key: SessionKey,
-    from: Side,
+    from: End,
     seq: u64,
 }
 
@@ -324,7 +324,7 @@ impl Opener {
     "message {seq} from the {from} does not carry its MAC under this connection's session key (altered, replayed, reordered or from another connection): refused, connection closed"
 )]
 pub struct MessageRefused {
-    pub from: Side,
+    pub from: End,
     pub seq: u64,
 }
 
@@ -402,21 +402,21 @@ mod tests {
     fn sealed_messages_open_once_in_order_and_only_on_their_connection() {
         let s = ClusterSecret::from_bytes(&[7; 32]);
         let key = s.session(context::CONTROL, b"na", b"nc");
-        let mut tx = key.sealer(Side::Connector);
+        let mut tx = key.sealer(End::Connector);
         let (m0, m1) = (tx.seal(&[b"zero"]), tx.seal(&[b"one"]));
-        let mut rx = key.opener(Side::Connector);
-        assert_eq!(rx.clone_state().open(&[b"one"], &m1), Err(MessageRefused { from: Side::Connector, seq: 0 }), "reordered");
-        assert_eq!(rx.clone_state().open(&[b"zerp"], &m0), Err(MessageRefused { from: Side::Connector, seq: 0 }), "altered");
-        assert_eq!(key.opener(Side::Acceptor).open(&[b"zero"], &m0), Err(MessageRefused { from: Side::Acceptor, seq: 0 }), "reflected");
+        let mut rx = key.opener(End::Connector);
+        assert_eq!(rx.clone_state().open(&[b"one"], &m1), Err(MessageRefused { from: End::Connector, seq: 0 }), "reordered");
+        assert_eq!(rx.clone_state().open(&[b"zerp"], &m0), Err(MessageRefused { from: End::Connector, seq: 0 }), "altered");
+        assert_eq!(key.opener(End::Acceptor).open(&[b"zero"], &m0), Err(MessageRefused { from: End::Acceptor, seq: 0 }), "reflected");
         let other = s.session(context::CONTROL, b"na", b"nd");
-        assert!(other.opener(Side::Connector).open(&[b"zero"], &m0).is_err(), "another connection's");
+        assert!(other.opener(End::Connector).open(&[b"zero"], &m0).is_err(), "another connection's");
         assert_ne!(s.session(context::TCP_HELLO, b"na", b"nc").0, key.0, "another context's");
         rx.open(&[b"zero"], &m0).expect("in order");
-        assert_eq!(rx.clone_state().open(&[b"zero"], &m0), Err(MessageRefused { from: Side::Connector, seq: 1 }), "replayed");
+        assert_eq!(rx.clone_state().open(&[b"zero"], &m0), Err(MessageRefused { from: End::Connector, seq: 1 }), "replayed");
         rx.open(&[b"one"], &m1).expect("in order");
         // The two sides' proofs differ, and neither is the other's.
         let p = |side| s.proof(context::CONTROL, side, b"na", b"nc", b"");
-        assert_ne!(p(Side::Acceptor), p(Side::Connector));
+        assert_ne!(p(End::Acceptor), p(End::Connector));
         assert!(format!("{key:?}").len() < 20, "Debug shows no key bytes");
     }
 

@@ -38,7 +38,7 @@ use super::{
     BatchCompletion, BatchId, Completions, Incident, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, Transport, TransportError,
     host_only, lock, read, usize_len, validate, write,
 };
-use crate::transport::auth::{ClusterSecret, Opener, Sealer, Side};
+use crate::transport::auth::{ClusterSecret, End, Opener, Sealer};
 use handoff_components::plan::Descriptor;
 use handoff_components::vocab::{RankId, RegionKind};
 use std::collections::{HashMap, HashSet};
@@ -112,7 +112,7 @@ impl Default for TcpOptions {
 pub mod wire {
     use super::Descriptor;
     use crate::transport::PeerAddr;
-    use crate::transport::auth::{ClusterSecret, Opener, Sealer, Side, context};
+    use crate::transport::auth::{ClusterSecret, End, Opener, Sealer, context};
     use handoff_components::vocab::RegionKind;
     use std::io::{self, Read, Write};
 
@@ -152,9 +152,9 @@ pub mod wire {
     }
 
     impl Session {
-        pub(super) fn new(secret: &ClusterSecret, na: &[u8], nc: &[u8], me: Side) -> Session {
+        pub(super) fn new(secret: &ClusterSecret, na: &[u8], nc: &[u8], me: End) -> Session {
             let key = secret.session(context::TCP_HELLO, na, nc);
-            let peer = if me == Side::Acceptor { Side::Connector } else { Side::Acceptor };
+            let peer = if me == End::Acceptor { End::Connector } else { End::Acceptor };
             Session { sealer: key.sealer(me), opener: key.opener(peer) }
         }
     }
@@ -193,7 +193,7 @@ pub mod wire {
     /// `nc`: `me`, proved with `secret`.
     pub fn write_hello(w: &mut impl Write, me: &PeerAddr, secret: &ClusterSecret, na: &[u8; 32], nc: &[u8; 32]) -> io::Result<()> {
         let json = serde_json::to_vec(me).map_err(io::Error::other)?;
-        let proof = secret.proof(context::TCP_HELLO, Side::Connector, na, nc, &json);
+        let proof = secret.proof(context::TCP_HELLO, End::Connector, na, nc, &json);
         head(w, HELLO)?;
         w.write_all(&(json.len() as u32).to_le_bytes())?;
         w.write_all(&json)?;
@@ -239,11 +239,11 @@ pub mod wire {
                 let mut proof = [0u8; 32];
                 s.read_exact(&mut proof)?;
                 let json = serde_json::to_vec(me).map_err(io::Error::other)?;
-                let want = secret.proof(context::TCP_HELLO, Side::Acceptor, &na, &nc, &json);
+                let want = secret.proof(context::TCP_HELLO, End::Acceptor, &na, &nc, &json);
                 if !crate::transport::auth::ct_eq(&want, &proof) {
                     return Err(HandshakeError::AcceptorUnproven);
                 }
-                Ok(Session::new(secret, &na, &nc, Side::Connector))
+                Ok(Session::new(secret, &na, &nc, End::Connector))
             }
             ACK => {
                 let mut a = [0u8; 13];
@@ -772,15 +772,15 @@ fn read_hello(r: &mut FrameReader<'_>, secret: &ClusterSecret, na: &[u8; 32]) ->
     r.fill(&mut body, false).map_err(|e| NoHello::Refused(stop_reason(e)))?;
     let (json, rest) = body.split_at(n as usize);
     let (nc, proof) = rest.split_at(32);
-    if !crate::transport::auth::ct_eq(&secret.proof(crate::transport::auth::context::TCP_HELLO, Side::Connector, na, nc, json), proof) {
+    if !crate::transport::auth::ct_eq(&secret.proof(crate::transport::auth::context::TCP_HELLO, End::Connector, na, nc, json), proof) {
         return Err(NoHello::Refused("the HELLO does not prove the cluster secret".into()));
     }
-    let welcome = secret.proof(crate::transport::auth::context::TCP_HELLO, Side::Acceptor, na, nc, json);
+    let welcome = secret.proof(crate::transport::auth::context::TCP_HELLO, End::Acceptor, na, nc, json);
     let mut out = Vec::new();
     wire::write_welcome(&mut out, &welcome).map_err(|e| NoHello::Refused(e.to_string()))?;
     // A peer that vanished here is a closed connection, not a stranger.
     (&r.stream).write_all(&out).map_err(|_| NoHello::Closed)?;
-    Ok((serde_json::from_slice(json).ok(), wire::Session::new(secret, na, nc, Side::Acceptor)))
+    Ok((serde_json::from_slice(json).ok(), wire::Session::new(secret, na, nc, End::Acceptor)))
 }
 
 /// Reads `payload` bytes in chunks and scatters them over the descriptors' pieces.
