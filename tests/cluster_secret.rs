@@ -429,6 +429,50 @@ fn a_tcp_endpoint_without_the_secret_is_refused_by_the_connector() {
     assert!(impostor.join().expect("impostor").is_empty(), "nothing was sent after the HELLO");
 }
 
+/// The other way too: an ACK whose MAC does not hold (here one byte of it
+/// flipped, from an endpoint that did prove the secret) is refused by the
+/// producer: its batch fails rather than completes, and the refusal is counted.
+#[test]
+fn an_altered_tcp_ack_is_refused_by_the_producer() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let endpoint = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("accept");
+        s.set_read_timeout(Some(T)).expect("timeout");
+        let na = [9u8; 32];
+        tcpwire::write_challenge(&mut s, &na).expect("challenge");
+        let mut h = [0u8; 9];
+        s.read_exact(&mut h).expect("hello head");
+        let n = u32::from_le_bytes([h[5], h[6], h[7], h[8]]) as usize;
+        let mut body = vec![0u8; n + 64];
+        s.read_exact(&mut body).expect("hello body");
+        let (json, nc) = (&body[..n], &body[n..n + 32]);
+        let secret = ClusterSecret::process();
+        let proof = secret.proof(handoff::transport::auth::context::TCP_HELLO, End::Acceptor, &na, nc, json);
+        tcpwire::write_welcome(&mut s, &proof).expect("welcome");
+        let mut sealer = secret.session(handoff::transport::auth::context::TCP_HELLO, &na, nc).sealer(End::Acceptor);
+        // The WRITE's fixed header (its batch), then an ACK for it, its MAC flipped.
+        let mut w = [0u8; 5 + 28];
+        s.read_exact(&mut w).expect("write header");
+        let batch = u64::from_le_bytes(w[5..13].try_into().expect("8 bytes"));
+        let mut ack = Vec::new();
+        tcpwire::write_ack(&mut ack, &mut sealer, batch, None).expect("ack");
+        let last = ack.len() - 1;
+        ack[last] ^= 1;
+        s.write_all(&ack).expect("send ack");
+        let _ = s.read_to_end(&mut Vec::new());
+    });
+    let producer = TcpTransport::loopback().expect("tcp");
+    let src = producer.register(producer_rank(), RegionKind::MlaKv, 4096).expect("src");
+    let handle = RegionHandle { peer: PeerAddr::Tcp { addr }, id: 1, rank: rank(), kind: RegionKind::MlaKv, len: 4096, memory: MemoryKind::Host, ipc: None };
+    let r = producer.attach(&handle).expect("the endpoint proved the secret");
+    let err = producer.transfer(&src, r, &[Descriptor::copy(RegionKind::MlaKv, 0, 0, 4096)], T).expect_err("an altered ACK completes nothing");
+    assert!(err.to_string().contains("message 0 from the acceptor does not carry its MAC"), "{err}");
+    assert_eq!(producer.refused_frames(), 1);
+    drop(producer);
+    endpoint.join().expect("endpoint");
+}
+
 /// A proxy started by hand (no `up`), with `[serve]` limits of its own.
 struct Proxy {
     child: Child,
