@@ -439,7 +439,7 @@ impl CudaStep {
                         list.push(Launch {
                             f: fun(&f.conv),
                             name: "st_conv",
-                            grid: ew(bp * c),
+                            grid: (c.div_ceil(256) as u32, bp as u32, 1),
                             block: 256,
                             smem: 0,
                             args: vec![
