@@ -196,7 +196,7 @@ impl ClusterSecret {
     /// else the proof vouches for (the tcp HELLO's endpoint). Each side's proof
     /// names the side, so neither can be reflected back as the other's.
     pub fn proof(&self, context: &[u8], side: End, na: &[u8], nc: &[u8], bound: &[u8]) -> [u8; 32] {
-        self.mac(context, &[side.label(), na, nc, bound])
+        self.mac(context, &[side.label().as_bytes(), na, nc, bound])
     }
 
     /// The session key of the connection whose handshake under `context` used
@@ -225,20 +225,19 @@ pub enum End {
 }
 
 impl End {
-    fn label(self) -> &'static [u8] {
+    /// The end's name: what its proofs and MACs are bound to (as bytes) and what
+    /// it displays as.
+    fn label(self) -> &'static str {
         match self {
-            End::Acceptor => b"acceptor",
-            End::Connector => b"connector",
+            End::Acceptor => "acceptor",
+            End::Connector => "connector",
         }
     }
 }
 
 impl fmt::Display for End {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            End::Acceptor => "acceptor",
-            End::Connector => "connector",
-        })
+        f.write_str(self.label())
     }
 }
 
@@ -260,7 +259,7 @@ impl SessionKey {
         let seq = seq.to_le_bytes();
         all.push(&seq);
         all.extend_from_slice(parts);
-        hmac_parts(&self.0, from.label(), &all)
+        hmac_parts(&self.0, from.label().as_bytes(), &all)
     }
 
     /// What `me` seals its messages with.
