@@ -70,6 +70,10 @@ enum Command {
         /// Backend of --compute: cpu, cuda[:N] or hip[:N] (default: the topology's [device], else cpu).
         #[arg(long)]
         device: Option<String>,
+        /// Check the topology at N layers instead of its `[model] num_layers` (same
+        /// ranks, widths and heads; N must still split over the prefill stages).
+        #[arg(long, value_name = "N")]
+        layers: Option<u32>,
     },
     /// Teacher-forced bits per byte and next-byte accuracy of held-out text through the
     /// disaggregated path, next to the colocated run.
@@ -125,10 +129,13 @@ enum BenchCommand {
         #[arg(long)]
         plot: Option<std::path::PathBuf>,
     },
-    /// A long load through `handoff up` with faults injected: a prefill stage killed
-    /// at 1/4 (restarted by up), decode stopped (SIGSTOP) at 1/2; then requests by
-    /// outcome (0 lost), every role's counts back at baseline, resident memory at the
-    /// start and the end, producer entries at 0, and decode idle afterwards.
+    /// A long load through `handoff up` with faults injected: prefill stage 0, the
+    /// last stage and decode killed (SIGKILL) one after the other, each restarted by
+    /// up (optionally decode stopped with SIGSTOP too); then requests by outcome
+    /// (with kills alone: 0 failed, 0 lost, every completion equal to its unfaulted
+    /// reference), the proxy's retries, every role's counts back at baseline,
+    /// resident memory at the start and the end, producer entries at 0, and decode
+    /// idle afterwards.
     Soak {
         #[arg(long)]
         config: Option<String>,
@@ -139,12 +146,17 @@ enum BenchCommand {
         /// Seconds decode is watched idle after the load.
         #[arg(long, default_value_t = 10.0)]
         idle_s: f64,
-        /// The prefill stage killed (SIGKILL) a quarter of the way through.
-        #[arg(long, default_value_t = 0)]
-        kill_stage: u32,
-        /// Seconds decode is stopped (SIGSTOP) halfway through.
-        #[arg(long, default_value_t = 10.0)]
+        /// The roles killed (SIGKILL) under load, in order, spread evenly over it:
+        /// stageN, last (the last prefill stage), decode.
+        #[arg(long, value_delimiter = ',', default_value = "stage0,last,decode")]
+        kill: Vec<handoff::bench::soak::Victim>,
+        /// Seconds decode is stopped (SIGSTOP) after the kills (0: not stopped).
+        #[arg(long, default_value_t = 0.0)]
         stop_decode_s: f64,
+        /// Distinct prompts the load cycles through (each run unfaulted first, for
+        /// reference; at most 1248).
+        #[arg(long, default_value_t = 1248)]
+        prompts: u32,
         /// No faults: a plain long load, where any failure fails the run.
         #[arg(long)]
         no_faults: bool,
@@ -295,8 +307,22 @@ fn run(cli: Cli) -> Result<()> {
                 eprintln!("trace written to {f}");
             }
         }
-        Command::Verify { config, tokens, requests, compute, steps, prompt, device } => {
-            let topo = load(&config)?;
+        Command::Verify { config, tokens, requests, compute, steps, prompt, device, layers } => {
+            let mut topo = load(&config)?;
+            // Said on the first line of the report (and of a failure), so a run at
+            // reduced depth is never read as the full model's.
+            let mut depth = String::new();
+            if let Some(n) = layers {
+                let full = topo.num_layers();
+                if compute && n != full && topo.model().weights.is_some() {
+                    return Err(Refusal(format!(
+                        "--layers {n} with --compute: {config} runs a trained checkpoint of {full} layers, which cannot be cut; drop --layers, or use a config of seeded weights"
+                    ))
+                    .into());
+                }
+                topo = handoff::check::verify::at_depth(&topo, &config, n).map_err(|e| Refusal(e.to_string()))?;
+                depth = format!(" at {n} of its {full} layers (--layers)");
+            }
             if requests == 0 {
                 return Err(Refusal("--requests 0 checks nothing: give at least 1".into()).into());
             }
@@ -311,9 +337,9 @@ fn run(cli: Cli) -> Result<()> {
                 let prompts = handoff::check::compute_verify::batch_prompts(prompt.as_bytes(), requests);
                 let r =
                     handoff::with_backend!(dev, |be| handoff::check::compute_verify::verify_compute_on(&topo, &prompts, steps, Default::default(), be, |_| {}))
-                        .map_err(|e| anyhow::anyhow!("verify --compute failed: {e}"))?;
+                        .map_err(|e| anyhow::anyhow!("verify --compute {config}{depth} failed: {e}"))?;
                 println!(
-                    "verify --compute {config} on {dev}: ok: {} requests decoded as one batch ({} prompt tokens for the first) + {} decode steps, greedy tokens equal to the colocated run, max logit relative error {:.2e} (limit {:.0e}) at step {}",
+                    "verify --compute {config}{depth} on {dev}: ok: {} requests decoded as one batch ({} prompt tokens for the first) + {} decode steps, greedy tokens equal to the colocated run, max logit relative error {:.2e} (limit {:.0e}) at step {}",
                     r.requests,
                     r.prompt_tokens,
                     r.steps,
@@ -354,9 +380,9 @@ fn run(cli: Cli) -> Result<()> {
                 return Err(Refusal(format!("--tokens {tokens} must be between 1 and serve.max_context {max_context} - 1")).into());
             }
             let t = std::time::Instant::now();
-            let r = handoff::check::verify::verify(&topo, tokens, requests, |_| {}).map_err(|e| anyhow::anyhow!("verify failed: {e}"))?;
+            let r = handoff::check::verify::verify(&topo, tokens, requests, |_| {}).map_err(|e| anyhow::anyhow!("verify {config}{depth} failed: {e}"))?;
             println!(
-                "verify {config}: ok: {} requests x {} tokens; {} descriptors ({} pieces before coalescing) wrote {} bytes, each exactly once",
+                "verify {config}{depth}: ok: {} requests x {} tokens; {} descriptors ({} pieces before coalescing) wrote {} bytes, each exactly once",
                 r.requests, r.tokens, r.descriptors, r.uncoalesced, r.bytes_written
             );
             println!(
@@ -444,7 +470,7 @@ fn run(cli: Cli) -> Result<()> {
                 anyhow::bail!("bench serve: {failed} of {total} requests failed (listed above by status and reason); --allow-failures exits 0 anyway");
             }
         }
-        Command::Bench { what: BenchCommand::Soak { config, requests, concurrency, idle_s, kill_stage, stop_decode_s, no_faults } } => {
+        Command::Bench { what: BenchCommand::Soak { config, requests, concurrency, idle_s, kill, stop_decode_s, prompts, no_faults } } => {
             if requests == 0 || concurrency == 0 || !(idle_s > 0.0 && idle_s < 3600.0) || !(0.0..3600.0).contains(&stop_decode_s) {
                 return Err(Refusal(format!(
                     "--requests {requests} and --concurrency {concurrency} must be at least 1, --idle-s {idle_s} and --stop-decode-s {stop_decode_s} between 0 and 3600"
@@ -455,12 +481,20 @@ fn run(cli: Cli) -> Result<()> {
                 Some(c) => load(c)?.prefill().pp,
                 None => Topology::parse(handoff::roles::up::DEFAULT_CONFIG).map_err(|e| Refusal(e.to_string()))?.prefill().pp,
             };
-            if !no_faults && kill_stage >= pp {
-                return Err(Refusal(format!("--kill-stage {kill_stage}: the topology has prefill stages 0..{pp}")).into());
+            if let Some(s) = kill.iter().find_map(|v| match v {
+                handoff::bench::soak::Victim::Stage(s) if *s >= pp => Some(*s),
+                _ => None,
+            }) && !no_faults
+            {
+                return Err(Refusal(format!("--kill stage{s}: the topology has prefill stages 0..{pp}")).into());
+            }
+            if prompts == 0 {
+                return Err(Refusal("--prompts 0: the load needs at least one prompt".into()).into());
             }
             let mut o = handoff::bench::SoakOptions::new(requests, concurrency);
             o.idle = std::time::Duration::from_secs_f64(idle_s);
-            o.kill_stage = (!no_faults).then_some(kill_stage);
+            o.prompts = prompts;
+            o.kills = if no_faults { Vec::new() } else { kill };
             o.stop_decode = if no_faults { std::time::Duration::ZERO } else { std::time::Duration::from_secs_f64(stop_decode_s) };
             let r = handoff::bench::bench_soak(config.as_deref().map(std::path::Path::new), &o)?;
             let problems = r.problems(!no_faults);

@@ -37,3 +37,40 @@ fn verify_defaults_fit_the_configs_and_empty_runs_are_refused() {
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("3 requests decoded as one batch"), "{out}");
 }
+
+/// `verify --layers N` checks the topology at N layers, says so on its first
+/// line (so a reader never takes it for the full model), and refuses a depth
+/// the topology cannot split, naming the values: 0, fewer layers than prefill
+/// stages, and a `layer_split` that no longer sums.
+#[test]
+fn verify_at_reduced_depth_says_so_and_refuses_a_depth_that_does_not_split() {
+    let (code, out, err) = handoff(&["verify", "--config", "config/medium.toml", "--layers", "6"]);
+    assert_eq!(code, 0, "{err}");
+    let first = out.lines().next().unwrap_or_default();
+    assert!(first.starts_with("verify config/medium.toml at 6 of its 12 layers (--layers): ok:"), "{out}");
+    let (code, out, err) = handoff(&["verify", "--compute", "--config", "config/medium.toml", "--layers", "3", "--requests", "1", "--steps", "2"]);
+    assert_eq!(code, 0, "{err}");
+    let first = out.lines().next().unwrap_or_default();
+    assert!(first.starts_with("verify --compute config/medium.toml at 3 of its 12 layers (--layers) on cpu: ok: 1 requests"), "{out}");
+    // Without --layers the line names no depth.
+    let (code, out, err) = handoff(&["verify", "--config", "config/medium.toml"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.contains("--layers"), "{out}");
+
+    for (args, want) in [
+        (
+            &["--config", "config/medium.toml", "--layers", "0"][..],
+            "--layers 0: config/medium.toml cannot be checked at 0 of its 12 layers: model.num_layers must be at least 1",
+        ),
+        (&["--config", "config/medium.toml", "--layers", "2", "--compute"][..], "prefill pp 3 exceeds model.num_layers 2"),
+        (&["--config", "config/pp3-tp2-to-tp4dcp2.toml", "--layers", "8"][..], "prefill layer_split [4, 2, 4] sums to 10 but model.num_layers is 8"),
+    ] {
+        let (code, out, err) = handoff(&[&["verify"][..], args].concat());
+        assert_eq!(code, 2, "{args:?}: {out}{err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+    // A trained checkpoint is one model: --compute does not cut it.
+    let (code, _, err) = handoff(&["verify", "--compute", "--config", "config/trained.toml", "--layers", "4"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--layers 4 with --compute") && err.contains("trained checkpoint of 8 layers"), "{err}");
+}

@@ -26,6 +26,19 @@ pub struct VerifyReport {
     pub entities_baseline: u32,
 }
 
+/// `topo` with `[model] num_layers` set to `layers` (`handoff verify
+/// --layers`): the same ranks, widths and heads at another depth, so a model
+/// too large to hold (the flagship's 92 layers) is checked at a depth that
+/// fits. The cut topology passes the loader's own checks, so a depth of 0,
+/// fewer layers than prefill stages or a `layer_split` that no longer sums is
+/// refused, with the values. `path` only labels the message.
+pub fn at_depth(topo: &Topology, path: &str, layers: u32) -> Result<Topology, CheckError> {
+    let full = topo.num_layers();
+    let mut config = topo.config.clone();
+    config.model.num_layers = layers;
+    config.validate().map_err(|e| CheckError::Input(format!("--layers {layers}: {path} cannot be checked at {layers} of its {full} layers: {e}")))
+}
+
 /// Runs `requests` requests of `tokens` tokens through the engine and the oracle.
 /// `tamper` may edit the plans before they run (negative tests).
 pub fn verify(topo: &Topology, tokens: u64, requests: u32, mut tamper: impl FnMut(&mut Vec<Plan>)) -> Result<VerifyReport, CheckError> {
