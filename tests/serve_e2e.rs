@@ -371,8 +371,10 @@ fn soak_returns_every_role_to_baseline_and_idle_decode_sleeps() {
     let small = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/config/small.toml"));
     let mut o = handoff::bench::SoakOptions::new(1200, 32);
     o.idle = Duration::from_secs(3);
-    o.kill_stage = None;
+    o.kills = Vec::new();
     o.stop_decode = Duration::ZERO;
+    // The load cycles through 64 prompts (each run once first, for reference).
+    o.prompts = 64;
     o.program = Some(BIN.into());
     let r = handoff::bench::bench_soak(Some(small), &o).expect("soak");
     assert!(r.problems(false).is_empty(), "{:?}", r.problems(false));

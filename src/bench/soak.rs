@@ -1,17 +1,23 @@
 //! `handoff bench soak`: a long load through a `handoff up` process, with faults
 //! injected while it runs, and the bookkeeping checked afterwards.
 //!
-//! The faults are the ones a serving engineer meets: a prefill stage killed
-//! (SIGKILL) a quarter of the way through, which `up` restarts, and decode stopped
-//! (SIGSTOP) halfway through for a while and then continued. Every request must end
-//! either completed or failed with a reason that names the role (and, for a request
-//! that failed in flight, the phase); none may go unanswered. Afterwards every
-//! role's entities, requests, plans, producer entries, free blocks and slots are
-//! back at their baseline, and requests sent after the faults succeed.
+//! The faults are the ones a serving engineer meets: by default prefill stage 0,
+//! the last prefill stage and decode killed (SIGKILL) under load, one after the
+//! other, each restarted by `up`; optionally decode stopped (SIGSTOP) for a
+//! while and then continued. A killed role loses no request: the proxy sends the
+//! requests it held again once it is back (`handoff_request_retries_total`), so
+//! with kills alone every request must complete, and every completion must
+//! equal, token for token, the same prompt's completion in an unfaulted
+//! reference pass run on the same cluster before the faults. A stopped role's
+//! requests may fail, each naming its role and phase. None may go unanswered.
+//! Afterwards every role's entities, requests, plans, producer entries, free
+//! blocks and slots are back at their baseline, and requests sent after the
+//! faults succeed.
 //!
 //! The clients honour `Retry-After` on 503 and 429, as a real client would: a
-//! role that is down refuses new requests at once, so clients that retried at once
-//! would only measure how fast the proxy refuses.
+//! role that is down refuses new requests at once, and the client sends the same
+//! request again after the second it was told to wait (counted apart, up to
+//! [`RESENDS`] times).
 
 use super::serve::{failure_lines, load_prompt};
 use crate::roles::client::{CompletionAnswer, complete, failure_reason};
@@ -23,6 +29,48 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+/// A role the soak kills (SIGKILL) under load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Victim {
+    /// Prefill stage N.
+    Stage(u32),
+    /// The last prefill stage, whatever the topology's PP.
+    LastStage,
+    Decode,
+}
+
+/// A `--kill` entry that names no role.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?} names no role to kill: stageN (prefill stage N), last (the last prefill stage) or decode")]
+pub struct UnknownVictim(pub String);
+
+impl std::str::FromStr for Victim {
+    type Err = UnknownVictim;
+    fn from_str(s: &str) -> Result<Victim, UnknownVictim> {
+        let t = s.trim().to_ascii_lowercase();
+        match t.as_str() {
+            "decode" => Ok(Victim::Decode),
+            "last" => Ok(Victim::LastStage),
+            _ => t.strip_prefix("stage").and_then(|n| n.trim().parse().ok()).map(Victim::Stage).ok_or_else(|| UnknownVictim(s.to_string())),
+        }
+    }
+}
+
+impl Victim {
+    /// The role as `/health` names it, in a topology of `pp` prefill stages.
+    fn role(self, pp: u32) -> String {
+        match self {
+            Victim::Stage(s) => format!("prefill stage {s}"),
+            Victim::LastStage => format!("prefill stage {}", pp.saturating_sub(1)),
+            Victim::Decode => "decode".into(),
+        }
+    }
+}
+
+/// How many times a client sends one request again after a 503 or 429 (one
+/// second apart, as `Retry-After` says) before it counts the refusal.
+pub const RESENDS: u32 = 60;
+
 /// What to run and which faults to inject.
 #[derive(Debug, Clone)]
 pub struct SoakOptions {
@@ -32,10 +80,14 @@ pub struct SoakOptions {
     pub max_tokens: u32,
     /// How long decode is watched idle after the load.
     pub idle: Duration,
-    /// The prefill stage killed (SIGKILL) a quarter of the way through; None: none.
-    pub kill_stage: Option<u32>,
-    /// How long decode is stopped (SIGSTOP) halfway through; zero: not stopped.
+    /// The roles killed (SIGKILL) under load, in this order, spread evenly over
+    /// it (with the stop below: at 1/(n+2), 2/(n+2), ...); `up` restarts each.
+    pub kills: Vec<Victim>,
+    /// How long decode is stopped (SIGSTOP) after the kills; zero: not stopped.
     pub stop_decode: Duration,
+    /// Distinct prompts the load cycles through (at most 1,248: `load_prompt`
+    /// repeats after that); each is run once unfaulted first, for reference.
+    pub prompts: u32,
     /// The `handoff` binary `up` and the roles run (None: this executable).
     pub program: Option<PathBuf>,
 }
@@ -47,16 +99,20 @@ impl SoakOptions {
             concurrency,
             max_tokens: 16,
             idle: Duration::from_secs(10),
-            kill_stage: Some(0),
-            stop_decode: Duration::from_secs(10),
+            kills: vec![Victim::Stage(0), Victim::LastStage, Victim::Decode],
+            stop_decode: Duration::ZERO,
+            prompts: PROMPT_PERIOD,
             program: None,
         }
     }
 
     fn faults(&self) -> bool {
-        self.kill_stage.is_some() || !self.stop_decode.is_zero()
+        !self.kills.is_empty() || !self.stop_decode.is_zero()
     }
 }
+
+/// `load_prompt(i)` repeats with this period (lcm of its 26 letters and 96 lengths).
+const PROMPT_PERIOD: u32 = 1248;
 
 /// One role's figures in a soak, read from `/metrics`.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -86,6 +142,18 @@ pub struct SoakReport {
     /// Requests that got no answer (no response within the client's 120 s, or the
     /// connection broke).
     pub lost: u32,
+    /// 503 and 429 answers the clients waited out (`Retry-After`) and sent again.
+    pub resent: u32,
+    /// Distinct prompts run unfaulted for reference before the faults.
+    pub reference: u32,
+    /// Completions (of the load and after it) whose tokens differ from their
+    /// prompt's reference, and the first few of them (request index, got, want).
+    pub mismatched: u32,
+    pub mismatches: Vec<(u32, Vec<u8>, Vec<u8>)>,
+    /// `handoff_request_retries_total` at the end, by its labels (`phase="...",role="..."`).
+    pub retries: BTreeMap<String, u64>,
+    /// Whether the faults were kills only (no SIGSTOP): then no request may fail.
+    pub kills_only: bool,
     /// Per role ("decode", "prefill0", ...): after the warm-up, and at the end.
     pub before: BTreeMap<String, RoleFigures>,
     pub after: BTreeMap<String, RoleFigures>,
@@ -118,6 +186,12 @@ impl SoakReport {
         }
         if !faults && failed > 0 {
             p.push(format!("{failed} requests failed without a fault injected"));
+        }
+        if faults && self.kills_only && failed > 0 {
+            p.push(format!("{failed} requests failed with only kills injected (a killed role's requests are retried)"));
+        }
+        if self.mismatched > 0 {
+            p.push(format!("{} completions differ from their prompt's unfaulted reference (first: {:?})", self.mismatched, self.mismatches.first()));
         }
         if !self.leaks.is_empty() {
             p.push(format!("counts not back at baseline: {:?}", self.leaks));
@@ -171,6 +245,12 @@ impl UpProcess {
             anyhow::ensure!(t0.elapsed() < within, "the cluster at {} was not healthy within {within:?}", self.addr);
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// How many prefill stages `/health` lists.
+    fn stages(&self) -> u32 {
+        let v = wire::http(&self.addr, "GET", "/health", None, Duration::from_secs(2)).ok().and_then(|r| r.json()).unwrap_or_default();
+        v["roles"].as_array().map_or(0, |roles| roles.iter().filter(|r| r["role"].as_str().is_some_and(|n| n.starts_with("prefill stage"))).count() as u32)
     }
 
     /// The pid of `role` ("decode", "prefill stage N") as `/health` lists it.
@@ -266,8 +346,13 @@ fn explained(status: u16, body: &str) -> bool {
     }
 }
 
-/// `concurrency` clients sending `requests` completions; `done` counts answers.
-fn run_load(addr: &str, o: &SoakOptions, requests: u32, done: &AtomicU32) -> Vec<Result<CompletionAnswer, (u16, String)>> {
+/// One answer of a load: the request's index and what its client finally got.
+type Answer = (u32, Result<CompletionAnswer, (u16, String)>);
+
+/// `concurrency` clients sending `requests` completions (request i asks for
+/// prompt `i % o.prompts`); `done` counts answers, `resent` the 503 and 429
+/// answers waited out and sent again.
+fn run_load(addr: &str, o: &SoakOptions, requests: u32, done: &AtomicU32, resent: &AtomicU32) -> Vec<Answer> {
     let next = AtomicU32::new(0);
     let results = std::sync::Mutex::new(Vec::with_capacity(requests as usize));
     std::thread::scope(|s| {
@@ -278,19 +363,35 @@ fn run_load(addr: &str, o: &SoakOptions, requests: u32, done: &AtomicU32) -> Vec
                     if i >= requests {
                         return;
                     }
-                    let prompt = load_prompt(i);
-                    let r = complete(addr, &prompt, o.max_tokens);
-                    let retry_after = matches!(r, Err((503 | 429, _)));
-                    results.lock().unwrap_or_else(|p| p.into_inner()).push(r);
-                    done.fetch_add(1, Ordering::SeqCst);
-                    if retry_after {
+                    let prompt = load_prompt(i % o.prompts.max(1));
+                    let mut sends = 0;
+                    let r = loop {
+                        let r = complete(addr, &prompt, o.max_tokens);
+                        if !matches!(r, Err((503 | 429, _))) || sends == RESENDS {
+                            break r;
+                        }
+                        // Retry-After: 1, then the same request again.
+                        sends += 1;
+                        resent.fetch_add(1, Ordering::SeqCst);
                         std::thread::sleep(Duration::from_secs(1));
-                    }
+                    };
+                    results.lock().unwrap_or_else(|p| p.into_inner()).push((i, r));
+                    done.fetch_add(1, Ordering::SeqCst);
                 }
             });
         }
     });
     results.into_inner().unwrap_or_else(|p| p.into_inner())
+}
+
+/// `handoff_request_retries_total` by its labels, from `/metrics`.
+fn retries(metrics: &str) -> BTreeMap<String, u64> {
+    metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("handoff_request_retries_total{"))
+        .filter_map(|rest| rest.split_once("} "))
+        .filter_map(|(labels, v)| v.trim().parse().ok().map(|v| (labels.to_string(), v)))
+        .collect()
 }
 
 fn mib(b: u64) -> String {
@@ -318,10 +419,9 @@ fn wait_for(done: &AtomicU32, n: u32, finished: &AtomicBool, up: &UpProcess, tot
     }
 }
 
-/// Kills prefill stage `s` and waits for `up` to restart it.
-fn kill_stage(up: &mut UpProcess, s: u32, report: &mut SoakReport, answered: u32) {
-    let role = format!("prefill stage {s}");
-    let Some(old) = up.pid(&role) else {
+/// Kills `role` ("decode", "prefill stage N") and waits for `up` to restart it.
+fn kill_role(up: &mut UpProcess, role: &str, report: &mut SoakReport, answered: u32) {
+    let Some(old) = up.pid(role) else {
         report.faults.push(format!("{role}: not listed by /health; not killed"));
         return;
     };
@@ -331,7 +431,7 @@ fn kill_stage(up: &mut UpProcess, s: u32, report: &mut SoakReport, answered: u32
         if up.wait_healthy(Duration::from_secs(60)).is_err() {
             break None;
         }
-        if up.pid(&role).is_some_and(|p| p != old) {
+        if up.pid(role).is_some_and(|p| p != old) {
             break Some(t0.elapsed());
         }
         if t0.elapsed() > Duration::from_secs(60) {
@@ -385,43 +485,66 @@ fn stop_decode(up: &mut UpProcess, d: Duration, report: &mut SoakReport, answere
 /// baseline. The caller fails the run on [`SoakReport::problems`].
 pub fn bench_soak(config: Option<&Path>, o: &SoakOptions) -> anyhow::Result<SoakReport> {
     let mut up = UpProcess::start(o.program.as_deref(), config)?;
+    let pp = up.stages();
     // Warm-up, then the baseline every role must come back to.
-    let warm = AtomicU32::new(0);
-    let _ = run_load(&up.addr, &SoakOptions { concurrency: o.concurrency.min(8), ..o.clone() }, 32, &warm);
-    let before = settled(&up, Duration::from_secs(10));
-    let faults = match (o.kill_stage, o.stop_decode.is_zero()) {
-        (None, true) => "none".to_string(),
-        (k, _) => {
-            let mut f = Vec::new();
-            if let Some(s) = k {
-                f.push(format!("SIGKILL prefill stage {s} at 1/4"));
+    let (warm, resent) = (AtomicU32::new(0), AtomicU32::new(0));
+    let _ = run_load(&up.addr, &SoakOptions { concurrency: o.concurrency.min(8), ..o.clone() }, 32, &warm, &resent);
+    // The unfaulted reference: every prompt of the load once, at its concurrency.
+    let prompts = o.prompts.clamp(1, PROMPT_PERIOD).min(o.requests);
+    let reference: BTreeMap<u32, Vec<u8>> = {
+        let t0 = Instant::now();
+        let answers = run_load(&up.addr, o, prompts, &AtomicU32::new(0), &resent);
+        let mut refs = BTreeMap::new();
+        for (i, r) in answers {
+            match r {
+                Ok(a) => {
+                    refs.insert(i, a.token_ids);
+                }
+                Err((status, body)) => anyhow::bail!("the unfaulted reference run failed prompt {i}: {status} {}", failure_reason(&body)),
             }
-            if !o.stop_decode.is_zero() {
-                f.push(format!("SIGSTOP decode for {:.0} s at 1/2", o.stop_decode.as_secs_f64()));
-            }
-            f.join(", ")
         }
+        println!("reference: {prompts} prompts run once each without a fault in {:.1} s", t0.elapsed().as_secs_f64());
+        refs
     };
+    let before = settled(&up, Duration::from_secs(10));
+    let mut plan: Vec<String> = Vec::new();
+    let points = o.kills.len() as u32 + u32::from(!o.stop_decode.is_zero());
+    let at = |k: u32| format!("{}/{}", k + 1, points + 1);
+    for (k, v) in o.kills.iter().enumerate() {
+        plan.push(format!("SIGKILL {} at {}", v.role(pp), at(k as u32)));
+    }
+    if !o.stop_decode.is_zero() {
+        plan.push(format!("SIGSTOP decode for {:.0} s at {}", o.stop_decode.as_secs_f64(), at(points - 1)));
+    }
+    let faults = if plan.is_empty() { "none".to_string() } else { plan.join(", ") };
     println!("soak: {} requests of {} tokens at concurrency {} through handoff up at {}; faults: {faults}", o.requests, o.max_tokens, o.concurrency, up.addr);
     println!("resident memory at the start: {}", rss_line(&before));
-    let mut report = SoakReport { requests: o.requests, before: before.clone(), ..Default::default() };
+    let mut report = SoakReport {
+        requests: o.requests,
+        before: before.clone(),
+        reference: prompts,
+        kills_only: !o.kills.is_empty() && o.stop_decode.is_zero(),
+        ..Default::default()
+    };
+    let resent_before = resent.load(Ordering::SeqCst);
 
     let done = AtomicU32::new(0);
     let finished = AtomicBool::new(false);
     let addr = up.addr.clone();
     let results = std::thread::scope(|s| {
         let load = s.spawn(|| {
-            let r = run_load(&addr, o, o.requests, &done);
+            let r = run_load(&addr, o, o.requests, &done, &resent);
             finished.store(true, Ordering::SeqCst);
             r
         });
         let mut printed = 0;
-        if let Some(stage) = o.kill_stage {
-            wait_for(&done, o.requests / 4, &finished, &up, o.requests, &mut printed, &mut report);
-            kill_stage(&mut up, stage, &mut report, done.load(Ordering::SeqCst));
+        let mark = |k: u32| (u64::from(o.requests) * u64::from(k + 1) / u64::from(points + 1)) as u32;
+        for (k, v) in o.kills.iter().enumerate() {
+            wait_for(&done, mark(k as u32), &finished, &up, o.requests, &mut printed, &mut report);
+            kill_role(&mut up, &v.role(pp), &mut report, done.load(Ordering::SeqCst));
         }
         if !o.stop_decode.is_zero() {
-            wait_for(&done, o.requests / 2, &finished, &up, o.requests, &mut printed, &mut report);
+            wait_for(&done, mark(points - 1), &finished, &up, o.requests, &mut printed, &mut report);
             stop_decode(&mut up, o.stop_decode, &mut report, done.load(Ordering::SeqCst));
         }
         if o.faults() && finished.load(Ordering::SeqCst) {
@@ -430,10 +553,23 @@ pub fn bench_soak(config: Option<&Path>, o: &SoakOptions) -> anyhow::Result<Soak
         wait_for(&done, o.requests, &finished, &up, o.requests, &mut printed, &mut report);
         load.join().unwrap_or_default()
     });
+    report.resent = resent.load(Ordering::SeqCst) - resent_before;
 
-    for r in &results {
+    let compare = |report: &mut SoakReport, i: u32, got: &[u8]| {
+        let want = &reference[&(i % prompts)];
+        if got != want.as_slice() {
+            report.mismatched += 1;
+            if report.mismatches.len() < 4 {
+                report.mismatches.push((i, got.to_vec(), want.clone()));
+            }
+        }
+    };
+    for (i, r) in &results {
         match r {
-            Ok(_) => report.ok += 1,
+            Ok(a) => {
+                report.ok += 1;
+                compare(&mut report, *i, &a.token_ids);
+            }
             Err((0, _)) => report.lost += 1,
             Err((status, body)) => {
                 *report.failed.entry(*status).or_default() += 1;
@@ -460,8 +596,14 @@ pub fn bench_soak(config: Option<&Path>, o: &SoakOptions) -> anyhow::Result<Soak
     }
     // Later requests: the service came back.
     let n = (2 * o.concurrency).max(16);
-    let later = run_load(&up.addr, o, n, &AtomicU32::new(0));
-    report.after_faults = (later.iter().filter(|r| r.is_ok()).count() as u32, n);
+    let later = run_load(&up.addr, o, n, &AtomicU32::new(0), &AtomicU32::new(0));
+    report.after_faults = (later.iter().filter(|(_, r)| r.is_ok()).count() as u32, n);
+    for (i, r) in &later {
+        if let Ok(a) = r {
+            compare(&mut report, *i, &a.token_ids);
+        }
+    }
+    report.retries = retries(&up.metrics());
 
     let failed: u32 = report.failed.values().sum();
     let by = |s: u16| report.failed.get(&s).copied().unwrap_or(0);
@@ -478,6 +620,18 @@ pub fn bench_soak(config: Option<&Path>, o: &SoakOptions) -> anyhow::Result<Soak
     if failed > 0 {
         print!("{}", failure_lines(&report.reasons, 8));
     }
+    println!("503 and 429 answers waited out and sent again by the clients: {}", report.resent);
+    let retried: Vec<String> = report.retries.iter().map(|(l, n)| format!("{{{l}}} {n}")).collect();
+    println!(
+        "requests the proxy sent again after a role died (handoff_request_retries_total): {}",
+        if retried.is_empty() { "none".to_string() } else { retried.join(", ") }
+    );
+    let compared = report.ok + report.after_faults.0;
+    println!(
+        "completions equal to their prompt's unfaulted reference, token for token: {} of {compared}{}",
+        compared - report.mismatched,
+        report.mismatches.first().map_or(String::new(), |(i, got, want)| format!(" (first difference: request {i}, got {got:?}, want {want:?})"))
+    );
     println!("after the load: {} of {} new requests ok", report.after_faults.0, report.after_faults.1);
     let entries: Vec<String> = after.iter().filter(|(r, _)| r.starts_with("prefill")).map(|(r, f)| format!("{r} {}", f.producer_entries)).collect();
     println!("producer entries at the end: {}", entries.join(", "));

@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 /// A command from the proxy's link.
 enum Cmd {
-    Admit { id: u64, tokens: u64, max_tokens: u32, sampling: Option<Sampling> },
+    Admit { id: u64, tokens: u64, max_tokens: u32, sampling: Option<Sampling>, forced: Vec<u8> },
     Cancel { id: u64, failure: Failure, unsent: bool },
     StageDown { stage: u32, dead: bool, message: String },
 }
@@ -143,7 +143,9 @@ fn accept(listener: TcpListener, link: Link, tx: Sender<Cmd>, refused: &Arc<supe
             let mut w = Some((w, sealer));
             loop {
                 let cmd = match wire::recv_sealed(&mut r, &mut opener) {
-                    Ok(Some(Msg::Admit { id, prompt_tokens, max_tokens, sampling })) => Cmd::Admit { id, tokens: prompt_tokens, max_tokens, sampling },
+                    Ok(Some(Msg::Admit { id, prompt_tokens, max_tokens, sampling, forced })) => {
+                        Cmd::Admit { id, tokens: prompt_tokens, max_tokens, sampling, forced }
+                    }
                     Ok(Some(Msg::Cancel { id, failure, unsent })) => Cmd::Cancel { id, failure, unsent },
                     Ok(Some(Msg::StageDown { stage, dead, message })) => Cmd::StageDown { stage, dead, message },
                     Ok(Some(other)) => {
@@ -231,9 +233,9 @@ fn engine_loop(mut engine: Engine, endpoint: &PeerAddr, handles: &[RegionHandle]
 /// Applies one command: the engine's phases do the rest.
 fn apply(engine: &mut Engine, cmd: Cmd) {
     match cmd {
-        Cmd::Admit { id, tokens, max_tokens, sampling } => {
-            tracing::debug!(request = id, tokens, "decode: admit");
-            engine.submit_request(Submit { id, tokens, max_tokens, sampling, ..Default::default() })
+        Cmd::Admit { id, tokens, max_tokens, sampling, forced } => {
+            tracing::debug!(request = id, tokens, replayed = forced.len(), "decode: admit");
+            engine.submit_request(Submit { id, tokens, max_tokens, sampling, forced, ..Default::default() })
         }
         Cmd::Cancel { id, failure, unsent } => engine.cancel({
             tracing::debug!(request = id, phase = failure.phase.name(), unsent, %failure, "decode: cancel");

@@ -54,13 +54,18 @@ pub const MAX_LINE: u64 = 256 << 20;
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Msg {
     /// proxy -> decode: admit a request (allocate blocks and slots, publish layouts).
-    /// `sampling`: how decode picks tokens 1.. (None: greedy).
+    /// `sampling`: how decode picks tokens 1.. (None: greedy). `forced`: the
+    /// tokens a retried request already streamed, which decode feeds back in
+    /// place of its own picks (`forced[k]` at position prompt + k, the steps of
+    /// the first run again) before it generates on; empty for a first run.
     Admit {
         id: u64,
         prompt_tokens: u64,
         max_tokens: u32,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         sampling: Option<Sampling>,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        forced: Vec<u8>,
     },
     /// decode -> proxy: the request is placed; what every decode rank published.
     Admitted(Box<Admitted>),

@@ -42,8 +42,8 @@ pub fn valid_lines() -> Vec<(&'static str, Vec<u8>)> {
         sampling,
     };
     let msgs = [
-        Msg::Admit { id: 1, prompt_tokens: 12, max_tokens: 4, sampling: None },
-        Msg::Admit { id: 2, prompt_tokens: 1, max_tokens: 1, sampling },
+        Msg::Admit { id: 1, prompt_tokens: 12, max_tokens: 4, sampling: None, forced: Vec::new() },
+        Msg::Admit { id: 2, prompt_tokens: 1, max_tokens: 1, sampling, forced: vec![7, 255] },
         Msg::Admitted(Box::new(admitted)),
         Msg::Token { id: 3, token: 255 },
         Msg::Done { id: 3, handoff_ms: 1.5, decode_ms: 0.25, bytes: 1 << 40 },

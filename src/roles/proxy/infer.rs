@@ -3,7 +3,8 @@
 
 use super::error::ServeError;
 use super::links::{Reached, decode_link, send_stage0};
-use super::registry::peers;
+use super::registry::{peers, pids};
+use super::retry;
 use super::state::{ChoiceRoute, Ev, Proxy, Served, Summary, body_limit, set_phase};
 use super::stream::{collect_response, stream_response};
 use crate::base::lock;
@@ -177,13 +178,98 @@ pub(super) struct ChoiceTask {
     pub queue_ms: f64,
 }
 
+/// What a choice has produced so far, kept across its attempts.
+struct Progress {
+    /// Every token decode streamed for the choice (each went into the stop
+    /// matcher): what a retry replays.
+    streamed: Vec<u8>,
+    stop: StopMatcher,
+    summary: Summary,
+    /// When the last token came.
+    last_tok: Option<Instant>,
+    /// Every role's process as the current attempt found them (0: none).
+    pids: Vec<u32>,
+}
+
+/// How an attempt ended short of its answer.
+enum Halt {
+    /// It failed with the error its client gets unless a retry saves it; the
+    /// attempt was in the phase named.
+    Failed(ServeError, PhaseName),
+    /// Nothing more to answer: the client went away (decode frees the request).
+    Quiet,
+}
+
+/// Removes an attempt's route when the attempt ends, however it ends.
+struct RouteGuard<'a> {
+    p: &'a Proxy,
+    id: u64,
+}
+
+impl Drop for RouteGuard<'_> {
+    fn drop(&mut self) {
+        lock(&self.p.routes).remove(&self.id);
+    }
+}
+
 /// One choice through the cluster: decode's admission, prefill, decode's stream,
-/// with its stop sequences applied. What it produces goes to `tx`, tagged with
-/// the choice's index.
+/// with its stop sequences applied; sent again once for each fault that kills a
+/// role under it, while its deadline allows ([`super::retry`]). What it produces
+/// goes to `tx`, tagged with the choice's index.
 pub(super) async fn run_choice(p: &Arc<Proxy>, choice: ChoiceTask, tx: mpsc::Sender<(u32, Ev)>) {
-    let ChoiceTask { id, index, prompt, max_tokens, sampling, stops, arrived, queue_ms } = choice;
+    let mut prog = Progress {
+        streamed: Vec::new(),
+        stop: StopMatcher::new(choice.stops.clone()),
+        summary: Summary { queue_ms: choice.queue_ms, ..Default::default() },
+        last_tok: None,
+        pids: Vec::new(),
+    };
+    let mut retried = Vec::new();
+    let mut id = choice.id;
+    let finish = loop {
+        let (e, phase) = match attempt(p, &choice, id, &mut prog, &tx).await {
+            Ok(finish) => break finish,
+            Err(Halt::Quiet) => return,
+            Err(Halt::Failed(e, phase)) => (e, phase),
+        };
+        // Every token came and only decode's last word was lost: the choice is whole.
+        if prog.streamed.len() as u32 >= choice.max_tokens {
+            let rest = prog.stop.finish();
+            if !rest.is_empty() {
+                let _ = tx.send((choice.index, Ev::Piece(rest))).await;
+            }
+            break "length";
+        }
+        match retry::after(p, &e, phase, &prog.pids, &mut retried, || tx.is_closed()).await {
+            retry::Verdict::Retry => id = p.next_id.fetch_add(1, Ordering::SeqCst),
+            retry::Verdict::Fail => return drop(tx.send((choice.index, Ev::Error(e))).await),
+            retry::Verdict::Gone => return,
+        }
+    };
+    let n_tokens = prog.streamed.len() as u32;
+    let summary = prog.summary;
+    {
+        let mut m = lock(&p.metrics);
+        m.bytes += summary.bytes_handed_off;
+        m.tokens += u64::from(n_tokens);
+        for (ph, ms) in [("queue", summary.queue_ms), ("handoff", summary.handoff_ms), ("decode", summary.decode_ms)] {
+            m.phases.entry(ph).or_insert_with(|| Histogram::new(REQUEST_BUCKETS_S)).observe(ms / 1e3);
+        }
+        m.e2e.observe(choice.arrived.elapsed().as_secs_f64());
+    }
+    let _ = tx.send((choice.index, Ev::Done { finish, tokens: n_tokens, summary })).await;
+}
+
+/// One attempt of a choice under request id `id`: decode's admission (with the
+/// tokens already streamed to replay), prefill, and decode's stream from the
+/// first token not yet streamed. Ok: the choice ended (`length` or `stop`).
+async fn attempt(p: &Arc<Proxy>, choice: &ChoiceTask, id: u64, prog: &mut Progress, tx: &mpsc::Sender<(u32, Ev)>) -> Result<&'static str, Halt> {
+    let (index, max_tokens, arrived) = (choice.index, choice.max_tokens, choice.arrived);
     let t = p.topo.config.timeouts.clone();
-    let fail = |failure: Failure| (index, Ev::Error(ServeError::Failed(failure)));
+    let failed = |failure: Failure| {
+        let phase = failure.phase;
+        Halt::Failed(ServeError::Failed(failure), phase)
+    };
     // The failures the proxy itself finds: decode's silence, its link, its answers.
     let decode_failed = |phase: PhaseName, cause: Cause| Failure::new(phase, ProcessRole::Decode, cause);
     let late = |phase: PhaseName, after: std::time::Duration, detail: String| decode_failed(phase, Cause::Timeout { after, waiting_for: Vec::new(), detail });
@@ -191,26 +277,32 @@ pub(super) async fn run_choice(p: &Arc<Proxy>, choice: ChoiceTask, tx: mpsc::Sen
     let ended = |phase: PhaseName, detail: &str| Failure::new(phase, ProcessRole::Proxy, Cause::Cancelled { detail: detail.to_string() });
     let decode = match peers(p) {
         Ok((d, _)) => d,
-        Err(m) => return drop(tx.send((index, Ev::Error(ServeError::NotReady(m)))).await),
+        Err(m) => return Err(Halt::Failed(ServeError::NotReady(m), PhaseName::Admission)),
     };
+    prog.pids = pids(p);
     let link_closed = |phase: PhaseName| decode_failed(phase, Cause::PeerDown { loss: PeerLoss::Dead, detail: format!("died (its link at {decode} closed)") });
     // 1. Decode admission: blocks, slots, published layouts.
     let (link_id, link) = match decode_link(p, decode).await {
         Ok(l) => l,
-        Err(e) => return drop(tx.send((index, Ev::Error(e))).await),
+        Err(e) => return Err(Halt::Failed(e, PhaseName::Admission)),
     };
     let (rtx, mut rrx) = mpsc::unbounded_channel();
     lock(&p.routes).insert(id, ChoiceRoute { tx: rtx, phase: PhaseName::Admission, link: link_id });
-    // `unsent`: this task returns without having sent the prefill job, so no
+    let _route = RouteGuard { p, id };
+    // `unsent`: this attempt ends without having sent the prefill job, so no
     // stage has the request and decode frees it at once.
     let cancel_as = |failure: Failure, unsent: bool| {
         let _ = link.send(Msg::Cancel { id, failure, unsent });
     };
     let cancel = |failure: Failure| cancel_as(failure, false);
     let cancel_unsent = |failure: Failure| cancel_as(failure, true);
-    let sampled = (!sampling.is_greedy()).then_some(sampling);
-    if link.send(Msg::Admit { id, prompt_tokens: prompt.len() as u64, max_tokens, sampling: sampled }).is_err() {
-        return drop(tx.send(fail(link_closed(PhaseName::Admission))).await);
+    let sampled = (!choice.sampling.is_greedy()).then_some(choice.sampling);
+    let prompt_tokens = choice.prompt.len() as u64;
+    // A retry replays what was streamed: decode feeds those tokens back in place
+    // of its own picks, and the proxy passes on only the tokens after them.
+    let replay = prog.streamed.len();
+    if link.send(Msg::Admit { id, prompt_tokens, max_tokens, sampling: sampled, forced: prog.streamed.clone() }).is_err() {
+        return Err(failed(link_closed(PhaseName::Admission)));
     }
     let admission_wait = secs(t.admission_s + 1.0);
     let admitted: Admitted = match tokio::time::timeout(admission_wait, rrx.recv()).await {
@@ -221,17 +313,19 @@ pub(super) async fn run_choice(p: &Arc<Proxy>, choice: ChoiceTask, tx: mpsc::Sen
         // frees what it admitted (it ignores a cancel of a request it never had).
         Ok(Some(Msg::Error { failure, .. })) => {
             cancel_unsent(failure.clone());
-            return drop(tx.send(fail(failure)).await);
+            return Err(failed(failure));
         }
-        Ok(other) => {
+        // The route went with the link (decode's link closed): decode is gone.
+        Ok(None) => return Err(failed(link_closed(PhaseName::Admission))),
+        Ok(Some(other)) => {
             let failure = decode_failed(PhaseName::Admission, Cause::Protocol { detail: format!("answered the admission with {other:?}") });
             cancel_unsent(failure.clone());
-            return drop(tx.send(fail(failure)).await);
+            return Err(failed(failure));
         }
         Err(_) => {
             let failure = late(PhaseName::Admission, admission_wait, format!("no answer from decode at {decode}"));
             cancel_unsent(failure.clone());
-            return drop(tx.send(fail(failure)).await);
+            return Err(failed(failure));
         }
     };
     // 2. Prefill: stage 0, which passes the job on stage by stage; stages report to
@@ -240,11 +334,15 @@ pub(super) async fn run_choice(p: &Arc<Proxy>, choice: ChoiceTask, tx: mpsc::Sen
         Ok((_, s)) => s,
         Err(m) => {
             cancel_unsent(ended(PhaseName::Compute, &m.to_string()));
-            return drop(tx.send((index, Ev::Error(ServeError::NotReady(m)))).await);
+            return Err(Halt::Failed(ServeError::NotReady(m), PhaseName::Compute));
         }
     };
+    // The stages' processes this attempt sends to (decode's stays as it was found).
+    let now = pids(p);
+    prog.pids.truncate(1);
+    prog.pids.extend(now.iter().skip(1));
     set_phase(p, id, PhaseName::Compute);
-    let job = WirePrefillJob { admitted, prompt, stage: 0, stages: stages.clone(), hidden: None, sampling: sampled };
+    let job = WirePrefillJob { admitted, prompt: choice.prompt.clone(), stage: 0, stages: stages.clone(), hidden: None, sampling: sampled };
     if let Err((e, reached)) = send_stage0(p, stages[0], &Msg::Prefill(Box::new(job))).await {
         // Decode frees the request with the stage's failure; a refused connection
         // (the 503 of a stage 0 found dead) is that stage gone.
@@ -254,77 +352,75 @@ pub(super) async fn run_choice(p: &Arc<Proxy>, choice: ChoiceTask, tx: mpsc::Sen
         };
         // A job that never reached stage 0 reaches no stage: decode frees at once.
         cancel_as(failure, reached == Reached::No);
-        return drop(tx.send((index, Ev::Error(e))).await);
+        return Err(Halt::Failed(e, PhaseName::Compute));
     }
     // 3. Decode's stream.
-    let mut summary = Summary { queue_ms, ..Default::default() };
-    let mut last_tok: Option<Instant> = None;
-    let mut n_tokens = 0u32;
-    let mut stop = StopMatcher::new(stops);
+    let mut seen = 0usize;
     let budget = secs(t.compute_s + t.transfer_s + 60.0);
-    let finish = loop {
+    loop {
         let msg = match tokio::time::timeout(budget, rrx.recv()).await {
             Ok(Some(m)) => m,
-            Ok(None) => return drop(tx.send(fail(link_closed(PhaseName::Decode))).await),
+            Ok(None) => return Err(failed(link_closed(PhaseName::Decode))),
             Err(_) => {
                 let failure = late(PhaseName::Decode, budget, format!("no token from decode at {decode}"));
                 cancel(failure.clone());
-                return drop(tx.send(fail(failure)).await);
+                return Err(failed(failure));
             }
         };
         match msg {
             Msg::Token { token, .. } => {
+                seen += 1;
+                if seen == 1 {
+                    set_phase(p, id, PhaseName::Decode);
+                }
+                if seen <= replay {
+                    // Decode was fed the streamed token here; its own pick, the
+                    // same bits as the first time, is not passed on again.
+                    if prog.streamed[seen - 1] != token {
+                        tracing::warn!(request = id, index = seen - 1, "proxy: a replayed step picked another token than the first run streamed");
+                    }
+                    continue;
+                }
                 let now = Instant::now();
-                match last_tok {
+                match prog.last_tok {
                     None => {
-                        summary.ttft_ms = (now - arrived).as_secs_f64() * 1e3;
+                        prog.summary.ttft_ms = (now - arrived).as_secs_f64() * 1e3;
                         lock(&p.metrics).ttft.observe((now - arrived).as_secs_f64());
-                        set_phase(p, id, PhaseName::Decode);
                     }
                     Some(prev) => {
-                        summary.itl_ms.push((now - prev).as_secs_f64() * 1e3);
+                        prog.summary.itl_ms.push((now - prev).as_secs_f64() * 1e3);
                         lock(&p.metrics).itl.observe((now - prev).as_secs_f64());
                     }
                 }
-                last_tok = Some(now);
-                n_tokens += 1;
-                let (piece, stopped) = match stop.push(token) {
+                prog.last_tok = Some(now);
+                prog.streamed.push(token);
+                let (piece, stopped) = match prog.stop.push(token) {
                     StopStep::Release(b) => (b, false),
                     StopStep::Stopped(b) => (b, true),
                 };
                 if (!piece.is_empty() || stopped) && tx.send((index, Ev::Piece(piece))).await.is_err() {
                     // The client went away: decode frees the request.
                     cancel(ended(PhaseName::Decode, "the client went away"));
-                    return;
+                    return Err(Halt::Quiet);
                 }
                 if stopped {
                     // Decode still generates: it frees the request at the cancel.
                     cancel(ended(PhaseName::Decode, "a stop sequence ended the generation"));
-                    break "stop";
+                    return Ok("stop");
                 }
             }
             Msg::Done { handoff_ms, decode_ms, bytes, .. } => {
-                summary.handoff_ms = handoff_ms;
-                summary.decode_ms = decode_ms;
-                summary.bytes_handed_off = bytes;
-                let rest = stop.finish();
+                prog.summary.handoff_ms = handoff_ms;
+                prog.summary.decode_ms = decode_ms;
+                prog.summary.bytes_handed_off = bytes;
+                let rest = prog.stop.finish();
                 if !rest.is_empty() {
                     let _ = tx.send((index, Ev::Piece(rest))).await;
                 }
-                break "length";
+                return Ok("length");
             }
-            Msg::Error { failure, .. } => return drop(tx.send(fail(failure)).await),
-            other => return drop(tx.send(fail(decode_failed(PhaseName::Decode, Cause::Protocol { detail: format!("sent {other:?}") }))).await),
+            Msg::Error { failure, .. } => return Err(failed(failure)),
+            other => return Err(failed(decode_failed(PhaseName::Decode, Cause::Protocol { detail: format!("sent {other:?}") }))),
         }
-    };
-    {
-        let mut m = lock(&p.metrics);
-        m.bytes += summary.bytes_handed_off;
-        m.tokens += u64::from(n_tokens);
-        for (ph, ms) in [("queue", summary.queue_ms), ("handoff", summary.handoff_ms), ("decode", summary.decode_ms)] {
-            m.phases.entry(ph).or_insert_with(|| Histogram::new(REQUEST_BUCKETS_S)).observe(ms / 1e3);
-        }
-        m.e2e.observe(arrived.elapsed().as_secs_f64());
     }
-    let _ = tx.send((index, Ev::Done { finish, tokens: n_tokens, summary })).await;
 }

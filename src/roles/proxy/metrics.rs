@@ -26,6 +26,15 @@ pub(super) async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
         }
         prom::family(
             &mut out,
+            "handoff_request_retries_total",
+            "counter",
+            "Requests sent again once a role they were in had died and was back (at most once per request and fault), by the phase they were in and the role that died.",
+        );
+        for ((phase, role), n) in &m.retries {
+            out += &format!("handoff_request_retries_total{{phase=\"{phase}\",role=\"{}\"}} {n}\n", prom::escape(role));
+        }
+        prom::family(
+            &mut out,
             "handoff_request_timeouts_total",
             "counter",
             "Requests failed because a phase ran out of time (its deadline, or a peer found stopped), by phase.",

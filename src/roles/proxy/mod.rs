@@ -81,6 +81,7 @@ mod infer;
 mod links;
 mod metrics;
 mod registry;
+mod retry;
 mod server;
 mod state;
 mod stream;

@@ -65,9 +65,9 @@ pub(super) async fn register(State(p): State<Arc<Proxy>>, headers: HeaderMap, bo
         let prev = roles.slots[slot].take();
         // A new process where a stopped one was: the old one is gone for good, so
         // what it might still have written is settled.
-        let settled = prev.as_ref().is_some_and(|old| old.reg.pid != reg.pid && old.state == PeerState::Stopped);
+        let settled = prev.as_ref().filter(|old| old.reg.pid != reg.pid && old.state == PeerState::Stopped && slot > 0).map(|old| old.reg.addr);
         // A new process in an up slot: the old one died between two watchdog looks.
-        let replaced = prev.as_ref().filter(|old| old.reg.pid != reg.pid && old.state == PeerState::Up).map(|old| old.reg.pid);
+        let replaced = prev.as_ref().filter(|old| old.reg.pid != reg.pid && old.state == PeerState::Up).map(|old| (old.reg.pid, old.reg.addr));
         if let Some(old) = &prev
             && old.state != PeerState::Up
         {
@@ -77,12 +77,15 @@ pub(super) async fn register(State(p): State<Arc<Proxy>>, headers: HeaderMap, bo
         if replaced.is_some() {
             roles.downs[slot] += 1;
         }
+        if replaced.is_some() || settled.is_some() {
+            roles.settling[slot] += 1;
+        }
         (replaced, settled)
     };
-    if let Some(old) = replaced {
-        role_down(&p, slot, true, format!("died (pid {old} replaced by pid {})", reg.pid)).await;
-    } else if settled && slot > 0 {
-        role_down(&p, slot, true, format!("was replaced by pid {}", reg.pid)).await;
+    if let Some((old, addr)) = replaced {
+        went_down(&p, slot, true, format!("died (pid {old} replaced by pid {})", reg.pid), addr).await;
+    } else if let Some(addr) = settled {
+        went_down(&p, slot, true, format!("was replaced by pid {}", reg.pid), addr).await;
     }
     StatusCode::NO_CONTENT.into_response()
 }
@@ -114,6 +117,7 @@ pub(super) async fn watchdog(p: Arc<Proxy>) {
                         peer.state = state;
                         peer.down = Some((Instant::now(), why.clone()));
                         roles.downs[slot] += 1;
+                        roles.settling[slot] += 1;
                         true
                     }
                     _ => false,
@@ -121,30 +125,48 @@ pub(super) async fn watchdog(p: Arc<Proxy>) {
             };
             if changed {
                 tracing::warn!(role = %role_name(slot), %why, "role down");
-                role_down(&p, slot, state == PeerState::Dead, why).await;
+                went_down(&p, slot, state == PeerState::Dead, why, addr).await;
             }
         }
     }
 }
 
-/// A role went down: fail what depended on it (see the module docs).
-pub(super) async fn role_down(p: &Arc<Proxy>, slot: usize, dead: bool, why: String) {
+/// A role went down ([`role_down`]); then no down of `slot` is being carried
+/// out any more (the caller counted it in `Roles::settling`).
+async fn went_down(p: &Arc<Proxy>, slot: usize, dead: bool, why: String, addr: SocketAddr) {
+    role_down(p, slot, dead, why, addr).await;
+    let mut roles = lock(&p.roles);
+    roles.settling[slot] = roles.settling[slot].saturating_sub(1);
+}
+
+/// A role went down: fail what depended on it (see the module docs). `addr`:
+/// the control address of the process that went down. For decode, only the
+/// requests on the link to that process fail: a link to a newer decode (a
+/// restart registered before the old one was found dead) carries requests that
+/// are fine, and the link of a dead one has failed its own as it closed.
+pub(super) async fn role_down(p: &Arc<Proxy>, slot: usize, dead: bool, why: String, addr: SocketAddr) {
     if slot == 0 {
-        let link = p.links.lock().await.decode.as_ref().map(|(_, _, tx)| tx.clone());
-        let routes: Vec<(u64, mpsc::UnboundedSender<Msg>, PhaseName)> = lock(&p.routes).drain().map(|(id, r)| (id, r.tx, r.phase)).collect();
+        let link = p.links.lock().await.decode.as_ref().filter(|(a, ..)| *a == addr).map(|(_, n, tx)| (*n, tx.clone()));
+        let Some((link_id, link)) = link else { return };
+        let routes: Vec<(u64, mpsc::UnboundedSender<Msg>, PhaseName)> = {
+            let mut routes = lock(&p.routes);
+            let ids: Vec<u64> = routes.iter().filter(|(_, r)| r.link == link_id).map(|(id, _)| *id).collect();
+            ids.into_iter().filter_map(|id| routes.remove(&id).map(|r| (id, r.tx, r.phase))).collect()
+        };
         let loss = if dead { PeerLoss::Dead } else { PeerLoss::Stopped };
         for (id, tx, phase) in routes {
             let failure = Failure::new(phase, ProcessRole::Decode, Cause::PeerDown { loss, detail: why.clone() });
             // A stopped decode reads the cancel when it resumes, and frees the request.
-            if let Some(l) = &link {
-                // Not `unsent`: the request's task may be sending its job right
-                // now; the task itself says so when it returns before sending.
-                let _ = l.send(Msg::Cancel { id, failure: failure.clone(), unsent: false });
-            }
+            // Not `unsent`: the request's task may be sending its job right
+            // now; the task itself says so when it returns before sending.
+            let _ = link.send(Msg::Cancel { id, failure: failure.clone(), unsent: false });
             let _ = tx.send(Msg::Error { id, failure });
         }
         if dead {
-            p.links.lock().await.decode = None;
+            let mut links = p.links.lock().await;
+            if links.decode.as_ref().is_some_and(|(a, n, _)| *a == addr && *n == link_id) {
+                links.decode = None;
+            }
         }
     } else {
         let stage = (slot - 1) as u32;
@@ -153,7 +175,10 @@ pub(super) async fn role_down(p: &Arc<Proxy>, slot: usize, dead: bool, why: Stri
             let _ = l.send(Msg::StageDown { stage, dead, message: why });
         }
         if stage == 0 && dead {
-            p.links.lock().await.stage0 = None;
+            let mut links = p.links.lock().await;
+            if links.stage0.as_ref().is_some_and(|(a, ..)| *a == addr) {
+                links.stage0 = None;
+            }
         }
     }
 }
@@ -170,6 +195,7 @@ pub(super) async fn refused(p: &Arc<Proxy>, slot: usize, addr: SocketAddr, e: st
                 peer.state = PeerState::Dead;
                 peer.down = Some((Instant::now(), why.clone()));
                 roles.downs[slot] += 1;
+                roles.settling[slot] += 1;
                 true
             }
             _ => false,
@@ -177,7 +203,7 @@ pub(super) async fn refused(p: &Arc<Proxy>, slot: usize, addr: SocketAddr, e: st
     };
     if changed {
         tracing::warn!(role = %role_name(slot), %why, "role down");
-        role_down(p, slot, true, why.clone()).await;
+        went_down(p, slot, true, why.clone(), addr).await;
     }
     ServeError::NotReady(NotReady(vec![Absence::Down { role: slot_role(slot), why }]))
 }
@@ -198,6 +224,42 @@ pub(super) fn peers(p: &Proxy) -> Result<(SocketAddr, Vec<SocketAddr>), NotReady
         }
     }
     if missing.is_empty() { Ok((addrs[0], addrs[1..].to_vec())) } else { Err(NotReady(missing)) }
+}
+
+/// Every slot's registered process id now (0: none registered).
+pub(super) fn pids(p: &Proxy) -> Vec<u32> {
+    lock(&p.roles).slots.iter().map(|s| s.as_ref().map_or(0, |s| s.reg.pid)).collect()
+}
+
+/// How long after a fault the same process must have registered again to
+/// count as alive: heartbeats come every 300 ms, so a live role passes within
+/// about 0.7 s, and a heartbeat the dead one sent just before it died never does.
+const PROVEN_ALIVE: Duration = Duration::from_millis(350);
+
+/// Whether the role of `slot` is back for a request that lost its process `pid`
+/// at `since`: every role is up (as [`peers`] sees them), no down of any role
+/// is still being carried out (decode told of a dead stage, a dead decode's
+/// link dropped), and the slot holds another process, or the same one proved
+/// alive by a heartbeat well after `since`.
+pub(super) fn back_after(p: &Proxy, slot: usize, pid: u32, since: Instant) -> bool {
+    if peers(p).is_err() {
+        return false;
+    }
+    let roles = lock(&p.roles);
+    if roles.settling.iter().any(|&n| n > 0) {
+        return false;
+    }
+    roles
+        .slots
+        .get(slot)
+        .and_then(Option::as_ref)
+        .is_some_and(|peer| peer.state == PeerState::Up && (peer.reg.pid != pid || peer.seen.checked_duration_since(since).is_some_and(|d| d > PROVEN_ALIVE)))
+}
+
+/// Whether the role of `slot` is stopped (its heartbeats stopped with its port
+/// open): it may resume and still write, so it is not retried around.
+pub(super) fn stopped(p: &Proxy, slot: usize) -> bool {
+    lock(&p.roles).slots.get(slot).and_then(Option::as_ref).is_some_and(|peer| peer.state == PeerState::Stopped)
 }
 
 pub(super) fn roles_json(p: &Proxy) -> Value {

@@ -55,7 +55,7 @@ pub(super) async fn serve(topo: Topology, listen: Listen, api_key: Option<String
     let max_connections = topo.config.serve.max_connections;
     let state = Arc::new(Proxy {
         topo,
-        roles: Mutex::new(Roles { slots: vec![None; pp + 1], downs: vec![0; pp + 1], last_auth: vec![0; pp + 1] }),
+        roles: Mutex::new(Roles::new(pp)),
         places: Arc::new(Semaphore::new(places)),
         queued: AtomicU32::new(0),
         next_id: AtomicU64::new(epoch << 20),

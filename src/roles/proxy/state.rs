@@ -61,6 +61,19 @@ pub(super) struct Roles {
     /// The register timestamp last accepted, per slot: a registration must be
     /// later (a captured heartbeat sent again is a replay).
     pub(super) last_auth: Vec<u64>,
+    /// Per slot, the downs whose consequences ([`super::registry::role_down`]:
+    /// decode told of a dead stage, a dead decode's link dropped) are still being
+    /// carried out: a retry waits for them, so that a stage's `StageDown` can
+    /// never fail the retry itself.
+    pub(super) settling: Vec<u32>,
+}
+
+impl Roles {
+    /// No role registered yet, for a topology of `pp` prefill stages.
+    pub(super) fn new(pp: usize) -> Roles {
+        let n = pp + 1;
+        Roles { slots: vec![None; n], downs: vec![0; n], last_auth: vec![0; n], settling: vec![0; n] }
+    }
 }
 
 /// The role of a slot.
@@ -89,6 +102,9 @@ pub(super) struct Metrics {
     pub(super) failures: BTreeMap<(&'static str, String), u64>,
     /// Requests failed because a phase ran out of time, by phase.
     pub(super) timeouts: BTreeMap<&'static str, u64>,
+    /// Requests sent again after a role they were in died, by (phase, role):
+    /// the phase they were in and the role that died.
+    pub(super) retries: BTreeMap<(&'static str, String), u64>,
     pub(super) bytes: u64,
     pub(super) tokens: u64,
     /// Register requests refused for not proving the cluster secret.
@@ -113,6 +129,7 @@ impl Default for Metrics {
             e2e: Histogram::new(REQUEST_BUCKETS_S),
             failures: BTreeMap::new(),
             timeouts: BTreeMap::new(),
+            retries: BTreeMap::new(),
             bytes: 0,
             tokens: 0,
             unauthenticated_register: 0,
