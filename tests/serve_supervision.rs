@@ -348,6 +348,54 @@ fn a_stream_cut_by_a_killed_decode_resumes_with_no_error_and_no_repeated_token()
     assert_nothing_live(&up.addr);
 }
 
+/// A killed stage that is not back within `timeouts.admission_s` (its `up` is
+/// SIGSTOPped, so nothing restarts it): the requests it held are not retried
+/// but fail after that wait, 500 naming the stage, the phase and `peer_down`;
+/// once `up` continues and restarts the stage, requests are served again.
+#[test]
+fn a_killed_stage_not_back_by_the_deadline_fails_its_requests_naming_it() {
+    let _serial = serial();
+    let cfg = config("deadline", "drain_s = 2\n\n[timeouts]\ncompute_s = 30\ntransfer_s = 30\nadmission_s = 2\n");
+    // Stage 0 sleeps 300 ms per request: stage 1 holds requests after it.
+    let up = start_up(&cfg, &[(DELAY_ENV, "300")], &[]);
+    let stage = pid_of(&up.addr, "prefill stage 1").expect("stage 1 pid");
+    let reqs: Vec<_> = (0..4)
+        .map(|i| {
+            let addr = up.addr.clone();
+            std::thread::spawn(move || {
+                let (s, v) = complete(&addr, &format!("request {i} before the kill"), 8);
+                (Instant::now(), s, v)
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(450));
+    // Nothing restarts the stage while up is stopped (the roles keep running).
+    signal(up.child.id(), libc::SIGSTOP);
+    let killed = Instant::now();
+    signal(stage, libc::SIGKILL);
+    let mut failed = 0;
+    for h in reqs {
+        let (at, s, v) = h.join().expect("thread");
+        if s == 200 {
+            continue; // finished before the kill
+        }
+        failed += 1;
+        let waited = at.saturating_duration_since(killed);
+        assert_eq!(s, 500, "{v}");
+        assert_eq!(v["error"]["role"], "prefill stage 1", "{v}");
+        assert_eq!((&v["error"]["cause"], &v["error"]["phase"]), (&serde_json::json!("peer_down"), &serde_json::json!("compute")), "{v}");
+        // It waited timeouts.admission_s for the stage to come back, not longer.
+        assert!(waited >= Duration::from_secs(2) && waited < Duration::from_secs(8), "failed {waited:?} after the kill: {v}");
+    }
+    assert!(failed > 0, "no request was in flight at the kill");
+    assert_eq!(retries_of(&up.addr, "prefill stage 1"), 0.0, "a request was retried although the stage never came back");
+    signal(up.child.id(), libc::SIGCONT);
+    wait_replaced(&up.addr, "prefill stage 1", stage, Duration::from_secs(15));
+    let (s, v) = complete(&up.addr, "after the stage came back", 4);
+    assert_eq!(s, 200, "{v}");
+    assert_nothing_live(&up.addr);
+}
+
 #[test]
 fn a_stopped_stage_or_decode_is_found_by_heartbeat_and_its_requests_fail_within_seconds() {
     let _serial = serial();
