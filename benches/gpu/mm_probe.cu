@@ -51,7 +51,7 @@ int main(int argc, char** argv) {
     auto mm = WP == 1 ? st_mm : (P == 3 ? st_mm_w2 : st_mm_w2p2);
     CK(cudaFuncSetAttribute(mm, cudaFuncAttributeMaxDynamicSharedMemorySize, 226 * 1024));
     dim3 grid((nt + 7) / 8, S, (M + 127) / 128);
-    const dim3 rgrid((unsigned)((ncols + 255) / 256), (unsigned)(M < 65535 ? M : 65535));  // st_reduce: a block row a row
+    const dim3 rgrid((unsigned)((ncols + 1023) / 1024), (unsigned)(M < 65535 ? M : 65535));  // st_reduce: a block row a row, four columns a thread
     auto run = [&](bool reduce) {
         mm<<<grid, ST_MM_THREADS, smem>>>(A, ap_, ag, W, wp_, wg, part, part_seg, part_group, (int)ldp, cnt, M, nt, KT, S, terms,
                                 mode, ncols, out, ldo, gcol, ap, ap_plane, akt, uw, uwp);

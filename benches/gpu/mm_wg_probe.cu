@@ -50,7 +50,7 @@ int main(int argc, char** argv) {
     CK(cudaDeviceSynchronize());
     const hk_i64 ldp = N, part_group = (hk_i64)mp * ldp, part_seg = part_group;
     const hk_i64 ap_ = (hk_i64)a_plane, ag = (hk_i64)(2 * a_plane), wp_ = (hk_i64)w_plane, wg = (hk_i64)(WP * w_plane);
-    const dim3 rgrid((unsigned)((N + 255) / 256), (unsigned)M);
+    const dim3 rgrid((unsigned)((N + 1023) / 1024), (unsigned)M);
     auto reduce = [&](float* o) {
         st_reduce<<<rgrid, 256>>>(part, part_seg, part_group, (int)ldp, M, N, S, 1, 0, o, N, 0, nullptr, 0, 1, 1, 1);
     };

@@ -209,8 +209,10 @@ extern "C" __global__ void mla_partial_f64(
 #define MLA_TC_CH (MLA_TC_W / 4)     // 16-byte pieces of a row
 #define MLA_TC_SP 20                 // row stride (doubles) of the score and weight tiles
 
-// Shared memory of mla_partial_tc<NW>, in bytes.
-#define MLA_TC_SMEM(nw) ((((nw) * 8 + 8) * MLA_TC_SP + 8) * 8 + 2 * MLA_TC_TILE * MLA_TC_W * 4)
+// Shared memory of mla_partial_tc<NW> (f32 tiles) and of st_mla_part_tc
+// (16-bit tiles), in bytes.
+#define MLA_TC_SMEM_ELEM(nw, eb) ((((nw) * 8 + 8) * MLA_TC_SP + 8) * 8 + 2 * MLA_TC_TILE * MLA_TC_W * (eb))
+#define MLA_TC_SMEM(nw) MLA_TC_SMEM_ELEM(nw, 4)
 
 // D = A . B + C for one 8x8x4 f64 tile of a warp: lane holds a = A[lane / 4][lane % 4],
 // b = B[lane % 4][lane / 4], c0, c1 = C[lane / 4][2 * (lane % 4) + {0, 1}].
@@ -247,27 +249,33 @@ static __device__ __forceinline__ void mla_tc_load(float* dst, const float* src,
     }
 }
 
-// Where a chunk's rows come from: `Src` fills the double-buffered row tiles.
+// Where a chunk's rows come from: `Src` fills the double-buffered row tiles
+// (TILE_BYTES each, in the source's own element type) and reads them back.
 //   start(sR)      tile 0 into buffer 0 (complete after wait() and a barrier)
 //   wait()         the tile begun last is in (cp.async sources)
 //   begin(sR, t)   starts tile t into buffer t & 1 (after the barrier that
 //                  freed it)
 //   land(sR, t)    finishes tile t (register-staged sources store it here;
 //                  the next barrier publishes it)
+//   ld4(tile, r, c)  columns 4c .. 4c + 3 of tile row r, widened to f32
 // The math below is one code for every source, so a chunk's partial is the
 // same bits wherever its rows live.
 //
 // Contiguous f32 rows (the ragged partial of the generic path): cp.async.
 struct MlaRowsF32 {
+    static constexpr int TILE_BYTES = MLA_TC_TILE * MLA_TC_W * 4;
     const float* rb;
     hk_i64 n;
-    __device__ void start(float* sR) { mla_tc_load(sR, rb, n, 0); hk_cp_commit(); }
+    __device__ void start(unsigned char* sR) { mla_tc_load((float*)sR, rb, n, 0); hk_cp_commit(); }
     __device__ void wait() { hk_cp_wait_all(); }
-    __device__ void begin(float* sR, int t) {
-        mla_tc_load(sR + (t & 1) * MLA_TC_TILE * MLA_TC_W, rb, n, (hk_i64)t * MLA_TC_TILE);
+    __device__ void begin(unsigned char* sR, int t) {
+        mla_tc_load((float*)(sR + (t & 1) * TILE_BYTES), rb, n, (hk_i64)t * MLA_TC_TILE);
         hk_cp_commit();
     }
-    __device__ void land(float*, int) {}
+    __device__ void land(unsigned char*, int) {}
+    __device__ float4 ld4(const unsigned char* tile, int r, int c) const {
+        return *(const float4*)((const float*)tile + r * MLA_TC_W + 4 * mla_tc_pos(r, c));
+    }
 };
 
 // The chunk's partial (m, l, acc) for heads h0 .. h0 + 7 of request b over
@@ -286,7 +294,7 @@ static __device__ __forceinline__ void mla_partial_tc_body(
     double* sS = smem;              // [NW][8][SP] the warps' partial scores
     double* sP = sS + NW * 8 * SP;  // [8][SP] e of the tile
     double* sF = sP + 8 * SP;       // [8] rescale factor of the tile
-    float* sR = (float*)(sF + 8);   // [2][T][W] row tiles (swizzled pieces)
+    unsigned char* sR = (unsigned char*)(sF + 8);  // [2] row tiles (Src's layout)
 
     const int tid = threadIdx.x;
     const int lane = tid & 31;
@@ -326,14 +334,14 @@ static __device__ __forceinline__ void mla_partial_tc_body(
         src.wait();
         __syncthreads();  // tile it is in; every warp is done with tile it - 1
         if (it + 1 < ntiles) src.begin(sR, it + 1);
-        const float* tR = sR + (it & 1) * T * W;
+        const unsigned char* tR = sR + (it & 1) * Src::TILE_BYTES;
 
         // 1. Partial scores over this warp's column blocks.
-        double c[2][4][2];
+        double c[2][2][2];
 #pragma unroll
         for (int g = 0; g < 2; ++g)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) c[g][i][0] = c[g][i][1] = 0.0;
+            for (int i = 0; i < 2; ++i) c[g][i][0] = c[g][i][1] = 0.0;
 #pragma unroll
         for (int t = 0; t < KB; ++t) {
             const int jb = w + NW * t;
@@ -341,11 +349,11 @@ static __device__ __forceinline__ void mla_partial_tc_body(
 #pragma unroll
                 for (int g = 0; g < 2; ++g) {
                     const int r = 8 * g + g4;
-                    const float4 v = *(const float4*)(tR + r * W + 4 * mla_tc_pos(r, 4 * jb + k4));
+                    const float4 v = src.ld4(tR, r, 4 * jb + k4);
                     hk_dmma(c[g][0][0], c[g][0][1], qa[t][0], (double)v.x);
                     hk_dmma(c[g][1][0], c[g][1][1], qa[t][1], (double)v.y);
-                    hk_dmma(c[g][2][0], c[g][2][1], qa[t][2], (double)v.z);
-                    hk_dmma(c[g][3][0], c[g][3][1], qa[t][3], (double)v.w);
+                    hk_dmma(c[g][0][0], c[g][0][1], qa[t][2], (double)v.z);
+                    hk_dmma(c[g][1][0], c[g][1][1], qa[t][3], (double)v.w);
                 }
             }
         }
@@ -353,7 +361,7 @@ static __device__ __forceinline__ void mla_partial_tc_body(
         for (int g = 0; g < 2; ++g)
 #pragma unroll
             for (int j = 0; j < 2; ++j)
-                sS[(w * 8 + g4) * SP + 8 * g + 2 * k4 + j] = ((c[g][0][j] + c[g][1][j]) + c[g][2][j]) + c[g][3][j];
+                sS[(w * 8 + g4) * SP + 8 * g + 2 * k4 + j] = c[g][0][j] + c[g][1][j];
         __syncthreads();
 
         // 2. Online softmax of the tile, one thread per (head, row).
@@ -400,7 +408,7 @@ static __device__ __forceinline__ void mla_partial_tc_body(
             const double a = sP[g4 * SP + r];
 #pragma unroll
             for (int u = 0; u < UB; ++u) {
-                const float4 v = *(const float4*)(tR + r * W + 4 * mla_tc_pos(r, 8 * (w + NW * u) + g4));
+                const float4 v = src.ld4(tR, r, 8 * (w + NW * u) + g4);
                 hk_dmma(acc[u][0][0], acc[u][0][1], a, (double)v.x);
                 hk_dmma(acc[u][1][0], acc[u][1][1], a, (double)v.y);
                 hk_dmma(acc[u][2][0], acc[u][2][1], a, (double)v.z);
@@ -649,54 +657,46 @@ static __device__ __forceinline__ const unsigned char* st_mla_row(
 }
 
 // 16-bit rows of the rank's mla.kv region, paged through the request's block
-// table (the fused decode step, K3's row shape): each thread holds its
-// 16-byte pieces of the next tile in registers while the current one is
-// computed, then widens them to f32 into the tile (bf16 and f16 widen exactly).
-#define MLA_PG_PIECES ((MLA_TC_TILE * (MLA_TC_W / 8) + 255) / 256)  // per thread, 256 threads
+// table (the fused decode step, K3's row shape), copied as they are (cp.async,
+// no registers held across the tile's math) into 16-bit tiles: a row is 72
+// pieces of 16 bytes (8 values), piece c of row r at mla_tc_pos(r, c), which
+// keeps both of the math's read patterns at two wavefronts a warp. ld4 widens
+// to f32 (bf16 and f16 widen exactly), so the math sees the values the f32
+// tiles would hold.
+#define MLA_PG_CH (MLA_TC_W / 8)  // 16-byte pieces of a 16-bit row
 struct MlaRowsPaged {
-    const int* tick;
-    int blk, maxblk, bmax, rk, b, r0, bs, tb, dt;
-    const unsigned long long* mla_rows;
+    static constexpr int TILE_BYTES = MLA_TC_TILE * MLA_TC_W * 2;
+    const int* bt;              // the request's block table on this rank
+    const unsigned char* base;  // the rank's mla.kv region
     hk_i64 block_stride;
+    int r0, bs, tb, dt;
     hk_i64 n;
-    uint4 reg[MLA_PG_PIECES];
-    __device__ const unsigned char* row(int lp) const {
-        return st_mla_row(tick, blk, maxblk, bmax, rk, b, lp, bs, mla_rows, block_stride, tb);
-    }
-    __device__ void fetch(int t) {
-#pragma unroll
-        for (int i = 0; i < MLA_PG_PIECES; ++i) {
-            const int q = threadIdx.x + 256 * i;
-            const int r = q / (MLA_TC_W / 8);
-            const int c = q % (MLA_TC_W / 8);
+    __device__ void load(unsigned char* dst, int t) const {
+        for (int q = threadIdx.x; q < MLA_TC_TILE * MLA_PG_CH; q += blockDim.x) {
+            const int r = q / MLA_PG_CH;
+            const int c = q - r * MLA_PG_CH;
             const hk_i64 g = (hk_i64)t * MLA_TC_TILE + r;
-            reg[i] = make_uint4(0u, 0u, 0u, 0u);
-            if (r < MLA_TC_TILE && g < n) reg[i] = *(const uint4*)(row(r0 + (int)g) + 16 * c);
+            const bool valid = g < n;
+            const int lp = r0 + (valid ? (int)g : 0);
+            const unsigned char* src = base + (unsigned long long)bt[lp / bs] * block_stride + (hk_i64)(lp % bs) * tb + 16 * c;
+            hk_cp16(dst + r * (MLA_TC_W * 2) + 16 * mla_tc_pos(r, c), src, valid);
         }
     }
-    __device__ void store(float* dst) {
-#pragma unroll
-        for (int i = 0; i < MLA_PG_PIECES; ++i) {
-            const int q = threadIdx.x + 256 * i;
-            const int r = q / (MLA_TC_W / 8);
-            const int c = q % (MLA_TC_W / 8);
-            if (r >= MLA_TC_TILE) continue;
-            const unsigned u[4] = {reg[i].x, reg[i].y, reg[i].z, reg[i].w};
-            float v[8];
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const unsigned short lo = (unsigned short)(u[k] & 0xffffu), hi = (unsigned short)(u[k] >> 16);
-                v[2 * k] = dt == 1 ? hk_bf16_to_f32(lo) : hk_f16_to_f32(lo);
-                v[2 * k + 1] = dt == 1 ? hk_bf16_to_f32(hi) : hk_f16_to_f32(hi);
-            }
-            *(float4*)(dst + r * MLA_TC_W + 4 * mla_tc_pos(r, 2 * c)) = make_float4(v[0], v[1], v[2], v[3]);
-            *(float4*)(dst + r * MLA_TC_W + 4 * mla_tc_pos(r, 2 * c + 1)) = make_float4(v[4], v[5], v[6], v[7]);
-        }
+    __device__ void start(unsigned char* sR) { load(sR, 0); hk_cp_commit(); }
+    __device__ void wait() { hk_cp_wait_all(); }
+    __device__ void begin(unsigned char* sR, int t) {
+        load(sR + (t & 1) * TILE_BYTES, t);
+        hk_cp_commit();
     }
-    __device__ void start(float* sR) { fetch(0); store(sR); }
-    __device__ void wait() {}
-    __device__ void begin(float*, int t) { fetch(t); }
-    __device__ void land(float* sR, int t) { store(sR + (t & 1) * MLA_TC_TILE * MLA_TC_W); }
+    __device__ void land(unsigned char*, int) {}
+    __device__ float4 ld4(const unsigned char* tile, int r, int c) const {
+        const uint2 u = *(const uint2*)(tile + r * (MLA_TC_W * 2) + 16 * mla_tc_pos(r, c >> 1) + 8 * (c & 1));
+        if (dt == 1)
+            return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u),
+                               __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u));
+        return make_float4(hk_f16_to_f32((unsigned short)(u.x & 0xffffu)), hk_f16_to_f32((unsigned short)(u.x >> 16)),
+                           hk_f16_to_f32((unsigned short)(u.y & 0xffffu)), hk_f16_to_f32((unsigned short)(u.y >> 16)));
+    }
 };
 
 // The fused step's partials on the f64 tensor cores (L = 512, R = 64, 16-bit
@@ -708,10 +708,12 @@ struct MlaRowsPaged {
 // a multiprocessor (198 registers, 85 KB of tiles) their launches took most
 // of the kernel's 133 us at B = 88. So a block walks the possible chunks
 // it = blockIdx.x, + gridDim.x, ... in chunk-major order (c, b, j), skipping
-// empty ones in a few instructions; the live chunks come first. parts as
-// st_mla_part's. Launch: grid (any, H / 8); block 256; dynamic shared memory
-// MLA_TC_SMEM(8).
-extern "C" __global__ void __launch_bounds__(256) st_mla_part_tc(
+// empty ones in a few instructions; the live chunks come first. The 16-bit
+// tiles (47 KB a block) and at most 128 registers let two blocks share a
+// multiprocessor, so one block's barriers and f64 latencies hide behind the
+// other's work. parts as st_mla_part's. Launch: grid (any, H / 8); block 256;
+// dynamic shared memory MLA_TC_SMEM_ELEM(8, 2).
+extern "C" __global__ void __launch_bounds__(256, 2) st_mla_part_tc(
     const float* __restrict__ q_lat, const int* __restrict__ tick, int pos, int blk, int maxblk, int bmax,
     int dcp, int interleave, int bs, int hg,
     const unsigned long long* __restrict__ mla_rows, hk_i64 block_stride, int tb, int dt,
@@ -729,18 +731,14 @@ extern "C" __global__ void __launch_bounds__(256) st_mla_part_tc(
         const int r0 = c * chunk;
         if (r0 >= nj) continue;  // uniform in the block
         MlaRowsPaged src;
-        src.tick = tick;
-        src.blk = blk;
-        src.maxblk = maxblk;
-        src.bmax = bmax;
-        src.rk = (h0 / hg) * dcp + j;
-        src.b = b;
+        const int rk = (h0 / hg) * dcp + j;
+        src.bt = tick + blk + (rk * bmax + b) * maxblk;
+        src.base = (const unsigned char*)mla_rows[rk];
+        src.block_stride = block_stride;
         src.r0 = r0;
         src.bs = bs;
         src.tb = tb;
         src.dt = dt;
-        src.mla_rows = mla_rows;
-        src.block_stride = block_stride;
         src.n = nj - r0 < chunk ? nj - r0 : chunk;
         const hk_i64 head_stride = (hk_i64)dcp * maxc * (MLA_TC_L + 2);
         double* p = parts + ((((hk_i64)b * heads + h0) * dcp + j) * maxc + c) * (MLA_TC_L + 2);

@@ -57,6 +57,18 @@ static __device__ __forceinline__ float st_ld_cg(const float* p) {
 #endif
 }
 
+// Four adjacent partials (16-byte aligned), L2 only, as st_ld_cg.
+static __device__ __forceinline__ float4 st_ld_cg4(const float* p) {
+#ifdef __HIPCC__
+    const volatile float* q = (const volatile float*)p;
+    return make_float4(q[0], q[1], q[2], q[3]);
+#else
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+    return v;
+#endif
+}
+
 // What a product's sums feed (mode), one output element at a time:
 //   0 store     out[m * ldo + g * gcol + n] = sum
 //   1 residual  out[m * ldo + n] += sum            (h = h + the all-reduce)
@@ -88,6 +100,31 @@ static __device__ __forceinline__ float st_seg_sum(const float* q, hk_i64 seg, i
 #pragma unroll
         for (int i = 0; i < 8; ++i)
             if (x + i < S) v = x + i == 0 ? t[i] : v + t[i];
+    }
+    return v;
+}
+
+// st_seg_sum of four adjacent elements at once (q 16-byte aligned): each
+// element's partials added in segment order, the same sums as four
+// st_seg_sum calls, with four times the bytes of each load.
+static __device__ __forceinline__ float4 st_seg_sum4(const float* q, hk_i64 seg, int S) {
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int x = 0; x < S; x += 8) {
+        float4 t[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) t[i] = x + i < S ? st_ld_cg4(q + (hk_i64)(x + i) * seg) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            if (x + i < S) {
+                if (x + i == 0) {
+                    v = t[i];
+                } else {
+                    v.x = v.x + t[i].x;
+                    v.y = v.y + t[i].y;
+                    v.z = v.z + t[i].z;
+                    v.w = v.w + t[i].w;
+                }
+            }
     }
     return v;
 }
@@ -369,8 +406,11 @@ static __device__ __forceinline__ void st_mm_body(
 // (st_mm_few's way), which would leave one block a column group working
 // while the rest of the device waits. One block row a (group, row) pair, so
 // the index math is one division a block, not 64-bit divisions an element
-// (they cost more than the loads). Launch: grid (ceil(ncols / 256), min(G *
-// M, 65535)); block 256.
+// (they cost more than the loads). A thread takes four adjacent elements
+// with 16-byte loads (partial rows are nt * 16 floats, so four from a
+// multiple of four never straddle a row, nor, for mode 2, a gate/up group of
+// eight); each element's sum is st_finish's, in segment order. Launch: grid
+// (ceil(ncols / 1024), min(G * M, 65535)); block 256.
 extern "C" __global__ void st_reduce(
     const float* __restrict__ part, hk_i64 part_seg, hk_i64 part_group, int ldp,
     int M, int ncols, int S, int G,
@@ -378,13 +418,42 @@ extern "C" __global__ void st_reduce(
     unsigned short* __restrict__ ap, hk_i64 ap_plane, int akt, int uw, int uwp)
 {
     const StEpi e{mode, out, ldo, gcol, ap, ap_plane, akt, uw, uwp};
-    const int n = blockIdx.x * blockDim.x + threadIdx.x;
+    const int n = 4 * (blockIdx.x * blockDim.x + threadIdx.x);
     if (n >= ncols) return;
+    const bool whole = n + 4 <= ncols;
     // Block rows past the grid's y limit (65535) stride over the rest.
     for (unsigned y = blockIdx.y; y < (unsigned)G * (unsigned)M; y += gridDim.y) {
         const int r = (int)(y % (unsigned)M);
         const int g = (int)(y / (unsigned)M);
-        st_finish(part + (hk_i64)g * part_group, part_seg, ldp, S, r, n, g, e);
+        const float* pg = part + (hk_i64)g * part_group;
+        if (!whole) {
+            for (int i = 0; n + i < ncols; ++i) st_finish(pg, part_seg, ldp, S, r, n + i, g, e);
+            continue;
+        }
+        if (mode == 2) {
+            const float* q = pg + (hk_i64)r * ldp + (n / 8) * 16 + n % 8;
+            const float4 gv = st_seg_sum4(q, part_seg, S);
+            const float4 uv = st_seg_sum4(q + 8, part_seg, S);
+            const float gs[4] = {gv.x, gv.y, gv.z, gv.w};
+            const float us[4] = {uv.x, uv.y, uv.z, uv.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                st_pack(ap, ap_plane, 2, r, ((n + i) / uw) * uwp + (n + i) % uw, akt, hk_silu(gs[i]) * us[i]);
+            continue;
+        }
+        const float4 v4 = st_seg_sum4(pg + (hk_i64)r * ldp + n, part_seg, S);
+        const float v[4] = {v4.x, v4.y, v4.z, v4.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            if (mode == 0) {
+                out[(hk_i64)r * ldo + (hk_i64)g * gcol + n + i] = v[i];
+            } else if (mode == 1) {
+                float* o = out + (hk_i64)r * ldo + n + i;
+                *o = *o + v[i];
+            } else {
+                st_pack(ap, ap_plane, 2, r, g * gcol + n + i, akt, v[i]);
+            }
+        }
     }
 }
 

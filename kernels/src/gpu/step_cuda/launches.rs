@@ -190,7 +190,8 @@ impl MmFuncs {
             Launch {
                 f: self.reduce.cu_function(),
                 name: "st_reduce",
-                grid: (ncols.div_ceil(256).max(1) as u32, (groups * m).min(65535) as u32, 1),
+                // Four elements a thread (st_reduce).
+                grid: (ncols.div_ceil(1024).max(1) as u32, (groups * m).min(65535) as u32, 1),
                 block: 256,
                 smem: 0,
                 args: red,

@@ -68,8 +68,9 @@ const ST_WG_THREADS: u32 = 256;
 /// sm_90 block may have 227 KiB in all, static (st_last_finish's flag) and
 /// dynamic together, so 1 KiB stays free of the dynamic part.
 const MM_SMEM_MAX: u32 = 226 * 1024;
-/// MLA_TC_SMEM(8) of mla.hip: the tensor-core partial's shared memory.
-const MLA_TC_SMEM8: u32 = (((8 * 8 + 8) * 20 + 8) * 8 + 2 * 16 * 576 * 4) as u32;
+/// MLA_TC_SMEM_ELEM(8, 2) of mla.hip: the tensor-core partial's shared memory
+/// (16-bit row tiles).
+const MLA_TC_SMEM8: u32 = (((8 * 8 + 8) * 20 + 8) * 8 + 2 * 16 * 576 * 2) as u32;
 
 /// The captured graph of one bucket (cudarc's graph is not Send; the step is
 /// used by one thread at a time, through `&mut`).
@@ -583,7 +584,7 @@ impl CudaStep {
                                 f: fun(&f.mla_part_tc),
                                 name: "st_mla_part_tc",
                                 // Grid-stride over the possible chunks (st_mla_part_tc): two
-                                // blocks a multiprocessor's worth (one is resident).
+                                // blocks a multiprocessor's worth, both resident.
                                 grid: ((bp * p.dcp * maxc).min((2 * sms).div_ceil(hm / 8)) as u32, (hm / 8) as u32, 1),
                                 block: 256,
                                 smem: MLA_TC_SMEM8,
