@@ -15,6 +15,6 @@ pub mod vocab;
 pub use config::{Config, ConfigError, Topology};
 pub use failure::{Cause, Failure, PeerLoss, ProcessRole};
 pub use layout::{RankLayout, RegionLayout, SegmentSpec};
-pub use plan::{Descriptor, Plan};
+pub use plan::{Descriptor, Plan, StagedRows};
 pub use sampling::Sampling;
 pub use vocab::{DecodeRank, Dtype, LayerKind, ModuleLayer, PrefillRank, RegionKind};

@@ -224,6 +224,13 @@ pub enum TransportError {
     PoolExhausted { buffers: u32, bytes: u64, waited: Duration },
     #[error("gave up after {attempts} attempts: {last}")]
     RetriesExhausted { attempts: u32, last: Box<TransportError> },
+    /// A staged group whose positions cannot be computed (its own check).
+    #[error("staged group refused: {0}")]
+    Staged(#[from] handoff_components::plan::StagedError),
+    /// A staged group whose block tables reach past a region, or that names
+    /// another kind than the destination holds.
+    #[error("staged {kind} group reaches {side} byte {end}, past the {len}-byte {region} region")]
+    StagedOutOfBounds { kind: RegionKind, side: Side, end: u64, len: u64, region: RegionKind },
 }
 
 impl TransportError {

@@ -7,11 +7,17 @@
 //! from a bounded [`StagingPool`], then written as one contiguous descriptor. The
 //! [`Stager`] caps descriptors per batch (`transport.max_batch`), keeps the pool's
 //! buffers in flight, and retries transient failures with exponential backoff.
+//!
+//! The planner's staged groups ([`StagedRows`], rows whose producer and consumer
+//! blocks do not line up) run through the same pool: [`Stager::transfer_staged`]
+//! gathers each write's rows into one buffer (contiguous reads), writes the buffer
+//! as one batch whose descriptors land the rows in the consumer's blocks, and
+//! waits for a buffer when the pool is out, however long, instead of failing.
 
-use super::{RegionHandle, RemoteRegion, Result, Transport, TransportError, TransportExt, validate};
+use super::{RegionHandle, RemoteRegion, Result, Side, Transport, TransportError, TransportExt, validate};
 use crate::base::lock;
 use handoff_components::config::TransportConfig;
-use handoff_components::plan::Descriptor;
+use handoff_components::plan::{Descriptor, StagedError, StagedRows, StagedWrite};
 use handoff_components::vocab::{RankId, RegionKind};
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex};
@@ -107,6 +113,35 @@ impl StagingPool {
                 Ok((g, _)) => g,
                 Err(p) => p.into_inner().0,
             };
+        }
+    }
+}
+
+impl StagingPool {
+    /// Waits for a free buffer for as long as it takes, and says whether it had to:
+    /// a staged write that cannot get staging waits and is never refused for it
+    /// (issue 21). Every lent buffer comes back when the batch that holds it
+    /// completes or fails, each of those waits bounded, so this wait ends too;
+    /// `patience` only spaces the log lines that say it is still waiting.
+    pub fn acquire_waiting(&self, patience: Duration) -> (StagingBuffer<'_>, bool) {
+        let mut waited = false;
+        let mut free = lock(&self.free);
+        loop {
+            if let Some(h) = free.pop() {
+                return (StagingBuffer { pool: self, handle: Some(h) }, waited);
+            }
+            waited = true;
+            let (guard, timed_out) = match self.cv.wait_timeout(free, patience.max(Duration::from_millis(1))) {
+                Ok((g, t)) => (g, t.timed_out()),
+                Err(p) => {
+                    let (g, t) = p.into_inner();
+                    (g, t.timed_out())
+                }
+            };
+            free = guard;
+            if timed_out {
+                tracing::info!(buffers = self.buffers, bytes = self.bytes, ?patience, "staging: still waiting for a buffer");
+            }
         }
     }
 }
@@ -226,6 +261,29 @@ pub struct StagedStats {
     pub bytes: u64,
 }
 
+/// What [`Stager::transfer_staged`] did with one staged group.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StagedGroupStats {
+    /// Writes in the group, and buffers written (more when a write was cut for a
+    /// larger buffer than this pool's).
+    pub writes: usize,
+    pub buffers: usize,
+    /// Contiguous reads into staging, and landing descriptors out of it.
+    pub gather_pieces: u64,
+    pub landing_descriptors: u64,
+    pub batches: usize,
+    pub bytes: u64,
+    /// Buffers that had to be waited for (the pool was out).
+    pub waits: usize,
+}
+
+/// One staging buffer of a staged group in flight: its landing batches (more than
+/// one only past `max_batch` landing descriptors) and the buffer they read.
+struct GroupInFlight<'a> {
+    buf: StagingBuffer<'a>,
+    batches: Vec<(Vec<Descriptor>, Result<super::BatchId>)>,
+}
+
 /// A staged batch in flight: its buffer stays borrowed until the batch is done.
 struct InFlight<'a> {
     buf: StagingBuffer<'a>,
@@ -336,6 +394,144 @@ impl Stager {
             self.finish(dst, done, &mut stats)?;
         }
         Ok(stats)
+    }
+
+    /// Writes one staged group from local `src` into attached `dst`: each write's
+    /// rows are gathered into a buffer of the pool, written as one batch whose
+    /// descriptors land them in the consumer's blocks, with up to the pool's
+    /// buffers in flight. A write larger than this pool's buffers is cut to fit.
+    /// The group and its block tables are checked against both regions first: a
+    /// bad group moves nothing. With every buffer out, it waits for one
+    /// ([`StagingPool::acquire_waiting`]) rather than fail.
+    pub fn transfer_staged(&self, src: &RegionHandle, dst: RemoteRegion, group: &StagedRows) -> Result<StagedGroupStats> {
+        group.check()?;
+        let kind = group.kind;
+        for (side, end, len, region) in [(Side::Src, group.src_end()?, src.len, src.kind), (Side::Dst, group.dst_end()?, dst.len, dst.kind)] {
+            if end > len || region != kind {
+                return Err(TransportError::StagedOutOfBounds { kind, side, end, len, region });
+            }
+        }
+        let tb = group.token_bytes;
+        let per = self.pool.bytes / tb;
+        if per == 0 {
+            return Err(StagedError::TooLarge { kind, index: 0, bytes: tb, staging: self.pool.bytes }.into());
+        }
+        let mut stats = StagedGroupStats { writes: group.writes.len(), ..StagedGroupStats::default() };
+        let mut in_flight: VecDeque<GroupInFlight<'_>> = VecDeque::new();
+        let mut failed = None;
+        'writes: for w in &group.writes {
+            let mut start = w.start;
+            while start < w.end {
+                let part = StagedWrite { row: w.row, start, end: (start + per).min(w.end) };
+                let buf = match self.pool.try_acquire() {
+                    Some(b) => b,
+                    None => {
+                        // Our own oldest buffer first: waiting on the pool while
+                        // holding buffers we could free would wait on ourselves.
+                        if let Some(done) = in_flight.pop_front()
+                            && let Err(e) = self.finish_group(dst, done, &mut stats)
+                        {
+                            failed = Some(e);
+                            break 'writes;
+                        }
+                        let (b, waited) = self.pool.acquire_waiting(self.timeout);
+                        stats.waits += usize::from(waited);
+                        b
+                    }
+                };
+                let landing = match self.gather(src, &buf, group, part, &mut stats) {
+                    Ok(l) => l,
+                    Err(e) => {
+                        failed = Some(e);
+                        break 'writes;
+                    }
+                };
+                let batches = landing.chunks(self.max_batch).map(|c| (c.to_vec(), self.transport.submit(buf.handle(), dst, c))).collect();
+                in_flight.push_back(GroupInFlight { buf, batches });
+                stats.buffers += 1;
+                stats.bytes += (part.end - part.start) * tb;
+                start = part.end;
+            }
+        }
+        // Every submitted batch is waited for, even after a failure, so that no
+        // buffer goes back to the pool while a batch may still read it.
+        while let Some(done) = in_flight.pop_front() {
+            if let Err(e) = self.finish_group(dst, done, &mut stats) {
+                failed.get_or_insert(e);
+            }
+        }
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(stats),
+        }
+    }
+
+    /// Copies write `w`'s rows from `src` into `buf`, merging reads that continue
+    /// each other, and returns the descriptors that land the buffer's bytes.
+    fn gather(&self, src: &RegionHandle, buf: &StagingBuffer<'_>, group: &StagedRows, w: StagedWrite, stats: &mut StagedGroupStats) -> Result<Vec<Descriptor>> {
+        let kind = group.kind;
+        let mut landing: Vec<Descriptor> = Vec::new();
+        let mut reads = 0u64;
+        let t = &self.transport;
+        let mut inner = Ok(());
+        t.with_region(src, &mut |s| {
+            inner = t.with_region_mut(buf.handle(), &mut |stage| {
+                // The read being extended: (source offset, staging offset, bytes).
+                let mut read: Option<(u64, u64, u64)> = None;
+                let mut flush = |r: (u64, u64, u64)| {
+                    let (a, b, n) = (r.0 as usize, r.1 as usize, r.2 as usize);
+                    stage[b..b + n].copy_from_slice(&s[a..a + n]);
+                };
+                for p in group.pieces(w) {
+                    match &mut read {
+                        Some(r) if r.0 + r.2 == p.src && r.1 + r.2 == p.stage => r.2 += p.len,
+                        _ => {
+                            if let Some(r) = read.replace((p.src, p.stage, p.len)) {
+                                flush(r);
+                                reads += 1;
+                            }
+                        }
+                    }
+                    match landing.last_mut() {
+                        Some(d) if d.src_offset + d.len == p.stage && d.dst_offset + d.len == p.dst => d.len += p.len,
+                        _ => landing.push(Descriptor::copy(kind, p.stage, p.dst, p.len)),
+                    }
+                }
+                if let Some(r) = read {
+                    flush(r);
+                    reads += 1;
+                }
+            });
+        })?;
+        inner?;
+        stats.gather_pieces += reads;
+        stats.landing_descriptors += landing.len() as u64;
+        Ok(landing)
+    }
+
+    /// Waits for one buffer's landing batches, rewriting a transiently failed one
+    /// from the still-held buffer (the same bytes to the same place).
+    fn finish_group(&self, dst: RemoteRegion, GroupInFlight { buf, batches }: GroupInFlight<'_>, stats: &mut StagedGroupStats) -> Result<()> {
+        let mut first = Ok(());
+        for (descs, batch) in batches {
+            let r = match batch.and_then(|b| self.transport.wait(b, self.timeout)) {
+                Err(e) if e.is_transient() && self.retry.attempts > 1 && first.is_ok() => {
+                    let retry = RetryPolicy { attempts: self.retry.attempts - 1, ..self.retry };
+                    retry.run(|_| self.transport.transfer(buf.handle(), dst, &descs, self.timeout))
+                }
+                r => r,
+            };
+            match r {
+                Ok(()) => stats.batches += 1,
+                Err(e) => {
+                    if first.is_ok() {
+                        first = Err(e);
+                    }
+                }
+            }
+        }
+        drop(buf);
+        first
     }
 
     /// Waits for one staged batch; on a transient failure rewrites it from the

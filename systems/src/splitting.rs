@@ -5,8 +5,9 @@
 use crate::coalesce::Coalescer;
 pub use crate::share::{Share, share};
 use handoff_components::layout::{ConsumerLayout, ProducerLayout, RegionLayout};
-use handoff_components::plan::{Descriptor, Plan};
+use handoff_components::plan::{Descriptor, Plan, StagedBlocks, StagedRows, StagedWrite};
 use handoff_components::vocab::{Distribution, ModuleLayer, RegionKind};
+use std::sync::{Arc, OnceLock};
 use thiserror::Error;
 
 /// Why a pair cannot be planned. Each names the values involved.
@@ -107,6 +108,11 @@ pub struct ProducerPlanner<'a> {
     tokens: u64,
     /// Physically contiguous runs of the producer's blocks, per paged region.
     src_runs: Vec<(RegionKind, Vec<BlockRun>)>,
+    /// Set by [`ProducerPlanner::staging`]: the staging buffer's bytes.
+    staging: Option<u64>,
+    /// The producer's block table that every staged group of this producer
+    /// shares, made when the first group is.
+    src_table: OnceLock<Arc<[u32]>>,
 }
 
 impl<'a> ProducerPlanner<'a> {
@@ -119,13 +125,34 @@ impl<'a> ProducerPlanner<'a> {
             // A producer's own blocks: checked per pair, against its own region, in `plan_rows`.
             .map(|r| (r.kind, runs(&producer.blocks, r.block_size, r.unit_stride, r.token_bytes, tokens, None).unwrap_or_default()))
             .collect();
-        ProducerPlanner { producer, tokens, src_runs }
+        ProducerPlanner { producer, tokens, src_runs, staging: None, src_table: OnceLock::new() }
+    }
+
+    /// Plans token rows whose blocks do not line up as staged groups cut for
+    /// buffers of `bytes` (docs/design.md section 4, "Coalescing"), where that
+    /// takes fewer writes than descriptors would; `None` plans every row as
+    /// descriptors. Only for a mover that runs staged groups
+    /// ([`crate::transfer::Mover::staging_bytes`]).
+    pub fn staging(mut self, bytes: Option<u64>) -> Self {
+        self.staging = bytes.filter(|&b| b > 0);
+        self
+    }
+
+    /// The producer's blocks that hold the request's positions, shared: a spare
+    /// block past them may lie anywhere, and a group's bounds are taken over its
+    /// whole table.
+    fn src_table(&self, block_size: u32) -> Arc<[u32]> {
+        let need = |bs: u32| (self.tokens.div_ceil(u64::from(bs.max(1))) as usize).min(self.producer.blocks.len());
+        let table = self.src_table.get_or_init(|| Arc::from(&self.producer.blocks[..need(block_size)]));
+        // Paged kinds share the prefill block size; another would need its own cut.
+        if table.len() == need(block_size) { Arc::clone(table) } else { Arc::from(&self.producer.blocks[..need(block_size)]) }
     }
 
     pub fn plan(&self, consumer: &ConsumerLayout, share: Share) -> Result<Plan, SplitError> {
         check_consumer(consumer)?;
         let producer = self.producer;
         let mut out = Coalescer::default();
+        let mut staged = Vec::new();
         let mut uncoalesced = 0u64;
         let mut pairs = Vec::new();
         for src in &producer.layout.regions {
@@ -144,13 +171,15 @@ impl<'a> ProducerPlanner<'a> {
             uncoalesced += match src.kind.distribution() {
                 Distribution::TokenSharded => {
                     let src_runs = self.src_runs.iter().find(|(k, _)| *k == src.kind).map(|(_, r)| r.as_slice()).unwrap_or(&[]);
-                    plan_rows(producer, consumer, src, dst, src_runs, &pairs, self.tokens, &mut out)?
+                    let src_table = || self.src_table(src.block_size);
+                    let rows = RowsOut { descriptors: &mut out, staged: &mut staged, staging: self.staging, src_table: &src_table };
+                    plan_rows(producer, consumer, src, dst, src_runs, &pairs, self.tokens, rows)?
                 }
                 Distribution::HeadSplit => plan_heads(producer, consumer, src, dst, &pairs, &mut out)?,
                 Distribution::Replicated => plan_whole(producer, consumer, src, dst, &pairs, &mut out)?,
             };
         }
-        Ok(Plan { producer: producer.rank, consumer: consumer.rank, descriptors: out.finish(), uncoalesced })
+        Ok(Plan { producer: producer.rank, consumer: consumer.rank, descriptors: out.finish(), staged, uncoalesced })
     }
 }
 
@@ -262,8 +291,20 @@ fn consecutive(blocks: &[u32]) -> usize {
     n
 }
 
+/// Where [`plan_rows`] puts a kind's rows: descriptors, or one staged group when
+/// `staging` is set and staging takes fewer writes.
+struct RowsOut<'o> {
+    descriptors: &'o mut Coalescer,
+    staged: &'o mut Vec<StagedRows>,
+    staging: Option<u64>,
+    /// The producer's shared block table, asked for only when a group is made.
+    src_table: &'o dyn Fn() -> Arc<[u32]>,
+}
+
 /// Token-sharded rows: the tokens the consumer's dcp rank owns, as strided runs.
 /// The row-relative template is built once and then instantiated for every layer.
+/// Where the blocks do not line up and staging was asked for, the rows go out as
+/// one staged group instead (see [`staged_rows`]).
 #[allow(clippy::too_many_arguments)]
 fn plan_rows(
     producer: &ProducerLayout,
@@ -273,8 +314,9 @@ fn plan_rows(
     src_runs: &[BlockRun],
     pairs: &[(ModuleLayer, u64, u64)],
     tokens: u64,
-    out: &mut Coalescer,
+    rows: RowsOut<'_>,
 ) -> Result<u64, SplitError> {
+    let out = rows.descriptors;
     let kind = src.kind;
     let tb = src.token_bytes;
     if tb != dst.token_bytes {
@@ -301,6 +343,13 @@ fn plan_rows(
         index,
         units: dst.units,
     })?;
+
+    if let Some(bytes) = rows.staging
+        && let Some(group) = staged_rows(consumer, src, dst, src_runs.len() + dst_runs.len(), pairs, tokens, owned, bytes, rows.src_table)
+    {
+        rows.staged.push(group);
+        return Ok(owned * pairs.len() as u64);
+    }
 
     // Template: copies relative to the row start.
     let mut template = Coalescer::default();
@@ -361,6 +410,64 @@ fn plan_rows(
         }
     }
     Ok(owned * pairs.len() as u64)
+}
+
+/// The staged group of one kind's rows, when it takes fewer writes than the
+/// descriptors would: the template has at least one descriptor per run of
+/// physically consecutive blocks on either side (less one, where two runs end
+/// together), while a staged row takes one write per staging buffer of positions.
+/// Writes are cut at whole consumer blocks where a buffer holds one, so that each
+/// lands as whole blocks. `None`: plan descriptors (blocks that line up, or a token
+/// row larger than the buffer).
+#[allow(clippy::too_many_arguments)]
+fn staged_rows(
+    consumer: &ConsumerLayout,
+    src: &RegionLayout,
+    dst: &RegionLayout,
+    runs: usize,
+    pairs: &[(ModuleLayer, u64, u64)],
+    tokens: u64,
+    owned: u64,
+    bytes: u64,
+    src_table: &dyn Fn() -> Arc<[u32]>,
+) -> Option<StagedRows> {
+    let (tb, dbs) = (src.token_bytes, u64::from(dst.block_size));
+    let mut per = bytes / tb;
+    if per == 0 || owned == 0 {
+        return None;
+    }
+    if per >= dbs {
+        per -= per % dbs;
+    }
+    let per_row = owned.div_ceil(per);
+    if (runs as u64).saturating_sub(1) <= per_row {
+        return None;
+    }
+    // Each side's table cut to the blocks that hold the positions (see `src_table`).
+    let src_blocks = src_table();
+    let dst_blocks: Arc<[u32]> = Arc::from(&consumer.blocks[..(owned.div_ceil(dbs) as usize).min(consumer.blocks.len())]);
+    let mut writes = Vec::with_capacity(per_row as usize * pairs.len());
+    for row in 0..pairs.len() as u32 {
+        let mut start = 0;
+        while start < owned {
+            let end = (start + per).min(owned);
+            writes.push(StagedWrite { row, start, end });
+            start = end;
+        }
+    }
+    Some(StagedRows {
+        kind: src.kind,
+        token_bytes: tb,
+        tokens,
+        dcp: consumer.dcp,
+        dcp_rank: consumer.dcp_rank(),
+        interleave: consumer.interleave,
+        src: StagedBlocks { blocks: src_blocks, block_size: src.block_size, block_stride: src.unit_stride },
+        dst: StagedBlocks { blocks: dst_blocks, block_size: dst.block_size, block_stride: dst.unit_stride },
+        rows: pairs.iter().map(|&(_, s, d)| (s, d)).collect(),
+        staging_bytes: bytes,
+        writes,
+    })
 }
 
 /// Head-split state: the consumer's heads, from the producer's segment, per group.
@@ -468,8 +575,10 @@ pub fn split_requests(
     mut entries: Query<&mut ProducerEntry>,
     topo: Res<TopologyRes>,
     local: Res<LocalRanks>,
+    transfers: Option<Res<crate::transfer::Transfers>>,
 ) {
     let prefill_tp = topo.0.prefill().tp;
+    let staging = transfers.and_then(|t| t.0.staging_bytes());
     for (e, req, mut status, mut holdings, remote) in requests.iter_mut() {
         if *status != Status::Placed {
             continue;
@@ -491,7 +600,7 @@ pub fn split_requests(
         }
         let mut plans = Vec::new();
         let mut failure = None;
-        let planners: Vec<ProducerPlanner> = producers.iter().map(|p| ProducerPlanner::new(p, req.tokens)).collect();
+        let planners: Vec<ProducerPlanner> = producers.iter().map(|p| ProducerPlanner::new(p, req.tokens).staging(staging)).collect();
         'pairs: for c in &consumers {
             for p in &planners {
                 let sh = share(prefill_tp, c.tp, p.producer.rank.tp, c.rank.tp);

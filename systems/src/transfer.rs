@@ -33,6 +33,10 @@ pub enum MoveError {
     Transport(#[source] crate::error::ErrorSource),
     #[error("no write-done report from prefill pp{pp} tp{tp} within {after:?} (producer gone or stalled)")]
     NoReport { pp: u32, tp: u32, after: Duration },
+    /// The plan holds staged groups and the mover runs descriptors only: were it
+    /// submitted, their rows would never be written.
+    #[error("the plan moves {groups} staged row groups, and this mover runs descriptors only")]
+    StagingUnsupported { groups: usize },
 }
 
 /// The end of one plan's writes.
@@ -48,6 +52,13 @@ pub trait Mover: Send + Sync + 'static {
     fn submit(&mut self, ticket: Ticket, plan: &Plan) -> Result<(), MoveError>;
     /// Appends the completions that arrived since the last call.
     fn poll(&mut self, out: &mut Vec<PlanCompletion>);
+    /// The bytes of one staging buffer when this mover runs staged groups
+    /// ([`Plan::staged`]); `None`, the default, when it runs descriptors only. The
+    /// planner stages rows only for a mover that says so, since it cannot tell
+    /// from a plan whether the mover will write its groups.
+    fn staging_bytes(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// What a request fails with when the mover could not start (`what` = "submit")
@@ -93,7 +104,12 @@ pub fn submit_plans(
                 continue;
             }
             let ticket = Ticket { request: req.id, nonce: req.nonce, producer: entry.plan.producer, consumer: entry.plan.consumer };
-            match transfers.0.submit(ticket, &entry.plan) {
+            let submitted = if !entry.plan.staged.is_empty() && transfers.0.staging_bytes().is_none() {
+                Err(MoveError::StagingUnsupported { groups: entry.plan.staged.len() })
+            } else {
+                transfers.0.submit(ticket, &entry.plan)
+            };
+            match submitted {
                 Ok(()) => entry.state = WriteState::InFlight,
                 Err(e) => {
                     *status = Status::Failed(move_failure(&ticket, "submit", &e));

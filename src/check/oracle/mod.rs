@@ -32,10 +32,9 @@
 //! pattern byte can never be mistaken for a canary byte, whatever the data.
 
 use handoff_components::Topology;
-use handoff_components::plan::Plan;
 use handoff_components::vocab::{DecodeRank, PrefillRank, RankId, RegionKind};
 use rayon::prelude::*;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fmt;
 
 /// Identifies one request for the pattern (so cross-request mix-ups are caught).
@@ -778,163 +777,10 @@ fn explain_got(topo: &Topology, g: &Geom, reqs: &[(OracleRequest, Placement<'_>)
 }
 
 // ---------------------------------------------------------------------------------
-// Executing plans with a write count.
+// Executing plans with a write count: `exec.rs`.
 
-/// Counts of an [`execute_counted`] run.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ExecStats {
-    pub descriptors: u64,
-    /// Contiguous pieces copied (a strided descriptor has `count`).
-    pub pieces: u64,
-    pub bytes: u64,
-    /// Bytes written per (consumer, kind).
-    pub written: BTreeMap<(DecodeRank, RegionKind), u64>,
-}
-
-/// Why [`execute_counted`] refused the plans. `plan` and `desc` index `plans` and the
-/// plan's descriptors.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ExecError {
-    /// `len` or `count` is zero.
-    Empty { plan: usize, desc: usize, len: u64, count: u32 },
-    /// The plan names a region that is not in memory.
-    MissingRegion { rank: RankId, kind: RegionKind },
-    /// A descriptor reads (`side` = "source") or writes ("destination") outside its region.
-    OutOfBounds { plan: usize, desc: usize, side: &'static str, rank: RankId, kind: RegionKind, end: Option<u64>, region_len: u64 },
-    /// A destination byte is written twice: first by `first`, again by `second`
-    /// ((plan, descriptor) indices).
-    DoubleWrite { rank: RankId, kind: RegionKind, offset: u64, first: (usize, usize), second: (usize, usize) },
-}
-
-impl fmt::Display for ExecError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ExecError::Empty { plan, desc, len, count } => {
-                write!(f, "plan {plan} descriptor {desc}: empty copy (len {len}, count {count})")
-            }
-            ExecError::MissingRegion { rank, kind } => write!(f, "{rank} has no {kind} region in memory"),
-            ExecError::OutOfBounds { plan, desc, side, rank, kind, end, region_len } => match end {
-                Some(e) => write!(f, "plan {plan} descriptor {desc}: {side} {rank} {kind} range ends at {e}, past the region's {region_len} bytes"),
-                None => write!(f, "plan {plan} descriptor {desc}: {side} {rank} {kind} range overflows u64 (region {region_len} bytes)"),
-            },
-            ExecError::DoubleWrite { rank, kind, offset, first, second } => write!(
-                f,
-                "{rank} {kind} byte {offset} written twice: by plan {} descriptor {} and again by plan {} descriptor {}",
-                first.0, first.1, second.0, second.1
-            ),
-        }
-    }
-}
-
-impl std::error::Error for ExecError {}
-
-/// One past the last byte of a strided range, or `None` on overflow.
-fn range_end(off: u64, stride: u64, count: u32, len: u64) -> Option<u64> {
-    (count as u64 - 1).checked_mul(stride)?.checked_add(off)?.checked_add(len)
-}
-
-/// Sets bits `[a, b)`; returns the first bit that was already set, if any (bits are set
-/// anyway up to it).
-fn mark(bits: &mut [u64], a: u64, b: u64) -> Option<u64> {
-    let mut i = a;
-    while i < b {
-        let w = (i / 64) as usize;
-        let lo = i % 64;
-        let hi = (b - (i - lo)).min(64);
-        let mask = if hi - lo == 64 { u64::MAX } else { ((1u64 << (hi - lo)) - 1) << lo };
-        let dup = bits[w] & mask;
-        if dup != 0 {
-            return Some(w as u64 * 64 + dup.trailing_zeros() as u64);
-        }
-        bits[w] |= mask;
-        i = i - lo + hi;
-    }
-    None
-}
-
-/// Checks `plans` against the regions' lengths `lens`: every descriptor's `len` and
-/// `count` non-zero, both ranges inside their regions, and every destination byte
-/// written at most once over all the plans (a bit per destination byte). What
-/// [`execute_counted`] checks before it copies, and a device hand-off (verify on a
-/// GPU) before it queues its copies.
-pub fn check_counted(plans: &[Plan], lens: &HashMap<(RankId, RegionKind), u64>) -> Result<ExecStats, ExecError> {
-    let mut bits: HashMap<(RankId, RegionKind), Vec<u64>> = HashMap::new();
-    let mut stats = ExecStats::default();
-    for (pi, plan) in plans.iter().enumerate() {
-        let src_rank = RankId::Prefill(plan.producer);
-        let dst_rank = RankId::Decode(plan.consumer);
-        for (di, d) in plan.descriptors.iter().enumerate() {
-            if d.len == 0 || d.count == 0 {
-                return Err(ExecError::Empty { plan: pi, desc: di, len: d.len, count: d.count });
-            }
-            let src_len = *lens.get(&(src_rank, d.kind)).ok_or(ExecError::MissingRegion { rank: src_rank, kind: d.kind })?;
-            let dst_len = *lens.get(&(dst_rank, d.kind)).ok_or(ExecError::MissingRegion { rank: dst_rank, kind: d.kind })?;
-            for (side, rank, off, stride, rlen) in
-                [("source", src_rank, d.src_offset, d.src_stride, src_len), ("destination", dst_rank, d.dst_offset, d.dst_stride, dst_len)]
-            {
-                let end = range_end(off, stride, d.count, d.len);
-                if end.is_none_or(|e| e > rlen) {
-                    return Err(ExecError::OutOfBounds { plan: pi, desc: di, side, rank, kind: d.kind, end, region_len: rlen });
-                }
-            }
-            let b = bits.entry((dst_rank, d.kind)).or_insert_with(|| vec![0; dst_len.div_ceil(64) as usize]);
-            for (_, dst) in d.pieces() {
-                if let Some(off) = mark(b, dst, dst + d.len) {
-                    let first = first_writer(plans, dst_rank, d.kind, off, (pi, di));
-                    return Err(ExecError::DoubleWrite { rank: dst_rank, kind: d.kind, offset: off, first, second: (pi, di) });
-                }
-            }
-            stats.descriptors += 1;
-            stats.pieces += d.count as u64;
-            stats.bytes += d.bytes();
-            *stats.written.entry((plan.consumer, d.kind)).or_default() += d.bytes();
-        }
-    }
-    Ok(stats)
-}
-
-/// Executes `plans` as plain copies in `mem` (the descriptor's kind names the region on
-/// the plan's producer and consumer), after [`check_counted`]'s checks. On error
-/// nothing is copied. This reads the descriptors only to check and run them; what the
-/// bytes must be is [`check_consumer`]'s business.
-pub fn execute_counted(plans: &[Plan], mem: &mut Memory) -> Result<ExecStats, ExecError> {
-    let lens: HashMap<(RankId, RegionKind), u64> = mem.iter().map(|(k, v)| (*k, v.len() as u64)).collect();
-    let stats = check_counted(plans, &lens)?;
-    for plan in plans {
-        let src_rank = RankId::Prefill(plan.producer);
-        let dst_rank = RankId::Decode(plan.consumer);
-        for d in &plan.descriptors {
-            let mut dst = mem.remove(&(dst_rank, d.kind)).expect("checked above");
-            let src = &mem[&(src_rank, d.kind)];
-            let len = d.len as usize;
-            for (s, t) in d.pieces() {
-                let (s, t) = (s as usize, t as usize);
-                dst[t..t + len].copy_from_slice(&src[s..s + len]);
-            }
-            mem.insert((dst_rank, d.kind), dst);
-        }
-    }
-    Ok(stats)
-}
-
-/// The first (plan, descriptor) before `upto` (in execution order, or `upto` itself for
-/// a self-overlapping strided descriptor) that writes byte `off` of a region.
-fn first_writer(plans: &[Plan], rank: RankId, kind: RegionKind, off: u64, upto: (usize, usize)) -> (usize, usize) {
-    for (pi, plan) in plans.iter().enumerate().take(upto.0 + 1) {
-        if RankId::Decode(plan.consumer) != rank {
-            continue;
-        }
-        for (di, d) in plan.descriptors.iter().enumerate() {
-            if (pi, di) > upto {
-                break;
-            }
-            if d.kind == kind && d.pieces().any(|(_, t)| t <= off && off < t + d.len) {
-                return (pi, di);
-            }
-        }
-    }
-    upto
-}
+mod exec;
+pub use exec::{ExecError, ExecStats, check_counted, execute_counted};
 
 // ---------------------------------------------------------------------------------
 

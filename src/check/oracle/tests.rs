@@ -1,5 +1,5 @@
 use super::*;
-use handoff_components::plan::Descriptor;
+use handoff_components::plan::{Descriptor, Plan};
 
 const TINY: &str = r#"
 [model]
@@ -99,7 +99,7 @@ fn tiny_plan(skip: Option<RegionKind>) -> Plan {
     // replay.cursor: 4 B per layer, 8 per slot.
     d.push(Descriptor::copy(RegionKind::ReplayCursor, 8, 16, 8));
     d.retain(|x| Some(x.kind) != skip);
-    Plan { producer: P0, consumer: D0, descriptors: d, uncoalesced: 0 }
+    Plan { producer: P0, consumer: D0, descriptors: d, staged: vec![], uncoalesced: 0 }
 }
 
 const REQ: OracleRequest = OracleRequest { id: 7, tokens: 6 };
@@ -228,6 +228,7 @@ fn exec_rejects_double_write_oob_and_empty() {
             producer: P0,
             consumer: D0,
             descriptors: vec![Descriptor { kind: RegionKind::KdaConv, src_offset: src, dst_offset: dst, len: l, count: n, src_stride: 0, dst_stride: 0 }],
+            staged: vec![],
             uncoalesced: 0,
         };
         let e = execute_counted(&[plan], &mut mem).unwrap_err();
@@ -294,7 +295,7 @@ fn naive_plans(topo: &Topology, pblocks: &[u32], pslot: u32, dtables: &[Vec<u32>
             }
         }
     }
-    plans.into_iter().map(|((producer, consumer), descriptors)| Plan { producer, consumer, descriptors, uncoalesced: 0 }).collect()
+    plans.into_iter().map(|((producer, consumer), descriptors)| Plan { producer, consumer, descriptors, staged: vec![], uncoalesced: 0 }).collect()
 }
 
 #[test]
