@@ -468,3 +468,94 @@ fn staged_pieces_copy_the_rows_the_descriptors_copy() {
         assert!(got == want, "{:?} -> {:?}: staged rows differ from the descriptors' rows", s.producer, s.consumer);
     }
 }
+
+/// A mover that completes every plan at once and keeps it, staging with buffers of
+/// `staging` bytes while that is non-zero.
+#[derive(Clone, Default)]
+struct KeepingMover {
+    staging: Arc<std::sync::atomic::AtomicU64>,
+    plans: Arc<std::sync::Mutex<Vec<(u64, Plan)>>>,
+    done: Arc<std::sync::Mutex<Vec<handoff_systems::transfer::PlanCompletion>>>,
+}
+
+impl handoff_systems::transfer::Mover for KeepingMover {
+    fn submit(&mut self, ticket: handoff_systems::transfer::Ticket, plan: &Plan) -> Result<(), handoff_systems::transfer::MoveError> {
+        self.plans.lock().unwrap().push((ticket.request, plan.clone()));
+        self.done.lock().unwrap().push(handoff_systems::transfer::PlanCompletion { ticket, result: Ok(()) });
+        Ok(())
+    }
+    fn poll(&mut self, out: &mut Vec<handoff_systems::transfer::PlanCompletion>) {
+        out.append(&mut self.done.lock().unwrap());
+    }
+    fn staging_bytes(&self) -> Option<u64> {
+        Some(self.staging.load(std::sync::atomic::Ordering::Relaxed)).filter(|&b| b > 0)
+    }
+}
+
+/// An engine whose decode block pool is fragmented: requests 1 and 3 of three came
+/// and went while 2 decodes, so request 4, twice their size, gets two runs of
+/// decode blocks (prefill freed 2's blocks once they were handed off).
+/// Returns the engine after request 4 was placed and planned.
+fn fragmented(mover: &KeepingMover) -> handoff::engine::Engine {
+    let topo = Shape { pp: 1, ptp: 1, dtp: 1, dcp: 1, pbs: 4, dbs: 4, ..Default::default() }.topology();
+    let cap = handoff_systems::placement::Capacity::for_requests(&topo, 3, 8);
+    let mut e = handoff::engine::Engine::new(topo, cap, Box::new(mover.clone()));
+    for id in 1..=3 {
+        e.submit(id, 8);
+    }
+    e.tick();
+    for id in 1..=3 {
+        e.mark_computed(id, 0);
+    }
+    e.tick();
+    e.tick();
+    for id in [1, 3] {
+        e.finish(id);
+    }
+    e.tick();
+    e.take_outcomes();
+    mover.plans.lock().unwrap().clear();
+    e.submit(4, 16);
+    e.tick();
+    let blocks: Vec<Vec<u32>> = e.leases(4).into_iter().map(|l| l.blocks).collect();
+    assert!(blocks.iter().any(|b| b.len() == 4 && b.windows(2).any(|w| w[1] != w[0] + 1)), "blocks not fragmented: {blocks:?}");
+    e
+}
+
+/// The engine's planner stages scattered rows only for a mover that says it runs
+/// staged groups, and a staged plan is never handed to one that does not.
+#[test]
+fn the_engine_stages_only_for_a_mover_that_runs_staged_groups() {
+    // A staging mover gets one staged group for the MLA rows.
+    let mover = KeepingMover::default();
+    mover.staging.store(1 << 20, std::sync::atomic::Ordering::Relaxed);
+    let mut e = fragmented(&mover);
+    e.mark_computed(4, 0);
+    e.tick();
+    let plans = mover.plans.lock().unwrap().clone();
+    assert_eq!(plans.len(), 1);
+    assert_eq!(plans[0].1.staged.len(), 1, "{:?}", plans[0].1);
+    assert!(plans[0].1.descriptors.iter().all(|d| d.kind.distribution() != Distribution::TokenSharded));
+
+    // A mover that runs descriptors only gets the rows as descriptors.
+    let plain = KeepingMover::default();
+    let mut e = fragmented(&plain);
+    e.mark_computed(4, 0);
+    e.tick();
+    let got = plain.plans.lock().unwrap().clone();
+    assert!(got[0].1.staged.is_empty());
+    assert_eq!(got[0].1.bytes(), plans[0].1.bytes());
+
+    // A plan staged for a mover that stops staging before it is submitted fails the
+    // request, naming why, rather than leaving its rows unwritten.
+    let fickle = KeepingMover::default();
+    fickle.staging.store(1 << 20, std::sync::atomic::Ordering::Relaxed);
+    let mut e = fragmented(&fickle);
+    fickle.staging.store(0, std::sync::atomic::Ordering::Relaxed);
+    e.mark_computed(4, 0);
+    e.tick();
+    assert!(fickle.plans.lock().unwrap().is_empty(), "nothing submitted");
+    let out = e.take_outcomes();
+    let failed = out.iter().find(|o| o.request == 4).and_then(|o| o.result.as_ref().err()).expect("request 4 failed");
+    assert!(matches!(&failed.cause, handoff_components::Cause::Transfer { detail } if detail.contains("staged row groups")), "{failed:?}");
+}
