@@ -293,10 +293,19 @@ fn register(c: &Case, p: &dyn Transport, k: &dyn Transport) -> Registered {
     out
 }
 
-/// Runs the staged plans of `c` over a producer / consumer transport pair, through
-/// a pool of `buffers` x `bytes` and batches of at most `max_batch` descriptors,
-/// and checks every consumer byte with the oracle.
-fn land_on(p: Arc<dyn Transport>, k: Arc<dyn Transport>, c: &Case, planned_for: u64, buffers: u32, bytes: u64, max_batch: u32, what: &str) {
+/// The staging pool a test lands through: `buffers` x `bytes`, and batches of at
+/// most `max_batch` descriptors.
+struct Pool {
+    buffers: u32,
+    bytes: u64,
+    max_batch: u32,
+}
+
+/// Runs the staged plans of `c`, cut for buffers of `planned_for` bytes, over a
+/// producer / consumer transport pair through `pool`, and checks every consumer
+/// byte with the oracle.
+fn land_on(p: Arc<dyn Transport>, k: Arc<dyn Transport>, c: &Case, planned_for: u64, pool: Pool, what: &str) {
+    let Pool { buffers, bytes, max_batch } = pool;
     let regions = register(c, &*p, &*k);
     let pool = StagingPool::new(Arc::clone(&p), RankId::Prefill(PrefillRank { pp: 0, tp: 0 }), RegionKind::MlaKv, buffers, bytes).expect("pool");
     let stager = Stager::new(Arc::clone(&p), pool, max_batch, RetryPolicy::default(), WAIT);
@@ -333,13 +342,14 @@ fn staged_groups_land_byte_exact_on_local_shm_and_tcp() {
     let local = || -> Arc<dyn Transport> { Arc::new(LocalTransport::new()) };
     let shm = || -> Arc<dyn Transport> { Arc::new(ShmTransport::new().expect("shm")) };
     let tcp = || -> Arc<dyn Transport> { Arc::new(TcpTransport::loopback().expect("tcp")) };
-    land_on(local(), local(), &c, 8 * tb, 2, 8 * tb, 1024, "local");
-    land_on(shm(), shm(), &c, 8 * tb, 2, 8 * tb, 1024, "shm");
-    land_on(tcp(), tcp(), &c, 8 * tb, 2, 8 * tb, 1024, "tcp");
+    let roomy = || Pool { buffers: 2, bytes: 8 * tb, max_batch: 1024 };
+    land_on(local(), local(), &c, 8 * tb, roomy(), "local");
+    land_on(shm(), shm(), &c, 8 * tb, roomy(), "shm");
+    land_on(tcp(), tcp(), &c, 8 * tb, roomy(), "tcp");
     // One buffer of 3 rows for writes cut at 8, and landing batches of one
     // descriptor: every write is cut, every buffer waits for the one before.
-    land_on(local(), local(), &c, 8 * tb, 1, 3 * tb, 1, "local, small pool");
-    land_on(shm(), shm(), &c, 8 * tb, 1, 3 * tb + 5, 1, "shm, small pool");
+    land_on(local(), local(), &c, 8 * tb, Pool { buffers: 1, bytes: 3 * tb, max_batch: 1 }, "local, small pool");
+    land_on(shm(), shm(), &c, 8 * tb, Pool { buffers: 1, bytes: 3 * tb + 5, max_batch: 1 }, "shm, small pool");
 }
 
 /// A group the transport cannot run is refused before any byte moves: a table
