@@ -1,5 +1,8 @@
 //! Planner benchmarks: planning one flagship request, descriptors after coalescing
 //! against one per token row, and the ECS tick with 88 requests in flight.
+//! Every request is planned as for a mover that stages (the flagship's
+//! `transport.staging_bytes`): rows whose blocks do not line up go out as staged
+//! writes, one a staging buffer; `_unstaged` plans them as descriptors only.
 //!
 //! cargo bench --bench planner
 
@@ -40,33 +43,57 @@ fn layouts(topo: &Topology, tokens: u64, scattered: bool) -> (Vec<ProducerLayout
     (producers, consumers)
 }
 
-/// Plans every pair of one request; returns (descriptors, pieces before coalescing).
-fn plan_all(topo: &Topology, producers: &[ProducerLayout], consumers: &[ConsumerLayout], tokens: u64) -> (usize, u64) {
-    let (mut n, mut u) = (0, 0);
+/// What planning one request gave.
+#[derive(Default)]
+struct Planned {
+    /// Writes through the transport: descriptors plus staged writes.
+    writes: usize,
+    descriptors: usize,
+    staged_writes: usize,
+    groups: usize,
+    /// Contiguous pieces before coalescing.
+    uncoalesced: u64,
+}
+
+/// Plans every pair of one request, staging with buffers of `staging` bytes.
+fn plan_all(topo: &Topology, producers: &[ProducerLayout], consumers: &[ConsumerLayout], tokens: u64, staging: Option<u64>) -> Planned {
+    let mut out = Planned::default();
     for p in producers {
-        let planner = ProducerPlanner::new(p, tokens);
+        let planner = ProducerPlanner::new(p, tokens).staging(staging);
         for c in consumers {
             let sh = share(topo.prefill().tp, c.tp, p.rank.tp, c.rank.tp);
             if sh.rows || sh.state {
                 let plan = planner.plan(c, sh).expect("plan");
-                n += plan.descriptors.len();
-                u += plan.uncoalesced;
+                out.writes += plan.writes();
+                out.descriptors += plan.descriptors.len();
+                out.staged_writes += plan.writes() - plan.descriptors.len();
+                out.groups += plan.staged.len();
+                out.uncoalesced += plan.uncoalesced;
             }
         }
     }
-    (n, u)
+    out
 }
 
 fn planning(c: &mut Criterion) {
     let topo = Topology::load(FLAGSHIP).expect("flagship config");
+    let staging = Some(topo.config.transport.staging_bytes);
     let mut g = c.benchmark_group("plan_flagship_request");
     for (name, tokens) in [("8K", 8192u64), ("128K", 131072), ("1M", 1 << 20)] {
-        for scattered in [false, true] {
+        for (scattered, staging, suffix) in [(false, staging, ""), (true, staging, "_scattered"), (true, None, "_scattered_unstaged")] {
             let (p, cs) = layouts(&topo, tokens, scattered);
-            let (n, u) = plan_all(&topo, &p, &cs, tokens);
-            let label = format!("{name}{}", if scattered { "_scattered" } else { "" });
-            eprintln!("{label}: {n} descriptors after coalescing, {u} contiguous pieces before ({:.0}x fewer)", u as f64 / n as f64);
-            g.bench_function(&label, |b| b.iter(|| black_box(plan_all(&topo, &p, &cs, black_box(tokens)))));
+            let n = plan_all(&topo, &p, &cs, tokens, staging);
+            let label = format!("{name}{suffix}");
+            eprintln!(
+                "{label}: {} writes ({} descriptors + {} staged writes in {} groups), {} contiguous pieces before ({:.0}x fewer)",
+                n.writes,
+                n.descriptors,
+                n.staged_writes,
+                n.groups,
+                n.uncoalesced,
+                n.uncoalesced as f64 / n.writes as f64
+            );
+            g.bench_function(&label, |b| b.iter(|| black_box(plan_all(&topo, &p, &cs, black_box(tokens), staging).writes)));
         }
     }
     g.finish();
