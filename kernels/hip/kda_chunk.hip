@@ -71,6 +71,7 @@ struct KdaChunkWs {
     float* kd;
     float* p;
     float* dc;
+    float* hs;
 };
 
 static __device__ __forceinline__ KdaChunkWs kda_chunk_ws(float* ws, int heads, int chunks, int dv) {
@@ -82,6 +83,7 @@ static __device__ __forceinline__ KdaChunkWs kda_chunk_ws(float* ws, int heads, 
     r.kd = r.qg + (hk_i64)heads * tp * KC_DK;
     r.p = r.kd + (hk_i64)heads * tp * KC_DK;
     r.dc = r.p + (hk_i64)heads * chunks * KC_C * KC_C;
+    r.hs = r.dc + (hk_i64)heads * chunks * KC_DK;
     return r;
 }
 
@@ -259,145 +261,259 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
     }
 }
 
-// Phase 2: the chunks of sequence blockIdx.z, head blockIdx.x in order, for
-// value columns blockIdx.y * 16 .. + 15. Thread (tq = tid / 16, j = tid % 16) computes u and o
-// of tokens tq, tq + 16, tq + 32, tq + 48 in column j and owns state rows
-// tq + 16 r (r < 8) of that column.
-// Per chunk three barriers: A the chunk's W, e^Gam q^, e^(..) k^, P and
-// e^Gam_last are in shared memory; B u is, and W and e^Gam q^ are free (the
-// next chunk's start loading); C every thread is done with the rest and with
-// u (the next chunk overwrites them) and the state tile is updated.
+// Phase 2: the state walk, the only sequential part. The chunks of sequence
+// blockIdx.z, head blockIdx.x in order, for value columns blockIdx.y * 16 ..
+// + 15: u = U0 - W S (written over U0 in the workspace), the state entering
+// the chunk to the workspace (hs) for phase 3, then S = e^Gam_last S +
+// (e^(Gam_last - Gam) k^)^T u. The output, (e^Gam q^) S + P u, needs nothing
+// of the next chunk and is phase 3's, over every chunk at once.
+// Thread (tq = tid / 16, j = tid % 16) computes u of tokens tq + 16 m (m < 4)
+// in column j; thread (ib = tid / 16, j) owns state rows 8 ib .. 8 ib + 7 of
+// column j in registers. The next chunk's W and e^(..) k^ load (cp.async,
+// double-buffered) under this chunk's products; two barriers a chunk: B (u is
+// in shared memory, every read of S^T done) and C (S^T updated, the next
+// chunk's operands landed).
 // Launch: grid (heads, ceil(dv / 16), nseq); block KC_THREADS; dynamic shared
-// memory (128 * 16 + 64 * 16 + 64 * KC_LDP + 3 * 64 * KC_LDW + 128) floats.
+// memory KC_H_SMEM floats.
+#define KC_LDU (KC_C + 4)  // row stride of u^T in kda_chunk_state
+#define KC_H_SMEM (KC_TILE * KC_LDW + 4 * KC_C * KC_LDW + KC_TILE * KC_LDU)
 extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
-    float* __restrict__ state,   // [states, H, dk, dv], updated in place
-    float* __restrict__ out,     // [T, H, dv]
-    float* __restrict__ record,  // [T, H, 2*dk + dv] or null
-    const float* __restrict__ ws,
+    float* __restrict__ state,  // [states, H, dk, dv], updated in place
+    float* __restrict__ ws,
     const int* __restrict__ seg,  // the sequence table (above)
     int wchunks, int heads, int dk, int dv)  // wchunks: the workspace's chunks
 {
     HK_DYN_SMEM(float, smem);
-    float* S = smem;                      // [128][16]
-    float* U = S + KC_DK * KC_TILE;       // [64][16]
-    float* Ps = U + KC_C * KC_TILE;       // [64][KC_LDP]
-    float* Ws = Ps + KC_C * KC_LDP;       // [64][KC_LDW]
-    float* Qs = Ws + KC_C * KC_LDW;       // [64][KC_LDW]
-    float* Ks = Qs + KC_C * KC_LDW;       // [64][KC_LDW]
-    float* dc = Ks + KC_C * KC_LDW;       // [128]
+    float* ST = smem;                     // S^T [16][KC_LDW]
+    float* Wb = ST + KC_TILE * KC_LDW;    // W [2][64][KC_LDW]
+    float* Kb = Wb + 2 * KC_C * KC_LDW;   // e^(..) k^ [2][64][KC_LDW]
+    float* UT = Kb + 2 * KC_C * KC_LDW;   // u^T [16][KC_LDU]
 
     const int h = blockIdx.x;
     const int tid = threadIdx.x;
     const int j = tid % KC_TILE;
-    const int tq = tid / KC_TILE;
+    const int tq = tid / KC_TILE;  // tokens tq + 16 m in phase B, rows 8 tq .. in phase C
     const int col = blockIdx.y * KC_TILE + j;
     const bool on = col < dv;
     const int sq = blockIdx.z;
-    const hk_i64 in0 = seg[4 * sq];  // the sequence's first row
     const int tokens = seg[4 * sq + 1];
     const int cbase = seg[4 * sq + 2];
     const int chunks = (tokens + KC_C - 1) / KC_C;
-    const int wrec = 2 * dk + dv;
-    const KdaChunkWs W = kda_chunk_ws((float*)ws, heads, wchunks, dv);
+    const KdaChunkWs W = kda_chunk_ws(ws, heads, wchunks, dv);
     float* Sg = state + ((hk_i64)seg[4 * sq + 3] * heads + h) * dk * dv;
-    // Workspace row of the sequence's token 0 for head h.
     const hk_i64 wrow = (hk_i64)h * wchunks * KC_C + (hk_i64)cbase * KC_C;
+    const hk_i64 wch = (hk_i64)h * wchunks + cbase;  // the sequence's first chunk for head h
 
+    float sr[8];
 #pragma unroll
-    for (int r = 0; r < KC_DK / KC_TILE; ++r) {
-        const int i = tq + KC_TILE * r;
-        S[i * KC_TILE + j] = (i < dk && on) ? Sg[(hk_i64)i * dv + col] : 0.0f;
+    for (int r = 0; r < 8; ++r) {
+        const int i = 8 * tq + r;
+        sr[r] = (i < dk && on) ? Sg[(hk_i64)i * dv + col] : 0.0f;
     }
+    *(float4*)(ST + j * KC_LDW + 8 * tq) = make_float4(sr[0], sr[1], sr[2], sr[3]);
+    *(float4*)(ST + j * KC_LDW + 8 * tq + 4) = make_float4(sr[4], sr[5], sr[6], sr[7]);
 
-    // Chunk cc's W and e^Gam q^ into shared memory as 16-byte asynchronous
-    // copies, all in flight at once (every offset is a multiple of 4 floats:
-    // rows of 128, workspace parts of whole 64-token chunks, stride 132). They
-    // are read before barrier B only, so the next chunk's load starts there
-    // and runs under the rest of this chunk's work.
-    auto load_wq = [&](int cc) {
+    // Chunk cc's W and e^(..) k^ into buffer cc % 2, 16 bytes a copy (rows of
+    // 128 floats, stride KC_LDW: every offset a multiple of 4 floats).
+    auto load = [&](int cc) {
         const hk_i64 r0 = wrow + (hk_i64)cc * KC_C;
+        float* wd = Wb + (cc & 1) * KC_C * KC_LDW;
+        float* kd = Kb + (cc & 1) * KC_C * KC_LDW;
         for (int e = tid; e < KC_C * (KC_DK / 4); e += KC_THREADS) {
             const int t = e / (KC_DK / 4), i = (e % (KC_DK / 4)) * 4;
-            const hk_i64 src = (r0 + t) * KC_DK + i;
-            hk_cp16(Ws + t * KC_LDW + i, W.w + src, true);
-            hk_cp16(Qs + t * KC_LDW + i, W.qg + src, true);
+            hk_cp16(wd + t * KC_LDW + i, W.w + (r0 + t) * KC_DK + i, true);
+            hk_cp16(kd + t * KC_LDW + i, W.kd + (r0 + t) * KC_DK + i, true);
         }
         hk_cp_commit();
     };
-    if (chunks > 0) load_wq(0);
+    if (chunks > 0) load(0);
+    hk_cp_wait_all();
+    __syncthreads();
 
     for (int c = 0; c < chunks; ++c) {
-        const int c0 = c * KC_C;
-        const int n = tokens - c0 < KC_C ? tokens - c0 : KC_C;
-        const hk_i64 row0 = wrow + c0;
-        // The chunk's e^(..) k^ and P (its W and e^Gam q^ are in flight since
-        // the previous chunk's barrier B), as 16-byte asynchronous copies.
-        for (int e = tid; e < KC_C * (KC_DK / 4); e += KC_THREADS) {
-            const int t = e / (KC_DK / 4), i = (e % (KC_DK / 4)) * 4;
-            hk_cp16(Ks + t * KC_LDW + i, W.kd + (row0 + t) * KC_DK + i, true);
-        }
-        const float* Pg = W.p + ((hk_i64)h * wchunks + cbase + c) * KC_C * KC_C;
-        for (int e = tid; e < KC_C * (KC_C / 4); e += KC_THREADS)
-            hk_cp16(Ps + (e / (KC_C / 4)) * KC_LDP + (e % (KC_C / 4)) * 4, Pg + 4 * e, true);
-        hk_cp_commit();
-        if (tid < KC_DK) dc[tid] = W.dc[((hk_i64)h * wchunks + cbase + c) * KC_DK + tid];
-        float u0[KC_C / KC_TILE];
+        if (c + 1 < chunks) load(c + 1);  // its buffer was last read before the previous barrier C
+        const hk_i64 row0 = wrow + (hk_i64)c * KC_C;
+        const float* Wc = Wb + (c & 1) * KC_C * KC_LDW;
+        const float* Kc = Kb + (c & 1) * KC_C * KC_LDW;
+        float u0[KC_C / KC_TILE], dcr[8];
 #pragma unroll
-        for (int m = 0; m < KC_C / KC_TILE; ++m) {
-            const int t = tq + KC_TILE * m;
-            u0[m] = on ? W.u0[(row0 + t) * dv + col] : 0.0f;
+        for (int m = 0; m < KC_C / KC_TILE; ++m) u0[m] = on ? W.u0[(row0 + tq + KC_TILE * m) * dv + col] : 0.0f;
+#pragma unroll
+        for (int r = 0; r < 8; ++r) dcr[r] = W.dc[(wch + c) * KC_DK + 8 * tq + r];
+        // The state entering the chunk, for phase 3 ([col][128]).
+        if (on) {
+            float* hs = W.hs + ((wch + c) * dv + col) * KC_DK + 8 * tq;
+            *(float4*)hs = make_float4(sr[0], sr[1], sr[2], sr[3]);
+            *(float4*)(hs + 4) = make_float4(sr[4], sr[5], sr[6], sr[7]);
         }
-        hk_cp_wait_all();
-        __syncthreads();  // A
 
-        // u = U0 - W S and the inter-chunk part of o, (e^Gam q^) S, over the
-        // key channels in order.
-        float wsum[KC_C / KC_TILE], o[KC_C / KC_TILE];
+        // u = U0 - W S, over the key channels in order.
+        float acc[KC_C / KC_TILE];
 #pragma unroll
-        for (int m = 0; m < KC_C / KC_TILE; ++m) {
-            wsum[m] = 0.0f;
-            o[m] = 0.0f;
-        }
-        for (int i = 0; i < dk; ++i) {
-            const float s = S[i * KC_TILE + j];
+        for (int m = 0; m < KC_C / KC_TILE; ++m) acc[m] = 0.0f;
+#pragma unroll 4
+        for (int i = 0; i < KC_DK; i += 4) {
+            const float4 s = *(const float4*)(ST + j * KC_LDW + i);
 #pragma unroll
             for (int m = 0; m < KC_C / KC_TILE; ++m) {
-                const int t = tq + KC_TILE * m;
-                wsum[m] = fmaf(Ws[t * KC_LDW + i], s, wsum[m]);
-                o[m] = fmaf(Qs[t * KC_LDW + i], s, o[m]);
+                const float4 w = *(const float4*)(Wc + (tq + KC_TILE * m) * KC_LDW + i);
+                acc[m] = fmaf(w.x, s.x, acc[m]);
+                acc[m] = fmaf(w.y, s.y, acc[m]);
+                acc[m] = fmaf(w.z, s.z, acc[m]);
+                acc[m] = fmaf(w.w, s.w, acc[m]);
             }
         }
-#pragma unroll
-        for (int m = 0; m < KC_C / KC_TILE; ++m) U[(tq + KC_TILE * m) * KC_TILE + j] = u0[m] - wsum[m];
-        __syncthreads();  // B
-        if (c + 1 < chunks) load_wq(c + 1);  // Ws and Qs are free
-
-        // o += sum_{s <= t} P_ts u_s, in token order.
 #pragma unroll
         for (int m = 0; m < KC_C / KC_TILE; ++m) {
             const int t = tq + KC_TILE * m;
-            float acc = o[m];
-            for (int s = 0; s <= t; ++s) acc = fmaf(Ps[t * KC_LDP + s], U[s * KC_TILE + j], acc);
-            if (t < n && on) {
-                const hk_i64 th = (in0 + c0 + t) * heads + h;
-                out[th * dv + col] = acc;
-                if (record) record[th * wrec + dk + col] = U[t * KC_TILE + j];
+            const float u = u0[m] - acc[m];
+            UT[j * KC_LDU + t] = u;
+            if (on) W.u0[(row0 + t) * dv + col] = u;
+        }
+        __syncthreads();  // B
+
+        // S = e^Gam_last S + sum_s (e^(Gam_last - Gam_s) k^_s) u_s^T, in
+        // token order (the padding tokens' k^ and u are zero).
+#pragma unroll
+        for (int r = 0; r < 8; ++r) sr[r] *= dcr[r];
+#pragma unroll 2
+        for (int s = 0; s < KC_C; s += 4) {
+            const float4 u = *(const float4*)(UT + j * KC_LDU + s);
+            const float us[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const float4 k0 = *(const float4*)(Kc + (s + q) * KC_LDW + 8 * tq);
+                const float4 k1 = *(const float4*)(Kc + (s + q) * KC_LDW + 8 * tq + 4);
+                sr[0] = fmaf(k0.x, us[q], sr[0]);
+                sr[1] = fmaf(k0.y, us[q], sr[1]);
+                sr[2] = fmaf(k0.z, us[q], sr[2]);
+                sr[3] = fmaf(k0.w, us[q], sr[3]);
+                sr[4] = fmaf(k1.x, us[q], sr[4]);
+                sr[5] = fmaf(k1.y, us[q], sr[5]);
+                sr[6] = fmaf(k1.z, us[q], sr[6]);
+                sr[7] = fmaf(k1.w, us[q], sr[7]);
             }
         }
-        // S = e^Gam_last S + sum_s (e^(Gam_last - Gam_s) k^_s) u_s^T, in token order.
-#pragma unroll
-        for (int r = 0; r < KC_DK / KC_TILE; ++r) {
-            const int i = tq + KC_TILE * r;
-            float acc = dc[i] * S[i * KC_TILE + j];
-            for (int s = 0; s < n; ++s) acc = fmaf(Ks[s * KC_LDW + i], U[s * KC_TILE + j], acc);
-            S[i * KC_TILE + j] = acc;
-        }
+        *(float4*)(ST + j * KC_LDW + 8 * tq) = make_float4(sr[0], sr[1], sr[2], sr[3]);
+        *(float4*)(ST + j * KC_LDW + 8 * tq + 4) = make_float4(sr[4], sr[5], sr[6], sr[7]);
+        hk_cp_wait_all();
         __syncthreads();  // C
     }
 
 #pragma unroll
-    for (int r = 0; r < KC_DK / KC_TILE; ++r) {
-        const int i = tq + KC_TILE * r;
-        if (i < dk && on) Sg[(hk_i64)i * dv + col] = S[i * KC_TILE + j];
+    for (int r = 0; r < 8; ++r) {
+        const int i = 8 * tq + r;
+        if (i < dk && on) Sg[(hk_i64)i * dv + col] = sr[r];
+    }
+}
+
+// Phase 3: the output of every chunk at once, o = (e^Gam q^) S_c + P u with
+// S_c the state entering the chunk (phase 2's hs) and u phase 2's: chunk
+// blockIdx.x (of all sequences), head blockIdx.y, value columns
+// blockIdx.z * 64 .. + 63. Thread (tr = tid / 16, tc = tid % 16) computes
+// tokens tr + 16 m and columns tc + 16 q (m, q < 4): the key channels in
+// order, then the tokens s in order (P is zero above the diagonal). Also
+// writes u to the record.
+// Launch: grid (chunks, heads, ceil(dv / 64)); block KC_THREADS; dynamic
+// shared memory KC_O_SMEM floats.
+#define KC_OT 64  // value columns per kda_chunk_out block
+#define KC_O_SMEM (2 * KC_C * KC_LDW + KC_C * KC_LDP + KC_OT * KC_LDU)
+extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_out(
+    float* __restrict__ out,     // [T, H, dv]
+    float* __restrict__ record,  // [T, H, 2*dk + dv] or null
+    const float* __restrict__ ws,
+    const int* __restrict__ seg,  // the sequence table (above)
+    int nseq, int heads, int dk, int dv)
+{
+    HK_DYN_SMEM(float, smem);
+    float* Qs = smem;                  // e^Gam q^ [64][KC_LDW]
+    float* ST = Qs + KC_C * KC_LDW;    // S_c^T [64 columns][KC_LDW]
+    float* Ps = ST + KC_OT * KC_LDW;   // P [64][KC_LDP]
+    float* UT = Ps + KC_C * KC_LDP;    // u^T [64 columns][KC_LDU]
+
+    const int cg = blockIdx.x;
+    const int h = blockIdx.y;
+    const int chunks = gridDim.x;
+    const int col0 = blockIdx.z * KC_OT;
+    const int tid = threadIdx.x;
+    const int tr = tid / 16, tc = tid % 16;
+    const int sq = seg[4 * nseq + cg];
+    const int c0 = (cg - seg[4 * sq + 2]) * KC_C;
+    const hk_i64 in0 = (hk_i64)seg[4 * sq] + c0;
+    const int left = seg[4 * sq + 1] - c0;
+    const int n = left < KC_C ? left : KC_C;
+    const int wrec = 2 * dk + dv;
+    const KdaChunkWs W = kda_chunk_ws((float*)ws, heads, chunks, dv);
+    const hk_i64 row0 = (hk_i64)h * chunks * KC_C + (hk_i64)cg * KC_C;
+    const hk_i64 ch = (hk_i64)h * chunks + cg;
+
+    for (int e = tid; e < KC_C * (KC_DK / 4); e += KC_THREADS) {
+        const int t = e / (KC_DK / 4), i = (e % (KC_DK / 4)) * 4;
+        hk_cp16(Qs + t * KC_LDW + i, W.qg + (row0 + t) * KC_DK + i, true);
+        const bool cv = col0 + t < dv;  // here t is a column of the tile
+        hk_cp16(ST + t * KC_LDW + i, W.hs + (ch * dv + (cv ? col0 + t : 0)) * KC_DK + i, cv);
+    }
+    const float* Pg = W.p + ch * KC_C * KC_C;
+    for (int e = tid; e < KC_C * (KC_C / 4); e += KC_THREADS)
+        hk_cp16(Ps + (e / (KC_C / 4)) * KC_LDP + (e % (KC_C / 4)) * 4, Pg + 4 * e, true);
+    hk_cp_commit();
+    for (int e = tid; e < KC_C * KC_OT; e += KC_THREADS) {
+        const int t = e / KC_OT, cc = e % KC_OT;
+        UT[cc * KC_LDU + t] = col0 + cc < dv ? W.u0[(row0 + t) * dv + col0 + cc] : 0.0f;
+    }
+    hk_cp_wait_all();
+    __syncthreads();
+
+    float acc[4][4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[m][q] = 0.0f;
+#pragma unroll 2
+    for (int i = 0; i < KC_DK; i += 4) {
+        float4 sv[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) sv[q] = *(const float4*)(ST + (tc + 16 * q) * KC_LDW + i);
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            const float4 a = *(const float4*)(Qs + (tr + 16 * m) * KC_LDW + i);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                acc[m][q] = fmaf(a.x, sv[q].x, acc[m][q]);
+                acc[m][q] = fmaf(a.y, sv[q].y, acc[m][q]);
+                acc[m][q] = fmaf(a.z, sv[q].z, acc[m][q]);
+                acc[m][q] = fmaf(a.w, sv[q].w, acc[m][q]);
+            }
+        }
+    }
+#pragma unroll 2
+    for (int s = 0; s < KC_C; s += 4) {
+        float4 uv[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) uv[q] = *(const float4*)(UT + (tc + 16 * q) * KC_LDU + s);
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            const float4 a = *(const float4*)(Ps + (tr + 16 * m) * KC_LDP + s);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                acc[m][q] = fmaf(a.x, uv[q].x, acc[m][q]);
+                acc[m][q] = fmaf(a.y, uv[q].y, acc[m][q]);
+                acc[m][q] = fmaf(a.z, uv[q].z, acc[m][q]);
+                acc[m][q] = fmaf(a.w, uv[q].w, acc[m][q]);
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        const int t = tr + 16 * m;
+        if (t >= n) continue;
+        const hk_i64 th = (in0 + t) * heads + h;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int cc = tc + 16 * q;
+            if (col0 + cc >= dv) continue;
+            out[th * dv + col0 + cc] = acc[m][q];
+            if (record) record[th * wrec + dk + col0 + cc] = UT[cc * KC_LDU + t];
+        }
     }
 }

@@ -264,6 +264,7 @@ mod tests {
             "kda_recurrent_wide",
             "kda_chunk_prep",
             "kda_chunk_state",
+            "kda_chunk_out",
             "replay_append",
             "replay_commit",
             "conv_prefill_out",

@@ -222,7 +222,7 @@ impl Backend for CudaBackend {
     }
 
     /// Every prompt of a batch in one launch per phase: the chunked ones
-    /// through kda_chunk_prep and kda_chunk_state, the short ones through one
+    /// through kda_chunk_prep, kda_chunk_state and kda_chunk_out, the short ones through one
     /// recurrent launch (each as `kda_prefill` would run it alone).
     fn kda_prefill_ragged(
         &self,

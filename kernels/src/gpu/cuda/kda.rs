@@ -127,24 +127,27 @@ impl CudaBackend {
         out: &mut CudaBuf,
         record: Option<&mut CudaBuf>,
     ) -> Result<()> {
-        let Some((prep, pass)) = self.f.kda_chunk.as_ref() else {
+        let Some((prep, pass, outk)) = self.f.kda_chunk.as_ref() else {
             return Err(KernelError::InvalidShape { op, reason: "the device cannot run the chunked KDA kernels".into() });
         };
         let chunk = cpu_kda::KDA_CHUNK;
         // Workspace of kda_chunk.hip (kda_chunk_ws), every element written by
-        // kda_chunk_prep before kda_chunk_state reads it.
+        // kda_chunk_prep (W, U0, e^Gam q^, e^(..) k^, P, e^Gam_last) or
+        // kda_chunk_state (u over U0, the states entering each chunk) before
+        // a later phase reads it.
         let ws_len = (|| {
             let rows = heads.checked_mul(chunks)?.checked_mul(chunk)?;
-            let per_chunk = heads.checked_mul(chunks)?.checked_mul(chunk * chunk + KDA_CHUNK_DK)?;
+            let per_chunk = heads.checked_mul(chunks)?.checked_mul(chunk * chunk + KDA_CHUNK_DK + dv.checked_mul(KDA_CHUNK_DK)?)?;
             rows.checked_mul(3 * KDA_CHUNK_DK + dv)?.checked_add(per_chunk)
         })()
         .ok_or(KernelError::SizeOverflow { op, dims: vec![chunks, heads, dv] })?;
         let tiles = dv.div_ceil(KDA_CHUNK_TILE);
+        let out_tiles = dv.div_ceil(KDA_CHUNK_OUT_TILE);
         if tiles > 65535 || heads > 65535 || nseq > 65535 {
             return Err(KernelError::InvalidShape { op, reason: format!("{nseq} sequences of {heads} heads of dv = {dv}: too many blocks") });
         }
-        // SAFETY: kda_chunk_prep writes every element before kda_chunk_state,
-        // queued after it on the same stream, reads any.
+        // SAFETY: each part of the workspace is written by a phase queued
+        // before the phase that reads it, on the same stream.
         let ws = unsafe { self.stream.alloc::<f32>(ws_len) }.map_err(dev(op))?;
         let seg = self.upload_t(op, table)?;
         let (h, k, v) = (int(op, "heads", heads)?, int(op, "dk", dk)?, int(op, "dv", dv)?);
@@ -163,16 +166,26 @@ impl CudaBackend {
         // workspace is sized as kda_chunk_ws lays it out for `chunks`.
         unsafe { b.launch(cfg) }.map_err(dev(op))?;
         let mut b = self.stream.launch_builder(pass);
-        b.arg(&mut states.data).arg(&mut out.data);
+        b.arg(&mut states.data).arg(&ws).arg(&seg).arg(&nch).arg(&h).arg(&k).arg(&v);
+        let cfg =
+            LaunchConfig { grid_dim: (heads as u32, tiles as u32, nseq as u32), block_dim: (KDA_CHUNK_THREADS, 1, 1), shared_mem_bytes: KDA_CHUNK_STATE_SMEM };
+        // SAFETY: argument types and order match kda_chunk_state; the states
+        // were checked against the table's sequences.
+        unsafe { b.launch(cfg) }.map_err(dev(op))?;
+        let mut b = self.stream.launch_builder(outk);
+        b.arg(&mut out.data);
         match record {
             Some(r) => b.arg(&mut r.data),
             None => b.arg(&null),
         };
-        b.arg(&ws).arg(&seg).arg(&nch).arg(&h).arg(&k).arg(&v);
-        let cfg =
-            LaunchConfig { grid_dim: (heads as u32, tiles as u32, nseq as u32), block_dim: (KDA_CHUNK_THREADS, 1, 1), shared_mem_bytes: KDA_CHUNK_STATE_SMEM };
-        // SAFETY: argument types and order match kda_chunk_state; the states,
-        // out and record were checked against the table's sequences.
+        b.arg(&ws).arg(&seg).arg(&ns).arg(&h).arg(&k).arg(&v);
+        let cfg = LaunchConfig {
+            grid_dim: (nch as u32, heads as u32, out_tiles as u32),
+            block_dim: (KDA_CHUNK_THREADS, 1, 1),
+            shared_mem_bytes: KDA_CHUNK_OUT_SMEM,
+        };
+        // SAFETY: argument types and order match kda_chunk_out; out and the
+        // record were checked against the table's rows.
         unsafe { b.launch(cfg) }.map_err(dev(op))?;
         Ok(())
     }

@@ -77,7 +77,12 @@ const KDA_CHUNK_DK: usize = 128;
 const KDA_CHUNK_TILE: usize = 16;
 const KDA_CHUNK_THREADS: u32 = 256;
 const KDA_CHUNK_PREP_SMEM: u32 = ((3 * 64 * (KDA_CHUNK_DK + 1) + 64) * 4) as u32;
-const KDA_CHUNK_STATE_SMEM: u32 = ((KDA_CHUNK_DK * KDA_CHUNK_TILE + 64 * KDA_CHUNK_TILE + 64 * 68 + 3 * 64 * (KDA_CHUNK_DK + 4) + KDA_CHUNK_DK) * 4) as u32;
+/// kda_chunk.hip's KC_H_SMEM: S^T, two buffers of W and e^(..) k^, u^T.
+const KDA_CHUNK_STATE_SMEM: u32 = ((KDA_CHUNK_TILE * (KDA_CHUNK_DK + 4) + 4 * 64 * (KDA_CHUNK_DK + 4) + KDA_CHUNK_TILE * 68) * 4) as u32;
+/// kda_chunk.hip's KC_O_SMEM: e^Gam q^, S_c^T of 64 columns, P, u^T.
+const KDA_CHUNK_OUT_SMEM: u32 = ((2 * 64 * (KDA_CHUNK_DK + 4) + 64 * 68 + KDA_CHUNK_OUT_TILE * 68) * 4) as u32;
+/// Value columns per kda_chunk_out block (kda_chunk.hip's KC_OT).
+const KDA_CHUNK_OUT_TILE: usize = 64;
 /// Dynamic shared memory a block may use without opting in to more.
 const SMEM_BUDGET: usize = 48 * 1024;
 /// The row shape of the tensor-core MLA partial (mla.hip's MLA_TC_L, MLA_TC_W
@@ -166,10 +171,11 @@ struct Funcs {
     kda_step: Vec<CudaFunction>,
     kda_prefill: CudaFunction,
     kda_recurrent_wide: CudaFunction,
-    /// The chunked prefill's two phases (kda_chunk_prep, kda_chunk_state of
-    /// kda_chunk.hip); None on a device that cannot give their blocks the
-    /// shared memory they take (the prefill stays recurrent there).
-    kda_chunk: Option<(CudaFunction, CudaFunction)>,
+    /// The chunked prefill's three phases (kda_chunk_prep, kda_chunk_state,
+    /// kda_chunk_out of kda_chunk.hip); None on a device that cannot give
+    /// their blocks the shared memory they take (the prefill stays recurrent
+    /// there).
+    kda_chunk: Option<(CudaFunction, CudaFunction, CudaFunction)>,
     replay_append: CudaFunction,
     replay_commit: CudaFunction,
     conv_prefill_out: CudaFunction,
@@ -330,7 +336,7 @@ impl CudaBackend {
             kda_step: KdaKernel::ALL.iter().map(|k| get(k.kernel_name())).collect::<Result<_>>()?,
             kda_prefill: get("kda_prefill")?,
             kda_recurrent_wide: get("kda_recurrent_wide")?,
-            kda_chunk: Some((get("kda_chunk_prep")?, get("kda_chunk_state")?)),
+            kda_chunk: Some((get("kda_chunk_prep")?, get("kda_chunk_state")?, get("kda_chunk_out")?)),
             replay_append: get("replay_append")?,
             replay_commit: get("replay_commit")?,
             conv_prefill_out: get("conv_prefill_out")?,
@@ -388,10 +394,10 @@ impl CudaBackend {
                 .map_err(|e| unavailable("cannot give matmul_wg its shared memory", e))?;
         }
         // The chunked KDA prefill's blocks hold a chunk's 64 x 128 operands in
-        // shared memory (97 and 129 KB, kda_chunk.hip): opt in likewise; a
+        // shared memory (97, 145 and 100 KB, kda_chunk.hip): opt in likewise; a
         // device with less per block keeps the recurrent prefill.
-        let chunk_ok = f.kda_chunk.as_ref().is_some_and(|(prep, state)| {
-            [(prep, KDA_CHUNK_PREP_SMEM), (state, KDA_CHUNK_STATE_SMEM)]
+        let chunk_ok = f.kda_chunk.as_ref().is_some_and(|(prep, state, out)| {
+            [(prep, KDA_CHUNK_PREP_SMEM), (state, KDA_CHUNK_STATE_SMEM), (out, KDA_CHUNK_OUT_SMEM)]
                 .iter()
                 .all(|(func, bytes)| func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, *bytes as i32).is_ok())
         });
