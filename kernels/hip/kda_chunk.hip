@@ -2,17 +2,17 @@
 // kernels/src/cpu/kda.rs (prefill_chunked, whose doc comment gives the math).
 // Needs prelude.h in front.
 //
-// Why two kernels. The recurrent prefill (kda.hip) walks the tokens one by one:
-// one barrier-separated state update per token, and only heads x dv / 32 blocks
-// for the whole sequence, so a long prompt runs at the latency of T dependent
-// steps. In the chunked form most of the work of a chunk does not need the
-// state entering it: the prepared q^, k^, g, the cumulative decay Gam, the
-// C x C matrices A and P and the triangular solve depend on the chunk's own
-// tokens only. The solve is linear in its right-hand side, so
+// Why three kernels. The recurrent prefill (kda.hip) walks the tokens one by
+// one: one barrier-separated state update per token, and only heads x dv / 32
+// blocks for the whole sequence, so a long prompt runs at the latency of T
+// dependent steps. In the chunked form most of the work of a chunk does not
+// need the state entering it: the prepared q^, k^, g, the cumulative decay
+// Gam, the C x C matrices A and P and the triangular solve depend on the
+// chunk's own tokens only. The solve is linear in its right-hand side, so
 //   u = (I + A)^-1 beta (v - S_0^T (e^Gam k^)) = U0 - W S_0,
 //   U0 = (I + A)^-1 diag(beta) V,   W = (I + A)^-1 diag(beta) (e^Gam k^),
 // and the part that does depend on S_0 is three products with it and one with
-// P. So:
+// P. Of those only two feed the next chunk's state. So:
 //   kda_chunk_prep   one block per (chunk, head), all chunks at once: the
 //                    per-token preparation, Gam, A and P (exponentials of the
 //                    differences Gam_t - Gam_s <= 0 only, as on the CPU, so no
@@ -21,11 +21,13 @@
 //                    (one column per thread, the 64 unknowns in registers), and
 //                    e^Gam q^, e^(Gam_last - Gam) k^, e^Gam_last into a workspace;
 //   kda_chunk_state  one block per (head, 16-column tile of the values), walking
-//                    the chunks in order with its state tile in shared memory:
-//                    u = U0 - W S, o = (e^Gam q^) S + P u, S = e^Gam_last S +
+//                    the chunks in order, the only sequential part: u = U0 - W S,
+//                    the state entering the chunk saved, S = e^Gam_last S +
 //                    (e^(Gam_last - Gam) k^)^T u. Value columns are independent
 //                    (as in kda.hip), so narrow tiles give more blocks on the
-//                    sequential part without any cross-block reduction.
+//                    sequential part without any cross-block reduction;
+//   kda_chunk_out    one block per (chunk, head, 64 value columns), all chunks
+//                    at once: o = (e^Gam q^) S_c + P u from the saved states.
 // Every sum has a fixed order (key channels, then tokens, in index order, one
 // thread per output element): the result depends on the sequence only, never
 // on the launch, and two runs give the same bits. It agrees with the CPU's
@@ -36,8 +38,8 @@
 // rows seg[4i] .. + seg[4i + 1] - 1 of the inputs, out and record, its chunks
 // are numbers seg[4i + 2] .. of the workspace, and its state is number
 // seg[4i + 3] of `state`; after the nseq entries, one int per chunk names its
-// sequence. kda_chunk_prep runs over every chunk of every sequence, and
-// kda_chunk_state one block per (head, value tile, sequence). A sequence's
+// sequence. kda_chunk_prep and kda_chunk_out run over every chunk of every
+// sequence, and kda_chunk_state one block per (head, value tile, sequence). A sequence's
 // arithmetic does not depend on the others, so one launch over a batch of
 // prompts gives each the bits it gets alone.
 //
@@ -47,10 +49,12 @@
 // with g = 0, which leave every sum unchanged).
 //
 // Workspace (floats; Tp = chunks * 64, chunks summed over the sequences),
-// written in full by kda_chunk_prep:
-//   W  [H][Tp][128]   U0 [H][Tp][dv]    e^Gam q^ [H][Tp][128]
-//   e^(Gam_last - Gam) k^ [H][Tp][128]  P [H][chunks][64][64] (zero above the
-//   diagonal)  e^Gam_last [H][chunks][128]
+// written in full by kda_chunk_prep but for the last part:
+//   W  [H][Tp][128]   U0 [H][Tp][dv] (kda_chunk_state writes u over it)
+//   e^Gam q^ [H][Tp][128]  e^(Gam_last - Gam) k^ [H][Tp][128]
+//   P [H][chunks][64][64] (zero above the diagonal)  e^Gam_last [H][chunks][128]
+//   hs [H][chunks][dv][128] (the state entering each chunk, column by column;
+//   written by kda_chunk_state)
 // in that order (kda_chunk_ws below); the host sizes it the same way.
 
 #define KC_C 64          // chunk length (kernels/src/cpu/kda.rs KDA_CHUNK)
@@ -60,8 +64,8 @@
 #define KC_PAIRS (KC_C * (KC_C + 1) / 2)
 #define KC_PAIRS_PER_THREAD ((KC_PAIRS + KC_THREADS - 1) / KC_THREADS)
 #define KC_TILE 16          // value columns per kda_chunk_state block
-#define KC_LDW (KC_DK + 4)  // row stride of W, e^Gam q^, e^(..) k^ in kda_chunk_state
-#define KC_LDP (KC_C + 4)   // row stride of P in kda_chunk_state
+#define KC_LDW (KC_DK + 4)  // row stride of the 128-wide operands in shared memory
+#define KC_LDP (KC_C + 4)   // row stride of P in kda_chunk_out
 #define KC_L2_EPS 1e-6f
 
 struct KdaChunkWs {
