@@ -74,6 +74,16 @@ enum Command {
         /// ranks, widths and heads; N must still split over the prefill stages).
         #[arg(long, value_name = "N")]
         layers: Option<u32>,
+        /// Fragment the decode block pool before the checked requests are placed
+        /// (holes between live requests), so that their decode blocks are scattered
+        /// and their rows go out as staged groups; fails if none was staged.
+        #[arg(long)]
+        fragmented: bool,
+        /// Move the bytes through the engine's mover over this transport (local,
+        /// shm, tcp) instead of the oracle's counting copy; the oracle still checks
+        /// every copy and every byte.
+        #[arg(long)]
+        transport: Option<String>,
     },
     /// Teacher-forced bits per byte and next-byte accuracy of held-out text through the
     /// disaggregated path, next to the colocated run.
@@ -307,7 +317,7 @@ fn run(cli: Cli) -> Result<()> {
                 eprintln!("trace written to {f}");
             }
         }
-        Command::Verify { config, tokens, requests, compute, steps, prompt, device, layers } => {
+        Command::Verify { config, tokens, requests, compute, steps, prompt, device, layers, fragmented, transport } => {
             let mut topo = load(&config)?;
             // Said on the first line of the report (and of a failure), so a run at
             // reduced depth is never read as the full model's.
@@ -326,6 +336,16 @@ fn run(cli: Cli) -> Result<()> {
             if requests == 0 {
                 return Err(Refusal("--requests 0 checks nothing: give at least 1".into()).into());
             }
+            if compute && (fragmented || transport.is_some()) {
+                return Err(Refusal("--fragmented and --transport check the byte hand-off only: drop them with --compute".into()).into());
+            }
+            let transport = match transport.as_deref() {
+                None => None,
+                Some("local") => Some(handoff_components::config::TransportKind::Local),
+                Some("shm") => Some(handoff_components::config::TransportKind::Shm),
+                Some("tcp") => Some(handoff_components::config::TransportKind::Tcp),
+                Some(other) => return Err(Refusal(format!("--transport {other}: verify moves bytes over local, shm or tcp")).into()),
+            };
             if compute {
                 if prompt.is_empty() {
                     return Err(Refusal("--prompt must not be empty".into()).into());
@@ -380,11 +400,24 @@ fn run(cli: Cli) -> Result<()> {
                 return Err(Refusal(format!("--tokens {tokens} must be between 1 and serve.max_context {max_context} - 1")).into());
             }
             let t = std::time::Instant::now();
-            let r = handoff::check::verify::verify(&topo, tokens, requests, |_| {}).map_err(|e| anyhow::anyhow!("verify {config}{depth} failed: {e}"))?;
+            let opts = handoff::check::verify::VerifyOptions { fragmented, transport };
+            let r = handoff::check::verify::verify_with(&topo, tokens, requests, opts, |_| {})
+                .map_err(|e| anyhow::anyhow!("verify {config}{depth} failed: {e}"))?;
+            let staged = if r.staged_groups > 0 { format!(" and {} staged groups of {} writes", r.staged_groups, r.staged_writes) } else { String::new() };
             println!(
-                "verify {config}{depth}: ok: {} requests x {} tokens; {} descriptors ({} pieces before coalescing) wrote {} bytes, each exactly once",
+                "verify {config}{depth}: ok: {} requests x {} tokens; {} descriptors ({} pieces before coalescing){staged} wrote {} bytes, each exactly once",
                 r.requests, r.tokens, r.descriptors, r.uncoalesced, r.bytes_written
             );
+            if fragmented {
+                println!(
+                    "fragmented decode pool: scattered decode blocks, staged groups {} ({} staged writes ran); bytes moved by {}",
+                    r.staged_groups,
+                    r.staged_writes_run,
+                    transport.map_or("the oracle's counting copy", |t| t.name())
+                );
+            } else if let Some(t) = transport {
+                println!("bytes moved by the engine's mover over {}", t.name());
+            }
             println!(
                 "oracle: {} bytes equal the rules, {} bytes outside the requests untouched; entities back to baseline ({}) ",
                 r.pattern_bytes, r.canary_bytes, r.entities_after

@@ -74,3 +74,42 @@ fn verify_at_reduced_depth_says_so_and_refuses_a_depth_that_does_not_split() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--layers 4 with --compute") && err.contains("trained checkpoint of 8 layers"), "{err}");
 }
+
+/// `verify --fragmented` shows scattered blocks byte-exact: the decode pool is cut
+/// into holes before the checked requests are placed, their rows go out as staged
+/// groups (the count is printed and not zero), and every byte is checked; with
+/// `--transport` the engine's own mover lands them. A request too short to
+/// scatter, and the flags with `--compute`, are refused with the reason.
+#[test]
+fn verify_fragmented_stages_scattered_blocks_and_says_so() {
+    let staged = |out: &str| -> u64 {
+        let line = out.lines().find(|l| l.starts_with("fragmented decode pool:")).unwrap_or_else(|| panic!("{out}"));
+        let n = line.split("staged groups ").nth(1).and_then(|s| s.split_whitespace().next()).unwrap_or_default();
+        n.parse().unwrap_or_else(|_| panic!("{line}"))
+    };
+    for args in [
+        &["--config", "config/small.toml"][..],
+        &["--config", "config/small.toml", "--transport", "shm"],
+        &["--config", "config/pp3-tp2-to-tp4dcp2.toml", "--transport", "tcp"],
+    ] {
+        let (code, out, err) = handoff(&[&["verify", "--fragmented"][..], args].concat());
+        assert_eq!(code, 0, "{args:?}: {err}");
+        assert!(out.contains(": ok:") && out.contains("staged groups of"), "{out}");
+        assert!(staged(&out) > 0, "{out}");
+    }
+    // Without the flag the same config's blocks line up: nothing staged.
+    let (code, out, _) = handoff(&["verify", "--config", "config/small.toml"]);
+    assert_eq!(code, 0);
+    assert!(!out.contains("staged"), "{out}");
+    for (args, want) in [
+        (&["--config", "config/small.toml", "--tokens", "20"][..], "cannot be scattered"),
+        (&["--config", "config/small.toml", "--compute"], "--fragmented and --transport check the byte hand-off only"),
+    ] {
+        let (code, out, err) = handoff(&[&["verify", "--fragmented"][..], args].concat());
+        assert_eq!(code, 2, "{args:?}: {out}{err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+    let (code, _, err) = handoff(&["verify", "--config", "config/small.toml", "--transport", "rdma"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--transport rdma"), "{err}");
+}

@@ -327,13 +327,33 @@ impl Engine {
             f(&mut e.plan);
         }
     }
+
+    /// Edits every plan of a request before it is submitted, in the order of
+    /// [`Engine::plans`]; plans past those `f` leaves are kept as they were
+    /// (`verify --transport`'s negative tests: what the mover must run or refuse).
+    #[doc(hidden)]
+    pub fn edit_plans(&mut self, id: u64, f: impl FnOnce(&mut Vec<Plan>)) {
+        let Some(h) = self.entity_of(id).and_then(|e| self.world.get::<Holdings>(e)).cloned() else { return };
+        let mut plans = self.plans(id);
+        f(&mut plans);
+        let entities: Vec<Entity> = h.plans.iter().copied().filter(|&p| self.world.get::<PlanEntry>(p).is_some()).collect();
+        for (entity, plan) in entities.into_iter().zip(plans) {
+            if let Some(mut e) = self.world.get_mut::<PlanEntry>(entity) {
+                e.plan = plan;
+            }
+        }
+    }
 }
 
 /// A mover that queues submitted plans for the caller to execute, then completes
-/// them when told. `verify` uses it to run the oracle's counting copy.
+/// them when told. `verify` uses it to run the oracle's counting copy, planned as
+/// for a staging mover ([`QueueMover::staging`]); the compute checks, whose device
+/// copies run descriptors only, keep the default (no staged groups).
 #[derive(Clone, Default)]
 pub struct QueueMover {
     pub inner: Arc<Mutex<QueueState>>,
+    /// What [`Mover::staging_bytes`] says: the caller runs staged groups too.
+    pub staging: Option<u64>,
 }
 
 #[derive(Default)]
@@ -352,9 +372,16 @@ impl Mover for QueueMover {
     fn poll(&mut self, out: &mut Vec<PlanCompletion>) {
         out.append(&mut lock(&self.inner).completed);
     }
+    fn staging_bytes(&self) -> Option<u64> {
+        self.staging
+    }
 }
 
 impl QueueMover {
+    /// A queue whose caller runs staged groups cut for buffers of `bytes`.
+    pub fn staging(bytes: Option<u64>) -> Self {
+        QueueMover { staging: bytes, ..QueueMover::default() }
+    }
     pub fn take_submitted(&self) -> Vec<(Ticket, Plan)> {
         std::mem::take(&mut lock(&self.inner).submitted)
     }

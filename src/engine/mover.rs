@@ -18,6 +18,16 @@
 //! and cuda-ipc, whose strided descriptors are single 2D device copies),
 //! so [`StagingMode::Auto`] stages only on the former.
 //!
+//! The planner's staged groups ([`Plan::staged`]: rows whose producer and consumer
+//! blocks do not line up) run through the same [`Stager`], one group at a time
+//! ([`Stager::transfer_staged`]: contiguous reads into a buffer of the pool, one
+//! write a buffer, landing descriptors into the consumer's blocks; a write waits
+//! for a buffer rather than fail). The mover says so to the planner through
+//! [`Mover::staging_bytes`] on the transports whose regions are host memory it
+//! can gather from (local, shm, tcp). The device transport (cuda-ipc) only queues
+//! descriptors as device copies and has no gather into a registered device
+//! buffer, so its mover keeps `None` and the planner gives it descriptors.
+//!
 //! Like the transports, a mover knows regions and descriptors: a [`Ticket`] is opaque
 //! to it, something to hand back.
 
@@ -256,7 +266,11 @@ impl Drop for TransportMover {
 
 impl Mover for TransportMover {
     fn submit(&mut self, ticket: Ticket, plan: &Plan) -> Result<(), MoveError> {
-        // Refuse at once what no worker could run: a region the mover does not know.
+        // Refuse at once what no worker could run: a region the mover does not know,
+        // staged groups on a transport that cannot gather them.
+        if !plan.staged.is_empty() && self.staging_bytes().is_none() {
+            return Err(MoveError::StagingUnsupported { groups: plan.staged.len() });
+        }
         check_regions(&self.shared, plan)?;
         {
             let mut book = lock(&self.shared.book);
@@ -277,6 +291,22 @@ impl Mover for TransportMover {
     fn poll(&mut self, out: &mut Vec<PlanCompletion>) {
         out.append(&mut lock(&self.shared.book).done);
     }
+
+    /// The `[transport]` staging buffer's bytes where the transport's regions are
+    /// host memory the stager gathers from (local, shm, tcp); `None` on the device
+    /// transport (see the module docs) and for a pool of no buffer or no byte.
+    fn staging_bytes(&self) -> Option<u64> {
+        let o = &self.shared.opts;
+        (runs_staged(self.shared.transport.name()) && o.staging_buffers > 0 && o.staging_bytes > 0).then_some(o.staging_bytes)
+    }
+}
+
+/// Whether a transport of this name runs staged groups: its regions are host
+/// memory that [`Stager::transfer_staged`] gathers from. The device transport's
+/// regions are device memory, reached from the host only by copying a whole region
+/// out and back; rdma is a stub.
+fn runs_staged(transport: &str) -> bool {
+    matches!(transport, "local" | "shm" | "tcp")
 }
 
 /// Plans one worker takes at once from the queue when the transport queues
@@ -338,12 +368,12 @@ fn target_rank(plan: &Plan) -> RankId {
 fn check_regions(shared: &Shared, plan: &Plan) -> Result<(), MoveError> {
     let sources = transport::read(&shared.sources);
     let targets = transport::read(&shared.targets);
-    for d in &plan.descriptors {
-        if !sources.contains_key(&(source_rank(plan), d.kind)) {
-            return Err(MoveError::UnknownRegion { kind: d.kind, rank: source_rank(plan), side: "source" });
+    for kind in plan.descriptors.iter().map(|d| d.kind).chain(plan.staged.iter().map(|g| g.kind)) {
+        if !sources.contains_key(&(source_rank(plan), kind)) {
+            return Err(MoveError::UnknownRegion { kind, rank: source_rank(plan), side: "source" });
         }
-        if !targets.contains_key(&(target_rank(plan), d.kind)) {
-            return Err(MoveError::UnknownRegion { kind: d.kind, rank: target_rank(plan), side: "destination, not attached" });
+        if !targets.contains_key(&(target_rank(plan), kind)) {
+            return Err(MoveError::UnknownRegion { kind, rank: target_rank(plan), side: "destination, not attached" });
         }
     }
     Ok(())
@@ -372,7 +402,7 @@ fn stager(shared: &Shared, rank: RankId) -> Result<&Stager, TransportError> {
 type DirectWrite = (usize, RegionHandle, RemoteRegion, Vec<Descriptor>);
 
 /// Writes every descriptor of each plan; returns once all batches completed,
-/// one result per plan. Kinds that stage go through the stager, plan by plan;
+/// one result per plan. Staged groups and the kinds that stage go through the stager, plan by plan;
 /// every batch of the other kinds, of all the plans, is submitted before the
 /// first wait, so an asynchronous transport (tcp, a GPU's copy queue) has all
 /// of it in flight at once. A plan that fails fails alone: the other plans'
@@ -394,9 +424,27 @@ fn run_plans(shared: &Shared, plans: &[&Plan]) -> Vec<Result<(), TransportError>
     results
 }
 
-/// Resolves a plan's regions kind by kind, writes the kinds that stage, and
-/// returns the direct writes of the others.
+/// The source and the attached destination of one (plan, kind).
+fn regions_of(shared: &Shared, plan: &Plan, kind: RegionKind) -> Result<(RegionHandle, RemoteRegion), TransportError> {
+    let src = transport::read(&shared.sources)
+        .get(&(source_rank(plan), kind))
+        .cloned()
+        .ok_or_else(|| TransportError::UnknownRegion(format!("{kind} source of {}", source_rank(plan))))?;
+    let dst = transport::read(&shared.targets)
+        .get(&(target_rank(plan), kind))
+        .copied()
+        .ok_or_else(|| TransportError::UnknownRegion(format!("{kind} destination of {}", target_rank(plan))))?;
+    Ok((src, dst))
+}
+
+/// Resolves a plan's regions kind by kind, writes its staged groups and the kinds
+/// that stage, and returns the direct writes of the others.
 fn plan_writes(shared: &Shared, plan: &Plan) -> Result<Vec<(RegionHandle, RemoteRegion, Vec<Descriptor>)>, TransportError> {
+    for group in &plan.staged {
+        let (src, dst) = regions_of(shared, plan, group.kind)?;
+        let st = stager(shared, source_rank(plan))?.transfer_staged(&src, dst, group)?;
+        tracing::debug!(kind = %group.kind, writes = st.writes, buffers = st.buffers, landing = st.landing_descriptors, waits = st.waits, bytes = st.bytes, "mover: staged group");
+    }
     // Descriptors of one kind share a source and a destination region.
     let mut by_kind: BTreeMap<RegionKind, Vec<Descriptor>> = BTreeMap::new();
     for d in &plan.descriptors {
@@ -404,14 +452,7 @@ fn plan_writes(shared: &Shared, plan: &Plan) -> Result<Vec<(RegionHandle, Remote
     }
     let mut direct = Vec::new();
     for (kind, descs) in by_kind {
-        let src = transport::read(&shared.sources)
-            .get(&(source_rank(plan), kind))
-            .cloned()
-            .ok_or_else(|| TransportError::UnknownRegion(format!("{kind} source of {}", source_rank(plan))))?;
-        let dst = transport::read(&shared.targets)
-            .get(&(target_rank(plan), kind))
-            .copied()
-            .ok_or_else(|| TransportError::UnknownRegion(format!("{kind} destination of {}", target_rank(plan))))?;
+        let (src, dst) = regions_of(shared, plan, kind)?;
         if stages(shared, kind) {
             stager(shared, source_rank(plan))?.transfer(&src, dst, &descs)?;
         } else {
