@@ -646,3 +646,53 @@ fn over_tcp_the_roles_hand_off_and_a_stranger_at_decodes_transport_port_is_count
     c.shutdown();
     let _ = std::fs::remove_file(path);
 }
+
+/// Monitoring is never locked out: with every place under
+/// `serve.max_connections` held by idle clients, a served cluster still
+/// answers /health 200 (ready, naming its roles) and /metrics 200, while the
+/// API past the cap gets 503.
+#[test]
+fn a_served_cluster_answers_health_and_metrics_200_with_the_public_cap_reached() {
+    let text = std::fs::read_to_string(SMALL).expect("small.toml").replace("[serve]\n", "[serve]\nmax_connections = 3\n");
+    assert!(text.contains("max_connections = 3"), "small.toml has no [serve] table");
+    let path = std::env::temp_dir().join(format!("handoff-cluster-secret-cap-{}.toml", std::process::id()));
+    std::fs::write(&path, text).expect("config");
+    let port = free_port().expect("port");
+    let mut c = Deployment::start(Some(&path), "127.0.0.1", port, Some(PathBuf::from(BIN))).expect("start");
+    c.wait_healthy(Duration::from_secs(60), false).expect("healthy");
+    let held: Vec<TcpStream> = (0..3).map(|_| TcpStream::connect(&c.addr).expect("connect")).collect();
+    let deadline = Instant::now() + T;
+    while metric(&wire::http(&c.addr, "GET", "/metrics", None, T).expect("metrics").body, "handoff_open_connections") != Some(3.0) {
+        assert!(Instant::now() < deadline, "the three idle clients were never counted");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let past_cap = |request: &[u8]| {
+        let mut s = TcpStream::connect(&c.addr).expect("connect");
+        s.set_read_timeout(Some(T)).expect("timeout");
+        let _ = s.write_all(request);
+        let mut got = Vec::new();
+        let _ = s.read_to_end(&mut got);
+        String::from_utf8_lossy(&got).into_owned()
+    };
+    let api = past_cap(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}");
+    assert!(api.starts_with("HTTP/1.1 503") && api.contains("too_many_connections"), "{api}");
+    for _ in 0..3 {
+        let health = past_cap(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n");
+        assert!(health.starts_with("HTTP/1.1 200") && health.contains("decode"), "{health}");
+        let metrics = past_cap(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+        assert!(metrics.starts_with("HTTP/1.1 200") && metrics.contains("handoff_open_connections 3"), "{metrics}");
+    }
+    drop(held);
+    // Their places come back, and the API is served again.
+    let deadline = Instant::now() + T;
+    loop {
+        let r = wire::http(&c.addr, "POST", "/v1/completions", Some(r#"{"prompt": "after the cap", "max_tokens": 3}"#), T).expect("http");
+        if r.status == 200 {
+            break;
+        }
+        assert!(r.status == 503 && Instant::now() < deadline, "{} {}", r.status, r.body);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    c.shutdown();
+    let _ = std::fs::remove_file(path);
+}
