@@ -179,11 +179,8 @@ impl CudaBackend {
             None => b.arg(&null),
         };
         b.arg(&ws).arg(&seg).arg(&ns).arg(&h).arg(&k).arg(&v);
-        let cfg = LaunchConfig {
-            grid_dim: (nch as u32, heads as u32, out_tiles as u32),
-            block_dim: (KDA_CHUNK_THREADS, 1, 1),
-            shared_mem_bytes: KDA_CHUNK_OUT_SMEM,
-        };
+        let cfg =
+            LaunchConfig { grid_dim: (nch as u32, heads as u32, out_tiles as u32), block_dim: (KDA_CHUNK_THREADS, 1, 1), shared_mem_bytes: KDA_CHUNK_OUT_SMEM };
         // SAFETY: argument types and order match kda_chunk_out; out and the
         // record were checked against the table's rows.
         unsafe { b.launch(cfg) }.map_err(dev(op))?;
