@@ -1,0 +1,38 @@
+// A CPU emulation of the few CUDA/HIP builtins the kda_chunk kernels use:
+// one block at a time, one std::thread per CUDA thread, __syncthreads as a
+// std::barrier, warp shuffles through a per-warp exchange.
+#pragma once
+#include <cmath>
+#include <cstring>
+#include <barrier>
+#include <thread>
+#include <vector>
+#include <functional>
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+extern thread_local dim3 threadIdx;
+extern dim3 blockIdx, blockDim, gridDim;
+struct BlockSync;
+extern thread_local BlockSync* hk_sync;
+struct float4 { float x, y, z, w; };
+struct uint4 { unsigned x, y, z, w; };
+static inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__
+#define __launch_bounds__(...)
+#define __restrict__
+void __syncthreads();
+float __shfl_xor(float v, int m, int w);
+float __shfl(float v, int src, int w);
+unsigned __shfl(unsigned v, int src, int w);
+double __shfl_xor(double v, int m, int w);
+int __any(int p);
+static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
+static inline float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
+static inline unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }
+static inline int __float_as_int(float f) { int i; memcpy(&i, &f, 4); return i; }
+static inline double __longlong_as_double(long long i) { double f; memcpy(&f, &i, 8); return f; }
+static inline long long __double_as_longlong(double f) { long long i; memcpy(&i, &f, 8); return i; }
+#include <math.h>
