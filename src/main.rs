@@ -408,6 +408,12 @@ fn run(cli: Cli) -> Result<()> {
                 "verify {config}{depth}: ok: {} requests x {} tokens; {} descriptors ({} pieces before coalescing){staged} wrote {} bytes, each exactly once",
                 r.requests, r.tokens, r.descriptors, r.uncoalesced, r.bytes_written
             );
+            if r.chunks > 0 {
+                println!(
+                    "chunked transfer: {} chunks over the {} plans, token rows chunk by chunk, the KDA state, conv, replay and cursor with each plan's last",
+                    r.chunks, r.chunks_plans
+                );
+            }
             if fragmented {
                 println!(
                     "fragmented decode pool: scattered decode blocks, staged groups {} ({} staged writes ran); bytes moved by {}",

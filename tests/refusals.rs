@@ -112,12 +112,19 @@ fn malformed_files_name_the_field_line_and_expectation() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/x.toml"));
 }
 
+/// Chunked transfer of a stateful model to a DCP decode is served (issue 21,
+/// item 4): admission takes it, and the plans carry the rows in chunks with the
+/// state in the last (tests/chunked_transfer.rs, tests/serve_e2e.rs). A chunk of
+/// zero tokens is refused at startup, naming the field.
 #[test]
-fn chunked_stateful_transfer_to_dcp_is_refused_at_admission_not_startup() {
-    let t = Shape { dtp: 2, dcp: 2, ..Default::default() }.toml().replace("layer_split = []", "layer_split = []\nchunked = true");
-    let topo = Topology::parse(&t).expect("startup accepts it: the producer learns decode's dcp per request");
-    let reason = topo.admits_transfer_mode().expect_err("admission refuses it").to_string();
-    assert!(reason.contains("chunked") && reason.contains("dcp 2"), "{reason}");
+fn chunked_stateful_transfer_to_dcp_is_admitted_and_a_zero_chunk_is_refused() {
+    let t = Shape { dtp: 2, dcp: 2, ..Default::default() }.toml().replace("layer_split = []", "layer_split = []\nchunked = true\nchunk_tokens = 8");
+    let topo = Topology::parse(&t).expect("startup accepts it");
+    assert_eq!(topo.admits_transfer_mode(), Ok(()));
+    assert!(handoff_systems::admission::validate(&topo, 40).is_ok());
+    let zero = t.replace("chunk_tokens = 8", "chunk_tokens = 0");
+    let e = Topology::parse(&zero).expect_err("a chunk of no token").to_string();
+    assert!(e.contains("prefill.chunk_tokens"), "{e}");
 }
 
 #[test]

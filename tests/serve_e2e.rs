@@ -263,19 +263,17 @@ fn admission_rejects_each_bad_request_with_400_and_reason() {
     assert!(metric(&m, "handoff_refusals_total{reason=\"max_tokens\"}") == Some(2.0), "{m}");
 }
 
+/// Chunked transfer of a stateful (KDA) model to a DCP decode is served through
+/// `handoff up` (issue 21, item 4; it was refused with 400 before): chunks of 4
+/// tokens, so every prompt but the shortest moves its MLA rows in several chunks
+/// and its KDA state, conv and replay with the last, and every completion,
+/// streamed and sampled too, equals the colocated reference.
 #[test]
-fn admission_rejects_chunked_transfer_to_dcp_decode_with_400() {
+fn up_chunked_transfer_to_dcp_completions_equal_colocated_reference() {
     let _serial = serial();
-    // Chunked transfer of a stateful (KDA) model to a DCP decode: decode cannot
-    // serve it, so every request is refused before it is enqueued.
-    let text = SMALL.replace("[prefill]\n", "[prefill]\nchunked = true\n");
-    let (c, _) = cluster("chunked", &text, vec![]);
-    let r = c.http("POST", "/v1/completions", Some("{\"prompt\": \"abc\", \"max_tokens\": 3}")).expect("http");
-    assert_eq!(r.status, 400, "{}", r.body);
-    let v = r.json().expect("json");
-    assert_eq!(v["error"]["type"], "invalid_request_error");
-    let msg = v["error"]["message"].as_str().unwrap_or("");
-    assert!(msg.contains("chunked transfer") && msg.contains("dcp 2"), "{msg}");
+    let text = SMALL.replace("[prefill]\n", "[prefill]\nchunked = true\nchunk_tokens = 4\n");
+    assert!(text.contains("chunked = true"));
+    check_topology_end_to_end("chunked", &text);
 }
 
 #[test]

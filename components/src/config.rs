@@ -182,9 +182,19 @@ pub struct PrefillConfig {
     /// Layers per stage, in order; must sum to `num_layers`. Empty: even split.
     #[serde(default)]
     pub layer_split: Vec<u32>,
-    /// Chunked transfer: the producer sends KV as chunks are computed.
+    /// Chunked transfer: each pair's MLA rows move in token chunks of about
+    /// `chunk_tokens`, in token order, and the KDA state, conv, replay records and
+    /// cursor go with the last chunk (docs/design.md section 4).
     #[serde(default)]
     pub chunked: bool,
+    /// Tokens a chunk of a chunked transfer, rounded down to whole token groups of
+    /// the consumer's DCP (decode interleave x dcp; at least one group).
+    #[serde(default = "default_chunk_tokens")]
+    pub chunk_tokens: u32,
+}
+
+fn default_chunk_tokens() -> u32 {
+    512
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -567,6 +577,7 @@ impl Topology {
             ("prefill.pp", p.pp),
             ("prefill.tp", p.tp),
             ("prefill.block_size", p.block_size),
+            ("prefill.chunk_tokens", p.chunk_tokens),
             ("decode.tp", d.tp),
             ("decode.dcp", d.dcp),
             ("decode.interleave", d.interleave),
@@ -802,25 +813,20 @@ impl Topology {
     }
 
     /// Whether decode can take a request of this transfer mode; `Err` carries the
-    /// reason admission returns (HTTP 400). Chunked transfer sends no per-request
-    /// state to a DCP decode, so a stateful model under DCP cannot be served chunked.
+    /// reason admission returns (HTTP 400). Every mode is served today: chunked
+    /// transfer of a stateful model to a DCP decode sends the KDA state, conv,
+    /// replay records and cursor with the last chunk to every DCP rank (issue 21,
+    /// item 4). The check stays, so a mode decode cannot take is refused at
+    /// admission, per request, and not at startup.
     pub fn admits_transfer_mode(&self) -> Result<(), TransferModeError> {
-        let d = &self.config.decode;
-        if self.config.prefill.chunked && d.dcp > 1 && self.layer_kinds.contains(&LayerKind::Kda) {
-            return Err(TransferModeError::ChunkedStateToDcp { dcp: d.dcp });
-        }
         Ok(())
     }
 }
 
-/// A transfer mode decode cannot serve (refused at admission, HTTP 400).
+/// A transfer mode decode cannot serve (refused at admission, HTTP 400). None is
+/// refused today (see [`Topology::admits_transfer_mode`]).
 #[derive(Debug, Clone, Error, PartialEq, Eq)]
-pub enum TransferModeError {
-    #[error(
-        "chunked transfer of a stateful model (KDA layers) to a DCP decode (dcp {dcp}) is not supported: chunked transfer carries no per-request KDA state to DCP ranks"
-    )]
-    ChunkedStateToDcp { dcp: u32 },
-}
+pub enum TransferModeError {}
 
 /// One channel group of a head-split region, per head.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -60,6 +60,14 @@ pub struct Plan {
     pub staged: Vec<StagedRows>,
     /// Contiguous pieces before coalescing (one per token row or head range).
     pub uncoalesced: u64,
+    /// A chunked transfer (`[prefill] chunked`): where each chunk's descriptors end,
+    /// in token order. Chunk `k` holds the token rows of its token range only;
+    /// the last one also holds every head-split and replicated kind (KDA state,
+    /// conv, replay records and cursor), so the state lands after every row.
+    /// The mover writes a chunk only after the one before it completed. Empty:
+    /// one plain hand-off, in any order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub chunks: Vec<u32>,
 }
 
 impl Plan {
@@ -71,6 +79,23 @@ impl Plan {
     pub fn bytes_of(&self, kind: RegionKind) -> u64 {
         let staged: u64 = self.staged.iter().filter(|g| g.kind == kind).map(StagedRows::bytes).sum();
         self.descriptors.iter().filter(|d| d.kind == kind).map(Descriptor::bytes).sum::<u64>() + staged
+    }
+
+    /// The descriptors of each chunk, in order (one slice, all of them, when the
+    /// plan is not chunked).
+    pub fn chunk_descriptors(&self) -> Vec<&[Descriptor]> {
+        if self.chunks.is_empty() {
+            return vec![&self.descriptors];
+        }
+        let mut out = Vec::with_capacity(self.chunks.len());
+        let mut start = 0usize;
+        for (i, &end) in self.chunks.iter().enumerate() {
+            // The last chunk takes every descriptor left: none is ever skipped.
+            let end = if i + 1 == self.chunks.len() { self.descriptors.len() } else { (end as usize).clamp(start, self.descriptors.len()) };
+            out.push(&self.descriptors[start..end]);
+            start = end;
+        }
+        out
     }
 
     /// Writes through the transport: one per descriptor and one per staged write.

@@ -40,6 +40,10 @@ pub struct VerifyReport {
     /// transport (`--transport`; `None`: the oracle's counting copy).
     pub fragmented: bool,
     pub transport: Option<TransportKind>,
+    /// Chunks of the plans of a chunked transfer (`[prefill] chunked`; 0
+    /// otherwise), and the plans that have them.
+    pub chunks: u64,
+    pub chunks_plans: u64,
 }
 
 /// `topo` with `[model] num_layers` set to `layers` (`handoff verify
@@ -89,6 +93,11 @@ impl Fragments {
     /// more than half of rank 0's blocks. A request of one decode block a rank
     /// cannot be scattered and is refused.
     fn new(topo: &Topology, tokens: u64, requests: u32) -> Result<Fragments, CheckError> {
+        if topo.config.prefill.chunked {
+            return Err(CheckError::Input(
+                "--fragmented: this topology's transfer is chunked ([prefill] chunked), and chunked plans stage nothing (a staged group spans the whole request); check it without --fragmented".into(),
+            ));
+        }
         let d = topo.decode();
         let blocks = blocks_for(owned_tokens(tokens, d.dcp, 0, d.interleave), d.block_size);
         if blocks < 2 {
@@ -363,6 +372,8 @@ fn count_plans(plans: &[Plan], report: &mut VerifyReport) {
         report.uncoalesced += p.uncoalesced;
         report.staged_groups += p.staged.len() as u64;
         report.staged_writes += p.staged.iter().map(|g| g.writes.len() as u64).sum::<u64>();
+        report.chunks += p.chunks.len() as u64;
+        report.chunks_plans += u64::from(!p.chunks.is_empty());
     }
 }
 

@@ -34,7 +34,11 @@ pub fn summary(topo: &Topology, path: &str) -> String {
         p.tp,
         u64::from(p.pp) * u64::from(p.tp),
         p.block_size,
-        if p.chunked { "chunked" } else { "whole-request" }
+        if p.chunked {
+            format!("chunked ({} tokens a chunk, rounded to whole interleave x dcp groups; the KDA state with the last chunk)", p.chunk_tokens)
+        } else {
+            "whole-request".to_string()
+        }
     );
     for (i, r) in topo.stage_layers.iter().enumerate() {
         let k = topo.layers_of(LayerKind::Kda, r.clone()).len();

@@ -279,8 +279,8 @@ impl Mover for TransportMover {
             }
             book.in_flight.insert(ticket, Instant::now());
         }
-        let sent = self.jobs.as_ref().map(|tx| tx.send(Job { ticket, plan: plan.clone() }));
-        if !matches!(sent, Some(Ok(()))) {
+        let sent = self.jobs.as_ref().is_some_and(|tx| tx.send(Job { ticket, plan: plan.clone() }).is_ok());
+        if !sent {
             lock(&self.shared.book).in_flight.remove(&ticket);
             self.shared.idle.notify_all();
             return Err(MoveError::Stopped);
@@ -411,6 +411,10 @@ fn run_plans(shared: &Shared, plans: &[&Plan]) -> Vec<Result<(), TransportError>
     let mut results: Vec<Result<(), TransportError>> = plans.iter().map(|_| Ok(())).collect();
     let mut direct: Vec<DirectWrite> = Vec::new();
     for (i, plan) in plans.iter().enumerate() {
+        if !plan.chunks.is_empty() {
+            results[i] = run_chunks(shared, plan);
+            continue;
+        }
         match plan_writes(shared, plan) {
             Ok(w) => direct.extend(w.into_iter().map(|(src, dst, descs)| (i, src, dst, descs))),
             Err(e) => results[i] = Err(e),
@@ -435,6 +439,28 @@ fn regions_of(shared: &Shared, plan: &Plan, kind: RegionKind) -> Result<(RegionH
         .copied()
         .ok_or_else(|| TransportError::UnknownRegion(format!("{kind} destination of {}", target_rank(plan))))?;
     Ok((src, dst))
+}
+
+/// A chunked plan ([`Plan::chunks`]): each chunk's writes complete before the
+/// next chunk's start, so the rows land in token order and the state (in the
+/// last chunk) after every row; staged groups, if any, go with the last chunk.
+fn run_chunks(shared: &Shared, plan: &Plan) -> Result<(), TransportError> {
+    let chunks = plan.chunk_descriptors();
+    let last = chunks.len().saturating_sub(1);
+    for (k, descs) in chunks.into_iter().enumerate() {
+        let staged = if k == last { plan.staged.clone() } else { Vec::new() };
+        if descs.is_empty() && staged.is_empty() {
+            continue;
+        }
+        let chunk = Plan { producer: plan.producer, consumer: plan.consumer, descriptors: descs.to_vec(), staged, uncoalesced: 0, chunks: Vec::new() };
+        let _span = tracing::trace_span!("mover.chunk", chunk = k, descriptors = chunk.descriptors.len(), bytes = chunk.bytes()).entered();
+        let direct = plan_writes(shared, &chunk)?;
+        let writes: Vec<DirectWrite> = direct.into_iter().map(|(src, dst, d)| (0, src, dst, d)).collect();
+        if let Some((_, e)) = write_direct(shared, &writes).into_iter().next() {
+            return Err(e);
+        }
+    }
+    Ok(())
 }
 
 /// Resolves a plan's regions kind by kind, writes its staged groups and the kinds

@@ -113,6 +113,8 @@ pub struct ProducerPlanner<'a> {
     /// The producer's block table that every staged group of this producer
     /// shares, made when the first group is.
     src_table: OnceLock<Arc<[u32]>>,
+    /// Set by [`ProducerPlanner::chunked`]: tokens a chunk.
+    chunk_tokens: Option<u64>,
 }
 
 impl<'a> ProducerPlanner<'a> {
@@ -125,7 +127,20 @@ impl<'a> ProducerPlanner<'a> {
             // A producer's own blocks: checked per pair, against its own region, in `plan_rows`.
             .map(|r| (r.kind, runs(&producer.blocks, r.block_size, r.unit_stride, r.token_bytes, tokens, None).unwrap_or_default()))
             .collect();
-        ProducerPlanner { producer, tokens, src_runs, staging: None, src_table: OnceLock::new() }
+        ProducerPlanner { producer, tokens, src_runs, staging: None, src_table: OnceLock::new(), chunk_tokens: None }
+    }
+
+    /// Plans a chunked transfer ([`Plan::chunks`]): token rows in chunks of
+    /// `tokens` (rounded down to whole groups of the consumer's DCP, interleave x
+    /// dcp tokens, and at least one group), in token order, and every head-split
+    /// and replicated kind with the last chunk. Chunked plans stage nothing: a
+    /// staged group spans the whole request. `None`: one plain plan.
+    pub fn chunked(mut self, tokens: Option<u64>) -> Self {
+        self.chunk_tokens = tokens.filter(|&t| t > 0);
+        if self.chunk_tokens.is_some() {
+            self.staging = None;
+        }
+        self
     }
 
     /// Plans token rows whose blocks do not line up as staged groups cut for
@@ -134,7 +149,7 @@ impl<'a> ProducerPlanner<'a> {
     /// descriptors. Only for a mover that runs staged groups
     /// ([`crate::transfer::Mover::staging_bytes`]).
     pub fn staging(mut self, bytes: Option<u64>) -> Self {
-        self.staging = bytes.filter(|&b| b > 0);
+        self.staging = bytes.filter(|&b| b > 0 && self.chunk_tokens.is_none());
         self
     }
 
@@ -151,7 +166,17 @@ impl<'a> ProducerPlanner<'a> {
     pub fn plan(&self, consumer: &ConsumerLayout, share: Share) -> Result<Plan, SplitError> {
         check_consumer(consumer)?;
         let producer = self.producer;
-        let mut out = Coalescer::default();
+        // Token groups (interleave x dcp tokens) a chunk, and the chunks: one
+        // coalescer each, so no descriptor spans two chunks.
+        let group = u64::from(consumer.interleave) * u64::from(consumer.dcp);
+        let (per_chunk, n_chunks) = match self.chunk_tokens {
+            Some(t) => {
+                let per = (t / group).max(1);
+                (per, self.tokens.div_ceil(per * group).max(1) as usize)
+            }
+            None => (u64::MAX, 1),
+        };
+        let mut outs: Vec<Coalescer> = (0..n_chunks).map(|_| Coalescer::default()).collect();
         let mut staged = Vec::new();
         let mut uncoalesced = 0u64;
         let mut pairs = Vec::new();
@@ -168,18 +193,34 @@ impl<'a> ProducerPlanner<'a> {
             }
             let dst = consumer.layout.region(src.kind).ok_or(SplitError::MissingRegion { kind: src.kind, consumer: consumer.rank.tp, pp: producer.rank.pp })?;
             row_pairs(src, dst, consumer, &mut pairs)?;
+            let last = outs.len() - 1;
             uncoalesced += match src.kind.distribution() {
                 Distribution::TokenSharded => {
                     let src_runs = self.src_runs.iter().find(|(k, _)| *k == src.kind).map(|(_, r)| r.as_slice()).unwrap_or(&[]);
                     let src_table = || self.src_table(src.block_size);
-                    let rows = RowsOut { descriptors: &mut out, staged: &mut staged, staging: self.staging, src_table: &src_table };
-                    plan_rows(producer, consumer, src, dst, src_runs, &pairs, self.tokens, rows)?
+                    let mut pieces = 0;
+                    for (k, out) in outs.iter_mut().enumerate() {
+                        let k = k as u64;
+                        let groups = k * per_chunk..if n_chunks == 1 { u64::MAX } else { (k + 1) * per_chunk };
+                        let rows = RowsOut { descriptors: out, staged: &mut staged, staging: self.staging, src_table: &src_table };
+                        pieces = plan_rows(producer, consumer, src, dst, src_runs, &pairs, self.tokens, groups, rows)?;
+                    }
+                    pieces
                 }
-                Distribution::HeadSplit => plan_heads(producer, consumer, src, dst, &pairs, &mut out)?,
-                Distribution::Replicated => plan_whole(producer, consumer, src, dst, &pairs, &mut out)?,
+                Distribution::HeadSplit => plan_heads(producer, consumer, src, dst, &pairs, &mut outs[last])?,
+                Distribution::Replicated => plan_whole(producer, consumer, src, dst, &pairs, &mut outs[last])?,
             };
         }
-        Ok(Plan { producer: producer.rank, consumer: consumer.rank, descriptors: out.finish(), staged, uncoalesced })
+        let mut descriptors = Vec::new();
+        let mut chunks = Vec::new();
+        for out in outs {
+            descriptors.extend(out.finish());
+            chunks.push(descriptors.len() as u32);
+        }
+        if self.chunk_tokens.is_none() {
+            chunks.clear();
+        }
+        Ok(Plan { producer: producer.rank, consumer: consumer.rank, descriptors, staged, uncoalesced, chunks })
     }
 }
 
@@ -314,6 +355,7 @@ fn plan_rows(
     src_runs: &[BlockRun],
     pairs: &[(ModuleLayer, u64, u64)],
     tokens: u64,
+    groups: std::ops::Range<u64>,
     rows: RowsOut<'_>,
 ) -> Result<u64, SplitError> {
     let out = rows.descriptors;
@@ -351,13 +393,14 @@ fn plan_rows(
         return Ok(owned * pairs.len() as u64);
     }
 
-    // Template: copies relative to the row start.
+    // Template: copies relative to the row start, of the token groups in `groups`
+    // (a chunk of a chunked transfer; all of them otherwise).
     let mut template = Coalescer::default();
     let (mut si, mut di) = (0usize, 0usize);
-    let mut g = 0u64;
+    let mut g = groups.start;
     loop {
-        let p0 = (g * dcp + d) * s;
-        if p0 >= tokens {
+        let p0 = g.saturating_mul(dcp).saturating_add(d).saturating_mul(s);
+        if p0 >= tokens || g >= groups.end {
             break;
         }
         let lp0 = g * s;
@@ -374,7 +417,7 @@ fn plan_rows(
             let m_src = (sr.end - p0 - s) / (s * dcp) + 1;
             let m_dst = (dr.end - lp0 - s) / s + 1;
             let m_tok = (tokens - p0 - s) / (s * dcp) + 1;
-            let m = m_src.min(m_dst).min(m_tok).min(u32::MAX as u64);
+            let m = m_src.min(m_dst).min(m_tok).min(groups.end - g).min(u32::MAX as u64);
             template.push(Descriptor {
                 kind,
                 src_offset: sr.base + (p0 - sr.start) * tb,
@@ -600,7 +643,8 @@ pub fn split_requests(
         }
         let mut plans = Vec::new();
         let mut failure = None;
-        let planners: Vec<ProducerPlanner> = producers.iter().map(|p| ProducerPlanner::new(p, req.tokens).staging(staging)).collect();
+        let chunk = topo.0.config.prefill.chunked.then_some(u64::from(topo.0.config.prefill.chunk_tokens));
+        let planners: Vec<ProducerPlanner> = producers.iter().map(|p| ProducerPlanner::new(p, req.tokens).chunked(chunk).staging(staging)).collect();
         'pairs: for c in &consumers {
             for p in &planners {
                 let sh = share(prefill_tp, c.tp, p.producer.rank.tp, c.rank.tp);

@@ -99,7 +99,7 @@ fn tiny_plan(skip: Option<RegionKind>) -> Plan {
     // replay.cursor: 4 B per layer, 8 per slot.
     d.push(Descriptor::copy(RegionKind::ReplayCursor, 8, 16, 8));
     d.retain(|x| Some(x.kind) != skip);
-    Plan { producer: P0, consumer: D0, descriptors: d, staged: vec![], uncoalesced: 0 }
+    Plan { producer: P0, consumer: D0, descriptors: d, staged: vec![], uncoalesced: 0, chunks: vec![] }
 }
 
 const REQ: OracleRequest = OracleRequest { id: 7, tokens: 6 };
@@ -230,6 +230,7 @@ fn exec_rejects_double_write_oob_and_empty() {
             descriptors: vec![Descriptor { kind: RegionKind::KdaConv, src_offset: src, dst_offset: dst, len: l, count: n, src_stride: 0, dst_stride: 0 }],
             staged: vec![],
             uncoalesced: 0,
+            chunks: vec![],
         };
         let e = execute_counted(&[plan], &mut mem).unwrap_err();
         assert!(matches!(e, ExecError::OutOfBounds { side: s, .. } if s == side), "{e}");
@@ -295,7 +296,10 @@ fn naive_plans(topo: &Topology, pblocks: &[u32], pslot: u32, dtables: &[Vec<u32>
             }
         }
     }
-    plans.into_iter().map(|((producer, consumer), descriptors)| Plan { producer, consumer, descriptors, staged: vec![], uncoalesced: 0 }).collect()
+    plans
+        .into_iter()
+        .map(|((producer, consumer), descriptors)| Plan { producer, consumer, descriptors, staged: vec![], uncoalesced: 0, chunks: vec![] })
+        .collect()
 }
 
 #[test]
