@@ -6,28 +6,22 @@
 //! after the last, every byte of the plain hand-off.
 
 mod common;
+mod plan_case;
 #[allow(dead_code)]
 mod transport_util;
 
 use common::Shape;
+use plan_case::Case;
 use handoff::check::oracle::{self, Memory, OracleRequest, Placement};
 use handoff_components::Topology;
 use handoff_components::layout::{ConsumerLayout, ProducerLayout};
 use handoff_components::plan::Plan;
 use handoff_components::vocab::{DecodeRank, Distribution, PrefillRank, RankId};
 use handoff_systems::placement::{blocks_for, owned_tokens, place_rank};
-use handoff_systems::splitting::{ProducerPlanner, share};
 use proptest::prelude::*;
 use transport_util::Rng;
 
 const REQ: u64 = 9;
-
-struct Case {
-    topo: Topology,
-    tokens: u64,
-    producers: Vec<ProducerLayout>,
-    consumers: Vec<ConsumerLayout>,
-}
 
 fn shuffled(n: u32, seed: u64) -> Vec<u32> {
     let mut v: Vec<u32> = (0..n).collect();
@@ -72,38 +66,11 @@ fn case(topo: Topology, tokens: u64, seed: u64) -> Case {
 }
 
 fn plans(c: &Case, chunk: Option<u64>) -> Vec<Plan> {
-    let mut out = Vec::new();
-    for p in &c.producers {
-        let planner = ProducerPlanner::new(p, c.tokens).chunked(chunk).staging(Some(1 << 20));
-        for k in &c.consumers {
-            let sh = share(c.topo.prefill().tp, k.tp, p.rank.tp, k.rank.tp);
-            if sh.rows || sh.state {
-                out.push(planner.plan(k, sh).expect("plan"));
-            }
-        }
-    }
-    out
+    plan_case::plans(c, |p| p.chunked(chunk).staging(Some(1 << 20)))
 }
 
 fn memory(c: &Case) -> Memory {
-    let req = OracleRequest { id: REQ, tokens: c.tokens };
-    let mut mem = Memory::new();
-    for p in &c.producers {
-        for r in &p.layout.regions {
-            let mut buf = vec![0u8; r.len as usize];
-            oracle::fill_canary(RankId::Prefill(p.rank), r.kind, &mut buf);
-            oracle::fill_producer(&c.topo, p.rank, r.kind, r.units, &req, &Placement { blocks: &p.blocks, slot: p.slot }, &mut buf);
-            mem.insert((RankId::Prefill(p.rank), r.kind), buf);
-        }
-    }
-    for k in &c.consumers {
-        for r in &k.layout.regions {
-            let mut buf = vec![0u8; r.len as usize];
-            oracle::fill_canary(RankId::Decode(k.rank), r.kind, &mut buf);
-            mem.insert((RankId::Decode(k.rank), r.kind), buf);
-        }
-    }
-    mem
+    plan_case::memory(c, REQ)
 }
 
 /// The plans cut to their first `n` chunks (all of a plan with fewer).

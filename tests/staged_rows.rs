@@ -5,10 +5,12 @@
 //! land them byte for byte; a write that cannot get a buffer waits.
 
 mod common;
+mod plan_case;
 #[allow(dead_code)]
 mod transport_util;
 
 use common::Shape;
+use plan_case::Case;
 use handoff::check::oracle::{self, ExecError, Memory, OracleRequest, Placement};
 use handoff::transport::staging::{RetryPolicy, Stager, StagingPool};
 use handoff::transport::{LocalTransport, RegionHandle, RemoteRegion, ShmTransport, TcpTransport, Transport, TransportError, TransportExt};
@@ -17,7 +19,6 @@ use handoff_components::layout::{ConsumerLayout, ProducerLayout};
 use handoff_components::plan::{Plan, StagedError};
 use handoff_components::vocab::{DecodeRank, Distribution, PrefillRank, RankId, RegionKind};
 use handoff_systems::placement::{blocks_for, owned_tokens, place_rank};
-use handoff_systems::splitting::{ProducerPlanner, share};
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -30,13 +31,6 @@ const SLOT: u32 = 1;
 
 /// One request's layouts on every rank: producer blocks every other block of a
 /// region twice the size, in shuffled order; consumer blocks shuffled.
-struct Case {
-    topo: Topology,
-    tokens: u64,
-    producers: Vec<ProducerLayout>,
-    consumers: Vec<ConsumerLayout>,
-}
-
 /// A permutation of `0..n`, from `seed` (reversed for seed 0).
 fn shuffled(n: u32, seed: u64) -> Vec<u32> {
     let mut v: Vec<u32> = (0..n).collect();
@@ -83,39 +77,12 @@ fn case(topo: Topology, tokens: u64, seed: u64) -> Case {
 
 /// Every pair's plan, staging with buffers of `staging` bytes (`None`: descriptors only).
 fn plans(c: &Case, staging: Option<u64>) -> Vec<Plan> {
-    let mut out = Vec::new();
-    for p in &c.producers {
-        let planner = ProducerPlanner::new(p, c.tokens).staging(staging);
-        for k in &c.consumers {
-            let sh = share(c.topo.prefill().tp, k.tp, p.rank.tp, k.rank.tp);
-            if sh.rows || sh.state {
-                out.push(planner.plan(k, sh).expect("plan"));
-            }
-        }
-    }
-    out
+    plan_case::plans(c, |p| p.staging(staging))
 }
 
 /// Every region of the case: canary everywhere, the request's pattern on the producers.
 fn memory(c: &Case) -> Memory {
-    let req = OracleRequest { id: REQ, tokens: c.tokens };
-    let mut mem = Memory::new();
-    for p in &c.producers {
-        for r in &p.layout.regions {
-            let mut buf = vec![0u8; r.len as usize];
-            oracle::fill_canary(RankId::Prefill(p.rank), r.kind, &mut buf);
-            oracle::fill_producer(&c.topo, p.rank, r.kind, r.units, &req, &Placement { blocks: &p.blocks, slot: p.slot }, &mut buf);
-            mem.insert((RankId::Prefill(p.rank), r.kind), buf);
-        }
-    }
-    for k in &c.consumers {
-        for r in &k.layout.regions {
-            let mut buf = vec![0u8; r.len as usize];
-            oracle::fill_canary(RankId::Decode(k.rank), r.kind, &mut buf);
-            mem.insert((RankId::Decode(k.rank), r.kind), buf);
-        }
-    }
-    mem
+    plan_case::memory(c, REQ)
 }
 
 /// The oracle's verdict on every consumer region: the rules' bytes where the
