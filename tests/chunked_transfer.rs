@@ -11,13 +11,13 @@ mod plan_case;
 mod transport_util;
 
 use common::Shape;
-use plan_case::Case;
 use handoff::check::oracle::{self, Memory, OracleRequest, Placement};
 use handoff_components::Topology;
 use handoff_components::layout::{ConsumerLayout, ProducerLayout};
 use handoff_components::plan::Plan;
 use handoff_components::vocab::{DecodeRank, Distribution, PrefillRank, RankId};
 use handoff_systems::placement::{blocks_for, owned_tokens, place_rank};
+use plan_case::Case;
 use proptest::prelude::*;
 use transport_util::Rng;
 

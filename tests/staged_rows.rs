@@ -10,7 +10,6 @@ mod plan_case;
 mod transport_util;
 
 use common::Shape;
-use plan_case::Case;
 use handoff::check::oracle::{self, ExecError, Memory, OracleRequest, Placement};
 use handoff::transport::staging::{RetryPolicy, Stager, StagingPool};
 use handoff::transport::{LocalTransport, RegionHandle, RemoteRegion, ShmTransport, TcpTransport, Transport, TransportError, TransportExt};
@@ -19,6 +18,7 @@ use handoff_components::layout::{ConsumerLayout, ProducerLayout};
 use handoff_components::plan::{Plan, StagedError};
 use handoff_components::vocab::{DecodeRank, Distribution, PrefillRank, RankId, RegionKind};
 use handoff_systems::placement::{blocks_for, owned_tokens, place_rank};
+use plan_case::Case;
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 use std::sync::Arc;
