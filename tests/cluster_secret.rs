@@ -540,6 +540,16 @@ fn a_role_started_by_hand_without_a_secret_refuses_to_start_naming_the_variables
     }
 }
 
+/// Sends `request` on a new connection and reads until the server closes it.
+fn raw_exchange(addr: &str, request: &[u8]) -> String {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(T)).expect("timeout");
+    let _ = s.write_all(request);
+    let mut got = Vec::new();
+    let _ = s.read_to_end(&mut got);
+    String::from_utf8_lossy(&got).into_owned()
+}
+
 #[test]
 fn slow_clients_are_cut_off_and_connections_past_the_cap_get_503() {
     let p = proxy_with("header_timeout_s = 1\nbody_timeout_s = 1\nmax_connections = 4");
@@ -578,14 +588,7 @@ fn slow_clients_are_cut_off_and_connections_past_the_cap_get_503() {
     }
     let held: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(&p.addr).expect("connect")).collect();
     std::thread::sleep(Duration::from_millis(300));
-    let past_cap = |request: &[u8]| {
-        let mut s = TcpStream::connect(&p.addr).expect("connect");
-        s.set_read_timeout(Some(T)).expect("timeout");
-        let _ = s.write_all(request);
-        let mut got = Vec::new();
-        let _ = s.read_to_end(&mut got);
-        String::from_utf8_lossy(&got).into_owned()
-    };
+    let past_cap = |request: &[u8]| raw_exchange(&p.addr, request);
     let text = past_cap(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}");
     assert!(text.starts_with("HTTP/1.1 503"), "{text}");
     assert!(text.contains("\"code\":\"too_many_connections\"") && text.contains("retry-after: 1"), "{text}");
@@ -609,18 +612,25 @@ fn slow_clients_are_cut_off_and_connections_past_the_cap_get_503() {
     assert!(metric(&m, "handoff_refusals_total{reason=\"body_timeout\"}").is_some_and(|n| n >= 1.0), "{m}");
 }
 
+/// `handoff up` on config/small.toml with `from` replaced by `to`, healthy;
+/// the edited config's path, for the caller to remove.
+fn small_cluster(name: &str, from: &str, to: &str) -> (Deployment, PathBuf) {
+    let text = std::fs::read_to_string(SMALL).expect("small.toml");
+    assert!(text.contains(from), "small.toml has no {from:?}");
+    let path = std::env::temp_dir().join(format!("handoff-cluster-secret-{name}-{}.toml", std::process::id()));
+    std::fs::write(&path, text.replace(from, to)).expect("config");
+    let port = free_port().expect("port");
+    let mut c = Deployment::start(Some(&path), "127.0.0.1", port, Some(PathBuf::from(BIN))).expect("start");
+    c.wait_healthy(Duration::from_secs(60), false).expect("healthy");
+    (c, path)
+}
+
 /// The cluster over the tcp transport: the roles' own transports prove the secret
 /// to each other (the completion is served), and a stranger at decode's transport
 /// port and at its control port is refused and counted under each listener.
 #[test]
 fn over_tcp_the_roles_hand_off_and_a_stranger_at_decodes_transport_port_is_counted() {
-    let text = std::fs::read_to_string(SMALL).expect("small.toml").replace("[transport]\nkind = \"shm\"", "[transport]\nkind = \"tcp\"");
-    assert!(text.contains("kind = \"tcp\""), "small.toml's transport table moved");
-    let path = std::env::temp_dir().join(format!("handoff-cluster-secret-tcp-{}.toml", std::process::id()));
-    std::fs::write(&path, text).expect("config");
-    let port = free_port().expect("port");
-    let mut c = Deployment::start(Some(&path), "127.0.0.1", port, Some(PathBuf::from(BIN))).expect("start");
-    c.wait_healthy(Duration::from_secs(60), false).expect("healthy");
+    let (mut c, path) = small_cluster("tcp", "[transport]\nkind = \"shm\"", "[transport]\nkind = \"tcp\"");
     let r = wire::http(&c.addr, "POST", "/v1/completions", Some(r#"{"prompt": "over tcp", "max_tokens": 3}"#), T).expect("http");
     assert_eq!(r.status, 200, "{}", r.body);
 
@@ -653,27 +663,14 @@ fn over_tcp_the_roles_hand_off_and_a_stranger_at_decodes_transport_port_is_count
 /// API past the cap gets 503.
 #[test]
 fn a_served_cluster_answers_health_and_metrics_200_with_the_public_cap_reached() {
-    let text = std::fs::read_to_string(SMALL).expect("small.toml").replace("[serve]\n", "[serve]\nmax_connections = 3\n");
-    assert!(text.contains("max_connections = 3"), "small.toml has no [serve] table");
-    let path = std::env::temp_dir().join(format!("handoff-cluster-secret-cap-{}.toml", std::process::id()));
-    std::fs::write(&path, text).expect("config");
-    let port = free_port().expect("port");
-    let mut c = Deployment::start(Some(&path), "127.0.0.1", port, Some(PathBuf::from(BIN))).expect("start");
-    c.wait_healthy(Duration::from_secs(60), false).expect("healthy");
+    let (mut c, path) = small_cluster("cap", "[serve]\n", "[serve]\nmax_connections = 3\n");
     let held: Vec<TcpStream> = (0..3).map(|_| TcpStream::connect(&c.addr).expect("connect")).collect();
     let deadline = Instant::now() + T;
     while metric(&wire::http(&c.addr, "GET", "/metrics", None, T).expect("metrics").body, "handoff_open_connections") != Some(3.0) {
         assert!(Instant::now() < deadline, "the three idle clients were never counted");
         std::thread::sleep(Duration::from_millis(50));
     }
-    let past_cap = |request: &[u8]| {
-        let mut s = TcpStream::connect(&c.addr).expect("connect");
-        s.set_read_timeout(Some(T)).expect("timeout");
-        let _ = s.write_all(request);
-        let mut got = Vec::new();
-        let _ = s.read_to_end(&mut got);
-        String::from_utf8_lossy(&got).into_owned()
-    };
+    let past_cap = |request: &[u8]| raw_exchange(&c.addr, request);
     let api = past_cap(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}");
     assert!(api.starts_with("HTTP/1.1 503") && api.contains("too_many_connections"), "{api}");
     for _ in 0..3 {
