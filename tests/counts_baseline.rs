@@ -160,7 +160,15 @@ fn a_dead_stage_fails_its_waiting_requests_names_the_orphans_and_counts_return_t
     let nonce = |e: &Engine, id| e.nonce(id).expect("placed");
     // Stage 2 has written request 2 into both decode ranks.
     let pairs = (0..2).map(|tp| (PrefillRank { pp: 2, tp: 0 }, DecodeRank { tp })).collect();
-    inbox.0.lock().unwrap().push(StageNotice::Written(StageReport { request: 2, nonce: nonce(&e, 2), stage: 2, pairs, first_token: None, bytes: 64 }));
+    inbox.0.lock().unwrap().push(StageNotice::Written(StageReport {
+        request: 2,
+        nonce: nonce(&e, 2),
+        stage: 2,
+        pairs,
+        first_token: None,
+        bytes: 64,
+        tail_us: None,
+    }));
     e.tick();
     let _ = e.take_events();
     // Stage 0 dies as request 3 is admitted.

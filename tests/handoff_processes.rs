@@ -186,7 +186,7 @@ fn produce(t: std::sync::Arc<dyn Transport>, p: Publish) {
     if p.stall {
         let mut first = plans.swap_remove(0);
         first.descriptors.truncate(first.descriptors.len().div_ceil(2));
-        let ticket = Ticket { request: r.id, nonce: r.nonce, producer: first.producer, consumer: first.consumer };
+        let ticket = Ticket { request: r.id, nonce: r.nonce, producer: first.producer, consumer: first.consumer, part: 0 };
         mover.submit(ticket, &first).expect("submit");
         assert!(mover.handle().wait_idle(WAIT));
         say("partial", first.descriptors.len());
@@ -194,7 +194,7 @@ fn produce(t: std::sync::Arc<dyn Transport>, p: Publish) {
         return;
     }
     for plan in &plans {
-        let ticket = Ticket { request: r.id, nonce: r.nonce, producer: plan.producer, consumer: plan.consumer };
+        let ticket = Ticket { request: r.id, nonce: r.nonce, producer: plan.producer, consumer: plan.consumer, part: 0 };
         mover.submit(ticket, plan).expect("submit");
     }
     let mut done = Vec::new();

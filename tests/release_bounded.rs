@@ -5,7 +5,9 @@ mod common;
 use common::Shape;
 use handoff::engine::{Engine, QueueMover};
 use handoff_components::ecs::{Status, WriteDone};
+use handoff_components::plan::Plan;
 use handoff_systems::placement::Capacity;
+use handoff_systems::transfer::Ticket;
 
 fn engine(shape: &Shape, requests: u32, tokens: u64) -> (Engine, QueueMover) {
     let topo = shape.topology();
@@ -90,6 +92,19 @@ fn each_stage_drops_its_entry_when_its_own_writes_complete() {
     assert_eq!(e.status(7), Some(Status::HandedOff));
 }
 
+/// Submitted tickets grouped by plan (producer, consumer), each plan's parts in
+/// order (a layered plan is submitted a part a layer).
+fn by_plan(sub: Vec<(Ticket, Plan)>) -> Vec<Vec<Ticket>> {
+    let mut out: Vec<Vec<Ticket>> = Vec::new();
+    for (t, _) in sub {
+        match out.iter_mut().find(|v| v[0].producer == t.producer && v[0].consumer == t.consumer) {
+            Some(v) => v.push(t),
+            None => out.push(vec![t]),
+        }
+    }
+    out
+}
+
 /// Duplicate and wrong-nonce reports are counted and ignored; a consumer completes
 /// only when every stage has reported.
 #[test]
@@ -101,9 +116,10 @@ fn duplicate_and_wrong_nonce_reports_are_ignored_and_counted() {
     e.mark_computed(9, 0);
     e.mark_computed(9, 1);
     e.tick();
-    let sub = mover.take_submitted();
+    // One plan a stage (each in layer parts): a ticket of each.
+    let sub = by_plan(mover.take_submitted());
     assert_eq!(sub.len(), 2);
-    let (t0, t1) = (sub[0].0, sub[1].0);
+    let (t0, t1) = (sub[0][0], sub[1][0]);
     // Wrong nonce for stage 0's writes.
     e.deliver_report(WriteDone { request: 9, nonce: t0.nonce ^ 1, producer: t0.producer, consumer: t0.consumer });
     e.tick();
@@ -423,14 +439,21 @@ fn writes_are_outstanding_from_compute_until_their_completion() {
     let pending = e.writes_outstanding();
     assert!(pending > 0, "stage 0 computed: its plans wait to be submitted");
     e.tick();
-    let sub = mover.take_submitted();
+    let sub = by_plan(mover.take_submitted());
     assert_eq!(sub.len() as u32, pending, "every outstanding write was submitted");
     assert_eq!(e.writes_outstanding(), pending, "in flight until they complete");
     let (first, rest) = sub.split_first().expect("a plan");
-    mover.complete(first.0, Ok(()));
+    // A plan is written once every one of its parts completed.
+    let (last, others) = first.split_last().expect("a part");
+    for t in others {
+        mover.complete(*t, Ok(()));
+    }
+    e.tick();
+    assert_eq!(e.writes_outstanding(), pending, "a part of each plan still in flight");
+    mover.complete(*last, Ok(()));
     e.tick();
     assert_eq!(e.writes_outstanding(), pending - 1, "one completed");
-    for (t, _) in rest {
+    for t in rest.iter().flatten() {
         mover.complete(*t, Ok(()));
     }
     e.tick();

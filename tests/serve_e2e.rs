@@ -180,6 +180,8 @@ fn check_topology_end_to_end(name: &str, text: &str) {
         assert_eq!(got, want, "{name}: completion of {body} differs from the colocated reference");
         let v = r.json().expect("json");
         assert!(v["handoff"]["bytes_handed_off"].as_u64().unwrap_or(0) > 0, "{name}: no bytes handed off: {}", r.body);
+        // Every stage measured its hand-off tail, and the answer carries the longest.
+        assert!(v["handoff"]["tail_ms"].as_f64().is_some_and(|t| t >= 0.0), "{name}: no hand-off tail: {}", r.body);
     }
     // Streaming: the same tokens as SSE events, then [DONE].
     let r = complete(&up.addr, &serde_json::json!({"prompt": "stream me", "max_tokens": 6, "stream": true}));

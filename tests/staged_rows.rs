@@ -509,10 +509,15 @@ fn the_engine_stages_only_for_a_mover_that_runs_staged_groups() {
     let mut e = fragmented(&mover);
     e.mark_computed(4, 0);
     e.tick();
+    // One plan, submitted a part a layer (layer-wise streaming): one staged
+    // group for each MLA layer's rows, and no row as a descriptor.
     let plans = mover.plans.lock().unwrap().clone();
-    assert_eq!(plans.len(), 1);
-    assert_eq!(plans[0].1.staged.len(), 1, "{:?}", plans[0].1);
-    assert!(plans[0].1.descriptors.iter().all(|d| d.kind.distribution() != Distribution::TokenSharded));
+    assert!(plans.iter().all(|(id, p)| *id == 4 && (p.producer, p.consumer) == (plans[0].1.producer, plans[0].1.consumer)), "one plan");
+    let mla = e.topology().all_layers_of(handoff_components::vocab::LayerKind::Mla).len();
+    assert_eq!(plans.iter().map(|(_, p)| p.staged.len()).sum::<usize>(), mla, "{plans:?}");
+    assert!(plans.iter().all(|(_, p)| p.staged.len() <= 1), "a staged group a layer part");
+    assert!(plans.iter().flat_map(|(_, p)| &p.descriptors).all(|d| d.kind.distribution() != Distribution::TokenSharded));
+    let bytes = |ps: &[(u64, Plan)]| ps.iter().map(|(_, p)| p.bytes()).sum::<u64>();
 
     // A mover that runs descriptors only gets the rows as descriptors.
     let plain = KeepingMover::default();
@@ -520,8 +525,8 @@ fn the_engine_stages_only_for_a_mover_that_runs_staged_groups() {
     e.mark_computed(4, 0);
     e.tick();
     let got = plain.plans.lock().unwrap().clone();
-    assert!(got[0].1.staged.is_empty());
-    assert_eq!(got[0].1.bytes(), plans[0].1.bytes());
+    assert!(got.iter().all(|(_, p)| p.staged.is_empty()));
+    assert_eq!(bytes(&got), bytes(&plans));
 
     // A plan staged for a mover that stops staging before it is submitted fails the
     // request, naming why, rather than leaving its rows unwritten.

@@ -281,8 +281,8 @@ fn a_queueing_transport_takes_waiting_plans_in_one_submission_and_a_bad_plan_fai
         if i == 5 {
             descriptors.push(Descriptor::copy(RegionKind::MlaKv, 0, len - 512, 1024));
         }
-        let plan = Plan { producer, consumer, descriptors, staged: vec![], uncoalesced: 1, chunks: vec![] };
-        mover.submit(Ticket { request: i, nonce: 0, producer, consumer }, &plan).expect("submit");
+        let plan = Plan { producer, consumer, descriptors, staged: vec![], uncoalesced: 1, chunks: vec![], layers: vec![] };
+        mover.submit(Ticket { request: i, nonce: 0, producer, consumer, part: 0 }, &plan).expect("submit");
     }
     assert!(mover.handle().wait_idle(std::time::Duration::from_secs(60)), "plans did not complete");
     let mut done = Vec::new();

@@ -191,10 +191,30 @@ pub struct PrefillConfig {
     /// the consumer's DCP (decode interleave x dcp; at least one group).
     #[serde(default = "default_chunk_tokens")]
     pub chunk_tokens: u32,
+    /// Layer-wise streaming (on by default): a stage issues each layer's writes
+    /// (MLA rows, KDA state and conv, replay) as soon as that layer is computed,
+    /// while the next layers compute; its write-done report still waits for
+    /// every layer. A chunked transfer keeps its token order instead
+    /// ([`PrefillConfig::streams_layers`]; docs/design.md section 4).
+    #[serde(default = "default_layer_streaming")]
+    pub layer_streaming: bool,
 }
 
 fn default_chunk_tokens() -> u32 {
     512
+}
+
+fn default_layer_streaming() -> bool {
+    true
+}
+
+impl PrefillConfig {
+    /// Whether the stages stream their writes layer by layer: `layer_streaming`,
+    /// unless the transfer is chunked (its chunks go in token order, after the
+    /// whole prompt is computed).
+    pub fn streams_layers(&self) -> bool {
+        self.layer_streaming && !self.chunked
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -83,6 +83,12 @@ pub struct Holdings {
 #[derive(Component, Debug, Clone, Default)]
 pub struct StagesComputed(pub Vec<bool>);
 
+/// When each PP stage held here finished computing its last layer of the
+/// request: the start of the stage's hand-off tail, which ends at its
+/// write-done report ([`StageReport::tail_us`]).
+#[derive(Component, Debug, Clone, Default)]
+pub struct LastLayerAt(pub Vec<Option<Instant>>);
+
 /// Where one request lives on one rank: its blocks, in position order, and its
 /// slot. The one lease shape: the engine's lease entities carry it, the compute
 /// reads it.
@@ -131,6 +137,8 @@ pub struct Timing {
     pub admitted: Instant,
     pub handed_off: Option<Instant>,
     pub bytes: u64,
+    /// The longest hand-off tail the stages reported ([`StageReport::tail_us`]).
+    pub tail_us: Option<u64>,
 }
 
 /// Decode progress of a handed-off request: `emitted` tokens of `max_tokens` have
@@ -151,12 +159,36 @@ pub struct DecodeProgress {
 #[derive(Component, Debug, Clone, Default)]
 pub struct Forced(pub Vec<u8>);
 
-/// One plan of a request and where its writes stand.
+/// One plan of a request and where its writes stand. A layered plan
+/// ([`Plan::layers`]) is written in parts, one a module layer, each submitted
+/// once its layer is computed: `submitted` parts have gone to the mover (always
+/// a prefix, in layer order) and `completed` of them came back.
 #[derive(Component, Debug, Clone)]
 pub struct PlanEntry {
     pub request: Entity,
     pub plan: Plan,
     pub state: WriteState,
+    pub submitted: u32,
+    pub completed: u32,
+    /// A part's writes failed: the plan reports no write-done.
+    pub failed: bool,
+}
+
+impl PlanEntry {
+    /// A plan none of whose writes has started.
+    pub fn new(request: Entity, plan: Plan) -> Self {
+        PlanEntry { request, plan, state: WriteState::Pending, submitted: 0, completed: 0, failed: false }
+    }
+
+    /// Whether a submitted part's writes may still be reading the sources.
+    pub fn writing(&self) -> bool {
+        self.submitted > self.completed
+    }
+
+    /// Whether every part has been submitted.
+    pub fn all_submitted(&self) -> bool {
+        self.submitted as usize >= self.plan.parts()
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -279,6 +311,10 @@ pub struct StageReport {
     pub pairs: Vec<(PrefillRank, DecodeRank)>,
     pub first_token: Option<u8>,
     pub bytes: u64,
+    /// The stage's hand-off tail: microseconds from its last layer's compute to
+    /// this report (None where the World did not compute it, as in `verify`).
+    #[serde(default)]
+    pub tail_us: Option<u64>,
 }
 
 /// Fail a live request (its client went away, a peer failed it): the release
@@ -323,7 +359,8 @@ pub enum EngineEvent {
     /// Decode produced a token (`index` 0 is the first, from prefill).
     Token { request: u64, index: u32, token: u8 },
     /// Decode emitted a request's last token; its blocks and slots are freed.
-    Finished { request: u64, handoff_ms: f64, decode_ms: f64, bytes: u64 },
+    /// `tail_ms`: the longest of the stages' hand-off tails, when they measured one.
+    Finished { request: u64, handoff_ms: f64, decode_ms: f64, bytes: u64, tail_ms: Option<f64> },
     /// A prefill stage settled a request it never held ([`Settle`]): it will drop
     /// the request's job if that still comes, and decode must hear now that this
     /// stage writes nothing for it.

@@ -1,7 +1,7 @@
 //! Descriptors and plans: the copies of one hand-off.
 
 use crate::layout::owned_tokens;
-use crate::vocab::{DecodeRank, PrefillRank, RegionKind};
+use crate::vocab::{DecodeRank, ModuleLayer, PrefillRank, RegionKind};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::sync::Arc;
 use thiserror::Error;
@@ -68,6 +68,22 @@ pub struct Plan {
     /// one plain hand-off, in any order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub chunks: Vec<u32>,
+    /// Layer-wise streaming (`[prefill] layer_streaming`): the plan's writes cut
+    /// by module layer, in layer order, so that a stage issues each layer's
+    /// writes as soon as that layer is computed ([`Plan::part`]). No descriptor
+    /// or staged group spans two layers. Empty: one part, the whole plan.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layers: Vec<LayerPart>,
+}
+
+/// Where one module layer's writes of a layered plan ([`Plan::layers`]) end:
+/// its descriptors are `descriptors[previous end..descriptors]`, its staged
+/// groups `staged[previous end..staged]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerPart {
+    pub layer: ModuleLayer,
+    pub descriptors: u32,
+    pub staged: u32,
 }
 
 impl Plan {
@@ -96,6 +112,47 @@ impl Plan {
             start = end;
         }
         out
+    }
+
+    /// Parts the plan is written in: one per [`LayerPart`] of a layered plan,
+    /// else 1.
+    pub fn parts(&self) -> usize {
+        self.layers.len().max(1)
+    }
+
+    /// The module layer whose compute part `i` waits for (None: the whole
+    /// plan, which waits for the stage's every layer).
+    pub fn part_layer(&self, i: usize) -> Option<ModuleLayer> {
+        self.layers.get(i).map(|p| p.layer)
+    }
+
+    /// Part `i` as a plan of its own: layer `i`'s descriptors and staged groups
+    /// of a layered plan (the whole plan when it is not layered). The plan's
+    /// `uncoalesced` count goes with part 0, so the parts add up to the plan.
+    pub fn part(&self, i: usize) -> Plan {
+        if self.layers.is_empty() {
+            return self.clone();
+        }
+        // The last part takes whatever is left, so no write is ever skipped.
+        let bound = |k: Option<usize>, len: usize, end: fn(&LayerPart) -> u32| match k {
+            None => 0,
+            Some(k) if k + 1 >= self.layers.len() => len,
+            Some(k) => (end(&self.layers[k]) as usize).min(len),
+        };
+        let (nd, ns) = (self.descriptors.len(), self.staged.len());
+        let d1 = bound(Some(i), nd, |p| p.descriptors);
+        let d0 = bound(i.checked_sub(1), nd, |p| p.descriptors).min(d1);
+        let s1 = bound(Some(i), ns, |p| p.staged);
+        let s0 = bound(i.checked_sub(1), ns, |p| p.staged).min(s1);
+        Plan {
+            producer: self.producer,
+            consumer: self.consumer,
+            descriptors: self.descriptors[d0..d1].to_vec(),
+            staged: self.staged[s0..s1].to_vec(),
+            uncoalesced: if i == 0 { self.uncoalesced } else { 0 },
+            chunks: Vec::new(),
+            layers: Vec::new(),
+        }
     }
 
     /// Writes through the transport: one per descriptor and one per staged write.

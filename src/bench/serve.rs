@@ -24,6 +24,12 @@ pub struct ServeLevel {
     pub ttft_p99: f64,
     pub itl_p50: f64,
     pub itl_p99: f64,
+    /// The hand-off tail (ms): per request, the longest of its prefill stages'
+    /// times from the stage's last layer computed to its write-done report.
+    pub tail_p50: f64,
+    pub tail_p99: f64,
+    /// Requests whose answer carried a hand-off tail.
+    pub tails: u32,
     /// CPU time of all role processes over the level, per completed request (ms).
     pub cpu_ms_per_request: f64,
 }
@@ -68,6 +74,7 @@ pub fn load(addr: &str, concurrency: u32, requests: u32, max_tokens: u32) -> Ser
     let tokens: usize = ok.iter().map(|r| r.token_ids.len()).sum();
     let mut ttft: Vec<f64> = ok.iter().map(|r| r.ttft_ms).collect();
     let mut itl: Vec<f64> = ok.iter().flat_map(|r| r.itl_ms.clone()).collect();
+    let mut tail: Vec<f64> = ok.iter().filter_map(|r| r.tail_ms).collect();
     ServeLevel {
         concurrency,
         requests,
@@ -79,6 +86,9 @@ pub fn load(addr: &str, concurrency: u32, requests: u32, max_tokens: u32) -> Ser
         ttft_p99: percentile(&mut ttft, 0.99),
         itl_p50: percentile(&mut itl, 0.5),
         itl_p99: percentile(&mut itl, 0.99),
+        tails: tail.len() as u32,
+        tail_p50: percentile(&mut tail, 0.5),
+        tail_p99: percentile(&mut tail, 0.99),
         cpu_ms_per_request: 0.0,
     }
 }
@@ -99,8 +109,8 @@ pub fn bench_serve(config: Option<&Path>, levels: &[u32], requests: u32) -> anyh
     // Warm-up, so the first level does not pay for the first requests' page faults.
     let _ = load(&c.addr, 2, 4, 16);
     println!(
-        "{:>11} {:>9} {:>6} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>12}",
-        "concurrency", "requests", "ok", "failed", "ok tok/s", "vs C1", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "CPU ms/req"
+        "{:>11} {:>9} {:>6} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>12}",
+        "concurrency", "requests", "ok", "failed", "ok tok/s", "vs C1", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "tail p50", "tail p99", "CPU ms/req"
     );
     // SAFETY: sysconf has no preconditions.
     let tick_ms = 1000.0 / (unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64);
@@ -113,7 +123,7 @@ pub fn bench_serve(config: Option<&Path>, levels: &[u32], requests: u32) -> anyh
         let base = out.first().map_or(l.tok_s, |f: &ServeLevel| f.tok_s);
         let failed: u32 = l.failed.values().sum();
         println!(
-            "{:>11} {:>9} {:>6} {:>7} {:>9.1} {:>8.2}x {:>7.1}ms {:>7.1}ms {:>7.2}ms {:>7.2}ms {:>10.2}ms",
+            "{:>11} {:>9} {:>6} {:>7} {:>9.1} {:>8.2}x {:>7.1}ms {:>7.1}ms {:>7.2}ms {:>7.2}ms {:>7.3}ms {:>7.3}ms {:>10.2}ms",
             conc,
             l.requests,
             l.ok,
@@ -124,6 +134,8 @@ pub fn bench_serve(config: Option<&Path>, levels: &[u32], requests: u32) -> anyh
             l.ttft_p99,
             l.itl_p50,
             l.itl_p99,
+            l.tail_p50,
+            l.tail_p99,
             l.cpu_ms_per_request
         );
         if failed > 0 {

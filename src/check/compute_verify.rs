@@ -538,6 +538,14 @@ impl Compute for Probing {
         self.inner.prefill_batch(jobs)
     }
 
+    fn prefill_streamed(
+        &mut self,
+        jobs: Vec<PrefillJob<'_>>,
+        on_layer: &mut handoff_systems::dispatch::LayerHook<'_>,
+    ) -> Vec<Result<PrefillOutput, ComputeError>> {
+        self.inner.prefill_streamed(jobs, on_layer)
+    }
+
     fn decode(&mut self, batch: &[DecodeItem<'_>]) -> Result<DecodeOutput, ComputeError> {
         for item in batch {
             let lease = item.leases.first().ok_or(ComputeError::MissingInput { stage: 0, what: "a decode lease" })?;

@@ -40,6 +40,14 @@ pub fn summary(topo: &Topology, path: &str) -> String {
             "whole-request".to_string()
         }
     );
+    s += &format!(
+        "  layer-wise streaming: {}\n",
+        match (p.layer_streaming, p.chunked) {
+            (true, false) => "on (each layer's writes leave as soon as the layer is computed; the write-done report waits for every layer)",
+            (true, true) => "off: a chunked transfer keeps its token order (layer_streaming = true, chunked = true)",
+            (false, _) => "off (layer_streaming = false: a stage's writes leave once it has computed every layer)",
+        }
+    );
     for (i, r) in topo.stage_layers.iter().enumerate() {
         let k = topo.layers_of(LayerKind::Kda, r.clone()).len();
         let mm = topo.layers_of(LayerKind::Mla, r.clone()).len();

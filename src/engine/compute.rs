@@ -12,10 +12,10 @@ use crate::model::{Model, ModelError};
 use crate::transport::{RegionHandle, Transport};
 use handoff_components::Topology;
 use handoff_components::ecs::Lease;
-use handoff_components::vocab::{PrefillRank, RankId, RegionKind};
+use handoff_components::vocab::{ModuleLayer, PrefillRank, RankId, RegionKind};
 use handoff_kernels::Backend;
 use handoff_kernels::step::DecodeStep;
-use handoff_systems::dispatch::{Compute, ComputeError, DecodeItem, DecodeOutput, PrefillJob, PrefillOutput};
+use handoff_systems::dispatch::{Compute, ComputeError, DecodeItem, DecodeOutput, LayerHook, PrefillJob, PrefillOutput};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
@@ -104,7 +104,12 @@ impl<B: Backend> ModelCompute<B> {
     /// of each prompt go straight into its leased regions (scattered on the
     /// device when the regions live there), and the only host traffic is the
     /// hidden states for the next stage or the first tokens.
-    fn prefill_pass(&mut self, jobs: Vec<PrefillJob<'_>>) -> Result<Vec<PrefillOutput>, ComputeError> {
+    ///
+    /// With `on_layer` (layer-wise streaming), each layer's caches are made to
+    /// land before the hook hears of the layer: the backend is synchronized
+    /// after the layer (a no-op on the CPU; on a device, a host wait a layer,
+    /// where device events would do).
+    fn prefill_pass(&mut self, jobs: Vec<PrefillJob<'_>>, mut on_layer: Option<&mut LayerHook<'_>>) -> Result<Vec<PrefillOutput>, ComputeError> {
         let Some(first) = jobs.first() else { return Ok(Vec::new()) };
         let stage = first.stage;
         let group = self.prefill.as_ref().ok_or(ComputeError::MissingInput { stage, what: "prefill weights in this World" })?;
@@ -136,7 +141,14 @@ impl<B: Backend> ModelCompute<B> {
         };
         let layers = self.topo.stage_layers[stage as usize].clone();
         let (topo, layouts, view) = (&self.topo, &self.layouts, self.view.as_ref());
-        forward::prefill_batch(be, group, layers.start as usize..layers.end as usize, &mut h, &seqs, &mut |i, tp, layer, cache| {
+        let mut layer_done = |layer: usize| -> Result<(), ModelError> {
+            if let Some(hook) = on_layer.as_deref_mut() {
+                be.synchronize()?;
+                hook(ModuleLayer(layer as u32));
+            }
+            Ok(())
+        };
+        let mut sink = |i: usize, tp: usize, layer: usize, cache: forward::PrefillCache<'_, B>| {
             let rank = PrefillRank { pp: stage, tp: tp as u32 };
             let lease = jobs[i]
                 .leases
@@ -144,8 +156,8 @@ impl<B: Backend> ModelCompute<B> {
                 .find(|l| l.rank == RankId::Prefill(rank))
                 .ok_or_else(|| ModelError::Region(format!("request {}: no lease on prefill pp{stage} tp{tp}", jobs[i].request)))?;
             ranks::store_prefill(be, topo, layouts, view, rank, lease, layer, cache)
-        })
-        .map_err(model_err)?;
+        };
+        forward::prefill_batch_streamed(be, group, layers.start as usize..layers.end as usize, &mut h, &seqs, &mut sink, &mut layer_done).map_err(model_err)?;
         // Device regions were written on the backend's stream; the transport's
         // copies run on their own stream once the engine hands the request off,
         // so the writes must have landed first.
@@ -187,13 +199,21 @@ impl<B: Backend> ModelCompute<B> {
 impl<B: Backend + 'static> Compute for ModelCompute<B> {
     fn prefill(&mut self, job: PrefillJob<'_>) -> Result<PrefillOutput, ComputeError> {
         let stage = job.stage;
-        let mut out = self.prefill_pass(vec![job])?;
+        let mut out = self.prefill_pass(vec![job], None)?;
         out.pop().ok_or(ComputeError::MissingInput { stage, what: "a prefill output" })
     }
 
     fn prefill_batch(&mut self, jobs: Vec<PrefillJob<'_>>) -> Vec<Result<PrefillOutput, ComputeError>> {
         let n = jobs.len();
-        match self.prefill_pass(jobs) {
+        match self.prefill_pass(jobs, None) {
+            Ok(outs) => outs.into_iter().map(Ok).collect(),
+            Err(e) => vec![Err(e); n],
+        }
+    }
+
+    fn prefill_streamed(&mut self, jobs: Vec<PrefillJob<'_>>, on_layer: &mut LayerHook<'_>) -> Vec<Result<PrefillOutput, ComputeError>> {
+        let n = jobs.len();
+        match self.prefill_pass(jobs, Some(on_layer)) {
             Ok(outs) => outs.into_iter().map(Ok).collect(),
             Err(e) => vec![Err(e); n],
         }

@@ -452,7 +452,15 @@ fn run_chunks(shared: &Shared, plan: &Plan) -> Result<(), TransportError> {
         if descs.is_empty() && staged.is_empty() {
             continue;
         }
-        let chunk = Plan { producer: plan.producer, consumer: plan.consumer, descriptors: descs.to_vec(), staged, uncoalesced: 0, chunks: Vec::new() };
+        let chunk = Plan {
+            producer: plan.producer,
+            consumer: plan.consumer,
+            descriptors: descs.to_vec(),
+            staged,
+            uncoalesced: 0,
+            chunks: Vec::new(),
+            layers: Vec::new(),
+        };
         let _span = tracing::trace_span!("mover.chunk", chunk = k, descriptors = chunk.descriptors.len(), bytes = chunk.bytes()).entered();
         let direct = plan_writes(shared, &chunk)?;
         let writes: Vec<DirectWrite> = direct.into_iter().map(|(src, dst, d)| (0, src, dst, d)).collect();

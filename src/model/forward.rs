@@ -745,6 +745,22 @@ pub fn prefill_batch<B: Backend>(
     seqs: &[PrefillSeq],
     sink: &mut PrefillSink<'_, B>,
 ) -> R<()> {
+    prefill_batch_streamed(be, group, layers, h, seqs, sink, &mut |_| Ok(()))
+}
+
+/// [`prefill_batch`], calling `layer_done(layer)` once each layer is computed
+/// (every rank's caches of every prompt given to `sink`, the residual
+/// updated), before the next layer starts: layer-wise streaming issues that
+/// layer's writes from it.
+pub fn prefill_batch_streamed<B: Backend>(
+    be: &B,
+    group: &ShardGroup<B>,
+    layers: Range<usize>,
+    h: &mut B::Buf,
+    seqs: &[PrefillSeq],
+    sink: &mut PrefillSink<'_, B>,
+    layer_done: &mut dyn FnMut(usize) -> R<()>,
+) -> R<()> {
     check_layers(group, &layers)?;
     let t = batch_rows(seqs)?;
     let dims = &group.dims;
@@ -792,6 +808,7 @@ pub fn prefill_batch<B: Backend>(
         let sum = all_reduce(be, parts)?;
         be.add_inplace(h, &sum)?;
         mlp_block(be, group, layer, h, t)?;
+        layer_done(layer)?;
     }
     Ok(())
 }

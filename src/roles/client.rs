@@ -15,6 +15,9 @@ pub struct CompletionAnswer {
     pub bytes: u64,
     pub queue_ms: f64,
     pub handoff_ms: f64,
+    /// The hand-off tail (the longest of the stages' last layer to write-done),
+    /// when the answer carries one.
+    pub tail_ms: Option<f64>,
     pub decode_ms: f64,
 }
 
@@ -37,6 +40,7 @@ pub fn complete(addr: &str, prompt: &str, max_tokens: u32) -> Result<CompletionA
         bytes: h["bytes_handed_off"].as_u64().unwrap_or(0),
         queue_ms: f("queue_ms"),
         handoff_ms: f("handoff_ms"),
+        tail_ms: h["tail_ms"].as_f64(),
         decode_ms: f("decode_ms"),
     })
 }

@@ -14,6 +14,10 @@
 use serde::{Deserialize, Serialize};
 use std::fmt::Write;
 
+/// Bounds of the hand-off tail's histogram (seconds): a streamed stage's tail
+/// is one layer's writes, often well under a millisecond.
+pub const TAIL_BUCKETS_S: &[f64] = &[0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 10.0];
+
 /// Bucket bounds (seconds) of request latencies: 1 ms to 2 min.
 pub const REQUEST_BUCKETS_S: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
 

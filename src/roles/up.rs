@@ -605,14 +605,15 @@ pub fn run_demo() -> anyhow::Result<()> {
     // The checkpoint learned English from Debian's fortunes: prompts in that style.
     let prompts = ["The best way to predict the future is", "A friend in need is", "Never put off until tomorrow what", "Computers are"];
     let max_tokens = 40;
-    println!("\n{:<38} {:>9} {:>9} {:>10} {:>11} {:>9}  reference", "prompt", "TTFT ms", "ITL ms", "bytes", "handoff ms", "decode ms");
+    println!("\n{:<38} {:>9} {:>9} {:>10} {:>11} {:>9} {:>9}  reference", "prompt", "TTFT ms", "ITL ms", "bytes", "handoff ms", "tail ms", "decode ms");
     let mut all = Vec::new();
     for p in prompts {
         let r = complete(&c.addr, p, max_tokens).map_err(|(s, b)| anyhow::anyhow!("HTTP {s}: {b}"))?;
         let want = crate::model::run_colocated(&model, p.as_bytes(), max_tokens - 1)?;
         let ok = if want.tokens == r.token_ids { "equal" } else { "DIFFERENT" };
         let itl = r.itl_ms.iter().sum::<f64>() / r.itl_ms.len().max(1) as f64;
-        println!("{:<38} {:>9.2} {:>9.2} {:>10} {:>11.2} {:>9.2}  {ok}", format!("{p:?}"), r.ttft_ms, itl, r.bytes, r.handoff_ms, r.decode_ms);
+        let tail = r.tail_ms.map_or("-".to_string(), |t| format!("{t:.3}"));
+        println!("{:<38} {:>9.2} {:>9.2} {:>10} {:>11.2} {:>9} {:>9.2}  {ok}", format!("{p:?}"), r.ttft_ms, itl, r.bytes, r.handoff_ms, tail, r.decode_ms);
         println!("  -> {:?} (token ids {:?})", r.text, r.token_ids);
         if ok != "equal" {
             anyhow::bail!("completion of {p:?} differs from the colocated reference: {:?} vs {:?}", r.token_ids, want.tokens);

@@ -71,8 +71,16 @@ pub enum Msg {
     Admitted(Box<Admitted>),
     /// decode -> proxy: one generated token.
     Token { id: u64, token: u8 },
-    /// decode -> proxy: the request finished; decode's own figures.
-    Done { id: u64, handoff_ms: f64, decode_ms: f64, bytes: u64 },
+    /// decode -> proxy: the request finished; decode's own figures, and the
+    /// longest of the stages' hand-off tails (last layer computed to write-done).
+    Done {
+        id: u64,
+        handoff_ms: f64,
+        decode_ms: f64,
+        bytes: u64,
+        #[serde(default)]
+        tail_ms: Option<f64>,
+    },
     /// decode -> proxy (and the proxy's own links to a request's task): the
     /// request failed; the failure names the phase, the role and the cause.
     Error { id: u64, failure: Failure },

@@ -104,7 +104,7 @@ pub fn admit_requests(
             Holdings::default(),
         ));
         if !local.stages.is_empty() {
-            e.insert(s.inputs.clone());
+            e.insert((s.inputs.clone(), LastLayerAt(vec![None; pp as usize])));
         }
         if !s.consumers.is_empty() {
             e.insert(RemoteConsumers(s.consumers.clone()));
@@ -118,7 +118,7 @@ pub fn admit_requests(
         if local.decode && s.max_tokens > 0 {
             e.insert((
                 DecodeProgress { max_tokens: s.max_tokens, emitted: 0, last: None, stepped: 0 },
-                Timing { admitted: Instant::now(), handed_off: None, bytes: 0 },
+                Timing { admitted: Instant::now(), handed_off: None, bytes: 0, tail_us: None },
             ));
             if !s.forced.is_empty() {
                 e.insert(Forced(s.forced.clone()));

@@ -9,12 +9,14 @@
 pub use crate::error::ErrorSource;
 use crate::placement::{alloc_blocks, blocks_needed};
 use crate::sampling::choose;
+use crate::transfer::{Mover, Ticket, Transfers, move_failure, submit_parts};
 use bevy_ecs::prelude::*;
 use handoff_components::ecs::*;
 use handoff_components::failure::{Cause, Failure, ProcessRole};
 use handoff_components::sampling::Sampling;
-use handoff_components::vocab::RankId;
+use handoff_components::vocab::{ModuleLayer, RankId};
 use std::sync::Arc;
+use std::time::Instant;
 use thiserror::Error;
 
 /// Why the compute failed a request (or a batch).
@@ -111,6 +113,12 @@ impl From<Vec<u8>> for DecodeOutput {
     }
 }
 
+/// A stage's layer hook (layer-wise streaming): the compute calls it with each
+/// module layer of the stage, in order, once every job's caches of that layer
+/// are in the stage's source regions, before it computes the next layer. The
+/// dispatch phase issues that layer's writes from it.
+pub type LayerHook<'h> = dyn FnMut(ModuleLayer) + 'h;
+
 /// The compute of the prefill stages and the decode ranks.
 pub trait Compute: Send + Sync + 'static {
     /// Runs PP stage `job.stage` of a request (every TP rank of the stage), writing
@@ -121,6 +129,13 @@ pub trait Compute: Send + Sync + 'static {
     /// default runs them one by one.
     fn prefill_batch(&mut self, jobs: Vec<PrefillJob<'_>>) -> Vec<Result<PrefillOutput, ComputeError>> {
         jobs.into_iter().map(|j| self.prefill(j)).collect()
+    }
+    /// [`Compute::prefill_batch`], calling `on_layer` as each layer's caches
+    /// land ([`LayerHook`]). The default calls it never: the stage's writes
+    /// then go out once the whole pass is done, as without streaming.
+    fn prefill_streamed(&mut self, jobs: Vec<PrefillJob<'_>>, on_layer: &mut LayerHook<'_>) -> Vec<Result<PrefillOutput, ComputeError>> {
+        let _ = on_layer;
+        self.prefill_batch(jobs)
     }
     /// One decode step for every request of the batch, reading and writing KV and
     /// state in the decode regions; the greedy token of each, in batch order, and
@@ -139,12 +154,31 @@ pub struct Dispatcher(pub Box<dyn Compute>);
 /// `Inputs`; a stage whose successor lives elsewhere hands them out as
 /// `EngineEvent::Computed`. A request with [`Sampling`] gets its first token
 /// sampled from the last position's logits, the others the model's greedy pick.
-#[allow(clippy::type_complexity)]
+///
+/// With layer-wise streaming (`[prefill] layer_streaming`) the compute calls a
+/// [`LayerHook`] after each layer, and the parts of the batch's plans up to
+/// that layer go to the mover at once ([`stream_layer`]), while the next layers
+/// compute; the transfer phase submits whatever is left once the stage is
+/// computed. The time the last layer finished is kept ([`LastLayerAt`]): the
+/// stage's hand-off tail runs from it to the write-done report.
+#[allow(clippy::type_complexity, clippy::too_many_arguments)]
 pub fn run_prefill(
     mut commands: Commands,
     dispatcher: Option<ResMut<Dispatcher>>,
-    mut requests: Query<(Entity, &Request, &mut Status, &mut StagesComputed, &Holdings, &mut Inputs, Option<&RemoteConsumers>, Option<&Sampling>)>,
+    mut requests: Query<(
+        Entity,
+        &Request,
+        &mut Status,
+        &mut StagesComputed,
+        &Holdings,
+        &mut Inputs,
+        Option<&RemoteConsumers>,
+        Option<&Sampling>,
+        Option<&mut LastLayerAt>,
+    )>,
     leases: Query<&Lease>,
+    mut plans: Query<&mut PlanEntry>,
+    mut transfers: Option<ResMut<Transfers>>,
     local: Res<LocalRanks>,
     topo: Res<TopologyRes>,
     mut events: MessageWriter<EngineEvent>,
@@ -173,27 +207,65 @@ pub fn run_prefill(
         tokens += t;
         batch.push(e);
     }
+    let last_layer = topo.0.stage_layers.get(stage as usize).and_then(|r| r.end.checked_sub(1)).map(ModuleLayer);
+    let streaming = topo.0.config.prefill.streams_layers();
+    let mut last_at: Option<Instant> = None;
+    let mut failed: Vec<(Entity, Failure)> = Vec::new();
     let (batch, mut outs) = {
-        let (ents, jobs): (Vec<Entity>, Vec<PrefillJob<'_>>) =
-            batch.iter().filter_map(|&e| requests.get(e).ok()).map(|(e, req, _, _, h, i, _, smp)| (e, stage_job(stage, req, h, i, smp, &leases))).unzip();
-        (ents, dispatcher.0.prefill_batch(jobs))
+        let rows: Vec<_> = batch.iter().filter_map(|&e| requests.get(e).ok()).collect();
+        let ents: Vec<Entity> = rows.iter().map(|r| r.0).collect();
+        let jobs: Vec<PrefillJob<'_>> = rows.iter().map(|(_, req, _, _, h, i, _, smp, _)| stage_job(stage, req, h, i, *smp, &leases)).collect();
+        let outs = match transfers.as_deref_mut().filter(|_| streaming) {
+            Some(t) => {
+                let owners: Vec<(Entity, &Request, &Holdings)> = rows.iter().map(|r| (r.0, r.1, r.4)).collect();
+                let mut hook = |layer: ModuleLayer| {
+                    stream_layer(t.0.as_mut(), &mut plans, &owners, stage, layer, &mut failed);
+                    if Some(layer) == last_layer {
+                        last_at = Some(Instant::now());
+                    }
+                };
+                dispatcher.0.prefill_streamed(jobs, &mut hook)
+            }
+            None => dispatcher.0.prefill_batch(jobs),
+        };
+        (ents, outs)
     };
     // A batch fails as a whole (one pass), so a job of a failed batch runs
-    // again alone: one bad request costs only itself.
+    // again alone: one bad request costs only itself. (Parts its layers
+    // submitted during the failed pass are not submitted again; the rerun
+    // writes the same bits into the same sources, a prompt's bits not
+    // depending on its batch.)
+    let mut reran = false;
     if batch.len() > 1 {
         for (&e, out) in batch.iter().zip(outs.iter_mut()) {
             if out.is_err()
-                && let Ok((_, req, _, _, h, i, _, smp)) = requests.get(e)
+                && let Ok((_, req, _, _, h, i, _, smp, _)) = requests.get(e)
             {
                 *out = dispatcher.0.prefill(stage_job(stage, req, h, i, smp, &leases));
+                reran = true;
             }
         }
     }
+    // Without a hook call for the last layer (no streaming, a compute without
+    // hooks) or after a rerun, the last layer was done when the compute returned.
+    let last_at = match last_at {
+        Some(at) if !reran => at,
+        _ => Instant::now(),
+    };
     for (&e, out) in batch.iter().zip(outs) {
-        let Ok((e, req, mut status, mut computed, _, mut inputs, remote, sampling)) = requests.get_mut(e) else { continue };
+        let Ok((e, req, mut status, mut computed, _, mut inputs, remote, sampling, last_layer_at)) = requests.get_mut(e) else { continue };
+        if let Some((_, failure)) = failed.iter().find(|(f, _)| *f == e) {
+            *status = Status::Failed(failure.clone());
+            continue;
+        }
         match out {
             Ok(out) => {
                 computed.0[stage as usize] = true;
+                if let Some(mut at) = last_layer_at
+                    && let Some(slot) = at.0.get_mut(stage as usize)
+                {
+                    *slot = Some(last_at);
+                }
                 if let Some(greedy) = out.first_token {
                     commands.entity(e).insert(FirstToken(choose(greedy, sampling, out.logits.as_deref(), 0)));
                 }
@@ -217,6 +289,37 @@ pub fn run_prefill(
                 }
             }
             Err(e) => *status = Status::Failed(Failure::new(PhaseName::Compute, ProcessRole::Prefill { stage }, e.cause())),
+        }
+    }
+}
+
+/// Layer-wise streaming, the dispatch phase's side: `layer` of every request
+/// of the batch is in the stage's source regions, so the parts of the stage's
+/// plans up to that layer go to the mover now ([`submit_parts`]), while the
+/// next layers compute. A request whose part could not be submitted goes into
+/// `failed` (and gets no further part).
+fn stream_layer(
+    mover: &mut dyn Mover,
+    plans: &mut Query<&mut PlanEntry>,
+    owners: &[(Entity, &Request, &Holdings)],
+    stage: u32,
+    layer: ModuleLayer,
+    failed: &mut Vec<(Entity, Failure)>,
+) {
+    for &(e, req, holdings) in owners {
+        if failed.iter().any(|(f, _)| *f == e) {
+            continue;
+        }
+        for &p in &holdings.plans {
+            let Ok(mut entry) = plans.get_mut(p) else { continue };
+            if entry.plan.producer.pp != stage {
+                continue;
+            }
+            if let Err(err) = submit_parts(mover, req, &mut entry, Some(layer)) {
+                let ticket = Ticket { request: req.id, nonce: req.nonce, producer: entry.plan.producer, consumer: entry.plan.consumer, part: entry.submitted };
+                failed.push((e, move_failure(&ticket, "submit", &err)));
+                break;
+            }
         }
     }
 }

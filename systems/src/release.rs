@@ -121,6 +121,7 @@ pub fn receive_reports(
         }
         if let Some(mut t) = timing {
             t.bytes += r.bytes;
+            t.tail_us = t.tail_us.max(r.tail_us);
         }
         if let Some(tok) = r.first_token {
             commands.entity(e).insert(FirstToken(tok));
@@ -160,7 +161,7 @@ pub fn record_reports(
     mut commands: Commands,
     mut reports: MessageReader<WriteDone>,
     index: Res<RequestIndex>,
-    requests: Query<(&Request, &Holdings, Option<&FirstToken>)>,
+    requests: Query<(&Request, &Holdings, Option<&FirstToken>, Option<&LastLayerAt>)>,
     mut plans: Query<&mut PlanEntry>,
     mut entries: Query<&mut ProducerEntry>,
     mut progress: Query<(&Lease, &mut ConsumerProgress)>,
@@ -169,7 +170,7 @@ pub fn record_reports(
     topo: Res<TopologyRes>,
 ) {
     for r in reports.read() {
-        let Some((req, holdings, first)) = index.0.get(&r.request).and_then(|&e| requests.get(e).ok()) else {
+        let Some((req, holdings, first, last_layer)) = index.0.get(&r.request).and_then(|&e| requests.get(e).ok()) else {
             stats.unknown += 1;
             continue;
         };
@@ -238,6 +239,9 @@ pub fn record_reports(
             pairs,
             first_token: if last { first.map(|f| f.0) } else { None },
             bytes,
+            // The hand-off tail: what of the stage's writes was left when its
+            // last layer was computed.
+            tail_us: last_layer.and_then(|l| l.0.get(stage as usize).copied().flatten()).map(|at| at.elapsed().as_micros() as u64),
         }));
     }
 }
@@ -354,7 +358,7 @@ pub fn retire_requests(
         match status {
             Status::Finished => {}
             Status::Failed { .. } => {
-                if holdings.plans.iter().any(|&p| plans.get(p).is_ok_and(|p| p.state == WriteState::InFlight)) {
+                if holdings.plans.iter().any(|&p| plans.get(p).is_ok_and(|p| p.writing())) {
                     continue;
                 }
                 let unreported = holdings.leases.iter().any(|&l| leases.get(l).is_ok_and(|(_, p)| p.is_some_and(|p| (p.reported.len() as u32) < p.expected)));
@@ -388,6 +392,7 @@ pub fn retire_requests(
                         handoff_ms: ms(handed - t.admitted),
                         decode_ms: ms(now.saturating_duration_since(handed)),
                         bytes: t.bytes,
+                        tail_ms: t.tail_us.map(|us| us as f64 / 1e3),
                     });
                 }
             }

@@ -5,7 +5,7 @@
 use crate::coalesce::Coalescer;
 pub use crate::share::{Share, share};
 use handoff_components::layout::{ConsumerLayout, ProducerLayout, RegionLayout};
-use handoff_components::plan::{Descriptor, Plan, StagedBlocks, StagedRows, StagedWrite};
+use handoff_components::plan::{Descriptor, LayerPart, Plan, StagedBlocks, StagedRows, StagedWrite};
 use handoff_components::vocab::{Distribution, ModuleLayer, RegionKind};
 use std::sync::{Arc, OnceLock};
 use thiserror::Error;
@@ -115,6 +115,8 @@ pub struct ProducerPlanner<'a> {
     src_table: OnceLock<Arc<[u32]>>,
     /// Set by [`ProducerPlanner::chunked`]: tokens a chunk.
     chunk_tokens: Option<u64>,
+    /// Set by [`ProducerPlanner::layered`]: the plan is cut by module layer.
+    layered: bool,
 }
 
 impl<'a> ProducerPlanner<'a> {
@@ -127,7 +129,7 @@ impl<'a> ProducerPlanner<'a> {
             // A producer's own blocks: checked per pair, against its own region, in `plan_rows`.
             .map(|r| (r.kind, runs(&producer.blocks, r.block_size, r.unit_stride, r.token_bytes, tokens, None).unwrap_or_default()))
             .collect();
-        ProducerPlanner { producer, tokens, src_runs, staging: None, src_table: OnceLock::new(), chunk_tokens: None }
+        ProducerPlanner { producer, tokens, src_runs, staging: None, src_table: OnceLock::new(), chunk_tokens: None, layered: false }
     }
 
     /// Plans a chunked transfer ([`Plan::chunks`]): token rows in chunks of
@@ -140,6 +142,17 @@ impl<'a> ProducerPlanner<'a> {
         if self.chunk_tokens.is_some() {
             self.staging = None;
         }
+        self
+    }
+
+    /// Plans a layered transfer ([`Plan::layers`], layer-wise streaming): every
+    /// kind's writes cut by module layer, in layer order, each layer's
+    /// descriptors coalesced apart from the others' and its token rows staged in
+    /// groups of their own, so that each part can be written as soon as its
+    /// layer is computed. The bytes are those of the plain plan. A chunked plan
+    /// ([`ProducerPlanner::chunked`]) keeps its token order and is not layered.
+    pub fn layered(mut self, on: bool) -> Self {
+        self.layered = on;
         self
     }
 
@@ -165,6 +178,9 @@ impl<'a> ProducerPlanner<'a> {
 
     pub fn plan(&self, consumer: &ConsumerLayout, share: Share) -> Result<Plan, SplitError> {
         check_consumer(consumer)?;
+        if self.layered && self.chunk_tokens.is_none() {
+            return self.plan_layered(consumer, share);
+        }
         let producer = self.producer;
         // Token groups (interleave x dcp tokens) a chunk, and the chunks: one
         // coalescer each, so no descriptor spans two chunks.
@@ -220,7 +236,57 @@ impl<'a> ProducerPlanner<'a> {
         if self.chunk_tokens.is_none() {
             chunks.clear();
         }
-        Ok(Plan { producer: producer.rank, consumer: consumer.rank, descriptors, staged, uncoalesced, chunks })
+        Ok(Plan { producer: producer.rank, consumer: consumer.rank, descriptors, staged, uncoalesced, chunks, layers: Vec::new() })
+    }
+
+    /// The plan of [`ProducerPlanner::layered`]: one coalescer and one list of
+    /// staged groups a module layer, each kind planned row by row into its
+    /// layer's, then laid out in layer order.
+    fn plan_layered(&self, consumer: &ConsumerLayout, share: Share) -> Result<Plan, SplitError> {
+        let producer = self.producer;
+        let wanted = |src: &&RegionLayout| {
+            !src.rows.is_empty()
+                && match src.kind.distribution() {
+                    Distribution::TokenSharded => share.rows,
+                    Distribution::HeadSplit | Distribution::Replicated => share.state,
+                }
+        };
+        let mut layers: Vec<ModuleLayer> = producer.layout.regions.iter().filter(wanted).flat_map(|r| r.rows.iter().map(|row| row.layer)).collect();
+        layers.sort_unstable();
+        layers.dedup();
+        let mut outs: Vec<Coalescer> = layers.iter().map(|_| Coalescer::default()).collect();
+        let mut staged: Vec<Vec<StagedRows>> = layers.iter().map(|_| Vec::new()).collect();
+        let mut uncoalesced = 0u64;
+        let mut pairs = Vec::new();
+        for src in producer.layout.regions.iter().filter(wanted) {
+            let dst = consumer.layout.region(src.kind).ok_or(SplitError::MissingRegion { kind: src.kind, consumer: consumer.rank.tp, pp: producer.rank.pp })?;
+            row_pairs(src, dst, consumer, &mut pairs)?;
+            let src_runs = self.src_runs.iter().find(|(k, _)| *k == src.kind).map(|(_, r)| r.as_slice()).unwrap_or(&[]);
+            let src_table = || self.src_table(src.block_size);
+            for one in pairs.chunks(1) {
+                // Every row's layer is in `layers`, which was collected from them.
+                let Ok(i) = layers.binary_search(&one[0].0) else { continue };
+                uncoalesced += match src.kind.distribution() {
+                    Distribution::TokenSharded => {
+                        let rows = RowsOut { descriptors: &mut outs[i], staged: &mut staged[i], staging: self.staging, src_table: &src_table };
+                        plan_rows(producer, consumer, src, dst, src_runs, one, self.tokens, 0..u64::MAX, rows)?
+                    }
+                    Distribution::HeadSplit => plan_heads(producer, consumer, src, dst, one, &mut outs[i])?,
+                    Distribution::Replicated => plan_whole(producer, consumer, src, dst, one, &mut outs[i])?,
+                };
+            }
+        }
+        let (mut descriptors, mut all_staged, mut parts) = (Vec::new(), Vec::new(), Vec::new());
+        for ((layer, out), groups) in layers.into_iter().zip(outs).zip(staged) {
+            let before = (descriptors.len(), all_staged.len());
+            descriptors.extend(out.finish());
+            all_staged.extend(groups);
+            // A layer with nothing for this consumer is no part.
+            if (descriptors.len(), all_staged.len()) != before {
+                parts.push(LayerPart { layer, descriptors: descriptors.len() as u32, staged: all_staged.len() as u32 });
+            }
+        }
+        Ok(Plan { producer: producer.rank, consumer: consumer.rank, descriptors, staged: all_staged, uncoalesced, chunks: Vec::new(), layers: parts })
     }
 }
 
@@ -644,7 +710,9 @@ pub fn split_requests(
         let mut plans = Vec::new();
         let mut failure = None;
         let chunk = topo.0.config.prefill.chunked.then_some(u64::from(topo.0.config.prefill.chunk_tokens));
-        let planners: Vec<ProducerPlanner> = producers.iter().map(|p| ProducerPlanner::new(p, req.tokens).chunked(chunk).staging(staging)).collect();
+        let layered = topo.0.config.prefill.streams_layers();
+        let planners: Vec<ProducerPlanner> =
+            producers.iter().map(|p| ProducerPlanner::new(p, req.tokens).chunked(chunk).layered(layered).staging(staging)).collect();
         'pairs: for c in &consumers {
             for p in &planners {
                 let sh = share(prefill_tp, c.tp, p.producer.rank.tp, c.rank.tp);
@@ -672,7 +740,7 @@ pub fn split_requests(
             {
                 entry.pending += 1;
             }
-            holdings.plans.push(commands.spawn(PlanEntry { request: e, plan, state: WriteState::Pending }).id());
+            holdings.plans.push(commands.spawn(PlanEntry::new(e, plan)).id());
         }
         *status = Status::Planned;
     }

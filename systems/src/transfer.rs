@@ -6,17 +6,20 @@ use bevy_ecs::prelude::*;
 use handoff_components::ecs::*;
 use handoff_components::failure::{Cause, Failure, ProcessRole};
 use handoff_components::plan::Plan;
-use handoff_components::vocab::{DecodeRank, PrefillRank, RankId, RegionKind};
+use handoff_components::vocab::{DecodeRank, ModuleLayer, PrefillRank, RankId, RegionKind};
 use std::time::{Duration, Instant};
 use thiserror::Error;
 
-/// Identifies one plan's writes to the mover and back.
+/// Identifies one plan's writes to the mover and back: the whole plan, or one
+/// part of a layered plan ([`Plan::part`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Ticket {
     pub request: u64,
     pub nonce: u64,
     pub producer: PrefillRank,
     pub consumer: DecodeRank,
+    /// The part of the plan (0 for a plan that is not layered).
+    pub part: u32,
 }
 
 /// Why a mover could not start or finish a plan's writes.
@@ -88,7 +91,45 @@ pub fn advance_deadlines(mut requests: Query<(&Status, &StagesComputed, &mut Dea
     }
 }
 
-/// Submits the pending plans of every stage that has computed.
+/// Submits the parts of `entry`'s plan not yet submitted whose layer is at
+/// most `upto` (every part left, with None: the stage has computed them all),
+/// in layer order. A plan that is not layered is one part, submitted only with
+/// None. Returns the parts submitted; an error leaves the parts before it
+/// submitted.
+pub fn submit_parts(mover: &mut dyn Mover, req: &Request, entry: &mut PlanEntry, upto: Option<ModuleLayer>) -> Result<u32, MoveError> {
+    // A plan with staged groups for a mover that does not run them is refused
+    // before any of its parts goes out: its rows would never be written.
+    if entry.submitted == 0 && !entry.plan.staged.is_empty() && mover.staging_bytes().is_none() {
+        return Err(MoveError::StagingUnsupported { groups: entry.plan.staged.len() });
+    }
+    let mut sent = 0;
+    while !entry.all_submitted() && entry.state != WriteState::Done {
+        let i = entry.submitted as usize;
+        let ready = match (upto, entry.plan.part_layer(i)) {
+            (None, _) => true,
+            (Some(done), Some(layer)) => layer <= done,
+            (Some(_), None) => false,
+        };
+        if !ready {
+            break;
+        }
+        let part = entry.plan.part(i);
+        let ticket = Ticket { request: req.id, nonce: req.nonce, producer: part.producer, consumer: part.consumer, part: i as u32 };
+        if !part.staged.is_empty() && mover.staging_bytes().is_none() {
+            return Err(MoveError::StagingUnsupported { groups: part.staged.len() });
+        }
+        mover.submit(ticket, &part)?;
+        entry.submitted += 1;
+        entry.state = WriteState::InFlight;
+        sent += 1;
+    }
+    Ok(sent)
+}
+
+/// Submits what is left of the plans of every stage that has computed: the
+/// whole plan, or the parts of a layered plan that the dispatch phase did not
+/// submit while the stage computed (a compute without a layer hook, a batch
+/// run again).
 pub fn submit_plans(
     mut requests: Query<(&Request, &mut Status, &StagesComputed, &Holdings)>,
     mut plans: Query<&mut PlanEntry>,
@@ -100,28 +141,22 @@ pub fn submit_plans(
         }
         for &p in &holdings.plans {
             let Ok(mut entry) = plans.get_mut(p) else { continue };
-            if entry.state != WriteState::Pending || !computed.0.get(entry.plan.producer.pp as usize).copied().unwrap_or(false) {
+            if entry.all_submitted() || entry.state == WriteState::Done || !computed.0.get(entry.plan.producer.pp as usize).copied().unwrap_or(false) {
                 continue;
             }
-            let ticket = Ticket { request: req.id, nonce: req.nonce, producer: entry.plan.producer, consumer: entry.plan.consumer };
-            let submitted = if !entry.plan.staged.is_empty() && transfers.0.staging_bytes().is_none() {
-                Err(MoveError::StagingUnsupported { groups: entry.plan.staged.len() })
-            } else {
-                transfers.0.submit(ticket, &entry.plan)
-            };
-            match submitted {
-                Ok(()) => entry.state = WriteState::InFlight,
-                Err(e) => {
-                    *status = Status::Failed(move_failure(&ticket, "submit", &e));
-                    break;
-                }
+            if let Err(e) = submit_parts(transfers.0.as_mut(), req, &mut entry, None) {
+                let ticket = Ticket { request: req.id, nonce: req.nonce, producer: entry.plan.producer, consumer: entry.plan.consumer, part: entry.submitted };
+                *status = Status::Failed(move_failure(&ticket, "submit", &e));
+                break;
             }
         }
     }
 }
 
-/// Collects completed writes: successes become write-done reports, failures fail
-/// the request. Either way the plan's sources are no longer being read.
+/// Collects completed writes: a plan whose every part completed becomes a
+/// write-done report; a failed part fails the request. A plan whose parts are
+/// no longer being written (all completed, or the request failed and no part
+/// is in flight) no longer reads its sources.
 pub fn poll_transfers(
     mut transfers: ResMut<Transfers>,
     index: Res<RequestIndex>,
@@ -134,28 +169,34 @@ pub fn poll_transfers(
     transfers.0.poll(&mut buf);
     for c in buf.drain(..) {
         let t = c.ticket;
-        match c.result {
-            Ok(()) => {
+        let entry = index.0.get(&t.request).and_then(|&e| requests.get_mut(e).ok()).filter(|(req, ..)| req.nonce == t.nonce);
+        let Some((_, mut status, holdings)) = entry else {
+            // A request gone or of another life: the release phase counts the report.
+            if c.result.is_ok() {
                 reports.write(WriteDone { request: t.request, nonce: t.nonce, producer: t.producer, consumer: t.consumer });
             }
-            Err(reason) => {
-                let Some(&e) = index.0.get(&t.request) else { continue };
-                let Ok((req, mut status, holdings)) = requests.get_mut(e) else { continue };
-                if req.nonce != t.nonce {
-                    continue;
-                }
-                for &p in &holdings.plans {
-                    if let Ok(mut entry) = plans.get_mut(p)
-                        && entry.plan.producer == t.producer
-                        && entry.plan.consumer == t.consumer
-                    {
-                        entry.state = WriteState::Done;
-                    }
-                }
-                if !matches!(*status, Status::Failed { .. }) {
-                    *status = Status::Failed(move_failure(&t, "write", &reason));
-                }
+            continue;
+        };
+        let pair = |x: &PlanEntry| x.plan.producer == t.producer && x.plan.consumer == t.consumer;
+        let Some(p) = holdings.plans.iter().copied().find(|&p| plans.get(p).is_ok_and(pair)) else { continue };
+        let Ok(mut entry) = plans.get_mut(p) else { continue };
+        entry.completed = (entry.completed + 1).min(entry.submitted);
+        if let Err(reason) = c.result {
+            entry.failed = true;
+            if !matches!(*status, Status::Failed { .. }) {
+                *status = Status::Failed(move_failure(&t, "write", &reason));
             }
+        }
+        if entry.writing() {
+            continue;
+        }
+        if entry.all_submitted() && !entry.failed {
+            // Every byte of the plan is in place (a request failed meanwhile is
+            // reported too: decode frees its blocks once every stage has).
+            reports.write(WriteDone { request: t.request, nonce: t.nonce, producer: t.producer, consumer: t.consumer });
+        } else if entry.failed || matches!(*status, Status::Failed { .. }) {
+            // No more part goes out, and none is in flight: the sources are free.
+            entry.state = WriteState::Done;
         }
     }
 }

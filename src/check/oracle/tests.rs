@@ -99,7 +99,7 @@ fn tiny_plan(skip: Option<RegionKind>) -> Plan {
     // replay.cursor: 4 B per layer, 8 per slot.
     d.push(Descriptor::copy(RegionKind::ReplayCursor, 8, 16, 8));
     d.retain(|x| Some(x.kind) != skip);
-    Plan { producer: P0, consumer: D0, descriptors: d, staged: vec![], uncoalesced: 0, chunks: vec![] }
+    Plan { producer: P0, consumer: D0, descriptors: d, staged: vec![], uncoalesced: 0, chunks: vec![], layers: vec![] }
 }
 
 const REQ: OracleRequest = OracleRequest { id: 7, tokens: 6 };
@@ -231,6 +231,7 @@ fn exec_rejects_double_write_oob_and_empty() {
             staged: vec![],
             uncoalesced: 0,
             chunks: vec![],
+            layers: vec![],
         };
         let e = execute_counted(&[plan], &mut mem).unwrap_err();
         assert!(matches!(e, ExecError::OutOfBounds { side: s, .. } if s == side), "{e}");
@@ -298,7 +299,7 @@ fn naive_plans(topo: &Topology, pblocks: &[u32], pslot: u32, dtables: &[Vec<u32>
     }
     plans
         .into_iter()
-        .map(|((producer, consumer), descriptors)| Plan { producer, consumer, descriptors, staged: vec![], uncoalesced: 0, chunks: vec![] })
+        .map(|((producer, consumer), descriptors)| Plan { producer, consumer, descriptors, staged: vec![], uncoalesced: 0, chunks: vec![], layers: vec![] })
         .collect()
 }
 

@@ -256,6 +256,9 @@ pub(super) async fn run_choice(p: &Arc<Proxy>, choice: ChoiceTask, tx: mpsc::Sen
             m.phases.entry(ph).or_insert_with(|| Histogram::new(REQUEST_BUCKETS_S)).observe(ms / 1e3);
         }
         m.e2e.observe(choice.arrived.elapsed().as_secs_f64());
+        if let Some(tail) = summary.tail_ms {
+            m.tail.observe(tail / 1e3);
+        }
     }
     let _ = tx.send((choice.index, Ev::Done { finish, tokens: n_tokens, summary })).await;
 }
@@ -409,7 +412,8 @@ async fn attempt(p: &Arc<Proxy>, choice: &ChoiceTask, id: u64, prog: &mut Progre
                     return Ok("stop");
                 }
             }
-            Msg::Done { handoff_ms, decode_ms, bytes, .. } => {
+            Msg::Done { handoff_ms, decode_ms, bytes, tail_ms, .. } => {
+                prog.summary.tail_ms = tail_ms;
                 prog.summary.handoff_ms = handoff_ms;
                 prog.summary.decode_ms = decode_ms;
                 prog.summary.bytes_handed_off = bytes;

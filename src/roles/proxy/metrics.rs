@@ -57,6 +57,13 @@ pub(super) async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
         for (ph, h) in &m.phases {
             prom::write_histogram(&mut out, "handoff_phase_seconds", &format!("phase=\"{ph}\""), h);
         }
+        prom::family(
+            &mut out,
+            "handoff_handoff_tail_seconds",
+            "histogram",
+            "The hand-off tail of each completed choice: the longest of its prefill stages' times from the stage's last layer computed to its write-done report.",
+        );
+        prom::write_histogram(&mut out, "handoff_handoff_tail_seconds", "", &m.tail);
         out += "# HELP handoff_handoff_bytes_total Bytes written from prefill into decode regions.\n# TYPE handoff_handoff_bytes_total counter\n";
         out += &format!("handoff_handoff_bytes_total {}\n", m.bytes);
         out += "# HELP handoff_generated_tokens_total Tokens generated.\n# TYPE handoff_generated_tokens_total counter\n";

@@ -98,6 +98,8 @@ pub(super) struct Metrics {
     pub(super) ttft: Histogram,
     pub(super) itl: Histogram,
     pub(super) e2e: Histogram,
+    /// The hand-off tail of each completed choice ([`Summary::tail_ms`]).
+    pub(super) tail: Histogram,
     /// Requests failed after admission, by (phase, role).
     pub(super) failures: BTreeMap<(&'static str, String), u64>,
     /// Requests failed because a phase ran out of time, by phase.
@@ -127,6 +129,7 @@ impl Default for Metrics {
             ttft: Histogram::new(REQUEST_BUCKETS_S),
             itl: Histogram::new(REQUEST_BUCKETS_S),
             e2e: Histogram::new(REQUEST_BUCKETS_S),
+            tail: Histogram::new(crate::roles::prom::TAIL_BUCKETS_S),
             failures: BTreeMap::new(),
             timeouts: BTreeMap::new(),
             retries: BTreeMap::new(),
@@ -213,6 +216,10 @@ pub(super) struct Summary {
     pub(super) ttft_ms: f64,
     pub(super) itl_ms: Vec<f64>,
     pub(super) handoff_ms: f64,
+    /// The hand-off tail: the longest of the stages' times from their last
+    /// layer's compute to their write-done report (layer-wise streaming makes
+    /// it short); None when decode had no figure.
+    pub(super) tail_ms: Option<f64>,
     pub(super) decode_ms: f64,
     pub(super) bytes_handed_off: u64,
 }
