@@ -243,10 +243,18 @@ pub type Planned = (Engine, Vec<(Ticket, Plan)>, Vec<u64>);
 
 /// The engine's plans for `requests` requests of `tokens` tokens (captured by a
 /// queue mover), with the engine that placed them and the request ids.
+///
+/// The plans are whole-request ones, as with `[prefill] layer_streaming = false`:
+/// the bench moves each request's hand-off as one pass, against memcpy or the
+/// device copy. A streaming stage moves the same bytes in parts a layer, with
+/// more descriptors (the flagship at 32K: 3,496 against 448), as each layer
+/// is computed.
 pub fn planned(topo: &Topology, tokens: u64, requests: u32) -> anyhow::Result<Planned> {
     let cap = Capacity::for_requests(topo, requests, tokens);
     let queue = QueueMover::default();
-    let mut engine = Engine::new(topo.clone(), cap, Box::new(queue.clone()));
+    let mut whole = topo.clone();
+    whole.config.prefill.layer_streaming = false;
+    let mut engine = Engine::new(whole, cap, Box::new(queue.clone()));
     let ids: Vec<u64> = (0..requests as u64).map(|i| 1 + i).collect();
     for &id in &ids {
         engine.submit(id, tokens);
