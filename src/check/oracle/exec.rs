@@ -43,7 +43,7 @@ pub enum ExecError {
     DoubleWrite { rank: RankId, kind: RegionKind, offset: u64, first: (usize, usize), second: (usize, usize) },
     /// A staged group that names no position: a zero size, a dcp rank outside its
     /// instance, or a write that is empty or names a row the group lacks.
-    StagedShape { plan: usize, group: usize, reason: String },
+    StagedShape { plan: usize, group: usize, reason: BadShape },
     /// A staged write holds more bytes than the staging buffer it was cut for.
     StagedTooLarge { plan: usize, group: usize, write: usize, bytes: u64, staging: u64 },
     /// A staged write's local position that has no token row: past the request's
@@ -110,9 +110,32 @@ fn mark(bits: &mut [u64], a: u64, b: u64) -> Option<u64> {
     None
 }
 
+/// Why a staged group names no position (see [`staged_shape`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BadShape {
+    /// A size the divisions and row index of [`token_row`] divide by.
+    Zero(&'static str),
+    /// A dcp rank outside its instance.
+    DcpRank { rank: u32, dcp: u32 },
+    /// A write that is empty or names a row the group lacks.
+    Write { write: usize, start: u64, end: u64, row: u32, rows: usize },
+}
+
+impl std::fmt::Display for BadShape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BadShape::Zero(what) => write!(f, "{what} is 0"),
+            BadShape::DcpRank { rank, dcp } => write!(f, "dcp rank {rank} of a dcp {dcp} instance"),
+            BadShape::Write { write, start, end, row, rows } => {
+                write!(f, "write {write} covers positions {start}..{end} of row {row} ({rows} rows)")
+            }
+        }
+    }
+}
+
 /// Refuses a staged group whose positions cannot be read: the divisions and the
 /// row index of [`token_row`] need these.
-fn staged_shape(g: &StagedRows) -> Result<(), String> {
+fn staged_shape(g: &StagedRows) -> Result<(), BadShape> {
     for (what, v) in [
         ("token bytes", g.token_bytes),
         ("dcp", u64::from(g.dcp)),
@@ -121,14 +144,14 @@ fn staged_shape(g: &StagedRows) -> Result<(), String> {
         ("consumer block size", u64::from(g.dst.block_size)),
     ] {
         if v == 0 {
-            return Err(format!("{what} is 0"));
+            return Err(BadShape::Zero(what));
         }
     }
     if g.dcp_rank >= g.dcp {
-        return Err(format!("dcp rank {} of a dcp {} instance", g.dcp_rank, g.dcp));
+        return Err(BadShape::DcpRank { rank: g.dcp_rank, dcp: g.dcp });
     }
     if let Some((i, w)) = g.writes.iter().enumerate().find(|(_, w)| w.start >= w.end || w.row as usize >= g.rows.len()) {
-        return Err(format!("write {i} covers positions {}..{} of row {} ({} rows)", w.start, w.end, w.row, g.rows.len()));
+        return Err(BadShape::Write { write: i, start: w.start, end: w.end, row: w.row, rows: g.rows.len() });
     }
     Ok(())
 }

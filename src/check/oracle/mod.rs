@@ -780,7 +780,7 @@ fn explain_got(topo: &Topology, g: &Geom, reqs: &[(OracleRequest, Placement<'_>)
 // Executing plans with a write count: `exec.rs`.
 
 mod exec;
-pub use exec::{ExecError, ExecStats, check_counted, execute_counted};
+pub use exec::{BadShape, ExecError, ExecStats, check_counted, execute_counted};
 
 // ---------------------------------------------------------------------------------
 
