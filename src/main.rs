@@ -17,7 +17,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Validate a topology file and print a summary, or the refusal.
+    /// Validate a topology file and print a summary (with the address each role
+    /// will bind and advertise), or the refusal.
     Check {
         #[arg(long)]
         config: String,
@@ -282,6 +283,10 @@ fn run(cli: Cli) -> Result<()> {
         Command::Check { config } => {
             let topo = load(&config)?;
             print!("{}", handoff::cli::summary(&topo, &config));
+            // Where each role will listen and what it will advertise (no flags:
+            // the topology's [cluster] table, else loopback).
+            let addrs = handoff::roles::addr::summary(&topo).map_err(|e| Refusal(e.to_string()))?;
+            print!("{addrs}");
         }
         Command::Weights { config, out } => {
             let topo = load(&config)?;

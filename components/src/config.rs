@@ -26,6 +26,10 @@ pub struct Config {
     /// `--device` flag of the commands that compute overrides it.
     #[serde(default)]
     pub device: DeviceConfig,
+    /// Where each role listens and what it advertises (`[cluster]`); empty:
+    /// every listener on loopback.
+    #[serde(default)]
+    pub cluster: crate::cluster::ClusterConfig,
 }
 
 /// The `[device]` table: the compute backend, its device ordinal, and how a
@@ -427,6 +431,8 @@ pub enum ConfigError {
         "region mla.indexer (sparse MLA, model.mla.indexer_dim = {indexer_dim}) cannot be placed under prefill pp {pp}: no stage places indexer rows; use pp = 1"
     )]
     IndexerUnderPp { indexer_dim: u32, pp: u32 },
+    #[error("[cluster] lists {len} prefill stages but prefill pp is {pp}: list none or one [[cluster.prefill]] per stage")]
+    ClusterStages { len: usize, pp: u32 },
     #[error("transport {kind} cannot serve prefill pp {pp}")]
     TransportNoPp { kind: &'static str, pp: u32 },
     #[error("decode dcp {dcp} does not divide decode tp {tp}")]
@@ -623,6 +629,10 @@ impl Topology {
             return Err(ConfigError::Zero { field: "transport.staging_bytes" });
         }
         check_limits(&config)?;
+        let listed = config.cluster.prefill.len();
+        if listed != 0 && listed != p.pp as usize {
+            return Err(ConfigError::ClusterStages { len: listed, pp: p.pp });
+        }
         if m.pattern.is_empty() || !m.pattern.chars().all(|c| c == 'K' || c == 'M') {
             return Err(ConfigError::Pattern { pattern: m.pattern.clone() });
         }

@@ -3,6 +3,7 @@
 //! descriptors, plans) and the ECS components that carry them. Logic beyond
 //! constructors and invariants lives in the `handoff-systems` crate.
 
+pub mod cluster;
 pub mod config;
 pub mod ecs;
 pub mod failure;

@@ -15,9 +15,13 @@ pub enum RoleCommand {
         #[arg(long)]
         stage: u32,
         /// The proxy's control address to register with (host:port; the proxy's
-        /// --control-host/--control-port, not its public port).
-        #[arg(long, default_value = "127.0.0.1:8001")]
-        proxy: String,
+        /// control listener, not its public port). Default: the topology's
+        /// `[cluster.proxy]` advertise, else 127.0.0.1:8001.
+        #[arg(long)]
+        proxy: Option<String>,
+        #[command(flatten)]
+        addrs: RoleAddrArgs,
+
         /// Compute backend: cpu, cuda[:N] or hip[:N] (default: the topology's [device], else cpu).
         #[arg(long, env = "HANDOFF_DEVICE")]
         device: Option<String>,
@@ -31,9 +35,13 @@ pub enum RoleCommand {
         #[arg(long)]
         config: String,
         /// The proxy's control address to register with (host:port; the proxy's
-        /// --control-host/--control-port, not its public port).
-        #[arg(long, default_value = "127.0.0.1:8001")]
-        proxy: String,
+        /// control listener, not its public port). Default: the topology's
+        /// `[cluster.proxy]` advertise, else 127.0.0.1:8001.
+        #[arg(long)]
+        proxy: Option<String>,
+        #[command(flatten)]
+        addrs: RoleAddrArgs,
+
         /// Compute backend: cpu, cuda[:N] or hip[:N] (default: the topology's [device], else cpu).
         #[arg(long, env = "HANDOFF_DEVICE")]
         device: Option<String>,
@@ -52,11 +60,20 @@ pub enum RoleCommand {
         port: u16,
         /// Where the roles register (`POST /internal/register`); keep it off any
         /// network clients reach. 0 picks a free port (then start the roles with
-        /// the port the proxy logs).
-        #[arg(long, default_value = "127.0.0.1")]
-        control_host: String,
-        #[arg(long, default_value_t = 8001)]
-        control_port: u16,
+        /// the port the proxy logs). Default: the topology's `[cluster.proxy]`
+        /// bind, else 127.0.0.1:8001.
+        #[arg(long, conflicts_with = "bind")]
+        control_host: Option<String>,
+        #[arg(long, conflicts_with = "bind")]
+        control_port: Option<u16>,
+        /// The control listener as one address (HOST:PORT), instead of
+        /// --control-host and --control-port.
+        #[arg(long)]
+        bind: Option<String>,
+        /// The control address the roles are told to register at (printed at
+        /// startup; HOST or HOST:PORT).
+        #[arg(long)]
+        advertise: Option<String>,
         /// Require `Authorization: Bearer KEY` on the /v1 routes (401 otherwise).
         /// Prefer the variable: an argument is visible to every user in `ps`.
         #[arg(long, env = "HANDOFF_API_KEY", hide_env_values = true)]
@@ -76,6 +93,10 @@ pub enum RoleCommand {
         host: String,
         #[arg(long, default_value_t = 8000)]
         port: u16,
+        /// The proxy's control listener port, where the roles register (default:
+        /// the topology's `[cluster.proxy]` bind port, else a free port).
+        #[arg(long)]
+        control_port: Option<u16>,
         /// Compute backend of every stage and of decode: cpu, cuda[:N] or hip[:N]
         /// (handed to the roles as HANDOFF_DEVICE).
         #[arg(long)]
@@ -95,6 +116,51 @@ pub enum RoleCommand {
         #[arg(long)]
         trace_dir: Option<PathBuf>,
     },
+}
+
+/// Where a prefill stage or decode listens and what it tells the cluster
+/// (`src/roles/addr.rs`): each overrides the topology's `[cluster]` table.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct RoleAddrArgs {
+    /// Where the control listener listens: HOST:PORT, or HOST for any free port
+    /// (default 127.0.0.1). Beyond loopback needs a cluster secret.
+    #[arg(long)]
+    pub bind: Option<String>,
+    /// The control address the proxy and the other roles are told: HOST:PORT,
+    /// or HOST for the bound port (default: the bound address).
+    #[arg(long)]
+    pub advertise: Option<String>,
+    /// Where the tcp transport listens (transport.kind = "tcp" only).
+    #[arg(long)]
+    pub transport_bind: Option<String>,
+    /// The tcp transport address written into this role's region handles.
+    #[arg(long)]
+    pub transport_advertise: Option<String>,
+}
+
+impl RoleAddrArgs {
+    fn flags(self) -> crate::roles::addr::AddrFlags {
+        crate::roles::addr::AddrFlags {
+            bind: self.bind,
+            bind_label: None,
+            advertise: self.advertise,
+            transport_bind: self.transport_bind,
+            transport_advertise: self.transport_advertise,
+        }
+    }
+}
+
+/// The role's addresses, refused (naming the address) when a listener would
+/// bind beyond loopback and no cluster secret was given; then the secret.
+fn addresses_and_secret(
+    topo: &Topology,
+    role: crate::roles::addr::Role,
+    flags: &crate::roles::addr::AddrFlags,
+) -> anyhow::Result<(crate::roles::addr::RoleAddrs, crate::transport::auth::ClusterSecret)> {
+    let addrs = crate::roles::addr::resolve(topo, role, flags)?;
+    let given = !matches!(crate::transport::auth::ClusterSecret::from_env(), Err(crate::transport::auth::SecretError::Missing));
+    crate::roles::addr::require_secret(&addrs, given)?;
+    Ok((addrs, crate::roles::role_secret()?))
 }
 
 fn load(path: &str) -> anyhow::Result<Topology> {
@@ -119,20 +185,32 @@ pub fn dispatch(cmd: RoleCommand) -> anyhow::Result<()> {
     };
     let _telemetry = crate::roles::init_telemetry(trace.as_deref())?;
     match cmd {
-        RoleCommand::Prefill { config, stage, proxy, device, .. } => {
-            let secret = crate::roles::role_secret()?;
-            crate::roles::run_prefill(&load_on(&config, device.as_deref())?, stage, &proxy, &secret)
+        RoleCommand::Prefill { config, stage, proxy, addrs, device, .. } => {
+            let topo = load_on(&config, device.as_deref())?;
+            let (addrs, secret) = addresses_and_secret(&topo, crate::roles::addr::Role::Prefill(stage), &addrs.flags())?;
+            let proxy = crate::roles::addr::proxy_address(&topo, proxy.as_deref())?.to_string();
+            crate::roles::run_prefill(&topo, stage, &proxy, &addrs, &secret)
         }
-        RoleCommand::Decode { config, proxy, device, .. } => {
-            let secret = crate::roles::role_secret()?;
-            crate::roles::run_decode(&load_on(&config, device.as_deref())?, &proxy, &secret)
+        RoleCommand::Decode { config, proxy, addrs, device, .. } => {
+            let topo = load_on(&config, device.as_deref())?;
+            let (addrs, secret) = addresses_and_secret(&topo, crate::roles::addr::Role::Decode, &addrs.flags())?;
+            let proxy = crate::roles::addr::proxy_address(&topo, proxy.as_deref())?.to_string();
+            crate::roles::run_decode(&topo, &proxy, &addrs, &secret)
         }
-        RoleCommand::Proxy { config, host, port, control_host, control_port, api_key, .. } => {
-            let secret = crate::roles::role_secret()?;
-            let listen = crate::roles::proxy::Listen { host, port, control_host, control_port };
-            crate::roles::run_proxy(&load(&config)?, &listen, api_key.filter(|k| !k.is_empty()), secret)
+        RoleCommand::Proxy { config, host, port, control_host, control_port, bind, advertise, api_key, .. } => {
+            let topo = load(&config)?;
+            let mut flags = crate::roles::addr::AddrFlags { bind, advertise, ..Default::default() };
+            if flags.bind.is_none() && (control_host.is_some() || control_port.is_some()) {
+                let h = control_host.unwrap_or_else(|| "127.0.0.1".to_string());
+                let h = if h.contains(':') && !h.starts_with('[') { format!("[{h}]") } else { h };
+                flags.bind = Some(format!("{h}:{}", control_port.unwrap_or(crate::roles::addr::PROXY_CONTROL_PORT)));
+                flags.bind_label = Some("--control-host/--control-port");
+            }
+            let (addrs, secret) = addresses_and_secret(&topo, crate::roles::addr::Role::Proxy, &flags)?;
+            let listen = crate::roles::proxy::Listen { host, port, control: addrs.control };
+            crate::roles::run_proxy(&topo, &listen, api_key.filter(|k| !k.is_empty()), secret)
         }
-        RoleCommand::Up { config, host, port, device, max_restarts, restart_window_s, api_key, trace_dir } => {
+        RoleCommand::Up { config, host, port, control_port, device, max_restarts, restart_window_s, api_key, trace_dir } => {
             if let Some(dir) = &trace_dir {
                 std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("--trace-dir {}: {e}", dir.display()))?;
             }
@@ -143,7 +221,8 @@ pub fn dispatch(cmd: RoleCommand) -> anyhow::Result<()> {
                 anyhow::bail!("--restart-window-s {restart_window_s} must be between 0 and 86400 seconds");
             }
             let policy = crate::roles::up::RestartPolicy { max_restarts, window: std::time::Duration::from_secs_f64(restart_window_s), ..Default::default() };
-            crate::roles::run_up(config.as_deref(), &host, port, device.as_deref(), policy, api_key.as_deref(), trace_dir.as_deref())
+            let listen = crate::roles::up::UpListen { host, port, control_port };
+            crate::roles::run_up(config.as_deref(), &listen, device.as_deref(), policy, api_key.as_deref(), trace_dir.as_deref())
         }
     }
 }

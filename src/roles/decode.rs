@@ -43,9 +43,12 @@ enum Cmd {
 
 /// Runs decode until SIGINT/SIGTERM. `proxy` is the proxy's control address
 /// (`host:port`); `secret` is what every connection of the cluster proves.
-pub fn run_decode(topo: &Topology, proxy: &str, secret: &ClusterSecret) -> anyhow::Result<()> {
+/// `addrs` are decode's listeners ([`super::addr`]): the control listener binds
+/// `addrs.control.bind` and registers its advertised address; the tcp transport
+/// binds `addrs.transport` and its region handles carry the advertised one.
+pub fn run_decode(topo: &Topology, proxy: &str, addrs: &super::addr::RoleAddrs, secret: &ClusterSecret) -> anyhow::Result<()> {
     super::signals::install_signal_handlers();
-    let super::host::RoleTransport { transport, memory } = super::host::open_transport(topo, secret)?;
+    let super::host::RoleTransport { transport, memory } = super::host::open_transport(topo, secret, addrs.transport.as_ref())?;
     let refused = super::host::Refused::new(&transport);
     let mut engine = Engine::for_role(topo.clone(), EngineRole::Decode, Capacity::serving(topo), Box::new(NoMover));
     let regions = engine.regions();
@@ -58,8 +61,9 @@ pub fn run_decode(topo: &Topology, proxy: &str, secret: &ClusterSecret) -> anyho
     let view = Arc::new(TransportRegions { transport: Arc::clone(&transport), handles });
     engine.set_compute(crate::engine::device::model_compute(topo.config.device, topo, layouts_of(&regions), view)?);
     engine.set_notices(Box::new(TransportNotices { transport: Arc::clone(&transport) }));
-    let listener = TcpListener::bind("127.0.0.1:0")?;
-    let addr = listener.local_addr()?;
+    let listener = TcpListener::bind(addrs.control.bind).with_context(|| format!("decode: listen on {} ({})", addrs.control.bind, addrs.control.bind_from))?;
+    let bound = listener.local_addr()?;
+    let addr = addrs.control.advertised(bound);
     let (tx, rx) = mpsc::channel();
     let link: Link = Arc::new(Mutex::new(None));
     let counts = Arc::new(Mutex::new(engine.counts()));
@@ -75,7 +79,7 @@ pub fn run_decode(topo: &Topology, proxy: &str, secret: &ClusterSecret) -> anyho
             .spawn(move || pool.install(move || engine_loop(engine, &endpoint, &published, &link, &counts, &rx)))?;
     }
     drop(tx);
-    tracing::info!(%addr, "decode listening");
+    tracing::info!(%bound, advertised = %addr, "decode listening");
     super::host::heartbeat_until_stopped(proxy, "decode", None, addr, &counts, &refused, secret);
     tracing::info!("decode stopping");
     super::host::remove_own_shm_files(topo);

@@ -34,7 +34,10 @@ pub(crate) struct RoleTransport {
 /// memory and the hand-off is CUDA IPC between the processes of the one GPU
 /// ([`crate::transport::device`]); over tcp (hosts apart) they stay in host
 /// memory and the compute uploads what it reads.
-pub(crate) fn open_transport(topo: &Topology, secret: &ClusterSecret) -> anyhow::Result<RoleTransport> {
+///
+/// `tcp` is the transport's listener ([`super::addr`]): where a tcp transport
+/// binds and what its handles advertise.
+pub(crate) fn open_transport(topo: &Topology, secret: &ClusterSecret, tcp: Option<&super::addr::Listener>) -> anyhow::Result<RoleTransport> {
     use crate::transport::MemoryKind;
     use handoff_components::config::DeviceKind;
     let kind = topo.config.transport.kind;
@@ -56,7 +59,11 @@ pub(crate) fn open_transport(topo: &Topology, secret: &ClusterSecret) -> anyhow:
     if dev.kind != DeviceKind::Cpu {
         tracing::info!(transport = kind.name(), "regions in host memory: this transport moves host memory");
     }
-    Ok(RoleTransport { transport: crate::transport::open_with(kind, None, secret.clone())?, memory: MemoryKind::Host })
+    let transport = crate::transport::open_with(kind, tcp.map(|l| l.bind), tcp.and_then(|l| l.advertise), secret.clone())?;
+    if let Some(l) = tcp {
+        tracing::info!(bind = %l.bind, endpoint = %transport.endpoint(), "tcp transport listening");
+    }
+    Ok(RoleTransport { transport, memory: MemoryKind::Host })
 }
 
 /// Removes this process's shared-memory files (`handoff-{pid}-*`, the shm

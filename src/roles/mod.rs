@@ -58,6 +58,7 @@
 //!
 //! [`ConsumerLayout`]: handoff_components::layout::ConsumerLayout
 
+pub mod addr;
 pub mod client;
 pub mod decode;
 pub mod host;

@@ -49,11 +49,15 @@ struct StageRoute {
 /// Runs prefill stage `stage` until SIGINT/SIGTERM. `proxy` is the proxy's
 /// control address (`host:port`), where the stage registers its own control
 /// address; `secret` is what every connection of the cluster proves.
-pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str, secret: &ClusterSecret) -> anyhow::Result<()> {
+///
+/// `addrs` are the stage's listeners ([`super::addr`]): its control listener
+/// binds `addrs.control.bind` and registers its advertised address; the tcp
+/// transport binds and advertises `addrs.transport`.
+pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str, addrs: &super::addr::RoleAddrs, secret: &ClusterSecret) -> anyhow::Result<()> {
     let p = topo.prefill();
     anyhow::ensure!(stage < p.pp, "--stage {stage} is outside prefill pp {} (stages 0..{})", p.pp, p.pp);
     super::signals::install_signal_handlers();
-    let super::host::RoleTransport { transport, memory } = super::host::open_transport(topo, secret)?;
+    let super::host::RoleTransport { transport, memory } = super::host::open_transport(topo, secret, addrs.transport.as_ref())?;
     let refused = super::host::Refused::new(&transport);
     let mover = TransportMover::new(Arc::clone(&transport), MoverOptions::from_topology(topo))?;
     let handle = mover.handle();
@@ -72,8 +76,9 @@ pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str, secret: &ClusterSec
         Some(d) => Box::new(super::host::Delayed { inner: compute, delay: d }),
         None => compute,
     });
-    let listener = TcpListener::bind("127.0.0.1:0")?;
-    let addr = listener.local_addr()?;
+    let listener = TcpListener::bind(addrs.control.bind).with_context(|| format!("prefill stage {stage}: listen on {} ({})", addrs.control.bind, addrs.control.bind_from))?;
+    let bound = listener.local_addr()?;
+    let addr = addrs.control.advertised(bound);
     let (tx, rx) = mpsc::channel();
     let counts = Arc::new(Mutex::new(engine.counts()));
     {
@@ -98,7 +103,7 @@ pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str, secret: &ClusterSec
             .spawn(move || pool.install(move || engine_loop(engine, stage, &notices, &handle, &counts, &rx, &next)))?;
     }
     drop(tx);
-    tracing::info!(stage, %addr, "prefill stage listening");
+    tracing::info!(stage, %bound, advertised = %addr, "prefill stage listening");
     super::host::heartbeat_until_stopped(proxy, "prefill", Some(stage), addr, &counts, &refused, secret);
     tracing::info!(stage, "prefill stage stopping");
     super::host::remove_own_shm_files(topo);

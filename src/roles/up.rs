@@ -11,7 +11,12 @@
 //! and weights go to a private directory, `{tmp}/handoff-up-{pid}-{port}/`
 //! (mode 0700), removed at shutdown; a SIGKILLed `up` leaves that directory (no
 //! secret in it), and the next `up` removes it. The proxy's control listener
-//! gets a free loopback port, which every other role receives as `--proxy`.
+//! gets `--control-port` (else the topology's `[cluster.proxy]` port, else a
+//! free port) on loopback (or the `[cluster.proxy]` bind's host), and every other
+//! role receives its address as `--proxy`; each role reads its own listeners from
+//! the topology's `[cluster]` table ([`super::addr`]). A secret drawn here is
+//! known to no other host, so `up` refuses a topology that would listen beyond
+//! loopback unless it was given one.
 
 use super::client::{complete, percentile};
 use super::wire::{self, HttpResponse};
@@ -113,6 +118,15 @@ pub struct Deployment {
     mps: Option<super::mps::MpsServer>,
 }
 
+/// Where `up`'s proxy listens: the public API (`--host`, `--port`) and the
+/// roles' control listener (`--control-port`; `None`: the topology's, else a free port).
+#[derive(Debug, Clone)]
+pub struct UpListen {
+    pub host: String,
+    pub port: u16,
+    pub control_port: Option<u16>,
+}
+
 /// A port that was free a moment ago on 127.0.0.1.
 pub fn free_port() -> std::io::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
@@ -127,6 +141,12 @@ impl Deployment {
 
     /// [`Deployment::start`] with extra environment variables for every role.
     pub fn start_with(config: Option<&Path>, host: &str, port: u16, program: Option<PathBuf>, envs: Vec<(String, String)>) -> anyhow::Result<Deployment> {
+        Self::start_on(config, &UpListen { host: host.to_string(), port, control_port: None }, program, envs)
+    }
+
+    /// [`Deployment::start_with`] with the proxy's control port chosen (`listen.control_port`).
+    pub fn start_on(config: Option<&Path>, listen: &UpListen, program: Option<PathBuf>, envs: Vec<(String, String)>) -> anyhow::Result<Deployment> {
+        let (host, port) = (listen.host.as_str(), listen.port);
         sweep_stale_configs();
         let (path, tmp) = match config {
             Some(p) => (p.to_path_buf(), None),
@@ -152,17 +172,16 @@ impl Deployment {
             }
             Err(e) => anyhow::bail!("{e}"),
         };
-        // Loopback only: the roles of one `up` share its host.
-        // A port free now and not the public one (which the caller may have
-        // picked the same way and released).
-        let mut control_port = free_port().context("pick a port for the proxy's control listener")?;
-        for _ in 0..8 {
-            if control_port != port {
-                break;
+        let (control_bind, control_addr) = control_listener(&topo, listen)?;
+        if secret_drawn {
+            // A secret drawn here is known to no other host: nothing may listen
+            // beyond loopback on it.
+            let mut roles = super::addr::every_role(&topo)?;
+            roles[0].control.bind = control_bind;
+            for r in &roles {
+                super::addr::require_secret(r, false)?;
             }
-            control_port = free_port().context("pick a port for the proxy's control listener")?;
         }
-        let control_addr = format!("127.0.0.1:{control_port}");
         let mut roles = vec![SupervisedRole::new(
             "proxy".into(),
             vec![
@@ -173,10 +192,8 @@ impl Deployment {
                 host.into(),
                 "--port".into(),
                 port.to_string(),
-                "--control-host".into(),
-                "127.0.0.1".into(),
-                "--control-port".into(),
-                control_port.to_string(),
+                "--bind".into(),
+                control_bind.to_string(),
             ],
         )];
         roles.push(SupervisedRole::new("decode".into(), vec!["decode".into(), "--config".into(), path_s.clone(), "--proxy".into(), control_addr.clone()]));
@@ -444,6 +461,38 @@ impl Deployment {
     }
 }
 
+/// The proxy's control listener under `up` (its bind) and the address the
+/// roles register at: port `--control-port`, else the topology's
+/// `[cluster.proxy]` bind port, else one free now (not the public port); host
+/// the `[cluster.proxy]` bind's, else loopback.
+fn control_listener(topo: &Topology, listen: &UpListen) -> anyhow::Result<(std::net::SocketAddr, String)> {
+    use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+    let proxy = super::addr::resolve(topo, super::addr::Role::Proxy, &super::addr::AddrFlags::default())?;
+    let named = topo.config.cluster.proxy.bind.is_some() && proxy.control.bind.port() != 0;
+    let control_port = match listen.control_port {
+        Some(0) => anyhow::bail!("--control-port 0: the roles must be told the proxy's control port before it listens; pick a free port"),
+        Some(p) if p == listen.port => anyhow::bail!("--control-port {p} is the public --port too: the roles' control listener needs a port of its own"),
+        Some(p) => p,
+        None if named => proxy.control.bind.port(),
+        None => {
+            // A port free now and not the public one (which the caller may have
+            // picked the same way and released).
+            let mut p = free_port().context("pick a port for the proxy's control listener")?;
+            for _ in 0..8 {
+                if p != listen.port {
+                    break;
+                }
+                p = free_port().context("pick a port for the proxy's control listener")?;
+            }
+            p
+        }
+    };
+    let bind = SocketAddr::new(proxy.control.bind.ip(), control_port);
+    // The roles of one `up` share its host: an every-interface bind is reached on loopback.
+    let reach = if bind.ip().is_unspecified() { SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), control_port) } else { bind };
+    Ok((bind, proxy.control.advertised(reach).to_string()))
+}
+
 /// Creates `dir` with mode 0700 (replacing a stale one of the same name: the
 /// name holds this process's pid).
 fn make_private_dir(dir: &Path) -> anyhow::Result<()> {
@@ -467,14 +516,14 @@ impl Drop for Deployment {
 /// `config` None: the built-in default (config/trained.toml).
 pub fn run_up(
     config: Option<&Path>,
-    host: &str,
-    port: u16,
+    listen: &UpListen,
     device: Option<&str>,
     policy: RestartPolicy,
     api_key: Option<&str>,
     trace_dir: Option<&Path>,
 ) -> anyhow::Result<()> {
     super::signals::install_signal_handlers();
+    let (host, port) = (listen.host.as_str(), listen.port);
     if port == 0 {
         anyhow::bail!("--port 0: the roles must be told the proxy's port before it listens; pick a free port");
     }
@@ -491,7 +540,7 @@ pub fn run_up(
         let abs = std::fs::canonicalize(dir).map_err(|e| anyhow::anyhow!("--trace-dir {}: {e}", dir.display()))?;
         envs.push((TRACE_DIR_ENV.to_string(), abs.to_string_lossy().into_owned()));
     }
-    let mut c = Deployment::start_with(config, host, port, None, envs)?;
+    let mut c = Deployment::start_on(config, listen, None, envs)?;
     let p = c.topo.prefill();
     let d = c.topo.decode();
     let on = match device {

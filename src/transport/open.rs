@@ -10,17 +10,24 @@ use std::sync::Arc;
 /// Builds a transport of the configured kind for this process. TCP listens on
 /// `tcp_bind` (loopback, any port, when `None`).
 pub fn open(kind: handoff_components::config::TransportKind, tcp_bind: Option<SocketAddr>) -> Result<Arc<dyn Transport>> {
-    open_with(kind, tcp_bind, ClusterSecret::process())
+    open_with(kind, tcp_bind, None, ClusterSecret::process())
 }
 
-/// [`open`] with the cluster secret its peers must prove (tcp, shm).
-pub fn open_with(kind: handoff_components::config::TransportKind, tcp_bind: Option<SocketAddr>, secret: ClusterSecret) -> Result<Arc<dyn Transport>> {
+/// [`open`] with the cluster secret its peers must prove (tcp, shm), and the
+/// address a tcp transport advertises in its handles (`None`: the bound one;
+/// port 0: the bound port).
+pub fn open_with(
+    kind: handoff_components::config::TransportKind,
+    tcp_bind: Option<SocketAddr>,
+    tcp_advertise: Option<SocketAddr>,
+    secret: ClusterSecret,
+) -> Result<Arc<dyn Transport>> {
     use handoff_components::config::TransportKind;
     Ok(match kind {
         TransportKind::Local => Arc::new(LocalTransport::new()),
         TransportKind::Shm => Arc::new(ShmTransport::with_secret(shm::default_dir(), secret)?),
         TransportKind::Tcp => {
-            let mut opts = TcpOptions { secret, ..TcpOptions::default() };
+            let mut opts = TcpOptions { secret, advertise: tcp_advertise, ..TcpOptions::default() };
             if let Some(bind) = tcp_bind {
                 opts.bind = bind;
             }

@@ -32,8 +32,9 @@ use tokio::sync::{Semaphore, mpsc};
 pub struct Listen {
     pub host: String,
     pub port: u16,
-    pub control_host: String,
-    pub control_port: u16,
+    /// The control listener ([`crate::roles::addr`]): its bind, and what the
+    /// roles are to be told (printed when the port is picked here).
+    pub control: crate::roles::addr::Listener,
 }
 
 /// Serves the proxy (see [`Listen`]) until SIGINT/SIGTERM (then drains).
@@ -101,15 +102,16 @@ pub(super) async fn serve(topo: Topology, listen: Listen, api_key: Option<String
         .method_not_allowed_fallback(refuse)
         .with_state(Arc::clone(&state));
     let control_full = Router::new().fallback(refuse);
-    let Listen { host, port, control_host, control_port } = listen;
+    let Listen { host, port, control: control_at } = listen;
     let listener = tokio::net::TcpListener::bind((host.as_str(), port)).await.map_err(|e| anyhow::anyhow!("proxy: cannot listen on {host}:{port}: {e}"))?;
-    let control_listener = tokio::net::TcpListener::bind((control_host.as_str(), control_port))
+    let control_listener = tokio::net::TcpListener::bind(control_at.bind)
         .await
-        .map_err(|e| anyhow::anyhow!("proxy: cannot listen on --control-host {control_host} --control-port {control_port}: {e}"))?;
+        .map_err(|e| anyhow::anyhow!("proxy: cannot listen for the roles on {} ({}): {e}", control_at.bind, control_at.bind_from))?;
     tracing::info!(addr = %listener.local_addr()?, control = %control_listener.local_addr()?, "proxy listening");
-    if control_port == 0 {
+    let told = control_at.advertised(control_listener.local_addr()?);
+    if control_at.bind.port() == 0 || control_at.advertise.is_some() {
         // Port 0 is only useful if the person starting the roles learns the port.
-        eprintln!("proxy: control listener at {} (start the roles with --proxy {0})", control_listener.local_addr()?);
+        eprintln!("proxy: control listener at {} (start the roles with --proxy {told})", control_listener.local_addr()?);
     }
     tokio::spawn(watchdog(Arc::clone(&state)));
     let public_slots = Arc::clone(&state.public_slots);

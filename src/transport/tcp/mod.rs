@@ -56,7 +56,8 @@ use std::time::{Duration, Instant};
 pub struct TcpOptions {
     /// Where to listen; port 0 picks one. Default 127.0.0.1:0.
     pub bind: SocketAddr,
-    /// The address peers should use, when it differs from the bound one (0.0.0.0).
+    /// The address peers should use, when it differs from the bound one (0.0.0.0,
+    /// NAT); port 0 there means the bound port.
     pub advertise: Option<SocketAddr>,
     /// How long a frame may make no progress before the connection is given up.
     pub idle_timeout: Duration,
@@ -289,7 +290,11 @@ impl TcpTransport {
     pub fn bind(opts: TcpOptions) -> Result<Self> {
         let listener = TcpListener::bind(opts.bind).map_err(|e| TransportError::io(format!("bind {}", opts.bind), e))?;
         let local = listener.local_addr().map_err(|e| TransportError::io("local_addr", e))?;
-        let endpoint_addr = opts.advertise.unwrap_or(local);
+        let endpoint_addr = match opts.advertise {
+            Some(a) if a.port() == 0 => SocketAddr::new(a.ip(), local.port()),
+            Some(a) => a,
+            None => local,
+        };
         let inner = Arc::new(Inner {
             core: HostCore::new("tcp", PeerAddr::Tcp { addr: endpoint_addr }),
             opts,
