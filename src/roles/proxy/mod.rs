@@ -7,7 +7,8 @@
 //! - `GET /v1/models` (and `/v1/models/{id}`): the served model, `model.name`.
 //! - `GET /health`: 200 once decode and every prefill stage have registered and
 //!   are alive; 503 naming what is missing, stopped or dead otherwise (and while
-//!   draining). The body lists every role with its pid, state and restarts.
+//!   draining). The body lists every role with its pid, its advertised control
+//!   address (`addr`), state and restarts.
 //! - `GET /metrics`: Prometheus text: requests by outcome, refusals by reason,
 //!   failures and timeouts by phase, latency histograms (TTFT, inter-token,
 //!   end-to-end, per phase), bytes handed off, and every role's engine counts,
