@@ -111,6 +111,35 @@ enum Command {
         #[arg(long)]
         device: Option<String>,
     },
+    /// A model (not a measurement) of the hand-off's network at cluster scale: plans
+    /// one request with the engine, checks its bytes against the oracle, and
+    /// predicts the transfer time, link occupancy and the largest request rate the
+    /// NICs sustain for 1 to 64 decode nodes, printing its assumptions.
+    Simulate {
+        #[arg(long)]
+        config: String,
+        /// NICs per node (prefill and decode nodes alike).
+        #[arg(long, default_value_t = 8)]
+        nics: u32,
+        /// Line rate of one NIC in Gb/s.
+        #[arg(long, default_value_t = 400.0)]
+        nic_gbps: f64,
+        /// Fraction of line rate a NIC moves (1: line rate).
+        #[arg(long, default_value_t = 1.0)]
+        efficiency: f64,
+        /// Requests per second offered to the whole cluster.
+        #[arg(long)]
+        rate: f64,
+        /// Prompt tokens of each request (all handed off).
+        #[arg(long)]
+        prompt_tokens: u64,
+        /// Decode nodes of the headline prediction (the table sweeps 1 to 64).
+        #[arg(long, default_value_t = 1)]
+        decode_nodes: u32,
+        /// Prefill instances (default: one per decode node).
+        #[arg(long)]
+        prefill_instances: Option<u32>,
+    },
     #[command(flatten)]
     Role(handoff::cli::RoleCommand),
     /// Benchmarks: transfer bandwidth against memcpy, CPU compute against a roofline, serving load.
@@ -287,6 +316,12 @@ fn run(cli: Cli) -> Result<()> {
             // the topology's [cluster] table, else loopback).
             let addrs = handoff::roles::addr::summary(&topo).map_err(|e| Refusal(e.to_string()))?;
             print!("{addrs}");
+        }
+        Command::Simulate { config, nics, nic_gbps, efficiency, rate, prompt_tokens, decode_nodes, prefill_instances } => {
+            let topo = load(&config)?;
+            let o = handoff::bench::simulate::SimOptions { nics, nic_gbps, efficiency, rate, prompt_tokens, decode_nodes, prefill_instances };
+            let report = handoff::bench::simulate::simulate(&topo, &config, &o).map_err(|e| Refusal(e.to_string()))?;
+            println!("{report}");
         }
         Command::Weights { config, out } => {
             let topo = load(&config)?;
