@@ -144,14 +144,7 @@ impl RequestBytes {
 /// rank's bytes, kind by kind, against the oracle's rules.
 pub fn plan_request(topo: &Topology, tokens: u64) -> Result<RequestBytes, SimError> {
     let (_engine, jobs, _ids) = planned(topo, tokens, 1).map_err(|e| SimError::Plan { tokens, detail: format!("{e:#}") })?;
-    let mut r = RequestBytes {
-        tokens,
-        producers: BTreeMap::new(),
-        consumers: BTreeMap::new(),
-        by_kind: BTreeMap::new(),
-        plans: jobs.len(),
-        descriptors: 0,
-    };
+    let mut r = RequestBytes { tokens, producers: BTreeMap::new(), consumers: BTreeMap::new(), by_kind: BTreeMap::new(), plans: jobs.len(), descriptors: 0 };
     let mut per_rank_kind: BTreeMap<(DecodeRank, RegionKind), u64> = BTreeMap::new();
     for (_, p) in &jobs {
         let b = p.bytes();
@@ -318,7 +311,15 @@ impl fmt::Display for SimReport {
         for a in ASSUMPTIONS {
             writeln!(f, "  - {a}")?;
         }
-        writeln!(f, "request: {} prompt tokens, planned by the engine: {} plans, {} descriptors, {} ({} bytes)", r.tokens, r.plans, r.descriptors, gb(r.total() as f64), r.total())?;
+        writeln!(
+            f,
+            "request: {} prompt tokens, planned by the engine: {} plans, {} descriptors, {} ({} bytes)",
+            r.tokens,
+            r.plans,
+            r.descriptors,
+            gb(r.total() as f64),
+            r.total()
+        )?;
         let kinds: Vec<String> = r.by_kind.iter().filter(|(_, b)| **b > 0).map(|(k, b)| format!("{k} {}", gb(*b as f64))).collect();
         writeln!(f, "  by kind: {}; every decode rank's bytes equal the oracle's count from the rules", kinds.join(", "))?;
         let pl: Vec<String> = r.producers.iter().map(|(p, b)| format!("pp{} tp{} {}", p.pp, p.tp, gb(*b as f64))).collect();
@@ -340,7 +341,12 @@ impl fmt::Display for SimReport {
             Some(t) => writeln!(f, "  mean transfer time at that rate (M/D/1 wait at the busier side): {}", ms(t))?,
             None => writeln!(f, "  mean transfer time at that rate: unbounded (the links cannot sustain {} requests/s)", o.rate)?,
         }
-        writeln!(f, "  largest request rate the links sustain: {:.3} requests/s ({:.1} GB/s into each decode node)", h.max_rate, h.max_rate / f64::from(h.decode_nodes) * r.total() as f64 / 1e9)?;
+        writeln!(
+            f,
+            "  largest request rate the links sustain: {:.3} requests/s ({:.1} GB/s into each decode node)",
+            h.max_rate,
+            h.max_rate / f64::from(h.decode_nodes) * r.total() as f64 / 1e9
+        )?;
         let m = &self.at_mooncake;
         writeln!(
             f,

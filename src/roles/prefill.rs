@@ -76,7 +76,8 @@ pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str, addrs: &super::addr
         Some(d) => Box::new(super::host::Delayed { inner: compute, delay: d }),
         None => compute,
     });
-    let listener = TcpListener::bind(addrs.control.bind).with_context(|| format!("prefill stage {stage}: listen on {} ({})", addrs.control.bind, addrs.control.bind_from))?;
+    let listener = TcpListener::bind(addrs.control.bind)
+        .with_context(|| format!("prefill stage {stage}: listen on {} ({})", addrs.control.bind, addrs.control.bind_from))?;
     let bound = listener.local_addr()?;
     let addr = addrs.control.advertised(bound);
     let (tx, rx) = mpsc::channel();

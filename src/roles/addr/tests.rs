@@ -98,10 +98,7 @@ fn unusable_addresses_are_refused_naming_the_value() {
         (AddrFlags { bind: Some("127.0.0.1:port".into()), ..Default::default() }, &["--bind", "\"127.0.0.1:port\"", "not an address"]),
         (AddrFlags { bind: Some(String::new()), ..Default::default() }, &["--bind", "not an address"]),
         (AddrFlags { advertise: Some("0.0.0.0".into()), ..Default::default() }, &["--advertise", "0.0.0.0", "unspecified"]),
-        (
-            AddrFlags { transport_bind: Some("0.0.0.0:7200".into()), ..Default::default() },
-            &["tcp transport", "--transport-advertise", "0.0.0.0:7200"],
-        ),
+        (AddrFlags { transport_bind: Some("0.0.0.0:7200".into()), ..Default::default() }, &["tcp transport", "--transport-advertise", "0.0.0.0:7200"]),
         (AddrFlags { bind: Some("no-such-host.invalid:7100".into()), ..Default::default() }, &["does not resolve", "no-such-host.invalid"]),
     ];
     for (flags, wants) in cases {

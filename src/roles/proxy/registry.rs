@@ -269,8 +269,10 @@ pub(super) fn roles_json(p: &Proxy) -> Value {
         .iter()
         .enumerate()
         .map(|(i, s)| match s {
-            Some(peer) => json!({"role": role_name(i), "pid": peer.reg.pid, "addr": peer.reg.addr.to_string(), "state": peer.state.name(), "restarts": peer.reg.restarts,
-                                 "heartbeat_age_s": peer.seen.elapsed().as_secs_f64(), "down": peer.down.as_ref().map(|d| d.1.clone())}),
+            Some(peer) => {
+                json!({"role": role_name(i), "pid": peer.reg.pid, "addr": peer.reg.addr.to_string(), "state": peer.state.name(), "restarts": peer.reg.restarts,
+                                 "heartbeat_age_s": peer.seen.elapsed().as_secs_f64(), "down": peer.down.as_ref().map(|d| d.1.clone())})
+            }
             None => json!({"role": role_name(i), "state": "unregistered"}),
         })
         .collect();
