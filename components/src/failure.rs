@@ -9,8 +9,9 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::time::Duration;
 
-/// The role a failure is charged to: the one that failed the request, or whose
-/// silence or death made another give up on it.
+/// A role process of a deployment: the one a failure is charged to (that failed
+/// the request, or whose silence or death made another give up on it), and the
+/// one whose listeners an address names (`src/roles/addr.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(tag = "role", rename_all = "snake_case")]
 pub enum ProcessRole {

@@ -194,14 +194,14 @@ pub fn nic_loads(rank_bytes: &[u64], nics: u32) -> Vec<f64> {
 
 /// One side's busiest link per request and what follows from it.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Side {
+pub struct LinkSide {
     /// Bytes on the busiest NIC of one node, per request.
     pub busiest_link_bytes: f64,
     /// Nodes (instances) of this side sharing the load.
     pub nodes: u32,
 }
 
-impl Side {
+impl LinkSide {
     /// Seconds one request keeps this side's busiest link busy.
     pub fn service_s(&self, link: f64) -> f64 {
         self.busiest_link_bytes / link
@@ -221,8 +221,8 @@ impl Side {
 pub struct Prediction {
     pub decode_nodes: u32,
     pub prefill_instances: u32,
-    pub prefill: Side,
-    pub decode: Side,
+    pub prefill: LinkSide,
+    pub decode: LinkSide,
     /// Seconds one request's hand-off takes alone: the slower side's busiest link.
     pub transfer_s: f64,
     /// Occupancy of the busiest link at the offered rate, prefill and decode side.
@@ -239,8 +239,8 @@ pub struct Prediction {
 pub fn predict(req: &RequestBytes, o: &SimOptions, decode_nodes: u32, prefill_instances: u32) -> Prediction {
     let link = o.link_bytes_per_s();
     let busiest = |bytes: Vec<u64>| nic_loads(&bytes, o.nics).into_iter().fold(0.0, f64::max);
-    let prefill = Side { busiest_link_bytes: busiest(req.producers.values().copied().collect()), nodes: prefill_instances };
-    let decode = Side { busiest_link_bytes: busiest(req.consumers.values().copied().collect()), nodes: decode_nodes };
+    let prefill = LinkSide { busiest_link_bytes: busiest(req.producers.values().copied().collect()), nodes: prefill_instances };
+    let decode = LinkSide { busiest_link_bytes: busiest(req.consumers.values().copied().collect()), nodes: decode_nodes };
     let transfer_s = prefill.service_s(link).max(decode.service_s(link));
     let occupancy = (prefill.occupancy(o.rate, link), decode.occupancy(o.rate, link));
     let max_rate = prefill.max_rate(link).min(decode.max_rate(link));

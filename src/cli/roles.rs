@@ -154,9 +154,9 @@ impl RoleAddrArgs {
 /// bind beyond loopback and no cluster secret was given; then the secret.
 fn addresses_and_secret(
     topo: &Topology,
-    role: crate::roles::addr::Role,
+    role: handoff_components::failure::ProcessRole,
     flags: &crate::roles::addr::AddrFlags,
-) -> anyhow::Result<(crate::roles::addr::RoleAddrs, crate::transport::auth::ClusterSecret)> {
+) -> anyhow::Result<(crate::roles::addr::RoleListeners, crate::transport::auth::ClusterSecret)> {
     let addrs = crate::roles::addr::resolve(topo, role, flags)?;
     let given = !matches!(crate::transport::auth::ClusterSecret::from_env(), Err(crate::transport::auth::SecretError::Missing));
     crate::roles::addr::require_secret(&addrs, given)?;
@@ -187,13 +187,13 @@ pub fn dispatch(cmd: RoleCommand) -> anyhow::Result<()> {
     match cmd {
         RoleCommand::Prefill { config, stage, proxy, addrs, device, .. } => {
             let topo = load_on(&config, device.as_deref())?;
-            let (addrs, secret) = addresses_and_secret(&topo, crate::roles::addr::Role::Prefill(stage), &addrs.flags())?;
+            let (addrs, secret) = addresses_and_secret(&topo, handoff_components::failure::ProcessRole::Prefill { stage }, &addrs.flags())?;
             let proxy = crate::roles::addr::proxy_address(&topo, proxy.as_deref())?.to_string();
             crate::roles::run_prefill(&topo, stage, &proxy, &addrs, &secret)
         }
         RoleCommand::Decode { config, proxy, addrs, device, .. } => {
             let topo = load_on(&config, device.as_deref())?;
-            let (addrs, secret) = addresses_and_secret(&topo, crate::roles::addr::Role::Decode, &addrs.flags())?;
+            let (addrs, secret) = addresses_and_secret(&topo, handoff_components::failure::ProcessRole::Decode, &addrs.flags())?;
             let proxy = crate::roles::addr::proxy_address(&topo, proxy.as_deref())?.to_string();
             crate::roles::run_decode(&topo, &proxy, &addrs, &secret)
         }
@@ -206,7 +206,7 @@ pub fn dispatch(cmd: RoleCommand) -> anyhow::Result<()> {
                 flags.bind = Some(format!("{h}:{}", control_port.unwrap_or(crate::roles::addr::PROXY_CONTROL_PORT)));
                 flags.bind_label = Some("--control-host/--control-port");
             }
-            let (addrs, secret) = addresses_and_secret(&topo, crate::roles::addr::Role::Proxy, &flags)?;
+            let (addrs, secret) = addresses_and_secret(&topo, handoff_components::failure::ProcessRole::Proxy, &flags)?;
             let listen = crate::roles::proxy::Listen { host, port, control: addrs.control };
             crate::roles::run_proxy(&topo, &listen, api_key.filter(|k| !k.is_empty()), secret)
         }

@@ -22,42 +22,25 @@
 use handoff_components::Topology;
 use handoff_components::cluster::ClusterConfig;
 use handoff_components::config::TransportKind;
+use handoff_components::failure::ProcessRole;
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
 
 /// The proxy's control port when nothing names one.
 pub const PROXY_CONTROL_PORT: u16 = 8001;
 
-/// Which role's addresses.
+/// ListenerKind listener of a role.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Role {
-    Proxy,
-    Decode,
-    Prefill(u32),
-}
-
-impl fmt::Display for Role {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Role::Proxy => write!(f, "proxy"),
-            Role::Decode => write!(f, "decode"),
-            Role::Prefill(s) => write!(f, "prefill stage {s}"),
-        }
-    }
-}
-
-/// Which listener of a role.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Which {
+pub enum ListenerKind {
     Control,
     Transport,
 }
 
-impl fmt::Display for Which {
+impl fmt::Display for ListenerKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            Which::Control => "control listener",
-            Which::Transport => "tcp transport",
+            ListenerKind::Control => "control listener",
+            ListenerKind::Transport => "tcp transport",
         })
     }
 }
@@ -67,21 +50,21 @@ impl fmt::Display for Which {
 #[derive(Debug, thiserror::Error)]
 pub enum AddrError {
     #[error("{role} {which}: {from} {value:?} is not an address: expected HOST:PORT or HOST (an IP address or a host name)")]
-    Syntax { role: Role, which: Which, from: String, value: String },
+    Syntax { role: ProcessRole, which: ListenerKind, from: String, value: String },
     #[error("{role} {which}: {from} {value:?} does not resolve: {reason}")]
-    Resolve { role: Role, which: Which, from: String, value: String, reason: String },
+    Resolve { role: ProcessRole, which: ListenerKind, from: String, value: String, reason: String },
     #[error(
         "{role} {which}: binds {bind} ({from}), every interface, and nothing says which address the other roles reach it at: give {flag} (or the [cluster] field) the address of this host"
     )]
-    NoAdvertise { role: Role, which: Which, from: String, bind: SocketAddr, flag: &'static str },
+    NoAdvertise { role: ProcessRole, which: ListenerKind, from: String, bind: SocketAddr, flag: &'static str },
     #[error("{role} {which}: {from} {advertise} is not an address another host can connect to (it is unspecified)")]
-    Unspecified { role: Role, which: Which, from: String, advertise: SocketAddr },
+    Unspecified { role: ProcessRole, which: ListenerKind, from: String, advertise: SocketAddr },
     #[error("{role}: {from} {value:?} names a transport address, but transport.kind = {kind:?} does not listen on one (only \"tcp\" does)")]
-    NotTcp { role: Role, from: String, value: String, kind: &'static str },
+    NotTcp { role: ProcessRole, from: String, value: String, kind: &'static str },
     #[error(
         "{role} {which}: binds {bind} ({from}), beyond loopback, and no cluster secret was given: every host that can reach it must prove one. Set {file_env} to a file of mode 0600 holding 64 hex digits (or {env} to the digits), the same on every host, or bind 127.0.0.1"
     )]
-    NoSecret { role: Role, which: Which, from: String, bind: SocketAddr, file_env: &'static str, env: &'static str },
+    NoSecret { role: ProcessRole, which: ListenerKind, from: String, bind: SocketAddr, file_env: &'static str, env: &'static str },
 }
 
 /// The command line's address flags of one role (`None`: the topology's, else loopback).
@@ -98,7 +81,7 @@ pub struct AddrFlags {
 
 /// One listener's addresses.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Listener {
+pub struct ListenAddr {
     /// Where it listens (port 0: any free port).
     pub bind: SocketAddr,
     /// Where `bind` came from: `--bind`, `[cluster.decode] bind`, `the default`.
@@ -107,7 +90,7 @@ pub struct Listener {
     pub advertise: Option<SocketAddr>,
 }
 
-impl Listener {
+impl ListenAddr {
     /// The address the others are told, once the socket is bound at `bound`.
     pub fn advertised(&self, bound: SocketAddr) -> SocketAddr {
         match self.advertise {
@@ -147,23 +130,25 @@ fn host_text(ip: IpAddr) -> String {
 
 /// A role's listeners.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RoleAddrs {
-    pub role: Role,
-    pub control: Listener,
+pub struct RoleListeners {
+    pub role: ProcessRole,
+    pub control: ListenAddr,
     /// The tcp transport's listener; `None` on shm (and for the proxy).
-    pub transport: Option<Listener>,
+    pub transport: Option<ListenAddr>,
 }
 
-impl RoleAddrs {
+impl RoleListeners {
     /// Every listener of the role that binds beyond loopback.
-    pub fn beyond_loopback(&self) -> impl Iterator<Item = (Which, &Listener)> {
-        std::iter::once((Which::Control, &self.control)).chain(self.transport.iter().map(|t| (Which::Transport, t))).filter(|(_, l)| l.beyond_loopback())
+    pub fn beyond_loopback(&self) -> impl Iterator<Item = (ListenerKind, &ListenAddr)> {
+        std::iter::once((ListenerKind::Control, &self.control))
+            .chain(self.transport.iter().map(|t| (ListenerKind::Transport, t)))
+            .filter(|(_, l)| l.beyond_loopback())
     }
 }
 
 /// Parses `value` as `HOST:PORT` or `HOST` (then `default_port`), resolving a
 /// host name to its first address.
-fn parse(value: &str, default_port: u16, role: Role, which: Which, from: &str) -> Result<SocketAddr, AddrError> {
+fn parse(value: &str, default_port: u16, role: ProcessRole, which: ListenerKind, from: &str) -> Result<SocketAddr, AddrError> {
     let syntax = || AddrError::Syntax { role, which, from: from.to_string(), value: value.to_string() };
     let v = value.trim();
     if v.is_empty() {
@@ -191,15 +176,15 @@ fn parse(value: &str, default_port: u16, role: Role, which: Which, from: &str) -
 /// One listener from its flags, its `[cluster]` fields and its default bind.
 #[allow(clippy::too_many_arguments)]
 fn listener(
-    role: Role,
-    which: Which,
+    role: ProcessRole,
+    which: ListenerKind,
     (flag_bind, bind_flag): (Option<&str>, &'static str),
     (flag_adv, adv_flag): (Option<&str>, &'static str),
     (topo_bind, topo_adv): (Option<&str>, Option<&str>),
     table: &str,
     field: &str,
     default: SocketAddr,
-) -> Result<Listener, AddrError> {
+) -> Result<ListenAddr, AddrError> {
     let (bind, bind_from) = match (flag_bind, topo_bind) {
         (Some(v), _) => (parse(v, default.port(), role, which, bind_flag)?, bind_flag.to_string()),
         (None, Some(v)) => {
@@ -224,20 +209,20 @@ fn listener(
     if advertise.is_none() && bind.ip().is_unspecified() {
         return Err(AddrError::NoAdvertise { role, which, from: bind_from, bind, flag: adv_flag });
     }
-    Ok(Listener { bind, bind_from, advertise: advertise.map(|(a, _)| a) })
+    Ok(ListenAddr { bind, bind_from, advertise: advertise.map(|(a, _)| a) })
 }
 
 const LOOPBACK: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
 
 /// The addresses of `role`: its flags over the topology's `[cluster]` table over
 /// loopback. Refuses what cannot be used, naming the value and where it came from.
-pub fn resolve(topo: &Topology, role: Role, flags: &AddrFlags) -> Result<RoleAddrs, AddrError> {
+pub fn resolve(topo: &Topology, role: ProcessRole, flags: &AddrFlags) -> Result<RoleListeners, AddrError> {
     let cluster: &ClusterConfig = &topo.config.cluster;
-    if role == Role::Proxy {
+    if role == ProcessRole::Proxy {
         let p = &cluster.proxy;
         let control = listener(
             role,
-            Which::Control,
+            ListenerKind::Control,
             (flags.bind.as_deref(), flags.bind_label.unwrap_or("--bind")),
             (flags.advertise.as_deref(), "--advertise"),
             (p.bind.as_deref(), p.advertise.as_deref()),
@@ -245,16 +230,16 @@ pub fn resolve(topo: &Topology, role: Role, flags: &AddrFlags) -> Result<RoleAdd
             "",
             SocketAddr::new(LOOPBACK, PROXY_CONTROL_PORT),
         )?;
-        return Ok(RoleAddrs { role, control, transport: None });
+        return Ok(RoleListeners { role, control, transport: None });
     }
     let (t, table) = match role {
-        Role::Prefill(s) => (cluster.stage(s), format!("[[cluster.prefill]] (stage {s})")),
+        ProcessRole::Prefill { stage: s } => (cluster.stage(s), format!("[[cluster.prefill]] (stage {s})")),
         _ => (cluster.decode.clone(), "[cluster.decode]".to_string()),
     };
     let any = SocketAddr::new(LOOPBACK, 0);
     let control = listener(
         role,
-        Which::Control,
+        ListenerKind::Control,
         (flags.bind.as_deref(), "--bind"),
         (flags.advertise.as_deref(), "--advertise"),
         (t.bind.as_deref(), t.advertise.as_deref()),
@@ -266,7 +251,7 @@ pub fn resolve(topo: &Topology, role: Role, flags: &AddrFlags) -> Result<RoleAdd
     let transport = if kind == TransportKind::Tcp {
         Some(listener(
             role,
-            Which::Transport,
+            ListenerKind::Transport,
             (flags.transport_bind.as_deref(), "--transport-bind"),
             (flags.transport_advertise.as_deref(), "--transport-advertise"),
             (t.transport_bind.as_deref(), t.transport_advertise.as_deref()),
@@ -287,12 +272,12 @@ pub fn resolve(topo: &Topology, role: Role, flags: &AddrFlags) -> Result<RoleAdd
         }
         None
     };
-    Ok(RoleAddrs { role, control, transport })
+    Ok(RoleListeners { role, control, transport })
 }
 
 /// Refuses a role whose listener binds beyond loopback when no cluster secret
 /// was given (`secret_given`): the secret is what other hosts must prove.
-pub fn require_secret(addrs: &RoleAddrs, secret_given: bool) -> Result<(), AddrError> {
+pub fn require_secret(addrs: &RoleListeners, secret_given: bool) -> Result<(), AddrError> {
     if secret_given {
         return Ok(());
     }
@@ -314,18 +299,18 @@ pub fn require_secret(addrs: &RoleAddrs, secret_given: bool) -> Result<(), AddrE
 /// 127.0.0.1:8001.
 pub fn proxy_address(topo: &Topology, flag: Option<&str>) -> Result<SocketAddr, AddrError> {
     if let Some(v) = flag {
-        return parse(v, PROXY_CONTROL_PORT, Role::Proxy, Which::Control, "--proxy");
+        return parse(v, PROXY_CONTROL_PORT, ProcessRole::Proxy, ListenerKind::Control, "--proxy");
     }
-    let p = resolve(topo, Role::Proxy, &AddrFlags::default())?;
+    let p = resolve(topo, ProcessRole::Proxy, &AddrFlags::default())?;
     let bind = if p.control.bind.ip().is_unspecified() { SocketAddr::new(LOOPBACK, p.control.bind.port()) } else { p.control.bind };
     Ok(p.control.advertised(bind))
 }
 
 /// Every role of the topology, proxy first, then decode, then the stages.
-pub fn every_role(topo: &Topology) -> Result<Vec<RoleAddrs>, AddrError> {
-    let mut roles = vec![resolve(topo, Role::Proxy, &AddrFlags::default())?, resolve(topo, Role::Decode, &AddrFlags::default())?];
+pub fn every_role(topo: &Topology) -> Result<Vec<RoleListeners>, AddrError> {
+    let mut roles = vec![resolve(topo, ProcessRole::Proxy, &AddrFlags::default())?, resolve(topo, ProcessRole::Decode, &AddrFlags::default())?];
     for s in 0..topo.prefill().pp {
-        roles.push(resolve(topo, Role::Prefill(s), &AddrFlags::default())?);
+        roles.push(resolve(topo, ProcessRole::Prefill { stage: s }, &AddrFlags::default())?);
     }
     Ok(roles)
 }
@@ -335,9 +320,9 @@ pub fn summary(topo: &Topology) -> Result<String, AddrError> {
     let roles = every_role(topo)?;
     let mut s = String::from("addresses (flags override these: --bind, --advertise, --transport-bind, --transport-advertise):\n");
     for r in &roles {
-        s += &format!("  {} {}: {}\n", r.role, Which::Control, r.control.describe());
+        s += &format!("  {} {}: {}\n", r.role, ListenerKind::Control, r.control.describe());
         if let Some(t) = &r.transport {
-            s += &format!("  {} {}: {}\n", r.role, Which::Transport, t.describe());
+            s += &format!("  {} {}: {}\n", r.role, ListenerKind::Transport, t.describe());
         }
     }
     if topo.config.transport.kind != TransportKind::Tcp {

@@ -46,7 +46,7 @@ enum Cmd {
 /// `addrs` are decode's listeners ([`super::addr`]): the control listener binds
 /// `addrs.control.bind` and registers its advertised address; the tcp transport
 /// binds `addrs.transport` and its region handles carry the advertised one.
-pub fn run_decode(topo: &Topology, proxy: &str, addrs: &super::addr::RoleAddrs, secret: &ClusterSecret) -> anyhow::Result<()> {
+pub fn run_decode(topo: &Topology, proxy: &str, addrs: &super::addr::RoleListeners, secret: &ClusterSecret) -> anyhow::Result<()> {
     super::signals::install_signal_handlers();
     let super::host::RoleTransport { transport, memory } = super::host::open_transport(topo, secret, addrs.transport.as_ref())?;
     let refused = super::host::Refused::new(&transport);

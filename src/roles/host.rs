@@ -37,7 +37,7 @@ pub(crate) struct RoleTransport {
 ///
 /// `tcp` is the transport's listener ([`super::addr`]): where a tcp transport
 /// binds and what its handles advertise.
-pub(crate) fn open_transport(topo: &Topology, secret: &ClusterSecret, tcp: Option<&super::addr::Listener>) -> anyhow::Result<RoleTransport> {
+pub(crate) fn open_transport(topo: &Topology, secret: &ClusterSecret, tcp: Option<&super::addr::ListenAddr>) -> anyhow::Result<RoleTransport> {
     use crate::transport::MemoryKind;
     use handoff_components::config::DeviceKind;
     let kind = topo.config.transport.kind;

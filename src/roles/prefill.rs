@@ -53,7 +53,7 @@ struct StageRoute {
 /// `addrs` are the stage's listeners ([`super::addr`]): its control listener
 /// binds `addrs.control.bind` and registers its advertised address; the tcp
 /// transport binds and advertises `addrs.transport`.
-pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str, addrs: &super::addr::RoleAddrs, secret: &ClusterSecret) -> anyhow::Result<()> {
+pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str, addrs: &super::addr::RoleListeners, secret: &ClusterSecret) -> anyhow::Result<()> {
     let p = topo.prefill();
     anyhow::ensure!(stage < p.pp, "--stage {stage} is outside prefill pp {} (stages 0..{})", p.pp, p.pp);
     super::signals::install_signal_handlers();

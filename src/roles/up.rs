@@ -467,7 +467,7 @@ impl Deployment {
 /// the `[cluster.proxy]` bind's, else loopback.
 fn control_listener(topo: &Topology, listen: &UpListen) -> anyhow::Result<(std::net::SocketAddr, String)> {
     use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-    let proxy = super::addr::resolve(topo, super::addr::Role::Proxy, &super::addr::AddrFlags::default())?;
+    let proxy = super::addr::resolve(topo, handoff_components::failure::ProcessRole::Proxy, &super::addr::AddrFlags::default())?;
     let named = topo.config.cluster.proxy.bind.is_some() && proxy.control.bind.port() != 0;
     let control_port = match listen.control_port {
         Some(0) => anyhow::bail!("--control-port 0: the roles must be told the proxy's control port before it listens; pick a free port"),

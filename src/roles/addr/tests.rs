@@ -36,7 +36,7 @@ fn advertise_not_bind_is_what_peers_are_told() {
     let topo = tcp_topology(
         "[cluster.decode]\nbind = \"0.0.0.0:7100\"\nadvertise = \"10.0.0.2\"\ntransport_bind = \"0.0.0.0\"\ntransport_advertise = \"10.0.0.2:7300\"\n",
     );
-    let d = resolve(&topo, Role::Decode, &AddrFlags::default()).expect("decode");
+    let d = resolve(&topo, ProcessRole::Decode, &AddrFlags::default()).expect("decode");
     assert_eq!(d.control.bind, addr("0.0.0.0:7100"));
     assert_eq!(d.control.bind_from, "[cluster.decode] bind");
     // No port in the advertise: the port the socket was bound at.
@@ -46,25 +46,25 @@ fn advertise_not_bind_is_what_peers_are_told() {
     // A port in the advertise wins over the bound one (a NAT's forwarded port).
     assert_eq!(t.advertised(addr("0.0.0.0:45678")), addr("10.0.0.2:7300"));
     // Without an advertise, the bound address itself.
-    let s = resolve(&topo, Role::Prefill(1), &AddrFlags::default()).expect("stage 1");
+    let s = resolve(&topo, ProcessRole::Prefill { stage: 1 }, &AddrFlags::default()).expect("stage 1");
     assert_eq!(s.control.advertised(addr("127.0.0.1:40001")), addr("127.0.0.1:40001"));
 }
 
 #[test]
 fn flags_override_the_cluster_table() {
     let topo = tcp_topology("[[cluster.prefill]]\nbind = \"127.0.0.1:7100\"\n[[cluster.prefill]]\nbind = \"127.0.0.1:7101\"\nadvertise = \"127.0.0.9\"\n");
-    let s0 = resolve(&topo, Role::Prefill(0), &AddrFlags::default()).expect("stage 0");
+    let s0 = resolve(&topo, ProcessRole::Prefill { stage: 0 }, &AddrFlags::default()).expect("stage 0");
     assert_eq!(s0.control.bind, addr("127.0.0.1:7100"));
-    let s1 = resolve(&topo, Role::Prefill(1), &AddrFlags::default()).expect("stage 1");
+    let s1 = resolve(&topo, ProcessRole::Prefill { stage: 1 }, &AddrFlags::default()).expect("stage 1");
     assert_eq!(s1.control.advertised(addr("127.0.0.1:7101")), addr("127.0.0.9:7101"));
     let flags = AddrFlags { bind: Some("127.0.0.2:7200".into()), advertise: Some("127.0.0.3:7201".into()), ..Default::default() };
-    let s1 = resolve(&topo, Role::Prefill(1), &flags).expect("stage 1 with flags");
+    let s1 = resolve(&topo, ProcessRole::Prefill { stage: 1 }, &flags).expect("stage 1 with flags");
     assert_eq!(s1.control.bind, addr("127.0.0.2:7200"));
     assert_eq!(s1.control.bind_from, "--bind");
     assert_eq!(s1.control.advertised(addr("127.0.0.2:7200")), addr("127.0.0.3:7201"));
     // The proxy: --bind over [cluster.proxy]; a host alone keeps port 8001.
     let topo = tcp_topology("[cluster.proxy]\nbind = \"127.0.0.1:9001\"\nadvertise = \"127.0.0.7\"\n");
-    let p = resolve(&topo, Role::Proxy, &AddrFlags { bind: Some("127.0.0.4".into()), ..Default::default() }).expect("proxy");
+    let p = resolve(&topo, ProcessRole::Proxy, &AddrFlags { bind: Some("127.0.0.4".into()), ..Default::default() }).expect("proxy");
     assert_eq!(p.control.bind, addr("127.0.0.4:8001"));
     // The roles register at the proxy's advertised address, with its bound port.
     assert_eq!(proxy_address(&topo, None).expect("proxy address"), addr("127.0.0.7:9001"));
@@ -75,7 +75,7 @@ fn flags_override_the_cluster_table() {
 fn a_bind_beyond_loopback_without_a_secret_is_refused_naming_the_address() {
     let topo = tcp_topology("");
     let flags = AddrFlags { bind: Some("0.0.0.0:7100".into()), advertise: Some("10.1.2.3".into()), ..Default::default() };
-    let d = resolve(&topo, Role::Decode, &flags).expect("decode");
+    let d = resolve(&topo, ProcessRole::Decode, &flags).expect("decode");
     let e = require_secret(&d, false).expect_err("0.0.0.0 without a secret").to_string();
     for want in ["decode", "control listener", "--bind", "0.0.0.0:7100", "beyond loopback", "HANDOFF_CLUSTER_SECRET_FILE"] {
         assert!(e.contains(want), "{e:?} does not say {want:?}");
@@ -83,7 +83,7 @@ fn a_bind_beyond_loopback_without_a_secret_is_refused_naming_the_address() {
     require_secret(&d, true).expect("allowed with a secret");
     // The transport alone beyond loopback is refused too, naming it.
     let flags = AddrFlags { transport_bind: Some("10.1.2.3:0".into()), ..Default::default() };
-    let s = resolve(&topo, Role::Prefill(0), &flags).expect("stage 0");
+    let s = resolve(&topo, ProcessRole::Prefill { stage: 0 }, &flags).expect("stage 0");
     let e = require_secret(&s, false).expect_err("transport beyond loopback").to_string();
     for want in ["prefill stage 0", "tcp transport", "--transport-bind", "10.1.2.3:0"] {
         assert!(e.contains(want), "{e:?} does not say {want:?}");
@@ -102,26 +102,27 @@ fn unusable_addresses_are_refused_naming_the_value() {
         (AddrFlags { bind: Some("no-such-host.invalid:7100".into()), ..Default::default() }, &["does not resolve", "no-such-host.invalid"]),
     ];
     for (flags, wants) in cases {
-        let e = resolve(&topo, Role::Decode, &flags).expect_err(&format!("{flags:?}")).to_string();
+        let e = resolve(&topo, ProcessRole::Decode, &flags).expect_err(&format!("{flags:?}")).to_string();
         for want in wants {
             assert!(e.contains(want), "{flags:?}: {e:?} does not say {want:?}");
         }
     }
     // A transport address on shm, from a flag or from the table.
     let shm = Topology::parse(SMALL).expect("small");
-    let e = resolve(&shm, Role::Decode, &AddrFlags { transport_bind: Some("127.0.0.1:0".into()), ..Default::default() }).expect_err("shm").to_string();
+    let e = resolve(&shm, ProcessRole::Decode, &AddrFlags { transport_bind: Some("127.0.0.1:0".into()), ..Default::default() }).expect_err("shm").to_string();
     assert!(e.contains("--transport-bind") && e.contains("\"shm\""), "{e}");
     let shm = Topology::parse(&format!("{SMALL}\n[cluster.decode]\ntransport_advertise = \"10.0.0.2\"\n")).expect("small");
-    let e = resolve(&shm, Role::Decode, &AddrFlags::default()).expect_err("shm").to_string();
+    let e = resolve(&shm, ProcessRole::Decode, &AddrFlags::default()).expect_err("shm").to_string();
     assert!(e.contains("[cluster.decode] transport_advertise"), "{e}");
 }
 
 #[test]
 fn host_names_and_ipv6_resolve() {
     let topo = tcp_topology("");
-    let d = resolve(&topo, Role::Decode, &AddrFlags { bind: Some("localhost:7100".into()), ..Default::default() }).expect("localhost");
+    let d = resolve(&topo, ProcessRole::Decode, &AddrFlags { bind: Some("localhost:7100".into()), ..Default::default() }).expect("localhost");
     assert!(d.control.bind.ip().is_loopback() && d.control.bind.port() == 7100, "{:?}", d.control.bind);
-    let d = resolve(&topo, Role::Decode, &AddrFlags { bind: Some("[::1]:7100".into()), advertise: Some("[::1]".into()), ..Default::default() }).expect("::1");
+    let d = resolve(&topo, ProcessRole::Decode, &AddrFlags { bind: Some("[::1]:7100".into()), advertise: Some("[::1]".into()), ..Default::default() })
+        .expect("::1");
     assert_eq!(d.control.bind, addr("[::1]:7100"));
     assert_eq!(d.control.advertised(d.control.bind), addr("[::1]:7100"));
 }

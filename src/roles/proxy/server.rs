@@ -34,7 +34,7 @@ pub struct Listen {
     pub port: u16,
     /// The control listener ([`crate::roles::addr`]): its bind, and what the
     /// roles are to be told (printed when the port is picked here).
-    pub control: crate::roles::addr::Listener,
+    pub control: crate::roles::addr::ListenAddr,
 }
 
 /// Serves the proxy (see [`Listen`]) until SIGINT/SIGTERM (then drains).
