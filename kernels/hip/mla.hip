@@ -209,9 +209,10 @@ extern "C" __global__ void mla_partial_f64(
 #define MLA_TC_CH (MLA_TC_W / 4)     // 16-byte pieces of a row
 #define MLA_TC_SP 20                 // row stride (doubles) of the score and weight tiles
 
-// Shared memory of mla_partial_tc<NW> (f32 tiles) and of st_mla_part_tc
-// (16-bit tiles), in bytes.
-#define MLA_TC_SMEM_ELEM(nw, eb) ((((nw) * 8 + 8) * MLA_TC_SP + 8) * 8 + 2 * MLA_TC_TILE * MLA_TC_W * (eb))
+// Shared memory of mla_partial_tc<NW, NS> (f32 tiles, a ring of NS) and of
+// st_mla_part_tc (16-bit tiles, two), in bytes.
+#define MLA_TC_SMEM_RING(nw, eb, ns) ((((nw) * 8 + 8) * MLA_TC_SP + 8) * 8 + (ns) * MLA_TC_TILE * MLA_TC_W * (eb))
+#define MLA_TC_SMEM_ELEM(nw, eb) MLA_TC_SMEM_RING(nw, eb, 2)
 #define MLA_TC_SMEM(nw) MLA_TC_SMEM_ELEM(nw, 4)
 
 // D = A . B + C for one 8x8x4 f64 tile of a warp: lane holds a = A[lane / 4][lane % 4],
@@ -249,27 +250,40 @@ static __device__ __forceinline__ void mla_tc_load(float* dst, const float* src,
     }
 }
 
-// Where a chunk's rows come from: `Src` fills the double-buffered row tiles
-// (TILE_BYTES each, in the source's own element type) and reads them back.
-//   start(sR)      tile 0 into buffer 0 (complete after wait() and a barrier)
-//   wait()         the tile begun last is in (cp.async sources)
-//   begin(sR, t)   starts tile t into buffer t & 1 (after the barrier that
-//                  freed it)
+// Where a chunk's rows come from: `Src` fills a ring of NS row tiles
+// (TILE_BYTES each, in the source's own element type) and reads them back;
+// NS - 1 tiles are in flight while the math reads the oldest.
+//   start(sR)      tiles 0 .. NS - 2 into buffers 0 .. NS - 2, one cp.async
+//                  group each
+//   wait()         the oldest group begun is in (at most NS - 2 pending)
+//   begin(sR, t)   starts tile t into buffer t % NS (after the barrier that
+//                  freed it); one group, empty past the chunk's last tile,
+//                  so that the waits count tiles
 //   land(sR, t)    finishes tile t (register-staged sources store it here;
 //                  the next barrier publishes it)
 //   ld4(tile, r, c)  columns 4c .. 4c + 3 of tile row r, widened to f32
-// The math below is one code for every source, so a chunk's partial is the
-// same bits wherever its rows live.
+// The math below is one code for every source and ring depth, so a chunk's
+// partial is the same bits wherever its rows live and however many tiles
+// were in flight.
 //
 // Contiguous f32 rows (the ragged partial of the generic path): cp.async.
+// Two tiles in a ring let two blocks share a multiprocessor (many chunks);
+// four keep three tiles in flight for a launch of about one block a
+// multiprocessor (one long request), whose blocks otherwise wait on each
+// tile's load in turn.
+template <int NS_>
 struct MlaRowsF32 {
+    static constexpr int NS = NS_;
     static constexpr int TILE_BYTES = MLA_TC_TILE * MLA_TC_W * 4;
     const float* rb;
     hk_i64 n;
-    __device__ void start(unsigned char* sR) { mla_tc_load((float*)sR, rb, n, 0); hk_cp_commit(); }
-    __device__ void wait() { hk_cp_wait_all(); }
+    __device__ void start(unsigned char* sR) {
+#pragma unroll
+        for (int t = 0; t < NS - 1; ++t) begin(sR, t);
+    }
+    __device__ void wait() { hk_cp_wait_n<NS - 2>(); }
     __device__ void begin(unsigned char* sR, int t) {
-        mla_tc_load((float*)(sR + (t & 1) * TILE_BYTES), rb, n, (hk_i64)t * MLA_TC_TILE);
+        if ((hk_i64)t * MLA_TC_TILE < n) mla_tc_load((float*)(sR + (t % NS) * TILE_BYTES), rb, n, (hk_i64)t * MLA_TC_TILE);
         hk_cp_commit();
     }
     __device__ void land(unsigned char*, int) {}
@@ -333,8 +347,8 @@ static __device__ __forceinline__ void mla_partial_tc_body(
     for (int it = 0; it < ntiles; ++it) {
         src.wait();
         __syncthreads();  // tile it is in; every warp is done with tile it - 1
-        if (it + 1 < ntiles) src.begin(sR, it + 1);
-        const unsigned char* tR = sR + (it & 1) * Src::TILE_BYTES;
+        src.begin(sR, it + Src::NS - 1);  // into tile it - 1's buffer
+        const unsigned char* tR = sR + (it % Src::NS) * Src::TILE_BYTES;
 
         // 1. Partial scores over this warp's column blocks.
         double c[2][2][2];
@@ -433,14 +447,14 @@ static __device__ __forceinline__ void mla_partial_tc_body(
 
 // work: [chunks, 3] (first row of the chunk in `rows`, its row count, request);
 // parts: [chunks, H, 2 + L]. Launch: grid (chunks, H / 8); block 32 * NW;
-// dynamic shared memory MLA_TC_SMEM(NW).
-template <int NW>
+// dynamic shared memory MLA_TC_SMEM_RING(NW, 4, NS).
+template <int NW, int NS = 2>
 static __device__ __forceinline__ void mla_partial_tc(
     const float* __restrict__ q_lat, const float* __restrict__ rows, const hk_i64* __restrict__ work,
     double* __restrict__ parts, int heads, double scale, double* smem)
 {
     const hk_i64 chunk = blockIdx.x;
-    MlaRowsF32 src{rows + work[3 * chunk] * MLA_TC_W, work[3 * chunk + 1]};
+    MlaRowsF32<NS> src{rows + work[3 * chunk] * MLA_TC_W, work[3 * chunk + 1]};
     const int h0 = blockIdx.y * 8;
     mla_partial_tc_body<NW>(q_lat, src, src.n, work[3 * chunk + 2], h0, parts + (chunk * heads + h0) * (MLA_TC_L + 2),
                             MLA_TC_L + 2, heads, scale, smem);
@@ -460,6 +474,17 @@ extern "C" __global__ void __launch_bounds__(256) mla_partial_tc8(
 {
     HK_DYN_SMEM(double, smem);
     mla_partial_tc<8>(q_lat, rows, work, parts, heads, scale, smem);
+}
+
+// mla_partial_tc8 with a ring of four tiles (three in flight), one block a
+// multiprocessor: for launches of about as many blocks as multiprocessors.
+// Same math, same bits. Dynamic shared memory MLA_TC_SMEM_RING(8, 4, 4).
+extern "C" __global__ void __launch_bounds__(256, 1) mla_partial_tc8_deep(
+    const float* __restrict__ q_lat, const float* __restrict__ rows, const hk_i64* __restrict__ work,
+    double* __restrict__ parts, int heads, double scale)
+{
+    HK_DYN_SMEM(double, smem);
+    mla_partial_tc<8, 4>(q_lat, rows, work, parts, heads, scale, smem);
 }
 
 // Merge of each request's chunk partials (mla_partial_tc*): M = max m_c,
@@ -665,6 +690,7 @@ static __device__ __forceinline__ const unsigned char* st_mla_row(
 // tiles would hold.
 #define MLA_PG_CH (MLA_TC_W / 8)  // 16-byte pieces of a 16-bit row
 struct MlaRowsPaged {
+    static constexpr int NS = 2;
     static constexpr int TILE_BYTES = MLA_TC_TILE * MLA_TC_W * 2;
     const int* bt;              // the request's block table on this rank
     const unsigned char* base;  // the rank's mla.kv region
@@ -682,10 +708,10 @@ struct MlaRowsPaged {
             hk_cp16(dst + r * (MLA_TC_W * 2) + 16 * mla_tc_pos(r, c), src, valid);
         }
     }
-    __device__ void start(unsigned char* sR) { load(sR, 0); hk_cp_commit(); }
+    __device__ void start(unsigned char* sR) { begin(sR, 0); }
     __device__ void wait() { hk_cp_wait_all(); }
     __device__ void begin(unsigned char* sR, int t) {
-        load(sR + (t & 1) * TILE_BYTES, t);
+        if ((hk_i64)t * MLA_TC_TILE < n) load(sR + (t & 1) * TILE_BYTES, t);
         hk_cp_commit();
     }
     __device__ void land(unsigned char*, int) {}

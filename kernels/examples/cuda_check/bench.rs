@@ -35,7 +35,29 @@ pub(crate) fn bench_mla(gpu: &CudaBackend, bw: f64, r: &mut SplitMix64, kernel: 
     Ok(())
 }
 
-pub(crate) fn bench(gpu: &mut CudaBackend, seed: u64, mla_only: bool, matmul_only: bool, dense_only: bool, mla_kernel: &str) -> R<()> {
+/// KDA prefill, chunked (kda_chunk.hip; the workspace allocation included),
+/// 12 heads of 128 x 128 at T = 8K and 32K, FLA `chunk_kda`'s bench shapes.
+pub(crate) fn bench_kda_chunked(gpu: &CudaBackend, r: &mut SplitMix64) -> R<()> {
+    for &t in &[8192usize, 32768] {
+        let (h, dk, dv) = (12usize, 128usize, 128usize);
+        let host = KdaHost::new(r, t, h, dk, dv);
+        let d = KdaDev::new(gpu, &host)?;
+        let mut state = gpu.alloc(h * dk * dv)?;
+        let mut out = gpu.alloc(t * h * dv)?;
+        let shape = KdaPrefillShape { tokens: t, heads: h, dk, dv };
+        gpu.kda_prefill(shape, &mut state, d.inputs(), d.params(), &mut out, None)?;
+        let us = gpu.time_us(3, || gpu.kda_prefill(shape, &mut state, d.inputs(), d.params(), &mut out, None))?;
+        println!("| kda_prefill (chunked) | T={t} H={h} 128x128 | {us:.0} per call | {:.2} M tok/s | - |", t as f64 / us);
+    }
+    Ok(())
+}
+
+pub(crate) fn bench(gpu: &mut CudaBackend, seed: u64, mla_only: bool, matmul_only: bool, dense_only: bool, kda_only: bool, mla_kernel: &str) -> R<()> {
+    if kda_only {
+        println!("| kernel | shape | us | rate | - |");
+        println!("|---|---|---|---|---|");
+        return bench_kda_chunked(gpu, &mut SplitMix64::new(seed ^ 0x4da));
+    }
     if dense_only {
         return bench_matmul_kernels(gpu, &mut SplitMix64::new(seed ^ 0xde5e));
     }
@@ -120,19 +142,7 @@ pub(crate) fn bench(gpu: &mut CudaBackend, seed: u64, mla_only: bool, matmul_onl
         let us = g.time_us(3, &mut run)?;
         println!("| kda_prefill (recurrent, 63-token calls) | T={t} H={h} 128x128 | {us:.0} per call | {:.2} M tok/s | - |", t as f64 / us);
     }
-    // KDA prefill, chunked (kda_chunk.hip; the workspace allocation included).
-    for &t in &[8192usize, 32768] {
-        let (h, dk, dv) = (12usize, 128usize, 128usize);
-        let host = KdaHost::new(&mut r, t, h, dk, dv);
-        let d = KdaDev::new(&*gpu, &host)?;
-        let mut state = gpu.alloc(h * dk * dv)?;
-        let mut out = gpu.alloc(t * h * dv)?;
-        let shape = KdaPrefillShape { tokens: t, heads: h, dk, dv };
-        gpu.kda_prefill(shape, &mut state, d.inputs(), d.params(), &mut out, None)?;
-        let g = &*gpu;
-        let us = g.time_us(3, || g.kda_prefill(shape, &mut state, d.inputs(), d.params(), &mut out, None))?;
-        println!("| kda_prefill (chunked) | T={t} H={h} 128x128 | {us:.0} per call | {:.2} M tok/s | - |", t as f64 / us);
-    }
+    bench_kda_chunked(gpu, &mut r)?;
 
     bench_mla(gpu, bw, &mut r, mla_kernel)?;
 

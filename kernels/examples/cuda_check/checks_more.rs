@@ -278,3 +278,38 @@ pub(crate) fn check_step_matmul(gpu: &CudaBackend, rep: &mut Report, seed: u64) 
     }
     Ok(())
 }
+
+/// The tensor-core MLA partial's two rings of row tiles (`tc8x2`: two tiles,
+/// two blocks a multiprocessor; `tc8x4`: four, for launches of about one
+/// block a multiprocessor) give the same bits, and the default picks either
+/// by the launch's block count: a batch above the multiprocessor count and
+/// one below it, each against both rings, and the small one against the CPU.
+pub(crate) fn check_mla_rings(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R<()> {
+    let mut r = SplitMix64::new(seed ^ 0x41a6);
+    let k3 = MlaShape { heads: 8, kv_lora_rank: 512, rope_dim: 64, scale: 1.0 / 192f32.sqrt() };
+    let with = |kernel: &str| -> R<CudaBackend> {
+        let mut g = gpu.clone();
+        g.set_mla_kernel(kernel)?;
+        Ok(g)
+    };
+    let (two, four) = (with("tc8x2")?, with("tc8x4")?);
+    for &(heads, ref counts) in &[(8usize, vec![2049usize, 17, 255, 256, 511, 0, 16]), (8, vec![20000usize]), (16, vec![30000usize, 300, 9000])] {
+        let shape = MlaShape { heads, ..k3 };
+        let wd = shape.row_width();
+        let total: usize = counts.iter().sum();
+        let blocks: usize = counts.iter().map(|n| n.div_ceil(256)).sum::<usize>() * (heads / 8);
+        let q = uni(&mut r, counts.len() * heads * wd, -1.0, 1.0);
+        let rows = uni(&mut r, total * wd, -1.0, 1.0);
+        let case = format!("H={heads} counts={counts:?} ({blocks} blocks)");
+        let d = run_ragged(gpu, shape, &q, &rows, counts)?;
+        let a = run_ragged(&two, shape, &q, &rows, counts)?;
+        let b = run_ragged(&four, shape, &q, &rows, counts)?;
+        rep.exact_f64("MLA partial ring of 4 = of 2", &case, &b, &a);
+        rep.exact_f64("MLA partial default ring = of 2", &case, &d, &a);
+        if total < 4096 {
+            let c = run_ragged(&CpuBackend::new(), shape, &q, &rows, counts)?;
+            rep.close64("MLA partial ring of 4 vs CPU", &case, &b, &c, 1e-12);
+        }
+    }
+    Ok(())
+}

@@ -9,6 +9,7 @@
 //! ./cuda_check --bench-mla   # the device copy and the MLA partial rows only
 //! ./cuda_check --bench-matmul   # the device copy and the fused step's tensor-core products only
 //! ./cuda_check --bench-dense    # the generic matmul's two kernels at prefill shapes
+//! ./cuda_check --bench-kda      # the chunked KDA prefill only (T = 8K, 32K; FLA chunk_kda's shapes)
 //! ./cuda_check --bench-mla --mla tc4:256   # another MLA partial kernel (scalar, tc4, tc8[:rows])
 //! ```
 //!
@@ -54,7 +55,8 @@ fn main() -> ExitCode {
     let mla_only = args.iter().any(|a| a == "--bench-mla");
     let matmul_only = args.iter().any(|a| a == "--bench-matmul");
     let dense_only = args.iter().any(|a| a == "--bench-dense");
-    let bench_mode = mla_only || matmul_only || dense_only || args.iter().any(|a| a == "--bench");
+    let kda_only = args.iter().any(|a| a == "--bench-kda");
+    let bench_mode = mla_only || matmul_only || dense_only || kda_only || args.iter().any(|a| a == "--bench");
     let seed = args.iter().position(|a| a == "--seed").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()).unwrap_or(0x00C0_FFEE_u64);
     let t0 = std::time::Instant::now();
     let mut gpu = match CudaBackend::new(0) {
@@ -74,7 +76,7 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     if bench_mode {
-        return match bench(&mut gpu, seed, mla_only, matmul_only, dense_only, &mla_kernel) {
+        return match bench(&mut gpu, seed, mla_only, matmul_only, dense_only, kda_only, &mla_kernel) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("error: {e}");
@@ -88,6 +90,7 @@ fn main() -> ExitCode {
     let res = checks(&gpu, &mut rep, seed)
         .and_then(|()| check_regions(&gpu, &mut rep, seed))
         .and_then(|()| check_kda_variants(&mut gpu, &mut rep, seed))
+        .and_then(|()| check_mla_rings(&gpu, &mut rep, seed))
         .and_then(|()| check_fused(&mut gpu, &mut rep, seed))
         .and_then(|()| check_step_matmul(&gpu, &mut rep, seed));
     if let Err(e) = res {

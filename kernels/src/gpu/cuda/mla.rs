@@ -152,14 +152,19 @@ impl CudaBackend {
                 return Err(KernelError::InvalidShape { op, reason: format!("{nchunks} chunks x {h} heads exceed the device grid") });
             }
             let nw = tc.warps;
-            let cfg =
-                LaunchConfig { grid_dim: (nchunks as u32, (h / 8) as u32, 1), block_dim: ((32 * nw) as u32, 1, 1), shared_mem_bytes: mla_tc_smem(nw) as u32 };
-            let func = if nw == 8 { &self.f.mla_partial_tc8 } else { &self.f.mla_partial_tc4 };
+            let (func, smem) = if tc.deep(nchunks * (h / 8), self.sms) {
+                (&self.f.mla_partial_tc8_deep, mla_tc_smem_ring(8, MLA_TC_DEEP_RING))
+            } else if nw == 8 {
+                (&self.f.mla_partial_tc8, mla_tc_smem(8))
+            } else {
+                (&self.f.mla_partial_tc4, mla_tc_smem(4))
+            };
+            let cfg = LaunchConfig { grid_dim: (nchunks as u32, (h / 8) as u32, 1), block_dim: ((32 * nw) as u32, 1, 1), shared_mem_bytes: smem as u32 };
             let work = table.slice((batch + 1)..);
             let scale = shape.scale as f64;
             let mut b = self.stream.launch_builder(func);
             b.arg(&q_lat.data).arg(&rows.data).arg(&work).arg(&mut *parts).arg(&hh).arg(&scale);
-            // SAFETY: types and order match mla_partial_tc4/8; the table's rows
+            // SAFETY: types and order match mla_partial_tc4/8/8_deep; the table's rows
             // lie inside `rows` (checked by the caller), q_lat holds B x H rows.
             unsafe { b.launch(cfg) }.map_err(dev(op))?;
         }

@@ -94,8 +94,15 @@ const MLA_TC_R: usize = 64;
 const MLA_TC_TILE: usize = 16;
 /// Shared memory of `mla_partial_tc<nw>` (mla.hip's MLA_TC_SMEM).
 const fn mla_tc_smem(nw: usize) -> usize {
-    ((nw * 8 + 8) * 20 + 8) * 8 + 2 * MLA_TC_TILE * (MLA_TC_L + MLA_TC_R) * 4
+    mla_tc_smem_ring(nw, 2)
 }
+/// Shared memory of `mla_partial_tc<nw, ring>` (mla.hip's MLA_TC_SMEM_RING
+/// for f32 tiles): the scores' scratch and `ring` row tiles.
+const fn mla_tc_smem_ring(nw: usize, ring: usize) -> usize {
+    ((nw * 8 + 8) * 20 + 8) * 8 + ring * MLA_TC_TILE * (MLA_TC_L + MLA_TC_R) * 4
+}
+/// Row tiles in the ring of `mla_partial_tc8_deep`.
+const MLA_TC_DEEP_RING: usize = 4;
 /// Threads of `mla_chunk_merge_f64` (MLA_MERGE_THREADS) and the columns
 /// a block takes (MLA_MERGE_COLS): ceil(L / 32) blocks a (request, head).
 const MLA_MERGE_THREADS: u32 = 256;
@@ -118,9 +125,25 @@ struct MlaTc {
     warps: usize,
     /// Rows per chunk.
     chunk: usize,
+    /// Row tiles in flight for 8 warps (`tc8x2`, `tc8x4`): None picks by the
+    /// launch (four where there are at most as many blocks as
+    /// multiprocessors, see [`MlaTc::deep`]). Same bits either way.
+    ring: Option<usize>,
 }
 
-const DEFAULT_MLA_TC: MlaTc = MlaTc { warps: 8, chunk: 256 };
+const DEFAULT_MLA_TC: MlaTc = MlaTc { warps: 8, chunk: 256, ring: None };
+
+impl MlaTc {
+    /// Whether a launch of `blocks` blocks takes `mla_partial_tc8_deep`: a
+    /// ring of four tiles, one block a multiprocessor. With about one block
+    /// a multiprocessor (one 32K-row request: 128 blocks) each block's
+    /// loads are the only ones its multiprocessor has in flight, so three
+    /// tiles ahead rather than one; with many blocks two share a
+    /// multiprocessor on the two-tile ring and hide each other's loads.
+    fn deep(self, blocks: usize, sms: usize) -> bool {
+        self.warps == 8 && self.ring.map_or(blocks <= sms, |r| r == MLA_TC_DEEP_RING)
+    }
+}
 
 /// Bytes of chunk partials `mla_partial_tc` keeps between calls; a larger
 /// scratch is freed after its call.
@@ -144,14 +167,16 @@ impl MlaTc {
             Some((k, c)) => (k, Some(c.trim().parse::<usize>().ok()?)),
             None => (v, None),
         };
-        let warps = match kind.trim() {
-            "scalar" => 0,
-            "tc4" => 4,
-            "tc8" => 8,
+        let (warps, ring) = match kind.trim() {
+            "scalar" => (0, None),
+            "tc4" => (4, None),
+            "tc8" => (8, None),
+            "tc8x2" => (8, Some(2)),
+            "tc8x4" => (8, Some(MLA_TC_DEEP_RING)),
             _ => return None,
         };
         let chunk = chunk.unwrap_or(DEFAULT_MLA_TC.chunk);
-        (chunk > 0 && chunk.is_multiple_of(MLA_TC_TILE)).then_some(MlaTc { warps, chunk })
+        (chunk > 0 && chunk.is_multiple_of(MLA_TC_TILE)).then_some(MlaTc { warps, chunk, ring })
     }
 }
 
@@ -187,6 +212,7 @@ struct Funcs {
     mla_partial_f64: CudaFunction,
     mla_partial_tc4: CudaFunction,
     mla_partial_tc8: CudaFunction,
+    mla_partial_tc8_deep: CudaFunction,
     mla_chunk_merge_f64: CudaFunction,
     dcp_merge_f32: CudaFunction,
     dcp_merge_f64: CudaFunction,
@@ -234,6 +260,8 @@ pub struct CudaBackend {
     cc: (i32, i32),
     kda_kernel: KdaKernel,
     mla_tc: MlaTc,
+    /// Multiprocessors of the device (the MLA partial's ring depth).
+    sms: usize,
     /// The tensor-core MLA partial's work table and chunk scratch, kept while
     /// the row counts repeat (`mla_partial_tc`); clones share it as they
     /// share the stream its kernels run on.
@@ -327,8 +355,12 @@ impl CudaBackend {
         // events cudarc records for cross-stream use.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(|e| unavailable("cannot create a stream", e))?;
+        keep_freed_memory(&ctx);
         let cc = ctx.compute_capability().map_err(|e| unavailable("compute capability", e))?;
         let device_name = ctx.name().map_err(|e| unavailable("device name", e))?;
+        let sms = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| unavailable("multiprocessor count", e))? as usize;
         let cubin = nvrtc_cubin(&nvrtc_arch(cc))?;
         let module = ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| unavailable("cannot load the compiled kernels", e))?;
         let get = |name: &str| module.load_function(name).map_err(|e| unavailable(&format!("kernel {name} missing from the module"), e));
@@ -348,6 +380,7 @@ impl CudaBackend {
             mla_partial_f64: get("mla_partial_f64")?,
             mla_partial_tc4: get("mla_partial_tc4")?,
             mla_partial_tc8: get("mla_partial_tc8")?,
+            mla_partial_tc8_deep: get("mla_partial_tc8_deep")?,
             mla_chunk_merge_f64: get("mla_chunk_merge_f64")?,
             dcp_merge_f32: get("dcp_merge_f32")?,
             dcp_merge_f64: get("dcp_merge_f64")?,
@@ -376,8 +409,10 @@ impl CudaBackend {
         // The tensor-core MLA partials take more than 48 KB of shared memory
         // (two 16-row tiles): opt in, and ask for the largest carveout so two
         // blocks share a multiprocessor.
-        for (func, nw) in [(&f.mla_partial_tc4, 4usize), (&f.mla_partial_tc8, 8)] {
-            func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, mla_tc_smem(nw) as i32)
+        for (func, bytes) in
+            [(&f.mla_partial_tc4, mla_tc_smem(4)), (&f.mla_partial_tc8, mla_tc_smem(8)), (&f.mla_partial_tc8_deep, mla_tc_smem_ring(8, MLA_TC_DEEP_RING))]
+        {
+            func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
                 .map_err(|e| unavailable("cannot give the MLA kernel its shared memory", e))?;
             func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
                 .map_err(|e| unavailable("cannot set the MLA kernel's shared memory carveout", e))?;
@@ -412,6 +447,7 @@ impl CudaBackend {
             cc,
             kda_kernel: DEFAULT_KDA_KERNEL,
             mla_tc: DEFAULT_MLA_TC,
+            sms,
             mla_scratch: Arc::new(std::sync::Mutex::new(None)),
             fused: true,
             tcb_min_tiles: None,
@@ -435,14 +471,15 @@ impl CudaBackend {
         crate::gpu::step_cuda::tc_matmul(&self.ctx, &self.stream, &self.module, x, m, w, dtype, terms, reps)
     }
 
-    /// Picks the generic path's MLA partial kernel: `scalar`, `tc4` or `tc8`,
+    /// Picks the generic path's MLA partial kernel: `scalar`, `tc4` or `tc8`
+    /// (`tc8x2` / `tc8x4`: its ring of row tiles forced, same bits),
     /// optionally `:<rows per chunk>` (a multiple of 16). Another kernel or
     /// chunk gives other bits (another sum order), each batch invariant; for
     /// measuring. A name it does not know is refused.
     pub fn set_mla_kernel(&mut self, kernel: &str) -> Result<()> {
         self.mla_tc = MlaTc::parse(kernel).ok_or_else(|| KernelError::InvalidShape {
             op: "set_mla_kernel",
-            reason: format!("{kernel:?}: expected scalar, tc4 or tc8, optionally :<rows per chunk, a multiple of 16>"),
+            reason: format!("{kernel:?}: expected scalar, tc4, tc8, tc8x2 or tc8x4, optionally :<rows per chunk, a multiple of 16>"),
         })?;
         Ok(())
     }
@@ -597,4 +634,23 @@ mod tests {
         assert_eq!(mla_warps("t", 512, 576, 8).unwrap().0, 256);
         assert!(mla_warps("t", 100_000, 100_064, 8).is_err());
     }
+}
+
+/// Workspaces (the chunked KDA prefill's, the products' packed operands) are
+/// allocated and freed on the stream each pass, from the device's default
+/// stream-ordered pool. Its release threshold is 0 by default, so every
+/// synchronize handed the freed memory back to the driver and the next pass
+/// mapped it again; keeping it in the pool makes those allocations cheap.
+/// The pool then holds at most the largest pass's workspaces. A driver that
+/// refuses leaves the default, which is only slower.
+fn keep_freed_memory(ctx: &CudaContext) {
+    use cudarc::driver::sys::{CUmemPool_attribute, CUmemoryPool, CUresult, cuDeviceGetDefaultMemPool, cuMemPoolSetAttribute};
+    let mut pool: CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: pool is a valid out-pointer; the device ordinal is this context's.
+    if unsafe { cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) } != CUresult::CUDA_SUCCESS || pool.is_null() {
+        return;
+    }
+    let mut keep: u64 = u64::MAX;
+    // SAFETY: the release threshold attribute takes a pointer to a u64 (cuuint64_t).
+    let _ = unsafe { cuMemPoolSetAttribute(pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, (&mut keep as *mut u64).cast()) };
 }
