@@ -271,16 +271,24 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
 // the chunk to the workspace (hs) for phase 3, then S = e^Gam_last S +
 // (e^(Gam_last - Gam) k^)^T u. The output, (e^Gam q^) S + P u, needs nothing
 // of the next chunk and is phase 3's, over every chunk at once.
-// Thread (tq = tid / 16, j = tid % 16) computes u of tokens tq + 16 m (m < 4)
-// in column j; thread (ib = tid / 16, j) owns state rows 8 ib .. 8 ib + 7 of
-// column j in registers. The next chunk's W and e^(..) k^ load (cp.async,
-// double-buffered) under this chunk's products; two barriers a chunk: B (u is
-// in shared memory, every read of S^T done) and C (S^T updated, the next
-// chunk's operands landed).
+// The walk is bound by shared-memory reads (one block a head and 16 columns,
+// 64 KB of operands a chunk), so each thread keeps a 2 x 2 or 4 x 2 tile of
+// outputs and every read serves a whole warp in one wavefront:
+//   u:  thread (tg = tid / 8, jg = tid % 8) computes tokens tg, tg + 32 of
+//       columns jg, jg + 8 (a warp reads 4 rows of W and 8 columns of S^T,
+//       each 16 bytes a lane, all 32 banks once);
+//   S:  thread (ig = tid / 8, jg) owns state rows 4 ig .. 4 ig + 3 of columns
+//       2 jg, 2 jg + 1 in registers (a warp reads 4 row quads of e^(..) k^
+//       and 8 column pairs of u a token).
+// Each output keeps one accumulator over the key channels (u) or the tokens
+// (S) in index order, as the CPU's chunked form. The next chunk's W and
+// e^(..) k^ load (cp.async, double-buffered) under this chunk's products; two
+// barriers a chunk: B (u is in shared memory, every read of S^T done) and C
+// (S^T updated, the next chunk's operands landed).
 // Launch: grid (heads, ceil(dv / 16), nseq); block KC_THREADS; dynamic shared
 // memory KC_H_SMEM floats.
-#define KC_LDU (KC_C + 4)  // row stride of u^T in kda_chunk_state
-#define KC_H_SMEM (KC_TILE * KC_LDW + 4 * KC_C * KC_LDW + KC_TILE * KC_LDU)
+#define KC_LDU (KC_C + 4)  // row stride of u^T in kda_chunk_out
+#define KC_H_SMEM (KC_TILE * KC_LDW + 4 * KC_C * KC_LDW + KC_TILE * KC_LDU)  // u [64][16] in the last part
 extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
     float* __restrict__ state,  // [states, H, dk, dv], updated in place
     float* __restrict__ ws,
@@ -291,14 +299,13 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
     float* ST = smem;                     // S^T [16][KC_LDW]
     float* Wb = ST + KC_TILE * KC_LDW;    // W [2][64][KC_LDW]
     float* Kb = Wb + 2 * KC_C * KC_LDW;   // e^(..) k^ [2][64][KC_LDW]
-    float* UT = Kb + 2 * KC_C * KC_LDW;   // u^T [16][KC_LDU]
+    float* Us = Kb + 2 * KC_C * KC_LDW;   // u [64][16]
 
     const int h = blockIdx.x;
     const int tid = threadIdx.x;
-    const int j = tid % KC_TILE;
-    const int tq = tid / KC_TILE;  // tokens tq + 16 m in phase B, rows 8 tq .. in phase C
-    const int col = blockIdx.y * KC_TILE + j;
-    const bool on = col < dv;
+    const int tg = tid / 8;  // u: tokens tg, tg + 32; S: rows 4 tg .. 4 tg + 3
+    const int jg = tid % 8;  // u: columns jg, jg + 8; S: columns 2 jg, 2 jg + 1
+    const int cbase0 = blockIdx.y * KC_TILE;
     const int sq = blockIdx.z;
     const int tokens = seg[4 * sq + 1];
     const int cbase = seg[4 * sq + 2];
@@ -308,14 +315,27 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
     const hk_i64 wrow = (hk_i64)h * wchunks * KC_C + (hk_i64)cbase * KC_C;
     const hk_i64 wch = (hk_i64)h * wchunks + cbase;  // the sequence's first chunk for head h
 
-    float sr[8];
+    // This thread's state: rows 4 tg + a, columns cs[b] = 2 jg + b.
+    int cs[2];
+    bool son[2];
 #pragma unroll
-    for (int r = 0; r < 8; ++r) {
-        const int i = 8 * tq + r;
-        sr[r] = (i < dk && on) ? Sg[(hk_i64)i * dv + col] : 0.0f;
+    for (int b = 0; b < 2; ++b) {
+        cs[b] = cbase0 + 2 * jg + b;
+        son[b] = cs[b] < dv;
     }
-    *(float4*)(ST + j * KC_LDW + 8 * tq) = make_float4(sr[0], sr[1], sr[2], sr[3]);
-    *(float4*)(ST + j * KC_LDW + 8 * tq + 4) = make_float4(sr[4], sr[5], sr[6], sr[7]);
+    float sr[4][2];
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+        const int i = 4 * tg + a;
+#pragma unroll
+        for (int b = 0; b < 2; ++b) sr[a][b] = (i < dk && son[b]) ? Sg[(hk_i64)i * dv + cs[b]] : 0.0f;
+    }
+    // S^T of the tile, for u's products: columns 2 jg + b, rows 4 tg ...
+    auto put_st = [&]() {
+#pragma unroll
+        for (int b = 0; b < 2; ++b) *(float4*)(ST + (2 * jg + b) * KC_LDW + 4 * tg) = make_float4(sr[0][b], sr[1][b], sr[2][b], sr[3][b]);
+    };
+    put_st();
 
     // Chunk cc's W and e^(..) k^ into buffer cc % 2, 16 bytes a copy (rows of
     // 128 floats, stride KC_LDW: every offset a multiple of 4 floats).
@@ -334,80 +354,93 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
     hk_cp_wait_all();
     __syncthreads();
 
+    // u's outputs: tokens ut[m] = tg + 32 m, columns uc[q] = jg + 8 q.
+    int uc[2];
+    bool uon[2];
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+        uc[q] = cbase0 + jg + 8 * q;
+        uon[q] = uc[q] < dv;
+    }
     for (int c = 0; c < chunks; ++c) {
         if (c + 1 < chunks) load(c + 1);  // its buffer was last read before the previous barrier C
         const hk_i64 row0 = wrow + (hk_i64)c * KC_C;
         const float* Wc = Wb + (c & 1) * KC_C * KC_LDW;
         const float* Kc = Kb + (c & 1) * KC_C * KC_LDW;
-        float u0[KC_C / KC_TILE], dcr[8];
+        float u0[2][2];
 #pragma unroll
-        for (int m = 0; m < KC_C / KC_TILE; ++m) u0[m] = on ? W.u0[(row0 + tq + KC_TILE * m) * dv + col] : 0.0f;
+        for (int m = 0; m < 2; ++m)
 #pragma unroll
-        for (int r = 0; r < 8; ++r) dcr[r] = W.dc[(wch + c) * KC_DK + 8 * tq + r];
+            for (int q = 0; q < 2; ++q) u0[m][q] = uon[q] ? W.u0[(row0 + tg + 32 * m) * dv + uc[q]] : 0.0f;
+        const float4 dc4 = *(const float4*)(W.dc + (wch + c) * KC_DK + 4 * tg);
         // The state entering the chunk, for phase 3 ([col][128]).
-        if (on) {
-            float* hs = W.hs + ((wch + c) * dv + col) * KC_DK + 8 * tq;
-            *(float4*)hs = make_float4(sr[0], sr[1], sr[2], sr[3]);
-            *(float4*)(hs + 4) = make_float4(sr[4], sr[5], sr[6], sr[7]);
-        }
+#pragma unroll
+        for (int b = 0; b < 2; ++b)
+            if (son[b]) *(float4*)(W.hs + ((wch + c) * dv + cs[b]) * KC_DK + 4 * tg) = make_float4(sr[0][b], sr[1][b], sr[2][b], sr[3][b]);
 
         // u = U0 - W S, over the key channels in order.
-        float acc[KC_C / KC_TILE];
+        float acc[2][2];
 #pragma unroll
-        for (int m = 0; m < KC_C / KC_TILE; ++m) acc[m] = 0.0f;
+        for (int m = 0; m < 2; ++m) acc[m][0] = acc[m][1] = 0.0f;
 #pragma unroll 4
         for (int i = 0; i < KC_DK; i += 4) {
-            const float4 s = *(const float4*)(ST + j * KC_LDW + i);
+            float4 s[2], w[2];
 #pragma unroll
-            for (int m = 0; m < KC_C / KC_TILE; ++m) {
-                const float4 w = *(const float4*)(Wc + (tq + KC_TILE * m) * KC_LDW + i);
-                acc[m] = fmaf(w.x, s.x, acc[m]);
-                acc[m] = fmaf(w.y, s.y, acc[m]);
-                acc[m] = fmaf(w.z, s.z, acc[m]);
-                acc[m] = fmaf(w.w, s.w, acc[m]);
-            }
+            for (int q = 0; q < 2; ++q) s[q] = *(const float4*)(ST + (jg + 8 * q) * KC_LDW + i);
+#pragma unroll
+            for (int m = 0; m < 2; ++m) w[m] = *(const float4*)(Wc + (tg + 32 * m) * KC_LDW + i);
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int q = 0; q < 2; ++q) {
+                    acc[m][q] = fmaf(w[m].x, s[q].x, acc[m][q]);
+                    acc[m][q] = fmaf(w[m].y, s[q].y, acc[m][q]);
+                    acc[m][q] = fmaf(w[m].z, s[q].z, acc[m][q]);
+                    acc[m][q] = fmaf(w[m].w, s[q].w, acc[m][q]);
+                }
         }
 #pragma unroll
-        for (int m = 0; m < KC_C / KC_TILE; ++m) {
-            const int t = tq + KC_TILE * m;
-            const float u = u0[m] - acc[m];
-            UT[j * KC_LDU + t] = u;
-            if (on) W.u0[(row0 + t) * dv + col] = u;
+        for (int m = 0; m < 2; ++m) {
+            const int t = tg + 32 * m;
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const float u = u0[m][q] - acc[m][q];
+                Us[t * KC_TILE + jg + 8 * q] = u;
+                if (uon[q]) W.u0[(row0 + t) * dv + uc[q]] = u;
+            }
         }
         __syncthreads();  // B
 
         // S = e^Gam_last S + sum_s (e^(Gam_last - Gam_s) k^_s) u_s^T, in
         // token order (the padding tokens' k^ and u are zero).
+        const float dcr[4] = {dc4.x, dc4.y, dc4.z, dc4.w};
 #pragma unroll
-        for (int r = 0; r < 8; ++r) sr[r] *= dcr[r];
-#pragma unroll 2
-        for (int s = 0; s < KC_C; s += 4) {
-            const float4 u = *(const float4*)(UT + j * KC_LDU + s);
-            const float us[4] = {u.x, u.y, u.z, u.w};
+        for (int a = 0; a < 4; ++a) {
+            sr[a][0] *= dcr[a];
+            sr[a][1] *= dcr[a];
+        }
+#pragma unroll 8
+        for (int s = 0; s < KC_C; ++s) {
+            const float4 k = *(const float4*)(Kc + s * KC_LDW + 4 * tg);
+            const float2 u = *(const float2*)(Us + s * KC_TILE + 2 * jg);
+            const float kv[4] = {k.x, k.y, k.z, k.w};
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const float4 k0 = *(const float4*)(Kc + (s + q) * KC_LDW + 8 * tq);
-                const float4 k1 = *(const float4*)(Kc + (s + q) * KC_LDW + 8 * tq + 4);
-                sr[0] = fmaf(k0.x, us[q], sr[0]);
-                sr[1] = fmaf(k0.y, us[q], sr[1]);
-                sr[2] = fmaf(k0.z, us[q], sr[2]);
-                sr[3] = fmaf(k0.w, us[q], sr[3]);
-                sr[4] = fmaf(k1.x, us[q], sr[4]);
-                sr[5] = fmaf(k1.y, us[q], sr[5]);
-                sr[6] = fmaf(k1.z, us[q], sr[6]);
-                sr[7] = fmaf(k1.w, us[q], sr[7]);
+            for (int a = 0; a < 4; ++a) {
+                sr[a][0] = fmaf(kv[a], u.x, sr[a][0]);
+                sr[a][1] = fmaf(kv[a], u.y, sr[a][1]);
             }
         }
-        *(float4*)(ST + j * KC_LDW + 8 * tq) = make_float4(sr[0], sr[1], sr[2], sr[3]);
-        *(float4*)(ST + j * KC_LDW + 8 * tq + 4) = make_float4(sr[4], sr[5], sr[6], sr[7]);
+        put_st();
         hk_cp_wait_all();
         __syncthreads();  // C
     }
 
 #pragma unroll
-    for (int r = 0; r < 8; ++r) {
-        const int i = 8 * tq + r;
-        if (i < dk && on) Sg[(hk_i64)i * dv + col] = sr[r];
+    for (int a = 0; a < 4; ++a) {
+        const int i = 4 * tg + a;
+#pragma unroll
+        for (int b = 0; b < 2; ++b)
+            if (i < dk && son[b]) Sg[(hk_i64)i * dv + cs[b]] = sr[a][b];
     }
 }
 

@@ -13,7 +13,8 @@ extern thread_local dim3 threadIdx;
 extern dim3 blockIdx, blockDim, gridDim;
 struct BlockSync;
 extern thread_local BlockSync* hk_sync;
-struct float4 { float x, y, z, w; };
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(8) float2 { float x, y; };
 struct uint4 { unsigned x, y, z, w; };
 static inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 #define __global__
