@@ -324,6 +324,9 @@ impl Verbs {
         VERBS.get_or_init(Verbs::load).as_ref().map_err(Clone::clone)
     }
 
+    // Each transmute's target is the field it initializes: the field's type is
+    // the entry point's C signature, written once, in the struct.
+    #[allow(clippy::missing_transmute_annotations)]
     fn load() -> Result<Verbs, String> {
         let name = std::ffi::CString::new(LIBRARY).map_err(|e| e.to_string())?;
         // SAFETY: dlopen with a valid C string; the handle is never closed, so

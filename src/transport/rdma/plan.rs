@@ -82,6 +82,8 @@ pub fn check_cover(chunks: &[MrChunk], len: u64) -> Result<(), String> {
 }
 
 /// The index of the chunk that holds byte `offset` (chunks cover the region in order).
+// Without the feature only the tests call it.
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
 fn chunk_at(chunks: &[MrChunk], offset: u64) -> Option<usize> {
     let i = chunks.partition_point(|c| c.end() <= offset);
     (i < chunks.len() && chunks[i].offset <= offset).then_some(i)
@@ -139,6 +141,7 @@ impl WorkRequest {
 /// runs that follow each other in one local chunk share an entry). The last
 /// work request carries `imm`; a batch that writes nothing is one 0-byte
 /// RDMA WRITE WITH IMMEDIATE, so that its completion still reaches the peer.
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
 pub(crate) fn work_requests(pieces: &[Piece], local: &[MrChunk], remote: &[MrChunk], limits: WrLimits, imm: u32) -> Result<Vec<WorkRequest>, PlanError> {
     if limits.max_sge == 0 {
         return Err(PlanError::BadLimit { what: "max_sge", value: 0 });

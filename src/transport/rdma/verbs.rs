@@ -35,6 +35,17 @@ fn verbs_err(call: &'static str, device: &str, code: i32) -> RdmaError {
     RdmaError::Verbs { call, device: device.to_string(), errno: code, message: std::io::Error::from_raw_os_error(code).to_string() }
 }
 
+/// Why `ibv_get_device_list` returned no list: ENOSYS is a kernel without
+/// its RDMA core (no /sys/class/infiniband_verbs), the usual case on a machine
+/// without an RDMA NIC.
+fn list_failed(code: i32) -> String {
+    if code == libc::ENOSYS {
+        "ibv_get_device_list lists none (this kernel has no RDMA core loaded: no /sys/class/infiniband_verbs)".into()
+    } else {
+        format!("ibv_get_device_list failed: {}", std::io::Error::from_raw_os_error(code))
+    }
+}
+
 /// The names of the devices `ibv_get_device_list` lists, or why there are none.
 pub fn device_names() -> Result<Vec<String>, RdmaError> {
     let verbs = Verbs::get().map_err(|reason| RdmaError::NoLibrary { library: ffi::LIBRARY, reason })?;
@@ -42,8 +53,7 @@ pub fn device_names() -> Result<Vec<String>, RdmaError> {
     // SAFETY: a valid out pointer; the list is freed below.
     let list = unsafe { (verbs.get_device_list)(&mut n) };
     if list.is_null() {
-        let code = errno();
-        return Err(RdmaError::NoDevice { detail: format!("ibv_get_device_list failed: {}", std::io::Error::from_raw_os_error(code)) });
+        return Err(RdmaError::NoDevice { detail: list_failed(errno()) });
     }
     // SAFETY: `list` holds `n` device pointers, valid until freed.
     let names = (0..n.max(0) as usize).map(|i| unsafe { verbs.device_name(*list.add(i)) }).collect();
@@ -61,8 +71,7 @@ impl Device {
         // SAFETY: as in device_names.
         let list = unsafe { (verbs.get_device_list)(&mut n) };
         if list.is_null() {
-            let code = errno();
-            return Err(RdmaError::NoDevice { detail: format!("ibv_get_device_list failed: {}", std::io::Error::from_raw_os_error(code)) });
+            return Err(RdmaError::NoDevice { detail: list_failed(errno()) });
         }
         // SAFETY: `list` holds `n` device pointers until freed.
         let devs: Vec<*mut ffi::ibv_device> = (0..n.max(0) as usize).map(|i| unsafe { *list.add(i) }).collect();
