@@ -206,7 +206,7 @@ enum BenchCommand {
     Transfer {
         #[arg(long)]
         config: String,
-        #[arg(long, value_parser = ["local", "shm", "tcp", "cuda-ipc"], default_value = "local")]
+        #[arg(long, value_parser = ["local", "shm", "tcp", "rdma", "cuda-ipc"], default_value = "local")]
         transport: String,
         /// The GPU of the cuda-ipc transport: cuda or cuda:N.
         #[arg(long, default_value = "cuda:0")]
@@ -384,7 +384,8 @@ fn run(cli: Cli) -> Result<()> {
                 Some("local") => Some(handoff_components::config::TransportKind::Local),
                 Some("shm") => Some(handoff_components::config::TransportKind::Shm),
                 Some("tcp") => Some(handoff_components::config::TransportKind::Tcp),
-                Some(other) => return Err(Refusal(format!("--transport {other}: verify moves bytes over local, shm or tcp")).into()),
+                Some("rdma") => Some(handoff_components::config::TransportKind::Rdma),
+                Some(other) => return Err(Refusal(format!("--transport {other}: verify moves bytes over local, shm, tcp or rdma")).into()),
             };
             if compute {
                 if prompt.is_empty() {
@@ -488,6 +489,7 @@ fn run(cli: Cli) -> Result<()> {
             let kind = match transport.as_str() {
                 "shm" => handoff_components::config::TransportKind::Shm,
                 "tcp" => handoff_components::config::TransportKind::Tcp,
+                "rdma" => handoff_components::config::TransportKind::Rdma,
                 _ => handoff_components::config::TransportKind::Local,
             };
             println!("{}", handoff::bench::transfer::bench_transfer_cmd(&config, kind, tokens, requests)?);

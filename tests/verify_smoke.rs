@@ -109,7 +109,25 @@ fn verify_fragmented_stages_scattered_blocks_and_says_so() {
         assert_eq!(code, 2, "{args:?}: {out}{err}");
         assert!(err.contains(want), "{args:?}: {err}");
     }
+    // rdma is a transport verify takes; here (no RDMA device, or a build
+    // without the feature) opening it is refused, naming what is missing.
     let (code, _, err) = handoff(&["verify", "--config", "config/small.toml", "--transport", "rdma"]);
     assert_eq!(code, 2);
-    assert!(err.contains("--transport rdma"), "{err}");
+    assert!(err.contains("rdma transport unavailable") && (err.contains("no RDMA device") || err.contains("built without the `rdma` feature")), "{err}");
+    let (code, _, err) = handoff(&["verify", "--config", "config/small.toml", "--transport", "ucx-nope"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--transport ucx-nope"), "{err}");
+}
+
+/// `bench transfer --transport rdma` on a machine without an RDMA device (or
+/// in a build without the `rdma` feature) exits 2 and says what is missing.
+#[test]
+fn bench_transfer_over_rdma_names_the_missing_device_or_feature() {
+    let (code, out, err) = handoff(&["bench", "transfer", "--config", "config/small.toml", "--transport", "rdma", "--tokens", "64"]);
+    if handoff::transport::rdma::devices().is_ok_and(|d| !d.is_empty()) {
+        assert_eq!(code, 0, "{out}{err}");
+        return;
+    }
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains("no RDMA device") || err.contains("built without the `rdma` feature"), "{err}");
 }

@@ -241,6 +241,9 @@ pub enum TransportKind {
     Shm,
     /// TCP streams, for hosts without RDMA.
     Tcp,
+    /// RDMA WRITE over ibverbs RC queue pairs (the `rdma` cargo feature), with
+    /// a tcp bootstrap for the queue pair and key exchange.
+    Rdma,
 }
 
 impl TransportKind {
@@ -249,7 +252,13 @@ impl TransportKind {
             TransportKind::Local => "local",
             TransportKind::Shm => "shm",
             TransportKind::Tcp => "tcp",
+            TransportKind::Rdma => "rdma",
         }
+    }
+    /// Whether the transport listens on a socket of its own that other hosts
+    /// reach (tcp; rdma's bootstrap), so its roles take a transport address.
+    pub const fn listens(self) -> bool {
+        matches!(self, TransportKind::Tcp | TransportKind::Rdma)
     }
     /// Whether the transport can take writes from several PP stages for one request.
     pub const fn serves_pp(self) -> bool {

@@ -9,8 +9,8 @@
 //!
 //! Backends: [`local`] (in-process, rayon), [`shm`] (shared memory between processes
 //! on one host), [`device`] (device memory between processes of one GPU, CUDA IPC),
-//! [`tcp`] (streams between hosts), [`rdma`] (stub unless built with the `rdma`
-//! feature). [`staging`] gathers strided batches into contiguous runs through
+//! [`tcp`] (streams between hosts), [`rdma`] (ibverbs RDMA WRITE over RC queue
+//! pairs, built with the `rdma` feature; not yet run on hardware). [`staging`] gathers strided batches into contiguous runs through
 //! a bounded pool, and [`bench`] measures transfers against this machine's memcpy.
 //!
 //! [`auth`] holds the cluster secret that every connection between the processes
@@ -91,6 +91,9 @@ pub enum PeerAddr {
     Shm { dir: PathBuf, prefix: String },
     /// A [`TcpTransport`] listening at `addr`.
     Tcp { addr: SocketAddr },
+    /// An [`rdma::RdmaTransport`] whose bootstrap (queue pair and key
+    /// exchange, notifications) listens at `addr`.
+    Rdma { addr: SocketAddr },
 }
 
 impl fmt::Display for PeerAddr {
@@ -99,6 +102,7 @@ impl fmt::Display for PeerAddr {
             PeerAddr::Local { instance } => write!(f, "local:{instance:x}"),
             PeerAddr::Shm { dir, prefix } => write!(f, "shm:{}/{prefix}", dir.display()),
             PeerAddr::Tcp { addr } => write!(f, "tcp:{addr}"),
+            PeerAddr::Rdma { addr } => write!(f, "rdma:{addr}"),
         }
     }
 }

@@ -7,8 +7,8 @@ use super::{LocalTransport, Result, ShmTransport, TcpOptions, TcpTransport, Tran
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-/// Builds a transport of the configured kind for this process. TCP listens on
-/// `tcp_bind` (loopback, any port, when `None`).
+/// Builds a transport of the configured kind for this process. TCP (and the
+/// rdma transport's bootstrap) listens on `tcp_bind` (loopback, any port, when `None`).
 pub fn open(kind: handoff_components::config::TransportKind, tcp_bind: Option<SocketAddr>) -> Result<Arc<dyn Transport>> {
     open_with(kind, tcp_bind, None, ClusterSecret::process())
 }
@@ -32,6 +32,14 @@ pub fn open_with(
                 opts.bind = bind;
             }
             Arc::new(TcpTransport::bind(opts)?)
+        }
+        TransportKind::Rdma => {
+            // The bootstrap listener takes the tcp transport's address flags.
+            let mut bootstrap = TcpOptions { secret, advertise: tcp_advertise, ..TcpOptions::default() };
+            if let Some(bind) = tcp_bind {
+                bootstrap.bind = bind;
+            }
+            Arc::new(super::rdma::RdmaTransport::open_with(super::rdma::RdmaOptions { bootstrap, ..Default::default() })?)
         }
     })
 }
