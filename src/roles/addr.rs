@@ -59,7 +59,7 @@ pub enum AddrError {
     NoAdvertise { role: ProcessRole, which: ListenerKind, from: String, bind: SocketAddr, flag: &'static str },
     #[error("{role} {which}: {from} {advertise} is not an address another host can connect to (it is unspecified)")]
     Unspecified { role: ProcessRole, which: ListenerKind, from: String, advertise: SocketAddr },
-    #[error("{role}: {from} {value:?} names a transport address, but transport.kind = {kind:?} does not listen on one (only \"tcp\" does)")]
+    #[error("{role}: {from} {value:?} names a transport address, but transport.kind = {kind:?} does not listen on one (only \"tcp\" and \"ucx\" do)")]
     NotTcp { role: ProcessRole, from: String, value: String, kind: &'static str },
     #[error(
         "{role} {which}: binds {bind} ({from}), beyond loopback, and no cluster secret was given: every host that can reach it must prove one. Set {file_env} to a file of mode 0600 holding 64 hex digits (or {env} to the digits), the same on every host, or bind 127.0.0.1"
@@ -248,7 +248,7 @@ pub fn resolve(topo: &Topology, role: ProcessRole, flags: &AddrFlags) -> Result<
         any,
     )?;
     let kind = topo.config.transport.kind;
-    let transport = if kind == TransportKind::Tcp {
+    let transport = if matches!(kind, TransportKind::Tcp | TransportKind::Ucx) {
         Some(listener(
             role,
             ListenerKind::Transport,
@@ -325,7 +325,7 @@ pub fn summary(topo: &Topology) -> Result<String, AddrError> {
             s += &format!("  {} {}: {}\n", r.role, ListenerKind::Transport, t.describe());
         }
     }
-    if topo.config.transport.kind != TransportKind::Tcp {
+    if !matches!(topo.config.transport.kind, TransportKind::Tcp | TransportKind::Ucx) {
         s += &format!("  transport {}: no listener (this host only)\n", topo.config.transport.kind.name());
     }
     s += &format!("  the roles register at {} (their default --proxy)\n", proxy_address(topo, None)?);
