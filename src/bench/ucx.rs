@@ -2,9 +2,13 @@
 //! transport, beside `ucx_perftest`'s put bandwidth at the same message size
 //! and beside the tcp transport, all measured in the same run.
 //!
-//! The message size given to `ucx_perftest` is the mean size of the puts the
-//! transport issued in the timed passes (the staged MLA runs, the KDA state's
-//! head ranges, conv rows ...), counted by the transport itself. `ucx_perftest`
+//! The puts of a hand-off differ in size (staged MLA runs of megabytes, KDA
+//! state head ranges, conv rows of a few kilobytes), so `ucx_perftest` runs at
+//! two sizes, both counted by the transport itself over the passes: the mean
+//! put (bytes over puts) and the byte-weighted mean (sum of len^2 over sum of
+//! len, the size of the put a typical byte travels in). `ucx_perftest` puts
+//! one buffer over and over, so at a size that fits the caches it measures
+//! cache bandwidth, while the hand-off streams its bytes from memory. `ucx_perftest`
 //! runs as two child processes on this host (server, then client on
 //! 127.0.0.1), with UCX's own `UCX_TLS` / `UCX_NET_DEVICES` set to the
 //! topology's `[transport.ucx]`, so it uses the lanes the bench used.
@@ -38,28 +42,45 @@ pub struct UcxTransferReport {
     pub tls: String,
     /// Puts and bytes of one pass, as the transport counted them.
     pub puts_per_pass: u64,
+    /// Bytes over puts.
     pub mean_put: u64,
+    /// Sum of len^2 over sum of len: the size of the put a typical byte travels in.
+    pub weighted_put: u64,
+    /// `ucx_perftest` at the mean put size.
     pub perftest: Result<Perftest, String>,
+    /// `ucx_perftest` at the byte-weighted put size.
+    pub perftest_weighted: Result<Perftest, String>,
     pub tcp: Result<TransferReport, String>,
 }
 
 impl UcxTransferReport {
-    /// The ucx transport's bandwidth over `ucx_perftest`'s at the same message size.
+    /// The ucx transport's bandwidth over `ucx_perftest`'s at the mean put size.
     pub fn ratio_to_perftest(&self) -> Option<f64> {
         self.perftest.as_ref().ok().map(|p| self.ucx.gb_per_s / p.gb_per_s.max(1e-9))
+    }
+
+    /// The same at the byte-weighted put size.
+    pub fn ratio_to_perftest_weighted(&self) -> Option<f64> {
+        self.perftest_weighted.as_ref().ok().map(|p| self.ucx.gb_per_s / p.gb_per_s.max(1e-9))
     }
 }
 
 impl fmt::Display for UcxTransferReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "{}", self.ucx)?;
-        writeln!(f, "ucx lanes (UCX_TLS): {}; {} puts per pass, mean {} B", self.tls, self.puts_per_pass, self.mean_put)?;
-        match &self.perftest {
-            Ok(p) => {
-                writeln!(f, "ucx_perftest -t ucp_put_bw -s {} -n {} (same run, same lanes): {:.2} GB/s", p.size, p.iterations, p.gb_per_s)?;
-                writeln!(f, "  {}", p.line)?;
+        writeln!(
+            f,
+            "ucx lanes (UCX_TLS): {}; {} puts per pass, mean {} B, byte-weighted mean {} B",
+            self.tls, self.puts_per_pass, self.mean_put, self.weighted_put
+        )?;
+        for (what, p) in [("mean put size", &self.perftest), ("byte-weighted put size", &self.perftest_weighted)] {
+            match p {
+                Ok(p) => {
+                    writeln!(f, "ucx_perftest -t ucp_put_bw -s {} -n {} ({what}; same run, same lanes): {:.2} GB/s", p.size, p.iterations, p.gb_per_s)?;
+                    writeln!(f, "  {}", p.line)?;
+                }
+                Err(e) => writeln!(f, "ucx_perftest at the {what}: not measured: {e}")?,
             }
-            Err(e) => writeln!(f, "ucx_perftest: not measured: {e}")?,
         }
         match &self.tcp {
             Ok(t) => writeln!(f, "tcp transport (same run, same plans): {:.2} GB/s, byte-exact: {}", t.gb_per_s, if t.verified.is_some() { "yes" } else { "not checked" })?,
@@ -68,10 +89,9 @@ impl fmt::Display for UcxTransferReport {
         if let Ok(t) = &self.tcp {
             writeln!(f, "ratio to tcp: {:.3}", self.ucx.gb_per_s / t.gb_per_s.max(1e-9))?;
         }
-        match self.ratio_to_perftest() {
-            Some(r) => write!(f, "ratio to ucx_perftest: {r:.3}"),
-            None => write!(f, "ratio to ucx_perftest: not measured"),
-        }
+        let show = |r: Option<f64>| r.map_or("not measured".to_string(), |r| format!("{r:.3}"));
+        writeln!(f, "ratio to ucx_perftest at the byte-weighted put size: {}", show(self.ratio_to_perftest_weighted()))?;
+        write!(f, "ratio to ucx_perftest at the mean put size: {}", show(self.ratio_to_perftest()))
     }
 }
 
@@ -87,14 +107,17 @@ pub fn bench_transfer_ucx(config_path: &str, tokens: u64, requests: u32, ucx: &U
     let before = producer.put_stats();
     let report = bench_transfer_on(config_path, &topo, producer.clone() as Arc<dyn Transport>, consumer.clone() as Arc<dyn Transport>, tokens, requests, o)?;
     let after = producer.put_stats();
+    let weighted_put = producer.weighted_put_size();
     drop((producer, consumer));
     let passes = (report.passes + report.warmup).max(1) as u64;
     let (puts, bytes) = (after.0 - before.0, after.1 - before.1);
     let puts_per_pass = puts / passes;
     let mean_put = bytes.checked_div(puts).unwrap_or(0);
-    let perftest = if mean_put == 0 { Err("no put was issued".to_string()) } else { ucx_perftest_put_bw(mean_put, &settings).map_err(|e| format!("{e:#}")) };
+    let perf = |size: u64| if size == 0 { Err("no put was issued".to_string()) } else { ucx_perftest_put_bw(size, &settings).map_err(|e| format!("{e:#}")) };
+    let (perftest, perftest_weighted) = (perf(mean_put), perf(weighted_put));
     let tcp = bench_transfer_with(config_path, TransportKind::Tcp, tokens, requests, o).map_err(|e| format!("{e:#}"));
-    Ok(UcxTransferReport { ucx: report, tls: settings.tls.clone().unwrap_or_else(|| "UCX's default".into()), puts_per_pass, mean_put, perftest, tcp })
+    let tls = settings.tls.clone().unwrap_or_else(|| "UCX's default".into());
+    Ok(UcxTransferReport { ucx: report, tls, puts_per_pass, mean_put, weighted_put, perftest, perftest_weighted, tcp })
 }
 
 /// `ucx_perftest -t ucp_put_bw -s SIZE` between a server and a client process on

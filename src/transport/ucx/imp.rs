@@ -66,6 +66,8 @@ struct Inner {
     endpoint: PeerAddr,
     puts: AtomicU64,
     put_bytes: AtomicU64,
+    /// Sum over puts of len * len / 1024: the byte-weighted mean put size.
+    put_weight: AtomicU64,
 }
 
 // SAFETY: the UCX handles are used under `state`'s lock (the worker was created
@@ -78,7 +80,7 @@ unsafe impl Sync for Inner {}
 /// The UCX transport. See the module docs.
 pub struct UcxTransport {
     inner: Arc<Inner>,
-    shm_only: bool,
+    peer_errors: bool,
     notices: TcpTransport,
     progress: Option<JoinHandle<()>>,
 }
@@ -173,6 +175,7 @@ impl UcxTransport {
             endpoint: PeerAddr::Ucx { worker: to_hex(&worker_addr), notify },
             puts: AtomicU64::new(0),
             put_bytes: AtomicU64::new(0),
+            put_weight: AtomicU64::new(0),
         });
         let runner = Arc::clone(&inner);
         let progress = std::thread::Builder::new()
@@ -180,13 +183,20 @@ impl UcxTransport {
             .spawn(move || progress_loop(&runner))
             .map_err(|e| TransportError::io("spawn ucx progress thread", e))?;
         tracing::debug!(endpoint = %inner.endpoint, worker_address_bytes = addr_len, tls = ?opts.ucx.tls, "ucx transport open");
-        Ok(UcxTransport { inner, shm_only: shm_only(opts.ucx.tls.as_deref()), notices, progress: Some(progress) })
+        Ok(UcxTransport { inner, peer_errors: peer_errors(opts.ucx.tls.as_deref()), notices, progress: Some(progress) })
     }
 
     /// Puts issued so far and their bytes: the message sizes UCX saw, for
     /// comparing with `ucx_perftest` at the same size.
     pub fn put_stats(&self) -> (u64, u64) {
         (self.inner.puts.load(Ordering::Relaxed), self.inner.put_bytes.load(Ordering::Relaxed))
+    }
+
+    /// The byte-weighted mean size of the puts so far (the size of the put
+    /// that carries a typical byte): sum of len^2 over sum of len.
+    pub fn weighted_put_size(&self) -> u64 {
+        let bytes = self.inner.put_bytes.load(Ordering::Relaxed).max(1) as u128;
+        (self.inner.put_weight.load(Ordering::Relaxed) as u128 * 1024 / bytes) as u64
     }
 
     fn wake(&self) {
@@ -209,10 +219,14 @@ unsafe extern "C" fn peer_failed(_arg: *mut c_void, _ep: sys::Ep, status: sys::S
     tracing::warn!(status, "ucx: a peer's endpoint failed");
 }
 
-/// Whether `tls` names only UCX's shared-memory transports, which have no
-/// peer failure handling (endpoints there are made without it).
-fn shm_only(tls: Option<&str>) -> bool {
-    tls.is_some_and(|t| t.split(',').all(|x| matches!(x.trim().trim_start_matches('^'), "sm" | "shm" | "posix" | "sysv" | "cma" | "knem" | "xpmem" | "mm" | "self")))
+/// Whether endpoints ask for peer failure handling: only where `tls` names
+/// network lanes alone. UCX's shared-memory lanes have none, and asking for it
+/// where they are allowed (UCX's default, `sm`) would make UCX pick its tcp
+/// lanes even between processes of one host.
+fn peer_errors(tls: Option<&str>) -> bool {
+    tls.is_some_and(|t| {
+        !t.split(',').any(|x| matches!(x.trim().trim_start_matches('^'), "all" | "sm" | "shm" | "posix" | "sysv" | "cma" | "knem" | "xpmem" | "mm" | "self"))
+    })
 }
 
 /// Whether any two pieces' destinations overlap.
@@ -423,12 +437,11 @@ impl Transport for UcxTransport {
         let ep = match st.eps.get(&address) {
             Some(&ep) => ep,
             None => {
-                // Peer error handling where UCX's lanes offer it (tcp: a dead peer
-                // fails a batch); UCX's shared-memory lanes have no peer failure
-                // handler, so there the endpoint is made without it.
+                // Peer error handling on network lanes (a dead peer fails a
+                // batch), see `peer_errors`.
                 let mut made = Err(0);
                 let peer_mode = (sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER, sys::UCP_ERR_HANDLING_MODE_PEER);
-                let modes: &[(u64, i32)] = if self.shm_only { &[(0, 0)] } else { &[peer_mode, (0, 0)] };
+                let modes: &[(u64, i32)] = if self.peer_errors { &[peer_mode, (0, 0)] } else { &[(0, 0)] };
                 for &(mask, mode) in modes {
                     let params = sys::EpParams {
                         field_mask: sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | mask,
@@ -494,7 +507,7 @@ impl Transport for UcxTransport {
         let (ep, rkey, base, peer) = (a.ep, a.rkey, a.addr, a.peer.clone());
         let batch = self.inner.completions.begin();
         let param = sys::RequestParam::none();
-        let (mut n, mut bytes) = (0u64, 0u64);
+        let (mut n, mut bytes, mut weight) = (0u64, 0u64, 0u64);
         let _g = read(&s.lock);
         let pieces = pieces(descriptors);
         // UCX orders no two puts; a batch whose destinations overlap must still
@@ -521,9 +534,11 @@ impl Transport for UcxTransport {
             }
             n += 1;
             bytes += p.len;
+            weight += p.len.saturating_mul(p.len) / 1024;
         }
         self.inner.puts.fetch_add(n, Ordering::Relaxed);
         self.inner.put_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.inner.put_weight.fetch_add(weight, Ordering::Relaxed);
         // SAFETY: a live endpoint, under the lock.
         let r = unsafe { (lib.ep_flush_nbx)(ep, &param) };
         match StatusPtr::from_raw(r) {

@@ -91,6 +91,11 @@ mod stub {
         pub fn put_stats(&self) -> (u64, u64) {
             (0, 0)
         }
+
+        /// The byte-weighted mean put size (none: never constructed).
+        pub fn weighted_put_size(&self) -> u64 {
+            0
+        }
     }
 
     impl Transport for UcxTransport {
