@@ -183,6 +183,9 @@ fn write(dir: &Path, name: &str, text: &str, mode: u32) -> PathBuf {
     p
 }
 
+/// One answer of the load: when, status, token ids, body.
+type Answer = (Instant, u16, Option<Vec<u8>>, String);
+
 /// The whole check for one `[transport]` section.
 fn cluster_across_namespaces(tag: &str, transport: &str) {
     let _serial = serial();
@@ -231,7 +234,7 @@ fn cluster_across_namespaces(tag: &str, transport: &str) {
     // A stage SIGKILLed in its namespace under a steady load, then started again
     // there after a supervisor's backoff.
     let stop = Arc::new(AtomicBool::new(false));
-    let answers: Arc<Mutex<Vec<(Instant, u16, Option<Vec<u8>>, String)>>> = Arc::default();
+    let answers: Arc<Mutex<Vec<Answer>>> = Arc::default();
     let load = {
         let (stop, answers, ns) = (stop.clone(), answers.clone(), proxy_ns.clone());
         std::thread::spawn(move || {

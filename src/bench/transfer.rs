@@ -15,7 +15,6 @@ use crate::engine::mover::{MoverOptions, StagingMode, TransportMover};
 use crate::engine::{Engine, QueueMover};
 use crate::transport::bench::memcpy_bandwidth;
 use crate::transport::{Transport, TransportExt, loopback_pair_config};
-use std::sync::Arc;
 use anyhow::{Context, anyhow, bail};
 use handoff_components::Topology;
 use handoff_components::config::TransportKind;
@@ -26,6 +25,7 @@ use handoff_systems::placement::Capacity;
 use handoff_systems::transfer::{Mover, PlanCompletion, Ticket};
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Knobs of the transfer bench beyond the command's arguments.

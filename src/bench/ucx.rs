@@ -83,7 +83,12 @@ impl fmt::Display for UcxTransferReport {
             }
         }
         match &self.tcp {
-            Ok(t) => writeln!(f, "tcp transport (same run, same plans): {:.2} GB/s, byte-exact: {}", t.gb_per_s, if t.verified.is_some() { "yes" } else { "not checked" })?,
+            Ok(t) => writeln!(
+                f,
+                "tcp transport (same run, same plans): {:.2} GB/s, byte-exact: {}",
+                t.gb_per_s,
+                if t.verified.is_some() { "yes" } else { "not checked" }
+            )?,
             Err(e) => writeln!(f, "tcp transport: not measured: {e}")?,
         }
         if let Ok(t) = &self.tcp {
@@ -137,7 +142,8 @@ pub fn ucx_perftest_put_bw(size: u64, ucx: &UcxConfig) -> anyhow::Result<Perftes
         c
     };
     let mut server = command(&[]).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().context("starting ucx_perftest (Debian: apt-get install ucx-utils)")?;
-    let client_args: Vec<String> = ["127.0.0.1", "-t", "ucp_put_bw", "-s", &size.to_string(), "-n", &iterations.to_string()].iter().map(|s| s.to_string()).collect();
+    let client_args: Vec<String> =
+        ["127.0.0.1", "-t", "ucp_put_bw", "-s", &size.to_string(), "-n", &iterations.to_string()].iter().map(|s| s.to_string()).collect();
     // The server listens once it started; retry the client until it connects.
     let deadline = Instant::now() + Duration::from_secs(10);
     let out = loop {

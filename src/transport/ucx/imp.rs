@@ -367,7 +367,12 @@ impl Transport for UcxTransport {
         if st != sys::UCS_OK {
             return Err(failed(format!("ucp_mem_map of {len} B"), lib, st));
         }
-        let mut attr = sys::MemAttr { field_mask: sys::UCP_MEM_ATTR_FIELD_ADDRESS | sys::UCP_MEM_ATTR_FIELD_LENGTH, address: std::ptr::null_mut(), length: 0, mem_type: 0 };
+        let mut attr = sys::MemAttr {
+            field_mask: sys::UCP_MEM_ATTR_FIELD_ADDRESS | sys::UCP_MEM_ATTR_FIELD_LENGTH,
+            address: std::ptr::null_mut(),
+            length: 0,
+            mem_type: 0,
+        };
         // SAFETY: a handle just mapped.
         let st = unsafe { (lib.mem_query)(memh, &mut attr) };
         if st != sys::UCS_OK || attr.address.is_null() || attr.length < bytes {
@@ -396,16 +401,7 @@ impl Transport for UcxTransport {
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let region = Arc::new(Region { len, ptr, memh, lock: RwLock::new(()) });
         write(&self.inner.regions).insert(id, region);
-        Ok(RegionHandle {
-            peer: self.endpoint(),
-            id,
-            rank,
-            kind,
-            len,
-            memory,
-            ipc: None,
-            remote_key: Some(RemoteKey { addr: ptr as u64, rkey }),
-        })
+        Ok(RegionHandle { peer: self.endpoint(), id, rank, kind, len, memory, ipc: None, remote_key: Some(RemoteKey { addr: ptr as u64, rkey }) })
     }
 
     fn unregister(&self, handle: &RegionHandle) -> Result<()> {
@@ -459,7 +455,8 @@ impl Transport for UcxTransport {
                         break;
                     }
                 }
-                let ep = made.map_err(|s| TransportError::Disconnected { peer: handle.peer.to_string(), reason: format!("ucp_ep_create: {}", lib.describe(s)) })?;
+                let ep =
+                    made.map_err(|s| TransportError::Disconnected { peer: handle.peer.to_string(), reason: format!("ucp_ep_create: {}", lib.describe(s)) })?;
                 st.eps.insert(address, ep);
                 ep
             }

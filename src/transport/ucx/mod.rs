@@ -152,7 +152,7 @@ pub fn to_hex(bytes: &[u8]) -> String {
 /// Bytes of hex; `None` for an odd length or a non-hex digit (a peer's word).
 pub fn from_hex(s: &str) -> Option<Vec<u8>> {
     let b = s.as_bytes();
-    if b.len() % 2 != 0 {
+    if !b.len().is_multiple_of(2) {
         return None;
     }
     let digit = |c: u8| (c as char).to_digit(16).map(|d| d as u8);

@@ -187,6 +187,8 @@ pub fn lib() -> Result<&'static Lib, String> {
     LIB.get_or_init(load).as_ref().map_err(Clone::clone)
 }
 
+// Each symbol's type is the field's it is assigned to, spelled once there.
+#[allow(clippy::missing_transmute_annotations)]
 fn load() -> Result<Lib, String> {
     let name = CString::new(LIBRARY).map_err(|e| e.to_string())?;
     // SAFETY: dlopen with a valid C string; the handle is kept for the process's life.
