@@ -206,8 +206,15 @@ enum BenchCommand {
     Transfer {
         #[arg(long)]
         config: String,
-        #[arg(long, value_parser = ["local", "shm", "tcp", "rdma", "cuda-ipc"], default_value = "local")]
+        #[arg(long, value_parser = ["local", "shm", "tcp", "rdma", "ucx", "cuda-ipc"], default_value = "local")]
         transport: String,
+        /// UCX's transports for `--transport ucx` (UCX's TLS: tcp, sm, ...),
+        /// overriding the topology's `[transport.ucx] tls`.
+        #[arg(long)]
+        ucx_tls: Option<String>,
+        /// UCX's network devices for `--transport ucx`, overriding `[transport.ucx] net_devices`.
+        #[arg(long)]
+        ucx_net_devices: Option<String>,
         /// The GPU of the cuda-ipc transport: cuda or cuda:N.
         #[arg(long, default_value = "cuda:0")]
         device: String,
@@ -475,7 +482,7 @@ fn run(cli: Cli) -> Result<()> {
             println!("checked in {:.2} s", t.elapsed().as_secs_f64());
         }
         Command::Bench { what: BenchCommand::TransferConsumer } => handoff::bench::ipc::transfer_consumer()?,
-        Command::Bench { what: BenchCommand::Transfer { config, transport, tokens, requests, device } } if transport == "cuda-ipc" => {
+        Command::Bench { what: BenchCommand::Transfer { config, transport, tokens, requests, device, .. } } if transport == "cuda-ipc" => {
             load(&config)?;
             let dev = handoff_components::config::DeviceConfig::parse(&device).map_err(|e| Refusal(format!("--device: {e}")))?;
             if dev.kind != handoff_components::config::DeviceKind::Cuda {
@@ -483,6 +490,12 @@ fn run(cli: Cli) -> Result<()> {
             }
             let o = handoff::bench::transfer::BenchCmdOptions::default();
             println!("{}", handoff::bench::ipc::bench_transfer_ipc(&config, dev.ordinal, tokens, requests, &o)?);
+        }
+        Command::Bench { what: BenchCommand::Transfer { config, transport, tokens, requests, ucx_tls, ucx_net_devices, .. } } if transport == "ucx" => {
+            load(&config)?;
+            let ucx = handoff_components::config::UcxConfig { tls: ucx_tls, net_devices: ucx_net_devices };
+            let o = handoff::bench::transfer::BenchCmdOptions::default();
+            println!("{}", handoff::bench::ucx::bench_transfer_ucx(&config, tokens, requests, &ucx, &o)?);
         }
         Command::Bench { what: BenchCommand::Transfer { config, transport, tokens, requests, .. } } => {
             load(&config)?;

@@ -422,7 +422,16 @@ fn a_tcp_endpoint_without_the_secret_is_refused_by_the_connector() {
         rest
     });
     let producer = TcpTransport::loopback().expect("tcp");
-    let handle = RegionHandle { peer: PeerAddr::Tcp { addr }, id: 1, rank: rank(), kind: RegionKind::MlaKv, len: 4096, memory: MemoryKind::Host, ipc: None };
+    let handle = RegionHandle {
+        peer: PeerAddr::Tcp { addr },
+        id: 1,
+        rank: rank(),
+        kind: RegionKind::MlaKv,
+        len: 4096,
+        memory: MemoryKind::Host,
+        ipc: None,
+        remote_key: None,
+    };
     let err = producer.attach(&handle).map(drop).expect_err("an endpoint without the secret is refused");
     assert!(matches!(&err, TransportError::Refused { reason, .. } if reason.contains("WELCOME does not prove")), "{err}");
     drop(producer);
@@ -464,7 +473,16 @@ fn an_altered_tcp_ack_is_refused_by_the_producer() {
     });
     let producer = TcpTransport::loopback().expect("tcp");
     let src = producer.register(producer_rank(), RegionKind::MlaKv, 4096).expect("src");
-    let handle = RegionHandle { peer: PeerAddr::Tcp { addr }, id: 1, rank: rank(), kind: RegionKind::MlaKv, len: 4096, memory: MemoryKind::Host, ipc: None };
+    let handle = RegionHandle {
+        peer: PeerAddr::Tcp { addr },
+        id: 1,
+        rank: rank(),
+        kind: RegionKind::MlaKv,
+        len: 4096,
+        memory: MemoryKind::Host,
+        ipc: None,
+        remote_key: None,
+    };
     let r = producer.attach(&handle).expect("the endpoint proved the secret");
     let err = producer.transfer(&src, r, &[Descriptor::copy(RegionKind::MlaKv, 0, 0, 4096)], T).expect_err("an altered ACK completes nothing");
     assert!(err.to_string().contains("message 0 from the acceptor does not carry its MAC"), "{err}");

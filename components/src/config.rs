@@ -244,6 +244,9 @@ pub enum TransportKind {
     /// RDMA WRITE over ibverbs RC queue pairs (the `rdma` cargo feature), with
     /// a tcp bootstrap for the queue pair and key exchange.
     Rdma,
+    /// UCX one-sided puts (the `ucx` cargo feature; `[transport.ucx]` picks
+    /// UCX's own transports).
+    Ucx,
 }
 
 impl TransportKind {
@@ -253,12 +256,14 @@ impl TransportKind {
             TransportKind::Shm => "shm",
             TransportKind::Tcp => "tcp",
             TransportKind::Rdma => "rdma",
+            TransportKind::Ucx => "ucx",
         }
     }
     /// Whether the transport listens on a socket of its own that other hosts
-    /// reach (tcp; rdma's bootstrap), so its roles take a transport address.
+    /// reach (tcp; ucx for its notices; rdma for its bootstrap), so its roles take a
+    /// transport address.
     pub const fn listens(self) -> bool {
-        matches!(self, TransportKind::Tcp | TransportKind::Rdma)
+        matches!(self, TransportKind::Tcp | TransportKind::Ucx | TransportKind::Rdma)
     }
     /// Whether the transport can take writes from several PP stages for one request.
     pub const fn serves_pp(self) -> bool {
@@ -279,6 +284,23 @@ pub struct TransportConfig {
     pub staging_buffers: u32,
     #[serde(default = "default_staging_bytes")]
     pub staging_bytes: u64,
+    /// UCX's settings, for `kind = "ucx"`.
+    #[serde(default)]
+    pub ucx: UcxConfig,
+}
+
+/// `[transport.ucx]`: which of UCX's own transports carry the puts, applied to
+/// the UCX context with `ucp_config_modify` (UCX's `TLS` and `NET_DEVICES`
+/// settings). Unset, UCX picks (on one host: shared memory).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UcxConfig {
+    /// UCX transports, as UCX names them: `"tcp"`, `"sm"`, `"posix,cma"`, `"rc,sm"` ...
+    #[serde(default)]
+    pub tls: Option<String>,
+    /// Network devices UCX may use: `"eth0"`, `"mlx5_0:1"`, `"all"`.
+    #[serde(default)]
+    pub net_devices: Option<String>,
 }
 
 fn default_max_batch() -> u32 {
@@ -298,6 +320,7 @@ impl Default for TransportConfig {
             max_batch: default_max_batch(),
             staging_buffers: default_staging_buffers(),
             staging_bytes: default_staging_bytes(),
+            ucx: UcxConfig::default(),
         }
     }
 }

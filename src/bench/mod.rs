@@ -17,6 +17,7 @@ pub mod serve;
 pub mod simulate;
 pub mod soak;
 pub mod transfer;
+pub mod ucx;
 
 pub use serve::bench_serve;
 pub use soak::{SoakOptions, bench_soak};

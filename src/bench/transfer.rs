@@ -14,7 +14,7 @@ use crate::check::oracle::{self, OracleRequest, Placement};
 use crate::engine::mover::{MoverOptions, StagingMode, TransportMover};
 use crate::engine::{Engine, QueueMover};
 use crate::transport::bench::memcpy_bandwidth;
-use crate::transport::{TransportExt, loopback_pair};
+use crate::transport::{Transport, TransportExt, loopback_pair_config};
 use anyhow::{Context, anyhow, bail};
 use handoff_components::Topology;
 use handoff_components::config::TransportKind;
@@ -25,6 +25,7 @@ use handoff_systems::placement::Capacity;
 use handoff_systems::transfer::{Mover, PlanCompletion, Ticket};
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Knobs of the transfer bench beyond the command's arguments.
@@ -132,15 +133,29 @@ pub fn bench_transfer_cmd(config_path: &str, kind: TransportKind, tokens: u64, r
 /// [`bench_transfer_cmd`] with explicit options.
 pub fn bench_transfer_with(config_path: &str, kind: TransportKind, tokens: u64, requests: u32, o: &BenchCmdOptions) -> anyhow::Result<TransferReport> {
     let topo = Topology::load(config_path).with_context(|| format!("loading {config_path}"))?;
+    let config = handoff_components::config::TransportConfig { kind, ..topo.config.transport.clone() };
+    let (producer, consumer) = loopback_pair_config(&config).context("opening the transports")?;
+    bench_transfer_on(config_path, &topo, producer, consumer, tokens, requests, o)
+}
+
+/// The transfer bench between two given transports of this process (the
+/// producer first), for a loaded topology.
+pub fn bench_transfer_on(
+    config_path: &str,
+    topo: &Topology,
+    producer: Arc<dyn Transport>,
+    consumer: Arc<dyn Transport>,
+    tokens: u64,
+    requests: u32,
+    o: &BenchCmdOptions,
+) -> anyhow::Result<TransferReport> {
+    let topo = topo.clone();
     if requests == 0 || tokens == 0 {
         bail!("the bench needs at least one request of at least one token");
     }
     topo.admits_transfer_mode().map_err(|r| anyhow!("refused at admission: {r}"))?;
 
     let (mut engine, jobs, ids) = planned(&topo, tokens, requests)?;
-
-    // Regions, in the producer and the consumer transport.
-    let (producer, consumer) = loopback_pair(kind).context("opening the transports")?;
     let mover_opts =
         MoverOptions { staging: o.staging, workers: o.workers.max(1), batch_timeout: Duration::from_secs(120), ..MoverOptions::from_topology(&topo) };
     let mut mover = TransportMover::new(producer.clone(), mover_opts)?;
@@ -218,7 +233,7 @@ pub fn bench_transfer_with(config_path: &str, kind: TransportKind, tokens: u64, 
         config_path: config_path.to_string(),
         model: topo.model().name.clone(),
         shape: (p.pp, p.tp, d.tp, d.dcp),
-        transport: kind.name(),
+        transport: producer.name(),
         requests,
         tokens,
         plans: jobs.len(),

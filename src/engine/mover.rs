@@ -306,7 +306,7 @@ impl Mover for TransportMover {
 /// regions are device memory, reached from the host only by copying a whole region
 /// out and back; rdma is a stub.
 fn runs_staged(transport: &str) -> bool {
-    matches!(transport, "local" | "shm" | "tcp")
+    matches!(transport, "local" | "shm" | "tcp" | "ucx")
 }
 
 /// Plans one worker takes at once from the queue when the transport queues

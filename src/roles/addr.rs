@@ -59,7 +59,7 @@ pub enum AddrError {
     #[error("{role} {which}: {from} {advertise} is not an address another host can connect to (it is unspecified)")]
     Unspecified { role: ProcessRole, which: ListenerKind, from: String, advertise: SocketAddr },
     #[error(
-        "{role}: {from} {value:?} names a transport address, but transport.kind = {kind:?} does not listen on one (only \"tcp\" and \"rdma\", for its bootstrap, do)"
+        "{role}: {from} {value:?} names a transport address, but transport.kind = {kind:?} does not listen on one (only \"tcp\", \"ucx\" and \"rdma\", for its bootstrap, do)"
     )]
     NotTcp { role: ProcessRole, from: String, value: String, kind: &'static str },
     #[error(

@@ -59,9 +59,9 @@ pub(crate) fn open_transport(topo: &Topology, secret: &ClusterSecret, tcp: Optio
     if dev.kind != DeviceKind::Cpu {
         tracing::info!(transport = kind.name(), "regions in host memory: this transport moves host memory");
     }
-    let transport = crate::transport::open_with(kind, tcp.map(|l| l.bind), tcp.and_then(|l| l.advertise), secret.clone())?;
+    let transport = crate::transport::open_config(&topo.config.transport, tcp.map(|l| l.bind), tcp.and_then(|l| l.advertise), secret.clone())?;
     if let Some(l) = tcp {
-        tracing::info!(bind = %l.bind, endpoint = %transport.endpoint(), "tcp transport listening");
+        tracing::info!(bind = %l.bind, endpoint = %transport.endpoint(), transport = kind.name(), "transport listening");
     }
     Ok(RoleTransport { transport, memory: MemoryKind::Host })
 }

@@ -295,7 +295,7 @@ impl Transport for DeviceTransport {
         let id = self.next_id();
         write(&self.regions).insert(id, Local { addr, len, kind });
         let ipc = IpcHandle { pid: std::process::id(), addr, handle: hex(&bytes) };
-        Ok(RegionHandle { peer: self.endpoint(), id, rank, kind, len, memory, ipc: Some(ipc) })
+        Ok(RegionHandle { peer: self.endpoint(), id, rank, kind, len, memory, ipc: Some(ipc), remote_key: None })
     }
 
     fn unregister(&self, handle: &RegionHandle) -> Result<()> {

@@ -73,7 +73,7 @@ impl Transport for LocalTransport {
         let bytes = vec![0u8; usize_len(len)?];
         let id = self.core.next_id();
         self.core.insert(id, HostRegion::new(kind, len, Mem::Heap(bytes)));
-        Ok(RegionHandle { peer: self.endpoint(), id, rank, kind, len, memory, ipc: None })
+        Ok(RegionHandle { peer: self.endpoint(), id, rank, kind, len, memory, ipc: None, remote_key: None })
     }
 
     fn unregister(&self, handle: &RegionHandle) -> Result<()> {

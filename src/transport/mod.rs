@@ -9,8 +9,9 @@
 //!
 //! Backends: [`local`] (in-process, rayon), [`shm`] (shared memory between processes
 //! on one host), [`device`] (device memory between processes of one GPU, CUDA IPC),
-//! [`tcp`] (streams between hosts), [`rdma`] (ibverbs RDMA WRITE over RC queue
-//! pairs, built with the `rdma` feature; not yet run on hardware). [`staging`] gathers strided batches into contiguous runs through
+//! [`tcp`] (streams between hosts), [`ucx`] (UCX one-sided puts, between hosts
+//! or on one; built with the `ucx` feature), [`rdma`] (ibverbs RDMA WRITE over RC
+//! queue pairs, built with the `rdma` feature; not yet run on hardware). [`staging`] gathers strided batches into contiguous runs through
 //! a bounded pool, and [`bench`] measures transfers against this machine's memcpy.
 //!
 //! [`auth`] holds the cluster secret that every connection between the processes
@@ -32,6 +33,7 @@ pub mod rdma;
 pub mod shm;
 pub mod staging;
 pub mod tcp;
+pub mod ucx;
 
 use handoff_components::plan::Descriptor;
 use handoff_components::vocab::{RankId, RegionKind};
@@ -44,9 +46,10 @@ use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 pub use local::LocalTransport;
-pub use open::{loopback_pair, open, open_with};
+pub use open::{loopback_pair, loopback_pair_config, open, open_config, open_with};
 pub use shm::ShmTransport;
 pub use tcp::{TcpOptions, TcpTransport};
+pub use ucx::{UcxOptions, UcxTransport};
 
 /// Where a region's bytes live: host memory (local, shm, tcp), or the memory of
 /// GPU `ordinal` ([`device::DeviceTransport`]).
@@ -94,6 +97,9 @@ pub enum PeerAddr {
     /// An [`rdma::RdmaTransport`] whose bootstrap (queue pair and key
     /// exchange, notifications) listens at `addr`.
     Rdma { addr: SocketAddr },
+    /// A [`ucx::UcxTransport`]: its UCX worker's address (hex, what
+    /// `ucp_worker_get_address` packs) and where its notifications go (tcp).
+    Ucx { worker: String, notify: SocketAddr },
 }
 
 impl fmt::Display for PeerAddr {
@@ -103,6 +109,7 @@ impl fmt::Display for PeerAddr {
             PeerAddr::Shm { dir, prefix } => write!(f, "shm:{}/{prefix}", dir.display()),
             PeerAddr::Tcp { addr } => write!(f, "tcp:{addr}"),
             PeerAddr::Rdma { addr } => write!(f, "rdma:{addr}"),
+            PeerAddr::Ucx { notify, worker } => write!(f, "ucx:{notify}/{}", &worker[..worker.len().min(16)]),
         }
     }
 }
@@ -124,6 +131,18 @@ pub struct RegionHandle {
     /// Set for device regions: what a producer in another process opens.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ipc: Option<IpcHandle>,
+    /// Set for ucx regions: where the region lies and its packed remote key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_key: Option<RemoteKey>,
+}
+
+/// A UCX region as a peer puts into it: its address in the owning process and
+/// the remote key `ucp_rkey_pack` made for it (hex). It travels only inside
+/// region handles, that is over the roles' authenticated links.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RemoteKey {
+    pub addr: u64,
+    pub rkey: String,
 }
 
 impl fmt::Display for RegionHandle {
@@ -259,7 +278,7 @@ pub type Result<T, E = TransportError> = std::result::Result<T, E>;
 /// become visible once the peer's batch completed and its notification arrived; the
 /// engine must not read a region while writes into it may be in flight.
 pub trait Transport: Send + Sync {
-    /// `"local"`, `"shm"`, `"tcp"`, `"rdma"`.
+    /// `"local"`, `"shm"`, `"tcp"`, `"ucx"`, `"rdma"`.
     fn name(&self) -> &'static str;
 
     /// Where peers reach this transport (for notifications).

@@ -3,6 +3,7 @@
 //! they all import from.
 
 use super::auth::ClusterSecret;
+use super::ucx::{UcxOptions, UcxTransport};
 use super::{LocalTransport, Result, ShmTransport, TcpOptions, TcpTransport, Transport, shm};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -22,8 +23,28 @@ pub fn open_with(
     tcp_advertise: Option<SocketAddr>,
     secret: ClusterSecret,
 ) -> Result<Arc<dyn Transport>> {
+    let config = handoff_components::config::TransportConfig { kind, ..Default::default() };
+    open_config(&config, tcp_bind, tcp_advertise, secret)
+}
+
+/// [`open_with`] for a topology's whole `[transport]` section: its kind and, for
+/// ucx, its `[transport.ucx]` settings. A ucx transport's notice listener binds
+/// and advertises as a tcp transport's listener does.
+pub fn open_config(
+    config: &handoff_components::config::TransportConfig,
+    tcp_bind: Option<SocketAddr>,
+    tcp_advertise: Option<SocketAddr>,
+    secret: ClusterSecret,
+) -> Result<Arc<dyn Transport>> {
     use handoff_components::config::TransportKind;
-    Ok(match kind {
+    Ok(match config.kind {
+        TransportKind::Ucx => {
+            let mut notify = TcpOptions { secret, advertise: tcp_advertise, ..TcpOptions::default() };
+            if let Some(bind) = tcp_bind {
+                notify.bind = bind;
+            }
+            Arc::new(UcxTransport::open(UcxOptions { ucx: config.ucx.clone(), notify })?)
+        }
         TransportKind::Local => Arc::new(LocalTransport::new()),
         TransportKind::Shm => Arc::new(ShmTransport::with_secret(shm::default_dir(), secret)?),
         TransportKind::Tcp => {
@@ -49,4 +70,10 @@ pub fn open_with(
 /// benchmarks and tests.
 pub fn loopback_pair(kind: handoff_components::config::TransportKind) -> Result<(Arc<dyn Transport>, Arc<dyn Transport>)> {
     Ok((open(kind, None)?, open(kind, None)?))
+}
+
+/// [`loopback_pair`] for a whole `[transport]` section (ucx: its UCX settings).
+pub fn loopback_pair_config(config: &handoff_components::config::TransportConfig) -> Result<(Arc<dyn Transport>, Arc<dyn Transport>)> {
+    let secret = ClusterSecret::process();
+    Ok((open_config(config, None, None, secret.clone())?, open_config(config, None, None, secret)?))
 }

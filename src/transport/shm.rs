@@ -201,7 +201,7 @@ impl Transport for ShmTransport {
             }
         };
         self.core.insert(id, HostRegion::new(kind, len, mem));
-        Ok(RegionHandle { peer: self.endpoint(), id, rank, kind, len, memory, ipc: None })
+        Ok(RegionHandle { peer: self.endpoint(), id, rank, kind, len, memory, ipc: None, remote_key: None })
     }
 
     fn unregister(&self, handle: &RegionHandle) -> Result<()> {

@@ -30,6 +30,7 @@ pub fn valid_lines() -> Vec<(&'static str, Vec<u8>)> {
         len: 4096,
         memory: MemoryKind::Host,
         ipc: None,
+        remote_key: None,
     };
     let admitted = Admitted { id: 5, nonce: 9, consumers: vec![consumer], handles: vec![handle], endpoint };
     let sampling = Some(Sampling { temperature: 0.7, top_p: 0.9, seed: u64::MAX, choice: 3 });

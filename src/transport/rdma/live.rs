@@ -464,7 +464,7 @@ impl Transport for RdmaTransport {
         }
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         write(&self.inner.regions).insert(id, Arc::new(Region { _mrs: mrs, lkeys, rkeys, kind, len, mem: RwLock::new(mem) }));
-        Ok(RegionHandle { peer: self.endpoint(), id, rank, kind, len, memory, ipc: None })
+        Ok(RegionHandle { peer: self.endpoint(), id, rank, kind, len, memory, ipc: None, remote_key: None })
     }
 
     fn unregister(&self, handle: &RegionHandle) -> Result<()> {

@@ -741,7 +741,7 @@ impl Transport for TcpTransport {
         let bytes = vec![0u8; usize_len(len)?];
         let id = self.inner.core.next_id();
         self.inner.core.insert(id, HostRegion::new(kind, len, Mem::Heap(bytes)));
-        Ok(RegionHandle { peer: self.endpoint(), id, rank, kind, len, memory, ipc: None })
+        Ok(RegionHandle { peer: self.endpoint(), id, rank, kind, len, memory, ipc: None, remote_key: None })
     }
 
     fn unregister(&self, handle: &RegionHandle) -> Result<()> {

@@ -1,0 +1,182 @@
+//! `handoff bench transfer --transport ucx`: the engine's plans through the ucx
+//! transport, beside `ucx_perftest`'s put bandwidth at the same message size
+//! and beside the tcp transport, all measured in the same run.
+//!
+//! The puts of a hand-off differ in size (staged MLA runs of megabytes, KDA
+//! state head ranges, conv rows of a few kilobytes), so `ucx_perftest` runs at
+//! two sizes, both counted by the transport itself over the passes: the mean
+//! put (bytes over puts) and the byte-weighted mean (sum of len^2 over sum of
+//! len, the size of the put a typical byte travels in). `ucx_perftest` puts
+//! one buffer over and over, so at a size that fits the caches it measures
+//! cache bandwidth, while the hand-off streams its bytes from memory. `ucx_perftest`
+//! runs as two child processes on this host (server, then client on
+//! 127.0.0.1), with UCX's own `UCX_TLS` / `UCX_NET_DEVICES` set to the
+//! topology's `[transport.ucx]`, so it uses the lanes the bench used.
+
+use super::transfer::{BenchCmdOptions, TransferReport, bench_transfer_on, bench_transfer_with};
+use crate::transport::auth::ClusterSecret;
+use crate::transport::{TcpOptions, Transport, UcxOptions, UcxTransport};
+use anyhow::{Context, anyhow, bail};
+use handoff_components::Topology;
+use handoff_components::config::{TransportKind, UcxConfig};
+use std::fmt;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// `ucx_perftest -t ucp_put_bw` at one message size.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Perftest {
+    pub size: u64,
+    pub iterations: u64,
+    /// Its "overall" bandwidth, converted from MiB/s to 1e9 B/s.
+    pub gb_per_s: f64,
+    /// The client's `Final:` line as printed.
+    pub line: String,
+}
+
+/// What `bench transfer --transport ucx` measured.
+#[derive(Debug, Clone)]
+pub struct UcxTransferReport {
+    pub ucx: TransferReport,
+    pub tls: String,
+    /// Puts and bytes of one pass, as the transport counted them.
+    pub puts_per_pass: u64,
+    /// Bytes over puts.
+    pub mean_put: u64,
+    /// Sum of len^2 over sum of len: the size of the put a typical byte travels in.
+    pub weighted_put: u64,
+    /// `ucx_perftest` at the mean put size.
+    pub perftest: Result<Perftest, String>,
+    /// `ucx_perftest` at the byte-weighted put size.
+    pub perftest_weighted: Result<Perftest, String>,
+    pub tcp: Result<TransferReport, String>,
+}
+
+impl UcxTransferReport {
+    /// The ucx transport's bandwidth over `ucx_perftest`'s at the mean put size.
+    pub fn ratio_to_perftest(&self) -> Option<f64> {
+        self.perftest.as_ref().ok().map(|p| self.ucx.gb_per_s / p.gb_per_s.max(1e-9))
+    }
+
+    /// The same at the byte-weighted put size.
+    pub fn ratio_to_perftest_weighted(&self) -> Option<f64> {
+        self.perftest_weighted.as_ref().ok().map(|p| self.ucx.gb_per_s / p.gb_per_s.max(1e-9))
+    }
+}
+
+impl fmt::Display for UcxTransferReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "{}", self.ucx)?;
+        writeln!(
+            f,
+            "ucx lanes (UCX_TLS): {}; {} puts per pass, mean {} B, byte-weighted mean {} B",
+            self.tls, self.puts_per_pass, self.mean_put, self.weighted_put
+        )?;
+        for (what, p) in [("mean put size", &self.perftest), ("byte-weighted put size", &self.perftest_weighted)] {
+            match p {
+                Ok(p) => {
+                    writeln!(f, "ucx_perftest -t ucp_put_bw -s {} -n {} ({what}; same run, same lanes): {:.2} GB/s", p.size, p.iterations, p.gb_per_s)?;
+                    writeln!(f, "  {}", p.line)?;
+                }
+                Err(e) => writeln!(f, "ucx_perftest at the {what}: not measured: {e}")?,
+            }
+        }
+        match &self.tcp {
+            Ok(t) => writeln!(
+                f,
+                "tcp transport (same run, same plans): {:.2} GB/s, byte-exact: {}",
+                t.gb_per_s,
+                if t.verified.is_some() { "yes" } else { "not checked" }
+            )?,
+            Err(e) => writeln!(f, "tcp transport: not measured: {e}")?,
+        }
+        if let Ok(t) = &self.tcp {
+            writeln!(f, "ratio to tcp: {:.3}", self.ucx.gb_per_s / t.gb_per_s.max(1e-9))?;
+        }
+        let show = |r: Option<f64>| r.map_or("not measured".to_string(), |r| format!("{r:.3}"));
+        writeln!(f, "ratio to ucx_perftest at the byte-weighted put size: {}", show(self.ratio_to_perftest_weighted()))?;
+        write!(f, "ratio to ucx_perftest at the mean put size: {}", show(self.ratio_to_perftest()))
+    }
+}
+
+/// Runs the ucx bench, `ucx_perftest` and the tcp bench, in that order, in one run.
+/// `ucx` overrides the topology's `[transport.ucx]` where it names a setting.
+pub fn bench_transfer_ucx(config_path: &str, tokens: u64, requests: u32, ucx: &UcxConfig, o: &BenchCmdOptions) -> anyhow::Result<UcxTransferReport> {
+    let topo = Topology::load(config_path).with_context(|| format!("loading {config_path}"))?;
+    let base = &topo.config.transport.ucx;
+    let settings = UcxConfig { tls: ucx.tls.clone().or_else(|| base.tls.clone()), net_devices: ucx.net_devices.clone().or_else(|| base.net_devices.clone()) };
+    let open = || UcxTransport::open(UcxOptions { ucx: settings.clone(), notify: TcpOptions { secret: ClusterSecret::process(), ..TcpOptions::default() } });
+    let producer = Arc::new(open().context("opening the ucx transport")?);
+    let consumer = Arc::new(open().context("opening the ucx transport")?);
+    let before = producer.put_stats();
+    let report = bench_transfer_on(config_path, &topo, producer.clone() as Arc<dyn Transport>, consumer.clone() as Arc<dyn Transport>, tokens, requests, o)?;
+    let after = producer.put_stats();
+    let weighted_put = producer.weighted_put_size();
+    drop((producer, consumer));
+    let passes = (report.passes + report.warmup).max(1) as u64;
+    let (puts, bytes) = (after.0 - before.0, after.1 - before.1);
+    let puts_per_pass = puts / passes;
+    let mean_put = bytes.checked_div(puts).unwrap_or(0);
+    let perf = |size: u64| if size == 0 { Err("no put was issued".to_string()) } else { ucx_perftest_put_bw(size, &settings).map_err(|e| format!("{e:#}")) };
+    let (perftest, perftest_weighted) = (perf(mean_put), perf(weighted_put));
+    let tcp = bench_transfer_with(config_path, TransportKind::Tcp, tokens, requests, o).map_err(|e| format!("{e:#}"));
+    let tls = settings.tls.clone().unwrap_or_else(|| "UCX's default".into());
+    Ok(UcxTransferReport { ucx: report, tls, puts_per_pass, mean_put, weighted_put, perftest, perftest_weighted, tcp })
+}
+
+/// `ucx_perftest -t ucp_put_bw -s SIZE` between a server and a client process on
+/// this host, with the lanes of `ucx`; about 2 GB moved.
+pub fn ucx_perftest_put_bw(size: u64, ucx: &UcxConfig) -> anyhow::Result<Perftest> {
+    let iterations = (2_000_000_000 / size.max(1)).clamp(200, 200_000);
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).context("a free port for ucx_perftest")?;
+    let command = |extra: &[String]| {
+        let mut c = Command::new("ucx_perftest");
+        c.args(["-p", &port.to_string()]).args(extra).stdin(Stdio::null());
+        if let Some(t) = &ucx.tls {
+            c.env("UCX_TLS", t);
+        }
+        if let Some(d) = &ucx.net_devices {
+            c.env("UCX_NET_DEVICES", d);
+        }
+        c
+    };
+    let mut server = command(&[]).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().context("starting ucx_perftest (Debian: apt-get install ucx-utils)")?;
+    let client_args: Vec<String> =
+        ["127.0.0.1", "-t", "ucp_put_bw", "-s", &size.to_string(), "-n", &iterations.to_string()].iter().map(|s| s.to_string()).collect();
+    // The server listens once it started; retry the client until it connects.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let out = loop {
+        std::thread::sleep(Duration::from_millis(200));
+        let out = command(&client_args).output().context("running the ucx_perftest client")?;
+        if out.status.success() || Instant::now() >= deadline {
+            break out;
+        }
+    };
+    let _ = server.kill();
+    let _ = server.wait();
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        bail!("ucx_perftest client exited {}: {}{}", out.status, text.trim(), String::from_utf8_lossy(&out.stderr).trim());
+    }
+    let line = text.lines().find(|l| l.trim_start().starts_with("Final:")).ok_or_else(|| anyhow!("no Final: line in ucx_perftest's output:\n{text}"))?;
+    let mib_s = parse_final(line).ok_or_else(|| anyhow!("cannot read ucx_perftest's Final: line {line:?}"))?;
+    Ok(Perftest { size, iterations, gb_per_s: mib_s * 1_048_576.0 / 1e9, line: line.trim().to_string() })
+}
+
+/// The overall bandwidth (MiB/s: UCX's "MB/s" is 2^20 bytes) of a
+/// `Final: iters p50 avg overall bw_avg bw_overall rate_avg rate_overall` line.
+pub fn parse_final(line: &str) -> Option<f64> {
+    let nums: Vec<f64> = line.split_whitespace().skip(1).filter_map(|w| w.parse().ok()).collect();
+    (nums.len() >= 7).then(|| nums[5])
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_final_line_gives_the_overall_bandwidth() {
+        let l = "Final:                   300     93.136   262.053   262.053    15264.09   15264.09        3816        3816";
+        assert_eq!(super::parse_final(l), Some(15264.09));
+        assert_eq!(super::parse_final("Final: 1 2"), None);
+    }
+}

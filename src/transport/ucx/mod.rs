@@ -1,0 +1,180 @@
+//! UCX transport: one-sided puts into a peer's registered regions.
+//!
+//! Built with the `ucx` feature, [`UcxTransport`] drives UCX's `ucp` API, loaded
+//! at run time from `libucp.so.0` ([`sys`]): the build needs no UCX, a run
+//! needs Debian's `libucx0` (1.13). Built without it, [`UcxTransport::open`]
+//! says so, as the rdma stub does.
+//!
+//! - **Regions** are allocated and registered by UCX (`ucp_mem_map` with
+//!   `UCP_MEM_MAP_ALLOCATE`, as `ucx_perftest` does, so that UCX may place them
+//!   in memory its shared-memory transports can map), zeroed, and their remote
+//!   keys packed (`ucp_rkey_pack`). A [`RegionHandle`] carries the region's
+//!   address and key ([`super::RemoteKey`]) and its [`PeerAddr::Ucx`] the
+//!   worker's address: the handle travels over the roles' authenticated links
+//!   like every other transport's, so the remote keys are exchanged there.
+//! - **attach** opens one UCX endpoint per peer worker (`ucp_ep_create`, peer
+//!   error handling so that a dead peer fails a batch instead of the process)
+//!   and unpacks the key on it.
+//! - **submit** checks every descriptor against both regions, then issues one
+//!   `ucp_put_nbx` per contiguous piece and an endpoint flush
+//!   (`ucp_ep_flush_nbx`): the batch completes when the flush does, that is when
+//!   every put of it is in the peer's memory. The mover stages the narrow MLA
+//!   rows into runs first (`StagingMode::Auto`), as on tcp.
+//! - **Write-done**: after the flush, the existing notice, which travels over
+//!   an embedded [`TcpTransport`] (the cluster secret's handshake and MACs),
+//!   so a notice sent after a batch completed arrives after its bytes.
+//! - A **progress thread** calls `ucp_worker_progress` (spinning while a flush
+//!   is pending, backing off to sleeps of at most 500 us when idle); a peer's
+//!   puts over UCX's tcp lanes need the receiving worker progressed.
+//!
+//! Which UCX transports carry the puts is the topology's `[transport.ucx]`
+//! (`tls`, `net_devices`), applied with `ucp_config_modify`. UCX still reads its
+//! own `UCX_*` environment first, as every UCX program does; the topology's
+//! settings override it.
+//!
+//! Who may write: the UCX data path itself has no cluster secret. A peer needs
+//! the worker address and a region's remote key, which only travel inside
+//! handles over the authenticated links, but UCX's listeners accept
+//! connections from the network: keep a cluster on a private network.
+
+#[cfg(feature = "ucx")]
+mod imp;
+#[cfg(feature = "ucx")]
+pub mod sys;
+
+#[cfg(feature = "ucx")]
+pub use imp::UcxTransport;
+
+use super::TcpOptions;
+use handoff_components::config::UcxConfig;
+
+/// Settings of a [`UcxTransport`].
+#[derive(Debug, Clone, Default)]
+pub struct UcxOptions {
+    /// UCX's transports and devices (`[transport.ucx]`).
+    pub ucx: UcxConfig,
+    /// The notice listener (tcp): where it binds and what it advertises, and the
+    /// cluster secret its peers prove.
+    pub notify: TcpOptions,
+}
+
+/// Why a UCX transport cannot be opened in this build.
+#[cfg(not(feature = "ucx"))]
+fn unavailable(what: &str) -> super::TransportError {
+    super::TransportError::Unavailable { what: format!("ucx {what}"), reason: "built without the `ucx` feature (cargo build --features ucx)".into() }
+}
+
+#[cfg(not(feature = "ucx"))]
+pub use stub::UcxTransport;
+
+#[cfg(not(feature = "ucx"))]
+mod stub {
+    use super::super::{BatchCompletion, BatchId, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, Transport, TransportError};
+    use super::{UcxOptions, unavailable};
+    use handoff_components::plan::Descriptor;
+    use handoff_components::vocab::{RankId, RegionKind};
+    use std::time::Duration;
+
+    /// A UCX transport. Cannot be constructed in this build (no `ucx` feature).
+    pub struct UcxTransport {
+        _unconstructible: (),
+    }
+
+    impl UcxTransport {
+        /// Refuses: built without the `ucx` feature.
+        pub fn open(opts: UcxOptions) -> Result<Self> {
+            let _ = opts;
+            Err(unavailable("transport"))
+        }
+
+        /// Puts issued and their bytes (none: never constructed).
+        pub fn put_stats(&self) -> (u64, u64) {
+            (0, 0)
+        }
+
+        /// The byte-weighted mean put size (none: never constructed).
+        pub fn weighted_put_size(&self) -> u64 {
+            0
+        }
+    }
+
+    impl Transport for UcxTransport {
+        fn name(&self) -> &'static str {
+            "ucx"
+        }
+        fn endpoint(&self) -> PeerAddr {
+            unreachable!("UcxTransport cannot be constructed in this build")
+        }
+        fn register_memory(&self, _: RankId, _: RegionKind, _: u64, _: MemoryKind) -> Result<RegionHandle> {
+            Err(unavailable("register"))
+        }
+        fn unregister(&self, _: &RegionHandle) -> Result<()> {
+            Err(unavailable("unregister"))
+        }
+        fn attach(&self, _: &RegionHandle) -> Result<RemoteRegion> {
+            Err(unavailable("attach"))
+        }
+        fn with_region(&self, _: &RegionHandle, _: &mut dyn FnMut(&[u8])) -> Result<()> {
+            Err(unavailable("with_region"))
+        }
+        fn with_region_mut(&self, _: &RegionHandle, _: &mut dyn FnMut(&mut [u8])) -> Result<()> {
+            Err(unavailable("with_region_mut"))
+        }
+        fn submit(&self, _: &RegionHandle, _: RemoteRegion, _: &[Descriptor]) -> Result<BatchId> {
+            Err(unavailable("submit"))
+        }
+        fn poll(&self) -> Vec<BatchCompletion> {
+            Vec::new()
+        }
+        fn wait(&self, batch: BatchId, _: Duration) -> Result<()> {
+            Err(TransportError::UnknownBatch(batch))
+        }
+        fn notify(&self, _: &PeerAddr, _: &[u8]) -> Result<()> {
+            Err(unavailable("notify"))
+        }
+        fn recv_notifications(&self) -> Vec<Notification> {
+            Vec::new()
+        }
+    }
+}
+
+/// Hex of bytes (worker addresses and remote keys in handles).
+pub fn to_hex(bytes: &[u8]) -> String {
+    const D: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        s.push(D[(b >> 4) as usize] as char);
+        s.push(D[(b & 15) as usize] as char);
+    }
+    s
+}
+
+/// Bytes of hex; `None` for an odd length or a non-hex digit (a peer's word).
+pub fn from_hex(s: &str) -> Option<Vec<u8>> {
+    let b = s.as_bytes();
+    if !b.len().is_multiple_of(2) {
+        return None;
+    }
+    let digit = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+    b.chunks_exact(2).map(|p| Some((digit(p[0])? << 4) | digit(p[1])?)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hex_round_trips_and_refuses_what_is_not_hex() {
+        let b: Vec<u8> = (0..=255).collect();
+        assert_eq!(from_hex(&to_hex(&b)).as_deref(), Some(&b[..]));
+        assert_eq!(from_hex("abc"), None);
+        assert_eq!(from_hex("zz"), None);
+    }
+
+    #[cfg(not(feature = "ucx"))]
+    #[test]
+    fn without_the_feature_opening_says_how_to_build_it() {
+        let Err(e) = UcxTransport::open(UcxOptions::default()) else { panic!("opened") };
+        assert!(e.to_string().contains("--features ucx"), "{e}");
+    }
+}
