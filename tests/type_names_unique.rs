@@ -6,6 +6,9 @@
 //!
 //! "Public" is any `pub`, restricted ones (`pub(crate)`, `pub(super)`)
 //! included: those still meet in the same crate and the same greps.
+//! A `stub.rs` is left out: it is the feature-off twin of a feature-gated
+//! type (`transport/ucx/stub.rs` without `ucx`, `transport/rdma/stub.rs`
+//! without `rdma`), and a build compiles it or the real one, never both.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -61,7 +64,7 @@ fn rust_files(dir: &Path, root: &Path, out: &mut Vec<(PathBuf, String)>) {
         let rel = path.strip_prefix(root).expect("under the root").to_path_buf();
         if path.is_dir() {
             rust_files(&path, root, out);
-        } else if path.extension().is_some_and(|e| e == "rs") {
+        } else if path.extension().is_some_and(|e| e == "rs") && path.file_name().is_none_or(|n| n != "stub.rs") {
             let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
             out.push((rel, text));
         }

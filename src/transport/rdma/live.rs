@@ -5,7 +5,7 @@
 use super::plan::{self, MrChunk, WrLimits};
 use super::qp::{self, QpInfo};
 use super::verbs::{Device, Mr, Qp};
-use super::wire::{self, Control, Message, RegionKeys, Reply, Request};
+use super::wire::{self, Ask, Control, Message, RegionKeys, Reply};
 use super::{RdmaError, RdmaOptions, ffi};
 use crate::transport::host::Mem;
 use crate::transport::{
@@ -172,7 +172,7 @@ impl Inner {
     }
 
     /// Sends `control` to `addr` and waits for the reply that answers it.
-    fn ask(&self, addr: SocketAddr, control: Control, request: Request) -> Result<Reply> {
+    fn ask(&self, addr: SocketAddr, control: Control, request: Ask) -> Result<Reply> {
         let token = random_u64()?;
         lock(&self.replies).insert(token, None);
         let sent = self.send(addr, &Message::Control { token, control });
@@ -217,7 +217,7 @@ impl Inner {
         }
         let qp = self.dev.queue_pair(self.opts.sq_depth, 1, self.opts.max_sge)?;
         let psn = (random_u64()? as u32) & qp::MAX_QPN;
-        let peer = match self.ask(addr, Control::Connect(self.local_info(&qp, psn)), Request::Connect)? {
+        let peer = match self.ask(addr, Control::Connect(self.local_info(&qp, psn)), Ask::Connect)? {
             Reply::Accept(q) => q,
             Reply::Keys(_) => unreachable!("answers() pairs CONNECT with ACCEPT"),
         };
@@ -480,7 +480,7 @@ impl Transport for RdmaTransport {
         // Connect now, so that an unreachable peer fails at attach, not mid-plan.
         self.inner.out_conn(addr)?;
         let keys =
-            match self.inner.ask(addr, Control::KeysRequest { region: handle.id }, Request::Keys { region: handle.id, kind: handle.kind, len: handle.len })? {
+            match self.inner.ask(addr, Control::KeysRequest { region: handle.id }, Ask::Keys { region: handle.id, kind: handle.kind, len: handle.len })? {
                 Reply::Keys(k) => k,
                 Reply::Accept(_) => unreachable!("answers() pairs KEYS_REQUEST with KEYS"),
             };

@@ -245,7 +245,7 @@ pub fn decode(b: &[u8]) -> Result<Message, Malformed> {
 
 /// A request this end sent and waits on: what a reply must answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Request {
+pub enum Ask {
     Connect,
     /// Keys of the region a handle names, with the kind and length it claims.
     Keys {
@@ -266,11 +266,11 @@ impl Reply {
     /// Checks `control` against `request`: an ACCEPT answers a CONNECT, KEYS a
     /// KEYS_REQUEST for the same region of the same kind and length as the
     /// handle said; a REFUSE is the peer's reason; anything else is refused.
-    pub fn answers(request: Request, control: Control) -> Result<Reply, String> {
+    pub fn answers(request: Ask, control: Control) -> Result<Reply, String> {
         match (request, control) {
             (_, Control::Refuse(why)) => Err(format!("the peer refused: {why}")),
-            (Request::Connect, Control::Accept(q)) => Ok(Reply::Accept(q)),
-            (Request::Keys { region, kind, len }, Control::Keys(k)) => {
+            (Ask::Connect, Control::Accept(q)) => Ok(Reply::Accept(q)),
+            (Ask::Keys { region, kind, len }, Control::Keys(k)) => {
                 if k.region != region {
                     return Err(format!("asked for the keys of region {region}, got region {}'s", k.region));
                 }
@@ -412,18 +412,18 @@ mod tests {
 
     #[test]
     fn a_reply_must_answer_its_request() {
-        let want = Request::Keys { region: 9, kind: RegionKind::KdaState, len: 10_000 };
+        let want = Ask::Keys { region: 9, kind: RegionKind::KdaState, len: 10_000 };
         assert_eq!(Reply::answers(want, Control::Keys(keys())), Ok(Reply::Keys(keys())));
         let other = RegionKeys { region: 8, ..keys() };
         assert!(Reply::answers(want, Control::Keys(other)).unwrap_err().contains("got region 8"));
-        let shorter = Request::Keys { region: 9, kind: RegionKind::KdaState, len: 9_999 };
+        let shorter = Ask::Keys { region: 9, kind: RegionKind::KdaState, len: 9_999 };
         assert!(Reply::answers(shorter, Control::Keys(keys())).unwrap_err().contains("the handle says"));
-        let kind = Request::Keys { region: 9, kind: RegionKind::MlaKv, len: 10_000 };
+        let kind = Ask::Keys { region: 9, kind: RegionKind::MlaKv, len: 10_000 };
         assert!(Reply::answers(kind, Control::Keys(keys())).is_err());
-        assert!(Reply::answers(Request::Connect, Control::Keys(keys())).unwrap_err().contains("does not answer"));
+        assert!(Reply::answers(Ask::Connect, Control::Keys(keys())).unwrap_err().contains("does not answer"));
         assert!(Reply::answers(want, Control::Accept(info())).is_err());
-        assert!(Reply::answers(Request::Connect, Control::Refuse("full".into())).unwrap_err().contains("refused: full"));
-        assert_eq!(Reply::answers(Request::Connect, Control::Accept(info())), Ok(Reply::Accept(info())));
+        assert!(Reply::answers(Ask::Connect, Control::Refuse("full".into())).unwrap_err().contains("refused: full"));
+        assert_eq!(Reply::answers(Ask::Connect, Control::Accept(info())), Ok(Reply::Accept(info())));
     }
 
     #[test]

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-fn failed(what: impl Into<String>, lib: &Lib, status: sys::Status) -> TransportError {
+fn failed(what: impl Into<String>, lib: &Lib, status: sys::UcsStatus) -> TransportError {
     TransportError::Unavailable { what: format!("ucx {}", what.into()), reason: lib.describe(status) }
 }
 
@@ -94,7 +94,7 @@ impl UcxTransport {
         let PeerAddr::Tcp { addr: notify } = notices.endpoint() else {
             return Err(TransportError::Unavailable { what: "ucx notices".into(), reason: "the notice transport is not tcp".into() });
         };
-        let mut config: sys::Config = std::ptr::null_mut();
+        let mut config: sys::UcpConfig = std::ptr::null_mut();
         // SAFETY: null prefix and file: UCX's defaults and its environment.
         let st = unsafe { (lib.config_read)(std::ptr::null(), std::ptr::null(), &mut config) };
         if st != sys::UCS_OK {
@@ -215,7 +215,7 @@ impl UcxTransport {
 
 /// UCX's call when an endpoint's peer failed: the failure itself reaches the
 /// batches through their flush's status; this only records it.
-unsafe extern "C" fn peer_failed(_arg: *mut c_void, _ep: sys::Ep, status: sys::Status) {
+unsafe extern "C" fn peer_failed(_arg: *mut c_void, _ep: sys::Ep, status: sys::UcsStatus) {
     tracing::warn!(status, "ucx: a peer's endpoint failed");
 }
 

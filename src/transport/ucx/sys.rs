@@ -12,17 +12,17 @@
 use std::ffi::{CStr, CString, c_char, c_int, c_uint, c_void};
 use std::sync::OnceLock;
 
-pub type Status = i32;
-pub const UCS_OK: Status = 0;
-pub const UCS_INPROGRESS: Status = 1;
-pub const UCS_ERR_BUSY: Status = -15;
+pub type UcsStatus = i32;
+pub const UCS_OK: UcsStatus = 0;
+pub const UCS_INPROGRESS: UcsStatus = 1;
+pub const UCS_ERR_BUSY: UcsStatus = -15;
 
 pub type Context = *mut c_void;
 pub type Worker = *mut c_void;
 pub type Ep = *mut c_void;
 pub type MemH = *mut c_void;
 pub type RKey = *mut c_void;
-pub type Config = *mut c_void;
+pub type UcpConfig = *mut c_void;
 
 pub const UCP_API_MAJOR: c_uint = 1;
 pub const UCP_API_MINOR: c_uint = 13;
@@ -74,7 +74,7 @@ pub struct WorkerParams {
 pub const UCP_EP_PARAM_FIELD_ERR_HANDLER: u64 = 1 << 2;
 
 /// `ucp_err_handler_cb_t`.
-pub type ErrHandler = unsafe extern "C" fn(arg: *mut c_void, ep: Ep, status: Status);
+pub type ErrHandler = unsafe extern "C" fn(arg: *mut c_void, ep: Ep, status: UcsStatus);
 
 /// `ucp_ep_params_t` (104 bytes).
 #[repr(C)]
@@ -128,7 +128,7 @@ impl RequestParam {
 /// A `ucs_status_ptr_t`: null (done), an error code, or a request.
 pub enum StatusPtr {
     Done,
-    Failed(Status),
+    Failed(UcsStatus),
     Pending(*mut c_void),
 }
 
@@ -139,7 +139,7 @@ impl StatusPtr {
             StatusPtr::Done
         } else if (-100..0).contains(&v) {
             // UCS_PTR_IS_ERR: the status codes are the small negative numbers.
-            StatusPtr::Failed(v as Status)
+            StatusPtr::Failed(v as UcsStatus)
         } else {
             StatusPtr::Pending(p)
         }
@@ -148,34 +148,34 @@ impl StatusPtr {
 
 /// The loaded library: its entry points.
 pub struct Lib {
-    pub config_read: unsafe extern "C" fn(*const c_char, *const c_char, *mut Config) -> Status,
-    pub config_modify: unsafe extern "C" fn(Config, *const c_char, *const c_char) -> Status,
-    pub config_release: unsafe extern "C" fn(Config),
-    pub init_version: unsafe extern "C" fn(c_uint, c_uint, *const Params, Config, *mut Context) -> Status,
+    pub config_read: unsafe extern "C" fn(*const c_char, *const c_char, *mut UcpConfig) -> UcsStatus,
+    pub config_modify: unsafe extern "C" fn(UcpConfig, *const c_char, *const c_char) -> UcsStatus,
+    pub config_release: unsafe extern "C" fn(UcpConfig),
+    pub init_version: unsafe extern "C" fn(c_uint, c_uint, *const Params, UcpConfig, *mut Context) -> UcsStatus,
     pub cleanup: unsafe extern "C" fn(Context),
-    pub worker_create: unsafe extern "C" fn(Context, *const WorkerParams, *mut Worker) -> Status,
+    pub worker_create: unsafe extern "C" fn(Context, *const WorkerParams, *mut Worker) -> UcsStatus,
     pub worker_destroy: unsafe extern "C" fn(Worker),
-    pub worker_get_address: unsafe extern "C" fn(Worker, *mut *mut c_void, *mut usize) -> Status,
+    pub worker_get_address: unsafe extern "C" fn(Worker, *mut *mut c_void, *mut usize) -> UcsStatus,
     pub worker_release_address: unsafe extern "C" fn(Worker, *mut c_void),
     pub worker_progress: unsafe extern "C" fn(Worker) -> c_uint,
-    pub worker_get_efd: unsafe extern "C" fn(Worker, *mut c_int) -> Status,
-    pub worker_arm: unsafe extern "C" fn(Worker) -> Status,
-    pub worker_signal: unsafe extern "C" fn(Worker) -> Status,
-    pub worker_fence: unsafe extern "C" fn(Worker) -> Status,
-    pub ep_create: unsafe extern "C" fn(Worker, *const EpParams, *mut Ep) -> Status,
+    pub worker_get_efd: unsafe extern "C" fn(Worker, *mut c_int) -> UcsStatus,
+    pub worker_arm: unsafe extern "C" fn(Worker) -> UcsStatus,
+    pub worker_signal: unsafe extern "C" fn(Worker) -> UcsStatus,
+    pub worker_fence: unsafe extern "C" fn(Worker) -> UcsStatus,
+    pub ep_create: unsafe extern "C" fn(Worker, *const EpParams, *mut Ep) -> UcsStatus,
     pub ep_close_nbx: unsafe extern "C" fn(Ep, *const RequestParam) -> *mut c_void,
     pub ep_flush_nbx: unsafe extern "C" fn(Ep, *const RequestParam) -> *mut c_void,
-    pub mem_map: unsafe extern "C" fn(Context, *const MemMapParams, *mut MemH) -> Status,
-    pub mem_unmap: unsafe extern "C" fn(Context, MemH) -> Status,
-    pub mem_query: unsafe extern "C" fn(MemH, *mut MemAttr) -> Status,
-    pub rkey_pack: unsafe extern "C" fn(Context, MemH, *mut *mut c_void, *mut usize) -> Status,
+    pub mem_map: unsafe extern "C" fn(Context, *const MemMapParams, *mut MemH) -> UcsStatus,
+    pub mem_unmap: unsafe extern "C" fn(Context, MemH) -> UcsStatus,
+    pub mem_query: unsafe extern "C" fn(MemH, *mut MemAttr) -> UcsStatus,
+    pub rkey_pack: unsafe extern "C" fn(Context, MemH, *mut *mut c_void, *mut usize) -> UcsStatus,
     pub rkey_buffer_release: unsafe extern "C" fn(*mut c_void),
-    pub ep_rkey_unpack: unsafe extern "C" fn(Ep, *const c_void, *mut RKey) -> Status,
+    pub ep_rkey_unpack: unsafe extern "C" fn(Ep, *const c_void, *mut RKey) -> UcsStatus,
     pub rkey_destroy: unsafe extern "C" fn(RKey),
     pub put_nbx: unsafe extern "C" fn(Ep, *const c_void, usize, u64, RKey, *const RequestParam) -> *mut c_void,
-    pub request_check_status: unsafe extern "C" fn(*mut c_void) -> Status,
+    pub request_check_status: unsafe extern "C" fn(*mut c_void) -> UcsStatus,
     pub request_free: unsafe extern "C" fn(*mut c_void),
-    pub status_string: unsafe extern "C" fn(Status) -> *const c_char,
+    pub status_string: unsafe extern "C" fn(UcsStatus) -> *const c_char,
 }
 
 /// The file loaded: the soname Debian's `libucx0` installs.
@@ -248,7 +248,7 @@ fn load() -> Result<Lib, String> {
 
 impl Lib {
     /// UCX's own words for a status.
-    pub fn describe(&self, status: Status) -> String {
+    pub fn describe(&self, status: UcsStatus) -> String {
         // SAFETY: ucs_status_string returns a static C string for any status.
         let p = unsafe { (self.status_string)(status) };
         if p.is_null() {
