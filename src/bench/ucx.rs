@@ -16,7 +16,7 @@
 use super::transfer::{BenchCmdOptions, TransferReport, bench_transfer_on, bench_transfer_with};
 use crate::transport::auth::ClusterSecret;
 use crate::transport::{TcpOptions, Transport, UcxOptions, UcxTransport};
-use anyhow::{Context, anyhow, bail};
+use anyhow::Context;
 use handoff_components::Topology;
 use handoff_components::config::{TransportKind, UcxConfig};
 use std::fmt;
@@ -35,6 +35,28 @@ pub struct Perftest {
     pub line: String,
 }
 
+/// Why a measurement beside the ucx bench (`ucx_perftest`, the tcp bench) did not run.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum NotMeasured {
+    #[error("no put was issued")]
+    NoPuts,
+    #[error("a free port for ucx_perftest: {0}")]
+    Port(Arc<std::io::Error>),
+    #[error("starting ucx_perftest (Debian: apt-get install ucx-utils): {0}")]
+    Start(Arc<std::io::Error>),
+    #[error("running the ucx_perftest client: {0}")]
+    Client(Arc<std::io::Error>),
+    #[error("ucx_perftest client exited {status}: {stdout}{stderr}")]
+    Exited { status: std::process::ExitStatus, stdout: String, stderr: String },
+    #[error("no Final: line in ucx_perftest's output:\n{output}")]
+    NoFinalLine { output: String },
+    #[error("cannot read ucx_perftest's Final: line {line:?}")]
+    BadFinalLine { line: String },
+    /// The tcp bench's error, with its causes.
+    #[error("{0:#}")]
+    Tcp(Arc<anyhow::Error>),
+}
+
 /// What `bench transfer --transport ucx` measured.
 #[derive(Debug, Clone)]
 pub struct UcxTransferReport {
@@ -47,10 +69,10 @@ pub struct UcxTransferReport {
     /// Sum of len^2 over sum of len: the size of the put a typical byte travels in.
     pub weighted_put: u64,
     /// `ucx_perftest` at the mean put size.
-    pub perftest: Result<Perftest, String>,
+    pub perftest: Result<Perftest, NotMeasured>,
     /// `ucx_perftest` at the byte-weighted put size.
-    pub perftest_weighted: Result<Perftest, String>,
-    pub tcp: Result<TransferReport, String>,
+    pub perftest_weighted: Result<Perftest, NotMeasured>,
+    pub tcp: Result<TransferReport, NotMeasured>,
 }
 
 impl UcxTransferReport {
@@ -118,18 +140,18 @@ pub fn bench_transfer_ucx(config_path: &str, tokens: u64, requests: u32, ucx: &U
     let (puts, bytes) = (after.0 - before.0, after.1 - before.1);
     let puts_per_pass = puts / passes;
     let mean_put = bytes.checked_div(puts).unwrap_or(0);
-    let perf = |size: u64| if size == 0 { Err("no put was issued".to_string()) } else { ucx_perftest_put_bw(size, &settings).map_err(|e| format!("{e:#}")) };
+    let perf = |size: u64| if size == 0 { Err(NotMeasured::NoPuts) } else { ucx_perftest_put_bw(size, &settings) };
     let (perftest, perftest_weighted) = (perf(mean_put), perf(weighted_put));
-    let tcp = bench_transfer_with(config_path, TransportKind::Tcp, tokens, requests, o).map_err(|e| format!("{e:#}"));
+    let tcp = bench_transfer_with(config_path, TransportKind::Tcp, tokens, requests, o).map_err(|e| NotMeasured::Tcp(Arc::new(e)));
     let tls = settings.tls.clone().unwrap_or_else(|| "UCX's default".into());
     Ok(UcxTransferReport { ucx: report, tls, puts_per_pass, mean_put, weighted_put, perftest, perftest_weighted, tcp })
 }
 
 /// `ucx_perftest -t ucp_put_bw -s SIZE` between a server and a client process on
 /// this host, with the lanes of `ucx`; about 2 GB moved.
-pub fn ucx_perftest_put_bw(size: u64, ucx: &UcxConfig) -> anyhow::Result<Perftest> {
+pub fn ucx_perftest_put_bw(size: u64, ucx: &UcxConfig) -> Result<Perftest, NotMeasured> {
     let iterations = (2_000_000_000 / size.max(1)).clamp(200, 200_000);
-    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).context("a free port for ucx_perftest")?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).map_err(|e| NotMeasured::Port(Arc::new(e)))?;
     let command = |extra: &[String]| {
         let mut c = Command::new("ucx_perftest");
         c.args(["-p", &port.to_string()]).args(extra).stdin(Stdio::null());
@@ -141,14 +163,14 @@ pub fn ucx_perftest_put_bw(size: u64, ucx: &UcxConfig) -> anyhow::Result<Perftes
         }
         c
     };
-    let mut server = command(&[]).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().context("starting ucx_perftest (Debian: apt-get install ucx-utils)")?;
+    let mut server = command(&[]).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().map_err(|e| NotMeasured::Start(Arc::new(e)))?;
     let client_args: Vec<String> =
         ["127.0.0.1", "-t", "ucp_put_bw", "-s", &size.to_string(), "-n", &iterations.to_string()].iter().map(|s| s.to_string()).collect();
     // The server listens once it started; retry the client until it connects.
     let deadline = Instant::now() + Duration::from_secs(10);
     let out = loop {
         std::thread::sleep(Duration::from_millis(200));
-        let out = command(&client_args).output().context("running the ucx_perftest client")?;
+        let out = command(&client_args).output().map_err(|e| NotMeasured::Client(Arc::new(e)))?;
         if out.status.success() || Instant::now() >= deadline {
             break out;
         }
@@ -157,10 +179,14 @@ pub fn ucx_perftest_put_bw(size: u64, ucx: &UcxConfig) -> anyhow::Result<Perftes
     let _ = server.wait();
     let text = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {
-        bail!("ucx_perftest client exited {}: {}{}", out.status, text.trim(), String::from_utf8_lossy(&out.stderr).trim());
+        return Err(NotMeasured::Exited {
+            status: out.status,
+            stdout: text.trim().to_string(),
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
     }
-    let line = text.lines().find(|l| l.trim_start().starts_with("Final:")).ok_or_else(|| anyhow!("no Final: line in ucx_perftest's output:\n{text}"))?;
-    let mib_s = parse_final(line).ok_or_else(|| anyhow!("cannot read ucx_perftest's Final: line {line:?}"))?;
+    let line = text.lines().find(|l| l.trim_start().starts_with("Final:")).ok_or_else(|| NotMeasured::NoFinalLine { output: text.to_string() })?;
+    let mib_s = parse_final(line).ok_or_else(|| NotMeasured::BadFinalLine { line: line.to_string() })?;
     Ok(Perftest { size, iterations, gb_per_s: mib_s * 1_048_576.0 / 1e9, line: line.trim().to_string() })
 }
 

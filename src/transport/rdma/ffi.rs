@@ -17,6 +17,7 @@
 
 #![allow(non_camel_case_types)]
 
+use super::RdmaError;
 use std::ffi::{CStr, c_char, c_int, c_void};
 
 #[repr(C)]
@@ -317,23 +318,24 @@ pub struct Verbs {
 pub const LIBRARY: &str = "libibverbs.so.1";
 
 impl Verbs {
-    /// The process's libibverbs, loaded on first use; the loader's message
-    /// when it cannot be loaded or lacks a symbol.
-    pub fn get() -> Result<&'static Verbs, String> {
-        static VERBS: std::sync::OnceLock<Result<Verbs, String>> = std::sync::OnceLock::new();
+    /// The process's libibverbs, loaded on first use; [`RdmaError::NoLibrary`]
+    /// with the loader's message when it cannot be loaded or lacks a symbol.
+    pub fn get() -> Result<&'static Verbs, RdmaError> {
+        static VERBS: std::sync::OnceLock<Result<Verbs, RdmaError>> = std::sync::OnceLock::new();
         VERBS.get_or_init(Verbs::load).as_ref().map_err(Clone::clone)
     }
 
     // Each transmute's target is the field it initializes: the field's type is
     // the entry point's C signature, written once, in the struct.
     #[allow(clippy::missing_transmute_annotations)]
-    fn load() -> Result<Verbs, String> {
-        let name = std::ffi::CString::new(LIBRARY).map_err(|e| e.to_string())?;
+    fn load() -> Result<Verbs, RdmaError> {
+        let no_library = |reason: String| RdmaError::NoLibrary { library: LIBRARY, reason };
+        let name = std::ffi::CString::new(LIBRARY).map_err(|e| no_library(e.to_string()))?;
         // SAFETY: dlopen with a valid C string; the handle is never closed, so
         // the resolved functions stay valid for the process's life.
         let lib = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
         if lib.is_null() {
-            return Err(dlerror());
+            return Err(no_library(dlerror()));
         }
         macro_rules! sym {
             ($name:literal) => {{
@@ -342,7 +344,7 @@ impl Verbs {
                 // the field's type (verbs.h), checked by the caller's use.
                 let p = unsafe { libc::dlsym(lib, c.as_ptr().cast()) };
                 if p.is_null() {
-                    return Err(format!("{LIBRARY} has no {}: {}", $name, dlerror()));
+                    return Err(no_library(format!("{LIBRARY} has no {}: {}", $name, dlerror())));
                 }
                 // SAFETY: a non-null function pointer of the declared signature.
                 unsafe { std::mem::transmute::<*mut c_void, _>(p) }

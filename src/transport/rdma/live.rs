@@ -109,6 +109,20 @@ fn unavailable(what: impl Into<String>, reason: impl Into<String>) -> TransportE
     TransportError::Unavailable { what: what.into(), reason: reason.into() }
 }
 
+/// Why this end refuses a peer's CONNECT or KEYS_REQUEST; its text goes back
+/// as the REFUSE's reason.
+#[derive(Debug, thiserror::Error)]
+enum RefuseReason {
+    #[error(transparent)]
+    Rdma(#[from] RdmaError),
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    #[error(transparent)]
+    Peer(#[from] qp::QpInfoError),
+    #[error("no region {region} here")]
+    NoRegion { region: u64 },
+}
+
 fn random_u64() -> Result<u64> {
     let b = crate::transport::auth::random_bytes::<8>().map_err(|e| TransportError::io("random token", e))?;
     Ok(u64::from_le_bytes(b))
@@ -199,7 +213,7 @@ impl Inner {
         sent?;
         let control =
             got.ok_or_else(|| TransportError::Timeout { what: format!("the rdma exchange with {addr} ({request:?})"), after: self.opts.reply_timeout })?;
-        Reply::answers(request, control).map_err(|message| TransportError::Protocol { peer: format!("rdma:{addr}"), message })
+        Reply::answers(request, control).map_err(|e| TransportError::Protocol { peer: format!("rdma:{addr}"), message: e.to_string() })
     }
 
     fn local_info(&self, qp: &Qp, psn: u32) -> QpInfo {
@@ -221,7 +235,7 @@ impl Inner {
             Reply::Accept(q) => q,
             Reply::Keys(_) => unreachable!("answers() pairs CONNECT with ACCEPT"),
         };
-        let rtr = qp::to_rtr(&self.dev.port, &peer).map_err(|message| TransportError::Protocol { peer: format!("rdma:{addr}"), message })?;
+        let rtr = qp::to_rtr(&self.dev.port, &peer).map_err(|e| TransportError::Protocol { peer: format!("rdma:{addr}"), message: e.to_string() })?;
         qp.modify(&rtr)?;
         qp.modify(&qp::to_rts(psn))?;
         tracing::debug!(peer = %addr, qpn = qp.qpn(), peer_qpn = peer.qpn, "rdma queue pair connected");
@@ -233,13 +247,13 @@ impl Inner {
 
     /// A producer's CONNECT: a queue pair towards it, in RTR (and RTS) before
     /// the ACCEPT goes back, with its receive queue full.
-    fn accept(&self, addr: SocketAddr, peer: &QpInfo) -> std::result::Result<QpInfo, String> {
-        let qp = self.dev.queue_pair(1, self.opts.rq_depth, 1).map_err(|e| e.to_string())?;
-        qp.post_receives(self.opts.rq_depth).map_err(|e| e.to_string())?;
+    fn accept(&self, addr: SocketAddr, peer: &QpInfo) -> std::result::Result<QpInfo, RefuseReason> {
+        let qp = self.dev.queue_pair(1, self.opts.rq_depth, 1)?;
+        qp.post_receives(self.opts.rq_depth)?;
         let rtr = qp::to_rtr(&self.dev.port, peer)?;
-        qp.modify(&rtr).map_err(|e| e.to_string())?;
-        let psn = (random_u64().map_err(|e| e.to_string())? as u32) & qp::MAX_QPN;
-        qp.modify(&qp::to_rts(psn)).map_err(|e| e.to_string())?;
+        qp.modify(&rtr)?;
+        let psn = (random_u64()? as u32) & qp::MAX_QPN;
+        qp.modify(&qp::to_rts(psn))?;
         let info = self.local_info(&qp, psn);
         let c = Arc::new(InConn { addr, qp, state: Mutex::new(InState { landed: 0, held: VecDeque::new(), dead: false }) });
         // A producer that connects again (restarted) replaces its old queue pair.
@@ -249,8 +263,8 @@ impl Inner {
         Ok(info)
     }
 
-    fn keys(&self, region: u64) -> std::result::Result<RegionKeys, String> {
-        let r = read(&self.regions).get(&region).cloned().ok_or_else(|| format!("no region {region} here"))?;
+    fn keys(&self, region: u64) -> std::result::Result<RegionKeys, RefuseReason> {
+        let r = read(&self.regions).get(&region).cloned().ok_or(RefuseReason::NoRegion { region })?;
         Ok(RegionKeys { region, kind: r.kind, len: r.len, chunks: r.rkeys.clone() })
     }
 
@@ -310,8 +324,8 @@ impl Inner {
             }
             Message::Control { token, control } => {
                 let reply = match control {
-                    Control::Connect(q) => Some(self.accept(addr, &q).map_or_else(Control::Refuse, Control::Accept)),
-                    Control::KeysRequest { region } => Some(self.keys(region).map_or_else(Control::Refuse, Control::Keys)),
+                    Control::Connect(q) => Some(self.accept(addr, &q).map_or_else(|e| Control::Refuse(e.to_string()), Control::Accept)),
+                    Control::KeysRequest { region } => Some(self.keys(region).map_or_else(|e| Control::Refuse(e.to_string()), Control::Keys)),
                     answer => {
                         let mut replies = lock(&self.replies);
                         match replies.get_mut(&token) {

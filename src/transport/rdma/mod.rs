@@ -131,9 +131,12 @@ impl From<RdmaError> for TransportError {
     }
 }
 
+/// The names of RDMA devices (`mlx5_0`, ...), as `ibv_get_device_list` lists them.
+pub type DeviceNames = Vec<String>;
+
 /// The names of the RDMA devices this machine lists (`ibv_get_device_list`),
 /// or why it lists none.
-pub fn devices() -> Result<Vec<String>, RdmaError> {
+pub fn devices() -> Result<DeviceNames, RdmaError> {
     #[cfg(feature = "rdma")]
     {
         verbs::device_names()

@@ -47,6 +47,14 @@ pub enum PlanError {
     Uncovered { side: &'static str, start: u64, end: u64, covered: u64 },
     #[error("limits {what} = {value}: must be at least 1")]
     BadLimit { what: &'static str, value: u64 },
+    #[error("chunk {chunk} starts at byte {offset} of the region, expected {expected}")]
+    CoverGap { chunk: usize, offset: u64, expected: u64 },
+    #[error("chunk {chunk} is {len} B (1 B to {MAX_MR_CHUNK} B)")]
+    CoverChunkLen { chunk: usize, len: u64 },
+    #[error("chunk {chunk} at address {addr:#x} wraps the address space")]
+    CoverWraps { chunk: usize, addr: u64 },
+    #[error("chunks cover {covered} B of a {len}-byte region")]
+    CoverShort { covered: u64, len: u64 },
 }
 
 /// The `(offset, len)` of each memory registration of a region of `len` bytes
@@ -61,22 +69,22 @@ pub fn mr_chunks(len: u64, chunk: u64) -> Result<Vec<(u64, u64)>, PlanError> {
 
 /// Checks that `chunks` cover `0..len` in order without gaps or overlaps: what a
 /// peer's key list must satisfy before any write is aimed at it.
-pub fn check_cover(chunks: &[MrChunk], len: u64) -> Result<(), String> {
+pub fn check_cover(chunks: &[MrChunk], len: u64) -> Result<(), PlanError> {
     let mut at = 0u64;
     for (i, c) in chunks.iter().enumerate() {
         if c.offset != at {
-            return Err(format!("chunk {i} starts at byte {} of the region, expected {at}", c.offset));
+            return Err(PlanError::CoverGap { chunk: i, offset: c.offset, expected: at });
         }
         if c.len == 0 || c.len > MAX_MR_CHUNK {
-            return Err(format!("chunk {i} is {} B (1 B to {MAX_MR_CHUNK} B)", c.len));
+            return Err(PlanError::CoverChunkLen { chunk: i, len: c.len });
         }
         if c.addr.checked_add(c.len).is_none() {
-            return Err(format!("chunk {i} at address {:#x} wraps the address space", c.addr));
+            return Err(PlanError::CoverWraps { chunk: i, addr: c.addr });
         }
         at = c.end();
     }
     if at != len {
-        return Err(format!("chunks cover {at} B of a {len}-byte region"));
+        return Err(PlanError::CoverShort { covered: at, len });
     }
     Ok(())
 }
@@ -391,15 +399,15 @@ mod tests {
     fn check_cover_refuses_gaps_overlaps_and_short_lists() {
         let c = chunks(10_000, 4096, 0x1000, 1);
         assert_eq!(check_cover(&c, 10_000), Ok(()));
-        assert!(check_cover(&c, 10_001).unwrap_err().contains("cover 10000 B"));
+        assert!(check_cover(&c, 10_001).unwrap_err().to_string().contains("cover 10000 B"));
         let mut gap = c.clone();
         gap[1].offset += 1;
-        assert!(check_cover(&gap, 10_000).unwrap_err().contains("chunk 1 starts"));
+        assert!(check_cover(&gap, 10_000).unwrap_err().to_string().contains("chunk 1 starts"));
         let mut huge = c.clone();
         huge[0].len = 3 << 30;
         assert!(check_cover(&huge, 10_000).is_err());
         let mut wraps = c;
         wraps[2].addr = u64::MAX - 10;
-        assert!(check_cover(&wraps, 10_000).unwrap_err().contains("wraps"));
+        assert!(check_cover(&wraps, 10_000).unwrap_err().to_string().contains("wraps"));
     }
 }

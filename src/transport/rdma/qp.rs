@@ -80,21 +80,38 @@ pub struct QpInfo {
     pub link: LinkLayer,
 }
 
+/// Why a peer's [`QpInfo`] cannot address a queue pair, or cannot be joined to this port's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum QpInfoError {
+    #[error("queue pair number {qpn} is not a 24-bit QPN above 0")]
+    Qpn { qpn: u32 },
+    #[error("packet sequence number {psn} is over 24 bits")]
+    Psn { psn: u32 },
+    #[error("MTU code {mtu} is not an ibv_mtu (1 to 5)")]
+    Mtu { mtu: u8 },
+    #[error("an InfiniBand port with LID 0 (no subnet manager assigned one)")]
+    NoLid,
+    #[error("a RoCE port with an all-zero GID")]
+    ZeroGid,
+    #[error("the peer's port is {peer:?} and this one {local:?}: a queue pair cannot join them")]
+    LinkMismatch { peer: LinkLayer, local: LinkLayer },
+}
+
 impl QpInfo {
     /// Why a peer's info cannot address a queue pair, if it cannot.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), QpInfoError> {
         if self.qpn == 0 || self.qpn > MAX_QPN {
-            return Err(format!("queue pair number {} is not a 24-bit QPN above 0", self.qpn));
+            return Err(QpInfoError::Qpn { qpn: self.qpn });
         }
         if self.psn > MAX_QPN {
-            return Err(format!("packet sequence number {} is over 24 bits", self.psn));
+            return Err(QpInfoError::Psn { psn: self.psn });
         }
         if !(1..=5).contains(&self.mtu) {
-            return Err(format!("MTU code {} is not an ibv_mtu (1 to 5)", self.mtu));
+            return Err(QpInfoError::Mtu { mtu: self.mtu });
         }
         match self.link {
-            LinkLayer::InfiniBand if self.lid == 0 => Err("an InfiniBand port with LID 0 (no subnet manager assigned one)".into()),
-            LinkLayer::Ethernet if self.gid == [0; 16] => Err("a RoCE port with an all-zero GID".into()),
+            LinkLayer::InfiniBand if self.lid == 0 => Err(QpInfoError::NoLid),
+            LinkLayer::Ethernet if self.gid == [0; 16] => Err(QpInfoError::ZeroGid),
             _ => Ok(()),
         }
     }
@@ -190,10 +207,10 @@ pub const RETRY: u8 = 7;
 /// INIT -> RTR towards `remote`: the path MTU is the smaller of both ports',
 /// InfiniBand addresses the peer's LID, Ethernet its GID through a global route.
 /// Refuses a peer whose info is malformed or whose link layer differs.
-pub fn to_rtr(local: &PortInfo, remote: &QpInfo) -> Result<Transition, String> {
+pub fn to_rtr(local: &PortInfo, remote: &QpInfo) -> Result<Transition, QpInfoError> {
     remote.check()?;
     if remote.link != local.link {
-        return Err(format!("the peer's port is {:?} and this one {:?}: a queue pair cannot join them", remote.link, local.link));
+        return Err(QpInfoError::LinkMismatch { peer: remote.link, local: local.link });
     }
     let mut t =
         Transition::new(QpState::Rtr, mask::STATE | mask::AV | mask::PATH_MTU | mask::DEST_QPN | mask::RQ_PSN | mask::MAX_DEST_RD_ATOMIC | mask::MIN_RNR_TIMER);
@@ -262,7 +279,7 @@ mod tests {
 
     #[test]
     fn rtr_refuses_a_peer_on_another_link_layer_or_with_a_bad_address() {
-        assert!(to_rtr(&port(LinkLayer::Ethernet), &peer(LinkLayer::InfiniBand)).unwrap_err().contains("cannot join"));
+        assert!(to_rtr(&port(LinkLayer::Ethernet), &peer(LinkLayer::InfiniBand)).unwrap_err().to_string().contains("cannot join"));
         for (bad, want) in [
             (QpInfo { qpn: 0, ..peer(LinkLayer::InfiniBand) }, "queue pair number 0"),
             (QpInfo { qpn: 1 << 24, ..peer(LinkLayer::InfiniBand) }, "24-bit"),
@@ -270,10 +287,10 @@ mod tests {
             (QpInfo { mtu: 6, ..peer(LinkLayer::InfiniBand) }, "MTU code 6"),
             (QpInfo { lid: 0, ..peer(LinkLayer::InfiniBand) }, "LID 0"),
         ] {
-            assert!(to_rtr(&port(LinkLayer::InfiniBand), &bad).unwrap_err().contains(want), "{want}");
+            assert!(to_rtr(&port(LinkLayer::InfiniBand), &bad).unwrap_err().to_string().contains(want), "{want}");
         }
         let zero_gid = QpInfo { gid: [0; 16], ..peer(LinkLayer::Ethernet) };
-        assert!(to_rtr(&port(LinkLayer::Ethernet), &zero_gid).unwrap_err().contains("all-zero GID"));
+        assert!(to_rtr(&port(LinkLayer::Ethernet), &zero_gid).unwrap_err().to_string().contains("all-zero GID"));
     }
 
     #[test]

@@ -3,11 +3,11 @@
 //! Each holds an `Arc` of the device, so the context outlives everything made
 //! from it, and frees its object on drop.
 
-use super::RdmaError;
 use super::RdmaOptions;
 use super::ffi::{self, Verbs};
 use super::plan::WorkRequest;
 use super::qp::{LinkLayer, PortInfo, Transition};
+use super::{DeviceNames, RdmaError};
 use std::ffi::c_int;
 use std::sync::Arc;
 
@@ -47,8 +47,8 @@ fn list_failed(code: i32) -> String {
 }
 
 /// The names of the devices `ibv_get_device_list` lists, or why there are none.
-pub fn device_names() -> Result<Vec<String>, RdmaError> {
-    let verbs = Verbs::get().map_err(|reason| RdmaError::NoLibrary { library: ffi::LIBRARY, reason })?;
+pub fn device_names() -> Result<DeviceNames, RdmaError> {
+    let verbs = Verbs::get()?;
     let mut n: c_int = 0;
     // SAFETY: a valid out pointer; the list is freed below.
     let list = unsafe { (verbs.get_device_list)(&mut n) };
@@ -66,7 +66,7 @@ impl Device {
     /// Opens the named device (the first listed when `None`), allocates a
     /// protection domain and reads the port's address.
     pub fn open(opts: &RdmaOptions) -> Result<Arc<Device>, RdmaError> {
-        let verbs = Verbs::get().map_err(|reason| RdmaError::NoLibrary { library: ffi::LIBRARY, reason })?;
+        let verbs = Verbs::get()?;
         let mut n: c_int = 0;
         // SAFETY: as in device_names.
         let list = unsafe { (verbs.get_device_list)(&mut n) };

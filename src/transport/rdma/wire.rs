@@ -183,7 +183,7 @@ fn qp_info(r: &mut Reader<'_>) -> Result<QpInfo, Malformed> {
         c => return Err(bad(format!("link layer code {c} (1 InfiniBand, 2 Ethernet)"))),
     };
     let q = QpInfo { qpn, psn, lid, gid, mtu, link };
-    q.check().map_err(bad)?;
+    q.check().map_err(|e| bad(e.to_string()))?;
     Ok(q)
 }
 
@@ -255,6 +255,20 @@ pub enum Ask {
     },
 }
 
+/// Why a reply does not answer the request it names: the peer's refusal, or a
+/// reply of the wrong type or for another region.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReplyError {
+    #[error("the peer refused: {reason}")]
+    Refused { reason: String },
+    #[error("asked for the keys of region {asked}, got region {got}'s")]
+    OtherRegion { asked: u64, got: u64 },
+    #[error("region {region}: the handle says {kind} of {len} B, its keys {got_kind} of {got_len} B")]
+    OtherShape { region: u64, kind: RegionKind, len: u64, got_kind: RegionKind, got_len: u64 },
+    #[error("a {reply} does not answer a {request:?} request")]
+    Unanswered { reply: &'static str, request: Ask },
+}
+
 /// What a reply yields once it answers its request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reply {
@@ -266,20 +280,20 @@ impl Reply {
     /// Checks `control` against `request`: an ACCEPT answers a CONNECT, KEYS a
     /// KEYS_REQUEST for the same region of the same kind and length as the
     /// handle said; a REFUSE is the peer's reason; anything else is refused.
-    pub fn answers(request: Ask, control: Control) -> Result<Reply, String> {
+    pub fn answers(request: Ask, control: Control) -> Result<Reply, ReplyError> {
         match (request, control) {
-            (_, Control::Refuse(why)) => Err(format!("the peer refused: {why}")),
+            (_, Control::Refuse(reason)) => Err(ReplyError::Refused { reason }),
             (Ask::Connect, Control::Accept(q)) => Ok(Reply::Accept(q)),
             (Ask::Keys { region, kind, len }, Control::Keys(k)) => {
                 if k.region != region {
-                    return Err(format!("asked for the keys of region {region}, got region {}'s", k.region));
+                    return Err(ReplyError::OtherRegion { asked: region, got: k.region });
                 }
                 if k.kind != kind || k.len != len {
-                    return Err(format!("region {region}: the handle says {kind} of {len} B, its keys {} of {} B", k.kind, k.len));
+                    return Err(ReplyError::OtherShape { region, kind, len, got_kind: k.kind, got_len: k.len });
                 }
                 Ok(Reply::Keys(k))
             }
-            (r, c) => Err(format!("a {} does not answer a {r:?} request", name(&c))),
+            (request, c) => Err(ReplyError::Unanswered { reply: name(&c), request }),
         }
     }
 }
@@ -415,14 +429,14 @@ mod tests {
         let want = Ask::Keys { region: 9, kind: RegionKind::KdaState, len: 10_000 };
         assert_eq!(Reply::answers(want, Control::Keys(keys())), Ok(Reply::Keys(keys())));
         let other = RegionKeys { region: 8, ..keys() };
-        assert!(Reply::answers(want, Control::Keys(other)).unwrap_err().contains("got region 8"));
+        assert!(Reply::answers(want, Control::Keys(other)).unwrap_err().to_string().contains("got region 8"));
         let shorter = Ask::Keys { region: 9, kind: RegionKind::KdaState, len: 9_999 };
-        assert!(Reply::answers(shorter, Control::Keys(keys())).unwrap_err().contains("the handle says"));
+        assert!(Reply::answers(shorter, Control::Keys(keys())).unwrap_err().to_string().contains("the handle says"));
         let kind = Ask::Keys { region: 9, kind: RegionKind::MlaKv, len: 10_000 };
         assert!(Reply::answers(kind, Control::Keys(keys())).is_err());
-        assert!(Reply::answers(Ask::Connect, Control::Keys(keys())).unwrap_err().contains("does not answer"));
+        assert!(Reply::answers(Ask::Connect, Control::Keys(keys())).unwrap_err().to_string().contains("does not answer"));
         assert!(Reply::answers(want, Control::Accept(info())).is_err());
-        assert!(Reply::answers(Ask::Connect, Control::Refuse("full".into())).unwrap_err().contains("refused: full"));
+        assert!(Reply::answers(Ask::Connect, Control::Refuse("full".into())).unwrap_err().to_string().contains("refused: full"));
         assert_eq!(Reply::answers(Ask::Connect, Control::Accept(info())), Ok(Reply::Accept(info())));
     }
 

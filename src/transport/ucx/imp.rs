@@ -89,7 +89,7 @@ impl UcxTransport {
     /// Loads UCX, creates its context (with `[transport.ucx]` applied) and worker,
     /// and starts the notice listener and the progress thread.
     pub fn open(opts: UcxOptions) -> Result<Self> {
-        let lib = sys::lib().map_err(|reason| TransportError::Unavailable { what: "ucx".into(), reason })?;
+        let lib = sys::lib().map_err(|e| TransportError::Unavailable { what: "ucx".into(), reason: e.to_string() })?;
         let notices = TcpTransport::bind(opts.notify.clone())?;
         let PeerAddr::Tcp { addr: notify } = notices.endpoint() else {
             return Err(TransportError::Unavailable { what: "ucx notices".into(), reason: "the notice transport is not tcp".into() });

@@ -181,16 +181,25 @@ pub struct Lib {
 /// The file loaded: the soname Debian's `libucx0` installs.
 pub const LIBRARY: &str = "libucp.so.0";
 
+/// Why UCX's library cannot be used; each message says what to install.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum UcxLibError {
+    #[error("{library} could not be loaded ({reason}); install UCX (Debian: apt-get install libucx0, or libucx-dev)")]
+    Open { library: &'static str, reason: String },
+    #[error("{library} has no symbol {symbol} (UCX older than 1.13?)")]
+    Symbol { library: &'static str, symbol: &'static str },
+}
+
 /// The library, loaded once per process; the error says what to install.
-pub fn lib() -> Result<&'static Lib, String> {
-    static LIB: OnceLock<Result<Lib, String>> = OnceLock::new();
+pub fn lib() -> Result<&'static Lib, UcxLibError> {
+    static LIB: OnceLock<Result<Lib, UcxLibError>> = OnceLock::new();
     LIB.get_or_init(load).as_ref().map_err(Clone::clone)
 }
 
 // Each symbol's type is the field's it is assigned to, spelled once there.
 #[allow(clippy::missing_transmute_annotations)]
-fn load() -> Result<Lib, String> {
-    let name = CString::new(LIBRARY).map_err(|e| e.to_string())?;
+fn load() -> Result<Lib, UcxLibError> {
+    let name = CString::new(LIBRARY).map_err(|e| UcxLibError::Open { library: LIBRARY, reason: e.to_string() })?;
     // SAFETY: dlopen with a valid C string; the handle is kept for the process's life.
     let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
     if handle.is_null() {
@@ -199,7 +208,7 @@ fn load() -> Result<Lib, String> {
             let e = libc::dlerror();
             if e.is_null() { "unknown".to_string() } else { CStr::from_ptr(e).to_string_lossy().into_owned() }
         };
-        return Err(format!("{LIBRARY} could not be loaded ({why}); install UCX (Debian: apt-get install libucx0, or libucx-dev)"));
+        return Err(UcxLibError::Open { library: LIBRARY, reason: why });
     }
     macro_rules! sym {
         ($name:literal) => {{
@@ -207,7 +216,7 @@ fn load() -> Result<Lib, String> {
             // SAFETY: a NUL-terminated name; dlsym searches the library and its dependencies.
             let p = unsafe { libc::dlsym(handle, c.as_ptr().cast()) };
             if p.is_null() {
-                return Err(format!("{LIBRARY} has no symbol {} (UCX older than 1.13?)", $name));
+                return Err(UcxLibError::Symbol { library: LIBRARY, symbol: $name });
             }
             // SAFETY: the symbol is the C function of that name, whose signature
             // the field's type copies from ucp.h.
