@@ -61,8 +61,7 @@
 #define KC_DK 128        // key channels, padded
 #define KC_THREADS 256
 #define KC_LD1 (KC_DK + 1)  // row stride of q^, k^, Gam in kda_chunk_prep (no bank conflicts)
-#define KC_PAIRS (KC_C * (KC_C + 1) / 2)
-#define KC_PAIRS_PER_THREAD ((KC_PAIRS + KC_THREADS - 1) / KC_THREADS)
+#define KC_TILES ((KC_C / 4) * (KC_C / 4 + 1) / 2)  // 4 x 4 tiles of the pairs s <= t in kda_chunk_prep
 #define KC_TILE 16          // value columns per kda_chunk_state block
 #define KC_LDW (KC_DK + 4)  // row stride of the 128-wide operands in shared memory
 #define KC_LDP (KC_C + 4)   // row stride of P in kda_chunk_out
@@ -181,32 +180,62 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
     }
     __syncthreads();  // B
 
-    // Step 3: the pairs s <= t (numbered row by row) spread evenly over the
-    // threads; A (strictly lower, times beta_t) kept in registers until q^'s
-    // region is free, P to the workspace.
-    float aval[KC_PAIRS_PER_THREAD];
-    float* P = W.p + ((hk_i64)h * chunks + c) * KC_C * KC_C;
+    // Step 3: A (strictly lower, times beta_t) and P over the pairs s <= t,
+    // in 4 x 4 tiles of (t, s): tile number p < 136 (of the lower triangle,
+    // numbered row by row) is thread p's. A thread loads four rows' and four
+    // columns' channels once and uses each for four pairs, where a thread a
+    // pair read five values a pair and channel: the step was bound by those
+    // shared-memory reads. Each pair's sum is the same chain in the same
+    // order as one thread a pair gives (the same bits); the pairs s > t of
+    // the diagonal tiles are computed and dropped. A stays in registers
+    // until q^'s region is free, P goes to the workspace.
+    float akk[4][4], aqk[4][4];
+    int tt0 = 0, ss0 = 0;
+    const bool tiled = tid < KC_TILES;
+    if (tiled) {
+        int tr = (int)((sqrtf(8.0f * (float)tid + 1.0f) - 1.0f) * 0.5f);
+        while (tr * (tr + 1) / 2 > tid) --tr;
+        while ((tr + 1) * (tr + 2) / 2 <= tid) ++tr;
+        tt0 = 4 * tr;
+        ss0 = 4 * (tid - tr * (tr + 1) / 2);
 #pragma unroll
-    for (int m = 0; m < KC_PAIRS_PER_THREAD; ++m) {
-        const int p = tid + KC_THREADS * m;
-        aval[m] = 0.0f;
-        if (p < KC_PAIRS) {
-            int t = (int)((sqrtf(8.0f * (float)p + 1.0f) - 1.0f) * 0.5f);
-            while (t * (t + 1) / 2 > p) --t;
-            while ((t + 1) * (t + 2) / 2 <= p) ++t;
-            const int s = p - t * (t + 1) / 2;
-            float akk = 0.0f, aqk = 0.0f;
-            for (int i = 0; i < dk; ++i) {
-                const float d = expf(gm[t * KC_LD1 + i] - gm[s * KC_LD1 + i]) * kh[s * KC_LD1 + i];
-                akk = fmaf(kh[t * KC_LD1 + i], d, akk);
-                aqk = fmaf(qh[t * KC_LD1 + i], d, aqk);
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int b = 0; b < 4; ++b) akk[a][b] = aqk[a][b] = 0.0f;
+        for (int i = 0; i < dk; ++i) {
+            float gt[4], kt[4], qt[4], gs[4], ks[4];
+#pragma unroll
+            for (int a = 0; a < 4; ++a) {
+                gt[a] = gm[(tt0 + a) * KC_LD1 + i];
+                kt[a] = kh[(tt0 + a) * KC_LD1 + i];
+                qt[a] = qh[(tt0 + a) * KC_LD1 + i];
+                gs[a] = gm[(ss0 + a) * KC_LD1 + i];
+                ks[a] = kh[(ss0 + a) * KC_LD1 + i];
             }
-            aval[m] = s < t ? bt[t] * akk : 0.0f;
-            P[t * KC_C + s] = aqk;
+#pragma unroll
+            for (int a = 0; a < 4; ++a)
+#pragma unroll
+                for (int b = 0; b < 4; ++b) {
+                    const float d = expf(gt[a] - gs[b]) * ks[b];
+                    akk[a][b] = fmaf(kt[a], d, akk[a][b]);
+                    aqk[a][b] = fmaf(qt[a], d, aqk[a][b]);
+                }
         }
+        float* P = W.p + ((hk_i64)h * chunks + c) * KC_C * KC_C;
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                const int t = tt0 + a, s2 = ss0 + b;
+                if (s2 <= t) P[t * KC_C + s2] = aqk[a][b];
+                akk[a][b] = s2 < t ? bt[t] * akk[a][b] : 0.0f;
+            }
     }
-    for (int e = tid; e < KC_C * KC_C; e += KC_THREADS) {
-        if ((e & (KC_C - 1)) > (e / KC_C)) P[e] = 0.0f;
+    {
+        float* P = W.p + ((hk_i64)h * chunks + c) * KC_C * KC_C;
+        for (int e = tid; e < KC_C * KC_C; e += KC_THREADS) {
+            if ((e & (KC_C - 1)) > (e / KC_C)) P[e] = 0.0f;
+        }
     }
     // e^Gam q^ and e^(Gam_last - Gam) k^ (zero on the padding rows and
     // channels, whose q^ and k^ are zero), and e^Gam_last.
@@ -219,18 +248,16 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
     }
     if (tid < KC_DK) W.dc[((hk_i64)h * chunks + c) * KC_DK + tid] = expf(glast[tid]);
     __syncthreads();  // C
+    // A over q^'s region: the tiles, then zeros above the diagonal (the
+    // diagonal tiles wrote their upper pairs as zeros already).
+    if (tiled) {
 #pragma unroll
-    for (int m = 0; m < KC_PAIRS_PER_THREAD; ++m) {
-        const int p = tid + KC_THREADS * m;
-        if (p < KC_PAIRS) {
-            int t = (int)((sqrtf(8.0f * (float)p + 1.0f) - 1.0f) * 0.5f);
-            while (t * (t + 1) / 2 > p) --t;
-            while ((t + 1) * (t + 2) / 2 <= p) ++t;
-            am[t * KC_C + p - t * (t + 1) / 2] = aval[m];
-        }
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int b = 0; b < 4; ++b) am[(tt0 + a) * KC_C + ss0 + b] = akk[a][b];
     }
     for (int e = tid; e < KC_C * KC_C; e += KC_THREADS) {
-        if ((e & (KC_C - 1)) > (e / KC_C)) am[e] = 0.0f;
+        if ((e & (KC_C - 1)) > (e / KC_C) + 3 - ((e / KC_C) & 3)) am[e] = 0.0f;
     }
     __syncthreads();  // D
 
@@ -249,10 +276,19 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
             for (int t = 0; t < KC_C; ++t)
                 x[t] = t < n ? bt[t] * v[((in0 + t) * heads + h) * dv + j] : 0.0f;
         }
+        // A's rows in 16-byte reads (every lane reads the same address: one
+        // broadcast serves four multiply-adds), the same chain as one read a
+        // coefficient.
 #pragma unroll
         for (int t = 1; t < KC_C; ++t) {
 #pragma unroll
-            for (int s = 0; s < t; ++s) x[t] = fmaf(-am[t * KC_C + s], x[s], x[t]);
+            for (int s = 0; s < t; s += 4) {
+                const float4 a4 = *(const float4*)(am + t * KC_C + s);
+                x[t] = fmaf(-a4.x, x[s], x[t]);
+                if (s + 1 < t) x[t] = fmaf(-a4.y, x[s + 1], x[t]);
+                if (s + 2 < t) x[t] = fmaf(-a4.z, x[s + 2], x[t]);
+                if (s + 3 < t) x[t] = fmaf(-a4.w, x[s + 3], x[t]);
+            }
         }
         if (col < KC_DK) {
 #pragma unroll
