@@ -61,7 +61,8 @@
 #define KC_DK 128        // key channels, padded
 #define KC_THREADS 256
 #define KC_LD1 (KC_DK + 1)  // row stride of q^, k^, Gam in kda_chunk_prep (no bank conflicts)
-#define KC_TILES ((KC_C / 4) * (KC_C / 4 + 1) / 2)  // 4 x 4 tiles of the pairs s <= t in kda_chunk_prep
+#define KC_IN_PAIRS (4 * 136)  // kda_chunk_prep: the pairs s <= t within the four 16-token subchunks
+#define KC_IN_PER_THREAD ((KC_IN_PAIRS + KC_THREADS - 1) / KC_THREADS)
 #define KC_TILE 16          // value columns per kda_chunk_state block
 #define KC_LDW (KC_DK + 4)  // row stride of the 128-wide operands in shared memory
 #define KC_LDP (KC_C + 4)   // row stride of P in kda_chunk_out
@@ -94,9 +95,11 @@ static __device__ __forceinline__ KdaChunkWs kda_chunk_ws(float* ws, int heads, 
 // that does not need the state. Writes k^ and g of the record (u comes from
 // kda_chunk_state).
 // Launch: grid (chunks, heads); block KC_THREADS; dynamic shared memory
-// (3 * 64 * KC_LD1 + 64) floats.
-// Shared memory: q^, k^, Gam [64][KC_LD1] and beta [64]; after barrier C the
-// q^ region holds A [64][64] (q^ is last read before C).
+// (3 * 64 * KC_LD1 + 64 + 6 * KC_DK) floats.
+// Shared memory: q^, k^, Gam [64][KC_LD1], beta [64], Gam at the subchunk
+// ends [3][KC_DK] and the middle factors [3][KC_DK] (step 3); from barrier D
+// the first three hold step 3's factored operands, and after barrier E the
+// q^ region holds A [64][64].
 extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
     const float* __restrict__ q,        // [T, H, dk]
     const float* __restrict__ k,        // [T, H, dk]
@@ -180,84 +183,157 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
     }
     __syncthreads();  // B
 
-    // Step 3: A (strictly lower, times beta_t) and P over the pairs s <= t,
-    // in 4 x 4 tiles of (t, s): tile number p < 136 (of the lower triangle,
-    // numbered row by row) is thread p's. A thread loads four rows' and four
-    // columns' channels once and uses each for four pairs, where a thread a
-    // pair read five values a pair and channel: the step was bound by those
-    // shared-memory reads. Each pair's sum is the same chain in the same
-    // order as one thread a pair gives (the same bits); the pairs s > t of
-    // the diagonal tiles are computed and dropped. A stays in registers
-    // until q^'s region is free, P goes to the workspace.
-    float akk[4][4], aqk[4][4];
-    int tt0 = 0, ss0 = 0;
-    const bool tiled = tid < KC_TILES;
-    if (tiled) {
-        int tr = (int)((sqrtf(8.0f * (float)tid + 1.0f) - 1.0f) * 0.5f);
-        while (tr * (tr + 1) / 2 > tid) --tr;
-        while ((tr + 1) * (tr + 2) / 2 <= tid) ++tr;
-        tt0 = 4 * tr;
-        ss0 = 4 * (tid - tr * (tr + 1) / 2);
-#pragma unroll
-        for (int a = 0; a < 4; ++a)
-#pragma unroll
-            for (int b = 0; b < 4; ++b) akk[a][b] = aqk[a][b] = 0.0f;
-        for (int i = 0; i < dk; ++i) {
-            float gt[4], kt[4], qt[4], gs[4], ks[4];
-#pragma unroll
-            for (int a = 0; a < 4; ++a) {
-                gt[a] = gm[(tt0 + a) * KC_LD1 + i];
-                kt[a] = kh[(tt0 + a) * KC_LD1 + i];
-                qt[a] = qh[(tt0 + a) * KC_LD1 + i];
-                gs[a] = gm[(ss0 + a) * KC_LD1 + i];
-                ks[a] = kh[(ss0 + a) * KC_LD1 + i];
-            }
-#pragma unroll
-            for (int a = 0; a < 4; ++a)
-#pragma unroll
-                for (int b = 0; b < 4; ++b) {
-                    const float d = expf(gt[a] - gs[b]) * ks[b];
-                    akk[a][b] = fmaf(kt[a], d, akk[a][b]);
-                    aqk[a][b] = fmaf(qt[a], d, aqk[a][b]);
-                }
-        }
-        float* P = W.p + ((hk_i64)h * chunks + c) * KC_C * KC_C;
-#pragma unroll
-        for (int a = 0; a < 4; ++a)
-#pragma unroll
-            for (int b = 0; b < 4; ++b) {
-                const int t = tt0 + a, s2 = ss0 + b;
-                if (s2 <= t) P[t * KC_C + s2] = aqk[a][b];
-                akk[a][b] = s2 < t ? bt[t] * akk[a][b] : 0.0f;
-            }
-    }
-    {
-        float* P = W.p + ((hk_i64)h * chunks + c) * KC_C * KC_C;
-        for (int e = tid; e < KC_C * KC_C; e += KC_THREADS) {
-            if ((e & (KC_C - 1)) > (e / KC_C)) P[e] = 0.0f;
-        }
-    }
-    // e^Gam q^ and e^(Gam_last - Gam) k^ (zero on the padding rows and
-    // channels, whose q^ and k^ are zero), and e^Gam_last.
+    // Step 3: A (strictly lower, times beta_t) and P over the pairs s <= t:
+    //   A_ts = beta_t sum_i k^_t,i k^_s,i e^(Gam_t,i - Gam_s,i),  P_ts = the
+    //   same with q^_t (s <= t).
+    // A thread a pair computing one exponential a pair and channel was bound
+    // by the exponentials and by five shared-memory reads a pair and channel.
+    // Within each 16-token subchunk the pairs still do (3b); across
+    // subchunks a < b the decay factors through the subchunk ends
+    // e(a) = 16 a + 15:
+    //   e^(Gam_t - Gam_s) = e^(Gam_t - Gam_e(b-1)) e^(Gam_e(b-1) - Gam_e(a)) e^(Gam_e(a) - Gam_s),
+    // every exponent <= 0 (Gam only falls), so no factor overflows where the
+    // direct one would not. k^ and q^ of t times the first factor, k^ of s
+    // times the last, and the middle one (1 when b = a + 1) are made once
+    // (3c), and the 1,536 pairs across subchunks become plain sums of
+    // products in 4 x 4 tiles (3d): 20K exponentials a chunk instead of 266K.
+    // The sums keep the key channels in index order; the factored products
+    // round differently from the direct ones (agreement with the CPU to
+    // rounding, as before).
+    float* P = W.p + ((hk_i64)h * chunks + c) * KC_C * KC_C;
+    float* gref = bt + KC_C;        // Gam at the subchunk ends 15, 31, 47 [3][KC_DK]
+    float* mid = gref + 3 * KC_DK;  // e^(Gam_e(b-1) - Gam_e(a)) for (a, b) = (0, 2), (0, 3), (1, 3)
+
+    // 3a: e^Gam q^ and e^(Gam_last - Gam) k^ (zero on the padding rows and
+    // channels, whose q^ and k^ are zero), e^Gam_last, and step 4's
+    // right-hand side diag(beta) e^Gam k^ into W (solved in place there);
+    // the subchunk ends' Gam.
     const float* glast = gm + (n - 1) * KC_LD1;
     for (int e = tid; e < KC_C * KC_DK; e += KC_THREADS) {
         const int t = e / KC_DK, i = e % KC_DK;
         const float gt = gm[t * KC_LD1 + i];
-        W.qg[(row0 + t) * KC_DK + i] = expf(gt) * qh[t * KC_LD1 + i];
-        W.kd[(row0 + t) * KC_DK + i] = expf(glast[i] - gt) * kh[t * KC_LD1 + i];
+        const float eg = expf(gt);
+        const float kt = kh[t * KC_LD1 + i];
+        W.qg[(row0 + t) * KC_DK + i] = eg * qh[t * KC_LD1 + i];
+        W.kd[(row0 + t) * KC_DK + i] = expf(glast[i] - gt) * kt;
+        W.w[(row0 + t) * KC_DK + i] = bt[t] * (eg * kt);
     }
     if (tid < KC_DK) W.dc[((hk_i64)h * chunks + c) * KC_DK + tid] = expf(glast[tid]);
-    __syncthreads();  // C
-    // A over q^'s region: the tiles, then zeros above the diagonal (the
-    // diagonal tiles wrote their upper pairs as zeros already).
-    if (tiled) {
+    for (int e = tid; e < 3 * KC_DK; e += KC_THREADS) gref[e] = gm[(16 * (e / KC_DK) + 15) * KC_LD1 + e % KC_DK];
+
+    // 3b: the 4 x 136 pairs within a subchunk, one thread a pair, directly.
+    float adiag[KC_IN_PER_THREAD];
 #pragma unroll
-        for (int a = 0; a < 4; ++a)
-#pragma unroll
-            for (int b = 0; b < 4; ++b) am[(tt0 + a) * KC_C + ss0 + b] = akk[a][b];
+    for (int m = 0; m < KC_IN_PER_THREAD; ++m) {
+        const int p = tid + KC_THREADS * m;
+        adiag[m] = 0.0f;
+        if (p < KC_IN_PAIRS) {
+            const int sub = p / 136, r = p % 136;
+            int tl = (int)((sqrtf(8.0f * (float)r + 1.0f) - 1.0f) * 0.5f);
+            while (tl * (tl + 1) / 2 > r) --tl;
+            while ((tl + 1) * (tl + 2) / 2 <= r) ++tl;
+            const int t = 16 * sub + tl, s2 = 16 * sub + r - tl * (tl + 1) / 2;
+            float akk = 0.0f, aqk = 0.0f;
+            for (int i = 0; i < dk; ++i) {
+                const float d = expf(gm[t * KC_LD1 + i] - gm[s2 * KC_LD1 + i]) * kh[s2 * KC_LD1 + i];
+                akk = fmaf(kh[t * KC_LD1 + i], d, akk);
+                aqk = fmaf(qh[t * KC_LD1 + i], d, aqk);
+            }
+            adiag[m] = s2 < t ? bt[t] * akk : 0.0f;
+            P[t * KC_C + s2] = aqk;
+        }
     }
     for (int e = tid; e < KC_C * KC_C; e += KC_THREADS) {
-        if ((e & (KC_C - 1)) > (e / KC_C) + 3 - ((e / KC_C) & 3)) am[e] = 0.0f;
+        if ((e & (KC_C - 1)) > (e / KC_C)) P[e] = 0.0f;
+    }
+    __syncthreads();  // C: Gam's raw values and the subchunk ends are read
+
+    // 3c: in place, k^ := k^ e^(Gam_t - Gam_e(b-1)) and q^ likewise for the
+    // tokens of subchunks 1 to 3, Gam := k^ e^(Gam_e(a) - Gam_s) for those of
+    // subchunks 0 to 2; and the middle factors.
+    for (int e = tid; e < KC_C * KC_DK; e += KC_THREADS) {
+        const int t = e / KC_DK, i = e % KC_DK, sub = t / 16;
+        const int x = t * KC_LD1 + i;
+        const float g = gm[x], kt = kh[x];
+        if (sub < 3) gm[x] = kt * expf(gref[sub * KC_DK + i] - g);
+        if (sub > 0) {
+            const float el = expf(g - gref[(sub - 1) * KC_DK + i]);
+            kh[x] = kt * el;
+            qh[x] = qh[x] * el;
+        }
+    }
+    for (int e = tid; e < 3 * KC_DK; e += KC_THREADS) {
+        const int which = e / KC_DK, i = e % KC_DK;
+        const int hi = which == 0 ? 1 : 2, lo = which == 2 ? 1 : 0;
+        mid[e] = expf(gref[hi * KC_DK + i] - gref[lo * KC_DK + i]);
+    }
+    __syncthreads();  // D: the factored operands are in place
+
+    // 3d: the pairs across subchunks, 4 x 4 tiles: block (a, b) of the six
+    // is tid / 16, its tile tid % 16.
+    float akk[4][4];
+    int tt0 = 0, ss0 = 0;
+    const bool tiled = tid < 96;
+    if (tiled) {
+        const int blk = tid / 16;
+        const int sa = blk < 3 ? (blk == 2 ? 1 : 0) : blk - 3;  // (0,1) (0,2) (1,2) (0,3) (1,3) (2,3)
+        const int sb = blk < 3 ? (blk == 0 ? 1 : 2) : 3;
+        const float* mrow = sb == sa + 1 ? 0 : mid + (sa == 1 ? 2 : sb == 2 ? 0 : 1) * KC_DK;
+        tt0 = 16 * sb + 4 * ((tid % 16) / 4);
+        ss0 = 16 * sa + 4 * (tid % 4);
+        float aqk[4][4];
+#pragma unroll
+        for (int x = 0; x < 4; ++x)
+#pragma unroll
+            for (int y = 0; y < 4; ++y) akk[x][y] = aqk[x][y] = 0.0f;
+        for (int i = 0; i < dk; ++i) {
+            const float mm = mrow ? mrow[i] : 1.0f;
+            float kt[4], qt[4], fs[4];
+#pragma unroll
+            for (int x = 0; x < 4; ++x) {
+                kt[x] = kh[(tt0 + x) * KC_LD1 + i];
+                qt[x] = qh[(tt0 + x) * KC_LD1 + i];
+                fs[x] = gm[(ss0 + x) * KC_LD1 + i] * mm;
+            }
+#pragma unroll
+            for (int x = 0; x < 4; ++x)
+#pragma unroll
+                for (int y = 0; y < 4; ++y) {
+                    akk[x][y] = fmaf(kt[x], fs[y], akk[x][y]);
+                    aqk[x][y] = fmaf(qt[x], fs[y], aqk[x][y]);
+                }
+        }
+#pragma unroll
+        for (int x = 0; x < 4; ++x)
+#pragma unroll
+            for (int y = 0; y < 4; ++y) {
+                P[(tt0 + x) * KC_C + ss0 + y] = aqk[x][y];
+                akk[x][y] *= bt[tt0 + x];
+            }
+    }
+    __syncthreads();  // E: q^'s region is free
+
+    // A over q^'s region: the pairs within subchunks (their upper halves and
+    // the diagonal as zeros), the tiles across them, zeros above.
+#pragma unroll
+    for (int m = 0; m < KC_IN_PER_THREAD; ++m) {
+        const int p = tid + KC_THREADS * m;
+        if (p < KC_IN_PAIRS) {
+            const int sub = p / 136, r = p % 136;
+            int tl = (int)((sqrtf(8.0f * (float)r + 1.0f) - 1.0f) * 0.5f);
+            while (tl * (tl + 1) / 2 > r) --tl;
+            while ((tl + 1) * (tl + 2) / 2 <= r) ++tl;
+            am[(16 * sub + tl) * KC_C + 16 * sub + r - tl * (tl + 1) / 2] = adiag[m];
+        }
+    }
+    if (tiled) {
+#pragma unroll
+        for (int x = 0; x < 4; ++x)
+#pragma unroll
+            for (int y = 0; y < 4; ++y) am[(tt0 + x) * KC_C + ss0 + y] = akk[x][y];
+    }
+    for (int e = tid; e < KC_C * KC_C; e += KC_THREADS) {
+        if ((e & (KC_C - 1)) > (e / KC_C)) am[e] = 0.0f;
     }
     __syncthreads();  // D
 
@@ -268,8 +344,7 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
         float x[KC_C];
         if (col < KC_DK) {
 #pragma unroll
-            for (int t = 0; t < KC_C; ++t)
-                x[t] = bt[t] * (expf(gm[t * KC_LD1 + col]) * kh[t * KC_LD1 + col]);
+            for (int t = 0; t < KC_C; ++t) x[t] = W.w[(row0 + t) * KC_DK + col];  // 3a's
         } else {
             const int j = col - KC_DK;
 #pragma unroll
