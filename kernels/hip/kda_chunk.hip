@@ -399,7 +399,7 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
 // Launch: grid (heads, ceil(dv / 16), nseq); block KC_THREADS; dynamic shared
 // memory KC_H_SMEM floats.
 #define KC_LDU (KC_C + 4)  // row stride of u^T in kda_chunk_out
-#define KC_H_SMEM (KC_TILE * KC_LDW + 4 * KC_C * KC_LDW + KC_TILE * KC_LDU)  // u [64][16] in the last part
+#define KC_H_SMEM (KC_TILE * KC_LDW + 4 * KC_C * KC_LDW + KC_TILE * KC_LDU + 2 * KC_C * KC_TILE + 2 * KC_DK)  // u [64][16], then U0 and e^Gam_last double-buffered
 extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
     float* __restrict__ state,  // [states, H, dk, dv], updated in place
     float* __restrict__ ws,
@@ -411,6 +411,8 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
     float* Wb = ST + KC_TILE * KC_LDW;    // W [2][64][KC_LDW]
     float* Kb = Wb + 2 * KC_C * KC_LDW;   // e^(..) k^ [2][64][KC_LDW]
     float* Us = Kb + 2 * KC_C * KC_LDW;   // u [64][16]
+    float* U0b = Us + KC_TILE * KC_LDU;   // U0 of the tile [2][64][16] and e^Gam_last [2][128]
+    float* Db = U0b + 2 * KC_C * KC_TILE;
 
     const int h = blockIdx.x;
     const int tid = threadIdx.x;
@@ -425,6 +427,7 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
     float* Sg = state + ((hk_i64)seg[4 * sq + 3] * heads + h) * dk * dv;
     const hk_i64 wrow = (hk_i64)h * wchunks * KC_C + (hk_i64)cbase * KC_C;
     const hk_i64 wch = (hk_i64)h * wchunks + cbase;  // the sequence's first chunk for head h
+    const bool pre = dv % 4 == 0;  // U0 and e^Gam_last come with the chunk's operands
 
     // This thread's state: rows 4 tg + a, columns cs[b] = 2 jg + b.
     int cs[2];
@@ -459,6 +462,19 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
             hk_cp16(wd + t * KC_LDW + i, W.w + (r0 + t) * KC_DK + i, true);
             hk_cp16(kd + t * KC_LDW + i, W.kd + (r0 + t) * KC_DK + i, true);
         }
+        // U0 of the tile's columns and e^Gam_last too, so that no global
+        // read is left on the chunk's own path (a read of U0 there waited
+        // on memory before u's products could finish). 16-byte copies need
+        // dv a multiple of 4; otherwise the chunk reads them itself.
+        if (pre) {
+            float* ud = U0b + (cc & 1) * KC_C * KC_TILE;
+            for (int e = tid; e < KC_C * (KC_TILE / 4); e += KC_THREADS) {
+                const int t = e / (KC_TILE / 4), j = (e % (KC_TILE / 4)) * 4;
+                const bool on = cbase0 + j < dv;
+                hk_cp16(ud + t * KC_TILE + j, on ? W.u0 + (r0 + t) * dv + cbase0 + j : W.u0, on);
+            }
+            if (tid < KC_DK / 4) hk_cp16(Db + (cc & 1) * KC_DK + 4 * tid, W.dc + (wch + cc) * KC_DK + 4 * tid, true);
+        }
         hk_cp_commit();
     };
     if (chunks > 0) load(0);
@@ -479,11 +495,21 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
         const float* Wc = Wb + (c & 1) * KC_C * KC_LDW;
         const float* Kc = Kb + (c & 1) * KC_C * KC_LDW;
         float u0[2][2];
+        float4 dc4;
+        if (pre) {
+            const float* ub = U0b + (c & 1) * KC_C * KC_TILE;
 #pragma unroll
-        for (int m = 0; m < 2; ++m)
+            for (int m = 0; m < 2; ++m)
 #pragma unroll
-            for (int q = 0; q < 2; ++q) u0[m][q] = uon[q] ? W.u0[(row0 + tg + 32 * m) * dv + uc[q]] : 0.0f;
-        const float4 dc4 = *(const float4*)(W.dc + (wch + c) * KC_DK + 4 * tg);
+                for (int q = 0; q < 2; ++q) u0[m][q] = uon[q] ? ub[(tg + 32 * m) * KC_TILE + jg + 8 * q] : 0.0f;
+            dc4 = *(const float4*)(Db + (c & 1) * KC_DK + 4 * tg);
+        } else {
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int q = 0; q < 2; ++q) u0[m][q] = uon[q] ? W.u0[(row0 + tg + 32 * m) * dv + uc[q]] : 0.0f;
+            dc4 = *(const float4*)(W.dc + (wch + c) * KC_DK + 4 * tg);
+        }
         // The state entering the chunk, for phase 3 ([col][128]).
 #pragma unroll
         for (int b = 0; b < 2; ++b)
