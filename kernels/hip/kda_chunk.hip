@@ -61,8 +61,8 @@
 #define KC_DK 128        // key channels, padded
 #define KC_THREADS 256
 #define KC_LD1 (KC_DK + 1)  // row stride of q^, k^, Gam in kda_chunk_prep (no bank conflicts)
-#define KC_PAIRS (KC_C * (KC_C + 1) / 2)
-#define KC_PAIRS_PER_THREAD ((KC_PAIRS + KC_THREADS - 1) / KC_THREADS)
+#define KC_IN_PAIRS (4 * 136)  // kda_chunk_prep: the pairs s <= t within the four 16-token subchunks
+#define KC_IN_PER_THREAD ((KC_IN_PAIRS + KC_THREADS - 1) / KC_THREADS)
 #define KC_TILE 16          // value columns per kda_chunk_state block
 #define KC_LDW (KC_DK + 4)  // row stride of the 128-wide operands in shared memory
 #define KC_LDP (KC_C + 4)   // row stride of P in kda_chunk_out
@@ -95,9 +95,11 @@ static __device__ __forceinline__ KdaChunkWs kda_chunk_ws(float* ws, int heads, 
 // that does not need the state. Writes k^ and g of the record (u comes from
 // kda_chunk_state).
 // Launch: grid (chunks, heads); block KC_THREADS; dynamic shared memory
-// (3 * 64 * KC_LD1 + 64) floats.
-// Shared memory: q^, k^, Gam [64][KC_LD1] and beta [64]; after barrier C the
-// q^ region holds A [64][64] (q^ is last read before C).
+// (3 * 64 * KC_LD1 + 64 + 6 * KC_DK) floats.
+// Shared memory: q^, k^, Gam [64][KC_LD1], beta [64], Gam at the subchunk
+// ends [3][KC_DK] and the middle factors [3][KC_DK] (step 3); from barrier D
+// the first three hold step 3's factored operands, and after barrier E the
+// q^ region holds A [64][64].
 extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
     const float* __restrict__ q,        // [T, H, dk]
     const float* __restrict__ k,        // [T, H, dk]
@@ -181,53 +183,154 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
     }
     __syncthreads();  // B
 
-    // Step 3: the pairs s <= t (numbered row by row) spread evenly over the
-    // threads; A (strictly lower, times beta_t) kept in registers until q^'s
-    // region is free, P to the workspace.
-    float aval[KC_PAIRS_PER_THREAD];
+    // Step 3: A (strictly lower, times beta_t) and P over the pairs s <= t:
+    //   A_ts = beta_t sum_i k^_t,i k^_s,i e^(Gam_t,i - Gam_s,i),  P_ts = the
+    //   same with q^_t (s <= t).
+    // A thread a pair computing one exponential a pair and channel was bound
+    // by the exponentials and by five shared-memory reads a pair and channel.
+    // Within each 16-token subchunk the pairs still do (3b); across
+    // subchunks a < b the decay factors through the subchunk ends
+    // e(a) = 16 a + 15:
+    //   e^(Gam_t - Gam_s) = e^(Gam_t - Gam_e(b-1)) e^(Gam_e(b-1) - Gam_e(a)) e^(Gam_e(a) - Gam_s),
+    // every exponent <= 0 (Gam only falls), so no factor overflows where the
+    // direct one would not. k^ and q^ of t times the first factor, k^ of s
+    // times the last, and the middle one (1 when b = a + 1) are made once
+    // (3c), and the 1,536 pairs across subchunks become plain sums of
+    // products in 4 x 4 tiles (3d): 20K exponentials a chunk instead of 266K.
+    // The sums keep the key channels in index order; the factored products
+    // round differently from the direct ones (agreement with the CPU to
+    // rounding, as before).
     float* P = W.p + ((hk_i64)h * chunks + c) * KC_C * KC_C;
+    float* gref = bt + KC_C;        // Gam at the subchunk ends 15, 31, 47 [3][KC_DK]
+    float* mid = gref + 3 * KC_DK;  // e^(Gam_e(b-1) - Gam_e(a)) for (a, b) = (0, 2), (0, 3), (1, 3)
+
+    // 3a: e^Gam q^ and e^(Gam_last - Gam) k^ (zero on the padding rows and
+    // channels, whose q^ and k^ are zero), e^Gam_last, and step 4's
+    // right-hand side diag(beta) e^Gam k^ into W (solved in place there);
+    // the subchunk ends' Gam.
+    const float* glast = gm + (n - 1) * KC_LD1;
+    for (int e = tid; e < KC_C * KC_DK; e += KC_THREADS) {
+        const int t = e / KC_DK, i = e % KC_DK;
+        const float gt = gm[t * KC_LD1 + i];
+        const float eg = expf(gt);
+        const float kt = kh[t * KC_LD1 + i];
+        W.qg[(row0 + t) * KC_DK + i] = eg * qh[t * KC_LD1 + i];
+        W.kd[(row0 + t) * KC_DK + i] = expf(glast[i] - gt) * kt;
+        W.w[(row0 + t) * KC_DK + i] = bt[t] * (eg * kt);
+    }
+    if (tid < KC_DK) W.dc[((hk_i64)h * chunks + c) * KC_DK + tid] = expf(glast[tid]);
+    for (int e = tid; e < 3 * KC_DK; e += KC_THREADS) gref[e] = gm[(16 * (e / KC_DK) + 15) * KC_LD1 + e % KC_DK];
+
+    // 3b: the 4 x 136 pairs within a subchunk, one thread a pair, directly.
+    float adiag[KC_IN_PER_THREAD];
 #pragma unroll
-    for (int m = 0; m < KC_PAIRS_PER_THREAD; ++m) {
+    for (int m = 0; m < KC_IN_PER_THREAD; ++m) {
         const int p = tid + KC_THREADS * m;
-        aval[m] = 0.0f;
-        if (p < KC_PAIRS) {
-            int t = (int)((sqrtf(8.0f * (float)p + 1.0f) - 1.0f) * 0.5f);
-            while (t * (t + 1) / 2 > p) --t;
-            while ((t + 1) * (t + 2) / 2 <= p) ++t;
-            const int s = p - t * (t + 1) / 2;
+        adiag[m] = 0.0f;
+        if (p < KC_IN_PAIRS) {
+            const int sub = p / 136, r = p % 136;
+            int tl = (int)((sqrtf(8.0f * (float)r + 1.0f) - 1.0f) * 0.5f);
+            while (tl * (tl + 1) / 2 > r) --tl;
+            while ((tl + 1) * (tl + 2) / 2 <= r) ++tl;
+            const int t = 16 * sub + tl, s2 = 16 * sub + r - tl * (tl + 1) / 2;
             float akk = 0.0f, aqk = 0.0f;
             for (int i = 0; i < dk; ++i) {
-                const float d = expf(gm[t * KC_LD1 + i] - gm[s * KC_LD1 + i]) * kh[s * KC_LD1 + i];
+                const float d = expf(gm[t * KC_LD1 + i] - gm[s2 * KC_LD1 + i]) * kh[s2 * KC_LD1 + i];
                 akk = fmaf(kh[t * KC_LD1 + i], d, akk);
                 aqk = fmaf(qh[t * KC_LD1 + i], d, aqk);
             }
-            aval[m] = s < t ? bt[t] * akk : 0.0f;
-            P[t * KC_C + s] = aqk;
+            adiag[m] = s2 < t ? bt[t] * akk : 0.0f;
+            P[t * KC_C + s2] = aqk;
         }
     }
     for (int e = tid; e < KC_C * KC_C; e += KC_THREADS) {
         if ((e & (KC_C - 1)) > (e / KC_C)) P[e] = 0.0f;
     }
-    // e^Gam q^ and e^(Gam_last - Gam) k^ (zero on the padding rows and
-    // channels, whose q^ and k^ are zero), and e^Gam_last.
-    const float* glast = gm + (n - 1) * KC_LD1;
+    __syncthreads();  // C: Gam's raw values and the subchunk ends are read
+
+    // 3c: in place, k^ := k^ e^(Gam_t - Gam_e(b-1)) and q^ likewise for the
+    // tokens of subchunks 1 to 3, Gam := k^ e^(Gam_e(a) - Gam_s) for those of
+    // subchunks 0 to 2; and the middle factors.
     for (int e = tid; e < KC_C * KC_DK; e += KC_THREADS) {
-        const int t = e / KC_DK, i = e % KC_DK;
-        const float gt = gm[t * KC_LD1 + i];
-        W.qg[(row0 + t) * KC_DK + i] = expf(gt) * qh[t * KC_LD1 + i];
-        W.kd[(row0 + t) * KC_DK + i] = expf(glast[i] - gt) * kh[t * KC_LD1 + i];
-    }
-    if (tid < KC_DK) W.dc[((hk_i64)h * chunks + c) * KC_DK + tid] = expf(glast[tid]);
-    __syncthreads();  // C
-#pragma unroll
-    for (int m = 0; m < KC_PAIRS_PER_THREAD; ++m) {
-        const int p = tid + KC_THREADS * m;
-        if (p < KC_PAIRS) {
-            int t = (int)((sqrtf(8.0f * (float)p + 1.0f) - 1.0f) * 0.5f);
-            while (t * (t + 1) / 2 > p) --t;
-            while ((t + 1) * (t + 2) / 2 <= p) ++t;
-            am[t * KC_C + p - t * (t + 1) / 2] = aval[m];
+        const int t = e / KC_DK, i = e % KC_DK, sub = t / 16;
+        const int x = t * KC_LD1 + i;
+        const float g = gm[x], kt = kh[x];
+        if (sub < 3) gm[x] = kt * expf(gref[sub * KC_DK + i] - g);
+        if (sub > 0) {
+            const float el = expf(g - gref[(sub - 1) * KC_DK + i]);
+            kh[x] = kt * el;
+            qh[x] = qh[x] * el;
         }
+    }
+    for (int e = tid; e < 3 * KC_DK; e += KC_THREADS) {
+        const int which = e / KC_DK, i = e % KC_DK;
+        const int hi = which == 0 ? 1 : 2, lo = which == 2 ? 1 : 0;
+        mid[e] = expf(gref[hi * KC_DK + i] - gref[lo * KC_DK + i]);
+    }
+    __syncthreads();  // D: the factored operands are in place
+
+    // 3d: the pairs across subchunks, 4 x 4 tiles: block (a, b) of the six
+    // is tid / 16, its tile tid % 16.
+    float akk[4][4];
+    int tt0 = 0, ss0 = 0;
+    const bool tiled = tid < 96;
+    if (tiled) {
+        const int blk = tid / 16;
+        const int sa = blk < 3 ? (blk == 2 ? 1 : 0) : blk - 3;  // (0,1) (0,2) (1,2) (0,3) (1,3) (2,3)
+        const int sb = blk < 3 ? (blk == 0 ? 1 : 2) : 3;
+        const float* mrow = sb == sa + 1 ? 0 : mid + (sa == 1 ? 2 : sb == 2 ? 0 : 1) * KC_DK;
+        tt0 = 16 * sb + 4 * ((tid % 16) / 4);
+        ss0 = 16 * sa + 4 * (tid % 4);
+        float aqk[4][4];
+#pragma unroll
+        for (int x = 0; x < 4; ++x)
+#pragma unroll
+            for (int y = 0; y < 4; ++y) akk[x][y] = aqk[x][y] = 0.0f;
+        for (int i = 0; i < dk; ++i) {
+            const float mm = mrow ? mrow[i] : 1.0f;
+            float kt[4], qt[4], fs[4];
+#pragma unroll
+            for (int x = 0; x < 4; ++x) {
+                kt[x] = kh[(tt0 + x) * KC_LD1 + i];
+                qt[x] = qh[(tt0 + x) * KC_LD1 + i];
+                fs[x] = gm[(ss0 + x) * KC_LD1 + i] * mm;
+            }
+#pragma unroll
+            for (int x = 0; x < 4; ++x)
+#pragma unroll
+                for (int y = 0; y < 4; ++y) {
+                    akk[x][y] = fmaf(kt[x], fs[y], akk[x][y]);
+                    aqk[x][y] = fmaf(qt[x], fs[y], aqk[x][y]);
+                }
+        }
+#pragma unroll
+        for (int x = 0; x < 4; ++x)
+#pragma unroll
+            for (int y = 0; y < 4; ++y) {
+                P[(tt0 + x) * KC_C + ss0 + y] = aqk[x][y];
+                akk[x][y] *= bt[tt0 + x];
+            }
+    }
+    __syncthreads();  // E: q^'s region is free
+
+    // A over q^'s region: the pairs within subchunks (their upper halves and
+    // the diagonal as zeros), the tiles across them, zeros above.
+#pragma unroll
+    for (int m = 0; m < KC_IN_PER_THREAD; ++m) {
+        const int p = tid + KC_THREADS * m;
+        if (p < KC_IN_PAIRS) {
+            const int sub = p / 136, r = p % 136;
+            int tl = (int)((sqrtf(8.0f * (float)r + 1.0f) - 1.0f) * 0.5f);
+            while (tl * (tl + 1) / 2 > r) --tl;
+            while ((tl + 1) * (tl + 2) / 2 <= r) ++tl;
+            am[(16 * sub + tl) * KC_C + 16 * sub + r - tl * (tl + 1) / 2] = adiag[m];
+        }
+    }
+    if (tiled) {
+#pragma unroll
+        for (int x = 0; x < 4; ++x)
+#pragma unroll
+            for (int y = 0; y < 4; ++y) am[(tt0 + x) * KC_C + ss0 + y] = akk[x][y];
     }
     for (int e = tid; e < KC_C * KC_C; e += KC_THREADS) {
         if ((e & (KC_C - 1)) > (e / KC_C)) am[e] = 0.0f;
@@ -241,18 +344,26 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
         float x[KC_C];
         if (col < KC_DK) {
 #pragma unroll
-            for (int t = 0; t < KC_C; ++t)
-                x[t] = bt[t] * (expf(gm[t * KC_LD1 + col]) * kh[t * KC_LD1 + col]);
+            for (int t = 0; t < KC_C; ++t) x[t] = W.w[(row0 + t) * KC_DK + col];  // 3a's
         } else {
             const int j = col - KC_DK;
 #pragma unroll
             for (int t = 0; t < KC_C; ++t)
                 x[t] = t < n ? bt[t] * v[((in0 + t) * heads + h) * dv + j] : 0.0f;
         }
+        // A's rows in 16-byte reads (every lane reads the same address: one
+        // broadcast serves four multiply-adds), the same chain as one read a
+        // coefficient.
 #pragma unroll
         for (int t = 1; t < KC_C; ++t) {
 #pragma unroll
-            for (int s = 0; s < t; ++s) x[t] = fmaf(-am[t * KC_C + s], x[s], x[t]);
+            for (int s = 0; s < t; s += 4) {
+                const float4 a4 = *(const float4*)(am + t * KC_C + s);
+                x[t] = fmaf(-a4.x, x[s], x[t]);
+                if (s + 1 < t) x[t] = fmaf(-a4.y, x[s + 1], x[t]);
+                if (s + 2 < t) x[t] = fmaf(-a4.z, x[s + 2], x[t]);
+                if (s + 3 < t) x[t] = fmaf(-a4.w, x[s + 3], x[t]);
+            }
         }
         if (col < KC_DK) {
 #pragma unroll
@@ -271,25 +382,31 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
 // the chunk to the workspace (hs) for phase 3, then S = e^Gam_last S +
 // (e^(Gam_last - Gam) k^)^T u. The output, (e^Gam q^) S + P u, needs nothing
 // of the next chunk and is phase 3's, over every chunk at once.
-// The walk is bound by shared-memory reads (one block a head and 16 columns,
-// 64 KB of operands a chunk), so each thread keeps a 2 x 2 or 4 x 2 tile of
-// outputs and every read serves a whole warp in one wavefront:
-//   u:  thread (tg = tid / 8, jg = tid % 8) computes tokens tg, tg + 32 of
-//       columns jg, jg + 8 (a warp reads 4 rows of W and 8 columns of S^T,
-//       each 16 bytes a lane, all 32 banks once);
-//   S:  thread (ig = tid / 8, jg) owns state rows 4 ig .. 4 ig + 3 of columns
-//       2 jg, 2 jg + 1 in registers (a warp reads 4 row quads of e^(..) k^
-//       and 8 column pairs of u a token).
+// One block a head and 16 columns, 64 KB of operands a chunk, and only
+// heads x dv / 16 blocks (96 for 12 heads of 128): the walk is bound by the
+// latency of a chunk's two dependent products, not by any unit's
+// throughput, so a block runs KC_SW = 512 threads (16 warps: four a
+// scheduler to hide each other's shared-memory and FMA latency, where 8
+// warps left two) with a small tile of outputs each, and every read serves
+// a whole warp in one wavefront:
+//   u:  thread (tg = tid / 8, jg = tid % 8) computes token tg (and tg + 32
+//       at 256 threads) of columns jg, jg + 8 (a warp reads 4 rows of W and
+//       8 columns of S^T, each 16 bytes a lane, all 32 banks once);
+//   S:  thread (tg, jg) owns state rows KC_SR tg .. + KC_SR - 1 (2 at 512
+//       threads, 4 at 256) of columns 2 jg, 2 jg + 1 in registers.
 // Each output keeps one accumulator over the key channels (u) or the tokens
 // (S) in index order, as the CPU's chunked form. The next chunk's W and
 // e^(..) k^ load (cp.async, double-buffered) under this chunk's products; two
 // barriers a chunk: B (u is in shared memory, every read of S^T done) and C
 // (S^T updated, the next chunk's operands landed).
-// Launch: grid (heads, ceil(dv / 16), nseq); block KC_THREADS; dynamic shared
+// Launch: grid (heads, ceil(dv / 16), nseq); block KC_SW; dynamic shared
 // memory KC_H_SMEM floats.
 #define KC_LDU (KC_C + 4)  // row stride of u^T in kda_chunk_out
-#define KC_H_SMEM (KC_TILE * KC_LDW + 4 * KC_C * KC_LDW + KC_TILE * KC_LDU)  // u [64][16] in the last part
-extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
+#define KC_H_SMEM (KC_TILE * KC_LDW + 4 * KC_C * KC_LDW + KC_TILE * KC_LDU + 2 * KC_C * KC_TILE + 2 * KC_DK)  // u [64][16], then U0 and e^Gam_last double-buffered
+#define KC_SW 512                                  // threads of a kda_chunk_state block
+#define KC_SR (KC_DK * KC_TILE / (2 * KC_SW))      // state rows a thread (2 columns each)
+#define KC_UM (KC_C * KC_TILE / (2 * KC_SW))       // tokens of u a thread (2 columns each)
+extern "C" __global__ void __launch_bounds__(KC_SW, 1) kda_chunk_state(
     float* __restrict__ state,  // [states, H, dk, dv], updated in place
     float* __restrict__ ws,
     const int* __restrict__ seg,  // the sequence table (above)
@@ -300,10 +417,12 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
     float* Wb = ST + KC_TILE * KC_LDW;    // W [2][64][KC_LDW]
     float* Kb = Wb + 2 * KC_C * KC_LDW;   // e^(..) k^ [2][64][KC_LDW]
     float* Us = Kb + 2 * KC_C * KC_LDW;   // u [64][16]
+    float* U0b = Us + KC_TILE * KC_LDU;   // U0 of the tile [2][64][16] and e^Gam_last [2][128]
+    float* Db = U0b + 2 * KC_C * KC_TILE;
 
     const int h = blockIdx.x;
     const int tid = threadIdx.x;
-    const int tg = tid / 8;  // u: tokens tg, tg + 32; S: rows 4 tg .. 4 tg + 3
+    const int tg = tid / 8;  // u: tokens tg + (KC_SW / 8) m; S: rows KC_SR tg + a
     const int jg = tid % 8;  // u: columns jg, jg + 8; S: columns 2 jg, 2 jg + 1
     const int cbase0 = blockIdx.y * KC_TILE;
     const int sq = blockIdx.z;
@@ -314,8 +433,9 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
     float* Sg = state + ((hk_i64)seg[4 * sq + 3] * heads + h) * dk * dv;
     const hk_i64 wrow = (hk_i64)h * wchunks * KC_C + (hk_i64)cbase * KC_C;
     const hk_i64 wch = (hk_i64)h * wchunks + cbase;  // the sequence's first chunk for head h
+    const bool pre = dv % 4 == 0;  // U0 and e^Gam_last come with the chunk's operands
 
-    // This thread's state: rows 4 tg + a, columns cs[b] = 2 jg + b.
+    // This thread's state: rows KC_SR tg + a, columns cs[b] = 2 jg + b.
     int cs[2];
     bool son[2];
 #pragma unroll
@@ -323,17 +443,19 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
         cs[b] = cbase0 + 2 * jg + b;
         son[b] = cs[b] < dv;
     }
-    float sr[4][2];
+    float sr[KC_SR][2];
 #pragma unroll
-    for (int a = 0; a < 4; ++a) {
-        const int i = 4 * tg + a;
+    for (int a = 0; a < KC_SR; ++a) {
+        const int i = KC_SR * tg + a;
 #pragma unroll
         for (int b = 0; b < 2; ++b) sr[a][b] = (i < dk && son[b]) ? Sg[(hk_i64)i * dv + cs[b]] : 0.0f;
     }
-    // S^T of the tile, for u's products: columns 2 jg + b, rows 4 tg ...
+    // S^T of the tile, for u's products: columns 2 jg + b, rows KC_SR tg ...
     auto put_st = [&]() {
 #pragma unroll
-        for (int b = 0; b < 2; ++b) *(float4*)(ST + (2 * jg + b) * KC_LDW + 4 * tg) = make_float4(sr[0][b], sr[1][b], sr[2][b], sr[3][b]);
+        for (int b = 0; b < 2; ++b)
+#pragma unroll
+            for (int a = 0; a < KC_SR; ++a) ST[(2 * jg + b) * KC_LDW + KC_SR * tg + a] = sr[a][b];
     };
     put_st();
 
@@ -343,10 +465,23 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
         const hk_i64 r0 = wrow + (hk_i64)cc * KC_C;
         float* wd = Wb + (cc & 1) * KC_C * KC_LDW;
         float* kd = Kb + (cc & 1) * KC_C * KC_LDW;
-        for (int e = tid; e < KC_C * (KC_DK / 4); e += KC_THREADS) {
+        for (int e = tid; e < KC_C * (KC_DK / 4); e += KC_SW) {
             const int t = e / (KC_DK / 4), i = (e % (KC_DK / 4)) * 4;
             hk_cp16(wd + t * KC_LDW + i, W.w + (r0 + t) * KC_DK + i, true);
             hk_cp16(kd + t * KC_LDW + i, W.kd + (r0 + t) * KC_DK + i, true);
+        }
+        // U0 of the tile's columns and e^Gam_last too, so that no global
+        // read is left on the chunk's own path (a read of U0 there waited
+        // on memory before u's products could finish). 16-byte copies need
+        // dv a multiple of 4; otherwise the chunk reads them itself.
+        if (pre) {
+            float* ud = U0b + (cc & 1) * KC_C * KC_TILE;
+            for (int e = tid; e < KC_C * (KC_TILE / 4); e += KC_SW) {
+                const int t = e / (KC_TILE / 4), j = (e % (KC_TILE / 4)) * 4;
+                const bool on = cbase0 + j < dv;
+                hk_cp16(ud + t * KC_TILE + j, on ? W.u0 + (r0 + t) * dv + cbase0 + j : W.u0, on);
+            }
+            if (tid < KC_DK / 4) hk_cp16(Db + (cc & 1) * KC_DK + 4 * tid, W.dc + (wch + cc) * KC_DK + 4 * tid, true);
         }
         hk_cp_commit();
     };
@@ -367,30 +502,44 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
         const hk_i64 row0 = wrow + (hk_i64)c * KC_C;
         const float* Wc = Wb + (c & 1) * KC_C * KC_LDW;
         const float* Kc = Kb + (c & 1) * KC_C * KC_LDW;
-        float u0[2][2];
+        float u0[KC_UM][2];
+        float dcr[KC_SR];
+        if (pre) {
+            const float* ub = U0b + (c & 1) * KC_C * KC_TILE;
 #pragma unroll
-        for (int m = 0; m < 2; ++m)
+            for (int m = 0; m < KC_UM; ++m)
 #pragma unroll
-            for (int q = 0; q < 2; ++q) u0[m][q] = uon[q] ? W.u0[(row0 + tg + 32 * m) * dv + uc[q]] : 0.0f;
-        const float4 dc4 = *(const float4*)(W.dc + (wch + c) * KC_DK + 4 * tg);
+                for (int q = 0; q < 2; ++q) u0[m][q] = uon[q] ? ub[(tg + (KC_SW / 8) * m) * KC_TILE + jg + 8 * q] : 0.0f;
+#pragma unroll
+            for (int a = 0; a < KC_SR; ++a) dcr[a] = Db[(c & 1) * KC_DK + KC_SR * tg + a];
+        } else {
+#pragma unroll
+            for (int m = 0; m < KC_UM; ++m)
+#pragma unroll
+                for (int q = 0; q < 2; ++q) u0[m][q] = uon[q] ? W.u0[(row0 + tg + (KC_SW / 8) * m) * dv + uc[q]] : 0.0f;
+#pragma unroll
+            for (int a = 0; a < KC_SR; ++a) dcr[a] = W.dc[(wch + c) * KC_DK + KC_SR * tg + a];
+        }
         // The state entering the chunk, for phase 3 ([col][128]).
 #pragma unroll
         for (int b = 0; b < 2; ++b)
-            if (son[b]) *(float4*)(W.hs + ((wch + c) * dv + cs[b]) * KC_DK + 4 * tg) = make_float4(sr[0][b], sr[1][b], sr[2][b], sr[3][b]);
+            if (son[b])
+#pragma unroll
+                for (int a = 0; a < KC_SR; ++a) W.hs[((wch + c) * dv + cs[b]) * KC_DK + KC_SR * tg + a] = sr[a][b];
 
         // u = U0 - W S, over the key channels in order.
-        float acc[2][2];
+        float acc[KC_UM][2];
 #pragma unroll
-        for (int m = 0; m < 2; ++m) acc[m][0] = acc[m][1] = 0.0f;
+        for (int m = 0; m < KC_UM; ++m) acc[m][0] = acc[m][1] = 0.0f;
 #pragma unroll 4
         for (int i = 0; i < KC_DK; i += 4) {
-            float4 s[2], w[2];
+            float4 s[2], w[KC_UM];
 #pragma unroll
             for (int q = 0; q < 2; ++q) s[q] = *(const float4*)(ST + (jg + 8 * q) * KC_LDW + i);
 #pragma unroll
-            for (int m = 0; m < 2; ++m) w[m] = *(const float4*)(Wc + (tg + 32 * m) * KC_LDW + i);
+            for (int m = 0; m < KC_UM; ++m) w[m] = *(const float4*)(Wc + (tg + (KC_SW / 8) * m) * KC_LDW + i);
 #pragma unroll
-            for (int m = 0; m < 2; ++m)
+            for (int m = 0; m < KC_UM; ++m)
 #pragma unroll
                 for (int q = 0; q < 2; ++q) {
                     acc[m][q] = fmaf(w[m].x, s[q].x, acc[m][q]);
@@ -400,8 +549,8 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
                 }
         }
 #pragma unroll
-        for (int m = 0; m < 2; ++m) {
-            const int t = tg + 32 * m;
+        for (int m = 0; m < KC_UM; ++m) {
+            const int t = tg + (KC_SW / 8) * m;
 #pragma unroll
             for (int q = 0; q < 2; ++q) {
                 const float u = u0[m][q] - acc[m][q];
@@ -413,19 +562,23 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
 
         // S = e^Gam_last S + sum_s (e^(Gam_last - Gam_s) k^_s) u_s^T, in
         // token order (the padding tokens' k^ and u are zero).
-        const float dcr[4] = {dc4.x, dc4.y, dc4.z, dc4.w};
 #pragma unroll
-        for (int a = 0; a < 4; ++a) {
+        for (int a = 0; a < KC_SR; ++a) {
             sr[a][0] *= dcr[a];
             sr[a][1] *= dcr[a];
         }
 #pragma unroll 8
         for (int s = 0; s < KC_C; ++s) {
-            const float4 k = *(const float4*)(Kc + s * KC_LDW + 4 * tg);
-            const float2 u = *(const float2*)(Us + s * KC_TILE + 2 * jg);
-            const float kv[4] = {k.x, k.y, k.z, k.w};
+            float kv[KC_SR];
 #pragma unroll
-            for (int a = 0; a < 4; ++a) {
+            for (int a = 0; a < KC_SR; a += 2) {
+                const float2 k2 = *(const float2*)(Kc + s * KC_LDW + KC_SR * tg + a);
+                kv[a] = k2.x;
+                kv[a + 1] = k2.y;
+            }
+            const float2 u = *(const float2*)(Us + s * KC_TILE + 2 * jg);
+#pragma unroll
+            for (int a = 0; a < KC_SR; ++a) {
                 sr[a][0] = fmaf(kv[a], u.x, sr[a][0]);
                 sr[a][1] = fmaf(kv[a], u.y, sr[a][1]);
             }
@@ -436,8 +589,8 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
     }
 
 #pragma unroll
-    for (int a = 0; a < 4; ++a) {
-        const int i = 4 * tg + a;
+    for (int a = 0; a < KC_SR; ++a) {
+        const int i = KC_SR * tg + a;
 #pragma unroll
         for (int b = 0; b < 2; ++b)
             if (i < dk && son[b]) Sg[(hk_i64)i * dv + cs[b]] = sr[a][b];
