@@ -382,31 +382,25 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
 // the chunk to the workspace (hs) for phase 3, then S = e^Gam_last S +
 // (e^(Gam_last - Gam) k^)^T u. The output, (e^Gam q^) S + P u, needs nothing
 // of the next chunk and is phase 3's, over every chunk at once.
-// One block a head and 16 columns, 64 KB of operands a chunk, and only
-// heads x dv / 16 blocks (96 for 12 heads of 128): the walk is bound by the
-// latency of a chunk's two dependent products, not by any unit's
-// throughput, so a block runs KC_SW = 512 threads (16 warps: four a
-// scheduler to hide each other's shared-memory and FMA latency, where 8
-// warps left two) with a small tile of outputs each, and every read serves
-// a whole warp in one wavefront:
-//   u:  thread (tg = tid / 8, jg = tid % 8) computes token tg (and tg + 32
-//       at 256 threads) of columns jg, jg + 8 (a warp reads 4 rows of W and
-//       8 columns of S^T, each 16 bytes a lane, all 32 banks once);
-//   S:  thread (tg, jg) owns state rows KC_SR tg .. + KC_SR - 1 (2 at 512
-//       threads, 4 at 256) of columns 2 jg, 2 jg + 1 in registers.
+// The walk is bound by shared-memory reads (one block a head and 16 columns,
+// 64 KB of operands a chunk), so each thread keeps a 2 x 2 or 4 x 2 tile of
+// outputs and every read serves a whole warp in one wavefront:
+//   u:  thread (tg = tid / 8, jg = tid % 8) computes tokens tg, tg + 32 of
+//       columns jg, jg + 8 (a warp reads 4 rows of W and 8 columns of S^T,
+//       each 16 bytes a lane, all 32 banks once);
+//   S:  thread (ig = tid / 8, jg) owns state rows 4 ig .. 4 ig + 3 of columns
+//       2 jg, 2 jg + 1 in registers (a warp reads 4 row quads of e^(..) k^
+//       and 8 column pairs of u a token).
 // Each output keeps one accumulator over the key channels (u) or the tokens
 // (S) in index order, as the CPU's chunked form. The next chunk's W and
 // e^(..) k^ load (cp.async, double-buffered) under this chunk's products; two
 // barriers a chunk: B (u is in shared memory, every read of S^T done) and C
 // (S^T updated, the next chunk's operands landed).
-// Launch: grid (heads, ceil(dv / 16), nseq); block KC_SW; dynamic shared
+// Launch: grid (heads, ceil(dv / 16), nseq); block KC_THREADS; dynamic shared
 // memory KC_H_SMEM floats.
 #define KC_LDU (KC_C + 4)  // row stride of u^T in kda_chunk_out
 #define KC_H_SMEM (KC_TILE * KC_LDW + 4 * KC_C * KC_LDW + KC_TILE * KC_LDU + 2 * KC_C * KC_TILE + 2 * KC_DK)  // u [64][16], then U0 and e^Gam_last double-buffered
-#define KC_SW 512                                  // threads of a kda_chunk_state block
-#define KC_SR (KC_DK * KC_TILE / (2 * KC_SW))      // state rows a thread (2 columns each)
-#define KC_UM (KC_C * KC_TILE / (2 * KC_SW))       // tokens of u a thread (2 columns each)
-extern "C" __global__ void __launch_bounds__(KC_SW, 1) kda_chunk_state(
+extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
     float* __restrict__ state,  // [states, H, dk, dv], updated in place
     float* __restrict__ ws,
     const int* __restrict__ seg,  // the sequence table (above)
@@ -422,7 +416,7 @@ extern "C" __global__ void __launch_bounds__(KC_SW, 1) kda_chunk_state(
 
     const int h = blockIdx.x;
     const int tid = threadIdx.x;
-    const int tg = tid / 8;  // u: tokens tg + (KC_SW / 8) m; S: rows KC_SR tg + a
+    const int tg = tid / 8;  // u: tokens tg, tg + 32; S: rows 4 tg .. 4 tg + 3
     const int jg = tid % 8;  // u: columns jg, jg + 8; S: columns 2 jg, 2 jg + 1
     const int cbase0 = blockIdx.y * KC_TILE;
     const int sq = blockIdx.z;
@@ -435,7 +429,7 @@ extern "C" __global__ void __launch_bounds__(KC_SW, 1) kda_chunk_state(
     const hk_i64 wch = (hk_i64)h * wchunks + cbase;  // the sequence's first chunk for head h
     const bool pre = dv % 4 == 0;  // U0 and e^Gam_last come with the chunk's operands
 
-    // This thread's state: rows KC_SR tg + a, columns cs[b] = 2 jg + b.
+    // This thread's state: rows 4 tg + a, columns cs[b] = 2 jg + b.
     int cs[2];
     bool son[2];
 #pragma unroll
@@ -443,19 +437,17 @@ extern "C" __global__ void __launch_bounds__(KC_SW, 1) kda_chunk_state(
         cs[b] = cbase0 + 2 * jg + b;
         son[b] = cs[b] < dv;
     }
-    float sr[KC_SR][2];
+    float sr[4][2];
 #pragma unroll
-    for (int a = 0; a < KC_SR; ++a) {
-        const int i = KC_SR * tg + a;
+    for (int a = 0; a < 4; ++a) {
+        const int i = 4 * tg + a;
 #pragma unroll
         for (int b = 0; b < 2; ++b) sr[a][b] = (i < dk && son[b]) ? Sg[(hk_i64)i * dv + cs[b]] : 0.0f;
     }
-    // S^T of the tile, for u's products: columns 2 jg + b, rows KC_SR tg ...
+    // S^T of the tile, for u's products: columns 2 jg + b, rows 4 tg ...
     auto put_st = [&]() {
 #pragma unroll
-        for (int b = 0; b < 2; ++b)
-#pragma unroll
-            for (int a = 0; a < KC_SR; ++a) ST[(2 * jg + b) * KC_LDW + KC_SR * tg + a] = sr[a][b];
+        for (int b = 0; b < 2; ++b) *(float4*)(ST + (2 * jg + b) * KC_LDW + 4 * tg) = make_float4(sr[0][b], sr[1][b], sr[2][b], sr[3][b]);
     };
     put_st();
 
@@ -465,7 +457,7 @@ extern "C" __global__ void __launch_bounds__(KC_SW, 1) kda_chunk_state(
         const hk_i64 r0 = wrow + (hk_i64)cc * KC_C;
         float* wd = Wb + (cc & 1) * KC_C * KC_LDW;
         float* kd = Kb + (cc & 1) * KC_C * KC_LDW;
-        for (int e = tid; e < KC_C * (KC_DK / 4); e += KC_SW) {
+        for (int e = tid; e < KC_C * (KC_DK / 4); e += KC_THREADS) {
             const int t = e / (KC_DK / 4), i = (e % (KC_DK / 4)) * 4;
             hk_cp16(wd + t * KC_LDW + i, W.w + (r0 + t) * KC_DK + i, true);
             hk_cp16(kd + t * KC_LDW + i, W.kd + (r0 + t) * KC_DK + i, true);
@@ -476,7 +468,7 @@ extern "C" __global__ void __launch_bounds__(KC_SW, 1) kda_chunk_state(
         // dv a multiple of 4; otherwise the chunk reads them itself.
         if (pre) {
             float* ud = U0b + (cc & 1) * KC_C * KC_TILE;
-            for (int e = tid; e < KC_C * (KC_TILE / 4); e += KC_SW) {
+            for (int e = tid; e < KC_C * (KC_TILE / 4); e += KC_THREADS) {
                 const int t = e / (KC_TILE / 4), j = (e % (KC_TILE / 4)) * 4;
                 const bool on = cbase0 + j < dv;
                 hk_cp16(ud + t * KC_TILE + j, on ? W.u0 + (r0 + t) * dv + cbase0 + j : W.u0, on);
@@ -502,44 +494,40 @@ extern "C" __global__ void __launch_bounds__(KC_SW, 1) kda_chunk_state(
         const hk_i64 row0 = wrow + (hk_i64)c * KC_C;
         const float* Wc = Wb + (c & 1) * KC_C * KC_LDW;
         const float* Kc = Kb + (c & 1) * KC_C * KC_LDW;
-        float u0[KC_UM][2];
-        float dcr[KC_SR];
+        float u0[2][2];
+        float4 dc4;
         if (pre) {
             const float* ub = U0b + (c & 1) * KC_C * KC_TILE;
 #pragma unroll
-            for (int m = 0; m < KC_UM; ++m)
+            for (int m = 0; m < 2; ++m)
 #pragma unroll
-                for (int q = 0; q < 2; ++q) u0[m][q] = uon[q] ? ub[(tg + (KC_SW / 8) * m) * KC_TILE + jg + 8 * q] : 0.0f;
-#pragma unroll
-            for (int a = 0; a < KC_SR; ++a) dcr[a] = Db[(c & 1) * KC_DK + KC_SR * tg + a];
+                for (int q = 0; q < 2; ++q) u0[m][q] = uon[q] ? ub[(tg + 32 * m) * KC_TILE + jg + 8 * q] : 0.0f;
+            dc4 = *(const float4*)(Db + (c & 1) * KC_DK + 4 * tg);
         } else {
 #pragma unroll
-            for (int m = 0; m < KC_UM; ++m)
+            for (int m = 0; m < 2; ++m)
 #pragma unroll
-                for (int q = 0; q < 2; ++q) u0[m][q] = uon[q] ? W.u0[(row0 + tg + (KC_SW / 8) * m) * dv + uc[q]] : 0.0f;
-#pragma unroll
-            for (int a = 0; a < KC_SR; ++a) dcr[a] = W.dc[(wch + c) * KC_DK + KC_SR * tg + a];
+                for (int q = 0; q < 2; ++q) u0[m][q] = uon[q] ? W.u0[(row0 + tg + 32 * m) * dv + uc[q]] : 0.0f;
+            dc4 = *(const float4*)(W.dc + (wch + c) * KC_DK + 4 * tg);
         }
         // The state entering the chunk, for phase 3 ([col][128]).
 #pragma unroll
         for (int b = 0; b < 2; ++b)
-            if (son[b])
-#pragma unroll
-                for (int a = 0; a < KC_SR; ++a) W.hs[((wch + c) * dv + cs[b]) * KC_DK + KC_SR * tg + a] = sr[a][b];
+            if (son[b]) *(float4*)(W.hs + ((wch + c) * dv + cs[b]) * KC_DK + 4 * tg) = make_float4(sr[0][b], sr[1][b], sr[2][b], sr[3][b]);
 
         // u = U0 - W S, over the key channels in order.
-        float acc[KC_UM][2];
+        float acc[2][2];
 #pragma unroll
-        for (int m = 0; m < KC_UM; ++m) acc[m][0] = acc[m][1] = 0.0f;
+        for (int m = 0; m < 2; ++m) acc[m][0] = acc[m][1] = 0.0f;
 #pragma unroll 4
         for (int i = 0; i < KC_DK; i += 4) {
-            float4 s[2], w[KC_UM];
+            float4 s[2], w[2];
 #pragma unroll
             for (int q = 0; q < 2; ++q) s[q] = *(const float4*)(ST + (jg + 8 * q) * KC_LDW + i);
 #pragma unroll
-            for (int m = 0; m < KC_UM; ++m) w[m] = *(const float4*)(Wc + (tg + (KC_SW / 8) * m) * KC_LDW + i);
+            for (int m = 0; m < 2; ++m) w[m] = *(const float4*)(Wc + (tg + 32 * m) * KC_LDW + i);
 #pragma unroll
-            for (int m = 0; m < KC_UM; ++m)
+            for (int m = 0; m < 2; ++m)
 #pragma unroll
                 for (int q = 0; q < 2; ++q) {
                     acc[m][q] = fmaf(w[m].x, s[q].x, acc[m][q]);
@@ -549,8 +537,8 @@ extern "C" __global__ void __launch_bounds__(KC_SW, 1) kda_chunk_state(
                 }
         }
 #pragma unroll
-        for (int m = 0; m < KC_UM; ++m) {
-            const int t = tg + (KC_SW / 8) * m;
+        for (int m = 0; m < 2; ++m) {
+            const int t = tg + 32 * m;
 #pragma unroll
             for (int q = 0; q < 2; ++q) {
                 const float u = u0[m][q] - acc[m][q];
@@ -562,23 +550,19 @@ extern "C" __global__ void __launch_bounds__(KC_SW, 1) kda_chunk_state(
 
         // S = e^Gam_last S + sum_s (e^(Gam_last - Gam_s) k^_s) u_s^T, in
         // token order (the padding tokens' k^ and u are zero).
+        const float dcr[4] = {dc4.x, dc4.y, dc4.z, dc4.w};
 #pragma unroll
-        for (int a = 0; a < KC_SR; ++a) {
+        for (int a = 0; a < 4; ++a) {
             sr[a][0] *= dcr[a];
             sr[a][1] *= dcr[a];
         }
 #pragma unroll 8
         for (int s = 0; s < KC_C; ++s) {
-            float kv[KC_SR];
-#pragma unroll
-            for (int a = 0; a < KC_SR; a += 2) {
-                const float2 k2 = *(const float2*)(Kc + s * KC_LDW + KC_SR * tg + a);
-                kv[a] = k2.x;
-                kv[a + 1] = k2.y;
-            }
+            const float4 k = *(const float4*)(Kc + s * KC_LDW + 4 * tg);
             const float2 u = *(const float2*)(Us + s * KC_TILE + 2 * jg);
+            const float kv[4] = {k.x, k.y, k.z, k.w};
 #pragma unroll
-            for (int a = 0; a < KC_SR; ++a) {
+            for (int a = 0; a < 4; ++a) {
                 sr[a][0] = fmaf(kv[a], u.x, sr[a][0]);
                 sr[a][1] = fmaf(kv[a], u.y, sr[a][1]);
             }
@@ -589,8 +573,8 @@ extern "C" __global__ void __launch_bounds__(KC_SW, 1) kda_chunk_state(
     }
 
 #pragma unroll
-    for (int a = 0; a < KC_SR; ++a) {
-        const int i = KC_SR * tg + a;
+    for (int a = 0; a < 4; ++a) {
+        const int i = 4 * tg + a;
 #pragma unroll
         for (int b = 0; b < 2; ++b)
             if (i < dk && son[b]) Sg[(hk_i64)i * dv + cs[b]] = sr[a][b];

@@ -32,12 +32,7 @@ int main(int argc, char** argv) {
         kda_chunk_prep(q.data(), k.data(), v.data(), g.data(), b.data(), alog.data(), dtb.data(), rec.data(), ws.data(), seg.data(), nseq, H, dk, dv);
     });
 #ifdef NEW
-#ifdef KC_SW
-    const unsigned walk_threads = KC_SW;  // the state walk's own block size, where the file has one
-#else
-    const unsigned walk_threads = 256;
-#endif
-    launch({(unsigned)H, (unsigned)((dv + 15) / 16), (unsigned)nseq}, walk_threads, [&] {
+    launch({(unsigned)H, (unsigned)((dv + 15) / 16), (unsigned)nseq}, 256, [&] {
         kda_chunk_state(st.data(), ws.data(), seg.data(), chunks, H, dk, dv);
     });
     launch({(unsigned)chunks, (unsigned)H, (unsigned)((dv + 63) / 64)}, 256, [&] {

@@ -168,7 +168,7 @@ impl CudaBackend {
         let mut b = self.stream.launch_builder(pass);
         b.arg(&mut states.data).arg(&ws).arg(&seg).arg(&nch).arg(&h).arg(&k).arg(&v);
         let cfg =
-            LaunchConfig { grid_dim: (heads as u32, tiles as u32, nseq as u32), block_dim: (KDA_CHUNK_STATE_THREADS, 1, 1), shared_mem_bytes: KDA_CHUNK_STATE_SMEM };
+            LaunchConfig { grid_dim: (heads as u32, tiles as u32, nseq as u32), block_dim: (KDA_CHUNK_THREADS, 1, 1), shared_mem_bytes: KDA_CHUNK_STATE_SMEM };
         // SAFETY: argument types and order match kda_chunk_state; the states
         // were checked against the table's sequences.
         unsafe { b.launch(cfg) }.map_err(dev(op))?;

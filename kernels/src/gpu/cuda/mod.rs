@@ -76,8 +76,6 @@ const KDA_MAX_DK: usize = 256;
 const KDA_CHUNK_DK: usize = 128;
 const KDA_CHUNK_TILE: usize = 16;
 const KDA_CHUNK_THREADS: u32 = 256;
-/// Threads of a `kda_chunk_state` block (`KC_SW` in kda_chunk.hip).
-const KDA_CHUNK_STATE_THREADS: u32 = 512;
 const KDA_CHUNK_PREP_SMEM: u32 = ((3 * 64 * (KDA_CHUNK_DK + 1) + 64 + 6 * KDA_CHUNK_DK) * 4) as u32;
 /// kda_chunk.hip's KC_H_SMEM: S^T, two buffers of W and e^(..) k^, u^T.
 const KDA_CHUNK_STATE_SMEM: u32 = ((KDA_CHUNK_TILE * (KDA_CHUNK_DK + 4) + 4 * 64 * (KDA_CHUNK_DK + 4) + KDA_CHUNK_TILE * 68 + 2 * 64 * KDA_CHUNK_TILE + 2 * KDA_CHUNK_DK) * 4) as u32;
