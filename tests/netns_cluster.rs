@@ -7,9 +7,12 @@
 //! (UCX's tcp lanes on the veth); a stage SIGKILLed in its namespace and
 //! started again there (the test plays the per-host supervisor, as `up` does
 //! on one host) leaves the cluster serving: every answer during the fault is
-//! 200 with the reference's tokens or 503 (or, a known race, a timeout naming
-//! the killed stage: see below), never a wrong completion, and requests after
-//! it complete equal to the reference.
+//! 200 with the reference's tokens or 503 (refused at admission while the
+//! stage is down), never a failure or a wrong completion, and requests after
+//! it complete equal to the reference. (Before stage 0 checked its link to the
+//! next stage for a close, about half the tcp runs lost a request here: its job
+//! went into the dead process's socket after the restart, and it failed at its
+//! compute timeout.)
 //!
 //! Needs root (ip netns): skips elsewhere, printing why, but fails under CI
 //! (CI=true), which runs as root.
@@ -274,7 +277,7 @@ fn cluster_across_namespaces(tag: &str, transport: &str) {
     load.join().expect("load");
     let want = reference(&topo, "under the fault", 6);
     let answers = std::mem::take(&mut *answers.lock().unwrap_or_else(|p| p.into_inner()));
-    let (mut ok, mut unavailable, mut lost) = (0, 0, 0);
+    let (mut ok, mut unavailable) = (0, 0);
     for (_, s, ids, body) in &answers {
         match s {
             200 => {
@@ -282,12 +285,6 @@ fn cluster_across_namespaces(tag: &str, transport: &str) {
                 ok += 1;
             }
             503 => unavailable += 1,
-            // Seen about one run in five (tcp and ucx alike): a request whose
-            // job went to the dead stage in the moment of its death is not
-            // retried but waits out its compute timeout, and fails naming the
-            // stage. A bug of the roles' recovery, left for a later session
-            // (the README's known limits); anything else is a failure here.
-            500 if body.contains("timed out") && body.contains("prefill stage 1") => lost += 1,
             _ => panic!("{tag}: a request failed under the fault ({s}): {body}"),
         }
     }
@@ -299,7 +296,7 @@ fn cluster_across_namespaces(tag: &str, transport: &str) {
         p
     };
     eprintln!(
-        "{tag}: {} answers under the fault ({ok} x 200 equal to the reference, {unavailable} x 503, {lost} x 500 after the compute timeout naming stage 1), stage 1 back {:.2} s after its kill; {after:?} equal to the reference",
+        "{tag}: {} answers under the fault ({ok} x 200 equal to the reference, {unavailable} x 503), stage 1 back {:.2} s after its kill; {after:?} equal to the reference",
         answers.len(),
         (back - killed).as_secs_f64()
     );

@@ -168,8 +168,33 @@ struct NextStage {
     secret: ClusterSecret,
 }
 
+/// Whether the next stage has closed its end of `w` (it died or restarted:
+/// its kernel sent FIN or RST), seen without blocking. A job written into such
+/// a connection is lost without an error (the write lands in the socket
+/// buffer; only a later write sees the reset), and when the stage is already
+/// back at the same address, nothing else would fail the request: decode's
+/// news of the stage's death came before the request. So the link is checked
+/// before each job and, if closed, made again to the stage's new process.
+fn closed_by_peer(w: &TcpStream) -> bool {
+    if w.set_nonblocking(true).is_err() {
+        return true;
+    }
+    let mut b = [0u8; 1];
+    let closed = match w.peek(&mut b) {
+        Ok(0) => true,                                                 // FIN: the peer is gone
+        Ok(_) => false,                                                // bytes from it: alive
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => false, // nothing to read: alive
+        Err(_) => true,                                                // reset or another error
+    };
+    closed || w.set_nonblocking(false).is_err()
+}
+
 impl NextStage {
     fn send(&mut self, addr: SocketAddr, msg: &Msg) -> std::io::Result<()> {
+        if self.conn.as_ref().is_some_and(|(w, _)| closed_by_peer(w)) {
+            tracing::debug!(%addr, "prefill: the next stage closed its link; connecting again");
+            self.conn = None;
+        }
         if self.addr != Some(addr) || self.conn.is_none() {
             let (w, _r, session) = wire::connect(addr, Duration::from_secs(5), &self.secret)?;
             w.set_read_timeout(None)?;
