@@ -1,6 +1,6 @@
 //! The few libibverbs entry points the backend calls, loaded at run time with
 //! `dlopen("libibverbs.so.1")`: `--features rdma` links against nothing, and a
-//! machine without rdma-core gets [`super::RdmaError::NoLibrary`], not a
+//! machine without rdma-core gets [`super::options::RdmaError::NoLibrary`], not a
 //! loader failure at start.
 //!
 //! The structs mirror `<infiniband/verbs.h>` (rdma-core; the verbs ABI has been
@@ -17,7 +17,7 @@
 
 #![allow(non_camel_case_types)]
 
-use super::RdmaError;
+use super::options::RdmaError;
 use std::ffi::{CStr, c_char, c_int, c_void};
 
 #[repr(C)]

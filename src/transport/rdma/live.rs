@@ -2,11 +2,12 @@
 //! (producer, consumer) pair, RDMA WRITEs with the batch's last WITH IMMEDIATE,
 //! and the exchange over an authenticated tcp bootstrap ([`super::wire`]).
 
+use super::ffi;
+use super::options::{RdmaError, RdmaOptions};
 use super::plan::{self, MrChunk, WrLimits};
 use super::qp::{self, QpInfo};
 use super::verbs::{Device, Mr, Qp};
 use super::wire::{self, Ask, Control, Message, RegionKeys, Reply};
-use super::{RdmaError, RdmaOptions, ffi};
 use crate::transport::host::Mem;
 use crate::transport::{
     BatchCompletion, BatchId, Completions, Incident, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, TcpTransport, Transport,

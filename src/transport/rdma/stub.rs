@@ -2,7 +2,7 @@
 //! constructor refusing with the reason (a build holds this one or the real one,
 //! never both, so the name is declared once per build).
 
-use super::{RdmaError, RdmaOptions};
+use super::options::{RdmaError, RdmaOptions};
 use crate::transport::{BatchCompletion, BatchId, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, Transport, TransportError};
 use handoff_components::plan::Descriptor;
 use handoff_components::vocab::{RankId, RegionKind};

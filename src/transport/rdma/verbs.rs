@@ -3,11 +3,11 @@
 //! Each holds an `Arc` of the device, so the context outlives everything made
 //! from it, and frees its object on drop.
 
-use super::RdmaOptions;
 use super::ffi::{self, Verbs};
+use super::options::RdmaOptions;
+use super::options::{DeviceNames, RdmaError};
 use super::plan::WorkRequest;
 use super::qp::{LinkLayer, PortInfo, Transition};
-use super::{DeviceNames, RdmaError};
 use std::ffi::c_int;
 use std::sync::Arc;
 
