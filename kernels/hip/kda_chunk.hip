@@ -382,24 +382,29 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
 // the chunk to the workspace (hs) for phase 3, then S = e^Gam_last S +
 // (e^(Gam_last - Gam) k^)^T u. The output, (e^Gam q^) S + P u, needs nothing
 // of the next chunk and is phase 3's, over every chunk at once.
-// The walk is bound by shared-memory reads (one block a head and 16 columns,
-// 64 KB of operands a chunk), so each thread keeps a 2 x 2 or 4 x 2 tile of
-// outputs and every read serves a whole warp in one wavefront:
-//   u:  thread (tg = tid / 8, jg = tid % 8) computes tokens tg, tg + 32 of
-//       columns jg, jg + 8 (a warp reads 4 rows of W and 8 columns of S^T,
-//       each 16 bytes a lane, all 32 banks once);
-//   S:  thread (ig = tid / 8, jg) owns state rows 4 ig .. 4 ig + 3 of columns
-//       2 jg, 2 jg + 1 in registers (a warp reads 4 row quads of e^(..) k^
-//       and 8 column pairs of u a token).
-// Each output keeps one accumulator over the key channels (u) or the tokens
-// (S) in index order, as the CPU's chunked form. The next chunk's W and
-// e^(..) k^ load (cp.async, double-buffered) under this chunk's products; two
-// barriers a chunk: B (u is in shared memory, every read of S^T done) and C
-// (S^T updated, the next chunk's operands landed).
+// Both products are on the tensor cores, f32 as three TF32 products
+// (prelude.h's hk_mma_3xtf32): on the CUDA cores the walk was bound by
+// shared-memory wavefronts (about 7K a chunk, 4 us), where an m16n8k8 tile
+// reads 768 bytes of fragments for 1024 multiply-adds. The eight warps:
+//   u:  warp w computes tokens 16 (w / 2) .. + 15 of columns 8 (w % 2) .. + 7
+//       over the 128 key channels, 8 at a time;
+//   S:  warp w owns state rows (key channels) 16 w .. + 15 of all 16 columns
+//       in registers (two C fragments), across the chunks, and adds
+//       k^T u over the 64 tokens, 8 at a time.
+// Each output's sum has a fixed order (the large TF32 products in one
+// accumulator over k in order, the two small ones in another, added at the
+// end), the same for every launch and every batch; it agrees with the CPU's
+// chunked form to rounding. Strides that spread each fragment read over the
+// 32 banks: W and S^T rows KC_LDW (4 g + t), k^ rows KC_LDK (8 t + g), u rows
+// KC_LDUS (24 t + g). The next chunk's W and e^(..) k^ load (cp.async,
+// double-buffered) under this chunk's products; two barriers a chunk: B (u is
+// in shared memory, every read of S^T done) and C (S^T updated, the next
+// chunk's operands landed).
 // Launch: grid (heads, ceil(dv / 16), nseq); block KC_THREADS; dynamic shared
 // memory KC_H_SMEM floats.
-#define KC_LDU (KC_C + 4)  // row stride of u^T in kda_chunk_out
-#define KC_H_SMEM (KC_TILE * KC_LDW + 4 * KC_C * KC_LDW + KC_TILE * KC_LDU + 2 * KC_C * KC_TILE + 2 * KC_DK)  // u [64][16], then U0 and e^Gam_last double-buffered
+#define KC_LDK (KC_DK + 8)
+#define KC_LDUS 24
+#define KC_H_SMEM (KC_TILE * KC_LDW + 2 * KC_C * KC_LDW + 2 * KC_C * KC_LDK + KC_C * KC_LDUS + 2 * KC_C * KC_TILE + 2 * KC_DK)
 extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
     float* __restrict__ state,  // [states, H, dk, dv], updated in place
     float* __restrict__ ws,
@@ -407,17 +412,17 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
     int wchunks, int heads, int dk, int dv)  // wchunks: the workspace's chunks
 {
     HK_DYN_SMEM(float, smem);
-    float* ST = smem;                     // S^T [16][KC_LDW]
-    float* Wb = ST + KC_TILE * KC_LDW;    // W [2][64][KC_LDW]
-    float* Kb = Wb + 2 * KC_C * KC_LDW;   // e^(..) k^ [2][64][KC_LDW]
-    float* Us = Kb + 2 * KC_C * KC_LDW;   // u [64][16]
-    float* U0b = Us + KC_TILE * KC_LDU;   // U0 of the tile [2][64][16] and e^Gam_last [2][128]
-    float* Db = U0b + 2 * KC_C * KC_TILE;
+    float* ST = smem;                      // S^T [16][KC_LDW]
+    float* Wb = ST + KC_TILE * KC_LDW;     // W [2][64][KC_LDW]
+    float* Kb = Wb + 2 * KC_C * KC_LDW;    // e^(..) k^ [2][64][KC_LDK]
+    float* Us = Kb + 2 * KC_C * KC_LDK;    // u [64][KC_LDUS]
+    float* U0b = Us + KC_C * KC_LDUS;      // U0 of the tile [2][64][16]
+    float* Db = U0b + 2 * KC_C * KC_TILE;  // e^Gam_last [2][128]
 
     const int h = blockIdx.x;
     const int tid = threadIdx.x;
-    const int tg = tid / 8;  // u: tokens tg, tg + 32; S: rows 4 tg .. 4 tg + 3
-    const int jg = tid % 8;  // u: columns jg, jg + 8; S: columns 2 jg, 2 jg + 1
+    const int warp = tid / 32, lane = tid % 32;
+    const int g = lane / 4, t4 = lane % 4;  // the fragments' row and column groups
     const int cbase0 = blockIdx.y * KC_TILE;
     const int sq = blockIdx.z;
     const int tokens = seg[4 * sq + 1];
@@ -429,43 +434,40 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
     const hk_i64 wch = (hk_i64)h * wchunks + cbase;  // the sequence's first chunk for head h
     const bool pre = dv % 4 == 0;  // U0 and e^Gam_last come with the chunk's operands
 
-    // This thread's state: rows 4 tg + a, columns cs[b] = 2 jg + b.
-    int cs[2];
-    bool son[2];
+    // This warp's state, as two C fragments: sr[n][e] is row 16 warp + g +
+    // 8 (e / 2), column 8 n + 2 t4 + e % 2 of the tile.
+    float sr[2][4];
+    auto srow = [&](int e) { return 16 * warp + g + 8 * (e >> 1); };
+    auto scol = [&](int n, int e) { return 8 * n + 2 * t4 + (e & 1); };
 #pragma unroll
-    for (int b = 0; b < 2; ++b) {
-        cs[b] = cbase0 + 2 * jg + b;
-        son[b] = cs[b] < dv;
-    }
-    float sr[4][2];
+    for (int n = 0; n < 2; ++n)
 #pragma unroll
-    for (int a = 0; a < 4; ++a) {
-        const int i = 4 * tg + a;
-#pragma unroll
-        for (int b = 0; b < 2; ++b) sr[a][b] = (i < dk && son[b]) ? Sg[(hk_i64)i * dv + cs[b]] : 0.0f;
-    }
-    // S^T of the tile, for u's products: columns 2 jg + b, rows 4 tg ...
+        for (int e = 0; e < 4; ++e) {
+            const int i = srow(e), j = cbase0 + scol(n, e);
+            sr[n][e] = (i < dk && j < dv) ? Sg[(hk_i64)i * dv + j] : 0.0f;
+        }
     auto put_st = [&]() {
 #pragma unroll
-        for (int b = 0; b < 2; ++b) *(float4*)(ST + (2 * jg + b) * KC_LDW + 4 * tg) = make_float4(sr[0][b], sr[1][b], sr[2][b], sr[3][b]);
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ST[scol(n, e) * KC_LDW + srow(e)] = sr[n][e];
     };
     put_st();
 
     // Chunk cc's W and e^(..) k^ into buffer cc % 2, 16 bytes a copy (rows of
-    // 128 floats, stride KC_LDW: every offset a multiple of 4 floats).
+    // 128 floats, strides multiples of 4 floats).
     auto load = [&](int cc) {
         const hk_i64 r0 = wrow + (hk_i64)cc * KC_C;
         float* wd = Wb + (cc & 1) * KC_C * KC_LDW;
-        float* kd = Kb + (cc & 1) * KC_C * KC_LDW;
+        float* kd = Kb + (cc & 1) * KC_C * KC_LDK;
         for (int e = tid; e < KC_C * (KC_DK / 4); e += KC_THREADS) {
             const int t = e / (KC_DK / 4), i = (e % (KC_DK / 4)) * 4;
             hk_cp16(wd + t * KC_LDW + i, W.w + (r0 + t) * KC_DK + i, true);
-            hk_cp16(kd + t * KC_LDW + i, W.kd + (r0 + t) * KC_DK + i, true);
+            hk_cp16(kd + t * KC_LDK + i, W.kd + (r0 + t) * KC_DK + i, true);
         }
         // U0 of the tile's columns and e^Gam_last too, so that no global
-        // read is left on the chunk's own path (a read of U0 there waited
-        // on memory before u's products could finish). 16-byte copies need
-        // dv a multiple of 4; otherwise the chunk reads them itself.
+        // read is left on the chunk's own path. 16-byte copies need dv a
+        // multiple of 4; otherwise the chunk reads them itself.
         if (pre) {
             float* ud = U0b + (cc & 1) * KC_C * KC_TILE;
             for (int e = tid; e < KC_C * (KC_TILE / 4); e += KC_THREADS) {
@@ -481,91 +483,78 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
     hk_cp_wait_all();
     __syncthreads();
 
-    // u's outputs: tokens ut[m] = tg + 32 m, columns uc[q] = jg + 8 q.
-    int uc[2];
-    bool uon[2];
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-        uc[q] = cbase0 + jg + 8 * q;
-        uon[q] = uc[q] < dv;
-    }
+    const int mt = warp >> 1, nt = warp & 1;  // u: tokens 16 mt .., columns 8 nt ..
     for (int c = 0; c < chunks; ++c) {
         if (c + 1 < chunks) load(c + 1);  // its buffer was last read before the previous barrier C
         const hk_i64 row0 = wrow + (hk_i64)c * KC_C;
         const float* Wc = Wb + (c & 1) * KC_C * KC_LDW;
-        const float* Kc = Kb + (c & 1) * KC_C * KC_LDW;
-        float u0[2][2];
-        float4 dc4;
-        if (pre) {
-            const float* ub = U0b + (c & 1) * KC_C * KC_TILE;
-#pragma unroll
-            for (int m = 0; m < 2; ++m)
-#pragma unroll
-                for (int q = 0; q < 2; ++q) u0[m][q] = uon[q] ? ub[(tg + 32 * m) * KC_TILE + jg + 8 * q] : 0.0f;
-            dc4 = *(const float4*)(Db + (c & 1) * KC_DK + 4 * tg);
-        } else {
-#pragma unroll
-            for (int m = 0; m < 2; ++m)
-#pragma unroll
-                for (int q = 0; q < 2; ++q) u0[m][q] = uon[q] ? W.u0[(row0 + tg + 32 * m) * dv + uc[q]] : 0.0f;
-            dc4 = *(const float4*)(W.dc + (wch + c) * KC_DK + 4 * tg);
-        }
-        // The state entering the chunk, for phase 3 ([col][128]).
-#pragma unroll
-        for (int b = 0; b < 2; ++b)
-            if (son[b]) *(float4*)(W.hs + ((wch + c) * dv + cs[b]) * KC_DK + 4 * tg) = make_float4(sr[0][b], sr[1][b], sr[2][b], sr[3][b]);
+        const float* Kc = Kb + (c & 1) * KC_C * KC_LDK;
 
-        // u = U0 - W S, over the key channels in order.
-        float acc[2][2];
-#pragma unroll
-        for (int m = 0; m < 2; ++m) acc[m][0] = acc[m][1] = 0.0f;
-#pragma unroll 4
-        for (int i = 0; i < KC_DK; i += 4) {
-            float4 s[2], w[2];
-#pragma unroll
-            for (int q = 0; q < 2; ++q) s[q] = *(const float4*)(ST + (jg + 8 * q) * KC_LDW + i);
-#pragma unroll
-            for (int m = 0; m < 2; ++m) w[m] = *(const float4*)(Wc + (tg + 32 * m) * KC_LDW + i);
-#pragma unroll
-            for (int m = 0; m < 2; ++m)
-#pragma unroll
-                for (int q = 0; q < 2; ++q) {
-                    acc[m][q] = fmaf(w[m].x, s[q].x, acc[m][q]);
-                    acc[m][q] = fmaf(w[m].y, s[q].y, acc[m][q]);
-                    acc[m][q] = fmaf(w[m].z, s[q].z, acc[m][q]);
-                    acc[m][q] = fmaf(w[m].w, s[q].w, acc[m][q]);
-                }
+        // The state entering the chunk, for phase 3 ([col][128]), from S^T.
+        for (int e = tid; e < KC_TILE * (KC_DK / 4); e += KC_THREADS) {
+            const int j = e / (KC_DK / 4), i = (e % (KC_DK / 4)) * 4;
+            if (cbase0 + j < dv) *(float4*)(W.hs + ((wch + c) * dv + cbase0 + j) * KC_DK + i) = *(const float4*)(ST + j * KC_LDW + i);
         }
+
+        // u = U0 - W S over the key channels, 8 at a time.
+        {
+            float big[4] = {0.0f, 0.0f, 0.0f, 0.0f}, small[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            const float* wa = Wc + (16 * mt + g) * KC_LDW + t4;
+            const float* sb = ST + (8 * nt + g) * KC_LDW + t4;
+#pragma unroll 4
+            for (int k0 = 0; k0 < KC_DK; k0 += 8) {
+                const float av[4] = {wa[k0], wa[8 * KC_LDW + k0], wa[k0 + 4], wa[8 * KC_LDW + k0 + 4]};
+                unsigned ah[4], al[4];
 #pragma unroll
-        for (int m = 0; m < 2; ++m) {
-            const int t = tg + 32 * m;
+                for (int i = 0; i < 4; ++i) hk_tf32_split(av[i], ah[i], al[i]);
+                hk_mma_3xtf32(big, small, ah, al, sb[k0], sb[k0 + 4]);
+            }
 #pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                const float u = u0[m][q] - acc[m][q];
-                Us[t * KC_TILE + jg + 8 * q] = u;
-                if (uon[q]) W.u0[(row0 + t) * dv + uc[q]] = u;
+            for (int e = 0; e < 4; ++e) {
+                const int t = 16 * mt + g + 8 * (e >> 1), j = 8 * nt + 2 * t4 + (e & 1);
+                const bool on = cbase0 + j < dv;
+                float u0;
+                if (pre) u0 = U0b[(c & 1) * KC_C * KC_TILE + t * KC_TILE + j];
+                else u0 = on ? W.u0[(row0 + t) * dv + cbase0 + j] : 0.0f;
+                const float u = u0 - (big[e] + small[e]);
+                Us[t * KC_LDUS + j] = u;
+                if (on) W.u0[(row0 + t) * dv + cbase0 + j] = u;
             }
         }
         __syncthreads();  // B
 
-        // S = e^Gam_last S + sum_s (e^(Gam_last - Gam_s) k^_s) u_s^T, in
-        // token order (the padding tokens' k^ and u are zero).
-        const float dcr[4] = {dc4.x, dc4.y, dc4.z, dc4.w};
+        // S = e^Gam_last S + sum_s (e^(Gam_last - Gam_s) k^_s) u_s^T over the
+        // tokens, 8 at a time (the padding tokens' k^ and u are zero).
+        {
+            float dr[2];
 #pragma unroll
-        for (int a = 0; a < 4; ++a) {
-            sr[a][0] *= dcr[a];
-            sr[a][1] *= dcr[a];
-        }
-#pragma unroll 8
-        for (int s = 0; s < KC_C; ++s) {
-            const float4 k = *(const float4*)(Kc + s * KC_LDW + 4 * tg);
-            const float2 u = *(const float2*)(Us + s * KC_TILE + 2 * jg);
-            const float kv[4] = {k.x, k.y, k.z, k.w};
-#pragma unroll
-            for (int a = 0; a < 4; ++a) {
-                sr[a][0] = fmaf(kv[a], u.x, sr[a][0]);
-                sr[a][1] = fmaf(kv[a], u.y, sr[a][1]);
+            for (int r = 0; r < 2; ++r) {
+                const int i = 16 * warp + g + 8 * r;
+                dr[r] = pre ? Db[(c & 1) * KC_DK + i] : W.dc[(wch + c) * KC_DK + i];
             }
+            float small[2][4];
+#pragma unroll
+            for (int n = 0; n < 2; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    sr[n][e] *= dr[e >> 1];
+                    small[n][e] = 0.0f;
+                }
+            const float* ka = Kc + t4 * KC_LDK + 16 * warp + g;
+            const float* ub = Us + t4 * KC_LDUS + g;
+#pragma unroll 2
+            for (int s0 = 0; s0 < KC_C; s0 += 8) {
+                const float av[4] = {ka[s0 * KC_LDK], ka[s0 * KC_LDK + 8], ka[(s0 + 4) * KC_LDK], ka[(s0 + 4) * KC_LDK + 8]};
+                unsigned ah[4], al[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) hk_tf32_split(av[i], ah[i], al[i]);
+#pragma unroll
+                for (int n = 0; n < 2; ++n) hk_mma_3xtf32(sr[n], small[n], ah, al, ub[s0 * KC_LDUS + 8 * n], ub[(s0 + 4) * KC_LDUS + 8 * n]);
+            }
+#pragma unroll
+            for (int n = 0; n < 2; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) sr[n][e] += small[n][e];
         }
         put_st();
         hk_cp_wait_all();
@@ -573,12 +562,12 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
     }
 
 #pragma unroll
-    for (int a = 0; a < 4; ++a) {
-        const int i = 4 * tg + a;
+    for (int n = 0; n < 2; ++n)
 #pragma unroll
-        for (int b = 0; b < 2; ++b)
-            if (i < dk && son[b]) Sg[(hk_i64)i * dv + cs[b]] = sr[a][b];
-    }
+        for (int e = 0; e < 4; ++e) {
+            const int i = srow(e), j = cbase0 + scol(n, e);
+            if (i < dk && j < dv) Sg[(hk_i64)i * dv + j] = sr[n][e];
+        }
 }
 
 // Phase 3: the output of every chunk at once, o = (e^Gam q^) S_c + P u with
@@ -590,6 +579,7 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
 // writes u to the record.
 // Launch: grid (chunks, heads, ceil(dv / 64)); block KC_THREADS; dynamic
 // shared memory KC_O_SMEM floats.
+#define KC_LDU (KC_C + 4)  // row stride of u^T in kda_chunk_out
 #define KC_OT 64  // value columns per kda_chunk_out block
 #define KC_O_SMEM (2 * KC_C * KC_LDW + KC_C * KC_LDP + KC_OT * KC_LDU)
 extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_out(

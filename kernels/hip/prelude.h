@@ -248,6 +248,74 @@ static __device__ __forceinline__ void st_mma(float* c, uint4 a, unsigned b0, un
 #endif
 }
 
+// ---- f32 products on the tensor cores as three TF32 products (kda_chunk.hip) -------
+//
+// x = hi + lo with hi = tf32(x) and lo = tf32(x - hi) carries 21 of f32's 24
+// significand bits; a . b ~ hi_a hi_b + hi_a lo_b + lo_a hi_b leaves out only
+// lo_a lo_b (2^-22 of the product), so three m16n8k8 TF32 products give an f32
+// product to rounding, as CUTLASS's 3xTF32 does.
+
+// x rounded to TF32 (10 mantissa bits, to nearest, ties away from zero:
+// cvt.rna.tf32.f32), as f32 bits.
+static __device__ __forceinline__ unsigned hk_tf32(float x) {
+#ifdef __HIPCC__
+    unsigned u = __float_as_uint(x);
+    if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;
+    return u;
+#else
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+#endif
+}
+
+// The two TF32 parts of x (above).
+static __device__ __forceinline__ void hk_tf32_split(float x, unsigned& hi, unsigned& lo) {
+    hi = hk_tf32(x);
+    lo = hk_tf32(x - __uint_as_float(hi));
+}
+
+// c += a . b for one m16n8k8 tile, TF32 in (f32 bits rounded by hk_tf32), f32
+// accumulate. Fragments (g = lane / 4, t = lane % 4): a = A[g][t], A[g + 8][t],
+// A[g][t + 4], A[g + 8][t + 4]; b = B[t][g], B[t + 4][g]; c = C[g][2t],
+// C[g][2t + 1], C[g + 8][2t], C[g + 8][2t + 1].
+static __device__ __forceinline__ void hk_mma_tf32(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+#ifdef __HIPCC__
+    // The same product by shuffles, in the PTX fragment layout (the tensor
+    // core's sum order is its own; this one goes over k in order).
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    for (int k = 0; k < 8; ++k) {
+        const int src = k & 3, upper = k >> 2;
+        const float x0 = __uint_as_float(__shfl(upper ? a[2] : a[0], g * 4 + src, 32));      // A[g][k]
+        const float x1 = __uint_as_float(__shfl(upper ? a[3] : a[1], g * 4 + src, 32));      // A[g + 8][k]
+        const float y0 = __uint_as_float(__shfl(upper ? b1 : b0, (2 * t) * 4 + src, 32));    // B[k][2t]
+        const float y1 = __uint_as_float(__shfl(upper ? b1 : b0, (2 * t + 1) * 4 + src, 32));  // B[k][2t + 1]
+        c[0] = fmaf(x0, y0, c[0]);
+        c[1] = fmaf(x0, y1, c[1]);
+        c[2] = fmaf(x1, y0, c[2]);
+        c[3] = fmaf(x1, y1, c[3]);
+    }
+#else
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// c += a . b in 3xTF32 (above), a already split (hk_tf32_split of each of its
+// four values), b as f32: the small products into `small` and the large one
+// into `c`, so that the caller adds small to c once at the end (the same sum
+// for every launch).
+static __device__ __forceinline__ void hk_mma_3xtf32(float* c, float* small, const unsigned* ah, const unsigned* al, float b0, float b1) {
+    unsigned bh0, bl0, bh1, bl1;
+    hk_tf32_split(b0, bh0, bl0);
+    hk_tf32_split(b1, bh1, bl1);
+    hk_mma_tf32(small, al, bh0, bh1);
+    hk_mma_tf32(small, ah, bl0, bl1);
+    hk_mma_tf32(c, ah, bh0, bh1);
+}
+
 // ---- the fused decode step's operands and cache values (step.hip, mla.hip) ------
 //
 // Packed A operand of the tensor-core products: kernels/src/step.rs's a_index.
