@@ -79,13 +79,9 @@ const KDA_CHUNK_THREADS: u32 = 256;
 const KDA_CHUNK_PREP_SMEM: u32 = ((3 * 64 * (KDA_CHUNK_DK + 1) + 64 + 6 * KDA_CHUNK_DK) * 4) as u32;
 /// kda_chunk.hip's KC_H_SMEM: S^T, two buffers of W and of e^(..) k^, u, two
 /// of U0's tile and of e^Gam_last.
-const KDA_CHUNK_STATE_SMEM: u32 = ((KDA_CHUNK_TILE * (KDA_CHUNK_DK + 4)
-    + 2 * 64 * (KDA_CHUNK_DK + 4)
-    + 2 * 64 * (KDA_CHUNK_DK + 8)
-    + 64 * 24
-    + 2 * 64 * KDA_CHUNK_TILE
-    + 2 * KDA_CHUNK_DK)
-    * 4) as u32;
+const KDA_CHUNK_STATE_SMEM: u32 =
+    ((KDA_CHUNK_TILE * (KDA_CHUNK_DK + 4) + 2 * 64 * (KDA_CHUNK_DK + 4) + 2 * 64 * (KDA_CHUNK_DK + 8) + 64 * 24 + 2 * 64 * KDA_CHUNK_TILE + 2 * KDA_CHUNK_DK)
+        * 4) as u32;
 /// kda_chunk.hip's KC_O_SMEM: e^Gam q^, S_c^T of 64 columns, P, u^T.
 const KDA_CHUNK_OUT_SMEM: u32 = ((2 * 64 * (KDA_CHUNK_DK + 4) + 64 * 68 + KDA_CHUNK_OUT_TILE * 68) * 4) as u32;
 /// Value columns per kda_chunk_out block (kda_chunk.hip's KC_OT).
