@@ -9,7 +9,10 @@ Figures:
 - fused_recurrent_kda: FLA's KDA decode step (one token per sequence, state in
   place, the gate, beta sigmoid and q/k L2 norm fused, as handoff's step does)
   at the issue's shapes, timed by CUDA graph replay;
-- chunk_kda: FLA's chunked KDA prefill at T = 8K and 32K tokens, 12 heads.
+- chunk_kda: FLA's chunked KDA prefill at T = 8K and 32K tokens, 12 heads,
+  with bf16 inputs (as FLA is run in serving: the peer the issue names) and
+  with f32 inputs (handoff's prefill takes f32 and keeps f32 accuracy; FLA's
+  products then run in TF32), each row labelled with its dtype.
 
 Each time is the median of many replays after a warm-up; inputs are random
 (never zeros) and the state is f32, as handoff keeps it.
@@ -86,15 +89,15 @@ def fla_decode(batch, heads, dk=128, dv=128):
             "state_bytes": state_bytes, "GB_s": state_bytes / (ms * 1e-3) / 1e9}
 
 
-def fla_prefill(tokens, heads=12, dk=128, dv=128):
+def fla_prefill(tokens, heads=12, dk=128, dv=128, dtype=torch.bfloat16):
     from fla.ops.kda import chunk_kda
 
     dev = "cuda"
-    q = torch.randn(1, tokens, heads, dk, device=dev, dtype=torch.bfloat16)
-    k = torch.randn(1, tokens, heads, dk, device=dev, dtype=torch.bfloat16)
-    v = torch.randn(1, tokens, heads, dv, device=dev, dtype=torch.bfloat16)
-    g = torch.randn(1, tokens, heads, dk, device=dev, dtype=torch.bfloat16)
-    beta = torch.randn(1, tokens, heads, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(1, tokens, heads, dk, device=dev, dtype=dtype)
+    k = torch.randn(1, tokens, heads, dk, device=dev, dtype=dtype)
+    v = torch.randn(1, tokens, heads, dv, device=dev, dtype=dtype)
+    g = torch.randn(1, tokens, heads, dk, device=dev, dtype=dtype)
+    beta = torch.randn(1, tokens, heads, device=dev, dtype=dtype)
     a_log = torch.randn(heads, device=dev, dtype=torch.float32) * 0.1
     dt_bias = torch.randn(heads * dk, device=dev, dtype=torch.float32) * 0.1
 
@@ -103,8 +106,8 @@ def fla_prefill(tokens, heads=12, dk=128, dv=128):
                   use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, output_final_state=True)
 
     ms = median_ms(run, reps=20, graph=False)
-    return {"peer": "fla chunk_kda", "tokens": tokens, "heads": heads, "us": ms * 1e3,
-            "tokens_per_s": tokens / (ms * 1e-3)}
+    return {"peer": "fla chunk_kda", "dtype": str(dtype).removeprefix("torch."), "tokens": tokens, "heads": heads,
+            "us": ms * 1e3, "tokens_per_s": tokens / (ms * 1e-3)}
 
 
 def main():
@@ -116,11 +119,12 @@ def main():
             print(json.dumps(fla_decode(batch, heads)), flush=True)
         except Exception as e:  # report, do not hide: the row says why it is missing
             print(json.dumps({"peer": "fla fused_recurrent_kda", "batch": batch, "heads": heads, "error": repr(e)}), flush=True)
-    for tokens in [8192, 32768]:
-        try:
-            print(json.dumps(fla_prefill(tokens)), flush=True)
-        except Exception as e:
-            print(json.dumps({"peer": "fla chunk_kda", "tokens": tokens, "error": repr(e)}), flush=True)
+    for dtype in [torch.bfloat16, torch.float32]:
+        for tokens in [8192, 32768]:
+            try:
+                print(json.dumps(fla_prefill(tokens, dtype=dtype)), flush=True)
+            except Exception as e:
+                print(json.dumps({"peer": "fla chunk_kda", "dtype": str(dtype), "tokens": tokens, "error": repr(e)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -60,13 +60,27 @@
 #define KC_C 64          // chunk length (kernels/src/cpu/kda.rs KDA_CHUNK)
 #define KC_DK 128        // key channels, padded
 #define KC_THREADS 256
-#define KC_LD1 (KC_DK + 1)  // row stride of q^, k^, Gam in kda_chunk_prep (no bank conflicts)
+#define KC_LD1 (KC_DK + 4)  // row stride of q^, k^, Gam in kda_chunk_prep (4 g + t: step 3d's fragments hit 32 banks)
 #define KC_IN_PAIRS (4 * 136)  // kda_chunk_prep: the pairs s <= t within the four 16-token subchunks
 #define KC_IN_PER_THREAD ((KC_IN_PAIRS + KC_THREADS - 1) / KC_THREADS)
 #define KC_TILE 16          // value columns per kda_chunk_state block
 #define KC_LDW (KC_DK + 4)  // row stride of the 128-wide operands in shared memory
 #define KC_LDP (KC_C + 4)   // row stride of P in kda_chunk_out
 #define KC_L2_EPS 1e-6f
+
+// e^x for the prep's exponents, all <= 0 (differences Gam_t - Gam_s with s
+// <= t: Gam only falls): one ex2.approx (relative error below 2^-21) after
+// one multiply, where expf's accurate form costs about eight instructions and
+// the prep takes some 100K a chunk. Results below 2^-126 flush to zero.
+static __device__ __forceinline__ float kc_exp(float x) {
+#ifdef __HIPCC__
+    return exp2f(x * 1.4426950408889634f);
+#else
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x * 1.4426950408889634f));
+    return r;
+#endif
+}
 
 struct KdaChunkWs {
     float* w;
@@ -138,6 +152,12 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
     // Step 1: q^, k^, g, beta; one warp per token (8 warps, 8 tokens each).
     const float rate = -expf(a_log[h]);
     const float inv_sqrt_dk = 1.0f / sqrtf((float)dk);
+    float dtb[KC_DK / HK_WARP];  // the same for every token
+#pragma unroll
+    for (int x = 0; x < KC_DK / HK_WARP; ++x) dtb[x] = lane + HK_WARP * x < dk ? dt_bias[(hk_i64)h * dk + lane + HK_WARP * x] : 0.0f;
+    // Two tokens a trip, so that a warp has two tokens' loads in flight (one
+    // at a time left it waiting on each token's loads in turn).
+#pragma unroll 2
     for (int t = wp; t < KC_C; t += KC_THREADS / HK_WARP) {
         float qv[KC_DK / HK_WARP], kv[KC_DK / HK_WARP], gv[KC_DK / HK_WARP];
         float sq = 0.0f, sk = 0.0f;
@@ -148,7 +168,7 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
             const bool on = t < n && i < dk;
             qv[x] = on ? q[th * dk + i] : 0.0f;
             kv[x] = on ? k[th * dk + i] : 0.0f;
-            gv[x] = on ? rate * hk_softplus(g_raw[th * dk + i] + dt_bias[(hk_i64)h * dk + i]) : 0.0f;
+            gv[x] = on ? rate * hk_softplus(g_raw[th * dk + i] + dtb[x]) : 0.0f;
             sq += qv[x] * qv[x];
             sk += kv[x] * kv[x];
         }
@@ -195,11 +215,10 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
     // every exponent <= 0 (Gam only falls), so no factor overflows where the
     // direct one would not. k^ and q^ of t times the first factor, k^ of s
     // times the last, and the middle one (1 when b = a + 1) are made once
-    // (3c), and the 1,536 pairs across subchunks become plain sums of
-    // products in 4 x 4 tiles (3d): 20K exponentials a chunk instead of 266K.
-    // The sums keep the key channels in index order; the factored products
-    // round differently from the direct ones (agreement with the CPU to
-    // rounding, as before).
+    // (3c), and the 1,536 pairs across subchunks become plain products on
+    // the tensor cores (3d): 20K exponentials a chunk instead of 266K. The
+    // factored products round differently from the direct ones (agreement
+    // with the CPU to rounding, as before); every sum has a fixed order.
     float* P = W.p + ((hk_i64)h * chunks + c) * KC_C * KC_C;
     float* gref = bt + KC_C;        // Gam at the subchunk ends 15, 31, 47 [3][KC_DK]
     float* mid = gref + 3 * KC_DK;  // e^(Gam_e(b-1) - Gam_e(a)) for (a, b) = (0, 2), (0, 3), (1, 3)
@@ -208,17 +227,30 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
     // channels, whose q^ and k^ are zero), e^Gam_last, and step 4's
     // right-hand side diag(beta) e^Gam k^ into W (solved in place there);
     // the subchunk ends' Gam.
+    // Thread tid takes channel ci = tid % 128 of tokens ct0, ct0 + 2, .. (ct0 =
+    // tid / 128): fixed offsets from pointers made once (the index
+    // arithmetic made per element cost as much as the element's own work).
     const float* glast = gm + (n - 1) * KC_LD1;
-    for (int e = tid; e < KC_C * KC_DK; e += KC_THREADS) {
-        const int t = e / KC_DK, i = e % KC_DK;
-        const float gt = gm[t * KC_LD1 + i];
-        const float eg = expf(gt);
-        const float kt = kh[t * KC_LD1 + i];
-        W.qg[(row0 + t) * KC_DK + i] = eg * qh[t * KC_LD1 + i];
-        W.kd[(row0 + t) * KC_DK + i] = expf(glast[i] - gt) * kt;
-        W.w[(row0 + t) * KC_DK + i] = bt[t] * (eg * kt);
+    const int ci = tid % KC_DK, ct0 = tid / KC_DK;
+    static_assert(KC_THREADS == 2 * KC_DK, "two tokens a step");
+    {
+        const hk_i64 g0 = (row0 + ct0) * KC_DK + ci;
+        float* qgp = W.qg + g0;
+        float* kdp = W.kd + g0;
+        float* wp0 = W.w + g0;
+        const float gl = glast[ci];
+#pragma unroll 4
+        for (int j = 0; j < KC_C / 2; ++j) {
+            const int t = ct0 + 2 * j, x = t * KC_LD1 + ci;
+            const float gt = gm[x];
+            const float eg = kc_exp(gt);
+            const float kt = kh[x];
+            qgp[j * 2 * KC_DK] = eg * qh[x];
+            kdp[j * 2 * KC_DK] = kc_exp(gl - gt) * kt;
+            wp0[j * 2 * KC_DK] = bt[t] * (eg * kt);
+        }
     }
-    if (tid < KC_DK) W.dc[((hk_i64)h * chunks + c) * KC_DK + tid] = expf(glast[tid]);
+    if (tid < KC_DK) W.dc[((hk_i64)h * chunks + c) * KC_DK + tid] = kc_exp(glast[tid]);
     for (int e = tid; e < 3 * KC_DK; e += KC_THREADS) gref[e] = gm[(16 * (e / KC_DK) + 15) * KC_LD1 + e % KC_DK];
 
     // 3b: the 4 x 136 pairs within a subchunk, one thread a pair, directly.
@@ -235,7 +267,7 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
             const int t = 16 * sub + tl, s2 = 16 * sub + r - tl * (tl + 1) / 2;
             float akk = 0.0f, aqk = 0.0f;
             for (int i = 0; i < dk; ++i) {
-                const float d = expf(gm[t * KC_LD1 + i] - gm[s2 * KC_LD1 + i]) * kh[s2 * KC_LD1 + i];
+                const float d = kc_exp(gm[t * KC_LD1 + i] - gm[s2 * KC_LD1 + i]) * kh[s2 * KC_LD1 + i];
                 akk = fmaf(kh[t * KC_LD1 + i], d, akk);
                 aqk = fmaf(qh[t * KC_LD1 + i], d, aqk);
             }
@@ -251,65 +283,72 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
     // 3c: in place, k^ := k^ e^(Gam_t - Gam_e(b-1)) and q^ likewise for the
     // tokens of subchunks 1 to 3, Gam := k^ e^(Gam_e(a) - Gam_s) for those of
     // subchunks 0 to 2; and the middle factors.
-    for (int e = tid; e < KC_C * KC_DK; e += KC_THREADS) {
-        const int t = e / KC_DK, i = e % KC_DK, sub = t / 16;
-        const int x = t * KC_LD1 + i;
-        const float g = gm[x], kt = kh[x];
-        if (sub < 3) gm[x] = kt * expf(gref[sub * KC_DK + i] - g);
-        if (sub > 0) {
-            const float el = expf(g - gref[(sub - 1) * KC_DK + i]);
-            kh[x] = kt * el;
-            qh[x] = qh[x] * el;
+    {
+        const float ge[3] = {gref[ci], gref[KC_DK + ci], gref[2 * KC_DK + ci]};
+#pragma unroll
+        for (int sub = 0; sub < 4; ++sub) {
+#pragma unroll 4
+            for (int j = 0; j < 8; ++j) {
+                const int x = (16 * sub + ct0 + 2 * j) * KC_LD1 + ci;
+                const float g = gm[x], kt = kh[x];
+                if (sub < 3) gm[x] = kt * kc_exp(ge[sub < 3 ? sub : 0] - g);
+                if (sub > 0) {
+                    const float el = kc_exp(g - ge[sub > 0 ? sub - 1 : 0]);
+                    kh[x] = kt * el;
+                    qh[x] = qh[x] * el;
+                }
+            }
         }
     }
     for (int e = tid; e < 3 * KC_DK; e += KC_THREADS) {
         const int which = e / KC_DK, i = e % KC_DK;
         const int hi = which == 0 ? 1 : 2, lo = which == 2 ? 1 : 0;
-        mid[e] = expf(gref[hi * KC_DK + i] - gref[lo * KC_DK + i]);
+        mid[e] = kc_exp(gref[hi * KC_DK + i] - gref[lo * KC_DK + i]);
     }
     __syncthreads();  // D: the factored operands are in place
 
-    // 3d: the pairs across subchunks, 4 x 4 tiles: block (a, b) of the six
-    // is tid / 16, its tile tid % 16.
-    float akk[4][4];
-    int tt0 = 0, ss0 = 0;
-    const bool tiled = tid < 96;
-    if (tiled) {
-        const int blk = tid / 16;
+    // 3d: the pairs across subchunks on the tensor cores (3xTF32, prelude.h):
+    // twelve 16 x 16 blocks, A's six (k^ rows) and P's six (q^ rows), each
+    // two m16n8 tiles; warp w takes tiles w, w + 8, w + 16 (tile q: block q /
+    // 2, value half q % 2), k over the 128 channels, 8 at a time. Block
+    // (a, b), a < b: rows 16 b .., columns 16 a .., the B operand Gam's
+    // region (k^_s e^(Gam_e(a) - Gam_s)) times the middle factor when b > a + 1.
+    // On the CUDA cores (4 x 4 tiles, a thread each) only 96 threads had work
+    // here, 64 multiply-adds and 12 shared-memory reads a channel each, while
+    // the other five warps waited at barrier E.
+    float acc[3][4];
+    const int gq = lane / 4, t4 = lane % 4;
+#pragma unroll
+    for (int m = 0; m < 3; ++m) {
+        const int q = wp + 8 * m;
+        const int blk = (q / 2) % 6, nh = q % 2;
+        const bool isp = q >= 12;
         const int sa = blk < 3 ? (blk == 2 ? 1 : 0) : blk - 3;  // (0,1) (0,2) (1,2) (0,3) (1,3) (2,3)
         const int sb = blk < 3 ? (blk == 0 ? 1 : 2) : 3;
         const float* mrow = sb == sa + 1 ? 0 : mid + (sa == 1 ? 2 : sb == 2 ? 0 : 1) * KC_DK;
-        tt0 = 16 * sb + 4 * ((tid % 16) / 4);
-        ss0 = 16 * sa + 4 * (tid % 4);
-        float aqk[4][4];
+        const float* xa = (isp ? qh : kh) + (16 * sb + gq) * KC_LD1 + t4;
+        const float* xb = gm + (16 * sa + 8 * nh + gq) * KC_LD1 + t4;
+        float big[4] = {0.0f, 0.0f, 0.0f, 0.0f}, small[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+        for (int k0 = 0; k0 < KC_DK; k0 += 8) {
+            const float av[4] = {xa[k0], xa[8 * KC_LD1 + k0], xa[k0 + 4], xa[8 * KC_LD1 + k0 + 4]};
+            unsigned ah[4], al[4];
 #pragma unroll
-        for (int x = 0; x < 4; ++x)
-#pragma unroll
-            for (int y = 0; y < 4; ++y) akk[x][y] = aqk[x][y] = 0.0f;
-        for (int i = 0; i < dk; ++i) {
-            const float mm = mrow ? mrow[i] : 1.0f;
-            float kt[4], qt[4], fs[4];
-#pragma unroll
-            for (int x = 0; x < 4; ++x) {
-                kt[x] = kh[(tt0 + x) * KC_LD1 + i];
-                qt[x] = qh[(tt0 + x) * KC_LD1 + i];
-                fs[x] = gm[(ss0 + x) * KC_LD1 + i] * mm;
+            for (int i = 0; i < 4; ++i) hk_tf32_split(av[i], ah[i], al[i]);
+            float b0 = xb[k0], b1 = xb[k0 + 4];
+            if (mrow) {
+                b0 *= mrow[k0 + t4];
+                b1 *= mrow[k0 + t4 + 4];
             }
-#pragma unroll
-            for (int x = 0; x < 4; ++x)
-#pragma unroll
-                for (int y = 0; y < 4; ++y) {
-                    akk[x][y] = fmaf(kt[x], fs[y], akk[x][y]);
-                    aqk[x][y] = fmaf(qt[x], fs[y], aqk[x][y]);
-                }
+            hk_mma_3xtf32(big, small, ah, al, b0, b1);
         }
 #pragma unroll
-        for (int x = 0; x < 4; ++x)
-#pragma unroll
-            for (int y = 0; y < 4; ++y) {
-                P[(tt0 + x) * KC_C + ss0 + y] = aqk[x][y];
-                akk[x][y] *= bt[tt0 + x];
-            }
+        for (int e = 0; e < 4; ++e) {
+            const int t = 16 * sb + gq + 8 * (e >> 1), s = 16 * sa + 8 * nh + 2 * t4 + (e & 1);
+            const float v = big[e] + small[e];
+            if (isp) P[t * KC_C + s] = v;
+            acc[m][e] = isp ? 0.0f : v * bt[t];
+        }
     }
     __syncthreads();  // E: q^'s region is free
 
@@ -326,11 +365,15 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
             am[(16 * sub + tl) * KC_C + 16 * sub + r - tl * (tl + 1) / 2] = adiag[m];
         }
     }
-    if (tiled) {
 #pragma unroll
-        for (int x = 0; x < 4; ++x)
+    for (int m = 0; m < 3; ++m) {
+        const int q = wp + 8 * m;
+        if (q >= 12) continue;
+        const int blk = q / 2, nh = q % 2;
+        const int sa = blk < 3 ? (blk == 2 ? 1 : 0) : blk - 3;
+        const int sb = blk < 3 ? (blk == 0 ? 1 : 2) : 3;
 #pragma unroll
-            for (int y = 0; y < 4; ++y) am[(tt0 + x) * KC_C + ss0 + y] = akk[x][y];
+        for (int e = 0; e < 4; ++e) am[(16 * sb + gq + 8 * (e >> 1)) * KC_C + 16 * sa + 8 * nh + 2 * t4 + (e & 1)] = acc[m][e];
     }
     for (int e = tid; e < KC_C * KC_C; e += KC_THREADS) {
         if ((e & (KC_C - 1)) > (e / KC_C)) am[e] = 0.0f;
@@ -455,27 +498,36 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
     put_st();
 
     // Chunk cc's W and e^(..) k^ into buffer cc % 2, 16 bytes a copy (rows of
-    // 128 floats, strides multiples of 4 floats).
+    // 128 floats, strides multiples of 4 floats): thread tid copies floats
+    // 4 (tid % 32) .. + 3 of rows tid / 32 + 8 j, j < 8, so its sources and
+    // destinations are fixed offsets from pointers made once here (the
+    // index arithmetic made per copy was a fifth of the walk's instructions).
+    const int lr = tid / 32, lc = 4 * (tid % 32);
+    const float* wsrc = W.w + (wrow + lr) * KC_DK + lc;
+    const float* ksrc = W.kd + (wrow + lr) * KC_DK + lc;
+    float* wdst = Wb + lr * KC_LDW + lc;
+    float* kdst = Kb + lr * KC_LDK + lc;
+    // U0 of the tile's columns (token tid / 4, columns 4 (tid % 4) ..) and
+    // e^Gam_last (tid < 32) too, so that no global read is left on the
+    // chunk's own path. 16-byte copies need dv a multiple of 4; otherwise
+    // the chunk reads them itself.
+    const int ut = tid / (KC_TILE / 4), uj = 4 * (tid % (KC_TILE / 4));
+    const bool uon = cbase0 + uj < dv;
+    const float* usrc = W.u0 + (wrow + ut) * dv + cbase0 + uj;
+    const float* dsrc = W.dc + wch * KC_DK + 4 * tid;
     auto load = [&](int cc) {
-        const hk_i64 r0 = wrow + (hk_i64)cc * KC_C;
-        float* wd = Wb + (cc & 1) * KC_C * KC_LDW;
-        float* kd = Kb + (cc & 1) * KC_C * KC_LDK;
-        for (int e = tid; e < KC_C * (KC_DK / 4); e += KC_THREADS) {
-            const int t = e / (KC_DK / 4), i = (e % (KC_DK / 4)) * 4;
-            hk_cp16(wd + t * KC_LDW + i, W.w + (r0 + t) * KC_DK + i, true);
-            hk_cp16(kd + t * KC_LDK + i, W.kd + (r0 + t) * KC_DK + i, true);
+        const hk_i64 r = (hk_i64)cc * KC_C * KC_DK;
+        float* wd = wdst + (cc & 1) * KC_C * KC_LDW;
+        float* kd = kdst + (cc & 1) * KC_C * KC_LDK;
+#pragma unroll
+        for (int j = 0; j < KC_C / 8; ++j) {
+            hk_cp16(wd + 8 * j * KC_LDW, wsrc + r + 8 * j * KC_DK, true);
+            hk_cp16(kd + 8 * j * KC_LDK, ksrc + r + 8 * j * KC_DK, true);
         }
-        // U0 of the tile's columns and e^Gam_last too, so that no global
-        // read is left on the chunk's own path. 16-byte copies need dv a
-        // multiple of 4; otherwise the chunk reads them itself.
         if (pre) {
-            float* ud = U0b + (cc & 1) * KC_C * KC_TILE;
-            for (int e = tid; e < KC_C * (KC_TILE / 4); e += KC_THREADS) {
-                const int t = e / (KC_TILE / 4), j = (e % (KC_TILE / 4)) * 4;
-                const bool on = cbase0 + j < dv;
-                hk_cp16(ud + t * KC_TILE + j, on ? W.u0 + (r0 + t) * dv + cbase0 + j : W.u0, on);
-            }
-            if (tid < KC_DK / 4) hk_cp16(Db + (cc & 1) * KC_DK + 4 * tid, W.dc + (wch + cc) * KC_DK + 4 * tid, true);
+            static_assert(KC_C * (KC_TILE / 4) == KC_THREADS, "one U0 copy a thread");
+            hk_cp16(U0b + (cc & 1) * KC_C * KC_TILE + ut * KC_TILE + uj, uon ? usrc + (hk_i64)cc * KC_C * dv : W.u0, uon);
+            if (tid < KC_DK / 4) hk_cp16(Db + (cc & 1) * KC_DK + 4 * tid, dsrc + (hk_i64)cc * KC_DK, true);
         }
         hk_cp_commit();
     };
@@ -484,16 +536,20 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
     __syncthreads();
 
     const int mt = warp >> 1, nt = warp & 1;  // u: tokens 16 mt .., columns 8 nt ..
+    float* hsdst = W.hs + (wch * dv + cbase0 + lr) * KC_DK + lc;
+    static_assert(KC_TILE * (KC_DK / 4) == 2 * KC_THREADS, "two hs copies a thread");
     for (int c = 0; c < chunks; ++c) {
         if (c + 1 < chunks) load(c + 1);  // its buffer was last read before the previous barrier C
         const hk_i64 row0 = wrow + (hk_i64)c * KC_C;
         const float* Wc = Wb + (c & 1) * KC_C * KC_LDW;
         const float* Kc = Kb + (c & 1) * KC_C * KC_LDK;
 
-        // The state entering the chunk, for phase 3 ([col][128]), from S^T.
-        for (int e = tid; e < KC_TILE * (KC_DK / 4); e += KC_THREADS) {
-            const int j = e / (KC_DK / 4), i = (e % (KC_DK / 4)) * 4;
-            if (cbase0 + j < dv) *(float4*)(W.hs + ((wch + c) * dv + cbase0 + j) * KC_DK + i) = *(const float4*)(ST + j * KC_LDW + i);
+        // The state entering the chunk, for phase 3 ([col][128]), from S^T:
+        // columns lr and lr + 8, floats lc .. lc + 3.
+#pragma unroll
+        for (int m = 0; m < KC_TILE / 8; ++m) {
+            if (cbase0 + lr + 8 * m < dv)
+                *(float4*)(hsdst + (hk_i64)c * dv * KC_DK + 8 * m * KC_DK) = *(const float4*)(ST + (lr + 8 * m) * KC_LDW + lc);
         }
 
         // u = U0 - W S over the key channels, 8 at a time.

@@ -250,24 +250,18 @@ static __device__ __forceinline__ void st_mma(float* c, uint4 a, unsigned b0, un
 
 // ---- f32 products on the tensor cores as three TF32 products (kda_chunk.hip) -------
 //
-// x = hi + lo with hi = tf32(x) and lo = tf32(x - hi) carries 21 of f32's 24
-// significand bits; a . b ~ hi_a hi_b + hi_a lo_b + lo_a hi_b leaves out only
-// lo_a lo_b (2^-22 of the product), so three m16n8k8 TF32 products give an f32
-// product to rounding, as CUTLASS's 3xTF32 does.
+// x = hi + lo with hi = x cut to TF32 (its low 13 bits cleared: x - hi is
+// exact and below 2^-10 |x|) and lo = x - hi cut the same way carries 20 of
+// f32's 24 significand bits; a . b ~ hi_a hi_b + hi_a lo_b + lo_a hi_b leaves
+// out lo_a lo_b and the cut of lo (each below 2^-20 of the product), so three
+// m16n8k8 TF32 products give an f32 product to a few ulp, as CUTLASS's
+// 3xTF32 does. Cutting, not cvt.rna.tf32.f32: sm_90 has no instruction for
+// that conversion, and its four-instruction expansion (a finiteness test,
+// add, select, mask), twice a value, was most of the state walk's
+// instructions (tools/sass.py); a cut is one mask.
 
-// x rounded to TF32 (10 mantissa bits, to nearest, ties away from zero:
-// cvt.rna.tf32.f32), as f32 bits.
-static __device__ __forceinline__ unsigned hk_tf32(float x) {
-#ifdef __HIPCC__
-    unsigned u = __float_as_uint(x);
-    if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;
-    return u;
-#else
-    unsigned r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
-#endif
-}
+// x cut to TF32 (10 mantissa bits, toward zero), as f32 bits.
+static __device__ __forceinline__ unsigned hk_tf32(float x) { return __float_as_uint(x) & 0xffffe000u; }
 
 // The two TF32 parts of x (above).
 static __device__ __forceinline__ void hk_tf32_split(float x, unsigned& hi, unsigned& lo) {
@@ -275,7 +269,7 @@ static __device__ __forceinline__ void hk_tf32_split(float x, unsigned& hi, unsi
     lo = hk_tf32(x - __uint_as_float(hi));
 }
 
-// c += a . b for one m16n8k8 tile, TF32 in (f32 bits rounded by hk_tf32), f32
+// c += a . b for one m16n8k8 tile, TF32 in (f32 bits cut by hk_tf32), f32
 // accumulate. Fragments (g = lane / 4, t = lane % 4): a = A[g][t], A[g + 8][t],
 // A[g][t + 4], A[g + 8][t + 4]; b = B[t][g], B[t + 4][g]; c = C[g][2t],
 // C[g][2t + 1], C[g + 8][2t], C[g + 8][2t + 1].

@@ -76,7 +76,7 @@ const KDA_MAX_DK: usize = 256;
 const KDA_CHUNK_DK: usize = 128;
 const KDA_CHUNK_TILE: usize = 16;
 const KDA_CHUNK_THREADS: u32 = 256;
-const KDA_CHUNK_PREP_SMEM: u32 = ((3 * 64 * (KDA_CHUNK_DK + 1) + 64 + 6 * KDA_CHUNK_DK) * 4) as u32;
+const KDA_CHUNK_PREP_SMEM: u32 = ((3 * 64 * (KDA_CHUNK_DK + 4) + 64 + 6 * KDA_CHUNK_DK) * 4) as u32;
 /// kda_chunk.hip's KC_H_SMEM: S^T, two buffers of W and of e^(..) k^, u, two
 /// of U0's tile and of e^Gam_last.
 const KDA_CHUNK_STATE_SMEM: u32 =
