@@ -66,6 +66,8 @@
 #define KC_TILE 16          // value columns per kda_chunk_state block
 #define KC_LDW (KC_DK + 4)  // row stride of the 128-wide operands in shared memory
 #define KC_LDP (KC_C + 4)   // row stride of P in kda_chunk_out
+#define KC_LDA (KC_C + 4)   // row stride of A in kda_chunk_prep's step 4
+#define KC_LDL 20           // row stride of the L_b^-1 in kda_chunk_prep (20 g + t: 32 banks)
 #define KC_L2_EPS 1e-6f
 
 // e^x for the prep's exponents, all <= 0 (differences Gam_t - Gam_s with s
@@ -132,7 +134,7 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
     float* kh = qh + KC_C * KC_LD1;
     float* gm = kh + KC_C * KC_LD1;
     float* bt = gm + KC_C * KC_LD1;
-    float* am = qh;  // A [64][64], after barrier C
+    float* am = qh;  // A [64][KC_LDA], after barrier E
 
     const int c = blockIdx.x;
     const int h = blockIdx.y;
@@ -362,7 +364,7 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
             int tl = (int)((sqrtf(8.0f * (float)r + 1.0f) - 1.0f) * 0.5f);
             while (tl * (tl + 1) / 2 > r) --tl;
             while ((tl + 1) * (tl + 2) / 2 <= r) ++tl;
-            am[(16 * sub + tl) * KC_C + 16 * sub + r - tl * (tl + 1) / 2] = adiag[m];
+            am[(16 * sub + tl) * KC_LDA + 16 * sub + r - tl * (tl + 1) / 2] = adiag[m];
         }
     }
 #pragma unroll
@@ -373,48 +375,124 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
         const int sa = blk < 3 ? (blk == 2 ? 1 : 0) : blk - 3;
         const int sb = blk < 3 ? (blk == 0 ? 1 : 2) : 3;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) am[(16 * sb + gq + 8 * (e >> 1)) * KC_C + 16 * sa + 8 * nh + 2 * t4 + (e & 1)] = acc[m][e];
+        for (int e = 0; e < 4; ++e) am[(16 * sb + gq + 8 * (e >> 1)) * KC_LDA + 16 * sa + 8 * nh + 2 * t4 + (e & 1)] = acc[m][e];
     }
     for (int e = tid; e < KC_C * KC_C; e += KC_THREADS) {
-        if ((e & (KC_C - 1)) > (e / KC_C)) am[e] = 0.0f;
+        if ((e & (KC_C - 1)) > (e / KC_C)) am[(e / KC_C) * KC_LDA + (e & (KC_C - 1))] = 0.0f;
     }
-    __syncthreads();  // D
+    __syncthreads();  // F: A is whole
 
-    // Step 4: forward substitution through (I + A), one column per thread:
-    // columns 0..127 of diag(beta) e^Gam k^ give W, the dv columns of
-    // diag(beta) V give U0. In token order, as the CPU's substitution.
-    for (int col = tid; col < KC_DK + dv; col += KC_THREADS) {
-        float x[KC_C];
-        if (col < KC_DK) {
+    // Step 4: X = (I + A)^-1 R for the columns R of diag(beta) e^Gam k^ (in W,
+    // from 3a; X is W) and of diag(beta) V (X is U0), by 16-token blocks on
+    // the tensor cores (3xTF32): with L_b = I + A_bb, block b of X is
+    //   X_b = L_b^-1 (R_b - sum_{j<b} A_bj X_j),
+    // the four L_b^-1 made first by substitution (a thread a column of one).
+    // Warp w owns columns 32 w .. + 31 of each group of 256 (its X in shared
+    // memory, rows 16 b .. first holding R_b - .. for the product with L_b^-1),
+    // so after the inverses the warps never wait for each other. A column
+    // solved one thread each by substitution ran 4.4K instructions a thread
+    // with long dependent chains; this agrees with it to rounding.
+    float* li = am + KC_C * KC_LDA;          // L_b^-1 [4][16][KC_LDL]
+    float* xs = li + 4 * 16 * KC_LDL;        // X [8 warps][64][32], swizzled
+    if (tid < KC_C) {
+        const int b = tid / 16, j = tid % 16;
+        const float* ab = am + 16 * b * KC_LDA + 16 * b;
+        float y[16];
 #pragma unroll
-            for (int t = 0; t < KC_C; ++t) x[t] = W.w[(row0 + t) * KC_DK + col];  // 3a's
-        } else {
-            const int j = col - KC_DK;
+        for (int r = 0; r < 16; ++r) {
+            float acc = r == j ? 1.0f : 0.0f;
 #pragma unroll
-            for (int t = 0; t < KC_C; ++t)
-                x[t] = t < n ? bt[t] * v[((in0 + t) * heads + h) * dv + j] : 0.0f;
+            for (int x = 0; x < r; ++x) acc = fmaf(-ab[r * KC_LDA + x], y[x], acc);  // y[x] = 0 for x < j
+            y[r] = acc;
+            li[(b * 16 + r) * KC_LDL + j] = acc;
         }
-        // A's rows in 16-byte reads (every lane reads the same address: one
-        // broadcast serves four multiply-adds), the same chain as one read a
-        // coefficient.
+    }
+    __syncthreads();  // G: the inverses are in place
+    float* xw = xs + wp * KC_C * 32;
+    // X[row][col] of this warp at row * 32 + (col ^ 8 (row & 3)): the B
+    // fragments' reads (rows t4 .., columns g ..) and C fragments' writes
+    // spread over the banks.
+    auto xat = [&](int row, int col) { return xw + row * 32 + (col ^ ((row & 3) << 3)); };
+    for (int cg0 = 0; cg0 < KC_DK + dv; cg0 += KC_THREADS) {
+#pragma unroll 1
+        for (int b = 0; b < 4; ++b) {
+            // A warp's 32 columns are all W's or all U0's (KC_DK is a multiple of 32).
+            const int cw = cg0 + 32 * wp + 2 * t4;  // this lane's first column
+            const bool isw = cg0 + 32 * wp < KC_DK;
+            const int t0 = 16 * b + gq;
+            float* wrow = W.w + (row0 + t0) * KC_DK + cw;
+            float* urow = W.u0 + (row0 + t0) * dv + cw - KC_DK;
+            float c[4][4];
+            if (isw) {
 #pragma unroll
-        for (int t = 1; t < KC_C; ++t) {
+                for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-            for (int s = 0; s < t; s += 4) {
-                const float4 a4 = *(const float4*)(am + t * KC_C + s);
-                x[t] = fmaf(-a4.x, x[s], x[t]);
-                if (s + 1 < t) x[t] = fmaf(-a4.y, x[s + 1], x[t]);
-                if (s + 2 < t) x[t] = fmaf(-a4.z, x[s + 2], x[t]);
-                if (s + 3 < t) x[t] = fmaf(-a4.w, x[s + 3], x[t]);
+                    for (int e = 0; e < 4; ++e) c[nt][e] = wrow[8 * (e >> 1) * KC_DK + 8 * nt + (e & 1)];  // 3a's
+            } else {
+                const float* vrow = v + ((in0 + t0) * heads + h) * dv + cw - KC_DK;
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int t = t0 + 8 * (e >> 1), j = cw - KC_DK + 8 * nt + (e & 1);
+                        c[nt][e] = t < n && j < dv ? bt[t] * vrow[(hk_i64)8 * (e >> 1) * heads * dv + 8 * nt + (e & 1)] : 0.0f;
+                    }
             }
-        }
-        if (col < KC_DK) {
+            // R_b - sum_{j<b} A_bj X_j, then into rows 16 b .. of X.
+            {
+                float big[4][4], small[4][4];
 #pragma unroll
-            for (int t = 0; t < KC_C; ++t) W.w[(row0 + t) * KC_DK + col] = x[t];
-        } else {
-            const int j = col - KC_DK;
+                for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-            for (int t = 0; t < KC_C; ++t) W.u0[(row0 + t) * dv + j] = x[t];
+                    for (int e = 0; e < 4; ++e) big[nt][e] = small[nt][e] = 0.0f;
+                for (int k0 = 0; k0 < 16 * b; k0 += 8) {
+                    const float* a = am + (16 * b + gq) * KC_LDA + k0 + t4;
+                    const float av[4] = {a[0], a[8 * KC_LDA], a[4], a[8 * KC_LDA + 4]};
+                    unsigned ah[4], al[4];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) hk_tf32_split(av[i], ah[i], al[i]);
+#pragma unroll
+                    for (int nt = 0; nt < 4; ++nt) hk_mma_3xtf32(big[nt], small[nt], ah, al, *xat(k0 + t4, 8 * nt + gq), *xat(k0 + t4 + 4, 8 * nt + gq));
+                }
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) c[nt][e] -= big[nt][e] + small[nt][e];
+            }
+            HK_SYNCWARP();  // every lane's reads of X rows < 16 b are done (and, b = 0, the last group's)
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) *xat(16 * b + gq + 8 * (e >> 1), 8 * nt + 2 * t4 + (e & 1)) = c[nt][e];
+            HK_SYNCWARP();
+            // X_b = L_b^-1 (R_b - ..).
+            float big[4][4], small[4][4];
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) big[nt][e] = small[nt][e] = 0.0f;
+#pragma unroll
+            for (int k0 = 0; k0 < 16; k0 += 8) {
+                const float* a = li + (16 * b + gq) * KC_LDL + k0 + t4;
+                const float av[4] = {a[0], a[8 * KC_LDL], a[4], a[8 * KC_LDL + 4]};
+                unsigned ah[4], al[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) hk_tf32_split(av[i], ah[i], al[i]);
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt)
+                    hk_mma_3xtf32(big[nt], small[nt], ah, al, *xat(16 * b + k0 + t4, 8 * nt + gq), *xat(16 * b + k0 + t4 + 4, 8 * nt + gq));
+            }
+            HK_SYNCWARP();
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float x = big[nt][e] + small[nt][e];
+                    *xat(t0 + 8 * (e >> 1), 8 * nt + 2 * t4 + (e & 1)) = x;
+                    if (isw) wrow[8 * (e >> 1) * KC_DK + 8 * nt + (e & 1)] = x;
+                    else if (cw - KC_DK + 8 * nt + (e & 1) < dv) urow[(hk_i64)8 * (e >> 1) * dv + 8 * nt + (e & 1)] = x;
+                }
+            HK_SYNCWARP();
         }
     }
 }
@@ -629,9 +707,14 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
 // Phase 3: the output of every chunk at once, o = (e^Gam q^) S_c + P u with
 // S_c the state entering the chunk (phase 2's hs) and u phase 2's: chunk
 // blockIdx.x (of all sequences), head blockIdx.y, value columns
-// blockIdx.z * 64 .. + 63. Thread (tr = tid / 16, tc = tid % 16) computes
-// tokens tr + 16 m and columns tc + 16 q (m, q < 4): the key channels in
-// order, then the tokens s in order (P is zero above the diagonal). Also
+// blockIdx.z * 64 .. + 63. On the tensor cores (3xTF32, prelude.h): warp w
+// computes tokens 16 (w % 4) .. + 15 of columns 32 (w / 4) .. + 31 (four
+// m16n8 tiles), k over the 128 key channels, then over the tokens s up to
+// the tile's last (P is zero above the diagonal), 8 at a time; the large
+// TF32 products in one accumulator, the small ones in another, added at the
+// end: a fixed order for every launch. (On the CUDA cores, a thread a 4 x 4
+// tile, the kernel ran 4.8K instructions a warp.) Strides 4 g + t over the
+// banks: q^ and S^T rows KC_LDW, P and u^T rows KC_LDP = KC_LDU. Also
 // writes u to the record.
 // Launch: grid (chunks, heads, ceil(dv / 64)); block KC_THREADS; dynamic
 // shared memory KC_O_SMEM floats.
@@ -656,7 +739,6 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_out(
     const int chunks = gridDim.x;
     const int col0 = blockIdx.z * KC_OT;
     const int tid = threadIdx.x;
-    const int tr = tid / 16, tc = tid % 16;
     const int sq = seg[4 * nseq + cg];
     const int c0 = (cg - seg[4 * sq + 2]) * KC_C;
     const hk_i64 in0 = (hk_i64)seg[4 * sq] + c0;
@@ -667,73 +749,73 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_out(
     const hk_i64 row0 = (hk_i64)h * chunks * KC_C + (hk_i64)cg * KC_C;
     const hk_i64 ch = (hk_i64)h * chunks + cg;
 
-    for (int e = tid; e < KC_C * (KC_DK / 4); e += KC_THREADS) {
-        const int t = e / (KC_DK / 4), i = (e % (KC_DK / 4)) * 4;
-        hk_cp16(Qs + t * KC_LDW + i, W.qg + (row0 + t) * KC_DK + i, true);
-        const bool cv = col0 + t < dv;  // here t is a column of the tile
-        hk_cp16(ST + t * KC_LDW + i, W.hs + (ch * dv + (cv ? col0 + t : 0)) * KC_DK + i, cv);
-    }
-    const float* Pg = W.p + ch * KC_C * KC_C;
-    for (int e = tid; e < KC_C * (KC_C / 4); e += KC_THREADS)
-        hk_cp16(Ps + (e / (KC_C / 4)) * KC_LDP + (e % (KC_C / 4)) * 4, Pg + 4 * e, true);
-    hk_cp_commit();
-    for (int e = tid; e < KC_C * KC_OT; e += KC_THREADS) {
-        const int t = e / KC_OT, cc = e % KC_OT;
-        UT[cc * KC_LDU + t] = col0 + cc < dv ? W.u0[(row0 + t) * dv + col0 + cc] : 0.0f;
+    // The operands, from pointers made once (fixed offsets a copy): thread
+    // tid copies floats 4 (tid % 32) .. + 3 of rows tid / 32 + 8 j of e^Gam q^
+    // and of S_c^T (a row there is a column of the tile), and of P floats
+    // 4 (tid % 16) .. of rows tid / 16 + 16 j; u^T gathers column tid % 64
+    // of tokens tid / 64 + 4 j.
+    {
+        const int lr = tid / 32, lc = 4 * (tid % 32);
+        const float* qsrc = W.qg + (row0 + lr) * KC_DK + lc;
+#pragma unroll
+        for (int j = 0; j < KC_C / 8; ++j) {
+            const int col = lr + 8 * j;
+            const bool cv = col0 + col < dv;
+            hk_cp16(Qs + col * KC_LDW + lc, qsrc + 8 * j * KC_DK, true);
+            hk_cp16(ST + col * KC_LDW + lc, W.hs + (ch * dv + (cv ? col0 + col : 0)) * KC_DK + lc, cv);
+        }
+        const float* psrc = W.p + ch * KC_C * KC_C + (tid / 16) * KC_C + 4 * (tid % 16);
+#pragma unroll
+        for (int j = 0; j < KC_C / 16; ++j) hk_cp16(Ps + (tid / 16 + 16 * j) * KC_LDP + 4 * (tid % 16), psrc + 16 * j * KC_C, true);
+        hk_cp_commit();
+        const int uc = tid % KC_OT, ut0 = tid / KC_OT;
+        const bool uon = col0 + uc < dv;
+        const float* usrc = W.u0 + (row0 + ut0) * dv + col0 + uc;
+#pragma unroll 4
+        for (int j = 0; j < KC_C / 4; ++j) UT[uc * KC_LDU + ut0 + 4 * j] = uon ? usrc[(hk_i64)4 * j * dv] : 0.0f;
+        static_assert(KC_THREADS == 4 * KC_OT, "four tokens a step of u^T");
     }
     hk_cp_wait_all();
     __syncthreads();
 
-    float acc[4][4];
+    const int warp = tid / 32, lane = tid % 32, gq = lane / 4, t4 = lane % 4;
+    const int mt = warp % 4, cb = 32 * (warp / 4);
+    float big[4][4], small[4][4];
 #pragma unroll
-    for (int m = 0; m < 4; ++m)
+    for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int q = 0; q < 4; ++q) acc[m][q] = 0.0f;
-#pragma unroll 2
-    for (int i = 0; i < KC_DK; i += 4) {
-        float4 sv[4];
+        for (int e = 0; e < 4; ++e) big[j][e] = small[j][e] = 0.0f;
+    // One k-step: A from `a` (rows 16 mt + gq, + 8; k t4, t4 + 4), B from
+    // `b` (column cb + 8 j + gq, k t4, t4 + 4) for the four column tiles.
+    auto kstep = [&](const float* a, int lda, const float* b, int ldb) {
+        const float av[4] = {a[0], a[8 * lda], a[4], a[8 * lda + 4]};
+        unsigned ah[4], al[4];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) sv[q] = *(const float4*)(ST + (tc + 16 * q) * KC_LDW + i);
+        for (int i = 0; i < 4; ++i) hk_tf32_split(av[i], ah[i], al[i]);
 #pragma unroll
-        for (int m = 0; m < 4; ++m) {
-            const float4 a = *(const float4*)(Qs + (tr + 16 * m) * KC_LDW + i);
+        for (int j = 0; j < 4; ++j) hk_mma_3xtf32(big[j], small[j], ah, al, b[8 * j * ldb], b[8 * j * ldb + 4]);
+    };
+    const float* qa = Qs + (16 * mt + gq) * KC_LDW + t4;
+    const float* sb = ST + (cb + gq) * KC_LDW + t4;
+#pragma unroll 4
+    for (int k0 = 0; k0 < KC_DK; k0 += 8) kstep(qa + k0, KC_LDW, sb + k0, KC_LDW);
+    const float* pa = Ps + (16 * mt + gq) * KC_LDP + t4;
+    const float* ub = UT + (cb + gq) * KC_LDU + t4;
+    for (int s0 = 0; s0 < 16 * (mt + 1); s0 += 8) kstep(pa + s0, KC_LDP, ub + s0, KC_LDU);
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                acc[m][q] = fmaf(a.x, sv[q].x, acc[m][q]);
-                acc[m][q] = fmaf(a.y, sv[q].y, acc[m][q]);
-                acc[m][q] = fmaf(a.z, sv[q].z, acc[m][q]);
-                acc[m][q] = fmaf(a.w, sv[q].w, acc[m][q]);
-            }
-        }
-    }
-#pragma unroll 2
-    for (int s = 0; s < KC_C; s += 4) {
-        float4 uv[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) uv[q] = *(const float4*)(UT + (tc + 16 * q) * KC_LDU + s);
-#pragma unroll
-        for (int m = 0; m < 4; ++m) {
-            const float4 a = *(const float4*)(Ps + (tr + 16 * m) * KC_LDP + s);
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                acc[m][q] = fmaf(a.x, uv[q].x, acc[m][q]);
-                acc[m][q] = fmaf(a.y, uv[q].y, acc[m][q]);
-                acc[m][q] = fmaf(a.z, uv[q].z, acc[m][q]);
-                acc[m][q] = fmaf(a.w, uv[q].w, acc[m][q]);
-            }
-        }
-    }
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-        const int t = tr + 16 * m;
+    for (int e = 0; e < 4; ++e) {
+        const int t = 16 * mt + gq + 8 * (e >> 1);
         if (t >= n) continue;
         const hk_i64 th = (in0 + t) * heads + h;
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const int cc = tc + 16 * q;
-            if (col0 + cc >= dv) continue;
-            out[th * dv + col0 + cc] = acc[m][q];
-            if (record) record[th * wrec + dk + col0 + cc] = UT[cc * KC_LDU + t];
+        for (int j = 0; j < 4; ++j) {
+            const int cc = cb + 8 * j + 2 * t4 + (e & 1);
+            if (col0 + cc < dv) out[th * dv + col0 + cc] = big[j][e] + small[j][e];
         }
+    }
+    if (record && col0 + tid % KC_OT < dv) {
+        const int uc = tid % KC_OT, ut0 = tid / KC_OT;
+        float* rdst = record + ((in0 + ut0) * heads + h) * wrec + dk + col0 + uc;
+        for (int j = 0; ut0 + 4 * j < n; ++j) rdst[(hk_i64)4 * j * heads * wrec] = UT[uc * KC_LDU + ut0 + 4 * j];
     }
 }

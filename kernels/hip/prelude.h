@@ -31,6 +31,14 @@
 #endif
 
 #define HK_WARP 32
+// A warp's lanes meet (shared-memory writes before it seen by reads after).
+// The HIP spelling is the block barrier: its callers reach it from loops
+// every warp runs alike, and HIP's own warp barrier differs between versions.
+#ifdef __HIPCC__
+#define HK_SYNCWARP() __syncthreads()
+#else
+#define HK_SYNCWARP() __syncwarp()
+#endif
 
 typedef long long hk_i64;
 typedef unsigned short hk_bf16;
