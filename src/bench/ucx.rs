@@ -128,7 +128,13 @@ pub fn bench_transfer_ucx(config_path: &str, tokens: u64, requests: u32, ucx: &U
     let topo = Topology::load(config_path).with_context(|| format!("loading {config_path}"))?;
     let base = &topo.config.transport.ucx;
     let settings = UcxConfig { tls: ucx.tls.clone().or_else(|| base.tls.clone()), net_devices: ucx.net_devices.clone().or_else(|| base.net_devices.clone()) };
-    let open = || UcxTransport::open(UcxOptions { ucx: settings.clone(), notify: TcpOptions { secret: ClusterSecret::process(), ..TcpOptions::default() } });
+    let open = || {
+        UcxTransport::open(UcxOptions {
+            ucx: settings.clone(),
+            notify: TcpOptions { secret: ClusterSecret::process(), ..TcpOptions::default() },
+            ..UcxOptions::default()
+        })
+    };
     let producer = Arc::new(open().context("opening the ucx transport")?);
     let consumer = Arc::new(open().context("opening the ucx transport")?);
     let before = producer.put_stats();

@@ -43,7 +43,7 @@ pub fn open_config(
             if let Some(bind) = tcp_bind {
                 notify.bind = bind;
             }
-            Arc::new(UcxTransport::open(UcxOptions { ucx: config.ucx.clone(), notify })?)
+            Arc::new(UcxTransport::open(UcxOptions { ucx: config.ucx.clone(), notify, ..UcxOptions::default() })?)
         }
         TransportKind::Local => Arc::new(LocalTransport::new()),
         TransportKind::Shm => Arc::new(ShmTransport::with_secret(shm::default_dir(), secret)?),

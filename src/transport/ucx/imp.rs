@@ -2,6 +2,8 @@
 
 use super::sys::{self, Lib, StatusPtr};
 use super::{UcxOptions, from_hex, to_hex};
+use crate::transport::copy::copy_between;
+use crate::transport::tcp::Link;
 use crate::transport::{
     BatchCompletion, BatchId, Completions, Incident, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteKey, RemoteRegion, Result, TcpTransport,
     Transport, TransportError, host_only, lock, pieces, read, usize_len, validate, write,
@@ -44,14 +46,38 @@ struct Attachment {
     kind: RegionKind,
     len: u64,
     peer: String,
+    /// The peer's region in this process's address space, where UCX reaches it
+    /// through shared memory (`ucp_rkey_ptr`) and the transport was opened
+    /// with [`UcxOptions::direct`].
+    mapped: Option<Arc<Mapped>>,
+    /// The notice connection to the peer, whose close tells that the peer's
+    /// process ended: UCX's shared-memory lanes report no peer failure.
+    link: Link,
 }
+
+/// A peer's region mapped here by UCX (the rkey's shared-memory mapping).
+struct Mapped {
+    ptr: *mut u8,
+    len: u64,
+    /// Held over each batch's stores: one writer of the mapping at a time (as
+    /// the shm transport's regions), and [`Transport::detach`] waits for it
+    /// before the rkey, and with it the mapping, goes.
+    lock: Mutex<()>,
+}
+
+// SAFETY: the mapping lives until the rkey is destroyed, which happens only
+// under `lock` (detach) or with no batch running (drop of the transport).
+unsafe impl Send for Mapped {}
+// SAFETY: stores through the pointer happen under `lock`.
+unsafe impl Sync for Mapped {}
 
 /// What only the worker's lock holder touches: endpoints, keys, pending flushes.
 struct State {
     eps: HashMap<Vec<u8>, sys::Ep>,
     attachments: HashMap<u64, Attachment>,
-    /// Batches whose flush is in flight, with its request.
-    pending: Vec<(BatchId, *mut c_void, String)>,
+    /// Batches whose flush is in flight, with its request, the peer's name and
+    /// its notice link.
+    pending: Vec<(BatchId, *mut c_void, String, Link)>,
 }
 
 struct Inner {
@@ -68,6 +94,9 @@ struct Inner {
     put_bytes: AtomicU64,
     /// Sum over puts of len * len / 1024: the byte-weighted mean put size.
     put_weight: AtomicU64,
+    /// Pieces and bytes stored through mapped peer regions instead of put.
+    stored: AtomicU64,
+    stored_bytes: AtomicU64,
 }
 
 // SAFETY: the UCX handles are used under `state`'s lock (the worker was created
@@ -81,6 +110,7 @@ unsafe impl Sync for Inner {}
 pub struct UcxTransport {
     inner: Arc<Inner>,
     peer_errors: bool,
+    direct: bool,
     notices: TcpTransport,
     progress: Option<JoinHandle<()>>,
 }
@@ -176,6 +206,8 @@ impl UcxTransport {
             puts: AtomicU64::new(0),
             put_bytes: AtomicU64::new(0),
             put_weight: AtomicU64::new(0),
+            stored: AtomicU64::new(0),
+            stored_bytes: AtomicU64::new(0),
         });
         let runner = Arc::clone(&inner);
         let progress = std::thread::Builder::new()
@@ -183,13 +215,19 @@ impl UcxTransport {
             .spawn(move || progress_loop(&runner))
             .map_err(|e| TransportError::io("spawn ucx progress thread", e))?;
         tracing::debug!(endpoint = %inner.endpoint, worker_address_bytes = addr_len, tls = ?opts.ucx.tls, "ucx transport open");
-        Ok(UcxTransport { inner, peer_errors: peer_errors(opts.ucx.tls.as_deref()), notices, progress: Some(progress) })
+        Ok(UcxTransport { inner, peer_errors: peer_errors(opts.ucx.tls.as_deref()), direct: opts.direct, notices, progress: Some(progress) })
     }
 
     /// Puts issued so far and their bytes: the message sizes UCX saw, for
     /// comparing with `ucx_perftest` at the same size.
     pub fn put_stats(&self) -> (u64, u64) {
         (self.inner.puts.load(Ordering::Relaxed), self.inner.put_bytes.load(Ordering::Relaxed))
+    }
+
+    /// Pieces and bytes stored so far through peer regions that UCX mapped
+    /// into this process ([`UcxOptions::direct`]) rather than put.
+    pub fn stored_stats(&self) -> (u64, u64) {
+        (self.inner.stored.load(Ordering::Relaxed), self.inner.stored_bytes.load(Ordering::Relaxed))
     }
 
     /// The byte-weighted mean size of the puts so far (the size of the put
@@ -211,6 +249,64 @@ impl UcxTransport {
         }
         read(&self.inner.regions).get(&handle.id).cloned().ok_or_else(|| TransportError::UnknownRegion(handle.to_string()))
     }
+
+    /// A batch into a mapped peer region: the pieces stored by this thread
+    /// (and rayon's, for a large batch), as the shm transport copies, with no
+    /// UCX call and no message per piece; then the peer's liveness decides.
+    fn store(&self, src: &Region, dst: &Mapped, descriptors: &[Descriptor], link: &Link, peer: String) -> BatchId {
+        let batch = self.inner.completions.begin();
+        if let Some(why) = link.dead() {
+            self.inner.completions.finish(batch, Err(peer_gone(peer, &why)));
+            return batch;
+        }
+        let pieces = pieces(descriptors);
+        {
+            let _s = read(&src.lock);
+            let _d = lock(&dst.lock);
+            // SAFETY: the source region's mapping, alive while the caller holds
+            // its Arc, read under its lock; the peer's mapping, alive while its
+            // rkey is (see `Mapped`), written under its lock. The descriptors were
+            // validated against both lengths.
+            let (s, d) = unsafe { (std::slice::from_raw_parts(src.ptr, src.len as usize), std::slice::from_raw_parts_mut(dst.ptr, dst.len as usize)) };
+            copy_between(s, d, &pieces);
+        }
+        self.inner.stored.fetch_add(pieces.len() as u64, Ordering::Relaxed);
+        self.inner.stored_bytes.fetch_add(pieces.iter().map(|p| p.len).sum(), Ordering::Relaxed);
+        // A peer that died while its bytes were stored has them in memory no
+        // one reads: the batch fails rather than report them delivered.
+        let result = match link.dead() {
+            None => Ok(()),
+            Some(why) => Err(peer_gone(peer, &why)),
+        };
+        self.inner.completions.finish(batch, result);
+        batch
+    }
+}
+
+/// A batch's failure when the peer's notice link closed: its process ended
+/// (or shut its transport down), so what the batch wrote is not delivered.
+fn peer_gone(peer: String, why: &str) -> TransportError {
+    TransportError::Disconnected { peer, reason: format!("the peer's notice link closed ({why}): its process is gone, the batch undelivered") }
+}
+
+/// The peer's region as UCX mapped it into this process, where its lanes to
+/// the peer are shared memory: `ucp_rkey_ptr` of the first and of the last
+/// byte, which must be `len - 1` apart (a handle that claims more than its key
+/// covers gets no mapping, and its puts fail in UCX).
+fn map_region(lib: &Lib, rkey: sys::RKey, addr: u64, len: u64) -> Option<Mapped> {
+    let last = addr.checked_add(len.checked_sub(1)?)?;
+    let at = |raddr: u64| {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: an unpacked rkey; UCX writes a pointer or returns an error.
+        let st = unsafe { (lib.rkey_ptr)(rkey, raddr, &mut p) };
+        (st == sys::UCS_OK && !p.is_null()).then_some(p as usize)
+    };
+    let first = at(addr)?;
+    if at(last)? != first.checked_add(usize::try_from(len - 1).ok()?)? {
+        tracing::warn!(addr, len, "ucx: a peer region's mapping does not span its length; writing it with puts");
+        return None;
+    }
+    Some(Mapped { ptr: first as *mut u8, len, lock: Mutex::new(()) })
 }
 
 /// UCX's call when an endpoint's peer failed: the failure itself reaches the
@@ -269,18 +365,20 @@ impl Inner {
         }
         let lib = self.lib;
         let mut finished = Vec::new();
-        st.pending.retain(|&(batch, req, ref peer)| {
+        st.pending.retain(|&(batch, req, ref peer, ref link)| {
             // SAFETY: a request UCX returned and that is not freed yet.
             let s = unsafe { (lib.request_check_status)(req) };
-            if s == sys::UCS_INPROGRESS {
+            let dead = link.dead();
+            if s == sys::UCS_INPROGRESS && dead.is_none() {
                 return true;
             }
-            // SAFETY: completed; freed once.
+            // SAFETY: freed once; one still in progress (its peer gone, and UCX
+            // without a word on it) is released by UCX when it ends.
             unsafe { (lib.request_free)(req) };
-            let result = if s == sys::UCS_OK {
-                Ok(())
-            } else {
-                Err(TransportError::Disconnected { peer: peer.clone(), reason: format!("ucx flush: {}", lib.describe(s)) })
+            let result = match dead {
+                Some(why) => Err(peer_gone(peer.clone(), &why)),
+                None if s == sys::UCS_OK => Ok(()),
+                None => Err(TransportError::Disconnected { peer: peer.clone(), reason: format!("ucx flush: {}", lib.describe(s)) }),
             };
             finished.push((batch, result));
             false
@@ -304,7 +402,7 @@ impl Drop for UcxTransport {
         }
         let lib = inner.lib;
         let mut st = lock(&inner.state);
-        for (batch, req, peer) in std::mem::take(&mut st.pending) {
+        for (batch, req, peer, _) in std::mem::take(&mut st.pending) {
             // SAFETY: a pending request; UCX releases it when it ends.
             unsafe { (lib.request_free)(req) };
             inner.completions.finish(batch, Err(TransportError::Disconnected { peer, reason: "transport shut down".into() }));
@@ -416,6 +514,12 @@ impl Transport for UcxTransport {
         Ok(())
     }
 
+    /// Where UCX mapped the peer's region here (its shared-memory lanes, with
+    /// [`super::UcxOptions::direct`]): submit stores into it.
+    fn writes_in_place(&self, dst: RemoteRegion) -> bool {
+        lock(&self.inner.state).attachments.get(&dst.id).is_some_and(|a| a.mapped.is_some())
+    }
+
     fn attach(&self, handle: &RegionHandle) -> Result<RemoteRegion> {
         let PeerAddr::Ucx { worker, .. } = &handle.peer else {
             return Err(TransportError::ForeignHandle { handle: handle.to_string(), owner: handle.peer.to_string(), transport: "ucx" });
@@ -428,6 +532,9 @@ impl Transport for UcxTransport {
         if address.is_empty() || rkey_buf.is_empty() {
             return Err(bad("empty worker address or remote key"));
         }
+        let PeerAddr::Ucx { notify, .. } = &handle.peer else { unreachable!("matched above") };
+        // Before the state lock: it may connect (and shake hands) with the peer.
+        let link = self.notices.link(*notify)?;
         let lib = self.inner.lib;
         let mut st = lock(&self.inner.state);
         let ep = match st.eps.get(&address) {
@@ -467,14 +574,20 @@ impl Transport for UcxTransport {
         if s != sys::UCS_OK {
             return Err(bad(&format!("ucp_ep_rkey_unpack: {}", lib.describe(s))));
         }
+        let mapped = if self.direct { map_region(lib, rkey, key.addr, handle.len).map(Arc::new) } else { None };
+        tracing::debug!(peer = %handle.peer, region = handle.id, mapped = mapped.is_some(), "ucx: attached");
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        st.attachments.insert(id, Attachment { ep, rkey, addr: key.addr, kind: handle.kind, len: handle.len, peer: handle.peer.to_string() });
+        let peer = handle.peer.to_string();
+        st.attachments.insert(id, Attachment { ep, rkey, addr: key.addr, kind: handle.kind, len: handle.len, peer, mapped, link });
         Ok(RemoteRegion { id, kind: handle.kind, len: handle.len })
     }
 
     fn detach(&self, remote: RemoteRegion) {
-        if let Some(a) = lock(&self.inner.state).attachments.remove(&remote.id) {
-            // SAFETY: unpacked by attach, destroyed once.
+        let removed = lock(&self.inner.state).attachments.remove(&remote.id);
+        if let Some(a) = removed {
+            // A batch storing through the mapping finishes before the mapping goes.
+            let _stores = a.mapped.as_ref().map(|m| lock(&m.lock));
+            // SAFETY: unpacked by attach, destroyed once; no store uses its mapping.
             unsafe { (self.inner.lib.rkey_destroy)(a.rkey) };
         }
     }
@@ -501,7 +614,12 @@ impl Transport for UcxTransport {
         let mut st = lock(&self.inner.state);
         let a = st.attachments.get(&dst.id).ok_or_else(|| TransportError::UnknownRegion(format!("attachment {}", dst.id)))?;
         validate(descriptors, Some(s.len), a.len, a.kind)?;
-        let (ep, rkey, base, peer) = (a.ep, a.rkey, a.addr, a.peer.clone());
+        if let Some(m) = a.mapped.clone() {
+            let (link, peer) = (a.link.clone(), a.peer.clone());
+            drop(st);
+            return Ok(self.store(&s, &m, descriptors, &link, peer));
+        }
+        let (ep, rkey, base, peer, link) = (a.ep, a.rkey, a.addr, a.peer.clone(), a.link.clone());
         let batch = self.inner.completions.begin();
         let param = sys::RequestParam::none();
         let (mut n, mut bytes, mut weight) = (0u64, 0u64, 0u64);
@@ -541,10 +659,15 @@ impl Transport for UcxTransport {
         match StatusPtr::from_raw(r) {
             StatusPtr::Done => {
                 drop(st);
-                self.inner.completions.finish(batch, Ok(()));
+                // Shared-memory lanes complete at once and say nothing of a dead peer.
+                let result = match link.dead() {
+                    None => Ok(()),
+                    Some(why) => Err(peer_gone(peer, &why)),
+                };
+                self.inner.completions.finish(batch, result);
             }
             StatusPtr::Pending(req) => {
-                st.pending.push((batch, req, peer));
+                st.pending.push((batch, req, peer, link));
                 drop(st);
                 self.wake();
             }
