@@ -92,8 +92,9 @@ struct Inner {
     endpoint: PeerAddr,
     puts: AtomicU64,
     put_bytes: AtomicU64,
-    /// Sum over puts of len * len / 1024: the byte-weighted mean put size.
-    put_weight: AtomicU64,
+    /// Sum over puts and stores of len * len / 1024: the byte-weighted mean
+    /// write size.
+    write_weight: AtomicU64,
     /// Pieces and bytes stored through mapped peer regions instead of put.
     stored: AtomicU64,
     stored_bytes: AtomicU64,
@@ -205,7 +206,7 @@ impl UcxTransport {
             endpoint: PeerAddr::Ucx { worker: to_hex(&worker_addr), notify },
             puts: AtomicU64::new(0),
             put_bytes: AtomicU64::new(0),
-            put_weight: AtomicU64::new(0),
+            write_weight: AtomicU64::new(0),
             stored: AtomicU64::new(0),
             stored_bytes: AtomicU64::new(0),
         });
@@ -230,11 +231,11 @@ impl UcxTransport {
         (self.inner.stored.load(Ordering::Relaxed), self.inner.stored_bytes.load(Ordering::Relaxed))
     }
 
-    /// The byte-weighted mean size of the puts so far (the size of the put
-    /// that carries a typical byte): sum of len^2 over sum of len.
-    pub fn weighted_put_size(&self) -> u64 {
-        let bytes = self.inner.put_bytes.load(Ordering::Relaxed).max(1) as u128;
-        (self.inner.put_weight.load(Ordering::Relaxed) as u128 * 1024 / bytes) as u64
+    /// The byte-weighted mean size of the writes (puts and stores) so far (the
+    /// size of the write that carries a typical byte): sum of len^2 over sum of len.
+    pub fn weighted_write_size(&self) -> u64 {
+        let bytes = (self.inner.put_bytes.load(Ordering::Relaxed) + self.inner.stored_bytes.load(Ordering::Relaxed)).max(1) as u128;
+        (self.inner.write_weight.load(Ordering::Relaxed) as u128 * 1024 / bytes) as u64
     }
 
     fn wake(&self) {
@@ -272,6 +273,7 @@ impl UcxTransport {
         }
         self.inner.stored.fetch_add(pieces.len() as u64, Ordering::Relaxed);
         self.inner.stored_bytes.fetch_add(pieces.iter().map(|p| p.len).sum(), Ordering::Relaxed);
+        self.inner.write_weight.fetch_add(pieces.iter().map(|p| p.len.saturating_mul(p.len) / 1024).sum(), Ordering::Relaxed);
         // A peer that died while its bytes were stored has them in memory no
         // one reads: the batch fails rather than report them delivered.
         let result = match link.dead() {
@@ -653,7 +655,7 @@ impl Transport for UcxTransport {
         }
         self.inner.puts.fetch_add(n, Ordering::Relaxed);
         self.inner.put_bytes.fetch_add(bytes, Ordering::Relaxed);
-        self.inner.put_weight.fetch_add(weight, Ordering::Relaxed);
+        self.inner.write_weight.fetch_add(weight, Ordering::Relaxed);
         // SAFETY: a live endpoint, under the lock.
         let r = unsafe { (lib.ep_flush_nbx)(ep, &param) };
         match StatusPtr::from_raw(r) {
