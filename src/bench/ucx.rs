@@ -59,6 +59,8 @@ pub enum NotMeasured {
     Start(Arc<std::io::Error>),
     #[error("running the ucx_perftest client: {0}")]
     Client(Arc<std::io::Error>),
+    #[error("ucx_perftest did not finish {iterations} puts of {size} B within {after:?} (UCX's tcp lanes, for one, put a message this large at tens of MB/s)")]
+    TooSlow { size: u64, iterations: u64, after: Duration },
     #[error("ucx_perftest client exited {status}: {stdout}{stderr}")]
     Exited { status: std::process::ExitStatus, stdout: String, stderr: String },
     #[error("no Final: line in ucx_perftest's output:\n{output}")]
@@ -202,16 +204,22 @@ pub fn bench_transfer_ucx(config_path: &str, tokens: u64, requests: u32, ucx: &U
 /// `ucx_perftest -t ucp_put_bw -s SIZE` between a server and a client process on
 /// this host, with the lanes of `ucx`; about 2 GB moved.
 pub fn ucx_perftest_put_bw(size: u64, ucx: &UcxConfig) -> Result<Perftest, NotMeasured> {
-    ucx_perftest(size, (2_000_000_000 / size.max(1)).clamp(200, 200_000), None, ucx)
+    ucx_perftest(size, (2_000_000_000 / size.max(1)).clamp(200, 200_000), None, None, ucx)
 }
+
+/// How long the streaming `ucx_perftest` may take: on shared memory it needs
+/// a few seconds (most of them allocating), while UCX's tcp lanes put a
+/// 1 GiB message at tens of MB/s, minutes for the run.
+pub const STREAMING_LIMIT: Duration = Duration::from_secs(30);
 
 /// `ucx_perftest -t ucp_put_bw` at a message too large for any cache: about
-/// 4 GB moved (at least 3 puts), after one warm-up put instead of UCX's 10,000.
+/// 4 GB moved (at least 3 puts), after one warm-up put instead of UCX's 10,000;
+/// given up after [`STREAMING_LIMIT`].
 pub fn ucx_perftest_streaming(size: u64, ucx: &UcxConfig) -> Result<Perftest, NotMeasured> {
-    ucx_perftest(size, (4_000_000_000 / size.max(1)).clamp(3, 1000), Some(1), ucx)
+    ucx_perftest(size, (4_000_000_000 / size.max(1)).clamp(3, 1000), Some(1), Some(STREAMING_LIMIT), ucx)
 }
 
-fn ucx_perftest(size: u64, iterations: u64, warmup: Option<u64>, ucx: &UcxConfig) -> Result<Perftest, NotMeasured> {
+fn ucx_perftest(size: u64, iterations: u64, warmup: Option<u64>, limit: Option<Duration>, ucx: &UcxConfig) -> Result<Perftest, NotMeasured> {
     let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).map_err(|e| NotMeasured::Port(Arc::new(e)))?;
     let command = |extra: &[String]| {
         let mut c = Command::new("ucx_perftest");
@@ -234,7 +242,16 @@ fn ucx_perftest(size: u64, iterations: u64, warmup: Option<u64>, ucx: &UcxConfig
     let deadline = Instant::now() + Duration::from_secs(10);
     let out = loop {
         std::thread::sleep(Duration::from_millis(200));
-        let out = command(&client_args).output().map_err(|e| NotMeasured::Client(Arc::new(e)))?;
+        let out = run_client(command(&client_args), limit);
+        let out = match out {
+            Ok(Some(out)) => out,
+            Ok(None) => {
+                let _ = server.kill();
+                let _ = server.wait();
+                return Err(NotMeasured::TooSlow { size, iterations, after: limit.unwrap_or_default() });
+            }
+            Err(e) => return Err(NotMeasured::Client(Arc::new(e))),
+        };
         if out.status.success() || Instant::now() >= deadline {
             break out;
         }
@@ -252,6 +269,38 @@ fn ucx_perftest(size: u64, iterations: u64, warmup: Option<u64>, ucx: &UcxConfig
     let line = text.lines().find(|l| l.trim_start().starts_with("Final:")).ok_or_else(|| NotMeasured::NoFinalLine { output: text.to_string() })?;
     let mib_s = parse_final(line).ok_or_else(|| NotMeasured::BadFinalLine { line: line.to_string() })?;
     Ok(Perftest { size, iterations, warmup, gb_per_s: mib_s * 1_048_576.0 / 1e9, line: line.trim().to_string() })
+}
+
+/// Runs the client to its end, or (`None`) kills it once `limit` passed. Its
+/// output is read on threads, so a full pipe never stalls it.
+fn run_client(mut command: Command, limit: Option<Duration>) -> std::io::Result<Option<std::process::Output>> {
+    let Some(limit) = limit else { return command.output().map(Some) };
+    let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
+    let drain = |r: Option<Box<dyn std::io::Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            if let Some(mut r) = r {
+                let _ = r.read_to_end(&mut v);
+            }
+            v
+        })
+    };
+    let out = drain(child.stdout.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>));
+    let err = drain(child.stderr.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>));
+    let end = Instant::now() + limit;
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break Some(status);
+        }
+        if Instant::now() >= end {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let (stdout, stderr) = (out.join().unwrap_or_default(), err.join().unwrap_or_default());
+    Ok(status.map(|status| std::process::Output { status, stdout, stderr }))
 }
 
 /// The overall bandwidth (MiB/s: UCX's "MB/s" is 2^20 bytes) of a
