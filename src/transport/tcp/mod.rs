@@ -344,7 +344,7 @@ impl TcpTransport {
     /// connection, and the ack reader marks it dead within a read tick. A
     /// transport whose data path reports no peer failure (UCX's shared-memory
     /// lanes) asks this [`Link`] instead.
-    pub(crate) fn link(&self, addr: SocketAddr) -> Result<Link> {
+    pub fn link(&self, addr: SocketAddr) -> Result<Link> {
         Ok(Link(self.inner.conn(addr)?))
     }
 }
@@ -353,11 +353,11 @@ impl TcpTransport {
 /// A later reconnection to the same address is another connection: a peer
 /// restarted at the same port is not taken for the one that died.
 #[derive(Clone)]
-pub(crate) struct Link(Arc<Conn>);
+pub struct Link(Arc<Conn>);
 
 impl Link {
     /// Why the connection died, or `None` while it lives.
-    pub(crate) fn dead(&self) -> Option<String> {
+    pub fn dead(&self) -> Option<String> {
         if self.0.alive() {
             return None;
         }
