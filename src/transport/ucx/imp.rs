@@ -53,6 +53,11 @@ struct Attachment {
     /// The notice connection to the peer, whose close tells that the peer's
     /// process ended: UCX's shared-memory lanes report no peer failure.
     link: Link,
+    /// Whether the endpoint has UCX's peer error handling (network-only
+    /// lanes), so that UCX itself fails a put to a dead peer: its puts then
+    /// do not consult `link`, whose connection may drop for reasons of its own
+    /// across a network. Stores into `mapped` always do.
+    ucx_reports: bool,
 }
 
 /// A peer's region mapped here by UCX (the rkey's shared-memory mapping).
@@ -73,11 +78,13 @@ unsafe impl Sync for Mapped {}
 
 /// What only the worker's lock holder touches: endpoints, keys, pending flushes.
 struct State {
-    eps: HashMap<Vec<u8>, sys::Ep>,
+    /// Per peer worker address: the endpoint, and whether it has UCX's peer
+    /// error handling.
+    eps: HashMap<Vec<u8>, (sys::Ep, bool)>,
     attachments: HashMap<u64, Attachment>,
     /// Batches whose flush is in flight, with its request, the peer's name and
-    /// its notice link.
-    pending: Vec<(BatchId, *mut c_void, String, Link)>,
+    /// its notice link where UCX reports no peer failure on that endpoint.
+    pending: Vec<(BatchId, *mut c_void, String, Option<Link>)>,
 }
 
 struct Inner {
@@ -370,7 +377,7 @@ impl Inner {
         st.pending.retain(|&(batch, req, ref peer, ref link)| {
             // SAFETY: a request UCX returned and that is not freed yet.
             let s = unsafe { (lib.request_check_status)(req) };
-            let dead = link.dead();
+            let dead = link.as_ref().and_then(Link::dead);
             if s == sys::UCS_INPROGRESS && dead.is_none() {
                 return true;
             }
@@ -414,7 +421,7 @@ impl Drop for UcxTransport {
             unsafe { (lib.rkey_destroy)(a.rkey) };
         }
         let force = sys::RequestParam::with_flags(sys::UCP_EP_CLOSE_FLAG_FORCE);
-        for (_, ep) in st.eps.drain() {
+        for (_, (ep, _)) in st.eps.drain() {
             // SAFETY: a live endpoint, closed once.
             let r = StatusPtr::from_raw(unsafe { (lib.ep_close_nbx)(ep, &force) });
             if let StatusPtr::Pending(req) = r {
@@ -539,8 +546,8 @@ impl Transport for UcxTransport {
         let link = self.notices.link(*notify)?;
         let lib = self.inner.lib;
         let mut st = lock(&self.inner.state);
-        let ep = match st.eps.get(&address) {
-            Some(&ep) => ep,
+        let (ep, ucx_reports) = match st.eps.get(&address) {
+            Some(&made) => made,
             None => {
                 // Peer error handling on network lanes (a dead peer fails a
                 // batch), see `peer_errors`.
@@ -559,15 +566,15 @@ impl Transport for UcxTransport {
                     let mut ep: sys::Ep = std::ptr::null_mut();
                     // SAFETY: a live worker, under the lock; the address outlives the call.
                     let s = unsafe { (lib.ep_create)(self.inner.worker, &params, &mut ep) };
-                    made = if s == sys::UCS_OK { Ok(ep) } else { Err(s) };
+                    made = if s == sys::UCS_OK { Ok((ep, mode == sys::UCP_ERR_HANDLING_MODE_PEER)) } else { Err(s) };
                     if made.is_ok() {
                         break;
                     }
                 }
-                let ep =
+                let made =
                     made.map_err(|s| TransportError::Disconnected { peer: handle.peer.to_string(), reason: format!("ucp_ep_create: {}", lib.describe(s)) })?;
-                st.eps.insert(address, ep);
-                ep
+                st.eps.insert(address, made);
+                made
             }
         };
         let mut rkey: sys::RKey = std::ptr::null_mut();
@@ -580,7 +587,7 @@ impl Transport for UcxTransport {
         tracing::debug!(peer = %handle.peer, region = handle.id, mapped = mapped.is_some(), "ucx: attached");
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let peer = handle.peer.to_string();
-        st.attachments.insert(id, Attachment { ep, rkey, addr: key.addr, kind: handle.kind, len: handle.len, peer, mapped, link });
+        st.attachments.insert(id, Attachment { ep, rkey, addr: key.addr, kind: handle.kind, len: handle.len, peer, mapped, link, ucx_reports });
         Ok(RemoteRegion { id, kind: handle.kind, len: handle.len })
     }
 
@@ -621,7 +628,8 @@ impl Transport for UcxTransport {
             drop(st);
             return Ok(self.store(&s, &m, descriptors, &link, peer));
         }
-        let (ep, rkey, base, peer, link) = (a.ep, a.rkey, a.addr, a.peer.clone(), a.link.clone());
+        let (ep, rkey, base, peer) = (a.ep, a.rkey, a.addr, a.peer.clone());
+        let link = (!a.ucx_reports).then(|| a.link.clone());
         let batch = self.inner.completions.begin();
         let param = sys::RequestParam::none();
         let (mut n, mut bytes, mut weight) = (0u64, 0u64, 0u64);
@@ -662,7 +670,7 @@ impl Transport for UcxTransport {
             StatusPtr::Done => {
                 drop(st);
                 // Shared-memory lanes complete at once and say nothing of a dead peer.
-                let result = match link.dead() {
+                let result = match link.as_ref().and_then(Link::dead) {
                     None => Ok(()),
                     Some(why) => Err(peer_gone(peer, &why)),
                 };

@@ -30,12 +30,15 @@
 //!   one copy of each byte instead of a gather and a put. Measured on the
 //!   flagship at 32K tokens, 2 cores: benches/runs/cpu-2026-12-06-s19-ucx.txt.
 //! - **A dead peer**: UCX's network lanes report it through the endpoint's
-//!   error handling; its shared-memory lanes (and stores into a mapping) do
-//!   not, so every attachment holds the notice connection to its peer (the tcp
-//!   transport's `link`): once that connection closed, the peer's process
-//!   is taken as gone, and a batch to it fails with
+//!   error handling (asked for where `tls` names network lanes alone); its
+//!   shared-memory lanes (and stores into a mapping) do not, so every
+//!   attachment holds the notice connection to its peer (the tcp transport's
+//!   `link`), consulted wherever UCX will not report: once that connection
+//!   closed, the peer's process is taken as gone, and a batch to it fails with
 //!   [`TransportError::Disconnected`] (checked before and after the stores, and
 //!   on each pending flush, which is then released rather than waited for).
+//!   Where UCX reports, the link is not consulted: across a network it may
+//!   drop while the peer lives.
 //! - **Write-done**: after the flush, the existing notice, which travels over
 //!   an embedded [`TcpTransport`] (the cluster secret's handshake and MACs),
 //!   so a notice sent after a batch completed arrives after its bytes.
