@@ -251,6 +251,25 @@ mod with_ucx {
         }
     }
 
+    /// Over shared memory a put (or a store) is a memcpy into the peer's segment
+    /// as UCX mapped it here, and UCX checks no bounds (`ucp_rkey_ptr` answers
+    /// for any address): a handle claiming more bytes than its segment maps is
+    /// refused at attach, naming the claim, with stores on or off.
+    #[test]
+    fn a_handle_claiming_more_than_its_mapping_is_refused_over_shm_lanes() {
+        for direct in [true, false] {
+            let Some((p, c)) = pair_direct("sm", direct) else { return };
+            let h = c.register(consumer_rank(), RegionKind::KdaState, 1 << 20).expect("register");
+            p.attach(&h).expect("the true length");
+            for claim in [4u64 << 20, 1 << 40] {
+                let mut lie = h.clone();
+                lie.len = claim;
+                let e = p.attach(&lie).expect_err("a length past the mapping");
+                assert!(matches!(&e, TransportError::Protocol { message, .. } if message.contains(&format!("claims {claim} B"))), "direct {direct}: {e}");
+            }
+        }
+    }
+
     /// An unknown UCX transport name in `[transport.ucx] tls` is refused at open,
     /// with UCX's reason.
     #[test]

@@ -298,24 +298,29 @@ fn peer_gone(peer: String, why: &str) -> TransportError {
     TransportError::Disconnected { peer, reason: format!("the peer's notice link closed ({why}): its process is gone, the batch undelivered") }
 }
 
-/// The peer's region as UCX mapped it into this process, where its lanes to
-/// the peer are shared memory: `ucp_rkey_ptr` of the first and of the last
-/// byte, which must be `len - 1` apart (a handle that claims more than its key
-/// covers gets no mapping, and its puts fail in UCX).
-fn map_region(lib: &Lib, rkey: sys::RKey, addr: u64, len: u64) -> Option<Mapped> {
-    let last = addr.checked_add(len.checked_sub(1)?)?;
-    let at = |raddr: u64| {
-        let mut p: *mut c_void = std::ptr::null_mut();
-        // SAFETY: an unpacked rkey; UCX writes a pointer or returns an error.
-        let st = unsafe { (lib.rkey_ptr)(rkey, raddr, &mut p) };
-        (st == sys::UCS_OK && !p.is_null()).then_some(p as usize)
-    };
-    let first = at(addr)?;
-    if at(last)? != first.checked_add(usize::try_from(len - 1).ok()?)? {
-        tracing::warn!(addr, len, "ucx: a peer region's mapping does not span its length; writing it with puts");
-        return None;
-    }
-    Some(Mapped { ptr: first as *mut u8, len, lock: Mutex::new(()) })
+/// Where UCX mapped the peer's region into this process (its lanes to the
+/// peer are shared memory), from `ucp_rkey_ptr` of the region's first byte.
+/// `None` where it did not (network lanes). UCX checks no bounds there (a
+/// handle claiming a terabyte got a pointer for every byte, measured): the
+/// caller checks the length against the mapping ([`mapped_bytes_from`]).
+fn mapped_at(lib: &Lib, rkey: sys::RKey, addr: u64) -> Option<usize> {
+    let mut p: *mut c_void = std::ptr::null_mut();
+    // SAFETY: an unpacked rkey; UCX writes a pointer or returns an error.
+    let st = unsafe { (lib.rkey_ptr)(rkey, addr, &mut p) };
+    (st == sys::UCS_OK && !p.is_null()).then_some(p as usize)
+}
+
+/// The bytes from `at` to the end of the memory mapping that holds it, from
+/// `/proc/self/maps` (one mapping: a peer's shared-memory segment is one; an
+/// adjacent mapping of something else does not count). `None` where `at` is in
+/// no mapping or the file cannot be read.
+fn mapped_bytes_from(at: usize) -> Option<u64> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines().find_map(|line| {
+        let (start, end) = line.split_whitespace().next()?.split_once('-')?;
+        let (start, end) = (usize::from_str_radix(start, 16).ok()?, usize::from_str_radix(end, 16).ok()?);
+        (start <= at && at < end).then(|| (end - at) as u64)
+    })
 }
 
 /// UCX's call when an endpoint's peer failed: the failure itself reaches the
@@ -583,7 +588,23 @@ impl Transport for UcxTransport {
         if s != sys::UCS_OK {
             return Err(bad(&format!("ucp_ep_rkey_unpack: {}", lib.describe(s))));
         }
-        let mapped = if self.direct { map_region(lib, rkey, key.addr, handle.len).map(Arc::new) } else { None };
+        // Where UCX mapped the peer's region here, the handle's length must lie
+        // inside that mapping: a put over these lanes is a memcpy into it, and
+        // UCX checks no bounds, so a handle claiming more would have puts (or
+        // stores) write past it.
+        let mapped = match mapped_at(lib, rkey, key.addr) {
+            None => None,
+            Some(ptr) => {
+                let room = mapped_bytes_from(ptr);
+                if room.is_none_or(|room| room < handle.len) {
+                    // SAFETY: unpacked above, destroyed once; never stored.
+                    unsafe { (lib.rkey_destroy)(rkey) };
+                    let room = room.map_or("no".to_string(), |r| format!("{r} B of"));
+                    return Err(bad(&format!("claims {} B, but UCX maps {room} it here", handle.len)));
+                }
+                self.direct.then(|| Arc::new(Mapped { ptr: ptr as *mut u8, len: handle.len, lock: Mutex::new(()) }))
+            }
+        };
         tracing::debug!(peer = %handle.peer, region = handle.id, mapped = mapped.is_some(), "ucx: attached");
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let peer = handle.peer.to_string();

@@ -29,6 +29,10 @@
 //!   narrow rows unstaged ([`crate::transport::Transport::writes_in_place`]):
 //!   one copy of each byte instead of a gather and a put. Measured on the
 //!   flagship at 32K tokens, 2 cores: benches/runs/cpu-2026-12-06-s19-ucx.txt.
+//!   UCX checks no bounds there (`ucp_rkey_ptr` answers for any address, and
+//!   its shared-memory put is a memcpy at key + offset), so attach refuses a
+//!   handle whose length reaches past the mapping (`/proc/self/maps`), stores
+//!   on or off.
 //! - **A dead peer**: UCX's network lanes report it through the endpoint's
 //!   error handling (asked for where `tls` names network lanes alone); its
 //!   shared-memory lanes (and stores into a mapping) do not, so every
