@@ -92,6 +92,21 @@ fn zero_sizes_and_bad_patterns_are_refused() {
     assert!(matches!(refuse(&t), ConfigError::Pattern { .. }));
 }
 
+/// `[transport.rdma]` values verbs cannot take are refused at startup, naming
+/// the field and the value.
+#[test]
+fn bad_rdma_port_gid_index_and_device_are_refused_by_name() {
+    let base = Shape::default().toml();
+    for (table, field, value) in [("port = 0", "port", "0"), ("gid_index = 256", "gid_index", "256"), ("device = \"mlx5 0\"", "device", "\"mlx5 0\"")] {
+        let t = format!("{base}\n[transport.rdma]\n{table}\n");
+        assert!(matches!(refuse(&t), ConfigError::Rdma { field: f, .. } if f == field), "{table}");
+        assert_cli(&t, &[&format!("[transport.rdma] {field} = {value}")]);
+    }
+    let ok = format!("{base}\n[transport.rdma]\ndevice = \"mlx5_0\"\nport = 2\ngid_index = 3\n");
+    let topo = Topology::parse(&ok).expect("good rdma settings");
+    assert_eq!((topo.config.transport.rdma.port(), topo.config.transport.rdma.gid_index()), (Ok(2), Ok(3)));
+}
+
 #[test]
 fn malformed_files_name_the_field_line_and_expectation() {
     let good = Shape::default().toml();

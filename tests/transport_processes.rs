@@ -160,6 +160,14 @@ fn child_entry() {
             say("sent", 65536);
             std::thread::sleep(WAIT * 3);
         }
+        #[cfg(feature = "ucx")]
+        "ucx-consumer-idle" => {
+            // UCX's default lanes: shared memory between two processes of one host.
+            let t = handoff::transport::UcxTransport::open(handoff::transport::UcxOptions::default()).expect("ucx");
+            let dst = t.register(consumer_rank(), RegionKind::MlaKv, 64 << 20).expect("register");
+            say("handle", handle_json(&dst));
+            std::thread::sleep(WAIT * 3);
+        }
         other => panic!("unknown child role {other}"),
     }
 }
@@ -346,4 +354,38 @@ fn tcp_between_network_namespaces_over_veth_is_byte_exact() {
     let verified = expect_line(&crx, "verified", &mut consumer);
     assert_eq!(verified, DST_LEN.to_string());
     assert!(transport_util::wait_child(&mut consumer, "netns consumer", WAIT).success());
+}
+
+/// The consumer process dies while a ucx producer writes into its region over
+/// UCX's shared-memory lanes, which report no peer failure (stored into a
+/// mapping, and put into): the producer's next batch fails with
+/// `Disconnected` within a bound (the peer's notice link closed), not a
+/// success into memory no one reads, and not a hang.
+#[cfg(feature = "ucx")]
+#[test]
+fn ucx_producer_reports_consumer_killed_on_shm_lanes() {
+    use handoff::transport::{UcxOptions, UcxTransport};
+    for direct in [true, false] {
+        let mut child = child_command(&[], "ucx-consumer-idle", &job(1)).spawn().expect("spawn");
+        let rx = child_lines(&mut child);
+        let handle: RegionHandle = serde_json::from_str(&expect_line(&rx, "handle", &mut child)).expect("handle json");
+        let producer = UcxTransport::open(UcxOptions { direct, ..UcxOptions::default() }).expect("ucx");
+        let src = producer.register(producer_rank(), RegionKind::MlaKv, 64 << 20).expect("src");
+        let r = producer.attach(&handle).expect("attach");
+        assert_eq!(producer.writes_in_place(r), direct, "UCX maps a peer of this host over its shared-memory lanes");
+        let d = [Descriptor::copy(RegionKind::MlaKv, 0, 0, 64 << 20)];
+        producer.transfer(&src, r, &d, WAIT).expect("a live consumer's batch");
+        child.kill().expect("kill consumer");
+        let _ = child.wait();
+        let started = Instant::now();
+        let err = loop {
+            match producer.submit(&src, r, &d).and_then(|b| producer.wait(b, WAIT)) {
+                Err(e) => break e,
+                Ok(()) if started.elapsed() < WAIT => std::thread::sleep(Duration::from_millis(20)),
+                Ok(()) => panic!("direct {direct}: batches to a consumer killed {WAIT:?} ago still succeed"),
+            }
+        };
+        assert!(matches!(err, TransportError::Disconnected { .. }), "direct {direct}: {err}");
+        eprintln!("direct {direct}: failed {:?} after the kill: {err}", started.elapsed());
+    }
 }

@@ -287,6 +287,73 @@ pub struct TransportConfig {
     /// UCX's settings, for `kind = "ucx"`.
     #[serde(default)]
     pub ucx: UcxConfig,
+    /// The verbs device, port and GID, for `kind = "rdma"`.
+    #[serde(default)]
+    pub rdma: RdmaConfig,
+}
+
+/// `[transport.rdma]`: the verbs device, port and GID table entry the rdma
+/// transport's queue pairs use. Unset: the first device listed, port 1, GID
+/// index 0 (on RoCE the entry of the interface's IPv4 address for RoCE v2 is
+/// usually another: `show_gids` or `ibv_devinfo -v` lists them).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RdmaConfig {
+    /// The verbs device, as `ibv_devices` names it: `"mlx5_0"`, `"rxe0"`.
+    #[serde(default)]
+    pub device: Option<String>,
+    /// The device's port, 1-based (verbs numbers ports from 1; at most 255).
+    #[serde(default)]
+    pub port: Option<u32>,
+    /// The GID table index (0 to 255).
+    #[serde(default)]
+    pub gid_index: Option<u32>,
+}
+
+impl RdmaConfig {
+    /// The port, checked: 1 to 255 (default 1).
+    pub fn port(&self) -> Result<u8, ConfigError> {
+        match self.port {
+            None => Ok(1),
+            Some(p) => u8::try_from(p).ok().filter(|&p| p >= 1).ok_or_else(|| ConfigError::Rdma {
+                field: "port",
+                value: p.to_string(),
+                reason: "verbs numbers a device's ports from 1 to at most 255",
+            }),
+        }
+    }
+
+    /// The GID index, checked: 0 to 255 (default 0).
+    pub fn gid_index(&self) -> Result<u8, ConfigError> {
+        match self.gid_index {
+            None => Ok(0),
+            Some(g) => u8::try_from(g).map_err(|_| ConfigError::Rdma { field: "gid_index", value: g.to_string(), reason: "a GID table index is 0 to 255" }),
+        }
+    }
+
+    /// The device name, checked: what `ibv_devices` can list (letters, digits,
+    /// `_`, `-`, `.`; 1 to 63 bytes), so a typo such as a path or a blank fails
+    /// at startup, naming the field, not as an unknown device later.
+    pub fn device(&self) -> Result<Option<&str>, ConfigError> {
+        let Some(d) = self.device.as_deref() else { return Ok(None) };
+        let ok = !d.is_empty() && d.len() < 64 && d.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
+        if !ok {
+            return Err(ConfigError::Rdma {
+                field: "device",
+                value: format!("{d:?}"),
+                reason: "a verbs device name (as ibv_devices lists it: letters, digits, '_', '-', '.'; 1 to 63 bytes)",
+            });
+        }
+        Ok(Some(d))
+    }
+
+    /// Every field checked.
+    pub fn check(&self) -> Result<(), ConfigError> {
+        self.device()?;
+        self.port()?;
+        self.gid_index()?;
+        Ok(())
+    }
 }
 
 /// `[transport.ucx]`: which of UCX's own transports carry the puts, applied to
@@ -321,6 +388,7 @@ impl Default for TransportConfig {
             staging_buffers: default_staging_buffers(),
             staging_bytes: default_staging_bytes(),
             ucx: UcxConfig::default(),
+            rdma: RdmaConfig::default(),
         }
     }
 }
@@ -489,6 +557,8 @@ pub enum ConfigError {
     TooLarge { field: &'static str, value: u64, max: u64 },
     #[error("timeouts.{field} = {value} s is longer than the most handoff accepts, {max} s")]
     TimeoutTooLong { field: &'static str, value: f64, max: f64 },
+    #[error("[transport.rdma] {field} = {value}: {reason}")]
+    Rdma { field: &'static str, value: String, reason: &'static str },
     #[error("{what} would be {value} at serving capacity (serve.max_requests x serve.max_context), more than the most handoff accepts, {max}")]
     Footprint { what: &'static str, value: u128, max: u128 },
 }
@@ -660,6 +730,7 @@ impl Topology {
         if config.transport.staging_bytes == 0 {
             return Err(ConfigError::Zero { field: "transport.staging_bytes" });
         }
+        config.transport.rdma.check()?;
         check_limits(&config)?;
         let listed = config.cluster.prefill.len();
         if listed != 0 && listed != p.pp as usize {

@@ -49,8 +49,10 @@ use std::time::{Duration, Instant};
 /// Whether token-sharded rows are gathered through staging before they are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum StagingMode {
-    /// Stage on transports where a descriptor is expensive (tcp, rdma); write
-    /// strided descriptors directly where the transport is a memcpy (local, shm).
+    /// Stage where a piece is a message (tcp, rdma, ucx over the network); write
+    /// strided descriptors directly where the transport stores into a mapping
+    /// (local, shm, cuda-ipc, ucx over shared memory):
+    /// [`Transport::writes_in_place`].
     #[default]
     Auto,
     Always,
@@ -379,12 +381,14 @@ fn check_regions(shared: &Shared, plan: &Plan) -> Result<(), MoveError> {
     Ok(())
 }
 
-fn stages(shared: &Shared, kind: RegionKind) -> bool {
+fn stages(shared: &Shared, kind: RegionKind, dst: RemoteRegion) -> bool {
     kind.distribution() == Distribution::TokenSharded
         && match shared.opts.staging {
             StagingMode::Always => true,
             StagingMode::Never => false,
-            StagingMode::Auto => !matches!(shared.transport.name(), "local" | "shm" | "cuda-ipc"),
+            // Gathering narrow rows pays where each piece is a message; where
+            // the transport stores into a mapping it is a second copy.
+            StagingMode::Auto => !shared.transport.writes_in_place(dst),
         }
 }
 
@@ -487,7 +491,7 @@ fn plan_writes(shared: &Shared, plan: &Plan) -> Result<Vec<(RegionHandle, Remote
     let mut direct = Vec::new();
     for (kind, descs) in by_kind {
         let (src, dst) = regions_of(shared, plan, kind)?;
-        if stages(shared, kind) {
+        if stages(shared, kind, dst) {
             stager(shared, source_rank(plan))?.transfer(&src, dst, &descs)?;
         } else {
             direct.push((src, dst, descs));

@@ -21,6 +21,7 @@
 
 use handoff_components::Topology;
 use handoff_components::cluster::ClusterConfig;
+use handoff_components::config::TransportKind;
 use handoff_components::failure::ProcessRole;
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
@@ -28,19 +29,26 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
 /// The proxy's control port when nothing names one.
 pub const PROXY_CONTROL_PORT: u16 = 8001;
 
-/// ListenerKind listener of a role.
+/// Which listener of a role: its control listener, or its transport's, named
+/// by what that transport listens for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ListenerKind {
     Control,
-    Transport,
+    Transport(TransportKind),
 }
 
 impl fmt::Display for ListenerKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            ListenerKind::Control => "control listener",
-            ListenerKind::Transport => "tcp transport",
-        })
+        match self {
+            ListenerKind::Control => f.write_str("control listener"),
+            // The tcp transport's listener takes the bytes themselves; ucx's
+            // takes only the write-done notices (the bytes go by UCX's own
+            // lanes); rdma's the queue-pair and key exchange.
+            ListenerKind::Transport(TransportKind::Tcp) => f.write_str("tcp transport"),
+            ListenerKind::Transport(TransportKind::Ucx) => f.write_str("ucx notice listener"),
+            ListenerKind::Transport(TransportKind::Rdma) => f.write_str("rdma bootstrap listener"),
+            ListenerKind::Transport(other) => write!(f, "{} transport", other.name()),
+        }
     }
 }
 
@@ -134,15 +142,18 @@ fn host_text(ip: IpAddr) -> String {
 pub struct RoleListeners {
     pub role: ProcessRole,
     pub control: ListenAddr,
-    /// The tcp transport's listener; `None` on shm (and for the proxy).
+    /// The transport's listener (tcp: the bytes; ucx: the notices; rdma: the
+    /// bootstrap); `None` on shm (and for the proxy).
     pub transport: Option<ListenAddr>,
+    /// The transport whose listener `transport` is.
+    pub transport_kind: TransportKind,
 }
 
 impl RoleListeners {
     /// Every listener of the role that binds beyond loopback.
     pub fn beyond_loopback(&self) -> impl Iterator<Item = (ListenerKind, &ListenAddr)> {
         std::iter::once((ListenerKind::Control, &self.control))
-            .chain(self.transport.iter().map(|t| (ListenerKind::Transport, t)))
+            .chain(self.transport.iter().map(|t| (ListenerKind::Transport(self.transport_kind), t)))
             .filter(|(_, l)| l.beyond_loopback())
     }
 }
@@ -231,7 +242,7 @@ pub fn resolve(topo: &Topology, role: ProcessRole, flags: &AddrFlags) -> Result<
             "",
             SocketAddr::new(LOOPBACK, PROXY_CONTROL_PORT),
         )?;
-        return Ok(RoleListeners { role, control, transport: None });
+        return Ok(RoleListeners { role, control, transport: None, transport_kind: topo.config.transport.kind });
     }
     let (t, table) = match role {
         ProcessRole::Prefill { stage: s } => (cluster.stage(s), format!("[[cluster.prefill]] (stage {s})")),
@@ -252,7 +263,7 @@ pub fn resolve(topo: &Topology, role: ProcessRole, flags: &AddrFlags) -> Result<
     let transport = if kind.listens() {
         Some(listener(
             role,
-            ListenerKind::Transport,
+            ListenerKind::Transport(kind),
             (flags.transport_bind.as_deref(), "--transport-bind"),
             (flags.transport_advertise.as_deref(), "--transport-advertise"),
             (t.transport_bind.as_deref(), t.transport_advertise.as_deref()),
@@ -273,7 +284,7 @@ pub fn resolve(topo: &Topology, role: ProcessRole, flags: &AddrFlags) -> Result<
         }
         None
     };
-    Ok(RoleListeners { role, control, transport })
+    Ok(RoleListeners { role, control, transport, transport_kind: kind })
 }
 
 /// Refuses a role whose listener binds beyond loopback when no cluster secret
@@ -323,7 +334,7 @@ pub fn summary(topo: &Topology) -> Result<String, AddrError> {
     for r in &roles {
         s += &format!("  {} {}: {}\n", r.role, ListenerKind::Control, r.control.describe());
         if let Some(t) = &r.transport {
-            s += &format!("  {} {}: {}\n", r.role, ListenerKind::Transport, t.describe());
+            s += &format!("  {} {}: {}\n", r.role, ListenerKind::Transport(r.transport_kind), t.describe());
         }
     }
     if !topo.config.transport.kind.listens() {

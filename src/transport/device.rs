@@ -310,6 +310,11 @@ impl Transport for DeviceTransport {
         Ok(())
     }
 
+    /// A peer's device memory is opened here through CUDA IPC: the copy kernels store into it, many pieces a launch.
+    fn writes_in_place(&self, _: RemoteRegion) -> bool {
+        true
+    }
+
     fn attach(&self, handle: &RegionHandle) -> Result<RemoteRegion> {
         let MemoryKind::Device { ordinal } = handle.memory else {
             return Err(TransportError::Unavailable { what: format!("{handle}"), reason: "the cuda-ipc transport writes device regions only".into() });

@@ -80,6 +80,11 @@ impl Transport for LocalTransport {
         self.core.remove(handle).map(drop)
     }
 
+    /// Regions of this process: a write is a memcpy.
+    fn writes_in_place(&self, _: RemoteRegion) -> bool {
+        true
+    }
+
     fn attach(&self, handle: &RegionHandle) -> Result<RemoteRegion> {
         let owner = self.peer(&handle.peer)?;
         let region = owner.local(handle)?;

@@ -299,6 +299,16 @@ pub trait Transport: Send + Sync {
     /// Opens a peer's (or one's own) region for writing.
     fn attach(&self, handle: &RegionHandle) -> Result<RemoteRegion>;
 
+    /// Whether writes into `dst` are this process's own stores into memory it
+    /// has mapped, so that a narrow piece costs what its bytes cost. Where it
+    /// is false each piece is a message (a frame, a put, a work request), and
+    /// the mover gathers narrow rows into staging buffers first
+    /// (`StagingMode::Auto`); where it is true that gather would only add a copy.
+    fn writes_in_place(&self, dst: RemoteRegion) -> bool {
+        let _ = dst;
+        false
+    }
+
     /// Forgets an attachment that a newer handle of the same (rank, kind)
     /// replaced (a restarted consumer): the device transport closes its IPC
     /// mapping so the dead consumer's memory can go. Others keep theirs.

@@ -28,8 +28,9 @@ pub fn open_with(
 }
 
 /// [`open_with`] for a topology's whole `[transport]` section: its kind and, for
-/// ucx, its `[transport.ucx]` settings. A ucx transport's notice listener binds
-/// and advertises as a tcp transport's listener does.
+/// ucx, its `[transport.ucx]` settings, for rdma its `[transport.rdma]` device,
+/// port and GID index. A ucx transport's notice listener (and rdma's bootstrap)
+/// binds and advertises as a tcp transport's listener does.
 pub fn open_config(
     config: &handoff_components::config::TransportConfig,
     tcp_bind: Option<SocketAddr>,
@@ -43,7 +44,7 @@ pub fn open_config(
             if let Some(bind) = tcp_bind {
                 notify.bind = bind;
             }
-            Arc::new(UcxTransport::open(UcxOptions { ucx: config.ucx.clone(), notify })?)
+            Arc::new(UcxTransport::open(UcxOptions { ucx: config.ucx.clone(), notify, ..UcxOptions::default() })?)
         }
         TransportKind::Local => Arc::new(LocalTransport::new()),
         TransportKind::Shm => Arc::new(ShmTransport::with_secret(shm::default_dir(), secret)?),
@@ -60,7 +61,8 @@ pub fn open_config(
             if let Some(bind) = tcp_bind {
                 bootstrap.bind = bind;
             }
-            Arc::new(super::rdma::RdmaTransport::open_with(super::rdma::RdmaOptions { bootstrap, ..Default::default() })?)
+            let opts = super::rdma::RdmaOptions::from_config(&config.rdma, bootstrap)?;
+            Arc::new(super::rdma::RdmaTransport::open_with(opts)?)
         }
     })
 }

@@ -210,6 +210,11 @@ impl Transport for ShmTransport {
         Ok(())
     }
 
+    /// A peer region is mapped here (its file): a write is a memcpy.
+    fn writes_in_place(&self, _: RemoteRegion) -> bool {
+        true
+    }
+
     fn attach(&self, handle: &RegionHandle) -> Result<RemoteRegion> {
         if handle.peer == self.core.endpoint {
             return Ok(self.core.attach_region(self.core.local(handle)?));

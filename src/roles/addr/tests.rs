@@ -151,3 +151,25 @@ fn the_summary_lists_every_listener() {
         assert!(s.contains(want), "{s}\ndoes not say {want:?}");
     }
 }
+
+/// `handoff check` names each transport's listener for what it is: the tcp
+/// transport's takes the bytes, ucx's only the write-done notices, rdma's the
+/// bootstrap; none of the latter two is called "tcp transport".
+#[test]
+fn the_summary_names_the_transport_listener_by_its_transport() {
+    for (kind, label) in [("tcp", "tcp transport"), ("ucx", "ucx notice listener"), ("rdma", "rdma bootstrap listener")] {
+        let topo = Topology::parse(&SMALL.replace("kind = \"shm\"", &format!("kind = \"{kind}\""))).expect("topology");
+        let s = summary(&topo).expect("summary");
+        for role in ["decode", "prefill stage 0", "prefill stage 1"] {
+            let want = format!("{role} {label}: bind 127.0.0.1:(any free port)");
+            assert!(s.contains(&want), "{kind}: {s}\ndoes not say {want:?}");
+        }
+        if kind != "tcp" {
+            assert!(!s.contains("tcp transport"), "{kind}: {s}");
+        }
+        // Errors name it the same way.
+        let flags = AddrFlags { transport_bind: Some("0.0.0.0:7200".into()), ..Default::default() };
+        let e = resolve(&topo, ProcessRole::Decode, &flags).expect_err("no advertise").to_string();
+        assert!(e.contains(&format!("decode {label}: binds 0.0.0.0:7200")), "{kind}: {e}");
+    }
+}

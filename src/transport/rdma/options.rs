@@ -4,6 +4,7 @@
 
 use super::plan;
 use crate::transport::{TcpOptions, TransportError};
+use handoff_components::config::{ConfigError, RdmaConfig};
 use std::time::Duration;
 
 /// Settings of an RDMA transport.
@@ -49,6 +50,22 @@ impl Default for RdmaOptions {
     }
 }
 
+impl RdmaOptions {
+    /// The topology's `[transport.rdma]` (device, port, GID index) over the
+    /// defaults, with the bootstrap listener's settings; a bad value is refused
+    /// here, naming its field, before any device is opened.
+    pub fn from_config(config: &RdmaConfig, bootstrap: TcpOptions) -> Result<Self, RdmaError> {
+        let bad = |e: ConfigError| RdmaError::Options(e.to_string());
+        Ok(RdmaOptions {
+            device: config.device().map_err(bad)?.map(str::to_string),
+            port: config.port().map_err(bad)?,
+            gid_index: config.gid_index().map_err(bad)?,
+            bootstrap,
+            ..RdmaOptions::default()
+        })
+    }
+}
+
 /// Why the RDMA transport cannot be opened.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum RdmaError {
@@ -64,6 +81,10 @@ pub enum RdmaError {
     UnknownDevice { name: String, available: Vec<String> },
     #[error("RDMA device {device} port {port} is not active (state {state}; 4 is ACTIVE)")]
     PortDown { device: String, port: u8, state: u32 },
+    #[error(
+        "RDMA device {device} refuses {field} {value} ({call}: {message}): set [transport.rdma] {field} to one it has (ibv_devinfo -v lists its ports and GIDs)"
+    )]
+    NotOnDevice { device: String, field: &'static str, value: u8, call: &'static str, message: String },
     #[error("{call} on {device} failed: {message} (errno {errno})")]
     Verbs { call: &'static str, device: String, errno: i32, message: String },
     #[error("rdma options: {0}")]
@@ -83,3 +104,38 @@ impl From<RdmaError> for TransportError {
 
 /// The names of RDMA devices (`mlx5_0`, ...), as `ibv_get_device_list` lists them.
 pub type DeviceNames = Vec<String>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `[transport.rdma]` reaches the options the device is opened with; unset
+    /// fields keep the defaults (first device, port 1, GID index 0).
+    #[test]
+    fn the_topologys_device_port_and_gid_index_reach_the_options() {
+        let o = RdmaOptions::from_config(&RdmaConfig::default(), TcpOptions::default()).expect("defaults");
+        assert_eq!((o.device.as_deref(), o.port, o.gid_index), (None, 1, 0));
+        let c = RdmaConfig { device: Some("mlx5_1".into()), port: Some(2), gid_index: Some(3) };
+        let o = RdmaOptions::from_config(&c, TcpOptions::default()).expect("set");
+        assert_eq!((o.device.as_deref(), o.port, o.gid_index), (Some("mlx5_1"), 2, 3));
+        assert_eq!(o.mr_chunk, RdmaOptions::default().mr_chunk, "the rest stays default");
+    }
+
+    /// A value verbs cannot take is refused before any device is opened, the
+    /// message naming the field and the value.
+    #[test]
+    fn bad_device_port_and_gid_index_are_refused_by_name() {
+        for (c, want) in [
+            (RdmaConfig { port: Some(0), ..Default::default() }, "[transport.rdma] port = 0"),
+            (RdmaConfig { port: Some(256), ..Default::default() }, "[transport.rdma] port = 256"),
+            (RdmaConfig { gid_index: Some(300), ..Default::default() }, "[transport.rdma] gid_index = 300"),
+            (RdmaConfig { device: Some("mlx5 0".into()), ..Default::default() }, "[transport.rdma] device = \"mlx5 0\""),
+            (RdmaConfig { device: Some(String::new()), ..Default::default() }, "[transport.rdma] device = \"\""),
+            (RdmaConfig { device: Some("/dev/infiniband/uverbs0".into()), ..Default::default() }, "device = \"/dev/infiniband/uverbs0\""),
+        ] {
+            let Err(e) = RdmaOptions::from_config(&c, TcpOptions::default()) else { panic!("{c:?} accepted") };
+            assert!(matches!(e, RdmaError::Options(_)), "{e}");
+            assert!(e.to_string().contains(want), "{e} does not name {want:?}");
+        }
+    }
+}

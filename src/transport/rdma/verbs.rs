@@ -35,6 +35,13 @@ fn verbs_err(call: &'static str, device: &str, code: i32) -> RdmaError {
     RdmaError::Verbs { call, device: device.to_string(), errno: code, message: std::io::Error::from_raw_os_error(code).to_string() }
 }
 
+/// A port or GID index the device does not have (the configured
+/// `[transport.rdma]` value), named as the field it came from.
+fn not_on_device(call: &'static str, device: &str, field: &'static str, value: u8, code: i32) -> RdmaError {
+    let message = std::io::Error::from_raw_os_error(code).to_string();
+    RdmaError::NotOnDevice { device: device.to_string(), field, value, call, message }
+}
+
 /// Why `ibv_get_device_list` returned no list: ENOSYS is a kernel without
 /// its RDMA core (no /sys/class/infiniband_verbs), the usual case on a machine
 /// without an RDMA NIC.
@@ -105,7 +112,7 @@ impl Device {
         // SAFETY: a live context and a zeroed attribute struct (the compat prefix is filled).
         let rc = unsafe { (verbs.query_port)(ctx, opts.port, &mut attr) };
         if rc != 0 {
-            return Err(close(verbs_err("ibv_query_port", &name, rc)));
+            return Err(close(not_on_device("ibv_query_port", &name, "port", opts.port, rc)));
         }
         if attr.state != ffi::IBV_PORT_ACTIVE {
             return Err(close(RdmaError::PortDown { device: name, port: opts.port, state: attr.state }));
@@ -117,7 +124,7 @@ impl Device {
         // SAFETY: a live context and a 16-byte out buffer.
         let rc = unsafe { (verbs.query_gid)(ctx, opts.port, opts.gid_index as c_int, &mut gid) };
         if rc != 0 {
-            return Err(close(verbs_err("ibv_query_gid", &name, rc)));
+            return Err(close(not_on_device("ibv_query_gid", &name, "gid_index", opts.gid_index, rc)));
         }
         // SAFETY: a live context.
         let pd = unsafe { (verbs.alloc_pd)(ctx) };

@@ -338,6 +338,31 @@ impl TcpTransport {
     pub fn refused_frames(&self) -> u64 {
         self.inner.refused_frames.load(Ordering::Relaxed)
     }
+
+    /// The connection to `addr` (made, with its handshake, if there is none),
+    /// held to learn when that peer goes away: its process's end closes the
+    /// connection, and the ack reader marks it dead within a read tick. A
+    /// transport whose data path reports no peer failure (UCX's shared-memory
+    /// lanes) asks this [`Link`] instead.
+    pub fn link(&self, addr: SocketAddr) -> Result<Link> {
+        Ok(Link(self.inner.conn(addr)?))
+    }
+}
+
+/// One connection to a peer, watched for its close (see [`TcpTransport::link`]).
+/// A later reconnection to the same address is another connection: a peer
+/// restarted at the same port is not taken for the one that died.
+#[derive(Clone)]
+pub struct Link(Arc<Conn>);
+
+impl Link {
+    /// Why the connection died, or `None` while it lives.
+    pub fn dead(&self) -> Option<String> {
+        if self.0.alive() {
+            return None;
+        }
+        Some(lock(&self.0.why).clone().unwrap_or_else(|| "connection closed".into()))
+    }
 }
 
 impl Drop for TcpTransport {

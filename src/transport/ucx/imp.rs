@@ -2,6 +2,8 @@
 
 use super::sys::{self, Lib, StatusPtr};
 use super::{UcxOptions, from_hex, to_hex};
+use crate::transport::copy::copy_between;
+use crate::transport::tcp::Link;
 use crate::transport::{
     BatchCompletion, BatchId, Completions, Incident, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteKey, RemoteRegion, Result, TcpTransport,
     Transport, TransportError, host_only, lock, pieces, read, usize_len, validate, write,
@@ -44,14 +46,45 @@ struct Attachment {
     kind: RegionKind,
     len: u64,
     peer: String,
+    /// The peer's region in this process's address space, where UCX reaches it
+    /// through shared memory (`ucp_rkey_ptr`) and the transport was opened
+    /// with [`UcxOptions::direct`].
+    mapped: Option<Arc<Mapped>>,
+    /// The notice connection to the peer, whose close tells that the peer's
+    /// process ended: UCX's shared-memory lanes report no peer failure.
+    link: Link,
+    /// Whether the endpoint has UCX's peer error handling (network-only
+    /// lanes), so that UCX itself fails a put to a dead peer: its puts then
+    /// do not consult `link`, whose connection may drop for reasons of its own
+    /// across a network. Stores into `mapped` always do.
+    ucx_reports: bool,
 }
+
+/// A peer's region mapped here by UCX (the rkey's shared-memory mapping).
+struct Mapped {
+    ptr: *mut u8,
+    len: u64,
+    /// Held over each batch's stores: one writer of the mapping at a time (as
+    /// the shm transport's regions), and [`Transport::detach`] waits for it
+    /// before the rkey, and with it the mapping, goes.
+    lock: Mutex<()>,
+}
+
+// SAFETY: the mapping lives until the rkey is destroyed, which happens only
+// under `lock` (detach) or with no batch running (drop of the transport).
+unsafe impl Send for Mapped {}
+// SAFETY: stores through the pointer happen under `lock`.
+unsafe impl Sync for Mapped {}
 
 /// What only the worker's lock holder touches: endpoints, keys, pending flushes.
 struct State {
-    eps: HashMap<Vec<u8>, sys::Ep>,
+    /// Per peer worker address: the endpoint, and whether it has UCX's peer
+    /// error handling.
+    eps: HashMap<Vec<u8>, (sys::Ep, bool)>,
     attachments: HashMap<u64, Attachment>,
-    /// Batches whose flush is in flight, with its request.
-    pending: Vec<(BatchId, *mut c_void, String)>,
+    /// Batches whose flush is in flight, with its request, the peer's name and
+    /// its notice link where UCX reports no peer failure on that endpoint.
+    pending: Vec<(BatchId, *mut c_void, String, Option<Link>)>,
 }
 
 struct Inner {
@@ -66,8 +99,12 @@ struct Inner {
     endpoint: PeerAddr,
     puts: AtomicU64,
     put_bytes: AtomicU64,
-    /// Sum over puts of len * len / 1024: the byte-weighted mean put size.
-    put_weight: AtomicU64,
+    /// Sum over puts and stores of len * len / 1024: the byte-weighted mean
+    /// write size.
+    write_weight: AtomicU64,
+    /// Pieces and bytes stored through mapped peer regions instead of put.
+    stored: AtomicU64,
+    stored_bytes: AtomicU64,
 }
 
 // SAFETY: the UCX handles are used under `state`'s lock (the worker was created
@@ -81,6 +118,7 @@ unsafe impl Sync for Inner {}
 pub struct UcxTransport {
     inner: Arc<Inner>,
     peer_errors: bool,
+    direct: bool,
     notices: TcpTransport,
     progress: Option<JoinHandle<()>>,
 }
@@ -175,7 +213,9 @@ impl UcxTransport {
             endpoint: PeerAddr::Ucx { worker: to_hex(&worker_addr), notify },
             puts: AtomicU64::new(0),
             put_bytes: AtomicU64::new(0),
-            put_weight: AtomicU64::new(0),
+            write_weight: AtomicU64::new(0),
+            stored: AtomicU64::new(0),
+            stored_bytes: AtomicU64::new(0),
         });
         let runner = Arc::clone(&inner);
         let progress = std::thread::Builder::new()
@@ -183,7 +223,7 @@ impl UcxTransport {
             .spawn(move || progress_loop(&runner))
             .map_err(|e| TransportError::io("spawn ucx progress thread", e))?;
         tracing::debug!(endpoint = %inner.endpoint, worker_address_bytes = addr_len, tls = ?opts.ucx.tls, "ucx transport open");
-        Ok(UcxTransport { inner, peer_errors: peer_errors(opts.ucx.tls.as_deref()), notices, progress: Some(progress) })
+        Ok(UcxTransport { inner, peer_errors: peer_errors(opts.ucx.tls.as_deref()), direct: opts.direct, notices, progress: Some(progress) })
     }
 
     /// Puts issued so far and their bytes: the message sizes UCX saw, for
@@ -192,11 +232,17 @@ impl UcxTransport {
         (self.inner.puts.load(Ordering::Relaxed), self.inner.put_bytes.load(Ordering::Relaxed))
     }
 
-    /// The byte-weighted mean size of the puts so far (the size of the put
-    /// that carries a typical byte): sum of len^2 over sum of len.
-    pub fn weighted_put_size(&self) -> u64 {
-        let bytes = self.inner.put_bytes.load(Ordering::Relaxed).max(1) as u128;
-        (self.inner.put_weight.load(Ordering::Relaxed) as u128 * 1024 / bytes) as u64
+    /// Pieces and bytes stored so far through peer regions that UCX mapped
+    /// into this process ([`UcxOptions::direct`]) rather than put.
+    pub fn stored_stats(&self) -> (u64, u64) {
+        (self.inner.stored.load(Ordering::Relaxed), self.inner.stored_bytes.load(Ordering::Relaxed))
+    }
+
+    /// The byte-weighted mean size of the writes (puts and stores) so far (the
+    /// size of the write that carries a typical byte): sum of len^2 over sum of len.
+    pub fn weighted_write_size(&self) -> u64 {
+        let bytes = (self.inner.put_bytes.load(Ordering::Relaxed) + self.inner.stored_bytes.load(Ordering::Relaxed)).max(1) as u128;
+        (self.inner.write_weight.load(Ordering::Relaxed) as u128 * 1024 / bytes) as u64
     }
 
     fn wake(&self) {
@@ -211,6 +257,70 @@ impl UcxTransport {
         }
         read(&self.inner.regions).get(&handle.id).cloned().ok_or_else(|| TransportError::UnknownRegion(handle.to_string()))
     }
+
+    /// A batch into a mapped peer region: the pieces stored by this thread
+    /// (and rayon's, for a large batch), as the shm transport copies, with no
+    /// UCX call and no message per piece; then the peer's liveness decides.
+    fn store(&self, src: &Region, dst: &Mapped, descriptors: &[Descriptor], link: &Link, peer: String) -> BatchId {
+        let batch = self.inner.completions.begin();
+        if let Some(why) = link.dead() {
+            self.inner.completions.finish(batch, Err(peer_gone(peer, &why)));
+            return batch;
+        }
+        let pieces = pieces(descriptors);
+        {
+            let _s = read(&src.lock);
+            let _d = lock(&dst.lock);
+            // SAFETY: the source region's mapping, alive while the caller holds
+            // its Arc, read under its lock; the peer's mapping, alive while its
+            // rkey is (see `Mapped`), written under its lock. The descriptors were
+            // validated against both lengths.
+            let (s, d) = unsafe { (std::slice::from_raw_parts(src.ptr, src.len as usize), std::slice::from_raw_parts_mut(dst.ptr, dst.len as usize)) };
+            copy_between(s, d, &pieces);
+        }
+        self.inner.stored.fetch_add(pieces.len() as u64, Ordering::Relaxed);
+        self.inner.stored_bytes.fetch_add(pieces.iter().map(|p| p.len).sum(), Ordering::Relaxed);
+        self.inner.write_weight.fetch_add(pieces.iter().map(|p| p.len.saturating_mul(p.len) / 1024).sum(), Ordering::Relaxed);
+        // A peer that died while its bytes were stored has them in memory no
+        // one reads: the batch fails rather than report them delivered.
+        let result = match link.dead() {
+            None => Ok(()),
+            Some(why) => Err(peer_gone(peer, &why)),
+        };
+        self.inner.completions.finish(batch, result);
+        batch
+    }
+}
+
+/// A batch's failure when the peer's notice link closed: its process ended
+/// (or shut its transport down), so what the batch wrote is not delivered.
+fn peer_gone(peer: String, why: &str) -> TransportError {
+    TransportError::Disconnected { peer, reason: format!("the peer's notice link closed ({why}): its process is gone, the batch undelivered") }
+}
+
+/// Where UCX mapped the peer's region into this process (its lanes to the
+/// peer are shared memory), from `ucp_rkey_ptr` of the region's first byte.
+/// `None` where it did not (network lanes). UCX checks no bounds there (a
+/// handle claiming a terabyte got a pointer for every byte, measured): the
+/// caller checks the length against the mapping ([`mapped_bytes_from`]).
+fn mapped_at(lib: &Lib, rkey: sys::RKey, addr: u64) -> Option<usize> {
+    let mut p: *mut c_void = std::ptr::null_mut();
+    // SAFETY: an unpacked rkey; UCX writes a pointer or returns an error.
+    let st = unsafe { (lib.rkey_ptr)(rkey, addr, &mut p) };
+    (st == sys::UCS_OK && !p.is_null()).then_some(p as usize)
+}
+
+/// The bytes from `at` to the end of the memory mapping that holds it, from
+/// `/proc/self/maps` (one mapping: a peer's shared-memory segment is one; an
+/// adjacent mapping of something else does not count). `None` where `at` is in
+/// no mapping or the file cannot be read.
+fn mapped_bytes_from(at: usize) -> Option<u64> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines().find_map(|line| {
+        let (start, end) = line.split_whitespace().next()?.split_once('-')?;
+        let (start, end) = (usize::from_str_radix(start, 16).ok()?, usize::from_str_radix(end, 16).ok()?);
+        (start <= at && at < end).then(|| (end - at) as u64)
+    })
 }
 
 /// UCX's call when an endpoint's peer failed: the failure itself reaches the
@@ -269,18 +379,20 @@ impl Inner {
         }
         let lib = self.lib;
         let mut finished = Vec::new();
-        st.pending.retain(|&(batch, req, ref peer)| {
+        st.pending.retain(|&(batch, req, ref peer, ref link)| {
             // SAFETY: a request UCX returned and that is not freed yet.
             let s = unsafe { (lib.request_check_status)(req) };
-            if s == sys::UCS_INPROGRESS {
+            let dead = link.as_ref().and_then(Link::dead);
+            if s == sys::UCS_INPROGRESS && dead.is_none() {
                 return true;
             }
-            // SAFETY: completed; freed once.
+            // SAFETY: freed once; one still in progress (its peer gone, and UCX
+            // without a word on it) is released by UCX when it ends.
             unsafe { (lib.request_free)(req) };
-            let result = if s == sys::UCS_OK {
-                Ok(())
-            } else {
-                Err(TransportError::Disconnected { peer: peer.clone(), reason: format!("ucx flush: {}", lib.describe(s)) })
+            let result = match dead {
+                Some(why) => Err(peer_gone(peer.clone(), &why)),
+                None if s == sys::UCS_OK => Ok(()),
+                None => Err(TransportError::Disconnected { peer: peer.clone(), reason: format!("ucx flush: {}", lib.describe(s)) }),
             };
             finished.push((batch, result));
             false
@@ -304,7 +416,7 @@ impl Drop for UcxTransport {
         }
         let lib = inner.lib;
         let mut st = lock(&inner.state);
-        for (batch, req, peer) in std::mem::take(&mut st.pending) {
+        for (batch, req, peer, _) in std::mem::take(&mut st.pending) {
             // SAFETY: a pending request; UCX releases it when it ends.
             unsafe { (lib.request_free)(req) };
             inner.completions.finish(batch, Err(TransportError::Disconnected { peer, reason: "transport shut down".into() }));
@@ -314,7 +426,7 @@ impl Drop for UcxTransport {
             unsafe { (lib.rkey_destroy)(a.rkey) };
         }
         let force = sys::RequestParam::with_flags(sys::UCP_EP_CLOSE_FLAG_FORCE);
-        for (_, ep) in st.eps.drain() {
+        for (_, (ep, _)) in st.eps.drain() {
             // SAFETY: a live endpoint, closed once.
             let r = StatusPtr::from_raw(unsafe { (lib.ep_close_nbx)(ep, &force) });
             if let StatusPtr::Pending(req) = r {
@@ -416,6 +528,12 @@ impl Transport for UcxTransport {
         Ok(())
     }
 
+    /// Where UCX mapped the peer's region here (its shared-memory lanes, with
+    /// [`super::UcxOptions::direct`]): submit stores into it.
+    fn writes_in_place(&self, dst: RemoteRegion) -> bool {
+        lock(&self.inner.state).attachments.get(&dst.id).is_some_and(|a| a.mapped.is_some())
+    }
+
     fn attach(&self, handle: &RegionHandle) -> Result<RemoteRegion> {
         let PeerAddr::Ucx { worker, .. } = &handle.peer else {
             return Err(TransportError::ForeignHandle { handle: handle.to_string(), owner: handle.peer.to_string(), transport: "ucx" });
@@ -428,10 +546,13 @@ impl Transport for UcxTransport {
         if address.is_empty() || rkey_buf.is_empty() {
             return Err(bad("empty worker address or remote key"));
         }
+        let PeerAddr::Ucx { notify, .. } = &handle.peer else { unreachable!("matched above") };
+        // Before the state lock: it may connect (and shake hands) with the peer.
+        let link = self.notices.link(*notify)?;
         let lib = self.inner.lib;
         let mut st = lock(&self.inner.state);
-        let ep = match st.eps.get(&address) {
-            Some(&ep) => ep,
+        let (ep, ucx_reports) = match st.eps.get(&address) {
+            Some(&made) => made,
             None => {
                 // Peer error handling on network lanes (a dead peer fails a
                 // batch), see `peer_errors`.
@@ -450,15 +571,15 @@ impl Transport for UcxTransport {
                     let mut ep: sys::Ep = std::ptr::null_mut();
                     // SAFETY: a live worker, under the lock; the address outlives the call.
                     let s = unsafe { (lib.ep_create)(self.inner.worker, &params, &mut ep) };
-                    made = if s == sys::UCS_OK { Ok(ep) } else { Err(s) };
+                    made = if s == sys::UCS_OK { Ok((ep, mode == sys::UCP_ERR_HANDLING_MODE_PEER)) } else { Err(s) };
                     if made.is_ok() {
                         break;
                     }
                 }
-                let ep =
+                let made =
                     made.map_err(|s| TransportError::Disconnected { peer: handle.peer.to_string(), reason: format!("ucp_ep_create: {}", lib.describe(s)) })?;
-                st.eps.insert(address, ep);
-                ep
+                st.eps.insert(address, made);
+                made
             }
         };
         let mut rkey: sys::RKey = std::ptr::null_mut();
@@ -467,14 +588,36 @@ impl Transport for UcxTransport {
         if s != sys::UCS_OK {
             return Err(bad(&format!("ucp_ep_rkey_unpack: {}", lib.describe(s))));
         }
+        // Where UCX mapped the peer's region here, the handle's length must lie
+        // inside that mapping: a put over these lanes is a memcpy into it, and
+        // UCX checks no bounds, so a handle claiming more would have puts (or
+        // stores) write past it.
+        let mapped = match mapped_at(lib, rkey, key.addr) {
+            None => None,
+            Some(ptr) => {
+                let room = mapped_bytes_from(ptr);
+                if room.is_none_or(|room| room < handle.len) {
+                    // SAFETY: unpacked above, destroyed once; never stored.
+                    unsafe { (lib.rkey_destroy)(rkey) };
+                    let room = room.map_or("no".to_string(), |r| format!("{r} B of"));
+                    return Err(bad(&format!("claims {} B, but UCX maps {room} it here", handle.len)));
+                }
+                self.direct.then(|| Arc::new(Mapped { ptr: ptr as *mut u8, len: handle.len, lock: Mutex::new(()) }))
+            }
+        };
+        tracing::debug!(peer = %handle.peer, region = handle.id, mapped = mapped.is_some(), "ucx: attached");
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        st.attachments.insert(id, Attachment { ep, rkey, addr: key.addr, kind: handle.kind, len: handle.len, peer: handle.peer.to_string() });
+        let peer = handle.peer.to_string();
+        st.attachments.insert(id, Attachment { ep, rkey, addr: key.addr, kind: handle.kind, len: handle.len, peer, mapped, link, ucx_reports });
         Ok(RemoteRegion { id, kind: handle.kind, len: handle.len })
     }
 
     fn detach(&self, remote: RemoteRegion) {
-        if let Some(a) = lock(&self.inner.state).attachments.remove(&remote.id) {
-            // SAFETY: unpacked by attach, destroyed once.
+        let removed = lock(&self.inner.state).attachments.remove(&remote.id);
+        if let Some(a) = removed {
+            // A batch storing through the mapping finishes before the mapping goes.
+            let _stores = a.mapped.as_ref().map(|m| lock(&m.lock));
+            // SAFETY: unpacked by attach, destroyed once; no store uses its mapping.
             unsafe { (self.inner.lib.rkey_destroy)(a.rkey) };
         }
     }
@@ -501,7 +644,13 @@ impl Transport for UcxTransport {
         let mut st = lock(&self.inner.state);
         let a = st.attachments.get(&dst.id).ok_or_else(|| TransportError::UnknownRegion(format!("attachment {}", dst.id)))?;
         validate(descriptors, Some(s.len), a.len, a.kind)?;
+        if let Some(m) = a.mapped.clone() {
+            let (link, peer) = (a.link.clone(), a.peer.clone());
+            drop(st);
+            return Ok(self.store(&s, &m, descriptors, &link, peer));
+        }
         let (ep, rkey, base, peer) = (a.ep, a.rkey, a.addr, a.peer.clone());
+        let link = (!a.ucx_reports).then(|| a.link.clone());
         let batch = self.inner.completions.begin();
         let param = sys::RequestParam::none();
         let (mut n, mut bytes, mut weight) = (0u64, 0u64, 0u64);
@@ -535,16 +684,21 @@ impl Transport for UcxTransport {
         }
         self.inner.puts.fetch_add(n, Ordering::Relaxed);
         self.inner.put_bytes.fetch_add(bytes, Ordering::Relaxed);
-        self.inner.put_weight.fetch_add(weight, Ordering::Relaxed);
+        self.inner.write_weight.fetch_add(weight, Ordering::Relaxed);
         // SAFETY: a live endpoint, under the lock.
         let r = unsafe { (lib.ep_flush_nbx)(ep, &param) };
         match StatusPtr::from_raw(r) {
             StatusPtr::Done => {
                 drop(st);
-                self.inner.completions.finish(batch, Ok(()));
+                // Shared-memory lanes complete at once and say nothing of a dead peer.
+                let result = match link.as_ref().and_then(Link::dead) {
+                    None => Ok(()),
+                    Some(why) => Err(peer_gone(peer, &why)),
+                };
+                self.inner.completions.finish(batch, result);
             }
             StatusPtr::Pending(req) => {
-                st.pending.push((batch, req, peer));
+                st.pending.push((batch, req, peer, link));
                 drop(st);
                 self.wake();
             }

@@ -20,6 +20,29 @@
 //!   (`ucp_ep_flush_nbx`): the batch completes when the flush does, that is when
 //!   every put of it is in the peer's memory. The mover stages the narrow MLA
 //!   rows into runs first (`StagingMode::Auto`), as on tcp.
+//! - **Mapped peers**: where UCX reaches the peer through shared memory, it
+//!   maps the peer's region into this process when the key is unpacked, and
+//!   `ucp_rkey_ptr` returns that mapping. A put over those lanes is a memcpy
+//!   into it in the calling thread, so with [`UcxOptions::direct`] (the
+//!   default) submit stores the pieces itself, with the shm transport's copy
+//!   (rayon and streaming stores for a large batch), and the mover sends the
+//!   narrow rows unstaged ([`crate::transport::Transport::writes_in_place`]):
+//!   one copy of each byte instead of a gather and a put. Measured on the
+//!   flagship at 32K tokens, 2 cores: benches/runs/cpu-2026-12-06-s19-ucx.txt.
+//!   UCX checks no bounds there (`ucp_rkey_ptr` answers for any address, and
+//!   its shared-memory put is a memcpy at key + offset), so attach refuses a
+//!   handle whose length reaches past the mapping (`/proc/self/maps`), stores
+//!   on or off.
+//! - **A dead peer**: UCX's network lanes report it through the endpoint's
+//!   error handling (asked for where `tls` names network lanes alone); its
+//!   shared-memory lanes (and stores into a mapping) do not, so every
+//!   attachment holds the notice connection to its peer (the tcp transport's
+//!   `link`), consulted wherever UCX will not report: once that connection
+//!   closed, the peer's process is taken as gone, and a batch to it fails with
+//!   [`TransportError::Disconnected`] (checked before and after the stores, and
+//!   on each pending flush, which is then released rather than waited for).
+//!   Where UCX reports, the link is not consulted: across a network it may
+//!   drop while the peer lives.
 //! - **Write-done**: after the flush, the existing notice, which travels over
 //!   an embedded [`TcpTransport`] (the cluster secret's handshake and MACs),
 //!   so a notice sent after a batch completed arrives after its bytes.
@@ -49,13 +72,26 @@ use super::TcpOptions;
 use handoff_components::config::UcxConfig;
 
 /// Settings of a [`UcxTransport`].
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct UcxOptions {
     /// UCX's transports and devices (`[transport.ucx]`).
     pub ucx: UcxConfig,
     /// The notice listener (tcp): where it binds and what it advertises, and the
     /// cluster secret its peers prove.
     pub notify: TcpOptions,
+    /// Store into a peer's region directly where UCX maps it into this process
+    /// (its shared-memory lanes, `ucp_rkey_ptr`), instead of one put per piece.
+    /// On by default: a put over those lanes is itself a memcpy into that
+    /// mapping, so storing directly moves the same bytes without a call per
+    /// piece, and lets the mover leave narrow rows unstaged (one copy, not
+    /// two). Off, every byte goes through `ucp_put_nbx`, as over the network.
+    pub direct: bool,
+}
+
+impl Default for UcxOptions {
+    fn default() -> Self {
+        UcxOptions { ucx: UcxConfig::default(), notify: TcpOptions::default(), direct: true }
+    }
 }
 
 /// Why a UCX transport cannot be opened in this build.

@@ -25,8 +25,13 @@ impl UcxTransport {
         (0, 0)
     }
 
-    /// The byte-weighted mean put size (none: never constructed).
-    pub fn weighted_put_size(&self) -> u64 {
+    /// Pieces stored into mapped peer regions and their bytes (none: never constructed).
+    pub fn stored_stats(&self) -> (u64, u64) {
+        (0, 0)
+    }
+
+    /// The byte-weighted mean write size (none: never constructed).
+    pub fn weighted_write_size(&self) -> u64 {
         0
     }
 }
