@@ -10,10 +10,11 @@
 //!   `libnvrtc` can be loaded and returns `BackendUnavailable("cuda: no CUDA
 //!   driver: ...")` when not, so the same binary runs its CPU path on a machine
 //!   without a GPU. Without `cuda`, a stub with the same API that refuses.
-//! - [`HipBackend`]: a stub with the same API. With `hip`, `new` asks the HIP
-//!   runtime (hip-sys) for devices and reports "no device" (there is no AMD GPU
-//!   to run on); the kernels are still compiled for gfx90a by the build, see
-//!   [`HIP_CODE_OBJECTS`].
+//! - [`HipBackend`]: with `hip`, the fused decode step through the same launch
+//!   table as CUDA (`step_gpu/`), on the HIP runtime (hip-sys) and the gfx90a
+//!   code objects [`HIP_CODE_OBJECTS`]; its other ops refuse, naming the op.
+//!   Never run on AMD hardware: here `new` reports "no device". Without
+//!   `hip`, a stub that refuses.
 
 use crate::dtype::StorageDtype;
 use crate::error::Result;
@@ -32,12 +33,20 @@ pub use cuda::{CudaBackend, CudaBuf, CudaF64Buf, CudaIBuf};
 #[cfg(feature = "cuda")]
 mod cuda_memory;
 #[cfg(feature = "cuda")]
-mod step_cuda;
-#[cfg(feature = "cuda")]
 pub use cuda_memory::{CudaMemory, IPC_HANDLE_BYTES};
 
 #[cfg(feature = "hip")]
 mod hip;
+#[cfg(feature = "hip")]
+pub use hip::HipBackend;
+
+// The launch seam and the fused decode step over it: plain Rust, built in
+// every configuration so that the launch table's tests run on any machine
+// (a recording driver stands in for the device).
+#[cfg_attr(not(any(feature = "cuda", feature = "hip")), allow(dead_code))]
+mod launch;
+#[cfg_attr(not(any(feature = "cuda", feature = "hip")), allow(dead_code))]
+mod step_gpu;
 
 /// Device memory for registered regions on CUDA GPU `ordinal`, without
 /// compiling the kernels (a transport opens it before the compute backend; both
@@ -167,24 +176,14 @@ pub type CudaIBuf = NoBuf;
 #[cfg(not(feature = "cuda"))]
 pub type CudaF64Buf = NoBuf;
 
+#[cfg(not(feature = "hip"))]
 stub::stub_backend!(
-    /// AMD backend. The kernels compile for gfx90a (build.rs, feature `hip`),
-    /// but no AMD device exists to run them on, so op launches are not wired:
-    /// `new` refuses, saying whether the HIP runtime saw a device.
+    /// AMD backend (the fused decode step through hip-sys). This build has no
+    /// `hip` feature: a stub whose `new` refuses.
     HipBackend,
     "hip",
-    hip_reason
+    |_| "hip: built without the `hip` feature".to_string()
 );
-
-#[cfg(feature = "hip")]
-fn hip_reason(device: usize) -> String {
-    hip::unavailable_reason(device)
-}
-
-#[cfg(not(feature = "hip"))]
-fn hip_reason(_: usize) -> String {
-    "hip: built without the `hip` feature".to_string()
-}
 
 #[cfg(test)]
 mod tests {

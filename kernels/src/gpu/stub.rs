@@ -2,8 +2,13 @@
 //! constructed. `new` returns [`KernelError::BackendUnavailable`] saying why, so
 //! callers compile and fail the same way in every build (as candle's disabled
 //! backends do). Used for `CudaBackend` without the `cuda` feature and for
-//! `HipBackend` (which has no launch path yet; with `hip` on, `new` reports
-//! what the HIP runtime says about devices).
+//! `HipBackend` without the `hip` feature.
+//!
+//! [`backend_without_buffers`] is the `Backend` impl of a type whose buffer is
+//! [`NoBuf`]: every op that takes a buffer is statically unreachable, and the
+//! ops that would make one ask [`RefuseBuffers`]. A stub can never be asked;
+//! the HIP backend (which runs only the fused decode step) refuses, naming
+//! the op.
 
 /// The buffer type of a backend that cannot exist in this build: it has no
 /// values, so no op of a stub backend can ever receive one.
@@ -14,6 +19,12 @@ pub enum NoBuf {}
 /// every method on it is statically unreachable.
 #[derive(Debug, Clone)]
 pub(crate) enum Never {}
+
+/// What a backend without buffers answers to an op that would make one
+/// (`alloc`, `upload`, ...): the typed refusal naming the op.
+pub(crate) trait RefuseBuffers {
+    fn refuse_buffers<T>(&self, op: &'static str) -> crate::error::Result<T>;
+}
 
 macro_rules! stub_backend {
     ($(#[$doc:meta])* $name:ident, $label:literal, $reason:expr) => {
@@ -128,6 +139,18 @@ macro_rules! stub_backend {
             }
         }
 
+        impl $crate::gpu::stub::RefuseBuffers for $name {
+            fn refuse_buffers<T>(&self, _: &'static str) -> $crate::error::Result<T> {
+                match self.never {}
+            }
+        }
+
+        $crate::gpu::stub::backend_without_buffers!($name, $label, {});
+    };
+}
+
+macro_rules! backend_without_buffers {
+    ($name:ident, $label:literal, { $($extra:tt)* }) => {
         impl $crate::backend::Backend for $name {
             type Buf = $crate::gpu::NoBuf;
             type IBuf = $crate::gpu::NoBuf;
@@ -137,10 +160,10 @@ macro_rules! stub_backend {
                 $label
             }
             fn alloc(&self, _: usize) -> Result<NoBuf> {
-                match self.never {}
+                $crate::gpu::stub::RefuseBuffers::refuse_buffers(self, "alloc")
             }
             fn upload(&self, _: &[f32]) -> Result<NoBuf> {
-                match self.never {}
+                $crate::gpu::stub::RefuseBuffers::refuse_buffers(self, "upload")
             }
             fn upload_into(&self, dst: &mut NoBuf, _: usize, _: &[f32]) -> Result<()> {
                 match *dst {}
@@ -152,19 +175,19 @@ macro_rules! stub_backend {
                 match *buf {}
             }
             fn alloc_i32(&self, _: usize) -> Result<NoBuf> {
-                match self.never {}
+                $crate::gpu::stub::RefuseBuffers::refuse_buffers(self, "alloc_i32")
             }
             fn upload_i32(&self, _: &[i32]) -> Result<NoBuf> {
-                match self.never {}
+                $crate::gpu::stub::RefuseBuffers::refuse_buffers(self, "upload_i32")
             }
             fn download_i32(&self, buf: &NoBuf) -> Result<Vec<i32>> {
                 match *buf {}
             }
             fn alloc_f64(&self, _: usize) -> Result<NoBuf> {
-                match self.never {}
+                $crate::gpu::stub::RefuseBuffers::refuse_buffers(self, "alloc_f64")
             }
             fn upload_f64(&self, _: &[f64]) -> Result<NoBuf> {
-                match self.never {}
+                $crate::gpu::stub::RefuseBuffers::refuse_buffers(self, "upload_f64")
             }
             fn download_f64(&self, buf: &NoBuf) -> Result<Vec<f64>> {
                 match *buf {}
@@ -271,8 +294,9 @@ macro_rules! stub_backend {
             fn add_units(&self, acc: &mut NoBuf, _: &NoBuf, _: std::ops::Range<usize>) -> Result<()> {
                 match *acc {}
             }
+            $($extra)*
         }
     };
 }
 
-pub(crate) use stub_backend;
+pub(crate) use {backend_without_buffers, stub_backend};

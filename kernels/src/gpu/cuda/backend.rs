@@ -4,7 +4,7 @@ use super::*;
 
 impl Backend for CudaBackend {
     fn decode_step(&self, spec: &crate::step::StepSpec) -> Result<Box<dyn crate::step::DecodeStep>> {
-        let step = crate::gpu::step_cuda::CudaStep::new(self.ctx.clone(), self.stream.clone(), self.module.clone(), spec)?;
+        let step = crate::gpu::step_gpu::GpuStep::new(self.driver(), spec)?;
         Ok(Box::new(step))
     }
 

@@ -45,6 +45,7 @@ mod backend;
 mod buffers;
 mod copy;
 mod dense;
+mod driver;
 mod kda;
 mod mla;
 mod program;
@@ -460,7 +461,7 @@ impl CudaBackend {
     }
 
     /// The fused decode step's tensor-core product alone (see
-    /// `step_cuda::tc_matmul`): the product and its mean device time in us.
+    /// `step_gpu::tc_matmul`): the product and its mean device time in us.
     #[allow(clippy::too_many_arguments)]
     pub fn step_matmul(
         &self,
@@ -471,7 +472,12 @@ impl CudaBackend {
         terms: u32,
         reps: usize,
     ) -> Result<(Vec<f32>, f64)> {
-        crate::gpu::step_cuda::tc_matmul(&self.ctx, &self.stream, &self.module, x, m, w, dtype, terms, reps)
+        crate::gpu::step_gpu::tc_matmul(&self.driver(), x, m, w, dtype, terms, reps)
+    }
+
+    /// The launch table's driver on this backend's context, stream and module.
+    fn driver(&self) -> driver::CudaDriver {
+        driver::CudaDriver { ctx: self.ctx.clone(), stream: self.stream.clone(), module: self.module.clone() }
     }
 
     /// Picks the generic path's MLA partial kernel: `scalar`, `tc4` or `tc8`
@@ -586,6 +592,25 @@ impl CudaBackend {
         Ok(2.0 * (n * 4) as f64 / (us * 1e-6) / 1e9)
     }
 }
+/// Workspaces (the chunked KDA prefill's, the products' packed operands) are
+/// allocated and freed on the stream each pass, from the device's default
+/// stream-ordered pool. Its release threshold is 0 by default, so every
+/// synchronize handed the freed memory back to the driver and the next pass
+/// mapped it again; keeping it in the pool makes those allocations cheap.
+/// The pool then holds at most the largest pass's workspaces. A driver that
+/// refuses leaves the default, which is only slower.
+fn keep_freed_memory(ctx: &CudaContext) {
+    use cudarc::driver::sys::{CUmemPool_attribute, CUmemoryPool, CUresult, cuDeviceGetDefaultMemPool, cuMemPoolSetAttribute};
+    let mut pool: CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: pool is a valid out-pointer; the device ordinal is this context's.
+    if unsafe { cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) } != CUresult::CUDA_SUCCESS || pool.is_null() {
+        return;
+    }
+    let mut keep: u64 = u64::MAX;
+    // SAFETY: the release threshold attribute takes a pointer to a u64 (cuuint64_t).
+    let _ = unsafe { cuMemPoolSetAttribute(pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, (&mut keep as *mut u64).cast()) };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -637,23 +662,4 @@ mod tests {
         assert_eq!(mla_warps("t", 512, 576, 8).unwrap().0, 256);
         assert!(mla_warps("t", 100_000, 100_064, 8).is_err());
     }
-}
-
-/// Workspaces (the chunked KDA prefill's, the products' packed operands) are
-/// allocated and freed on the stream each pass, from the device's default
-/// stream-ordered pool. Its release threshold is 0 by default, so every
-/// synchronize handed the freed memory back to the driver and the next pass
-/// mapped it again; keeping it in the pool makes those allocations cheap.
-/// The pool then holds at most the largest pass's workspaces. A driver that
-/// refuses leaves the default, which is only slower.
-fn keep_freed_memory(ctx: &CudaContext) {
-    use cudarc::driver::sys::{CUmemPool_attribute, CUmemoryPool, CUresult, cuDeviceGetDefaultMemPool, cuMemPoolSetAttribute};
-    let mut pool: CUmemoryPool = std::ptr::null_mut();
-    // SAFETY: pool is a valid out-pointer; the device ordinal is this context's.
-    if unsafe { cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) } != CUresult::CUDA_SUCCESS || pool.is_null() {
-        return;
-    }
-    let mut keep: u64 = u64::MAX;
-    // SAFETY: the release threshold attribute takes a pointer to a u64 (cuuint64_t).
-    let _ = unsafe { cuMemPoolSetAttribute(pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, (&mut keep as *mut u64).cast()) };
 }

@@ -9,10 +9,8 @@ use super::*;
 /// product `[m, w.cols]` and the mean device time of `reps` runs in
 /// microseconds (partials and sum; events around back-to-back runs).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn tc_matmul(
-    ctx: &Arc<CudaContext>,
-    stream: &Arc<CudaStream>,
-    module: &Arc<CudaModule>,
+pub(crate) fn tc_matmul<D: Driver>(
+    drv: &D,
     x: &[f32],
     m: usize,
     w: &StepMat,
@@ -25,7 +23,7 @@ pub(crate) fn tc_matmul(
     if x.len() != m * w.inner || w.groups != 1 || m == 0 || !(1..=3).contains(&terms) || (terms == 3 && dtype.planes() < 2) {
         return Err(KernelError::InvalidShape { op, reason: format!("x of {} values for [{m} x {}], {} groups, {terms} terms", x.len(), w.inner, w.groups) });
     }
-    let mm = MmFuncs::load(module)?;
+    let mm = MmFuncs::load(drv)?;
     let mp = r16(m);
     let (kt, nt) = (w.kt(), w.nt());
     let plane = mp * kt * 16;
@@ -39,7 +37,7 @@ pub(crate) fn tc_matmul(
             a[plane + at] = f32_to_bf16(v - bf16_to_f32(hi));
         }
     }
-    let mut arena = Arena { ctx: ctx.clone(), stream: stream.clone(), allocs: Vec::new(), bytes: 0 };
+    let mut arena = Arena::new(drv.clone());
     let a_dev = arena.upload(&a)?;
     let w_dev = arena.upload(&pack_weight(w, dtype))?;
     let ldp = nt * 16;
@@ -71,20 +69,19 @@ pub(crate) fn tc_matmul(
     args.push(Arg::I(w.cols as i32));
     args.extend_from_slice(&store[1..]);
     let list = mm.launches("step matmul", m, nt, w.segments, 1, terms as i32, args);
-    let run = || launch_all(ctx, stream, &list);
+    let run = || launch_all(drv, &list);
     run()?;
-    stream.synchronize().map_err(dev(op))?;
-    let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let start = stream.record_event(flags).map_err(dev(op))?;
+    drv.synchronize().map_err(dev(op))?;
+    let start = drv.record_event().map_err(dev(op))?;
     for _ in 0..reps.max(1) {
         run()?;
     }
-    let end = stream.record_event(flags).map_err(dev(op))?;
-    let ms = start.elapsed_ms(&end).map_err(dev(op))?;
+    let end = drv.record_event().map_err(dev(op))?;
+    let ms = drv.elapsed_ms(&start, &end).map_err(dev(op))?;
     let mut host = vec![0f32; n];
     // SAFETY: out holds n floats.
-    unsafe { result::memcpy_dtoh_async(&mut host[..], out, stream.cu_stream()) }.map_err(dev(op))?;
-    stream.synchronize().map_err(dev(op))?;
+    unsafe { drv.download(&mut host[..], out) }.map_err(dev(op))?;
+    drv.synchronize().map_err(dev(op))?;
     drop(arena);
     Ok((host, ms as f64 * 1e3 / reps.max(1) as f64))
 }

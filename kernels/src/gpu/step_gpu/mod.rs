@@ -1,4 +1,6 @@
-//! The fused decode step on CUDA ([`crate::step`], kernels in `hip/step.hip` and `hip/step_mm.hip`).
+//! The fused decode step on a GPU ([`crate::step`], kernels in `hip/step.hip`,
+//! `hip/step_mm.hip` and `hip/mla.hip`), written once over the launch seam
+//! ([`Driver`]): CUDA (cudarc) and HIP (hip-sys) run the same launch table.
 //!
 //! Built once per decode process: the weights are packed into the tensor-core
 //! layout and uploaded, one workspace is allocated for the largest bucket (the
@@ -9,14 +11,11 @@
 //!
 //! The launch list is plain data ([`Launch`]): the graph of a bucket is that
 //! list captured on the backend's stream, and a step without graphs launches
-//! the same list, so the two give the same bits by construction.
+//! the same list, so the two give the same bits by construction. The kernels
+//! it names are [`STEP_KERNELS`] (and the optional st_mm_wg instances of an
+//! sm_90a build).
 
 use std::collections::HashMap;
-use std::ffi::c_void;
-use std::sync::Arc;
-
-use cudarc::driver::sys::{self, CUfunction_attribute, CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaModule, CudaStream, DriverError, result};
 
 use crate::dtype::StorageDtype;
 use crate::error::{KernelError, Result};
@@ -24,28 +23,54 @@ use crate::step::{DecodeStep, KernelTime, StepMat, StepMixer, StepRequest, StepS
 
 mod graph;
 mod launches;
+#[cfg(feature = "cuda")]
 mod matmul;
 
+#[cfg(test)]
+mod tests;
+
+use crate::gpu::launch::{Arena, Arg, Driver, Launch, dev, launch_all};
 use launches::*;
+#[cfg(feature = "cuda")]
 pub(crate) use matmul::tc_matmul;
 
-fn dev(op: &'static str) -> impl Fn(DriverError) -> KernelError {
-    move |e| KernelError::Device { op, message: e.to_string() }
-}
+/// Every kernel the step's launch table can name, but for the st_mm_wg
+/// instances that only an sm_90a build has (taken when present). A backend
+/// resolves all of them when it opens, so a missing one is a refusal at start.
+/// (CUDA resolves them as the step is built, from the program it compiled.)
+#[cfg_attr(not(any(feature = "hip", test)), allow(dead_code))]
+pub(crate) const STEP_KERNELS: [&str; 16] = [
+    "st_embed",
+    "st_rms_pack",
+    "st_gnorm_pack",
+    "st_argmax",
+    "st_conv",
+    "st_kda",
+    "st_cursor",
+    "st_mla_prep",
+    "st_mla_part",
+    "st_mla_part_tc",
+    "st_mla_merge",
+    "st_mm_few",
+    "st_mm",
+    "st_mm_w2",
+    "st_mm_w2p2",
+    "st_reduce",
+];
 
-struct Funcs {
-    mm: MmFuncs,
-    embed: CudaFunction,
-    rms_pack: CudaFunction,
-    gnorm_pack: CudaFunction,
-    argmax: CudaFunction,
-    conv: CudaFunction,
-    kda: CudaFunction,
-    cursor: CudaFunction,
-    mla_prep: CudaFunction,
-    mla_part: CudaFunction,
-    mla_part_tc: CudaFunction,
-    mla_merge: CudaFunction,
+struct Funcs<F> {
+    mm: MmFuncs<F>,
+    embed: F,
+    rms_pack: F,
+    gnorm_pack: F,
+    argmax: F,
+    conv: F,
+    kda: F,
+    cursor: F,
+    mla_prep: F,
+    mla_part: F,
+    mla_part_tc: F,
+    mla_merge: F,
 }
 
 /// `st_mm`'s kernel for a product over `m` (> 16) rows with `terms` products a
@@ -72,20 +97,14 @@ const MM_SMEM_MAX: u32 = 226 * 1024;
 /// (16-bit row tiles).
 const MLA_TC_SMEM8: u32 = (((8 * 8 + 8) * 20 + 8) * 8 + 2 * 16 * 576 * 2) as u32;
 
-/// The captured graph of one bucket (cudarc's graph is not Send; the step is
-/// used by one thread at a time, through `&mut`).
-struct Graph(CudaGraph);
-// SAFETY: the graph and its exec are only touched through `&mut CudaStep`.
-unsafe impl Send for Graph {}
-
-/// The fused decode step on one CUDA device.
-pub struct CudaStep {
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
-    _module: Arc<CudaModule>,
-    _arena: Arena,
-    lists: HashMap<usize, Vec<Launch>>,
-    graphs: HashMap<usize, Graph>,
+/// The fused decode step on one GPU, through driver `D`.
+pub(crate) struct GpuStep<D: Driver> {
+    /// The device, its stream and modules (the launch lists' kernel handles
+    /// stay valid while it lives).
+    drv: D,
+    _arena: Arena<D>,
+    lists: HashMap<usize, Vec<Launch<D::Func>>>,
+    graphs: HashMap<usize, D::Graph>,
     graphs_on: bool,
     /// Why graphs are off after a failed capture (said once in the log).
     graph_failure: Option<String>,
@@ -101,9 +120,10 @@ pub struct CudaStep {
     weight_bytes: u64,
 }
 
-// SAFETY: the raw CUfunction handles in the launch lists belong to the module
-// the step keeps alive; the step is used through `&mut` by one thread at a time.
-unsafe impl Send for CudaStep {}
+// SAFETY: the raw kernel handles in the launch lists belong to the modules the
+// step's driver keeps loaded, and its graphs (cudarc's are not Send) are only
+// touched through `&mut GpuStep`: the step is used by one thread at a time.
+unsafe impl<D: Driver> Send for GpuStep<D> {}
 
 fn dt_code(d: StorageDtype) -> i32 {
     match d {
@@ -117,13 +137,13 @@ fn r16(x: usize) -> usize {
     x.next_multiple_of(16)
 }
 
-impl CudaStep {
-    pub(crate) fn new(ctx: Arc<CudaContext>, stream: Arc<CudaStream>, module: Arc<CudaModule>, spec: &StepSpec) -> Result<CudaStep> {
+impl<D: Driver> GpuStep<D> {
+    pub(crate) fn new(drv: D, spec: &StepSpec) -> Result<GpuStep<D>> {
         spec.check()?;
         let op = "decode_step";
-        let get = |name: &str| module.load_function(name).map_err(|e| KernelError::BackendUnavailable(format!("cuda: kernel {name} missing: {e}")));
+        let get = |name: &str| drv.function(name).map_err(|e| KernelError::BackendUnavailable(format!("{}: kernel {name} missing: {e}", D::NAME)));
         let f = Funcs {
-            mm: MmFuncs::load(&module)?,
+            mm: MmFuncs::load(&drv)?,
             embed: get("st_embed")?,
             rms_pack: get("st_rms_pack")?,
             gnorm_pack: get("st_gnorm_pack")?,
@@ -136,18 +156,17 @@ impl CudaStep {
             mla_part_tc: get("st_mla_part_tc")?,
             mla_merge: get("st_mla_merge")?,
         };
-        f.mla_part_tc
-            .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, MLA_TC_SMEM8 as i32)
-            .map_err(|e| KernelError::BackendUnavailable(format!("cuda: cannot give st_mla_part_tc {MLA_TC_SMEM8} bytes of shared memory: {e}")))?;
+        drv.set_max_dynamic_smem(f.mla_part_tc, MLA_TC_SMEM8)
+            .map_err(|e| KernelError::BackendUnavailable(format!("{}: cannot give st_mla_part_tc {MLA_TC_SMEM8} bytes of shared memory: {e}", D::NAME)))?;
         let m = &spec.model;
         let p = &spec.place;
         let bmax = spec.options.max_batch;
         let mp = r16(bmax);
         let wd = m.weights;
-        let mut arena = Arena { ctx: ctx.clone(), stream: stream.clone(), allocs: Vec::new(), bytes: 0 };
+        let mut arena = Arena::new(drv.clone());
 
         // ---- weights ------------------------------------------------------
-        let pack = |arena: &mut Arena, mat: &StepMat| -> Result<DevMat> {
+        let pack = |arena: &mut Arena<D>, mat: &StepMat| -> Result<DevMat> {
             let data = pack_weight(mat, wd);
             let addr = arena.upload(&data)?;
             Ok(DevMat {
@@ -304,7 +323,7 @@ impl CudaStep {
         let ids_dev = arena.alloc(mp * 4)?;
         let lay = spec.tick_layout();
         let tick_dev = arena.alloc(lay.len() * 4)?;
-        stream.synchronize().map_err(dev(op))?;
+        drv.synchronize().map_err(dev(op))?;
 
         // ---- kernel attributes ----------------------------------------------
         let kda_nw = dk.div_ceil(16);
@@ -315,14 +334,12 @@ impl CudaStep {
         let kda_smem = ((2 * kpad * 64 + 4 * kpad + 2 * kda_nw * 64 + 2 * kda_nw + replay_smem) * 4) as u32;
         // st_kda is persistent: two blocks a multiprocessor (its launch bounds)
         // walk the items.
-        let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(dev(op))?.max(1) as usize;
+        let sms = drv.multiprocessors().map_err(dev(op))?;
         if kda_smem > 48 * 1024 {
-            f.kda
-                .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, kda_smem as i32)
+            drv.set_max_dynamic_smem(f.kda, kda_smem)
                 .map_err(|e| KernelError::InvalidShape { op, reason: format!("the KDA step needs {kda_smem} bytes of shared memory: {e}") })?;
             // The largest carveout, so that two blocks share a multiprocessor.
-            f.kda
-                .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
+            drv.prefer_shared_carveout(f.kda)
                 .map_err(|e| KernelError::InvalidShape { op, reason: format!("cannot set the KDA step's shared memory carveout: {e}") })?;
         }
         // The tensor-core MLA partial: K3's rows in 16-bit, 8 heads of one TP group a block.
@@ -330,8 +347,7 @@ impl CudaStep {
         let mla_nw = 8usize;
         let mla_smem = ((w_row + mla_nw * ll + 2 * mla_nw) * 8) as u32;
         if mla_smem > 48 * 1024 {
-            f.mla_part
-                .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, mla_smem as i32)
+            drv.set_max_dynamic_smem(f.mla_part, mla_smem)
                 .map_err(|e| KernelError::InvalidShape { op, reason: format!("MLA rows of {w_row} need {mla_smem} bytes of shared memory: {e}") })?;
         }
 
@@ -350,13 +366,12 @@ impl CudaStep {
         let buckets = spec.buckets();
         let mut lists = HashMap::new();
         for &bp in &buckets {
-            let mut list: Vec<Launch> = Vec::new();
-            let fun = |x: &CudaFunction| x.cu_function();
+            let mut list: Vec<Launch<D::Func>> = Vec::new();
             // One product over bp rows: A (packed, k tiles w.kt) times w, the
             // segment sum and what `epi` says, in one launch (the last block
             // of a column group sums the segments, in the same order for any
             // number of rows).
-            let gemm = |list: &mut Vec<Launch>, name: &'static str, a: u64, w: &DevMat, epi: Epi| {
+            let gemm = |list: &mut Vec<Launch<D::Func>>, name: &'static str, a: u64, w: &DevMat, epi: Epi| {
                 let a_plane = (mp * w.kt * 16 / 8) as i64; // uint4 units
                 let a_group = planes_a as i64 * a_plane;
                 let w_plane = (w.plane / 8) as i64;
@@ -401,9 +416,9 @@ impl CudaStep {
                 args.extend(epilogue);
                 list.extend(f.mm.launches(name, bp, w.nt, w.segments, w.groups, terms, args));
             };
-            let rms_pack = |list: &mut Vec<Launch>, w: u64, a: u64| {
+            let rms_pack = |list: &mut Vec<Launch<D::Func>>, w: u64, a: u64| {
                 list.push(Launch {
-                    f: fun(&f.rms_pack),
+                    f: f.rms_pack,
                     name: "st_rms_pack",
                     grid: (bp as u32, 1, 1),
                     block: 256,
@@ -421,7 +436,7 @@ impl CudaStep {
                 });
             };
             list.push(Launch {
-                f: fun(&f.embed),
+                f: f.embed,
                 name: "st_embed",
                 grid: (bp as u32, 1, 1),
                 block: 256,
@@ -438,7 +453,7 @@ impl CudaStep {
                         let n_in = in_proj.cols;
                         gemm(&mut list, "mm kda.in", a_in, in_proj, Epi::Store { out: proj, ldo: n_in, gcol: 0 });
                         list.push(Launch {
-                            f: fun(&f.conv),
+                            f: f.conv,
                             name: "st_conv",
                             grid: (c.div_ceil(256) as u32, bp as u32, 1),
                             block: 256,
@@ -463,7 +478,7 @@ impl CudaStep {
                             ],
                         });
                         list.push(Launch {
-                            f: fun(&f.kda),
+                            f: f.kda,
                             name: "st_kda",
                             grid: ((bp * h * dv.div_ceil(64)).min(2 * sms) as u32, 1, 1),
                             block: kda_threads,
@@ -492,7 +507,7 @@ impl CudaStep {
                             ],
                         });
                         list.push(Launch {
-                            f: fun(&f.gnorm_pack),
+                            f: f.gnorm_pack,
                             name: "st_gnorm_pack",
                             grid: ((bp * h) as u32, 1, 1),
                             block: 128,
@@ -520,7 +535,7 @@ impl CudaStep {
                         let n_in = in_proj.cols;
                         gemm(&mut list, "mm mla.in", a_in, in_proj, Epi::Store { out: proj, ldo: n_in, gcol: 0 });
                         list.push(Launch {
-                            f: fun(&f.mla_prep),
+                            f: f.mla_prep,
                             name: "st_mla_prep",
                             grid: (bp as u32, 1, 1),
                             block: 256,
@@ -581,7 +596,7 @@ impl CudaStep {
                             let mut args = tick_args.to_vec();
                             args.push(Arg::D(m.mla_scale as f64));
                             list.push(Launch {
-                                f: fun(&f.mla_part_tc),
+                                f: f.mla_part_tc,
                                 name: "st_mla_part_tc",
                                 // Grid-stride over the possible chunks (st_mla_part_tc): two
                                 // blocks a multiprocessor's worth, both resident.
@@ -594,7 +609,7 @@ impl CudaStep {
                             let mut args = tick_args.to_vec();
                             args.extend([Arg::I(ll as i32), Arg::I(w_row as i32), Arg::D(m.mla_scale as f64)]);
                             list.push(Launch {
-                                f: fun(&f.mla_part),
+                                f: f.mla_part,
                                 name: "st_mla_part",
                                 grid: ((bp * p.dcp * maxc) as u32, hm as u32, 1),
                                 block: (mla_nw * 32) as u32,
@@ -603,7 +618,7 @@ impl CudaStep {
                             });
                         }
                         list.push(Launch {
-                            f: fun(&f.mla_merge),
+                            f: f.mla_merge,
                             name: "st_mla_merge",
                             grid: ((bp * hm) as u32, 1, 1),
                             block: 128,
@@ -638,7 +653,7 @@ impl CudaStep {
             rms_pack(&mut list, final_norm, a_in);
             gemm(&mut list, "mm lm_head", a_in, &lm_head, Epi::Store { out: logits_dev, ldo: v, gcol: 0 });
             list.push(Launch {
-                f: fun(&f.argmax),
+                f: f.argmax,
                 name: "st_argmax",
                 grid: (bp as u32, 1, 1),
                 block: 256,
@@ -648,7 +663,7 @@ impl CudaStep {
             if m.replay > 0 {
                 let nk = cursor_rows.len() / tp.max(1);
                 list.push(Launch {
-                    f: fun(&f.cursor),
+                    f: f.cursor,
                     name: "st_cursor",
                     grid: ew(bp * tp * nk),
                     block: 256,
@@ -668,10 +683,8 @@ impl CudaStep {
         }
         let slots = p.ranks[0].state.units;
         let blocks = p.ranks[0].mla.units;
-        Ok(CudaStep {
-            ctx,
-            stream,
-            _module: module,
+        Ok(GpuStep {
+            drv,
             _arena: arena,
             lists,
             graphs: HashMap::new(),

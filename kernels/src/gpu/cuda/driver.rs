@@ -1,0 +1,116 @@
+//! The launch table's driver on CUDA: cudarc's driver API on the backend's
+//! context, stream and NVRTC-compiled module.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::sys::{self, CUfunction_attribute, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaContext, CudaEvent, CudaGraph, CudaModule, CudaStream, DriverError, result};
+
+use crate::gpu::launch::{Driver, DriverFault};
+
+/// The backend's context, stream and module (cheap to clone: three `Arc`s).
+#[derive(Clone)]
+pub(crate) struct CudaDriver {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    pub(crate) module: Arc<CudaModule>,
+}
+
+/// A captured graph (cudarc's graph is not Send; a step uses its graphs
+/// through `&mut`, one thread at a time).
+pub(crate) struct CudaStepGraph(CudaGraph);
+
+fn fault(e: DriverError) -> DriverFault {
+    DriverFault(e.to_string())
+}
+
+impl Driver for CudaDriver {
+    type Func = sys::CUfunction;
+    type Graph = CudaStepGraph;
+    type Event = CudaEvent;
+    const NAME: &'static str = "cuda";
+
+    fn function(&self, name: &str) -> Result<sys::CUfunction, DriverFault> {
+        // The handle stays valid while `module` is loaded; the driver value
+        // (and so every step holding it) keeps the module alive.
+        self.module.load_function(name).map(|f| f.cu_function()).map_err(fault)
+    }
+
+    fn set_max_dynamic_smem(&self, f: sys::CUfunction, bytes: u32) -> Result<(), DriverFault> {
+        // SAFETY: f is a function of the loaded module.
+        unsafe { result::function::set_function_attribute(f, CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32) }
+            .map_err(fault)
+    }
+
+    fn prefer_shared_carveout(&self, f: sys::CUfunction) -> Result<(), DriverFault> {
+        // SAFETY: f is a function of the loaded module.
+        unsafe { result::function::set_function_attribute(f, CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100) }.map_err(fault)
+    }
+
+    fn multiprocessors(&self) -> Result<usize, DriverFault> {
+        self.ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map(|n| n.max(1) as usize).map_err(fault)
+    }
+
+    fn bind(&self) -> Result<(), DriverFault> {
+        self.ctx.bind_to_thread().map_err(fault)
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<u64, DriverFault> {
+        // SAFETY: a plain device allocation in the bound context.
+        unsafe { result::malloc_sync(bytes) }.map_err(fault)
+    }
+
+    unsafe fn free(&self, ptr: u64) {
+        // SAFETY: the caller's contract (an allocation of `alloc`, freed once).
+        let _ = unsafe { result::free_sync(ptr) };
+    }
+
+    unsafe fn memset_zero(&self, ptr: u64, bytes: usize) -> Result<(), DriverFault> {
+        // SAFETY: the caller's contract (ptr holds bytes).
+        unsafe { result::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream()) }.map_err(fault)
+    }
+
+    unsafe fn upload<T: Copy>(&self, dst: u64, src: &[T]) -> Result<(), DriverFault> {
+        // SAFETY: the caller's contract (dst holds src's bytes).
+        unsafe { result::memcpy_htod_async(dst, src, self.stream.cu_stream()) }.map_err(fault)
+    }
+
+    unsafe fn download<T: Copy>(&self, dst: &mut [T], src: u64) -> Result<(), DriverFault> {
+        // SAFETY: the caller's contract (src holds dst's bytes).
+        unsafe { result::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }.map_err(fault)
+    }
+
+    unsafe fn launch(&self, f: sys::CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, params: &mut [*mut c_void]) -> Result<(), DriverFault> {
+        // SAFETY: the caller's contract (params match f's signature).
+        unsafe { result::launch_kernel(f, grid, (block, 1, 1), smem, self.stream.cu_stream(), params) }.map_err(fault)
+    }
+
+    fn synchronize(&self) -> Result<(), DriverFault> {
+        self.stream.synchronize().map_err(fault)
+    }
+
+    fn begin_capture(&self) -> Result<(), DriverFault> {
+        self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(fault)
+    }
+
+    fn end_capture(&self) -> Result<Option<CudaStepGraph>, DriverFault> {
+        self.stream.end_capture(CUgraphInstantiate_flags(0)).map(|g| g.map(CudaStepGraph)).map_err(fault)
+    }
+
+    fn prepare_graph(&self, g: &CudaStepGraph) -> Result<(), DriverFault> {
+        g.0.upload().map_err(fault)
+    }
+
+    fn replay(&self, g: &CudaStepGraph) -> Result<(), DriverFault> {
+        g.0.launch().map_err(fault)
+    }
+
+    fn record_event(&self) -> Result<CudaEvent, DriverFault> {
+        self.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(fault)
+    }
+
+    fn elapsed_ms(&self, start: &CudaEvent, end: &CudaEvent) -> Result<f32, DriverFault> {
+        start.elapsed_ms(end).map_err(fault)
+    }
+}

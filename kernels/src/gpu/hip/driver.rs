@@ -1,0 +1,263 @@
+//! The launch table's driver on HIP: the HIP runtime (hip-sys) on one
+//! device, one stream, and the modules of the gfx90a code objects that
+//! build.rs compiled with hipcc ([`crate::gpu::HIP_CODE_OBJECTS`]).
+//!
+//! Never run on AMD hardware (none is available to this project): it builds
+//! and links against Debian's libamdhip64, and `HipBackend::new` stops at the
+//! device count where there is no device.
+
+use std::ffi::{CString, c_void};
+use std::sync::Arc;
+
+use hip_sys::hiprt::{
+    hipDeviceAttribute_t, hipDeviceGetAttribute, hipDeviceptr_t, hipError_t, hipEvent_t, hipEventCreate, hipEventDestroy, hipEventElapsedTime, hipEventRecord,
+    hipFree, hipFunction_t, hipGraph_t, hipGraphDestroy, hipGraphExec_t, hipGraphExecDestroy, hipGraphInstantiate, hipGraphLaunch, hipMalloc,
+    hipMemcpyDtoHAsync, hipMemcpyHtoDAsync, hipMemsetD8Async, hipModule_t, hipModuleGetFunction, hipModuleLaunchKernel, hipModuleLoadData, hipModuleUnload,
+    hipSetDevice, hipStream_t, hipStreamBeginCapture, hipStreamCaptureMode, hipStreamCreate, hipStreamDestroy, hipStreamEndCapture, hipStreamSynchronize,
+};
+
+use super::describe;
+use crate::gpu::launch::{Driver, DriverFault};
+
+/// `Ok` on `hipSuccess`, else the fault naming the call.
+fn check(call: &'static str, err: hipError_t) -> Result<(), DriverFault> {
+    if err == hipError_t::hipSuccess { Ok(()) } else { Err(DriverFault(format!("{call}: {}", describe(err)))) }
+}
+
+/// The device, its stream and loaded modules; unloaded when the last
+/// [`HipDriver`] (and so every step using them) is gone.
+struct HipDevice {
+    ordinal: i32,
+    stream: hipStream_t,
+    /// One module a code object (the sources are one translation unit for
+    /// NVRTC, so a kernel name is defined in one module).
+    modules: Vec<hipModule_t>,
+    /// Bytes of shared memory (LDS) a block may take, static and dynamic.
+    max_smem: usize,
+    multiprocessors: usize,
+}
+
+impl Drop for HipDevice {
+    fn drop(&mut self) {
+        // SAFETY: the handles were created in `HipDriver::open` and are
+        // released once, here, after every user (they hold this Arc) is gone.
+        unsafe {
+            let _ = hipSetDevice(self.ordinal);
+            let _ = hipStreamSynchronize(self.stream);
+            for &m in &self.modules {
+                let _ = hipModuleUnload(m);
+            }
+            let _ = hipStreamDestroy(self.stream);
+        }
+    }
+}
+
+// SAFETY: the HIP runtime's handles may be used from any thread once the
+// device is made current there (`bind`); the device's own state is immutable
+// after `open`.
+unsafe impl Send for HipDevice {}
+// SAFETY: as above; every call queues on the one stream, in call order.
+unsafe impl Sync for HipDevice {}
+
+/// The launch table's driver on HIP device `ordinal` (cheap to clone).
+#[derive(Clone)]
+pub(crate) struct HipDriver(Arc<HipDevice>);
+
+impl HipDriver {
+    /// Opens device `ordinal`: makes it current, creates a stream and loads
+    /// every code object of `images` (`(source file, clang offload bundle)`).
+    pub(crate) fn open(ordinal: usize, images: &[(&'static str, &'static [u8])]) -> Result<HipDriver, DriverFault> {
+        let ord = i32::try_from(ordinal).map_err(|_| DriverFault(format!("device ordinal {ordinal} is not a HIP device id")))?;
+        // SAFETY: plain runtime calls with valid out-pointers.
+        unsafe {
+            check("hipSetDevice", hipSetDevice(ord))?;
+            let attr = |a: hipDeviceAttribute_t, what: &'static str| -> Result<usize, DriverFault> {
+                let mut v: std::os::raw::c_int = 0;
+                check(what, hipDeviceGetAttribute(&mut v, a, ord))?;
+                Ok(v.max(0) as usize)
+            };
+            let max_smem = attr(hipDeviceAttribute_t::hipDeviceAttributeMaxSharedMemoryPerBlock, "hipDeviceGetAttribute(max shared memory a block)")?;
+            let multiprocessors = attr(hipDeviceAttribute_t::hipDeviceAttributeMultiprocessorCount, "hipDeviceGetAttribute(compute units)")?.max(1);
+            let mut stream: hipStream_t = std::ptr::null_mut();
+            check("hipStreamCreate", hipStreamCreate(&mut stream))?;
+            let mut dev = HipDevice { ordinal: ord, stream, modules: Vec::with_capacity(images.len()), max_smem, multiprocessors };
+            for &(name, image) in images {
+                let mut m: hipModule_t = std::ptr::null_mut();
+                // The image is a static byte array that outlives the module.
+                check("hipModuleLoadData", hipModuleLoadData(&mut m, image.as_ptr().cast()))
+                    .map_err(|e| DriverFault(format!("the gfx90a code object of {name}: {e}")))?;
+                dev.modules.push(m);
+            }
+            Ok(HipDriver(Arc::new(dev)))
+        }
+    }
+}
+
+/// A captured graph and its instantiation, destroyed together.
+pub(crate) struct HipGraph {
+    graph: hipGraph_t,
+    exec: hipGraphExec_t,
+}
+
+impl Drop for HipGraph {
+    fn drop(&mut self) {
+        // SAFETY: created by `end_capture`, destroyed once.
+        unsafe {
+            let _ = hipGraphExecDestroy(self.exec);
+            let _ = hipGraphDestroy(self.graph);
+        }
+    }
+}
+
+/// A timing event, destroyed with the value.
+pub(crate) struct HipEvent(hipEvent_t);
+
+impl Drop for HipEvent {
+    fn drop(&mut self) {
+        // SAFETY: created by `record_event`, destroyed once.
+        let _ = unsafe { hipEventDestroy(self.0) };
+    }
+}
+
+impl Driver for HipDriver {
+    type Func = hipFunction_t;
+    type Graph = HipGraph;
+    type Event = HipEvent;
+    const NAME: &'static str = "hip";
+
+    fn function(&self, name: &str) -> Result<hipFunction_t, DriverFault> {
+        let c = CString::new(name).map_err(|_| DriverFault(format!("kernel name {name:?} has a NUL byte")))?;
+        for &m in &self.0.modules {
+            let mut f: hipFunction_t = std::ptr::null_mut();
+            // SAFETY: m is a loaded module, c a NUL-terminated name.
+            if unsafe { hipModuleGetFunction(&mut f, m, c.as_ptr()) } == hipError_t::hipSuccess && !f.is_null() {
+                return Ok(f);
+            }
+        }
+        Err(DriverFault(format!("no module of the {} code objects defines {name}", self.0.modules.len())))
+    }
+
+    fn set_max_dynamic_smem(&self, _: hipFunction_t, bytes: u32) -> Result<(), DriverFault> {
+        // AMD has no opt-in past a default: a block may take the device's LDS
+        // limit (64 KiB on gfx90a and gfx942). A launch past it would fail
+        // at every replay, so refuse when the table is built instead.
+        if bytes as usize > self.0.max_smem {
+            return Err(DriverFault(format!("{bytes} bytes of shared memory a block, past the device's {} (LDS)", self.0.max_smem)));
+        }
+        Ok(())
+    }
+
+    fn prefer_shared_carveout(&self, _: hipFunction_t) -> Result<(), DriverFault> {
+        // LDS is not carved out of the L1 cache on AMD: nothing to ask for.
+        Ok(())
+    }
+
+    fn multiprocessors(&self) -> Result<usize, DriverFault> {
+        Ok(self.0.multiprocessors)
+    }
+
+    fn bind(&self) -> Result<(), DriverFault> {
+        // SAFETY: a plain runtime call.
+        check("hipSetDevice", unsafe { hipSetDevice(self.0.ordinal) })
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<u64, DriverFault> {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer.
+        check("hipMalloc", unsafe { hipMalloc(&mut p, bytes) })?;
+        Ok(p as u64)
+    }
+
+    unsafe fn free(&self, ptr: u64) {
+        // SAFETY: the caller's contract (an allocation of `alloc`, freed once).
+        let _ = unsafe { hipFree(ptr as *mut c_void) };
+    }
+
+    unsafe fn memset_zero(&self, ptr: u64, bytes: usize) -> Result<(), DriverFault> {
+        // SAFETY: the caller's contract (ptr holds bytes).
+        check("hipMemsetD8Async", unsafe { hipMemsetD8Async(ptr as hipDeviceptr_t, 0, bytes, self.0.stream) })
+    }
+
+    unsafe fn upload<T: Copy>(&self, dst: u64, src: &[T]) -> Result<(), DriverFault> {
+        // SAFETY: the caller's contract (dst holds src's bytes); HIP only reads src.
+        check("hipMemcpyHtoDAsync", unsafe {
+            hipMemcpyHtoDAsync(dst as hipDeviceptr_t, src.as_ptr() as *mut c_void, std::mem::size_of_val(src), self.0.stream)
+        })?;
+        // The trait promises that src has been read when this returns (callers
+        // drop packed weights right after), as CUDA does for pageable memory;
+        // HIP does not promise it, so wait. The step's per-tick upload finds
+        // the stream idle (the previous step ended in a wait), so this costs
+        // nothing there.
+        self.synchronize()
+    }
+
+    unsafe fn download<T: Copy>(&self, dst: &mut [T], src: u64) -> Result<(), DriverFault> {
+        // SAFETY: the caller's contract (src holds dst's bytes).
+        check("hipMemcpyDtoHAsync", unsafe { hipMemcpyDtoHAsync(dst.as_mut_ptr().cast(), src as hipDeviceptr_t, std::mem::size_of_val(dst), self.0.stream) })
+    }
+
+    unsafe fn launch(&self, f: hipFunction_t, grid: (u32, u32, u32), block: u32, smem: u32, params: &mut [*mut c_void]) -> Result<(), DriverFault> {
+        // SAFETY: the caller's contract (params match f's signature).
+        check("hipModuleLaunchKernel", unsafe {
+            hipModuleLaunchKernel(f, grid.0, grid.1, grid.2, block, 1, 1, smem, self.0.stream, params.as_mut_ptr(), std::ptr::null_mut())
+        })
+    }
+
+    fn synchronize(&self) -> Result<(), DriverFault> {
+        // SAFETY: a plain runtime call on the driver's stream.
+        check("hipStreamSynchronize", unsafe { hipStreamSynchronize(self.0.stream) })
+    }
+
+    fn begin_capture(&self) -> Result<(), DriverFault> {
+        // SAFETY: a plain runtime call on the driver's stream.
+        check("hipStreamBeginCapture", unsafe { hipStreamBeginCapture(self.0.stream, hipStreamCaptureMode::hipStreamCaptureModeThreadLocal) })
+    }
+
+    fn end_capture(&self) -> Result<Option<HipGraph>, DriverFault> {
+        let mut graph: hipGraph_t = std::ptr::null_mut();
+        // SAFETY: valid out-pointers; the graph is instantiated once and both
+        // handles are destroyed by HipGraph's drop.
+        unsafe {
+            check("hipStreamEndCapture", hipStreamEndCapture(self.0.stream, &mut graph))?;
+            if graph.is_null() {
+                return Ok(None);
+            }
+            let mut exec: hipGraphExec_t = std::ptr::null_mut();
+            if let Err(e) = check("hipGraphInstantiate", hipGraphInstantiate(&mut exec, graph, std::ptr::null_mut(), std::ptr::null_mut(), 0)) {
+                let _ = hipGraphDestroy(graph);
+                return Err(e);
+            }
+            Ok(Some(HipGraph { graph, exec }))
+        }
+    }
+
+    fn prepare_graph(&self, _: &HipGraph) -> Result<(), DriverFault> {
+        // Instantiated in `end_capture`; HIP 5.2 has no separate upload.
+        Ok(())
+    }
+
+    fn replay(&self, g: &HipGraph) -> Result<(), DriverFault> {
+        // SAFETY: an instantiated graph on the driver's stream.
+        check("hipGraphLaunch", unsafe { hipGraphLaunch(g.exec, self.0.stream) })
+    }
+
+    fn record_event(&self) -> Result<HipEvent, DriverFault> {
+        let mut e: hipEvent_t = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer; the event is destroyed by HipEvent's drop.
+        check("hipEventCreate", unsafe { hipEventCreate(&mut e) })?;
+        let ev = HipEvent(e);
+        // SAFETY: a created event on the driver's stream.
+        check("hipEventRecord", unsafe { hipEventRecord(ev.0, self.0.stream) })?;
+        Ok(ev)
+    }
+
+    fn elapsed_ms(&self, start: &HipEvent, end: &HipEvent) -> Result<f32, DriverFault> {
+        let mut ms = 0f32;
+        // SAFETY: two recorded events; waits for the end one first.
+        unsafe {
+            check("hipEventSynchronize", hip_sys::hiprt::hipEventSynchronize(end.0))?;
+            check("hipEventElapsedTime", hipEventElapsedTime(&mut ms, start.0, end.0))?;
+        }
+        Ok(ms)
+    }
+}
