@@ -2,9 +2,9 @@
 //! not sharded), where every decode rank's registered regions lie, and the
 //! per-step tick the host uploads. A backend that can run a decode step
 //! without the host in the loop ([`crate::Backend::decode_step`]) builds a
-//! [`DecodeStep`] from a [`StepSpec`]; the CUDA backend does
-//! (`gpu/step_cuda/` and `hip/step.hip`), the CPU runs the generic forward
-//! pass instead.
+//! [`DecodeStep`] from a [`StepSpec`]; the CUDA and HIP backends do, through
+//! one launch table (`gpu/step_gpu/` and `hip/step.hip`), the CPU runs the
+//! generic forward pass instead.
 //!
 //! What a step is: one fixed sequence of launches over a whole batch bucket
 //! (the batch padded to the next of [`StepSpec::buckets`]), every op one

@@ -19,6 +19,18 @@ use hip_sys::hiprt::{
 use super::describe;
 use crate::gpu::launch::{Driver, DriverFault};
 
+/// Whether a block of `bytes` dynamic shared memory fits a device whose
+/// blocks may take `max` (hipDeviceAttributeMaxSharedMemoryPerBlock). AMD has
+/// no opt-in past a default: a block may take the device's LDS (64 KiB on
+/// gfx90a), no more. A launch past it would fail at every replay, so the
+/// launch table is refused when it is built instead, naming the kernel.
+pub(crate) fn lds_fits(bytes: u32, max: usize) -> Result<(), DriverFault> {
+    if bytes as usize > max {
+        return Err(DriverFault(format!("{bytes} bytes of shared memory a block, past the device's {max} (LDS)")));
+    }
+    Ok(())
+}
+
 /// `Ok` on `hipSuccess`, else the fault naming the call.
 fn check(call: &'static str, err: hipError_t) -> Result<(), DriverFault> {
     if err == hipError_t::hipSuccess { Ok(()) } else { Err(DriverFault(format!("{call}: {}", describe(err)))) }
@@ -138,13 +150,7 @@ impl Driver for HipDriver {
     }
 
     fn set_max_dynamic_smem(&self, _: hipFunction_t, bytes: u32) -> Result<(), DriverFault> {
-        // AMD has no opt-in past a default: a block may take the device's LDS
-        // limit (64 KiB on gfx90a and gfx942). A launch past it would fail
-        // at every replay, so refuse when the table is built instead.
-        if bytes as usize > self.0.max_smem {
-            return Err(DriverFault(format!("{bytes} bytes of shared memory a block, past the device's {} (LDS)", self.0.max_smem)));
-        }
-        Ok(())
+        lds_fits(bytes, self.0.max_smem)
     }
 
     fn prefer_shared_carveout(&self, _: hipFunction_t) -> Result<(), DriverFault> {

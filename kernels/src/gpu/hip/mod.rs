@@ -24,6 +24,8 @@ use crate::shapes::{
 
 mod driver;
 pub(crate) use driver::HipDriver;
+#[cfg(test)]
+pub(crate) use driver::lds_fits;
 
 /// AMD backend: the fused decode step's launch table on one HIP device.
 ///

@@ -18,6 +18,9 @@ use crate::step::{StepKda, StepLayer, StepMla, StepModel, StepOptions, StepPlace
 #[derive(Clone, Default)]
 struct Recorder {
     next: Arc<AtomicU64>,
+    /// Shared memory a block may take under HIP's rule (no opt-in past the
+    /// LDS); None: CUDA's opt-in, anything the table asks.
+    lds: Option<usize>,
 }
 
 impl Driver for Recorder {
@@ -30,8 +33,15 @@ impl Driver for Recorder {
         // A device without the sm_90a warpgroup products: the table takes st_mm.
         STEP_KERNELS.iter().copied().find(|k| *k == name).ok_or_else(|| DriverFault(format!("{name} is not in the table")))
     }
-    fn set_max_dynamic_smem(&self, _: &'static str, _: u32) -> std::result::Result<(), DriverFault> {
-        Ok(())
+    fn set_max_dynamic_smem(&self, _: &'static str, bytes: u32) -> std::result::Result<(), DriverFault> {
+        match self.lds {
+            #[cfg(feature = "hip")]
+            Some(max) => crate::gpu::hip::lds_fits(bytes, max),
+            _ => {
+                let _ = bytes;
+                Ok(())
+            }
+        }
     }
     fn prefer_shared_carveout(&self, _: &'static str) -> std::result::Result<(), DriverFault> {
         Ok(())
@@ -365,4 +375,20 @@ fn every_table_kernel_is_in_the_gfx90a_code_objects() {
         assert!(symbols.contains(&format!("{k}.kd")), "{k}: no kernel descriptor {k}.kd in the gfx90a code objects");
     }
     assert!(!symbols.contains("st_mm_wg32_1.kd"), "st_mm_wg is sm_90a-only, yet a gfx90a kernel of that name exists");
+}
+
+/// On a HIP device with gfx90a's 64 KiB of LDS a block, the table's
+/// Hopper-sized products (st_mm stages up to 226 KiB) cannot launch: building
+/// the step refuses with a typed error naming the kernel and the bytes,
+/// instead of a launch failing at every replay. This is the state of the HIP
+/// path today (the kernels are not edited here); the test pins that it is a
+/// clear refusal.
+#[cfg(feature = "hip")]
+#[test]
+fn a_64_kib_lds_device_refuses_the_step_naming_the_kernel() {
+    let drv = Recorder { lds: Some(64 * 1024), ..Recorder::default() };
+    let e = GpuStep::new(drv, &specs()[0]).err().expect("the step fits 64 KiB of LDS: update the README's HIP note");
+    let KernelError::BackendUnavailable(msg) = &e else { panic!("wrong error {e:?}") };
+    assert!(msg.starts_with("recorder: cannot give st_mm"), "{msg}");
+    assert!(msg.contains("past the device's 65536 (LDS)"), "{msg}");
 }
