@@ -39,6 +39,8 @@ pub(crate) trait Driver: Clone {
     type Event;
     /// The backend's name, first word of its refusals ("cuda", "hip").
     const NAME: &'static str;
+    /// The platform's name in prose ("CUDA graphs", "HIP graphs").
+    const LABEL: &'static str;
 
     /// The kernel `name` of the loaded modules.
     fn function(&self, name: &str) -> std::result::Result<Self::Func, DriverFault>;

@@ -30,6 +30,7 @@ impl Driver for CudaDriver {
     type Graph = CudaStepGraph;
     type Event = CudaEvent;
     const NAME: &'static str = "cuda";
+    const LABEL: &'static str = "CUDA";
 
     fn function(&self, name: &str) -> Result<sys::CUfunction, DriverFault> {
         // The handle stays valid while `module` is loaded; the driver value

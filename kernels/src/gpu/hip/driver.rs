@@ -136,6 +136,7 @@ impl Driver for HipDriver {
     type Graph = HipGraph;
     type Event = HipEvent;
     const NAME: &'static str = "hip";
+    const LABEL: &'static str = "HIP";
 
     fn function(&self, name: &str) -> Result<hipFunction_t, DriverFault> {
         let c = CString::new(name).map_err(|_| DriverFault(format!("kernel name {name:?} has a NUL byte")))?;

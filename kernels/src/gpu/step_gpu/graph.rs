@@ -23,7 +23,7 @@ impl<D: Driver> GpuStep<D> {
                     self.graphs.insert(bp, g);
                 }
                 Err(e) => {
-                    tracing::warn!("decode step: {} graph capture of bucket {bp} failed ({e}); launching the step's kernels one by one from now on", D::NAME);
+                    tracing::warn!("decode step: {} graph capture of bucket {bp} failed ({e}); launching the step's kernels one by one from now on", D::LABEL);
                     self.graph_failure = Some(e.to_string());
                     return None;
                 }
@@ -82,7 +82,7 @@ impl<D: Driver> DecodeStep for GpuStep<D> {
         format!(
             "fused decode step: {per} launches a step, buckets {:?}, {} graphs {}{}, {:.1} MiB of weights, {:.1} MiB in all",
             self.buckets,
-            if D::NAME == "cuda" { "CUDA" } else { "HIP" },
+            D::LABEL,
             if self.graphs_on { "on" } else { "off" },
             self.graph_failure.as_ref().map_or(String::new(), |e| format!(" (capture failed: {e})")),
             self.weight_bytes as f64 / (1 << 20) as f64,

@@ -28,6 +28,7 @@ impl Driver for Recorder {
     type Graph = ();
     type Event = ();
     const NAME: &'static str = "recorder";
+    const LABEL: &'static str = "recorder";
 
     fn function(&self, name: &str) -> std::result::Result<&'static str, DriverFault> {
         // A device without the sm_90a warpgroup products: the table takes st_mm.
