@@ -14,8 +14,10 @@
 //! [`CudaBackend`] runs the same ops on an NVIDIA GPU with the `cuda` feature
 //! (NVRTC-compiled kernels, driver loaded at run time) and refuses with
 //! [`KernelError::BackendUnavailable`] without it or without a driver;
-//! [`HipBackend`] refuses (compile-checked for gfx90a with `hip`). The device
-//! kernel sources live in `kernels/hip/` (see [`HIP_SOURCES`]).
+//! [`HipBackend`] (feature `hip`, never run on AMD hardware) runs only the fused
+//! decode step, through the same launch table as CUDA, and refuses every
+//! other op by name. The device kernel sources live in `kernels/hip/` (see
+//! [`HIP_SOURCES`]).
 
 pub mod backend;
 pub mod cpu;

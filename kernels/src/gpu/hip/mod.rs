@@ -2,13 +2,15 @@
 //! against libamdhip64, Debian's with `HIP_PATH=/usr`) and the gfx90a code
 //! objects build.rs compiled with hipcc from the one set of kernel sources.
 //!
-//! What runs: the fused decode step ([`crate::Backend::decode_step`]), whose launch
-//! table (`gpu/step_gpu/`) is the CUDA backend's, executed through
-//! [`HipDriver`] instead of cudarc. What does not: the generic ops (their
-//! launchers are CUDA's, `gpu/cuda/`), device memory for registered regions
-//! and buffers; each refuses with `Unsupported`, naming the op. There is no
-//! AMD GPU on any machine this project runs on, so none of this has run on
-//! AMD hardware: here `new` stops at the device count (`hipErrorNoDevice`).
+//! What is wired: the fused decode step ([`crate::Backend::decode_step`]),
+//! whose launch table (`gpu/step_gpu/`) is the CUDA backend's, executed
+//! through [`HipDriver`] instead of cudarc. What is not: the generic ops
+//! (their launchers are CUDA's, `gpu/cuda/`), device memory for registered
+//! regions and buffers; each refuses with `Unsupported`, naming the op. There
+//! is no AMD GPU on any machine this project runs on, so none of this has run
+//! on AMD hardware: here `new` stops at the device count (`hipErrorNoDevice`).
+//! On a gfx90a the step's build would refuse its Hopper-sized shared memory
+//! (st_mm, st_kda past 64 KiB of LDS a block; see `driver::lds_fits`).
 
 use hip_sys::hiprt::{hipDeviceGetName, hipError_t, hipGetDeviceCount, hipGetErrorString};
 
