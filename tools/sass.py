@@ -31,7 +31,7 @@ def compile_cubin(lib, program, arch):
     rc = nvrtc.nvrtcCreateProgram(ctypes.byref(prog), program.encode(), b"handoff_kernels.cu", 0, None, None)
     if rc:
         sys.exit(f"nvrtcCreateProgram: {rc}")
-    opts = [f"--gpu-architecture=sm_{arch}".encode(), b"--std=c++17"]
+    opts = [f"--gpu-architecture=sm_{arch}".encode(), b"--std=c++17", b"--generate-line-info"]
     arr = (ctypes.c_char_p * len(opts))(*opts)
     rc = nvrtc.nvrtcCompileProgram(prog, len(opts), arr)
     size = ctypes.c_size_t()

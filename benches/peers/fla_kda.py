@@ -2,6 +2,7 @@
 
 Run on the GPU machine (torch, triton and the fla-core wheel installed):
     python3 benches/peers/fla_kda.py            # prints one JSON object per line
+    python3 benches/peers/fla_kda.py --kernels  # chunk_kda's kernels one by one (torch.profiler)
 
 Figures:
 - copy: a device-to-device copy through torch, bytes read plus bytes written,
@@ -20,6 +21,7 @@ Each time is the median of many replays after a warm-up; inputs are random
 
 import json
 import statistics
+import sys
 
 import torch
 
@@ -89,7 +91,7 @@ def fla_decode(batch, heads, dk=128, dv=128):
             "state_bytes": state_bytes, "GB_s": state_bytes / (ms * 1e-3) / 1e9}
 
 
-def fla_prefill(tokens, heads=12, dk=128, dv=128, dtype=torch.bfloat16):
+def fla_prefill(tokens, heads=12, dk=128, dv=128, dtype=torch.bfloat16, kernels=False):
     from fla.ops.kda import chunk_kda
 
     dev = "cuda"
@@ -105,14 +107,43 @@ def fla_prefill(tokens, heads=12, dk=128, dv=128, dtype=torch.bfloat16):
         chunk_kda(q, k, v, g, beta, A_log=a_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True,
                   use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, output_final_state=True)
 
+    if kernels:
+        return fla_kernels(run, tokens, dtype)
     ms = median_ms(run, reps=20, graph=False)
     return {"peer": "fla chunk_kda", "dtype": str(dtype).removeprefix("torch."), "tokens": tokens, "heads": heads,
             "us": ms * 1e3, "tokens_per_s": tokens / (ms * 1e-3)}
 
 
+def fla_kernels(run, tokens, dtype, reps=10):
+    """Each device kernel of one chunk_kda call: its mean time over `reps` calls
+    (torch.profiler's CUDA activity), so that FLA's phases can be set beside
+    handoff's (kda_chunk_prep / _state / _out under ncu)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            run()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = e.device_time_total / reps
+        if us > 0:
+            rows.append({"kernel": e.key[:90], "us_per_call": round(us, 1), "launches_per_call": e.count / reps})
+    rows.sort(key=lambda r: -r["us_per_call"])
+    return {"peer": "fla chunk_kda kernels", "dtype": str(dtype).removeprefix("torch."), "tokens": tokens,
+            "sum_us": round(sum(r["us_per_call"] for r in rows), 1), "kernels": rows}
+
+
 def main():
     torch.manual_seed(0)
     print(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__}), flush=True)
+    if "--kernels" in sys.argv[1:]:
+        for tokens in [8192, 32768]:
+            print(json.dumps(fla_prefill(tokens, kernels=True)), flush=True)
+        return
     print(json.dumps(copy_bandwidth()), flush=True)
     for batch, heads in [(88, 12), (32, 96), (88, 96)]:
         try:

@@ -41,7 +41,9 @@ pub(crate) fn nvrtc_cubin_of(program: &str, arch: &str) -> Result<Vec<u8>> {
     let name = CString::new("handoff_kernels.cu").expect("no NUL");
     let prog = nr::create_program(&src, Some(&name)).map_err(|e| nvrtc_err("create", e))?;
     let gpu_arch = format!("--gpu-architecture=sm_{arch}");
-    let opts = [gpu_arch.as_str(), "--std=c++17"];
+    // Line information only maps the SASS back to the sources (ncu's source
+    // page, `tools/sass.py`); it changes no instruction.
+    let opts = [gpu_arch.as_str(), "--std=c++17", "--generate-line-info"];
     // SAFETY: prog is a live program; the options are NUL-free strings.
     let compiled = unsafe { nr::compile_program(prog, &opts) };
     let result = match compiled {
