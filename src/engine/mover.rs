@@ -311,13 +311,14 @@ fn runs_staged(transport: &str) -> bool {
     matches!(transport, "local" | "shm" | "tcp" | "ucx")
 }
 
-/// Plans one worker takes at once from the queue when the transport queues
-/// plans ([`Transport::queues_plans`]): their copies go to the device as one
-/// submission (a few kernel launches and one event), not one each.
+/// Plans one worker takes at once from the queue when the transport groups
+/// plans ([`Transport::groups_plans`]): their copies go to the device as one
+/// submission (a few kernel launches and one event), or through one host copy
+/// that reads each shared source once, not one each.
 const PLANS_PER_SUBMIT: usize = 64;
 
 fn worker(shared: &Shared, rx: &Mutex<mpsc::Receiver<Job>>) {
-    let group = if shared.transport.queues_plans() { PLANS_PER_SUBMIT } else { 1 };
+    let group = if shared.transport.groups_plans() { PLANS_PER_SUBMIT } else { 1 };
     loop {
         let jobs = {
             let rx = lock(rx);

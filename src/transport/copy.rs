@@ -1,100 +1,19 @@
-//! The memcpy engine of the in-host backends: sequential semantics, rayon when a
-//! batch is large and its destinations are disjoint, with non-temporal (streaming)
-//! stores for the larger pieces of such a batch where the CPU has AVX2.
+//! The piece copy of the in-host backends: non-temporal (streaming) stores for
+//! the pieces of a large batch where the CPU has AVX2, and the fence that makes
+//! them visible. [`super::multicopy`] spreads a batch (or many) over rayon.
 
 use super::Piece;
-use rayon::prelude::*;
 
 /// Below this many bytes a batch is copied on the calling thread: spreading costs
 /// more than it saves.
-const PARALLEL_MIN_BYTES: u64 = 1 << 20;
-/// Work unit for rayon: pieces are grouped (and big ones split) to about this size.
-const TASK_BYTES: u64 = 512 << 10;
-
-/// Whether any two destination ranges intersect.
-fn dst_overlaps(pieces: &[Piece]) -> bool {
-    let mut ranges: Vec<(u64, u64)> = pieces.iter().map(|p| (p.dst, p.dst + p.len)).collect();
-    ranges.sort_unstable();
-    ranges.windows(2).any(|w| w[1].0 < w[0].1)
-}
-
-/// Groups pieces into tasks of about `TASK_BYTES`, splitting big pieces.
-fn tasks(pieces: &[Piece]) -> Vec<Vec<Piece>> {
-    let mut out = Vec::new();
-    let mut cur = Vec::new();
-    let mut cur_bytes = 0;
-    for p in pieces {
-        let mut done = 0;
-        while done < p.len {
-            let take = (p.len - done).min(TASK_BYTES - cur_bytes);
-            cur.push(Piece { src: p.src + done, dst: p.dst + done, len: take });
-            cur_bytes += take;
-            done += take;
-            if cur_bytes >= TASK_BYTES {
-                out.push(std::mem::take(&mut cur));
-                cur_bytes = 0;
-            }
-        }
-    }
-    if !cur.is_empty() {
-        out.push(cur);
-    }
-    out
-}
-
-#[derive(Clone, Copy)]
-struct SendPtr(*mut u8);
-// SAFETY: the pointer is only used for writes to disjoint destination ranges, one
-// task each, while the owning `&mut [u8]` is borrowed for the whole parallel call.
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
-
-/// Copies validated pieces from `src` into `dst` (distinct buffers).
-pub(crate) fn copy_between(src: &[u8], dst: &mut [u8], pieces: &[Piece]) {
-    let total: u64 = pieces.iter().map(|p| p.len).sum();
-    if total < PARALLEL_MIN_BYTES || rayon::current_num_threads() < 2 || dst_overlaps(pieces) {
-        for p in pieces {
-            let (s, d, n) = (p.src as usize, p.dst as usize, p.len as usize);
-            dst[d..d + n].copy_from_slice(&src[s..s + n]);
-        }
-        return;
-    }
-    // Bounds were validated against these very slices; re-check cheaply so that a
-    // caller bug panics instead of writing out of range.
-    for p in pieces {
-        assert!(p.src + p.len <= src.len() as u64 && p.dst + p.len <= dst.len() as u64);
-    }
-    let dst_ptr = SendPtr(dst.as_mut_ptr());
-    let streaming = streaming_available();
-    tasks(pieces).par_iter().for_each(|task| {
-        let d = dst_ptr;
-        for p in task {
-            // SAFETY: in bounds (asserted above); destinations are pairwise disjoint
-            // (checked by dst_overlaps), and `src` cannot alias `dst` (a shared and a
-            // mutable borrow), so each write races with nothing. `streaming` is true
-            // only where the CPU reported AVX2.
-            unsafe {
-                copy_piece(src.as_ptr().add(p.src as usize), d.0.add(p.dst as usize), p.len as usize, streaming);
-            }
-        }
-        // Non-temporal stores are weakly ordered: they may still sit in the CPU's
-        // write-combining buffers when this task returns, and rayon's completion
-        // latch (a plain release store on x86) does not order them. The fence makes
-        // this task's writes globally visible before the task is seen as done, so
-        // they are visible once `copy_between` returns and the caller (or the
-        // peer that reads the region next) looks at the bytes.
-        if streaming {
-            store_fence();
-        }
-    });
-}
+pub(super) const PARALLEL_MIN_BYTES: u64 = 1 << 20;
 
 /// Pieces at least this long are copied with non-temporal stores in the parallel
 /// branch. Shorter ones gain nothing: the aligned head and the tail are most of them.
 const STREAM_MIN_BYTES: usize = 256;
 
 /// Whether `copy_piece` may take the streaming path on this CPU.
-fn streaming_available() -> bool {
+pub(super) fn streaming_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx2")
@@ -106,7 +25,7 @@ fn streaming_available() -> bool {
 }
 
 /// Makes every non-temporal store issued so far by this thread globally visible.
-fn store_fence() {
+pub(super) fn store_fence() {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: `sfence` is part of SSE, which every x86_64 CPU has; it only orders
     // stores.
@@ -126,7 +45,7 @@ fn store_fence() {
 /// # Safety
 /// `src` valid for `n` reads, `dst` valid for `n` writes, the two ranges disjoint,
 /// and `streaming` true only if `streaming_available()`.
-unsafe fn copy_piece(src: *const u8, dst: *mut u8, n: usize, streaming: bool) {
+pub(super) unsafe fn copy_piece(src: *const u8, dst: *mut u8, n: usize, streaming: bool) {
     #[cfg(target_arch = "x86_64")]
     if streaming && n >= STREAM_MIN_BYTES {
         // SAFETY: the caller's contract, and AVX2 is present (`streaming`).
@@ -183,6 +102,17 @@ unsafe fn stream_avx2(src: *const u8, dst: *mut u8, n: usize) {
     }
     // SAFETY: `off <= n`, so the last `n - off` bytes are inside both ranges.
     unsafe { std::ptr::copy_nonoverlapping(src.add(off), dst.add(off), n - off) };
+}
+
+/// `src` into `dst` (equal lengths) with the piece copy, streaming where the
+/// CPU allows, fenced: the copy limit that the in-host transports run at.
+pub(super) fn copy_slice(src: &[u8], dst: &mut [u8]) {
+    assert_eq!(src.len(), dst.len());
+    let streaming = streaming_available();
+    // SAFETY: equal lengths, distinct buffers (a shared and a mutable borrow);
+    // `streaming` only where the CPU has AVX2.
+    unsafe { copy_piece(src.as_ptr(), dst.as_mut_ptr(), src.len(), streaming) };
+    store_fence();
 }
 
 /// Copies validated pieces within one buffer, each with memmove semantics, in order.
@@ -271,45 +201,6 @@ mod tests {
             for (s, d) in [(0, 0), (1, 0), (0, 1), (5, 59), (33, 31), (64, 96), (127, 3)] {
                 compare_one(&src, &canary, s, d, n);
             }
-        }
-    }
-
-    #[test]
-    fn copy_between_parallel_many_pieces_at_odd_offsets_equals_sequential() {
-        // MLA-like rows (1,152 bytes at a 9,216-byte stride) from an odd base, plus
-        // pieces around the streaming floor and ones that do not divide by 32 or 128,
-        // all at odd source and destination offsets; destinations are disjoint.
-        let mut pieces = Vec::new();
-        let (mut s, mut d) = (3u64, 5u64);
-        for row in 0..1200u64 {
-            pieces.push(Piece { src: 7 + row * 9216, dst: d, len: 1152 });
-            d += 1152 + (row % 3);
-        }
-        for (i, len) in [255u64, 256, 257, 300, 511, 513, 1000, 4097, 70_001, 600_003].iter().cycle().take(60).enumerate() {
-            pieces.push(Piece { src: s, dst: d, len: *len });
-            s += len + 1 + i as u64 % 5;
-            d += len + 3;
-        }
-        let total: u64 = pieces.iter().map(|p| p.len).sum();
-        assert!(total >= PARALLEL_MIN_BYTES && !dst_overlaps(&pieces), "the test must take the parallel branch");
-        let src_len = pieces.iter().map(|p| p.src + p.len).max().unwrap_or(0) as usize + 11;
-        let dst_len = pieces.iter().map(|p| p.dst + p.len).max().unwrap_or(0) as usize + 13;
-        let src = pattern(src_len, 5);
-        let canary = pattern(dst_len, 6);
-        let mut want = canary.clone();
-        for p in &pieces {
-            let (s, d, n) = (p.src as usize, p.dst as usize, p.len as usize);
-            want[d..d + n].copy_from_slice(&src[s..s + n]);
-        }
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("a 2-thread pool");
-        let mut got = canary.clone();
-        pool.install(|| {
-            assert!(rayon::current_num_threads() >= 2);
-            copy_between(&src, &mut got, &pieces);
-        });
-        if let Some(i) = got.iter().zip(&want).position(|(g, w)| g != w) {
-            let piece = pieces.iter().position(|p| (p.dst..p.dst + p.len).contains(&(i as u64)));
-            panic!("destination byte {i} (piece {piece:?}) is {:#04x}, want {:#04x}", got[i], want[i]);
         }
     }
 }

@@ -446,7 +446,7 @@ impl Transport for DeviceTransport {
     }
 
     /// Copies run on the device's streams after `submit_all` returns.
-    fn queues_plans(&self) -> bool {
+    fn groups_plans(&self) -> bool {
         true
     }
 

@@ -2,13 +2,13 @@
 //! share: region and attachment tables, synchronous submit, completions, inbox.
 
 use super::{
-    BatchCompletion, BatchId, Completions, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, TransportError, copy, lock, pieces, read, validate,
-    write,
+    BatchCompletion, BatchId, Completions, Notification, PeerAddr, RegionHandle, RemoteRegion, Result, TransportError, copy, lock, multicopy, pieces, read,
+    validate, write,
 };
 use handoff_components::plan::Descriptor;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
 /// The bytes behind a region: a heap buffer or a shared mapping.
@@ -121,27 +121,56 @@ impl HostCore {
 
     /// Validates, then copies synchronously; the completion is ready on return.
     pub fn submit(&self, src: &RegionHandle, dst: RemoteRegion, descriptors: &[Descriptor]) -> Result<BatchId> {
+        self.submit_all(&[(src, dst, descriptors)]).pop().unwrap_or_else(|| Err(TransportError::UnknownRegion(src.to_string())))
+    }
+
+    /// Validates each batch on its own, then copies every valid one in one
+    /// pass ([`multicopy::copy_batches`]: each source read once, in order, for
+    /// all the batches that read it); the completions are ready on return. A
+    /// rejected batch moves nothing and fails alone.
+    pub fn submit_all(&self, writes: &[(&RegionHandle, RemoteRegion, &[Descriptor])]) -> Vec<Result<BatchId>> {
+        let mut results: Vec<Option<Result<BatchId>>> = writes.iter().map(|_| None).collect();
+        let mut valid: Vec<(usize, Arc<HostRegion>, Arc<HostRegion>)> = Vec::new();
+        for (i, &(src, dst, descriptors)) in writes.iter().enumerate() {
+            match self.resolve(src, dst, descriptors) {
+                Ok((s, d)) => valid.push((i, s, d)),
+                Err(e) => results[i] = Some(Err(e)),
+            }
+        }
+        // A region that one batch reads and another (or the same) writes cannot
+        // be borrowed both ways at once: such a group is copied batch by batch.
+        let read_uids: HashSet<u64> = valid.iter().map(|(_, s, _)| s.uid).collect();
+        if valid.iter().any(|(_, _, d)| read_uids.contains(&d.uid)) {
+            for (i, s, d) in &valid {
+                let _span = tracing::trace_span!("transport.copy", transport = self.name, batches = 1).entered();
+                if Arc::ptr_eq(s, d) {
+                    copy::copy_within(write(&s.mem).bytes_mut(), &pieces(writes[*i].2));
+                } else {
+                    copy_group(&[(Arc::clone(s), Arc::clone(d), writes[*i].2)]);
+                }
+            }
+        } else if !valid.is_empty() {
+            let _span = tracing::trace_span!("transport.copy", transport = self.name, batches = valid.len()).entered();
+            let group: Vec<(Arc<HostRegion>, Arc<HostRegion>, &[Descriptor])> =
+                valid.iter().map(|(i, s, d)| (Arc::clone(s), Arc::clone(d), writes[*i].2)).collect();
+            copy_group(&group);
+        }
+        for (i, _, _) in &valid {
+            let batch = self.completions.begin();
+            self.completions.finish(batch, Ok(()));
+            results[*i] = Some(Ok(batch));
+        }
+        results.into_iter().map(|r| r.unwrap_or_else(|| Err(TransportError::UnknownRegion("a batch that was not copied".into())))).collect()
+    }
+
+    /// A batch's local source and attached destination, its descriptors checked
+    /// against both.
+    fn resolve(&self, src: &RegionHandle, dst: RemoteRegion, descriptors: &[Descriptor]) -> Result<(Arc<HostRegion>, Arc<HostRegion>)> {
         let s = self.local(src)?;
         let d = read(&self.attachments).get(&dst.id).cloned().ok_or_else(|| TransportError::UnknownRegion(format!("attachment {}", dst.id)))?;
         validate(descriptors, Some(s.len), d.len, d.kind)?;
-        let ps = pieces(descriptors);
-        let _span = tracing::trace_span!("transport.copy", transport = self.name, pieces = ps.len()).entered();
-        if Arc::ptr_eq(&s, &d) {
-            copy::copy_within(write(&s.mem).bytes_mut(), &ps);
-        } else if s.uid < d.uid {
-            let sg = read(&s.mem);
-            let mut dg = write(&d.mem);
-            copy::copy_between(sg.bytes(), dg.bytes_mut(), &ps);
-        } else {
-            let mut dg = write(&d.mem);
-            let sg = read(&s.mem);
-            copy::copy_between(sg.bytes(), dg.bytes_mut(), &ps);
-        }
-        let batch = self.completions.begin();
-        self.completions.finish(batch, Ok(()));
-        Ok(batch)
+        Ok((s, d))
     }
-
     pub fn poll(&self) -> Vec<BatchCompletion> {
         self.completions.poll()
     }
@@ -157,4 +186,40 @@ impl HostCore {
     pub fn take_inbox(&self) -> Vec<Notification> {
         std::mem::take(&mut *lock(&self.inbox))
     }
+}
+
+/// A region's lock, held for reading (a source) or writing (a destination).
+enum Held<'a> {
+    Read(RwLockReadGuard<'a, Mem>),
+    Write(RwLockWriteGuard<'a, Mem>),
+}
+
+/// Copies validated batches whose sources are never destinations: locks every
+/// region once, in `uid` order (so that concurrent groups cannot deadlock),
+/// and hands the buffers to [`multicopy::copy_batches`].
+fn copy_group(group: &[(Arc<HostRegion>, Arc<HostRegion>, &[Descriptor])]) {
+    let mut regions: BTreeMap<u64, (&HostRegion, bool)> = BTreeMap::new();
+    for (s, d, _) in group {
+        regions.entry(s.uid).or_insert((s, false));
+        regions.insert(d.uid, (d, true));
+    }
+    let mut held: Vec<(u64, Held)> =
+        regions.iter().map(|(&uid, &(r, w))| (uid, if w { Held::Write(write(&r.mem)) } else { Held::Read(read(&r.mem)) })).collect();
+    let (mut srcs, mut dsts): (Vec<&[u8]>, Vec<&mut [u8]>) = (Vec::new(), Vec::new());
+    let (mut src_at, mut dst_at): (HashMap<u64, usize>, HashMap<u64, usize>) = (HashMap::new(), HashMap::new());
+    for (uid, h) in held.iter_mut() {
+        match h {
+            Held::Read(g) => {
+                src_at.insert(*uid, srcs.len());
+                srcs.push(g.bytes());
+            }
+            Held::Write(g) => {
+                dst_at.insert(*uid, dsts.len());
+                dsts.push(g.bytes_mut());
+            }
+        }
+    }
+    let batches: Vec<multicopy::Batch> =
+        group.iter().map(|(s, d, descriptors)| multicopy::Batch { src: src_at[&s.uid], dst: dst_at[&d.uid], descriptors }).collect();
+    multicopy::copy_batches(&srcs, &mut dsts, &batches);
 }

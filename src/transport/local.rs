@@ -106,6 +106,17 @@ impl Transport for LocalTransport {
         self.core.submit(src, dst, descriptors)
     }
 
+    /// All the batches in one copy: each source region is read once, in order,
+    /// for every batch that reads it.
+    fn submit_all(&self, writes: &[(&RegionHandle, RemoteRegion, &[Descriptor])]) -> Vec<Result<BatchId>> {
+        self.core.submit_all(writes)
+    }
+
+    /// One `submit_all` of many plans reads each shared source once.
+    fn groups_plans(&self) -> bool {
+        true
+    }
+
     fn poll(&self) -> Vec<BatchCompletion> {
         self.core.poll()
     }

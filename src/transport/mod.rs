@@ -28,6 +28,7 @@ pub(crate) mod copy;
 pub mod device;
 pub(crate) mod host;
 pub mod local;
+pub(crate) mod multicopy;
 mod open;
 pub mod rdma;
 pub mod shm;
@@ -342,10 +343,11 @@ pub trait Transport: Send + Sync {
         writes.iter().map(|&(src, dst, d)| self.submit(src, dst, d)).collect()
     }
 
-    /// Whether [`Transport::submit_all`] only queues work that runs without
-    /// the caller (a device's copy queue), so that a mover gains from handing
-    /// it many plans at once instead of running them on many threads.
-    fn queues_plans(&self) -> bool {
+    /// Whether a mover gains from handing this transport many plans in one
+    /// [`Transport::submit_all`] instead of running them one a thread: the
+    /// device transport queues them on its copy streams as one submission;
+    /// the in-host ones copy them in one pass over each shared source region.
+    fn groups_plans(&self) -> bool {
         false
     }
 

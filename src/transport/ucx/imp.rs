@@ -2,7 +2,7 @@
 
 use super::sys::{self, Lib, StatusPtr};
 use super::{UcxOptions, from_hex, to_hex};
-use crate::transport::copy::copy_between;
+use crate::transport::multicopy::{Batch, copy_batches};
 use crate::transport::tcp::Link;
 use crate::transport::{
     BatchCompletion, BatchId, Completions, Incident, MemoryKind, Notification, PeerAddr, RegionHandle, RemoteKey, RemoteRegion, Result, TcpTransport,
@@ -276,7 +276,7 @@ impl UcxTransport {
             // rkey is (see `Mapped`), written under its lock. The descriptors were
             // validated against both lengths.
             let (s, d) = unsafe { (std::slice::from_raw_parts(src.ptr, src.len as usize), std::slice::from_raw_parts_mut(dst.ptr, dst.len as usize)) };
-            copy_between(s, d, &pieces);
+            copy_batches(&[s], &mut [d], &[Batch { src: 0, dst: 0, descriptors }]);
         }
         self.inner.stored.fetch_add(pieces.len() as u64, Ordering::Relaxed);
         self.inner.stored_bytes.fetch_add(pieces.iter().map(|p| p.len).sum(), Ordering::Relaxed);
