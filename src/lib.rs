@@ -8,7 +8,7 @@
 //! or one below (`tools/import_map.py` checks it):
 //!
 //! - [`cli`]: the command line's subcommands and what they print;
-//! - [`bench`]: the load generators and the transfer benches;
+//! - [`bench`](mod@bench)(mod@bench): the load generators and the transfer benches;
 //! - [`check`]: the oracles, `verify` and `eval`;
 //! - [`roles`]: the processes of a deployment (proxy, prefill, decode, `up`);
 //! - [`engine`]: the World and its schedule, the mover, the compute over the model;

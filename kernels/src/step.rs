@@ -178,7 +178,7 @@ pub fn padded_k(k: usize, unit: usize, padded: usize) -> usize {
     (k / unit.max(1)) * padded + k % unit.max(1)
 }
 
-/// bf16 element index of A[m][k] in one plane of a packed activation
+/// bf16 element index of `A[m][k]` in one plane of a packed activation
 /// operand with `kt` 16-wide k tiles (hip/prelude.h's `st_a_at`): tile (m / 16,
 /// k / 16) of 256 values, then its four 8 x 8 core matrices (rows 0-7 then
 /// 8-15, each k 0-7 then 8-15), a row's 8 k contiguous: wgmma's K-major layout,
@@ -194,7 +194,7 @@ pub fn a_frag_word(lane: usize, reg: usize) -> usize {
     lane + [0, 64, 32, 96][reg]
 }
 
-/// bf16 element index of W[k][n] in one plane of a packed weight with `kt` k
+/// bf16 element index of `W[k][n]` in one plane of a packed weight with `kt` k
 /// tiles: tile (n / 16, k / 16) (a warp walking k reads consecutive tiles),
 /// then the lane and register of the two n8 B fragments.
 pub fn b_index(k: usize, n: usize, kt: usize) -> usize {

@@ -22,7 +22,7 @@ pub enum RoleCommand {
         #[command(flatten)]
         addrs: RoleAddrArgs,
 
-        /// Compute backend: cpu, cuda[:N] or hip[:N] (default: the topology's [device], else cpu).
+        /// Compute backend: cpu, cuda, cuda:N, hip or hip:N (default: the topology's `[device]` table, else cpu).
         #[arg(long, env = "HANDOFF_DEVICE")]
         device: Option<String>,
         /// Write a Chrome/Perfetto trace of this process's spans (every engine
@@ -42,7 +42,7 @@ pub enum RoleCommand {
         #[command(flatten)]
         addrs: RoleAddrArgs,
 
-        /// Compute backend: cpu, cuda[:N] or hip[:N] (default: the topology's [device], else cpu).
+        /// Compute backend: cpu, cuda, cuda:N, hip or hip:N (default: the topology's `[device]` table, else cpu).
         #[arg(long, env = "HANDOFF_DEVICE")]
         device: Option<String>,
         /// Write a Chrome/Perfetto trace of this process's spans (every engine
@@ -97,7 +97,7 @@ pub enum RoleCommand {
         /// the topology's `[cluster.proxy]` bind port, else a free port).
         #[arg(long)]
         control_port: Option<u16>,
-        /// Compute backend of every stage and of decode: cpu, cuda[:N] or hip[:N]
+        /// Compute backend of every stage and of decode: cpu, cuda, cuda:N, hip or hip:N
         /// (handed to the roles as HANDOFF_DEVICE).
         #[arg(long)]
         device: Option<String>,

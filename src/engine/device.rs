@@ -1,8 +1,8 @@
 //! Where the compute runs: the one place that turns a [`DeviceConfig`] (the
 //! topology's `[device]` table, or a command's `--device`) into a backend.
 //!
-//! The model and [`ModelCompute`] are generic over [`Backend`]; callers that must
-//! pick a backend at run time go through [`with_backend!`], which opens the
+//! The model and [`ModelCompute`] are generic over [`Backend`](handoff_kernels::Backend); callers that must
+//! pick a backend at run time go through [`with_backend!`](crate::with_backend), which opens the
 //! chosen one and runs the same generic code on it. A backend this build or this
 //! host cannot open (no feature, no driver, no device) is refused with the
 //! backend's own reason, before any work starts.

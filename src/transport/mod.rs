@@ -12,7 +12,7 @@
 //! [`tcp`] (streams between hosts), [`ucx`] (UCX one-sided puts, between hosts
 //! or on one; built with the `ucx` feature), [`rdma`] (ibverbs RDMA WRITE over RC
 //! queue pairs, built with the `rdma` feature; not yet run on hardware). [`staging`] gathers strided batches into contiguous runs through
-//! a bounded pool, and [`bench`] measures transfers against this machine's memcpy.
+//! a bounded pool, and [`bench`](mod@bench)(mod@bench) measures transfers against this machine's memcpy.
 //!
 //! [`auth`] holds the cluster secret that every connection between the processes
 //! of a deployment proves, the transports' and the roles' alike.

@@ -157,7 +157,7 @@ pub struct Dispatcher(pub Box<dyn Compute>);
 ///
 /// With layer-wise streaming (`[prefill] layer_streaming`) the compute calls a
 /// [`LayerHook`] after each layer, and the parts of the batch's plans up to
-/// that layer go to the mover at once ([`stream_layer`]), while the next layers
+/// that layer go to the mover at once (`stream_layer`), while the next layers
 /// compute; the transfer phase submits whatever is left once the stage is
 /// computed. The time the last layer finished is kept ([`LastLayerAt`]): the
 /// stage's hand-off tail runs from it to the write-done report.

@@ -110,10 +110,10 @@ fn mark(bits: &mut [u64], a: u64, b: u64) -> Option<u64> {
     None
 }
 
-/// Why a staged group names no position (see [`staged_shape`]).
+/// Why a staged group names no position (see `staged_shape`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BadShape {
-    /// A size the divisions and row index of [`token_row`] divide by.
+    /// A size the divisions and row index of `token_row` divide by.
     Zero(&'static str),
     /// A dcp rank outside its instance.
     DcpRank { rank: u32, dcp: u32 },

@@ -64,7 +64,7 @@
 //! waiting for that stage's writes, naming the stage. A role that registers again
 //! (a restart has a new pid) is up again. A request whose role died (not merely
 //! stopped) is sent again once the role is back, once per fault, replaying the
-//! tokens already streamed ([`retry`]), and counted in
+//! tokens already streamed (`retry`), and counted in
 //! `handoff_request_retries_total{phase,role}`.
 //!
 //! # Drain
@@ -75,11 +75,11 @@
 //!
 //! # The files
 //!
-//! [`server`] (listeners, limits, drain), [`registry`] (registration, watchdog,
-//! `/health`), [`metrics`], [`infer`] (one request and its choices), [`retry`]
-//! (a choice sent again after a role died under it), [`stream`]
-//! (whole or SSE answers), [`links`] (to decode and stage 0), over [`state`] and
-//! [`error`].
+//! `server` (listeners, limits, drain), `registry` (registration, watchdog,
+//! `/health`), `metrics`, `infer` (one request and its choices), `retry`
+//! (a choice sent again after a role died under it), `stream`
+//! (whole or SSE answers), `links` (to decode and stage 0), over `state` and
+//! `error`.
 
 mod error;
 mod infer;

@@ -6,15 +6,15 @@
 //! - **Regions** live in anonymous mappings registered as memory regions in
 //!   chunks of at most [`plan::MAX_MR_CHUNK`] (1 GiB, under the 2 GiB at which
 //!   providers refuse `ibv_reg_mr`); a region is as many MRs as it has chunks.
-//! - **Handles** carry [`PeerAddr::Rdma`]: the owner's bootstrap address. The
+//! - **Handles** carry [`PeerAddr::Rdma`](crate::transport::PeerAddr::Rdma): the owner's bootstrap address. The
 //!   bootstrap is a [`crate::transport::tcp`] transport, so its connections prove
 //!   the cluster secret and its messages carry MACs, like every other
-//!   connection between roles. Over it a producer's [`Transport::attach`]
+//!   connection between roles. Over it a producer's [`Transport::attach`](crate::transport::Transport::attach)
 //!   connects a queue pair (CONNECT with its QPN, LID, GID and PSN; the consumer
 //!   brings its own queue pair to RTR and answers ACCEPT with its own; the
 //!   producer goes to RTR and RTS) and fetches the region's chunk addresses and
 //!   rkeys ([`wire`]). One queue pair per (producer, consumer) pair.
-//! - **Batches** ([`Transport::submit`]) become work requests ([`plan::work_requests`]):
+//! - **Batches** ([`Transport::submit`](crate::transport::Transport::submit)) become work requests (`plan::work_requests`):
 //!   a piece that crosses an MR chunk on either side is split, pieces that
 //!   continue one remote run are gathered into one request (up to
 //!   [`RdmaOptions::max_sge`] entries), and the last request is an RDMA WRITE
@@ -23,18 +23,18 @@
 //!   signaled; the batch completes when its last round's completion arrives.
 //! - **Write-done**: the immediate completes a receive on the consumer's queue
 //!   pair, so the consumer learns from its own completion queue which writes
-//!   landed. [`Transport::notify`] travels over the bootstrap with a fence (the
+//!   landed. [`Transport::notify`](crate::transport::Transport::notify) travels over the bootstrap with a fence (the
 //!   last write completed on the queue pair to that peer), and the consumer
 //!   holds the notice until that write's immediate has arrived: a write-done
 //!   report never overtakes its bytes.
 //!
-//! libibverbs is loaded at run time ([`ffi`]): the feature needs no library to
+//! libibverbs is loaded at run time (`ffi`): the feature needs no library to
 //! build, and a machine without rdma-core, or without a device, gets a typed
 //! [`RdmaError`] when the transport is opened.
 //!
 //! **Not run on hardware.** No machine this was written on has an RDMA device
 //! (nor soft-RoCE). CI builds the backend and runs the unit tests of the pure
-//! parts ([`plan`], [`qp`], [`wire`], the struct layouts of [`ffi`]) and the
+//! parts ([`plan`], [`qp`], [`wire`], the struct layouts of `ffi`) and the
 //! refusal without a device; the loopback test that moves bytes is `#[ignore]`d
 //! and runs only where `ibv_get_device_list` lists a device.
 //!

@@ -1,15 +1,15 @@
 //! UCX transport: one-sided puts into a peer's registered regions.
 //!
 //! Built with the `ucx` feature, [`UcxTransport`] drives UCX's `ucp` API, loaded
-//! at run time from `libucp.so.0` ([`sys`]): the build needs no UCX, a run
+//! at run time from `libucp.so.0` (`sys`): the build needs no UCX, a run
 //! needs Debian's `libucx0` (1.13). Built without it, [`UcxTransport::open`]
 //! says so, as the rdma stub does.
 //!
 //! - **Regions** are allocated and registered by UCX (`ucp_mem_map` with
 //!   `UCP_MEM_MAP_ALLOCATE`, as `ucx_perftest` does, so that UCX may place them
 //!   in memory its shared-memory transports can map), zeroed, and their remote
-//!   keys packed (`ucp_rkey_pack`). A [`RegionHandle`] carries the region's
-//!   address and key ([`super::RemoteKey`]) and its [`PeerAddr::Ucx`] the
+//!   keys packed (`ucp_rkey_pack`). A [`RegionHandle`](crate::transport::RegionHandle) carries the region's
+//!   address and key ([`super::RemoteKey`]) and its [`PeerAddr::Ucx`](crate::transport::PeerAddr::Ucx) the
 //!   worker's address: the handle travels over the roles' authenticated links
 //!   like every other transport's, so the remote keys are exchanged there.
 //! - **attach** opens one UCX endpoint per peer worker (`ucp_ep_create`, peer
@@ -39,12 +39,12 @@
 //!   attachment holds the notice connection to its peer (the tcp transport's
 //!   `link`), consulted wherever UCX will not report: once that connection
 //!   closed, the peer's process is taken as gone, and a batch to it fails with
-//!   [`TransportError::Disconnected`] (checked before and after the stores, and
+//!   [`TransportError::Disconnected`](crate::transport::TransportError::Disconnected) (checked before and after the stores, and
 //!   on each pending flush, which is then released rather than waited for).
 //!   Where UCX reports, the link is not consulted: across a network it may
 //!   drop while the peer lives.
 //! - **Write-done**: after the flush, the existing notice, which travels over
-//!   an embedded [`TcpTransport`] (the cluster secret's handshake and MACs),
+//!   an embedded [`TcpTransport`](crate::transport::tcp::TcpTransport) (the cluster secret's handshake and MACs),
 //!   so a notice sent after a batch completed arrives after its bytes.
 //! - A **progress thread** calls `ucp_worker_progress` (spinning while a flush
 //!   is pending, backing off to sleeps of at most 500 us when idle); a peer's
