@@ -2,7 +2,7 @@
 //! the rdma and ucx transports. Split from config.rs so the file stays a readable
 //! size; `config` re-exports every type here.
 
-use super::ConfigError;
+use super::error::ConfigError;
 use serde::{Deserialize, Serialize};
 
 /// Which transport moves the bytes.
