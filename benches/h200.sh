@@ -27,6 +27,8 @@
 #            decode shapes, then Nsight Compute's view of the 88 x 7168^2 one
 #   fla      FLA's fused_recurrent_kda and chunk_kda (needs .whl)
 #   serve    bench serve on the default and on config/gpu.toml
+#   tail     bench serve on config/gpu-32k.toml with 32K-token prompts: the
+#            hand-off tail of layer-wise streaming against the stage's prefill
 #   systems  handoff up on config/gpu.toml under a C32 load: where each role's
 #            engine time went (/metrics, benches/peers/serve_systems.py)
 #   systems-nomps  the same with [device] mps = false (the roles take turns on
@@ -148,6 +150,10 @@ serve)
   HANDOFF_DEVICE=cuda timeout 240 handoff bench serve --concurrency 1,32,88 2>&1 | tee "$OUT/serve.txt" | tail -6 || fail=1
   step "bench serve on cuda, config/gpu.toml"
   HANDOFF_DEVICE=cuda timeout 240 handoff bench serve --config config/gpu.toml --concurrency 1,32,88 2>&1 | tee "$OUT/serve-gpu.txt" | tail -6 || fail=1
+  ;;
+tail)
+  step "the hand-off tail at 32K-token prompts on cuda (layer-wise streaming): its share of the stage's prefill"
+  HANDOFF_DEVICE=cuda timeout 300 handoff bench serve --config config/gpu-32k.toml --prompt-tokens 32768 --concurrency 1 --requests 3 2>&1 | tee "$OUT/tail-32k.txt" | tail -5 || fail=1
   ;;
 systems)
   step "handoff up on cuda, config/gpu.toml, C32: each role's engine time by system"

@@ -168,6 +168,11 @@ enum BenchCommand {
         /// Also draw tok/s, TTFT and ITL (p50, p99) per level into this SVG file.
         #[arg(long)]
         plot: Option<std::path::PathBuf>,
+        /// Prompts of exactly this many tokens (default: 32 to 127), e.g. 32768
+        /// for the hand-off tail of long prompts (the config's serve.max_context
+        /// must hold them).
+        #[arg(long)]
+        prompt_tokens: Option<u32>,
     },
     /// A long load through `handoff up` with faults injected: prefill stage 0, the
     /// last stage and decode killed (SIGKILL) one after the other, each restarted by
@@ -545,14 +550,17 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::Role(r) => handoff::cli::roles::dispatch(r)?,
-        Command::Bench { what: BenchCommand::Serve { config, concurrency, requests, allow_failures, plot } } => {
+        Command::Bench { what: BenchCommand::Serve { config, concurrency, requests, allow_failures, plot, prompt_tokens } } => {
             if concurrency.is_empty() || concurrency.contains(&0) {
                 return Err(Refusal("--concurrency needs levels of at least 1".into()).into());
             }
             if let Some(c) = &config {
                 load(c)?;
             }
-            let levels = handoff::bench::bench_serve(config.as_deref().map(std::path::Path::new), &concurrency, requests)?;
+            if prompt_tokens == Some(0) {
+                return Err(Refusal("--prompt-tokens needs at least 1 token".into()).into());
+            }
+            let levels = handoff::bench::bench_serve(config.as_deref().map(std::path::Path::new), &concurrency, requests, prompt_tokens)?;
             if let Some(p) = &plot {
                 // Drawn before the failure check, so a sweep with failures still has its picture.
                 handoff::bench::plot::draw_serve(&handoff::bench::serve::serve_chart(&levels, config.as_deref().map(std::path::Path::new)), p)?;

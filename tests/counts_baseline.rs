@@ -168,6 +168,7 @@ fn a_dead_stage_fails_its_waiting_requests_names_the_orphans_and_counts_return_t
         first_token: None,
         bytes: 64,
         tail_us: None,
+        compute_us: None,
     }));
     e.tick();
     let _ = e.take_events();

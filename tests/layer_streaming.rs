@@ -307,6 +307,7 @@ fn a_stage_issues_each_layers_writes_before_its_next_layers_compute() {
     });
     let report = report.expect("stage 0's report once its last part completed");
     assert!(report.tail_us.is_some(), "the report carries the stage's hand-off tail");
+    assert!(report.compute_us.is_some(), "and the stage's compute time, which the tail is set against");
 }
 
 #[test]

@@ -182,6 +182,8 @@ fn check_topology_end_to_end(name: &str, text: &str) {
         assert!(v["handoff"]["bytes_handed_off"].as_u64().unwrap_or(0) > 0, "{name}: no bytes handed off: {}", r.body);
         // Every stage measured its hand-off tail, and the answer carries the longest.
         assert!(v["handoff"]["tail_ms"].as_f64().is_some_and(|t| t >= 0.0), "{name}: no hand-off tail: {}", r.body);
+        // And that stage's prefill compute, which the tail is set against.
+        assert!(v["handoff"]["stage_prefill_ms"].as_f64().is_some_and(|t| t > 0.0), "{name}: no stage prefill time: {}", r.body);
     }
     // Streaming: the same tokens as SSE events, then [DONE].
     let r = complete(&up.addr, &serde_json::json!({"prompt": "stream me", "max_tokens": 6, "stream": true}));

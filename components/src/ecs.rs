@@ -84,10 +84,19 @@ pub struct Holdings {
 pub struct StagesComputed(pub Vec<bool>);
 
 /// When each PP stage held here finished computing its last layer of the
-/// request: the start of the stage's hand-off tail, which ends at its
-/// write-done report ([`StageReport::tail_us`]).
+/// request (the start of the stage's hand-off tail, which ends at its
+/// write-done report, [`StageReport::tail_us`]), and how long the stage's
+/// compute of the batch that held the request took.
 #[derive(Component, Debug, Clone, Default)]
-pub struct LastLayerAt(pub Vec<Option<Instant>>);
+pub struct LastLayerAt(pub Vec<Option<StageCompute>>);
+
+/// One stage's compute of one request: when its last layer was done, and the
+/// microseconds from the batch's compute start to then.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StageCompute {
+    pub last_layer: Instant,
+    pub compute_us: u64,
+}
 
 /// Where one request lives on one rank: its blocks, in position order, and its
 /// slot. The one lease shape: the engine's lease entities carry it, the compute
@@ -139,6 +148,9 @@ pub struct Timing {
     pub bytes: u64,
     /// The longest hand-off tail the stages reported ([`StageReport::tail_us`]).
     pub tail_us: Option<u64>,
+    /// The compute time of the stage that reported that tail
+    /// ([`StageReport::compute_us`]): what the tail is set against.
+    pub tail_stage_compute_us: Option<u64>,
 }
 
 /// Decode progress of a handed-off request: `emitted` tokens of `max_tokens` have
@@ -315,6 +327,10 @@ pub struct StageReport {
     /// this report (None where the World did not compute it, as in `verify`).
     #[serde(default)]
     pub tail_us: Option<u64>,
+    /// The stage's compute of the batch that held the request, microseconds
+    /// from its start to the last layer (None where `tail_us` is).
+    #[serde(default)]
+    pub compute_us: Option<u64>,
 }
 
 /// Fail a live request (its client went away, a peer failed it): the release
@@ -359,8 +375,9 @@ pub enum EngineEvent {
     /// Decode produced a token (`index` 0 is the first, from prefill).
     Token { request: u64, index: u32, token: u8 },
     /// Decode emitted a request's last token; its blocks and slots are freed.
-    /// `tail_ms`: the longest of the stages' hand-off tails, when they measured one.
-    Finished { request: u64, handoff_ms: f64, decode_ms: f64, bytes: u64, tail_ms: Option<f64> },
+    /// `tail_ms`: the longest of the stages' hand-off tails, when they measured
+    /// one; `stage_prefill_ms`: that stage's compute of the request's batch.
+    Finished { request: u64, handoff_ms: f64, decode_ms: f64, bytes: u64, tail_ms: Option<f64>, stage_prefill_ms: Option<f64> },
     /// A prefill stage settled a request it never held ([`Settle`]): it will drop
     /// the request's job if that still comes, and decode must hear now that this
     /// stage writes nothing for it.

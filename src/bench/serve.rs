@@ -30,6 +30,9 @@ pub struct ServeLevel {
     pub tail_p99: f64,
     /// Requests whose answer carried a hand-off tail.
     pub tails: u32,
+    /// Per request, the tail over the compute time of the stage it came from
+    /// (the batch that held the request, first layer to last): the median.
+    pub tail_share_p50: f64,
     /// CPU time of all role processes over the level, per completed request (ms).
     pub cpu_ms_per_request: f64,
 }
@@ -40,8 +43,15 @@ pub(crate) fn load_prompt(i: u32) -> String {
     (0..32 + (i * 37) % 96).map(|j| (b'a' + ((i + j) % 26) as u8) as char).collect()
 }
 
-/// `concurrency` clients sending `requests` completions in all to `addr`.
-pub fn load(addr: &str, concurrency: u32, requests: u32, max_tokens: u32) -> ServeLevel {
+/// The prompt of the `i`-th request of a load of `tokens`-token prompts
+/// (bytes are tokens): letters, different per request.
+fn sized_prompt(i: u32, tokens: u32) -> String {
+    (0..tokens).map(|j| (b'a' + ((i * 7 + j + j / 26) % 26) as u8) as char).collect()
+}
+
+/// `concurrency` clients sending `requests` completions in all to `addr`,
+/// with prompts of `prompt_tokens` tokens each (None: 32 to 127).
+pub fn load(addr: &str, concurrency: u32, requests: u32, max_tokens: u32, prompt_tokens: Option<u32>) -> ServeLevel {
     let next = std::sync::atomic::AtomicU32::new(0);
     let results = std::sync::Mutex::new(Vec::new());
     let t0 = Instant::now();
@@ -53,7 +63,7 @@ pub fn load(addr: &str, concurrency: u32, requests: u32, max_tokens: u32) -> Ser
                     if i >= requests {
                         return;
                     }
-                    let prompt = load_prompt(i);
+                    let prompt = prompt_tokens.map_or_else(|| load_prompt(i), |n| sized_prompt(i, n));
                     let r = complete(addr, &prompt, max_tokens);
                     results.lock().unwrap_or_else(|p| p.into_inner()).push(r);
                 }
@@ -75,6 +85,7 @@ pub fn load(addr: &str, concurrency: u32, requests: u32, max_tokens: u32) -> Ser
     let mut ttft: Vec<f64> = ok.iter().map(|r| r.ttft_ms).collect();
     let mut itl: Vec<f64> = ok.iter().flat_map(|r| r.itl_ms.clone()).collect();
     let mut tail: Vec<f64> = ok.iter().filter_map(|r| r.tail_ms).collect();
+    let mut share: Vec<f64> = ok.iter().filter_map(|r| Some(r.tail_ms? / r.stage_prefill_ms.filter(|&p| p > 0.0)?)).collect();
     ServeLevel {
         concurrency,
         requests,
@@ -89,28 +100,47 @@ pub fn load(addr: &str, concurrency: u32, requests: u32, max_tokens: u32) -> Ser
         tails: tail.len() as u32,
         tail_p50: percentile(&mut tail, 0.5),
         tail_p99: percentile(&mut tail, 0.99),
+        tail_share_p50: percentile(&mut share, 0.5),
         cpu_ms_per_request: 0.0,
     }
 }
 
 /// `handoff bench serve`: starts the cluster of `config` (the built-in default
 /// without one) and sweeps the concurrency levels, `requests` completions of 16
-/// tokens per level (0: 8 x concurrency, at least 64); prints tok/s, TTFT and ITL
-/// p50/p99 per level and the ratio of each level's tok/s to the first's.
+/// tokens per level (0: 8 x concurrency, at least 64), their prompts 32 to 127
+/// tokens or `prompt_tokens` each; prints tok/s, TTFT and ITL p50/p99 per level,
+/// the ratio of each level's tok/s to the first's, and the hand-off tail, also
+/// as a share of the stage's prefill compute.
 ///
 /// tok/s, TTFT and ITL count the successful requests only; a level with failures
 /// says how many of its requests failed and lists them by HTTP status and reason
 /// (the caller decides whether a failure fails the run: see [`failed_requests`]).
-pub fn bench_serve(config: Option<&Path>, levels: &[u32], requests: u32) -> anyhow::Result<Vec<ServeLevel>> {
+pub fn bench_serve(config: Option<&Path>, levels: &[u32], requests: u32, prompt_tokens: Option<u32>) -> anyhow::Result<Vec<ServeLevel>> {
     let port = free_port()?;
     let mut c = Deployment::start(config, "127.0.0.1", port, None)?;
     eprintln!("bench serve: {} at {}", config.map_or("the built-in default (config/trained.toml)".to_string(), |p| p.display().to_string()), c.addr);
     c.wait_healthy(Duration::from_secs(60), true)?;
     // Warm-up, so the first level does not pay for the first requests' page faults.
-    let _ = load(&c.addr, 2, 4, 16);
+    let _ = load(&c.addr, 2, 4, 16, prompt_tokens);
+    if let Some(n) = prompt_tokens {
+        println!("prompts of {n} tokens; tail/prefill: the hand-off tail over its stage's prefill compute, per request (median)");
+    }
     println!(
-        "{:>11} {:>9} {:>6} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>12}",
-        "concurrency", "requests", "ok", "failed", "ok tok/s", "vs C1", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "tail p50", "tail p99", "CPU ms/req"
+        "{:>11} {:>9} {:>6} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>12} {:>12}",
+        "concurrency",
+        "requests",
+        "ok",
+        "failed",
+        "ok tok/s",
+        "vs C1",
+        "TTFT p50",
+        "TTFT p99",
+        "ITL p50",
+        "ITL p99",
+        "tail p50",
+        "tail p99",
+        "tail/prefill",
+        "CPU ms/req"
     );
     // SAFETY: sysconf has no preconditions.
     let tick_ms = 1000.0 / (unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64);
@@ -118,12 +148,12 @@ pub fn bench_serve(config: Option<&Path>, levels: &[u32], requests: u32) -> anyh
     for &conc in levels {
         let n = if requests == 0 { (8 * conc).max(64) } else { requests };
         let t0 = c.cpu_ticks();
-        let mut l = load(&c.addr, conc, n, 16);
+        let mut l = load(&c.addr, conc, n, 16, prompt_tokens);
         l.cpu_ms_per_request = (c.cpu_ticks().saturating_sub(t0)) as f64 * tick_ms / f64::from(l.ok.max(1));
         let base = out.first().map_or(l.tok_s, |f: &ServeLevel| f.tok_s);
         let failed: u32 = l.failed.values().sum();
         println!(
-            "{:>11} {:>9} {:>6} {:>7} {:>9.1} {:>8.2}x {:>7.1}ms {:>7.1}ms {:>7.2}ms {:>7.2}ms {:>7.3}ms {:>7.3}ms {:>10.2}ms",
+            "{:>11} {:>9} {:>6} {:>7} {:>9.1} {:>8.2}x {:>7.1}ms {:>7.1}ms {:>7.2}ms {:>7.2}ms {:>7.3}ms {:>7.3}ms {:>11.2}% {:>10.2}ms",
             conc,
             l.requests,
             l.ok,
@@ -136,6 +166,7 @@ pub fn bench_serve(config: Option<&Path>, levels: &[u32], requests: u32) -> anyh
             l.itl_p99,
             l.tail_p50,
             l.tail_p99,
+            100.0 * l.tail_share_p50,
             l.cpu_ms_per_request
         );
         if failed > 0 {

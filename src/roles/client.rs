@@ -18,6 +18,8 @@ pub struct CompletionAnswer {
     /// The hand-off tail (the longest of the stages' last layer to write-done),
     /// when the answer carries one.
     pub tail_ms: Option<f64>,
+    /// The compute time of the stage with that tail, when the answer carries it.
+    pub stage_prefill_ms: Option<f64>,
     pub decode_ms: f64,
 }
 
@@ -41,6 +43,7 @@ pub fn complete(addr: &str, prompt: &str, max_tokens: u32) -> Result<CompletionA
         queue_ms: f("queue_ms"),
         handoff_ms: f("handoff_ms"),
         tail_ms: h["tail_ms"].as_f64(),
+        stage_prefill_ms: h["stage_prefill_ms"].as_f64(),
         decode_ms: f("decode_ms"),
     })
 }

@@ -213,9 +213,9 @@ fn engine_loop(mut engine: Engine, endpoint: &PeerAddr, handles: &[RegionHandle]
                     out.push(Msg::Admitted(Box::new(a)));
                 }
                 EngineEvent::Token { request, token, .. } => out.push(Msg::Token { id: request, token }),
-                EngineEvent::Finished { request, handoff_ms, decode_ms, bytes, tail_ms } => {
+                EngineEvent::Finished { request, handoff_ms, decode_ms, bytes, tail_ms, stage_prefill_ms } => {
                     tracing::debug!(request, "decode: finished");
-                    out.push(Msg::Done { id: request, handoff_ms, decode_ms, bytes, tail_ms });
+                    out.push(Msg::Done { id: request, handoff_ms, decode_ms, bytes, tail_ms, stage_prefill_ms });
                 }
                 // A stage went down: the proxy asks the later stage to settle these.
                 EngineEvent::Orphaned { stage, requests, failure } => out.push(Msg::Orphaned { stage, requests, endpoint: endpoint.clone(), failure }),

@@ -80,6 +80,10 @@ pub enum Msg {
         bytes: u64,
         #[serde(default)]
         tail_ms: Option<f64>,
+        /// The compute time of the stage with that tail (its batch, first
+        /// layer to last): what the tail is set against.
+        #[serde(default)]
+        stage_prefill_ms: Option<f64>,
     },
     /// decode -> proxy (and the proxy's own links to a request's task): the
     /// request failed; the failure names the phase, the role and the cause.

@@ -118,7 +118,7 @@ pub fn admit_requests(
         if local.decode && s.max_tokens > 0 {
             e.insert((
                 DecodeProgress { max_tokens: s.max_tokens, emitted: 0, last: None, stepped: 0 },
-                Timing { admitted: Instant::now(), handed_off: None, bytes: 0, tail_us: None },
+                Timing { admitted: Instant::now(), handed_off: None, bytes: 0, tail_us: None, tail_stage_compute_us: None },
             ));
             if !s.forced.is_empty() {
                 e.insert(Forced(s.forced.clone()));

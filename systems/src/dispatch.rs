@@ -210,6 +210,7 @@ pub fn run_prefill(
     let last_layer = topo.0.stage_layers.get(stage as usize).and_then(|r| r.end.checked_sub(1)).map(ModuleLayer);
     let streaming = topo.0.config.prefill.streams_layers();
     let mut last_at: Option<Instant> = None;
+    let started = Instant::now();
     let mut failed: Vec<(Entity, Failure)> = Vec::new();
     let (batch, mut outs) = {
         let rows: Vec<_> = batch.iter().filter_map(|&e| requests.get(e).ok()).collect();
@@ -264,7 +265,8 @@ pub fn run_prefill(
                 if let Some(mut at) = last_layer_at
                     && let Some(slot) = at.0.get_mut(stage as usize)
                 {
-                    *slot = Some(last_at);
+                    let compute_us = last_at.saturating_duration_since(started).as_micros() as u64;
+                    *slot = Some(StageCompute { last_layer: last_at, compute_us });
                 }
                 if let Some(greedy) = out.first_token {
                     commands.entity(e).insert(FirstToken(choose(greedy, sampling, out.logits.as_deref(), 0)));

@@ -121,7 +121,10 @@ pub fn receive_reports(
         }
         if let Some(mut t) = timing {
             t.bytes += r.bytes;
-            t.tail_us = t.tail_us.max(r.tail_us);
+            if r.tail_us > t.tail_us {
+                t.tail_us = r.tail_us;
+                t.tail_stage_compute_us = r.compute_us;
+            }
         }
         if let Some(tok) = r.first_token {
             commands.entity(e).insert(FirstToken(tok));
@@ -232,6 +235,7 @@ pub fn record_reports(
             }
         }
         let last = stage + 1 == topo.0.config.prefill.pp;
+        let stage_compute = last_layer.and_then(|l| l.0.get(stage as usize).copied().flatten());
         events.write(EngineEvent::Written(StageReport {
             request: req.id,
             nonce: req.nonce,
@@ -241,7 +245,8 @@ pub fn record_reports(
             bytes,
             // The hand-off tail: what of the stage's writes was left when its
             // last layer was computed.
-            tail_us: last_layer.and_then(|l| l.0.get(stage as usize).copied().flatten()).map(|at| at.elapsed().as_micros() as u64),
+            tail_us: stage_compute.map(|c| c.last_layer.elapsed().as_micros() as u64),
+            compute_us: stage_compute.map(|c| c.compute_us),
         }));
     }
 }
@@ -393,6 +398,7 @@ pub fn retire_requests(
                         decode_ms: ms(now.saturating_duration_since(handed)),
                         bytes: t.bytes,
                         tail_ms: t.tail_us.map(|us| us as f64 / 1e3),
+                        stage_prefill_ms: t.tail_stage_compute_us.map(|us| us as f64 / 1e3),
                     });
                 }
             }

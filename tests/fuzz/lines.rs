@@ -47,7 +47,7 @@ pub fn valid_lines() -> Vec<(&'static str, Vec<u8>)> {
         Msg::Admit { id: 2, prompt_tokens: 1, max_tokens: 1, sampling, forced: vec![7, 255] },
         Msg::Admitted(Box::new(admitted)),
         Msg::Token { id: 3, token: 255 },
-        Msg::Done { id: 3, handoff_ms: 1.5, decode_ms: 0.25, bytes: 1 << 40, tail_ms: Some(0.75) },
+        Msg::Done { id: 3, handoff_ms: 1.5, decode_ms: 0.25, bytes: 1 << 40, tail_ms: Some(0.75), stage_prefill_ms: Some(12.5) },
         Msg::Error {
             id: 4,
             failure: Failure::new(PhaseName::Transfer, ProcessRole::Prefill { stage: 1 }, Cause::PeerDown { loss: PeerLoss::Dead, detail: "died".into() }),
@@ -72,6 +72,7 @@ pub fn valid_lines() -> Vec<(&'static str, Vec<u8>)> {
         first_token: Some(b'a'),
         bytes: 4096,
         tail_us: Some(1250),
+        compute_us: Some(40_000),
     };
     for n in [
         Notice::Written(report),

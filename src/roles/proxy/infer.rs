@@ -412,8 +412,9 @@ async fn attempt(p: &Arc<Proxy>, choice: &ChoiceTask, id: u64, prog: &mut Progre
                     return Ok("stop");
                 }
             }
-            Msg::Done { handoff_ms, decode_ms, bytes, tail_ms, .. } => {
+            Msg::Done { handoff_ms, decode_ms, bytes, tail_ms, stage_prefill_ms, .. } => {
                 prog.summary.tail_ms = tail_ms;
+                prog.summary.stage_prefill_ms = stage_prefill_ms;
                 prog.summary.handoff_ms = handoff_ms;
                 prog.summary.decode_ms = decode_ms;
                 prog.summary.bytes_handed_off = bytes;

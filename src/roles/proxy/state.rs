@@ -220,6 +220,9 @@ pub(super) struct Summary {
     /// layer's compute to their write-done report (layer-wise streaming makes
     /// it short); None when decode had no figure.
     pub(super) tail_ms: Option<f64>,
+    /// The compute of the stage with that tail (its batch, first layer to
+    /// last), so a reader can set the tail against it.
+    pub(super) stage_prefill_ms: Option<f64>,
     pub(super) decode_ms: f64,
     pub(super) bytes_handed_off: u64,
 }
