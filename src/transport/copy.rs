@@ -124,12 +124,12 @@ pub(crate) fn copy_within(buf: &mut [u8], pieces: &[Piece]) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     /// Bytes that do not repeat within any short window, so a copy shifted by a few
     /// bytes, or one that writes one byte too many or too few, compares unequal.
-    fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    pub(in crate::transport) fn pattern(len: usize, seed: u64) -> Vec<u8> {
         let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
         (0..len)
             .map(|_| {

@@ -194,19 +194,8 @@ pub(crate) fn copy_batches(srcs: &[&[u8]], dsts: &mut [&mut [u8]], batches: &[Ba
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::transport::copy::tests::pattern;
     use handoff_components::vocab::RegionKind;
-
-    fn pattern(len: usize, seed: u64) -> Vec<u8> {
-        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..len)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 24) as u8
-            })
-            .collect()
-    }
 
     fn strided(src: u64, dst: u64, len: u64, count: u32, src_stride: u64, dst_stride: u64) -> Descriptor {
         Descriptor { kind: RegionKind::MlaKv, src_offset: src, dst_offset: dst, len, count, src_stride, dst_stride }
