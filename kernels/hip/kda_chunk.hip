@@ -84,6 +84,18 @@ static __device__ __forceinline__ float kc_exp(float x) {
 #endif
 }
 
+// c += a . b in 3xTF32 as hk_mma_3xtf32 does, with the two small products
+// into two accumulators of their own: three independent chains, so that a
+// warp's next tensor-core product need not wait for its last.
+static __device__ __forceinline__ void kc_mma3(float* c, float* s1, float* s2, const unsigned* ah, const unsigned* al, float b0, float b1) {
+    unsigned bh0, bl0, bh1, bl1;
+    hk_tf32_split(b0, bh0, bl0);
+    hk_tf32_split(b1, bh1, bl1);
+    hk_mma_tf32(s1, al, bh0, bh1);
+    hk_mma_tf32(s2, ah, bl0, bl1);
+    hk_mma_tf32(c, ah, bh0, bh1);
+}
+
 struct KdaChunkWs {
     float* w;
     float* u0;
@@ -267,11 +279,28 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_prep(
             while (tl * (tl + 1) / 2 > r) --tl;
             while ((tl + 1) * (tl + 2) / 2 <= r) ++tl;
             const int t = 16 * sub + tl, s2 = 16 * sub + r - tl * (tl + 1) / 2;
+            // Four channels a read (rows are 16-byte aligned and zero past dk,
+            // where the terms add nothing): a quarter of the shared-memory
+            // instructions, the same sums in the same order.
             float akk = 0.0f, aqk = 0.0f;
-            for (int i = 0; i < dk; ++i) {
-                const float d = kc_exp(gm[t * KC_LD1 + i] - gm[s2 * KC_LD1 + i]) * kh[s2 * KC_LD1 + i];
-                akk = fmaf(kh[t * KC_LD1 + i], d, akk);
-                aqk = fmaf(qh[t * KC_LD1 + i], d, aqk);
+            const float* gt = gm + t * KC_LD1;
+            const float* gs = gm + s2 * KC_LD1;
+            const float* kt = kh + t * KC_LD1;
+            const float* ks = kh + s2 * KC_LD1;
+            const float* qt = qh + t * KC_LD1;
+            for (int i = 0; i < dk; i += 4) {
+                const float4 a = *(const float4*)(gt + i), b = *(const float4*)(gs + i), kv = *(const float4*)(ks + i);
+                const float4 kk = *(const float4*)(kt + i), qq = *(const float4*)(qt + i);
+                const float d0 = kc_exp(a.x - b.x) * kv.x, d1 = kc_exp(a.y - b.y) * kv.y;
+                const float d2 = kc_exp(a.z - b.z) * kv.z, d3 = kc_exp(a.w - b.w) * kv.w;
+                akk = fmaf(kk.x, d0, akk);
+                aqk = fmaf(qq.x, d0, aqk);
+                akk = fmaf(kk.y, d1, akk);
+                aqk = fmaf(qq.y, d1, aqk);
+                akk = fmaf(kk.z, d2, akk);
+                aqk = fmaf(qq.z, d2, aqk);
+                akk = fmaf(kk.w, d3, akk);
+                aqk = fmaf(qq.w, d3, aqk);
             }
             adiag[m] = s2 < t ? bt[t] * akk : 0.0f;
             P[t * KC_C + s2] = aqk;
@@ -632,7 +661,10 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
 
         // u = U0 - W S over the key channels, 8 at a time.
         {
-            float big[4] = {0.0f, 0.0f, 0.0f, 0.0f}, small[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            // Four accumulators (the large products of even and odd k-steps,
+            // the two small ones apart), added in a fixed order at the end:
+            // one accumulator took 32 dependent products a chunk.
+            float big[2][4] = {}, sm1[4] = {}, sm2[4] = {};
             const float* wa = Wc + (16 * mt + g) * KC_LDW + t4;
             const float* sb = ST + (8 * nt + g) * KC_LDW + t4;
 #pragma unroll 4
@@ -641,8 +673,11 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
                 unsigned ah[4], al[4];
 #pragma unroll
                 for (int i = 0; i < 4; ++i) hk_tf32_split(av[i], ah[i], al[i]);
-                hk_mma_3xtf32(big, small, ah, al, sb[k0], sb[k0 + 4]);
+                kc_mma3(big[(k0 >> 3) & 1], sm1, sm2, ah, al, sb[k0], sb[k0 + 4]);
             }
+            float acc4[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc4[e] = (big[0][e] + big[1][e]) + (sm1[e] + sm2[e]);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int t = 16 * mt + g + 8 * (e >> 1), j = 8 * nt + 2 * t4 + (e & 1);
@@ -650,7 +685,7 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
                 float u0;
                 if (pre) u0 = U0b[(c & 1) * KC_C * KC_TILE + t * KC_TILE + j];
                 else u0 = on ? W.u0[(row0 + t) * dv + cbase0 + j] : 0.0f;
-                const float u = u0 - (big[e] + small[e]);
+                const float u = u0 - acc4[e];
                 Us[t * KC_LDUS + j] = u;
                 if (on) W.u0[(row0 + t) * dv + cbase0 + j] = u;
             }
@@ -666,29 +701,25 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 1) kda_chunk_state(
                 const int i = 16 * warp + g + 8 * r;
                 dr[r] = pre ? Db[(c & 1) * KC_DK + i] : W.dc[(wch + c) * KC_DK + i];
             }
-            float small[2][4];
-#pragma unroll
-            for (int n = 0; n < 2; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    sr[n][e] *= dr[e >> 1];
-                    small[n][e] = 0.0f;
-                }
+            // k^T u into fresh accumulators (even and odd token steps, the
+            // small products apart), then added to the decayed state in a
+            // fixed order: accumulating onto the state chained 16 products.
+            float big[2][2][4] = {}, sm1[2][4] = {}, sm2[2][4] = {};
             const float* ka = Kc + t4 * KC_LDK + 16 * warp + g;
             const float* ub = Us + t4 * KC_LDUS + g;
-#pragma unroll 2
+#pragma unroll 4
             for (int s0 = 0; s0 < KC_C; s0 += 8) {
                 const float av[4] = {ka[s0 * KC_LDK], ka[s0 * KC_LDK + 8], ka[(s0 + 4) * KC_LDK], ka[(s0 + 4) * KC_LDK + 8]};
                 unsigned ah[4], al[4];
 #pragma unroll
                 for (int i = 0; i < 4; ++i) hk_tf32_split(av[i], ah[i], al[i]);
 #pragma unroll
-                for (int n = 0; n < 2; ++n) hk_mma_3xtf32(sr[n], small[n], ah, al, ub[s0 * KC_LDUS + 8 * n], ub[(s0 + 4) * KC_LDUS + 8 * n]);
+                for (int n = 0; n < 2; ++n) kc_mma3(big[(s0 >> 3) & 1][n], sm1[n], sm2[n], ah, al, ub[s0 * KC_LDUS + 8 * n], ub[(s0 + 4) * KC_LDUS + 8 * n]);
             }
 #pragma unroll
             for (int n = 0; n < 2; ++n)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) sr[n][e] += small[n][e];
+                for (int e = 0; e < 4; ++e) sr[n][e] = fmaf(sr[n][e], dr[e >> 1], (big[0][n][e] + big[1][n][e]) + (sm1[n][e] + sm2[n][e]));
         }
         put_st();
         hk_cp_wait_all();
@@ -780,11 +811,9 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_out(
 
     const int warp = tid / 32, lane = tid % 32, gq = lane / 4, t4 = lane % 4;
     const int mt = warp % 4, cb = 32 * (warp / 4);
-    float big[4][4], small[4][4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) big[j][e] = small[j][e] = 0.0f;
+    // The two small products of 3xTF32 in accumulators of their own (kc_mma3):
+    // twelve independent chains a warp.
+    float big[4][4] = {}, sm1[4][4] = {}, sm2[4][4] = {};
     // One k-step: A from `a` (rows 16 mt + gq, + 8; k t4, t4 + 4), B from
     // `b` (column cb + 8 j + gq, k t4, t4 + 4) for the four column tiles.
     auto kstep = [&](const float* a, int lda, const float* b, int ldb) {
@@ -793,7 +822,7 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_out(
 #pragma unroll
         for (int i = 0; i < 4; ++i) hk_tf32_split(av[i], ah[i], al[i]);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) hk_mma_3xtf32(big[j], small[j], ah, al, b[8 * j * ldb], b[8 * j * ldb + 4]);
+        for (int j = 0; j < 4; ++j) kc_mma3(big[j], sm1[j], sm2[j], ah, al, b[8 * j * ldb], b[8 * j * ldb + 4]);
     };
     const float* qa = Qs + (16 * mt + gq) * KC_LDW + t4;
     const float* sb = ST + (cb + gq) * KC_LDW + t4;
@@ -810,7 +839,7 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS, 2) kda_chunk_out(
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int cc = cb + 8 * j + 2 * t4 + (e & 1);
-            if (col0 + cc < dv) out[th * dv + col0 + cc] = big[j][e] + small[j][e];
+            if (col0 + cc < dv) out[th * dv + col0 + cc] = big[j][e] + (sm1[j][e] + sm2[j][e]);
         }
     }
     if (record && col0 + tid % KC_OT < dv) {
