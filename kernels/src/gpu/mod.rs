@@ -10,11 +10,16 @@
 //!   `libnvrtc` can be loaded and returns `BackendUnavailable("cuda: no CUDA
 //!   driver: ...")` when not, so the same binary runs its CPU path on a machine
 //!   without a GPU. Without `cuda`, a stub with the same API that refuses.
-//! - [`HipBackend`]: with `hip`, the fused decode step through the same launch
-//!   table as CUDA (`step_gpu/`), on the HIP runtime (hip-sys) and the gfx90a
-//!   code objects [`HIP_CODE_OBJECTS`]; its other ops refuse, naming the op.
-//!   Never run on AMD hardware: here `new` reports "no device". Without
-//!   `hip`, a stub that refuses.
+//! - [`HipBackend`]: with `hip`, the same backend on the HIP runtime
+//!   (hip-sys) and the gfx90a code objects [`HIP_CODE_OBJECTS`]: the fused
+//!   decode step through the same launch table as CUDA (`step_gpu/`) and every
+//!   generic op through the same launch decisions (`ops/`); device memory for
+//!   regions refuses. Never run on AMD hardware: here `new` reports "no
+//!   device". Without `hip`, a stub that refuses.
+//!
+//! Both real backends are one type, `GpuBackend<D>` (`ops/`), over a driver
+//! `D` (`launch.rs`): CUDA and HIP differ only in the driver's calls, how the
+//! kernels were compiled, and device memory for regions.
 
 use crate::dtype::StorageDtype;
 use crate::error::Result;
@@ -38,7 +43,7 @@ pub use cuda_memory::{CudaMemory, IPC_HANDLE_BYTES};
 #[cfg(feature = "hip")]
 mod hip;
 #[cfg(feature = "hip")]
-pub use hip::HipBackend;
+pub use hip::{HipBackend, HipBuf, HipF64Buf, HipIBuf};
 
 // The launch seam and the fused decode step over it: plain Rust, built in
 // every configuration so that the launch table's tests run on any machine
@@ -47,6 +52,10 @@ pub use hip::HipBackend;
 mod launch;
 #[cfg_attr(not(any(feature = "cuda", feature = "hip")), allow(dead_code))]
 mod step_gpu;
+// The generic ops over the seam (GpuBackend<D>), likewise built everywhere so
+// that their launches are checked against the sources on any machine.
+#[cfg_attr(not(any(feature = "cuda", feature = "hip")), allow(dead_code, unused_imports))]
+mod ops;
 
 /// Device memory for registered regions on CUDA GPU `ordinal`, without
 /// compiling the kernels (a transport opens it before the compute backend; both
@@ -178,12 +187,22 @@ pub type CudaF64Buf = NoBuf;
 
 #[cfg(not(feature = "hip"))]
 stub::stub_backend!(
-    /// AMD backend (the fused decode step through hip-sys). This build has no
-    /// `hip` feature: a stub whose `new` refuses.
+    /// AMD backend (hip-sys and gfx90a code objects). This build has no `hip`
+    /// feature: a stub whose `new` refuses.
     HipBackend,
     "hip",
     |_| "hip: built without the `hip` feature".to_string()
 );
+
+/// The f32 buffer of [`HipBackend`] (no values without the `hip` feature).
+#[cfg(not(feature = "hip"))]
+pub type HipBuf = NoBuf;
+/// The i32 buffer of [`HipBackend`] (no values without the `hip` feature).
+#[cfg(not(feature = "hip"))]
+pub type HipIBuf = NoBuf;
+/// The f64 buffer of [`HipBackend`] (no values without the `hip` feature).
+#[cfg(not(feature = "hip"))]
+pub type HipF64Buf = NoBuf;
 
 #[cfg(test)]
 mod tests {

@@ -1,5 +1,6 @@
-//! The launch table's driver on CUDA: cudarc's driver API on the backend's
-//! context, stream and NVRTC-compiled module.
+//! The launch seam's driver on CUDA: cudarc's driver API on the backend's
+//! context, stream and NVRTC-compiled module. The fused step and every
+//! generic op (`gpu/ops/`) run through it.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -10,16 +11,20 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaGraph, CudaModule, CudaStream, 
 use crate::gpu::launch::{Driver, DriverFault};
 
 /// The backend's context, stream and module (cheap to clone: three `Arc`s).
+/// `pub` only for the public aliases that name it (`CudaBuf`, ...); its
+/// module is private.
 #[derive(Clone)]
-pub(crate) struct CudaDriver {
+pub struct CudaDriver {
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) stream: Arc<CudaStream>,
     pub(crate) module: Arc<CudaModule>,
+    /// The device's compute capability (the module was compiled for it).
+    pub(crate) cc: (i32, i32),
 }
 
 /// A captured graph (cudarc's graph is not Send; a step uses its graphs
 /// through `&mut`, one thread at a time).
-pub(crate) struct CudaStepGraph(CudaGraph);
+pub struct CudaStepGraph(CudaGraph);
 
 fn fault(e: DriverError) -> DriverFault {
     DriverFault(e.to_string())
@@ -31,6 +36,7 @@ impl Driver for CudaDriver {
     type Event = CudaEvent;
     const NAME: &'static str = "cuda";
     const LABEL: &'static str = "CUDA";
+    const TYPE_PREFIX: &'static str = "Cuda";
 
     fn function(&self, name: &str) -> Result<sys::CUfunction, DriverFault> {
         // The handle stays valid while `module` is loaded; the driver value
@@ -65,6 +71,33 @@ impl Driver for CudaDriver {
     unsafe fn free(&self, ptr: u64) {
         // SAFETY: the caller's contract (an allocation of `alloc`, freed once).
         let _ = unsafe { result::free_sync(ptr) };
+    }
+
+    fn alloc_async(&self, bytes: usize) -> Result<u64, DriverFault> {
+        // What cudarc's CudaStream::alloc did for the backend's buffers before
+        // they moved onto the seam: stream-ordered where the device can
+        // (freed memory stays in the pool, see `keep_freed_memory`).
+        // SAFETY: a plain device allocation in the bound context, on its stream.
+        if self.ctx.has_async_alloc() { unsafe { result::malloc_async(self.stream.cu_stream(), bytes) } } else { unsafe { result::malloc_sync(bytes) } }
+            .map_err(fault)
+    }
+
+    unsafe fn free_async(&self, ptr: u64) {
+        // As cudarc's CudaSlice drop: a failure is recorded in the context and
+        // reported by its next bind_to_thread (our `bind`).
+        if self.ctx.has_async_alloc() {
+            // SAFETY: the caller's contract (an allocation of alloc_async, freed once).
+            self.ctx.record_err(unsafe { result::free_async(ptr, self.stream.cu_stream()) });
+        } else {
+            self.ctx.record_err(self.stream.synchronize());
+            // SAFETY: as above; the stream is idle.
+            self.ctx.record_err(unsafe { result::free_sync(ptr) });
+        }
+    }
+
+    unsafe fn copy_dtod(&self, dst: u64, src: u64, bytes: usize) -> Result<(), DriverFault> {
+        // SAFETY: the caller's contract (both hold bytes); one context.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }.map_err(fault)
     }
 
     unsafe fn memset_zero(&self, ptr: u64, bytes: usize) -> Result<(), DriverFault> {

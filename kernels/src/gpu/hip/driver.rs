@@ -12,8 +12,9 @@ use std::sync::Arc;
 use hip_sys::hiprt::{
     hipDeviceAttribute_t, hipDeviceGetAttribute, hipDeviceptr_t, hipError_t, hipEvent_t, hipEventCreate, hipEventDestroy, hipEventElapsedTime, hipEventRecord,
     hipFree, hipFunction_t, hipGraph_t, hipGraphDestroy, hipGraphExec_t, hipGraphExecDestroy, hipGraphInstantiate, hipGraphLaunch, hipMalloc,
-    hipMemcpyDtoHAsync, hipMemcpyHtoDAsync, hipMemsetD8Async, hipModule_t, hipModuleGetFunction, hipModuleLaunchKernel, hipModuleLoadData, hipModuleUnload,
-    hipSetDevice, hipStream_t, hipStreamBeginCapture, hipStreamCaptureMode, hipStreamCreate, hipStreamDestroy, hipStreamEndCapture, hipStreamSynchronize,
+    hipMemcpyDtoDAsync, hipMemcpyDtoHAsync, hipMemcpyHtoDAsync, hipMemsetD8Async, hipModule_t, hipModuleGetFunction, hipModuleLaunchKernel, hipModuleLoadData,
+    hipModuleUnload, hipSetDevice, hipStream_t, hipStreamBeginCapture, hipStreamCaptureMode, hipStreamCreate, hipStreamDestroy, hipStreamEndCapture,
+    hipStreamSynchronize,
 };
 
 use super::describe;
@@ -71,9 +72,10 @@ unsafe impl Send for HipDevice {}
 // SAFETY: as above; every call queues on the one stream, in call order.
 unsafe impl Sync for HipDevice {}
 
-/// The launch table's driver on HIP device `ordinal` (cheap to clone).
+/// The launch seam's driver on HIP device `ordinal` (cheap to clone). `pub`
+/// only for the public aliases that name it; its module is private.
 #[derive(Clone)]
-pub(crate) struct HipDriver(Arc<HipDevice>);
+pub struct HipDriver(Arc<HipDevice>);
 
 impl HipDriver {
     /// Opens device `ordinal`: makes it current, creates a stream and loads
@@ -106,7 +108,7 @@ impl HipDriver {
 }
 
 /// A captured graph and its instantiation, destroyed together.
-pub(crate) struct HipGraph {
+pub struct HipGraph {
     graph: hipGraph_t,
     exec: hipGraphExec_t,
 }
@@ -122,7 +124,7 @@ impl Drop for HipGraph {
 }
 
 /// A timing event, destroyed with the value.
-pub(crate) struct HipEvent(hipEvent_t);
+pub struct HipEvent(hipEvent_t);
 
 impl Drop for HipEvent {
     fn drop(&mut self) {
@@ -137,6 +139,7 @@ impl Driver for HipDriver {
     type Event = HipEvent;
     const NAME: &'static str = "hip";
     const LABEL: &'static str = "HIP";
+    const TYPE_PREFIX: &'static str = "Hip";
 
     fn function(&self, name: &str) -> Result<hipFunction_t, DriverFault> {
         let c = CString::new(name).map_err(|_| DriverFault(format!("kernel name {name:?} has a NUL byte")))?;
@@ -178,6 +181,24 @@ impl Driver for HipDriver {
     unsafe fn free(&self, ptr: u64) {
         // SAFETY: the caller's contract (an allocation of `alloc`, freed once).
         let _ = unsafe { hipFree(ptr as *mut c_void) };
+    }
+
+    fn alloc_async(&self, bytes: usize) -> Result<u64, DriverFault> {
+        // hipMallocAsync is a beta API in HIP 5.2 (Debian's): the plain
+        // allocation instead, whose free (below) waits for the device, so a
+        // buffer freed while a queued kernel still reads it stays valid.
+        self.alloc(bytes)
+    }
+
+    unsafe fn free_async(&self, ptr: u64) {
+        // SAFETY: the caller's contract (an allocation of alloc_async, freed
+        // once); hipFree waits for the device's work first.
+        let _ = unsafe { hipFree(ptr as *mut c_void) };
+    }
+
+    unsafe fn copy_dtod(&self, dst: u64, src: u64, bytes: usize) -> Result<(), DriverFault> {
+        // SAFETY: the caller's contract (both hold bytes).
+        check("hipMemcpyDtoDAsync", unsafe { hipMemcpyDtoDAsync(dst as hipDeviceptr_t, src as hipDeviceptr_t, bytes, self.0.stream) })
     }
 
     unsafe fn memset_zero(&self, ptr: u64, bytes: usize) -> Result<(), DriverFault> {
