@@ -3,6 +3,10 @@
 
 use super::*;
 
+/// A KDA op over a state, inputs, parameters, out and an optional record.
+type RBuf = DeviceBuf<f32, Recorder>;
+type KdaRun<'a> = dyn Fn(&GpuBackend<Recorder>, &mut RBuf, KdaInputs<'_, RBuf>, KdaParams<'_, RBuf>, &mut RBuf, Option<&mut RBuf>) -> Result<()> + 'a;
+
 /// Runs every op of the backend over shapes that take every path: each KDA
 /// kernel, the wide, recurrent and chunked prefills, replay, conv, norms, MLA
 /// attention and partials (scalar, tc4, tc8, tc8_deep, ragged), every matmul
@@ -40,21 +44,7 @@ pub(super) fn exercise(be: &mut GpuBackend<Recorder>) {
     let kda_in = |be: &GpuBackend<Recorder>, n: usize, h: usize, dk: usize, dv: usize| {
         [buf(be, n * h * dk, 0.1), buf(be, n * h * dk, 0.1), buf(be, n * h * dv, 0.1), buf(be, n * h * dk, 0.1), buf(be, n * h, 0.1)]
     };
-    let kda = |be: &GpuBackend<Recorder>,
-               n: usize,
-               states: usize,
-               h: usize,
-               dk: usize,
-               dv: usize,
-               record: bool,
-               run: &dyn Fn(
-        &GpuBackend<Recorder>,
-        &mut DeviceBuf<f32, Recorder>,
-        KdaInputs<'_, DeviceBuf<f32, Recorder>>,
-        KdaParams<'_, DeviceBuf<f32, Recorder>>,
-        &mut DeviceBuf<f32, Recorder>,
-        Option<&mut DeviceBuf<f32, Recorder>>,
-    ) -> Result<()>| {
+    let kda = |be: &GpuBackend<Recorder>, n: usize, states: usize, h: usize, dk: usize, dv: usize, record: bool, run: &KdaRun<'_>| {
         let [q, k, v, g, b] = kda_in(be, n, h, dk, dv);
         let (al, dt) = (buf(be, h, 0.1), buf(be, h * dk, 0.1));
         let mut st = be.alloc(states * h * dk * dv).unwrap();
