@@ -1,6 +1,7 @@
-//! The launch table's driver on HIP: the HIP runtime (hip-sys) on one
+//! The launch seam's driver on HIP: the HIP runtime (hip-sys) on one
 //! device, one stream, and the modules of the gfx90a code objects that
-//! build.rs compiled with hipcc ([`crate::gpu::HIP_CODE_OBJECTS`]).
+//! build.rs compiled with hipcc ([`crate::gpu::HIP_CODE_OBJECTS`]). The fused
+//! step and every generic op (`gpu/ops/`) run through it.
 //!
 //! Never run on AMD hardware (none is available to this project): it builds
 //! and links against Debian's libamdhip64, and `HipBackend::new` stops at the

@@ -9,7 +9,7 @@
 //! CUDA, and the fused decode step ([`crate::Backend::decode_step`]) through
 //! the step's launch table (`gpu/step_gpu/`). Where a gfx90a block cannot take
 //! a kernel's shared memory (64 KiB of LDS), opening falls back to a kernel
-//! of the same bits ([`crate::gpu::ops`]'s `SmemPolicy::FallBack`): the
+//! of the same bits (`gpu/ops/open.rs`, `SmemPolicy::FallBack`): the
 //! tensor-core MLA partials (83 KB and more) give way to the scalar partial,
 //! matmul_tc16 (75 KB) to matmul_tc32, matmul_tcb (102 KB) to the split over
 //! k, and the chunked KDA prefill to the recurrent one. What is not wired:
