@@ -56,6 +56,10 @@ mod step_gpu;
 // that their launches are checked against the sources on any machine.
 #[cfg_attr(not(any(feature = "cuda", feature = "hip")), allow(dead_code, unused_imports))]
 mod ops;
+/// The one GPU backend type and its buffers: `CudaBackend`, `HipBackend` and
+/// their buffer types are these over each platform's driver (which code
+/// outside this crate cannot name, so only those aliases can be built).
+pub use ops::{DeviceBuf, DeviceIBuf, GpuBackend};
 
 /// Device memory for registered regions on CUDA GPU `ordinal`, without
 /// compiling the kernels (a transport opens it before the compute backend; both
