@@ -164,6 +164,51 @@ pub trait Driver: Clone + Send + Sync + 'static {
     fn elapsed_ms(&self, start: &Self::Event, end: &Self::Event) -> std::result::Result<f32, DriverFault>;
 }
 
+/// Bytes of an IPC memory handle: CUDA's `CUipcMemHandle` and HIP's
+/// `hipIpcMemHandle_t` both hold 64 (the transport hex-encodes them).
+pub const IPC_HANDLE_BYTES: usize = 64;
+
+/// What device memory for registered regions (`gpu/ops/memory.rs`) needs of
+/// a driver beyond launches: more streams, completion events a thread can
+/// sleep on, copy-engine copies of strided rows, and IPC handles. A trait of
+/// its own so that a driver that only runs launch lists (the step's test
+/// recorder) need not fake them.
+pub(crate) trait MemoryDriver: Driver {
+    /// A completion event (`CUevent` with blocking sync, `hipEvent_t` with
+    /// `hipEventBlockingSync`), recorded again and again.
+    type Fence: Send + Sync;
+
+    /// The device's ordinal, for the memory's label ("cuda:0").
+    fn ordinal(&self) -> usize;
+    /// The same device and loaded kernels on a new stream of its own (host
+    /// access and each copy stream queue apart from the backend's ops).
+    fn with_new_stream(&self) -> std::result::Result<Self, DriverFault>;
+    /// Copies `height` rows of `width` bytes, row r from `src + r * src_pitch`
+    /// to `dst + r * dst_pitch`, on the copy engines, queued on the stream.
+    ///
+    /// # Safety
+    /// Every row lies in a live allocation of this device (or one opened here).
+    unsafe fn copy_2d(&self, dst: u64, dst_pitch: u64, src: u64, src_pitch: u64, width: u64, height: u64) -> std::result::Result<(), DriverFault>;
+    /// A completion event, not yet recorded; a thread waiting on it sleeps in
+    /// the driver instead of spinning.
+    fn new_fence(&self) -> std::result::Result<Self::Fence, DriverFault>;
+    /// Records `f` on the stream, after everything queued before.
+    fn record_fence(&self, f: &Self::Fence) -> std::result::Result<(), DriverFault>;
+    /// Whether the work before `f`'s last record has completed (a query).
+    fn fence_done(&self, f: &Self::Fence) -> std::result::Result<bool, DriverFault>;
+    /// Waits (sleeping) until the work before `f`'s last record has completed.
+    fn fence_wait(&self, f: &Self::Fence) -> std::result::Result<(), DriverFault>;
+    /// The IPC handle of allocation `ptr` (from [`Driver::alloc`]).
+    fn ipc_export(&self, ptr: u64) -> std::result::Result<[u8; IPC_HANDLE_BYTES], DriverFault>;
+    /// Opens another process's exported allocation; its address here.
+    fn ipc_open(&self, handle: &[u8; IPC_HANDLE_BYTES]) -> std::result::Result<u64, DriverFault>;
+    /// Closes an address of [`MemoryDriver::ipc_open`].
+    ///
+    /// # Safety
+    /// No queued work still uses `ptr`.
+    unsafe fn ipc_close(&self, ptr: u64) -> std::result::Result<(), DriverFault>;
+}
+
 /// One kernel argument, by value.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Arg {

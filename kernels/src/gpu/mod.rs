@@ -35,10 +35,6 @@ pub use stub::NoBuf;
 mod cuda;
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaBackend, CudaBuf, CudaF64Buf, CudaIBuf};
-#[cfg(feature = "cuda")]
-mod cuda_memory;
-#[cfg(feature = "cuda")]
-pub use cuda_memory::{CudaMemory, IPC_HANDLE_BYTES};
 
 #[cfg(feature = "hip")]
 mod hip;
@@ -74,6 +70,22 @@ pub fn cuda_device_memory(ordinal: usize) -> Result<std::sync::Arc<dyn crate::re
     {
         let _ = ordinal;
         Err(crate::error::KernelError::BackendUnavailable("cuda: built without the `cuda` feature".to_string()))
+    }
+}
+
+/// Device memory for registered regions on HIP device `ordinal`, without the
+/// backend's kernels (only `copy_table`'s code object is loaded): the same
+/// implementation as [`cuda_device_memory`] over the HIP runtime. Refuses like
+/// [`HipBackend::new`] where HIP cannot run. Never run on AMD hardware.
+pub fn hip_device_memory(ordinal: usize) -> Result<std::sync::Arc<dyn crate::region::DeviceMemory>> {
+    #[cfg(feature = "hip")]
+    {
+        hip::open_memory(ordinal)
+    }
+    #[cfg(not(feature = "hip"))]
+    {
+        let _ = ordinal;
+        Err(crate::error::KernelError::BackendUnavailable("hip: built without the `hip` feature".to_string()))
     }
 }
 
@@ -229,6 +241,19 @@ mod tests {
             assert_eq!(msg, "hip: built without the `hip` feature");
         }
         assert!(!HipBackend::is_available());
+    }
+
+    /// Device memory for regions on HIP opens the same way as the backend,
+    /// so here it stops at the device count too (or at the missing feature).
+    #[test]
+    fn hip_device_memory_refuses_where_there_is_no_device() {
+        let Err(e) = hip_device_memory(0) else { panic!("a HIP device here?") };
+        let KernelError::BackendUnavailable(msg) = &e else { panic!("wrong error {e:?}") };
+        if cfg!(feature = "hip") {
+            assert!(msg.starts_with("hip: no device"), "{msg}");
+        } else {
+            assert_eq!(msg, "hip: built without the `hip` feature");
+        }
     }
 
     #[test]

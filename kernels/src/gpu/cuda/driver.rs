@@ -8,7 +8,7 @@ use std::sync::Arc;
 use cudarc::driver::sys::{self, CUfunction_attribute, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaContext, CudaEvent, CudaGraph, CudaModule, CudaStream, DriverError, result};
 
-use crate::gpu::launch::{Driver, DriverFault};
+use crate::gpu::launch::{Driver, DriverFault, IPC_HANDLE_BYTES, MemoryDriver};
 
 /// The backend's context, stream and module (cheap to clone: three `Arc`s).
 /// `pub` only for the public aliases that name it (`CudaBuf`, ...); its
@@ -146,5 +146,77 @@ impl Driver for CudaDriver {
 
     fn elapsed_ms(&self, start: &CudaEvent, end: &CudaEvent) -> Result<f32, DriverFault> {
         start.elapsed_ms(end).map_err(fault)
+    }
+}
+
+impl MemoryDriver for CudaDriver {
+    type Fence = CudaEvent;
+
+    fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    fn with_new_stream(&self) -> Result<Self, DriverFault> {
+        Ok(CudaDriver { stream: self.ctx.new_stream().map_err(fault)?, ..self.clone() })
+    }
+
+    unsafe fn copy_2d(&self, dst: u64, dst_pitch: u64, src: u64, src_pitch: u64, width: u64, height: u64) -> Result<(), DriverFault> {
+        let m = sys::CUDA_MEMCPY2D_st {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcHost: std::ptr::null(),
+            srcDevice: src,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: src_pitch as usize,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: dst,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: dst_pitch as usize,
+            WidthInBytes: width as usize,
+            Height: height as usize,
+        };
+        // SAFETY: the caller's contract (every row in a live allocation).
+        unsafe { sys::cuMemcpy2DAsync_v2(&m, self.stream.cu_stream()) }.result().map_err(fault)
+    }
+
+    fn new_fence(&self) -> Result<CudaEvent, DriverFault> {
+        self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC)).map_err(fault)
+    }
+
+    fn record_fence(&self, f: &CudaEvent) -> Result<(), DriverFault> {
+        f.record(&self.stream).map_err(fault)
+    }
+
+    fn fence_done(&self, f: &CudaEvent) -> Result<bool, DriverFault> {
+        f.try_is_complete().map_err(fault)
+    }
+
+    fn fence_wait(&self, f: &CudaEvent) -> Result<(), DriverFault> {
+        f.synchronize().map_err(fault)
+    }
+
+    fn ipc_export(&self, ptr: u64) -> Result<[u8; IPC_HANDLE_BYTES], DriverFault> {
+        let mut h = sys::CUipcMemHandle_st { reserved: [0; IPC_HANDLE_BYTES] };
+        // SAFETY: h is valid for writes; ptr is an allocation of this context.
+        unsafe { sys::cuIpcGetMemHandle(&mut h, ptr) }.result().map_err(fault)?;
+        Ok(h.reserved.map(|c| c as u8))
+    }
+
+    fn ipc_open(&self, handle: &[u8; IPC_HANDLE_BYTES]) -> Result<u64, DriverFault> {
+        let h = sys::CUipcMemHandle_st { reserved: handle.map(|b| b as _) };
+        let mut p: sys::CUdeviceptr = 0;
+        let flags = sys::CUipcMem_flags_enum::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
+        // SAFETY: p is valid for writes; the driver checks the handle.
+        unsafe { sys::cuIpcOpenMemHandle_v2(&mut p, h, flags) }.result().map_err(fault)?;
+        Ok(p)
+    }
+
+    unsafe fn ipc_close(&self, ptr: u64) -> Result<(), DriverFault> {
+        // SAFETY: the caller's contract (an address of ipc_open, unused).
+        unsafe { sys::cuIpcCloseMemHandle(ptr) }.result().map_err(fault)
     }
 }

@@ -10,8 +10,9 @@
 //! - Every op is the driver-generic implementation of `gpu/ops/`
 //!   (`CudaBackend` is `GpuBackend<CudaDriver>`) over cudarc's driver API
 //!   (`driver.rs`); what stays here is CUDA's own: NVRTC (`program.rs`), the
-//!   context and its stream-ordered pool, and device memory for regions
-//!   (`gpu/cuda_memory.rs`, IPC).
+//!   context and its stream-ordered pool, and opening device memory for
+//!   regions on the context (`buffers.rs`: the driver-generic `DeviceMem` of
+//!   `gpu/ops/memory.rs` with `copy_table` compiled alone).
 //! - One stream per backend; every op enqueues on it in call order, so ops
 //!   need no events between them (cudarc's per-buffer event tracking, meant
 //!   for several streams, is switched off). `download*` synchronizes.
@@ -81,9 +82,9 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
-/// Device memory for the regions of a CUDA backend: `CudaMemory` on its context.
+/// Device memory for the regions of a CUDA backend: `DeviceMem` on its context.
 fn memory_of(drv: &CudaDriver) -> Result<Arc<dyn DeviceMemory>> {
-    Ok(Arc::new(crate::gpu::CudaMemory::new(Arc::clone(&drv.ctx))?))
+    buffers::memory_on(Arc::clone(&drv.ctx))
 }
 
 impl GpuBackend<CudaDriver> {

@@ -31,8 +31,8 @@ use std::sync::Arc;
 use hip_sys::hiprt::{hipDeviceGetName, hipError_t, hipGetDeviceCount, hipGetErrorString};
 
 use crate::error::{KernelError, Result};
-use crate::gpu::launch::Driver;
-use crate::gpu::ops::{DeviceBuf, DeviceIBuf, GpuBackend, SmemPolicy};
+use crate::gpu::launch::{Driver, MemoryDriver, dev};
+use crate::gpu::ops::{DeviceBuf, DeviceIBuf, DeviceMem, GpuBackend, SmemPolicy};
 use crate::gpu::step_gpu::STEP_KERNELS;
 use crate::region::DeviceMemory;
 
@@ -55,13 +55,25 @@ pub type HipIBuf = DeviceIBuf<HipDriver>;
 /// An f64 buffer in HIP device memory.
 pub type HipF64Buf = DeviceBuf<f64, HipDriver>;
 
-/// Device memory for registered regions on HIP: not wired (see the module docs).
-fn no_memory(_: &HipDriver) -> Result<Arc<dyn DeviceMemory>> {
-    Err(KernelError::Unsupported {
-        op: "device_memory",
-        backend: "hip".to_string(),
-        reason: "device memory for registered regions is CUDA's (gpu/cuda_memory.rs); the HIP IPC calls exist in hip-sys but are not wired".to_string(),
-    })
+/// Device memory for the regions of a HIP backend: the driver-generic
+/// `DeviceMem` (`gpu/ops/memory.rs`) on the backend's device and modules,
+/// host access on a stream of its own (as CUDA's).
+fn memory_of(drv: &HipDriver) -> Result<Arc<dyn DeviceMemory>> {
+    let host = drv.with_new_stream().map_err(dev("device memory"))?;
+    Ok(Arc::new(DeviceMem::new(host)?))
+}
+
+/// [`crate::gpu::hip_device_memory`]: device memory for regions on HIP
+/// device `device` without the backend, with only memcopy.hip's code object
+/// loaded (a transport opens it before the compute backend).
+pub(crate) fn open_memory(device: usize) -> Result<Arc<dyn DeviceMemory>> {
+    let count = device_count()?;
+    if device >= count {
+        return Err(KernelError::BackendUnavailable(format!("hip: no device {device}: the HIP runtime sees {count} device(s)")));
+    }
+    let images: Vec<(&'static str, &'static [u8])> = crate::gpu::HIP_CODE_OBJECTS.iter().copied().filter(|(name, _)| *name == "memcopy.hip").collect();
+    let drv = HipDriver::open(device, &images).map_err(|e| KernelError::BackendUnavailable(format!("hip: cannot open device {device}: {e}")))?;
+    Ok(Arc::new(DeviceMem::new(drv)?))
 }
 
 /// Devices the HIP runtime sees, or why it sees none.
@@ -99,7 +111,7 @@ impl GpuBackend<HipDriver> {
         let device_name = if named { unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned() } else { format!("HIP device {device}") };
         // gfx90a blocks take 64 KiB: the Hopper-sized kernels fall back to
         // ones of the same bits (see the module docs).
-        GpuBackend::on_driver(drv, device_name, device, String::new(), SmemPolicy::FallBack, no_memory)
+        GpuBackend::on_driver(drv, device_name, device, String::new(), SmemPolicy::FallBack, memory_of)
     }
 
     /// Whether the HIP runtime sees at least one device here.

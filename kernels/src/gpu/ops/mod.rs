@@ -41,6 +41,7 @@ mod buffers;
 mod copy;
 mod dense;
 mod kda;
+mod memory;
 mod mla;
 mod open;
 #[cfg(test)]
@@ -49,6 +50,7 @@ mod tests;
 pub use buffers::{DeviceBuf, DeviceIBuf, Elem};
 pub(crate) use dense::{TCB_MIN_TILES, WG_MIN_TILES};
 use dense::{UNITS_PER_LAUNCH, UnitsTable};
+pub(crate) use memory::DeviceMem;
 pub(crate) use open::{Funcs, SmemPolicy};
 
 /// Threads of the element-wise (grid-stride) kernels.
@@ -173,7 +175,7 @@ struct MlaScratch<D: Driver> {
 }
 
 /// Device memory for registered regions on a backend's device, or why not
-/// (a plain function of the driver: CUDA opens `CudaMemory` on its context).
+/// (a plain function of the driver: CUDA and HIP open `DeviceMem` on it).
 pub(crate) type MemoryOf<D> = fn(&D) -> Result<Arc<dyn DeviceMemory>>;
 
 /// A GPU backend: device buffers and the model's ops as kernels of the one set

@@ -11,11 +11,12 @@ use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 use super::*;
-use crate::gpu::launch::DriverFault;
+use crate::gpu::launch::{DriverFault, IPC_HANDLE_BYTES, MemoryDriver};
 use crate::gpu::step_gpu::tests::{Kind, kind_of, signature};
 
 mod every_launch;
 mod golden;
+mod memory;
 
 /// Every kernel a generic op may name (the warpgroup three only where the
 /// recorder says the build has them).
@@ -63,6 +64,66 @@ const OP_KERNELS: &[&str] = &[
     "region_scatter_b16",
 ];
 const WG_KERNELS: &[&str] = &["matmul_wg", "mwg_pack_x", "mwg_pack_w"];
+/// The kernel of device memory for regions (`memory.rs`), not of an op.
+const MEMORY_KERNELS: &[&str] = &["copy_table"];
+
+/// A call device memory for regions makes, with the stream it queues on
+/// (the recorder's first stream is 0; each `with_new_stream` the next).
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum MemOp {
+    /// A launch: kernel, grid, block, shared memory, the by-value table's bytes.
+    Launch {
+        stream: usize,
+        f: &'static str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        head: Option<Vec<u8>>,
+    },
+    /// A plain device-to-device copy (the copy engines).
+    Dtod {
+        stream: usize,
+        dst: u64,
+        src: u64,
+        bytes: usize,
+    },
+    /// A 2D copy on the copy engines.
+    Copy2d {
+        stream: usize,
+        dst: u64,
+        dst_pitch: u64,
+        src: u64,
+        src_pitch: u64,
+        width: u64,
+        height: u64,
+    },
+    /// An event recorded.
+    Record {
+        stream: usize,
+        fence: u64,
+    },
+    Sync {
+        stream: usize,
+    },
+    Zero {
+        stream: usize,
+        ptr: u64,
+        bytes: usize,
+    },
+    Alloc {
+        ptr: u64,
+        bytes: usize,
+    },
+    Free {
+        ptr: u64,
+    },
+    IpcOpen {
+        ptr: u64,
+    },
+    IpcClose {
+        ptr: u64,
+    },
+}
 
 /// One launch as the op asked for it.
 #[derive(Debug, Clone, PartialEq)]
@@ -91,6 +152,26 @@ pub(super) struct State {
     pub(super) frees: usize,
     /// Host-to-device copies and zeroings in order: (b'u' or b'z', address, bytes).
     pub(super) writes: Vec<(u8, u64, usize)>,
+    /// What device memory for regions would have queued, in call order.
+    pub(super) log: Vec<MemOp>,
+    /// Device-to-device copies are only logged, not made (the memory tests'
+    /// addresses are made up).
+    pub(super) loose: bool,
+    /// Streams made so far (the first is 0).
+    streams: usize,
+    /// Per stream: events recorded on it, and how many of them have run.
+    queued: BTreeMap<usize, u64>,
+    ran: BTreeMap<usize, u64>,
+    /// Per event: its stream and its place there at its last record (0: never recorded).
+    fences: BTreeMap<u64, (usize, u64)>,
+}
+
+impl State {
+    /// Runs everything queued so far on `stream`.
+    pub(super) fn run(&mut self, stream: usize) {
+        let q = self.queued.get(&stream).copied().unwrap_or(0);
+        self.ran.insert(stream, q);
+    }
 }
 
 impl State {
@@ -115,11 +196,13 @@ pub(super) struct Recorder {
     lds: Option<u32>,
     /// Whether the build has the warpgroup products (sm_90a).
     wg: bool,
+    /// The stream this value queues on (see [`MemOp`]).
+    pub(super) stream: usize,
 }
 
 impl Recorder {
     pub(super) fn new(lds: Option<u32>, wg: bool) -> Recorder {
-        Recorder { st: Arc::new(Mutex::new(State { next: 0x1000_0000, ..State::default() })), lds, wg }
+        Recorder { st: Arc::new(Mutex::new(State { next: 0x1000_0000, streams: 1, ..State::default() })), lds, wg, stream: 0 }
     }
 
     pub(super) fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -157,7 +240,7 @@ impl Driver for Recorder {
 
     fn function(&self, name: &str) -> std::result::Result<&'static str, DriverFault> {
         let wg = if self.wg { WG_KERNELS } else { &[] };
-        OP_KERNELS.iter().chain(wg).copied().find(|k| *k == name).ok_or_else(|| DriverFault(format!("{name} is not in the program")))
+        OP_KERNELS.iter().chain(wg).chain(MEMORY_KERNELS).copied().find(|k| *k == name).ok_or_else(|| DriverFault(format!("{name} is not in the program")))
     }
     fn set_max_dynamic_smem(&self, f: &'static str, bytes: u32) -> std::result::Result<(), DriverFault> {
         if let Some(max) = self.lds
@@ -183,6 +266,7 @@ impl Driver for Recorder {
         st.next += bytes.next_multiple_of(256) as u64 + 256;
         st.mem.insert(p, vec![0xa5; bytes]);
         st.allocs += 1;
+        st.log.push(MemOp::Alloc { ptr: p, bytes });
         Ok(p)
     }
     unsafe fn free(&self, ptr: u64) {
@@ -190,6 +274,7 @@ impl Driver for Recorder {
         let b = st.mem.remove(&ptr).unwrap_or_else(|| panic!("{ptr:#x} freed twice or never allocated"));
         st.freed.insert(ptr, b);
         st.frees += 1;
+        st.log.push(MemOp::Free { ptr });
     }
     fn alloc_async(&self, bytes: usize) -> std::result::Result<u64, DriverFault> {
         self.alloc(bytes)
@@ -200,6 +285,10 @@ impl Driver for Recorder {
     }
     unsafe fn copy_dtod(&self, dst: u64, src: u64, bytes: usize) -> std::result::Result<(), DriverFault> {
         let mut st = self.state();
+        st.log.push(MemOp::Dtod { stream: self.stream, dst, src, bytes });
+        if st.loose {
+            return Ok(());
+        }
         let (b, o) = st.at(src, bytes)?;
         let v = b[o..o + bytes].to_vec();
         let (b, o) = st.at(dst, bytes)?;
@@ -209,6 +298,7 @@ impl Driver for Recorder {
     unsafe fn memset_zero(&self, ptr: u64, bytes: usize) -> std::result::Result<(), DriverFault> {
         let mut st = self.state();
         st.writes.push((b'z', ptr, bytes));
+        st.log.push(MemOp::Zero { stream: self.stream, ptr, bytes });
         let (b, o) = st.at(ptr, bytes)?;
         b[o..o + bytes].fill(0);
         Ok(())
@@ -243,10 +333,15 @@ impl Driver for Recorder {
         head: Option<&[u8]>,
         args: &[Arg],
     ) -> std::result::Result<(), DriverFault> {
-        self.state().launches.push(Rec { f, grid, block, smem, head: head.map(<[u8]>::to_vec), args: args.to_vec() });
+        let mut st = self.state();
+        st.log.push(MemOp::Launch { stream: self.stream, f, grid, block, smem, head: head.map(<[u8]>::to_vec) });
+        st.launches.push(Rec { f, grid, block, smem, head: head.map(<[u8]>::to_vec), args: args.to_vec() });
         Ok(())
     }
     fn synchronize(&self) -> std::result::Result<(), DriverFault> {
+        let mut st = self.state();
+        st.log.push(MemOp::Sync { stream: self.stream });
+        st.run(self.stream);
         Ok(())
     }
     fn begin_capture(&self) -> std::result::Result<(), DriverFault> {
@@ -266,6 +361,68 @@ impl Driver for Recorder {
     }
     fn elapsed_ms(&self, _: &(), _: &()) -> std::result::Result<f32, DriverFault> {
         Ok(0.0)
+    }
+}
+
+/// Device memory's calls: streams are numbers, events complete when the
+/// test runs their stream ([`State::run`]) or waits on them, an IPC handle
+/// is the allocation's address and 56 bytes of 0xee.
+impl MemoryDriver for Recorder {
+    type Fence = u64;
+
+    fn ordinal(&self) -> usize {
+        0
+    }
+    fn with_new_stream(&self) -> std::result::Result<Self, DriverFault> {
+        let mut st = self.state();
+        let stream = st.streams;
+        st.streams += 1;
+        Ok(Recorder { stream, ..self.clone() })
+    }
+    unsafe fn copy_2d(&self, dst: u64, dst_pitch: u64, src: u64, src_pitch: u64, width: u64, height: u64) -> std::result::Result<(), DriverFault> {
+        self.state().log.push(MemOp::Copy2d { stream: self.stream, dst, dst_pitch, src, src_pitch, width, height });
+        Ok(())
+    }
+    fn new_fence(&self) -> std::result::Result<u64, DriverFault> {
+        let mut st = self.state();
+        let id = st.fences.len() as u64 + 1;
+        st.fences.insert(id, (self.stream, 0));
+        Ok(id)
+    }
+    fn record_fence(&self, f: &u64) -> std::result::Result<(), DriverFault> {
+        let mut st = self.state();
+        let q = st.queued.entry(self.stream).or_insert(0);
+        *q += 1;
+        let at = *q;
+        st.fences.insert(*f, (self.stream, at));
+        st.log.push(MemOp::Record { stream: self.stream, fence: *f });
+        Ok(())
+    }
+    fn fence_done(&self, f: &u64) -> std::result::Result<bool, DriverFault> {
+        let st = self.state();
+        let &(stream, at) = st.fences.get(f).ok_or_else(|| DriverFault(format!("event {f} was never made")))?;
+        Ok(st.ran.get(&stream).copied().unwrap_or(0) >= at)
+    }
+    fn fence_wait(&self, f: &u64) -> std::result::Result<(), DriverFault> {
+        let mut st = self.state();
+        let &(stream, at) = st.fences.get(f).ok_or_else(|| DriverFault(format!("event {f} was never made")))?;
+        let ran = st.ran.entry(stream).or_insert(0);
+        *ran = (*ran).max(at);
+        Ok(())
+    }
+    fn ipc_export(&self, ptr: u64) -> std::result::Result<[u8; IPC_HANDLE_BYTES], DriverFault> {
+        let mut h = [0xee; IPC_HANDLE_BYTES];
+        h[..8].copy_from_slice(&ptr.to_le_bytes());
+        Ok(h)
+    }
+    fn ipc_open(&self, handle: &[u8; IPC_HANDLE_BYTES]) -> std::result::Result<u64, DriverFault> {
+        let ptr = u64::from_le_bytes(handle[..8].try_into().unwrap_or_default()) | (1 << 48);
+        self.state().log.push(MemOp::IpcOpen { ptr });
+        Ok(ptr)
+    }
+    unsafe fn ipc_close(&self, ptr: u64) -> std::result::Result<(), DriverFault> {
+        self.state().log.push(MemOp::IpcClose { ptr });
+        Ok(())
     }
 }
 
