@@ -13,13 +13,15 @@
 //! - [`HipBackend`]: with `hip`, the same backend on the HIP runtime
 //!   (hip-sys) and the gfx90a code objects [`HIP_CODE_OBJECTS`]: the fused
 //!   decode step through the same launch table as CUDA (`step_gpu/`) and every
-//!   generic op through the same launch decisions (`ops/`); device memory for
-//!   regions refuses. Never run on AMD hardware: here `new` reports "no
-//!   device". Without `hip`, a stub that refuses.
+//!   generic op through the same launch decisions (`ops/`), and device memory
+//!   for regions through the same implementation (`ops/memory.rs`). Never run
+//!   on AMD hardware: here `new` reports "no device". Without `hip`, a stub
+//!   that refuses.
 //!
 //! Both real backends are one type, `GpuBackend<D>` (`ops/`), over a driver
-//! `D` (`launch.rs`): CUDA and HIP differ only in the driver's calls, how the
-//! kernels were compiled, and device memory for regions.
+//! `D` (`launch.rs`), and their device memory for regions one type,
+//! `DeviceMem<D>`: CUDA and HIP differ only in the driver's calls and how the
+//! kernels were compiled.
 
 use crate::dtype::StorageDtype;
 use crate::error::Result;

@@ -12,11 +12,15 @@
 //! of the same bits (`gpu/ops/open.rs`, `SmemPolicy::FallBack`): the
 //! tensor-core MLA partials (83 KB and more) give way to the scalar partial,
 //! matmul_tc16 (75 KB) to matmul_tc32, matmul_tcb (102 KB) to the split over
-//! k, and the chunked KDA prefill to the recurrent one. What is not wired:
-//! device memory for registered regions ([`crate::Backend::device_memory`]
-//! refuses with `Unsupported`; hip-sys has hipMalloc, hipIpcGetMemHandle
-//! and hipIpcOpenMemHandle, so it could be, as `gpu/cuda_memory.rs` is for
-//! CUDA); the region ops themselves are wired and take any device address.
+//! k, and the chunked KDA prefill to the recurrent one. Device memory for
+//! registered regions ([`crate::Backend::device_memory`], and
+//! [`crate::hip_device_memory`] without the backend) is CUDA's
+//! driver-generic `DeviceMem` (`gpu/ops/memory.rs`) over the same driver:
+//! `hipMalloc` allocations, `hipIpcGetMemHandle` / `hipIpcOpenMemHandle` /
+//! `hipIpcCloseMemHandle` (64-byte handles, as CUDA's), `copy_table` from the
+//! memcopy.hip code object on eight streams of its own, `hipMemcpyDtoDAsync`
+//! and `hipMemcpy2DAsync` for the copies CUDA gives the copy engines, and
+//! `hipEventBlockingSync` events; the region ops take any device address.
 //!
 //! There is no AMD GPU on any machine this project runs on, so none of this
 //! has run on AMD hardware: here `new` stops at the device count

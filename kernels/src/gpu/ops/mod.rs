@@ -4,8 +4,10 @@
 //! their drivers. Every decision of a launch lives here (kernel, grid, block,
 //! shared memory, argument order, the checks against the CPU reference's
 //! errors, the fallbacks); what differs between the platforms is the driver's
-//! calls, how the kernels were compiled (NVRTC at open, hipcc at build), and
-//! device memory for regions (CUDA only).
+//! calls and how the kernels were compiled (NVRTC at open, hipcc at build).
+//! Device memory for regions (`memory.rs`, `DeviceMem<D>`) is written once
+//! over the same seam, with the calls it needs beyond launches in
+//! `MemoryDriver`.
 //!
 //! - One stream per backend; every op enqueues on it in call order, so ops
 //!   need no events between them. `download*` synchronizes. Ops that must
