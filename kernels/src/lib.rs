@@ -37,7 +37,8 @@ pub use cpu::{CpuBackend, CpuBuf, CpuF64Buf, CpuIBuf, KDA_CHUNK};
 pub use dtype::StorageDtype;
 pub use error::{KernelError, Result};
 pub use gpu::{
-    CudaBackend, CudaBuf, CudaF64Buf, CudaIBuf, HIP_CODE_OBJECTS, HIP_PRELUDE, HIP_SOURCES, HipBackend, KdaKernel, NoBuf, cuda_device_memory, device_program,
+    CudaBackend, CudaBuf, CudaF64Buf, CudaIBuf, HIP_CODE_OBJECTS, HIP_PRELUDE, HIP_SOURCES, HipBackend, HipBuf, HipF64Buf, HipIBuf, KdaKernel, NoBuf,
+    cuda_device_memory, device_program, hip_device_memory,
 };
 pub use region::{Copy2d, CopyTicket, DeviceMemory, DeviceRegion, RegionItems, TABLE_COPIES, table_launches};
 pub use rng::SplitMix64;

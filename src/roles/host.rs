@@ -30,10 +30,11 @@ pub(crate) struct RoleTransport {
 /// requires `secret` (the default [`ClusterSecret::process`] reads the same
 /// variables, so it is passed for clarity, not for difference).
 ///
-/// On `device = cuda` with `transport.kind = "shm"` the regions live in GPU
-/// memory and the hand-off is CUDA IPC between the processes of the one GPU
-/// ([`crate::transport::device`]); over tcp (hosts apart) they stay in host
-/// memory and the compute uploads what it reads.
+/// On `device = cuda` or `hip` with `transport.kind = "shm"` the regions live
+/// in GPU memory and the hand-off is CUDA or HIP IPC between the processes of
+/// the one GPU ([`crate::transport::device`]; HIP's has never run on AMD
+/// hardware); over tcp (hosts apart) they stay in host memory and the compute
+/// uploads what it reads.
 ///
 /// `tcp` is the transport's listener ([`super::addr`]): where a tcp transport
 /// binds and what its handles advertise.
@@ -50,10 +51,19 @@ pub(crate) fn open_transport(topo: &Topology, secret: &ClusterSecret, tcp: Optio
         crate::transport::shm::sweep_stale(&crate::transport::shm::default_dir());
     }
     let dev = topo.config.device;
-    if dev.kind == DeviceKind::Cuda && kind == TransportKind::Shm {
-        let mem = handoff_kernels::cuda_device_memory(dev.ordinal as usize).map_err(|e| anyhow::anyhow!("device cuda:{}: {e}", dev.ordinal))?;
+    // The same device memory on both GPU platforms (handoff-kernels'
+    // DeviceMem over cudarc or hip-sys); HIP's has never run on AMD hardware.
+    let device_memory = match dev.kind {
+        DeviceKind::Cuda => Some(handoff_kernels::cuda_device_memory as fn(usize) -> handoff_kernels::Result<Arc<dyn handoff_kernels::DeviceMemory>>),
+        DeviceKind::Hip => Some(handoff_kernels::hip_device_memory as fn(usize) -> handoff_kernels::Result<Arc<dyn handoff_kernels::DeviceMemory>>),
+        DeviceKind::Cpu => None,
+    };
+    if let Some(open) = device_memory
+        && kind == TransportKind::Shm
+    {
+        let mem = open(dev.ordinal as usize).map_err(|e| anyhow::anyhow!("device {dev}: {e}"))?;
         let t = crate::transport::device::DeviceTransport::new(mem, dev.ordinal, crate::transport::shm::default_dir(), secret.clone())?;
-        tracing::info!(device = %t.device(), "regions in device memory; hand-offs through CUDA IPC");
+        tracing::info!(device = %t.device(), transport = crate::transport::Transport::name(&t), "regions in device memory; hand-offs through device IPC");
         return Ok(RoleTransport { transport: Arc::new(t), memory: MemoryKind::Device { ordinal: dev.ordinal } });
     }
     if dev.kind != DeviceKind::Cpu {

@@ -1,4 +1,6 @@
-//! Device-resident regions between processes of one host: CUDA IPC.
+//! Device-resident regions between processes of one host: CUDA IPC, or
+//! HIP IPC where the memory is HIP's (the same `DeviceMemory` calls; never
+//! run on AMD hardware).
 //!
 //! [`DeviceTransport`] keeps every region it registers in device memory,
 //! allocated through a [`DeviceMemory`] (the compute backend's device, so the
@@ -57,6 +59,8 @@ pub struct DeviceTransport {
     notes: ShmTransport,
     mem: Arc<dyn DeviceMemory>,
     ordinal: u32,
+    /// "cuda-ipc" or "hip-ipc", after the memory's platform.
+    name: &'static str,
     next: AtomicU64,
     regions: RwLock<HashMap<u64, Local>>,
     attached: RwLock<HashMap<u64, Attached>>,
@@ -153,6 +157,7 @@ impl DeviceTransport {
     /// A transport whose regions live in `mem` (device `ordinal`), with its
     /// notification socket under `dir`, requiring `secret` of its peers.
     pub fn new(mem: Arc<dyn DeviceMemory>, ordinal: u32, dir: impl Into<PathBuf>, secret: ClusterSecret) -> Result<Self> {
+        let name = if mem.label().starts_with("hip:") { "hip-ipc" } else { "cuda-ipc" };
         let reaper = Arc::new(Reaper {
             mem: Arc::clone(&mem),
             completions: Completions::default(),
@@ -164,7 +169,7 @@ impl DeviceTransport {
         let thread = {
             let r = Arc::clone(&reaper);
             std::thread::Builder::new()
-                .name("cuda-ipc-completions".into())
+                .name(format!("{name}-completions"))
                 .spawn(move || r.run())
                 .map_err(|e| TransportError::io("spawn the completion thread", e))?
         };
@@ -172,6 +177,7 @@ impl DeviceTransport {
             notes: ShmTransport::with_secret(dir, secret)?,
             mem,
             ordinal,
+            name,
             next: AtomicU64::new(1),
             regions: RwLock::new(HashMap::new()),
             attached: RwLock::new(HashMap::new()),
@@ -191,7 +197,7 @@ impl DeviceTransport {
         lock(&self.reaper.log).take().unwrap_or_default()
     }
 
-    /// The device this transport allocates on ("cuda:0").
+    /// The device this transport allocates on ("cuda:0", "hip:0").
     pub fn device(&self) -> String {
         self.mem.label()
     }
@@ -266,7 +272,7 @@ fn copies(descriptors: &[Descriptor], src: u64, dst: u64) -> Vec<Copy2d> {
 
 impl Transport for DeviceTransport {
     fn name(&self) -> &'static str {
-        "cuda-ipc"
+        self.name
     }
 
     fn endpoint(&self) -> PeerAddr {
@@ -278,7 +284,7 @@ impl Transport for DeviceTransport {
             MemoryKind::Device { ordinal } if ordinal == self.ordinal => {}
             other => {
                 return Err(TransportError::Unavailable {
-                    what: format!("{other} memory on the cuda-ipc transport"),
+                    what: format!("{other} memory on the {} transport", self.name),
                     reason: format!("it keeps regions in the memory of {} only", self.mem.label()),
                 });
             }
@@ -317,11 +323,11 @@ impl Transport for DeviceTransport {
 
     fn attach(&self, handle: &RegionHandle) -> Result<RemoteRegion> {
         let MemoryKind::Device { ordinal } = handle.memory else {
-            return Err(TransportError::Unavailable { what: format!("{handle}"), reason: "the cuda-ipc transport writes device regions only".into() });
+            return Err(TransportError::Unavailable { what: format!("{handle}"), reason: format!("the {} transport writes device regions only", self.name) });
         };
         if ordinal != self.ordinal {
             return Err(TransportError::Unavailable {
-                what: format!("{handle} on cuda:{ordinal}"),
+                what: format!("{handle} on {}:{ordinal}", self.name.trim_end_matches("-ipc")),
                 reason: format!("this transport copies within {} (another GPU needs NCCL)", self.mem.label()),
             });
         }
@@ -520,6 +526,53 @@ mod tests {
         let launches = handoff_kernels::table_launches(&list);
         assert_eq!(list.len(), 448);
         assert_eq!(launches.len(), list.len().div_ceil(handoff_kernels::TABLE_COPIES), "{launches:?}");
+    }
+
+    /// Device memory that only has a label (the transport's name comes from it).
+    struct Labelled(&'static str);
+
+    impl DeviceMemory for Labelled {
+        fn label(&self) -> String {
+            self.0.into()
+        }
+        fn alloc(&self, _: u64) -> handoff_kernels::Result<u64> {
+            Err(handoff_kernels::KernelError::Unsupported { op: "alloc", backend: "labelled".into(), reason: "a label only".into() })
+        }
+        unsafe fn free(&self, _: u64) {}
+        fn export(&self, _: u64) -> handoff_kernels::Result<Vec<u8>> {
+            Ok(Vec::new())
+        }
+        fn open(&self, _: &[u8]) -> handoff_kernels::Result<u64> {
+            Ok(0)
+        }
+        unsafe fn close(&self, _: u64) {}
+        unsafe fn copy(&self, _: &[Copy2d]) -> handoff_kernels::Result<CopyTicket> {
+            Ok(CopyTicket(1))
+        }
+        fn done(&self, _: CopyTicket) -> handoff_kernels::Result<bool> {
+            Ok(true)
+        }
+        unsafe fn read(&self, _: u64, _: &mut [u8]) -> handoff_kernels::Result<()> {
+            Ok(())
+        }
+        unsafe fn write(&self, _: u64, _: &[u8]) -> handoff_kernels::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// HIP's device memory makes the transport hip-ipc, CUDA's (and any
+    /// other) cuda-ipc, and its refusals name it.
+    #[test]
+    fn the_transport_is_named_after_its_memorys_platform() {
+        let dir = std::env::temp_dir();
+        for (label, name) in [("hip:0", "hip-ipc"), ("cuda:0", "cuda-ipc")] {
+            let t = DeviceTransport::new(Arc::new(Labelled(label)), 0, &dir, ClusterSecret::from_bytes(b"test")).expect("transport");
+            assert_eq!((t.name(), t.device()), (name, label.to_string()));
+            let e = t
+                .register_memory(RankId::Prefill(handoff_components::vocab::PrefillRank { pp: 0, tp: 0 }), RegionKind::MlaKv, 64, MemoryKind::Host)
+                .unwrap_err();
+            assert!(e.to_string().contains(&format!("host memory on the {name} transport")), "{e}");
+        }
     }
 
     #[test]

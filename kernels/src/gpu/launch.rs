@@ -9,6 +9,16 @@
 //! name, allocate, copy, zero, launch, wait, capture a graph and replay it,
 //! time with events. The kernels are one set of sources (`kernels/hip/`), so
 //! the same list names the same kernels with the same arguments on both.
+//!
+//! The generic ops of the backends (`gpu/ops/`, `GpuBackend<D>`) go through
+//! the same trait: their buffers are allocated, copied and freed on the
+//! driver's stream ([`Driver::alloc_async`], [`Driver::copy_dtod`],
+//! [`Driver::free_async`]) and their kernels launched with
+//! [`Driver::launch_args`].
+//!
+//! The trait and its types are `pub` only so that the public buffer and
+//! backend aliases (`CudaBuf = DeviceBuf<f32, CudaDriver>`, ...) may name
+//! them; the module is private, so nothing outside the crate can.
 
 use std::ffi::c_void;
 
@@ -19,7 +29,7 @@ use crate::error::{KernelError, Result};
 /// turn it into a [`KernelError`] that names the op.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
-pub(crate) struct DriverFault(pub(crate) String);
+pub struct DriverFault(pub(crate) String);
 
 /// Maps a driver fault of op `op` to a `KernelError::Device`.
 pub(crate) fn dev(op: &'static str) -> impl Fn(DriverFault) -> KernelError {
@@ -28,8 +38,10 @@ pub(crate) fn dev(op: &'static str) -> impl Fn(DriverFault) -> KernelError {
 
 /// The calls a launch list needs from a GPU driver. Addresses are device
 /// pointers as integers (`CUdeviceptr`, `hipDeviceptr_t`); one stream per
-/// driver value, on which everything is queued in call order.
-pub(crate) trait Driver: Clone {
+/// driver value, on which everything is queued in call order. Send and Sync:
+/// a backend and its buffers move between threads (each call binds the
+/// device first).
+pub trait Driver: Clone + Send + Sync + 'static {
     /// A loaded kernel (`CUfunction`, `hipFunction_t`), valid while the
     /// driver's modules are loaded.
     type Func: Copy;
@@ -41,6 +53,9 @@ pub(crate) trait Driver: Clone {
     const NAME: &'static str;
     /// The platform's name in prose ("CUDA graphs", "HIP graphs").
     const LABEL: &'static str;
+    /// The prefix of the backend's public type names ("Cuda": `CudaBackend`,
+    /// `CudaBuf`), for their `Debug` text.
+    const TYPE_PREFIX: &'static str;
 
     /// The kernel `name` of the loaded modules.
     fn function(&self, name: &str) -> std::result::Result<Self::Func, DriverFault>;
@@ -62,6 +77,25 @@ pub(crate) trait Driver: Clone {
     /// `ptr` came from `alloc` on this driver and is freed once, after the
     /// work that uses it.
     unsafe fn free(&self, ptr: u64);
+    /// A stream-ordered allocation of `bytes` (not zeroed) for an op's buffer
+    /// or scratch: CUDA's `cuMemAllocAsync` where the device has it (freed
+    /// memory then stays in the stream's pool), else `cuMemAlloc`; HIP's
+    /// `hipMalloc`.
+    fn alloc_async(&self, bytes: usize) -> std::result::Result<u64, DriverFault>;
+    /// Frees an allocation of [`Driver::alloc_async`] after the work queued
+    /// before it on the stream (CUDA: `cuMemFreeAsync`, or a wait and
+    /// `cuMemFree`; HIP: `hipFree`, which waits for the device). A failure is
+    /// kept where the driver keeps one (CUDA: the context's error state,
+    /// reported by the next [`Driver::bind`]).
+    ///
+    /// # Safety
+    /// `ptr` came from `alloc_async` on this driver and is freed once.
+    unsafe fn free_async(&self, ptr: u64);
+    /// Copies `bytes` from `src` to `dst` on the device, queued on the stream.
+    ///
+    /// # Safety
+    /// Both hold at least `bytes` bytes.
+    unsafe fn copy_dtod(&self, dst: u64, src: u64, bytes: usize) -> std::result::Result<(), DriverFault>;
     /// Zeroes `bytes` at `ptr`, queued on the stream.
     ///
     /// # Safety
@@ -85,6 +119,35 @@ pub(crate) trait Driver: Clone {
     /// `params` matches the kernel's signature and every address in it is
     /// valid for what the kernel reads and writes.
     unsafe fn launch(&self, f: Self::Func, grid: (u32, u32, u32), block: u32, smem: u32, params: &mut [*mut c_void]) -> std::result::Result<(), DriverFault>;
+    /// Launches `f` with `args` by value, after `head` where the kernel's
+    /// first parameter is a struct passed by value (the units kernels'
+    /// `hk_mm_units` table: its bytes, in the C layout). A recording driver
+    /// (the tests) overrides this to keep the arguments as they are.
+    ///
+    /// # Safety
+    /// As [`Driver::launch`]: `head` and `args` match the kernel's signature.
+    unsafe fn launch_args(
+        &self,
+        f: Self::Func,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        head: Option<&[u8]>,
+        args: &[Arg],
+    ) -> std::result::Result<(), DriverFault> {
+        let mut vals: Vec<u64> = args.iter().map(|a| a.word()).collect();
+        let mut params: Vec<*mut c_void> = Vec::with_capacity(vals.len() + 1);
+        if let Some(h) = head {
+            // The driver reads the struct's bytes through this pointer (it
+            // copies them when the launch is queued; `h` outlives the call).
+            params.push(h.as_ptr() as *mut c_void);
+        }
+        for v in vals.iter_mut() {
+            params.push(v as *mut u64 as *mut c_void);
+        }
+        // SAFETY: the caller's contract; each pointer is live for the call.
+        unsafe { self.launch(f, grid, block, smem, &mut params) }
+    }
     /// Waits for everything queued on the stream.
     fn synchronize(&self) -> std::result::Result<(), DriverFault>;
     /// Starts capturing the stream's work into a graph (this thread's only).
@@ -101,9 +164,54 @@ pub(crate) trait Driver: Clone {
     fn elapsed_ms(&self, start: &Self::Event, end: &Self::Event) -> std::result::Result<f32, DriverFault>;
 }
 
+/// Bytes of an IPC memory handle: CUDA's `CUipcMemHandle` and HIP's
+/// `hipIpcMemHandle_t` both hold 64 (the transport hex-encodes them).
+pub const IPC_HANDLE_BYTES: usize = 64;
+
+/// What device memory for registered regions (`gpu/ops/memory.rs`) needs of
+/// a driver beyond launches: more streams, completion events a thread can
+/// sleep on, copy-engine copies of strided rows, and IPC handles. A trait of
+/// its own so that a driver that only runs launch lists (the step's test
+/// recorder) need not fake them.
+pub(crate) trait MemoryDriver: Driver {
+    /// A completion event (`CUevent` with blocking sync, `hipEvent_t` with
+    /// `hipEventBlockingSync`), recorded again and again.
+    type Fence: Send + Sync;
+
+    /// The device's ordinal, for the memory's label ("cuda:0").
+    fn ordinal(&self) -> usize;
+    /// The same device and loaded kernels on a new stream of its own (host
+    /// access and each copy stream queue apart from the backend's ops).
+    fn with_new_stream(&self) -> std::result::Result<Self, DriverFault>;
+    /// Copies `height` rows of `width` bytes, row r from `src + r * src_pitch`
+    /// to `dst + r * dst_pitch`, on the copy engines, queued on the stream.
+    ///
+    /// # Safety
+    /// Every row lies in a live allocation of this device (or one opened here).
+    unsafe fn copy_2d(&self, dst: u64, dst_pitch: u64, src: u64, src_pitch: u64, width: u64, height: u64) -> std::result::Result<(), DriverFault>;
+    /// A completion event, not yet recorded; a thread waiting on it sleeps in
+    /// the driver instead of spinning.
+    fn new_fence(&self) -> std::result::Result<Self::Fence, DriverFault>;
+    /// Records `f` on the stream, after everything queued before.
+    fn record_fence(&self, f: &Self::Fence) -> std::result::Result<(), DriverFault>;
+    /// Whether the work before `f`'s last record has completed (a query).
+    fn fence_done(&self, f: &Self::Fence) -> std::result::Result<bool, DriverFault>;
+    /// Waits (sleeping) until the work before `f`'s last record has completed.
+    fn fence_wait(&self, f: &Self::Fence) -> std::result::Result<(), DriverFault>;
+    /// The IPC handle of allocation `ptr` (from [`Driver::alloc`]).
+    fn ipc_export(&self, ptr: u64) -> std::result::Result<[u8; IPC_HANDLE_BYTES], DriverFault>;
+    /// Opens another process's exported allocation; its address here.
+    fn ipc_open(&self, handle: &[u8; IPC_HANDLE_BYTES]) -> std::result::Result<u64, DriverFault>;
+    /// Closes an address of [`MemoryDriver::ipc_open`].
+    ///
+    /// # Safety
+    /// No queued work still uses `ptr`.
+    unsafe fn ipc_close(&self, ptr: u64) -> std::result::Result<(), DriverFault>;
+}
+
 /// One kernel argument, by value.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) enum Arg {
+pub enum Arg {
     /// A device address (any pointer parameter).
     P(u64),
     /// A 64-bit integer (`hk_i64`).

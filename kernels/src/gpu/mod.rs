@@ -10,11 +10,18 @@
 //!   `libnvrtc` can be loaded and returns `BackendUnavailable("cuda: no CUDA
 //!   driver: ...")` when not, so the same binary runs its CPU path on a machine
 //!   without a GPU. Without `cuda`, a stub with the same API that refuses.
-//! - [`HipBackend`]: with `hip`, the fused decode step through the same launch
-//!   table as CUDA (`step_gpu/`), on the HIP runtime (hip-sys) and the gfx90a
-//!   code objects [`HIP_CODE_OBJECTS`]; its other ops refuse, naming the op.
-//!   Never run on AMD hardware: here `new` reports "no device". Without
-//!   `hip`, a stub that refuses.
+//! - [`HipBackend`]: with `hip`, the same backend on the HIP runtime
+//!   (hip-sys) and the gfx90a code objects [`HIP_CODE_OBJECTS`]: the fused
+//!   decode step through the same launch table as CUDA (`step_gpu/`) and every
+//!   generic op through the same launch decisions (`ops/`), and device memory
+//!   for regions through the same implementation (`ops/memory.rs`). Never run
+//!   on AMD hardware: here `new` reports "no device". Without `hip`, a stub
+//!   that refuses.
+//!
+//! Both real backends are one type, `GpuBackend<D>` (`ops/`), over a driver
+//! `D` (`launch.rs`), and their device memory for regions one type,
+//! `DeviceMem<D>`: CUDA and HIP differ only in the driver's calls and how the
+//! kernels were compiled.
 
 use crate::dtype::StorageDtype;
 use crate::error::Result;
@@ -30,15 +37,11 @@ pub use stub::NoBuf;
 mod cuda;
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaBackend, CudaBuf, CudaF64Buf, CudaIBuf};
-#[cfg(feature = "cuda")]
-mod cuda_memory;
-#[cfg(feature = "cuda")]
-pub use cuda_memory::{CudaMemory, IPC_HANDLE_BYTES};
 
 #[cfg(feature = "hip")]
 mod hip;
 #[cfg(feature = "hip")]
-pub use hip::HipBackend;
+pub use hip::{HipBackend, HipBuf, HipF64Buf, HipIBuf};
 
 // The launch seam and the fused decode step over it: plain Rust, built in
 // every configuration so that the launch table's tests run on any machine
@@ -47,6 +50,14 @@ pub use hip::HipBackend;
 mod launch;
 #[cfg_attr(not(any(feature = "cuda", feature = "hip")), allow(dead_code))]
 mod step_gpu;
+// The generic ops over the seam (GpuBackend<D>), likewise built everywhere so
+// that their launches are checked against the sources on any machine.
+#[cfg_attr(not(any(feature = "cuda", feature = "hip")), allow(dead_code, unused_imports))]
+mod ops;
+/// The one GPU backend type and its buffers: `CudaBackend`, `HipBackend` and
+/// their buffer types are these over each platform's driver (which code
+/// outside this crate cannot name, so only those aliases can be built).
+pub use ops::{DeviceBuf, DeviceIBuf, GpuBackend};
 
 /// Device memory for registered regions on CUDA GPU `ordinal`, without
 /// compiling the kernels (a transport opens it before the compute backend; both
@@ -61,6 +72,22 @@ pub fn cuda_device_memory(ordinal: usize) -> Result<std::sync::Arc<dyn crate::re
     {
         let _ = ordinal;
         Err(crate::error::KernelError::BackendUnavailable("cuda: built without the `cuda` feature".to_string()))
+    }
+}
+
+/// Device memory for registered regions on HIP device `ordinal`, without the
+/// backend's kernels (only `copy_table`'s code object is loaded): the same
+/// implementation as [`cuda_device_memory`] over the HIP runtime. Refuses like
+/// [`HipBackend::new`] where HIP cannot run. Never run on AMD hardware.
+pub fn hip_device_memory(ordinal: usize) -> Result<std::sync::Arc<dyn crate::region::DeviceMemory>> {
+    #[cfg(feature = "hip")]
+    {
+        hip::open_memory(ordinal)
+    }
+    #[cfg(not(feature = "hip"))]
+    {
+        let _ = ordinal;
+        Err(crate::error::KernelError::BackendUnavailable("hip: built without the `hip` feature".to_string()))
     }
 }
 
@@ -178,12 +205,22 @@ pub type CudaF64Buf = NoBuf;
 
 #[cfg(not(feature = "hip"))]
 stub::stub_backend!(
-    /// AMD backend (the fused decode step through hip-sys). This build has no
-    /// `hip` feature: a stub whose `new` refuses.
+    /// AMD backend (hip-sys and gfx90a code objects). This build has no `hip`
+    /// feature: a stub whose `new` refuses.
     HipBackend,
     "hip",
     |_| "hip: built without the `hip` feature".to_string()
 );
+
+/// The f32 buffer of [`HipBackend`] (no values without the `hip` feature).
+#[cfg(not(feature = "hip"))]
+pub type HipBuf = NoBuf;
+/// The i32 buffer of [`HipBackend`] (no values without the `hip` feature).
+#[cfg(not(feature = "hip"))]
+pub type HipIBuf = NoBuf;
+/// The f64 buffer of [`HipBackend`] (no values without the `hip` feature).
+#[cfg(not(feature = "hip"))]
+pub type HipF64Buf = NoBuf;
 
 #[cfg(test)]
 mod tests {
@@ -206,6 +243,19 @@ mod tests {
             assert_eq!(msg, "hip: built without the `hip` feature");
         }
         assert!(!HipBackend::is_available());
+    }
+
+    /// Device memory for regions on HIP opens the same way as the backend,
+    /// so here it stops at the device count too (or at the missing feature).
+    #[test]
+    fn hip_device_memory_refuses_where_there_is_no_device() {
+        let Err(e) = hip_device_memory(0) else { panic!("a HIP device here?") };
+        let KernelError::BackendUnavailable(msg) = &e else { panic!("wrong error {e:?}") };
+        if cfg!(feature = "hip") {
+            assert!(msg.starts_with("hip: no device"), "{msg}");
+        } else {
+            assert_eq!(msg, "hip: built without the `hip` feature");
+        }
     }
 
     #[test]

@@ -6,9 +6,8 @@
 //!
 //! [`backend_without_buffers`] is the `Backend` impl of a type whose buffer is
 //! [`NoBuf`]: every op that takes a buffer is statically unreachable, and the
-//! ops that would make one ask [`RefuseBuffers`]. A stub can never be asked;
-//! the HIP backend (which runs only the fused decode step) refuses, naming
-//! the op.
+//! ops that would make one ask [`RefuseBuffers`]. A stub can never be asked
+//! (it has no values).
 
 /// The buffer type of a backend that cannot exist in this build: it has no
 /// values, so no op of a stub backend can ever receive one.

@@ -2,49 +2,82 @@
 //! against libamdhip64, Debian's with `HIP_PATH=/usr`) and the gfx90a code
 //! objects build.rs compiled with hipcc from the one set of kernel sources.
 //!
-//! What is wired: the fused decode step ([`crate::Backend::decode_step`]),
-//! whose launch table (`gpu/step_gpu/`) is the CUDA backend's, executed
-//! through [`HipDriver`] instead of cudarc. What is not: the generic ops
-//! (their launchers are CUDA's, `gpu/cuda/`), device memory for registered
-//! regions and buffers; each refuses with `Unsupported`, naming the op. There
-//! is no AMD GPU on any machine this project runs on, so none of this has run
-//! on AMD hardware: here `new` stops at the device count (`hipErrorNoDevice`).
-//! On a gfx90a the step's build would refuse its Hopper-sized shared memory
-//! (st_mm, st_kda past 64 KiB of LDS a block; see `driver::lds_fits`).
+//! What is wired: `HipBackend` is `GpuBackend<HipDriver>`, the CUDA backend's
+//! driver-generic implementation (`gpu/ops/`) over [`HipDriver`]: buffers
+//! (f32, i32 with the host's known copy, f64) and every generic op, with the
+//! same kernels, grids, blocks, shared memory, argument order and checks as
+//! CUDA, and the fused decode step ([`crate::Backend::decode_step`]) through
+//! the step's launch table (`gpu/step_gpu/`). Where a gfx90a block cannot take
+//! a kernel's shared memory (64 KiB of LDS), opening falls back to a kernel
+//! of the same bits (`gpu/ops/open.rs`, `SmemPolicy::FallBack`): the
+//! tensor-core MLA partials (83 KB and more) give way to the scalar partial,
+//! matmul_tc16 (75 KB) to matmul_tc32, matmul_tcb (102 KB) to the split over
+//! k, and the chunked KDA prefill to the recurrent one. Device memory for
+//! registered regions ([`crate::Backend::device_memory`], and
+//! [`crate::hip_device_memory`] without the backend) is CUDA's
+//! driver-generic `DeviceMem` (`gpu/ops/memory.rs`) over the same driver:
+//! `hipMalloc` allocations, `hipIpcGetMemHandle` / `hipIpcOpenMemHandle` /
+//! `hipIpcCloseMemHandle` (64-byte handles, as CUDA's), `copy_table` from the
+//! memcopy.hip code object on eight streams of its own, `hipMemcpyDtoDAsync`
+//! and `hipMemcpy2DAsync` for the copies CUDA gives the copy engines, and
+//! `hipEventBlockingSync` events; the region ops take any device address.
+//!
+//! There is no AMD GPU on any machine this project runs on, so none of this
+//! has run on AMD hardware: here `new` stops at the device count
+//! (`hipErrorNoDevice`). The launches are checked against the kernels'
+//! signatures and the gfx90a code objects' symbols by tests that need no
+//! device (`gpu/ops/tests/`). On a gfx90a the fused step's build would refuse
+//! its Hopper-sized shared memory (st_mm, st_kda past 64 KiB of LDS a block;
+//! see `driver::lds_fits`).
+
+use std::sync::Arc;
 
 use hip_sys::hiprt::{hipDeviceGetName, hipError_t, hipGetDeviceCount, hipGetErrorString};
 
-use crate::dtype::StorageDtype;
 use crate::error::{KernelError, Result};
-use crate::gpu::NoBuf;
-use crate::gpu::launch::{Driver, dev};
-use crate::gpu::step_gpu::{GpuStep, STEP_KERNELS};
-use crate::shapes::{
-    ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaStepShape, MatmulShape, MergeShape, MlaShape, MlpShape, MlpWeights,
-    NormShape, ReplayShape, RowSet,
-};
+use crate::gpu::launch::{Driver, MemoryDriver, dev};
+use crate::gpu::ops::{DeviceBuf, DeviceIBuf, DeviceMem, GpuBackend, SmemPolicy};
+use crate::gpu::step_gpu::STEP_KERNELS;
+use crate::region::DeviceMemory;
 
 mod driver;
-pub(crate) use driver::HipDriver;
+pub use driver::HipDriver;
 #[cfg(test)]
 pub(crate) use driver::lds_fits;
 
-/// AMD backend: the fused decode step's launch table on one HIP device.
+/// AMD backend: the driver-generic ops and the fused decode step on one HIP
+/// device (`GpuBackend` over hip-sys).
 ///
 /// Opening it loads every gfx90a code object ([`crate::gpu::HIP_CODE_OBJECTS`])
-/// and resolves every kernel the step's table names, so a missing kernel is a
-/// refusal at start. Never run on AMD hardware.
-#[derive(Clone)]
-pub struct HipBackend {
-    drv: HipDriver,
-    ordinal: usize,
-    device_name: String,
+/// and resolves every kernel of the generic ops and of the step's table, so a
+/// missing kernel is a refusal at start. Never run on AMD hardware.
+pub type HipBackend = GpuBackend<HipDriver>;
+/// An f32 buffer in HIP device memory.
+pub type HipBuf = DeviceBuf<f32, HipDriver>;
+/// An i32 buffer in HIP device memory, with the host's known copy.
+pub type HipIBuf = DeviceIBuf<HipDriver>;
+/// An f64 buffer in HIP device memory.
+pub type HipF64Buf = DeviceBuf<f64, HipDriver>;
+
+/// Device memory for the regions of a HIP backend: the driver-generic
+/// `DeviceMem` (`gpu/ops/memory.rs`) on the backend's device and modules,
+/// host access on a stream of its own (as CUDA's).
+fn memory_of(drv: &HipDriver) -> Result<Arc<dyn DeviceMemory>> {
+    let host = drv.with_new_stream().map_err(dev("device memory"))?;
+    Ok(Arc::new(DeviceMem::new(host)?))
 }
 
-impl std::fmt::Debug for HipBackend {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "HipBackend(device {} {:?})", self.ordinal, self.device_name)
+/// [`crate::gpu::hip_device_memory`]: device memory for regions on HIP
+/// device `device` without the backend, with only memcopy.hip's code object
+/// loaded (a transport opens it before the compute backend).
+pub(crate) fn open_memory(device: usize) -> Result<Arc<dyn DeviceMemory>> {
+    let count = device_count()?;
+    if device >= count {
+        return Err(KernelError::BackendUnavailable(format!("hip: no device {device}: the HIP runtime sees {count} device(s)")));
     }
+    let images: Vec<(&'static str, &'static [u8])> = crate::gpu::HIP_CODE_OBJECTS.iter().copied().filter(|(name, _)| *name == "memcopy.hip").collect();
+    let drv = HipDriver::open(device, &images).map_err(|e| KernelError::BackendUnavailable(format!("hip: cannot open device {device}: {e}")))?;
+    Ok(Arc::new(DeviceMem::new(drv)?))
 }
 
 /// Devices the HIP runtime sees, or why it sees none.
@@ -59,12 +92,12 @@ fn device_count() -> Result<usize> {
     Ok(count as usize)
 }
 
-impl HipBackend {
+impl GpuBackend<HipDriver> {
     /// Opens HIP device `device`: loads the code objects and resolves every
-    /// kernel of the decode step's launch table. Refuses with
-    /// `BackendUnavailable` when the runtime sees no such device ("hip: no
-    /// device: ..."), a code object does not load (another architecture than
-    /// gfx90a), or a kernel is missing.
+    /// kernel of the generic ops and of the decode step's launch table.
+    /// Refuses with `BackendUnavailable` when the runtime sees no such device
+    /// ("hip: no device: ..."), a code object does not load (another
+    /// architecture than gfx90a), or a kernel is missing.
     pub fn new(device: usize) -> Result<Self> {
         let count = device_count()?;
         if device >= count {
@@ -80,49 +113,16 @@ impl HipBackend {
         let named = unsafe { hipDeviceGetName(buf.as_mut_ptr(), buf.len() as i32, device as i32) } == hipError_t::hipSuccess;
         // SAFETY: NUL-terminated within buf (zeroed, and written by the runtime).
         let device_name = if named { unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned() } else { format!("HIP device {device}") };
-        Ok(HipBackend { drv, ordinal: device, device_name })
+        // gfx90a blocks take 64 KiB: the Hopper-sized kernels fall back to
+        // ones of the same bits (see the module docs).
+        GpuBackend::on_driver(drv, device_name, device, String::new(), SmemPolicy::FallBack, memory_of)
     }
 
     /// Whether the HIP runtime sees at least one device here.
     pub fn is_available() -> bool {
         device_count().is_ok()
     }
-
-    /// The device's name as the runtime reports it.
-    pub fn device_name(&self) -> &str {
-        &self.device_name
-    }
-
-    /// The device ordinal this backend opened.
-    pub fn ordinal(&self) -> usize {
-        self.ordinal
-    }
-
-    /// Waits until every queued launch has finished; reports a failed one.
-    pub fn synchronize(&self) -> Result<()> {
-        self.drv.synchronize().map_err(dev("synchronize"))
-    }
 }
-
-impl crate::gpu::stub::RefuseBuffers for HipBackend {
-    fn refuse_buffers<T>(&self, op: &'static str) -> Result<T> {
-        Err(KernelError::Unsupported {
-            op,
-            backend: "hip".to_string(),
-            reason: "only the fused decode step (decode_step) is wired on HIP; the generic ops' launchers are CUDA's".to_string(),
-        })
-    }
-}
-
-crate::gpu::stub::backend_without_buffers!(HipBackend, "hip", {
-    fn synchronize(&self) -> Result<()> {
-        HipBackend::synchronize(self)
-    }
-
-    fn decode_step(&self, spec: &crate::step::StepSpec) -> Result<Box<dyn crate::step::DecodeStep>> {
-        Ok(Box::new(GpuStep::new(self.drv.clone(), spec)?))
-    }
-});
 
 fn describe(err: hipError_t) -> String {
     // SAFETY: hipGetErrorString returns a static NUL-terminated string (or null).

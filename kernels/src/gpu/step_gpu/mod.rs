@@ -27,7 +27,7 @@ mod launches;
 mod matmul;
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use crate::gpu::launch::{Arena, Arg, Driver, Launch, dev, launch_all};
 use launches::*;

@@ -29,6 +29,7 @@ impl Driver for Recorder {
     type Event = ();
     const NAME: &'static str = "recorder";
     const LABEL: &'static str = "recorder";
+    const TYPE_PREFIX: &'static str = "Recorder";
 
     fn function(&self, name: &str) -> std::result::Result<&'static str, DriverFault> {
         // A device without the sm_90a warpgroup products: the table takes st_mm.
@@ -57,6 +58,13 @@ impl Driver for Recorder {
         Ok(0x1000_0000 + self.next.fetch_add(bytes.next_multiple_of(256) as u64, Ordering::Relaxed))
     }
     unsafe fn free(&self, _: u64) {}
+    fn alloc_async(&self, bytes: usize) -> std::result::Result<u64, DriverFault> {
+        self.alloc(bytes)
+    }
+    unsafe fn free_async(&self, _: u64) {}
+    unsafe fn copy_dtod(&self, _: u64, _: u64, _: usize) -> std::result::Result<(), DriverFault> {
+        Ok(())
+    }
     unsafe fn memset_zero(&self, _: u64, _: usize) -> std::result::Result<(), DriverFault> {
         Ok(())
     }
@@ -165,17 +173,20 @@ fn spec(weights: WeightDtype, cache: StorageDtype, k3_rows: bool, replay: usize,
     StepSpec { model, place, options: StepOptions { max_batch, graphs: true } }
 }
 
-/// The argument kinds of a kernel's parameter list, as [`Arg`] carries them.
+/// The argument kinds of a kernel's parameter list, as [`Arg`] carries them
+/// (and `S`: the units kernels' `hk_mm_units` table, passed by value ahead
+/// of the [`Arg`]s).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
+pub(crate) enum Kind {
     P,
     L,
     I,
     F,
     D,
+    S,
 }
 
-fn kind_of(a: &Arg) -> Kind {
+pub(crate) fn kind_of(a: &Arg) -> Kind {
     match a {
         Arg::P(_) => Kind::P,
         Arg::L(_) => Kind::L,
@@ -209,7 +220,7 @@ fn macro_body(program: &str, name: &str) -> Option<String> {
 /// program NVRTC compiles (the prelude and every source), None where no such
 /// kernel is declared. A parameter list that is one macro (ST_MM_ARGS) is
 /// expanded.
-fn signature(program: &str, name: &str) -> Option<Vec<Kind>> {
+pub(crate) fn signature(program: &str, name: &str) -> Option<Vec<Kind>> {
     let needle = format!(" {name}(");
     let at = program.match_indices(&needle).map(|(i, _)| i).find(|&i| {
         let decl = &program[program[..i].rfind("extern \"C\" __global__").unwrap_or(0)..i];
@@ -226,7 +237,8 @@ fn signature(program: &str, name: &str) -> Option<Vec<Kind>> {
             };
             depth == 0
         })?;
-    let mut params = program[open..close].to_string();
+    // Line comments inside a parameter list (conv.hip's `// [T, C]`) are not parameters.
+    let mut params = program[open..close].lines().map(|l| l.split("//").next().unwrap_or("")).collect::<Vec<_>>().join("\n");
     let word = params.trim();
     if !word.is_empty() && word.chars().all(|c| c == '_' || c.is_ascii_alphanumeric()) {
         params = macro_body(program, word)?;
@@ -245,6 +257,8 @@ fn signature(program: &str, name: &str) -> Option<Vec<Kind>> {
                 Kind::F
             } else if p.starts_with("int") || p.starts_with("const int") || p.starts_with("unsigned") {
                 Kind::I
+            } else if p.starts_with("hk_mm_units ") || p.starts_with("hk_copy_table ") {
+                Kind::S
             } else {
                 panic!("kernel {name}: parameter {p:?} of a type the launch table does not carry")
             }
@@ -317,7 +331,7 @@ fn the_signature_parser_reads_the_sources() {
 /// Symbol names of the ELF64 objects in a clang offload bundle (the hipcc
 /// code objects of build.rs), from their .symtab and .dynsym sections.
 #[cfg(feature = "hip")]
-fn bundle_symbols(bundle: &[u8]) -> BTreeSet<String> {
+pub(crate) fn bundle_symbols(bundle: &[u8]) -> BTreeSet<String> {
     let u64_at = |b: &[u8], at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap()) as usize;
     let u32_at = |b: &[u8], at: usize| u32::from_le_bytes(b[at..at + 4].try_into().unwrap()) as usize;
     let u16_at = |b: &[u8], at: usize| u16::from_le_bytes(b[at..at + 2].try_into().unwrap()) as usize;

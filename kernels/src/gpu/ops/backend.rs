@@ -1,136 +1,131 @@
-//! `impl Backend for CudaBackend`: every op's checks and launches.
+//! `impl Backend for GpuBackend<D>`: every op's checks and launches, for
+//! any driver.
 
 use super::*;
 
-impl Backend for CudaBackend {
+/// The f32 buffer of a backend on driver `D`.
+type Buf<D> = DeviceBuf<f32, D>;
+
+impl<D: Driver> Backend for GpuBackend<D> {
     fn decode_step(&self, spec: &crate::step::StepSpec) -> Result<Box<dyn crate::step::DecodeStep>> {
-        let step = crate::gpu::step_gpu::GpuStep::new(self.driver(), spec)?;
+        let step = crate::gpu::step_gpu::GpuStep::new(self.drv.clone(), spec)?;
         Ok(Box::new(step))
     }
 
     fn device_memory(&self) -> Result<Arc<dyn DeviceMemory>> {
-        Ok(Arc::new(crate::gpu::CudaMemory::new(Arc::clone(&self.ctx))?))
+        (self.memory)(&self.drv)
     }
 
-    fn region_gather(&self, region: DeviceRegion, items: RegionItems<'_>) -> Result<CudaBuf> {
+    fn region_gather(&self, region: DeviceRegion, items: RegionItems<'_>) -> Result<Buf<D>> {
         let op = "region_gather";
         let n = items.check(op, region)?;
         let out = self.alloc(n)?;
-        self.region_launch(op, region, items, n, |offs, it, per, code| {
-            self.region_kernel(op, &self.f.region_gather_b32, &self.f.region_gather_b16, region, offs, it, per, code, &out.data)
-        })?;
+        self.region_launch(op, region, items, n, |offs, it, per, code| self.region_kernel(op, true, region, offs, it, per, code, out.ptr))?;
         Ok(out)
     }
 
-    fn region_scatter(&self, src: &CudaBuf, region: DeviceRegion, items: RegionItems<'_>) -> Result<()> {
+    fn region_scatter(&self, src: &Buf<D>, region: DeviceRegion, items: RegionItems<'_>) -> Result<()> {
         let op = "region_scatter";
-        self.region_launch(op, region, items, src.len, |offs, it, per, code| {
-            self.region_kernel(op, &self.f.region_scatter_b32, &self.f.region_scatter_b16, region, offs, it, per, code, &src.data)
-        })
+        self.region_launch(op, region, items, src.len, |offs, it, per, code| self.region_kernel(op, false, region, offs, it, per, code, src.ptr))
     }
 
-    fn region_gather_i32(&self, region: DeviceRegion, offsets: &[u64]) -> Result<CudaIBuf> {
+    fn region_gather_i32(&self, region: DeviceRegion, offsets: &[u64]) -> Result<DeviceIBuf<D>> {
         let op = "region_gather_i32";
         let items = RegionItems { offsets, values: 1, dtype: StorageDtype::F32 };
         let mut out = self.alloc_i32(offsets.len())?;
         out.set_known(None);
-        self.region_launch(op, region, items, offsets.len(), |offs, it, per, code| {
-            self.region_kernel(op, &self.f.region_gather_b32, &self.f.region_gather_b16, region, offs, it, per, code, &out.data)
-        })?;
+        self.region_launch(op, region, items, offsets.len(), |offs, it, per, code| self.region_kernel(op, true, region, offs, it, per, code, out.data.ptr))?;
         Ok(out)
     }
 
-    fn region_scatter_i32(&self, src: &CudaIBuf, region: DeviceRegion, offsets: &[u64]) -> Result<()> {
+    fn region_scatter_i32(&self, src: &DeviceIBuf<D>, region: DeviceRegion, offsets: &[u64]) -> Result<()> {
         let op = "region_scatter_i32";
         let items = RegionItems { offsets, values: 1, dtype: StorageDtype::F32 };
-        self.region_launch(op, region, items, src.len, |offs, it, per, code| {
-            self.region_kernel(op, &self.f.region_scatter_b32, &self.f.region_scatter_b16, region, offs, it, per, code, &src.data)
-        })
+        self.region_launch(op, region, items, src.data.len, |offs, it, per, code| self.region_kernel(op, false, region, offs, it, per, code, src.data.ptr))
     }
 
     fn synchronize(&self) -> Result<()> {
-        CudaBackend::synchronize(self)
+        GpuBackend::synchronize(self)
     }
 
-    type Buf = CudaBuf;
-    type IBuf = CudaIBuf;
-    type F64Buf = CudaF64Buf;
+    type Buf = Buf<D>;
+    type IBuf = DeviceIBuf<D>;
+    type F64Buf = DeviceBuf<f64, D>;
 
     fn name(&self) -> &'static str {
-        "cuda"
+        D::NAME
     }
 
-    fn alloc(&self, len: usize) -> Result<CudaBuf> {
-        Ok(CudaBuf { data: self.alloc_t("alloc", len)?, len })
+    fn alloc(&self, len: usize) -> Result<Buf<D>> {
+        self.alloc_t("alloc", len)
     }
 
-    fn upload(&self, data: &[f32]) -> Result<CudaBuf> {
-        Ok(CudaBuf { data: self.upload_t("upload", data)?, len: data.len() })
+    fn upload(&self, data: &[f32]) -> Result<Buf<D>> {
+        self.upload_t("upload", data)
     }
 
-    fn upload_into(&self, dst: &mut CudaBuf, offset: usize, data: &[f32]) -> Result<()> {
+    fn upload_into(&self, dst: &mut Buf<D>, offset: usize, data: &[f32]) -> Result<()> {
         let op = "upload_into";
         let r = range(op, "dst", offset, data.len(), dst.len)?;
         if !data.is_empty() {
-            self.stream.memcpy_htod(data, &mut dst.data.slice_mut(r)).map_err(dev(op))?;
+            self.write_t(op, at::<f32>(dst.ptr, r.start), data)?;
         }
         Ok(())
     }
 
-    fn download(&self, buf: &CudaBuf) -> Result<Vec<f32>> {
-        self.download_t("download", &buf.data, buf.len)
+    fn download(&self, buf: &Buf<D>) -> Result<Vec<f32>> {
+        self.download_t("download", buf, buf.len)
     }
 
-    fn buf_len(&self, buf: &CudaBuf) -> usize {
+    fn buf_len(&self, buf: &Buf<D>) -> usize {
         buf.len
     }
 
-    fn alloc_i32(&self, len: usize) -> Result<CudaIBuf> {
-        Ok(CudaIBuf::new(self.alloc_t("alloc_i32", len)?, len, Some(vec![0; len])))
+    fn alloc_i32(&self, len: usize) -> Result<DeviceIBuf<D>> {
+        Ok(DeviceIBuf::new(self.alloc_t("alloc_i32", len)?, Some(vec![0; len])))
     }
 
-    fn upload_i32(&self, data: &[i32]) -> Result<CudaIBuf> {
-        Ok(CudaIBuf::new(self.upload_t("upload_i32", data)?, data.len(), Some(data.to_vec())))
+    fn upload_i32(&self, data: &[i32]) -> Result<DeviceIBuf<D>> {
+        Ok(DeviceIBuf::new(self.upload_t("upload_i32", data)?, Some(data.to_vec())))
     }
 
-    fn download_i32(&self, buf: &CudaIBuf) -> Result<Vec<i32>> {
+    fn download_i32(&self, buf: &DeviceIBuf<D>) -> Result<Vec<i32>> {
         let mut known = buf.known();
         if let (true, Some(v)) = (self.fused, known.as_ref()) {
             return Ok(v.clone());
         }
-        let v = self.download_t("download_i32", &buf.data, buf.len)?;
+        let v = self.download_t("download_i32", &buf.data, buf.data.len)?;
         *known = Some(v.clone());
         Ok(v)
     }
 
-    fn alloc_f64(&self, len: usize) -> Result<CudaF64Buf> {
-        Ok(CudaF64Buf { data: self.alloc_t("alloc_f64", len)?, len })
+    fn alloc_f64(&self, len: usize) -> Result<DeviceBuf<f64, D>> {
+        self.alloc_t("alloc_f64", len)
     }
 
-    fn upload_f64(&self, data: &[f64]) -> Result<CudaF64Buf> {
-        Ok(CudaF64Buf { data: self.upload_t("upload_f64", data)?, len: data.len() })
+    fn upload_f64(&self, data: &[f64]) -> Result<DeviceBuf<f64, D>> {
+        self.upload_t("upload_f64", data)
     }
 
-    fn download_f64(&self, buf: &CudaF64Buf) -> Result<Vec<f64>> {
-        self.download_t("download_f64", &buf.data, buf.len)
+    fn download_f64(&self, buf: &DeviceBuf<f64, D>) -> Result<Vec<f64>> {
+        self.download_t("download_f64", buf, buf.len)
     }
 
-    fn fill(&self, buf: &mut CudaBuf, value: f32) -> Result<()> {
-        let n = buf.len;
-        self.fill_unchecked("fill", &mut buf.data, n, value)
+    fn fill(&self, buf: &mut Buf<D>, value: f32) -> Result<()> {
+        self.fill_unchecked("fill", buf.ptr, buf.len, value)
     }
 
-    fn copy(&self, src: &CudaBuf, src_off: usize, dst: &mut CudaBuf, dst_off: usize, len: usize) -> Result<()> {
+    fn copy(&self, src: &Buf<D>, src_off: usize, dst: &mut Buf<D>, dst_off: usize, len: usize) -> Result<()> {
         let op = "copy";
         let rs = range(op, "src", src_off, len, src.len)?;
         let rd = range(op, "dst", dst_off, len, dst.len)?;
         if len > 0 {
-            self.stream.memcpy_dtod(&src.data.slice(rs), &mut dst.data.slice_mut(rd)).map_err(dev(op))?;
+            self.copy_t::<f32>(op, at::<f32>(dst.ptr, rd.start), at::<f32>(src.ptr, rs.start), len)?;
         }
         Ok(())
     }
 
-    fn copy_cols(&self, shape: ColsCopy, src: &CudaBuf, dst: &mut CudaBuf) -> Result<()> {
+    fn copy_cols(&self, shape: ColsCopy, src: &Buf<D>, dst: &mut Buf<D>) -> Result<()> {
         let op = "copy_cols";
         let ColsCopy { rows, src_cols, src_col, dst_cols, dst_col, width } = shape;
         check_len(op, "src", src.len, elems(op, &[rows, src_cols])?)?;
@@ -141,28 +136,23 @@ impl Backend for CudaBackend {
         if n == 0 {
             return Ok(());
         }
-        let a = [rows, src_cols, src_col, dst_cols, dst_col, width].map(i64_of);
-        let mut b = self.stream.launch_builder(&self.f.copy_cols);
-        b.arg(&src.data).arg(&mut dst.data);
-        for v in &a {
-            b.arg(v);
-        }
+        let mut args = vec![Arg::P(src.ptr), Arg::P(dst.ptr)];
+        args.extend([rows, src_cols, src_col, dst_cols, dst_col, width].map(|v| Arg::L(i64_of(v))));
         // SAFETY: types and order match copy_cols; ranges were checked.
-        unsafe { b.launch(ew_cfg(n)) }.map_err(dev(op))?;
-        Ok(())
+        unsafe { self.launch(op, self.f.copy_cols, ew_cfg(n), None, &args) }
     }
 
-    fn copy_f64(&self, src: &CudaF64Buf, src_off: usize, dst: &mut CudaF64Buf, dst_off: usize, len: usize) -> Result<()> {
+    fn copy_f64(&self, src: &DeviceBuf<f64, D>, src_off: usize, dst: &mut DeviceBuf<f64, D>, dst_off: usize, len: usize) -> Result<()> {
         let op = "copy_f64";
         let rs = range(op, "src", src_off, len, src.len)?;
         let rd = range(op, "dst", dst_off, len, dst.len)?;
         if len > 0 {
-            self.stream.memcpy_dtod(&src.data.slice(rs), &mut dst.data.slice_mut(rd)).map_err(dev(op))?;
+            self.copy_t::<f64>(op, at::<f64>(dst.ptr, rd.start), at::<f64>(src.ptr, rs.start), len)?;
         }
         Ok(())
     }
 
-    fn round_to(&self, buf: &mut CudaBuf, dtype: StorageDtype) -> Result<()> {
+    fn round_to(&self, buf: &mut Buf<D>, dtype: StorageDtype) -> Result<()> {
         let op = "round_to";
         let code: i32 = match dtype {
             StorageDtype::F32 => return Ok(()),
@@ -173,26 +163,23 @@ impl Backend for CudaBackend {
         if n == 0 {
             return Ok(());
         }
-        let nn = i64_of(n);
-        let mut b = self.stream.launch_builder(&self.f.round_to);
-        b.arg(&mut buf.data).arg(&code).arg(&nn);
+        let args = [Arg::P(buf.ptr), Arg::I(code), Arg::L(i64_of(n))];
         // SAFETY: types and order match round_to.
-        unsafe { b.launch(ew_cfg(n)) }.map_err(dev(op))?;
-        Ok(())
+        unsafe { self.launch(op, self.f.round_to, ew_cfg(n), None, &args) }
     }
 
     fn kda_step(
         &self,
         shape: KdaStepShape,
-        state: &mut CudaBuf,
-        x: KdaInputs<'_, CudaBuf>,
-        params: KdaParams<'_, CudaBuf>,
-        out: &mut CudaBuf,
-        record: Option<&mut CudaBuf>,
+        state: &mut Buf<D>,
+        x: KdaInputs<'_, Buf<D>>,
+        params: KdaParams<'_, Buf<D>>,
+        out: &mut Buf<D>,
+        record: Option<&mut Buf<D>>,
     ) -> Result<()> {
         let op = "kda_step";
         let KdaStepShape { batch, heads, dk, dv } = shape;
-        check_kda(op, batch, heads, dk, dv, state.len, batch, &x, &params, out.len, record.as_ref().map(|r| r.len))?;
+        kda::check_kda(op, batch, heads, dk, dv, state.len, batch, &x, &params, out.len, record.as_ref().map(|r| r.len))?;
         self.kda_recurrent(op, batch, 1, None, heads, dk, dv, state, x, params, out, record)
     }
 
@@ -206,11 +193,11 @@ impl Backend for CudaBackend {
     fn kda_prefill(
         &self,
         shape: KdaPrefillShape,
-        state: &mut CudaBuf,
-        x: KdaInputs<'_, CudaBuf>,
-        params: KdaParams<'_, CudaBuf>,
-        out: &mut CudaBuf,
-        record: Option<&mut CudaBuf>,
+        state: &mut Buf<D>,
+        x: KdaInputs<'_, Buf<D>>,
+        params: KdaParams<'_, Buf<D>>,
+        out: &mut Buf<D>,
+        record: Option<&mut Buf<D>>,
     ) -> Result<()> {
         let KdaPrefillShape { tokens, heads, dk, dv } = shape;
         let one = KdaRaggedShape { rows: tokens, heads, dk, dv };
@@ -228,18 +215,18 @@ impl Backend for CudaBackend {
         &self,
         shape: KdaRaggedShape,
         seqs: &[std::ops::Range<usize>],
-        states: &mut CudaBuf,
-        x: KdaInputs<'_, CudaBuf>,
-        params: KdaParams<'_, CudaBuf>,
-        out: &mut CudaBuf,
-        record: Option<&mut CudaBuf>,
+        states: &mut Buf<D>,
+        x: KdaInputs<'_, Buf<D>>,
+        params: KdaParams<'_, Buf<D>>,
+        out: &mut Buf<D>,
+        record: Option<&mut Buf<D>>,
     ) -> Result<()> {
         self.kda_prefill_seqs("kda_prefill_ragged", shape, seqs, states, x, params, out, record)
     }
 
-    fn replay_append(&self, shape: ReplayShape, tokens: usize, ring: &mut CudaBuf, cursor: &mut CudaIBuf, records: &CudaBuf) -> Result<()> {
+    fn replay_append(&self, shape: ReplayShape, tokens: usize, ring: &mut Buf<D>, cursor: &mut DeviceIBuf<D>, records: &Buf<D>) -> Result<()> {
         let op = "replay_append";
-        let w = cpu_kda::check_replay(op, &shape, ring.len, cursor.len)?;
+        let w = cpu_kda::check_replay(op, &shape, ring.len, cursor.data.len)?;
         let ReplayShape { batch, heads, capacity, .. } = shape;
         check_len(op, "records", records.len, elems(op, &[batch, tokens, heads, w])?)?;
         let cur = self.read_cursors(op, cursor, capacity)?;
@@ -257,24 +244,23 @@ impl Backend for CudaBackend {
             return Err(KernelError::InvalidShape { op, reason: format!("{batch} slots exceed the device grid") });
         }
         let mut cfg = ew_cfg(n);
-        cfg.grid_dim.0 = cfg.grid_dim.0.min((EW_MAX_BLOCKS / batch).max(1) as u32);
-        cfg.grid_dim.1 = batch as u32;
+        cfg.grid.0 = cfg.grid.0.min((EW_MAX_BLOCKS / batch).max(1) as u32);
+        cfg.grid.1 = batch as u32;
         let (cap, tok, per64) = (int(op, "capacity", capacity)?, int(op, "tokens", tokens)?, i64_of(per));
-        let mut b = self.stream.launch_builder(&self.f.replay_append);
-        b.arg(&mut ring.data).arg(&cursor.data).arg(&records.data).arg(&cap).arg(&tok).arg(&per64);
+        let args = [Arg::P(ring.ptr), Arg::P(cursor.data.ptr), Arg::P(records.ptr), Arg::I(cap), Arg::I(tok), Arg::L(per64)];
         // SAFETY: types and order match replay_append; every cursor + tokens
         // was checked to fit the ring.
-        unsafe { b.launch(cfg) }.map_err(dev(op))?;
+        unsafe { self.launch(op, self.f.replay_append, cfg, None, &args) }?;
         // c + tokens <= capacity, which the cursor range check bounds by i32.
         let next: Vec<i32> = cur.iter().map(|&c| (c + tokens) as i32).collect();
-        self.stream.memcpy_htod(&next, &mut cursor.data.slice_mut(0..batch)).map_err(dev(op))?;
+        self.write_t(op, cursor.data.ptr, &next)?;
         cursor.set_known(Some(next));
         Ok(())
     }
 
-    fn replay_commit(&self, shape: ReplayShape, state: &mut CudaBuf, ring: &CudaBuf, cursor: &mut CudaIBuf) -> Result<()> {
+    fn replay_commit(&self, shape: ReplayShape, state: &mut Buf<D>, ring: &Buf<D>, cursor: &mut DeviceIBuf<D>) -> Result<()> {
         let op = "replay_commit";
-        cpu_kda::check_replay(op, &shape, ring.len, cursor.len)?;
+        cpu_kda::check_replay(op, &shape, ring.len, cursor.data.len)?;
         let ReplayShape { batch, heads, dk, dv, capacity } = shape;
         check_len(op, "state", state.len, elems(op, &[batch, heads, dk, dv])?)?;
         self.read_cursors(op, cursor, capacity)?;
@@ -285,20 +271,18 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let tiles = dv.div_ceil(128); // replay_commit's tile: 4 columns per lane
-        let (threads, _) = kda_block(dk, 4);
-        let cfg =
-            LaunchConfig { grid_dim: (int(op, "slots x heads", batch * heads)? as u32, tiles as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+        let (threads, _) = kda::kda_block(dk, 4);
+        let cfg = Cfg { grid: (int(op, "slots x heads", batch * heads)? as u32, tiles as u32, 1), block: threads, smem: 0 };
         let (cap, h, k, v) = (int(op, "capacity", capacity)?, int(op, "heads", heads)?, int(op, "dk", dk)?, int(op, "dv", dv)?);
-        let mut b = self.stream.launch_builder(&self.f.replay_commit);
-        b.arg(&mut state.data).arg(&ring.data).arg(&cursor.data).arg(&cap).arg(&h).arg(&k).arg(&v);
+        let args = [Arg::P(state.ptr), Arg::P(ring.ptr), Arg::P(cursor.data.ptr), Arg::I(cap), Arg::I(h), Arg::I(k), Arg::I(v)];
         // SAFETY: types and order match replay_commit; cursors were checked.
-        unsafe { b.launch(cfg) }.map_err(dev(op))?;
-        self.stream.memset_zeros(&mut cursor.data.slice_mut(0..batch)).map_err(dev(op))?;
+        unsafe { self.launch(op, self.f.replay_commit, cfg, None, &args) }?;
+        self.zero_t::<i32>(op, cursor.data.ptr, batch)?;
         cursor.set_known(Some(vec![0; batch]));
         Ok(())
     }
 
-    fn conv_prefill(&self, shape: ConvShape, tokens: usize, x: &CudaBuf, weight: &CudaBuf, state: &mut CudaBuf, out: &mut CudaBuf) -> Result<()> {
+    fn conv_prefill(&self, shape: ConvShape, tokens: usize, x: &Buf<D>, weight: &Buf<D>, state: &mut Buf<D>, out: &mut Buf<D>) -> Result<()> {
         let op = "conv_prefill";
         let ConvShape { channels: ch, width } = shape;
         check_nonzero(op, "conv width", width)?;
@@ -312,22 +296,20 @@ impl Backend for CudaBackend {
         }
         let (t, c, w) = (int(op, "tokens", tokens)?, int(op, "channels", ch)?, int(op, "width", width)?);
         if tokens > 0 {
-            let mut b = self.stream.launch_builder(&self.f.conv_prefill_out);
-            b.arg(&x.data).arg(&weight.data).arg(&state.data).arg(&mut out.data).arg(&t).arg(&c).arg(&w);
+            let args = [Arg::P(x.ptr), Arg::P(weight.ptr), Arg::P(state.ptr), Arg::P(out.ptr), Arg::I(t), Arg::I(c), Arg::I(w)];
             // SAFETY: types and order match conv_prefill_out; lengths checked.
-            unsafe { b.launch(ew_cfg(tokens * ch)) }.map_err(dev(op))?;
+            unsafe { self.launch(op, self.f.conv_prefill_out, ew_cfg(tokens * ch), None, &args) }?;
         }
         if hist > 0 {
             // After the outputs (same stream), which read the old state.
-            let mut b = self.stream.launch_builder(&self.f.conv_prefill_state);
-            b.arg(&x.data).arg(&mut state.data).arg(&t).arg(&c).arg(&w);
+            let args = [Arg::P(x.ptr), Arg::P(state.ptr), Arg::I(t), Arg::I(c), Arg::I(w)];
             // SAFETY: types and order match conv_prefill_state; lengths checked.
-            unsafe { b.launch(ew_cfg(ch)) }.map_err(dev(op))?;
+            unsafe { self.launch(op, self.f.conv_prefill_state, ew_cfg(ch), None, &args) }?;
         }
         Ok(())
     }
 
-    fn conv_step(&self, shape: ConvShape, batch: usize, x: &CudaBuf, weight: &CudaBuf, state: &mut CudaBuf, out: &mut CudaBuf) -> Result<()> {
+    fn conv_step(&self, shape: ConvShape, batch: usize, x: &Buf<D>, weight: &Buf<D>, state: &mut Buf<D>, out: &mut Buf<D>) -> Result<()> {
         let op = "conv_step";
         let ConvShape { channels: ch, width } = shape;
         check_nonzero(op, "conv width", width)?;
@@ -340,14 +322,12 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let (bb, c, w) = (int(op, "batch", batch)?, int(op, "channels", ch)?, int(op, "width", width)?);
-        let mut b = self.stream.launch_builder(&self.f.conv_step);
-        b.arg(&x.data).arg(&weight.data).arg(&mut state.data).arg(&mut out.data).arg(&bb).arg(&c).arg(&w);
+        let args = [Arg::P(x.ptr), Arg::P(weight.ptr), Arg::P(state.ptr), Arg::P(out.ptr), Arg::I(bb), Arg::I(c), Arg::I(w)];
         // SAFETY: types and order match conv_step; lengths checked.
-        unsafe { b.launch(ew_cfg(batch * ch)) }.map_err(dev(op))?;
-        Ok(())
+        unsafe { self.launch(op, self.f.conv_step, ew_cfg(batch * ch), None, &args) }
     }
 
-    fn rms_norm(&self, shape: NormShape, x: &CudaBuf, weight: &CudaBuf, out: &mut CudaBuf) -> Result<()> {
+    fn rms_norm(&self, shape: NormShape, x: &Buf<D>, weight: &Buf<D>, out: &mut Buf<D>) -> Result<()> {
         let op = "rms_norm";
         let n = elems(op, &[shape.rows, shape.dim])?;
         check_len(op, "x", x.len, n)?;
@@ -356,16 +336,14 @@ impl Backend for CudaBackend {
         if shape.dim == 0 || shape.rows == 0 {
             return Ok(());
         }
-        let cfg = LaunchConfig { grid_dim: (int(op, "rows", shape.rows)? as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: (256 / 32) * 4 };
+        let cfg = Cfg { grid: (int(op, "rows", shape.rows)? as u32, 1, 1), block: 256, smem: (256 / 32) * 4 };
         let d = int(op, "dim", shape.dim)?;
-        let mut b = self.stream.launch_builder(&self.f.rms_norm);
-        b.arg(&x.data).arg(&weight.data).arg(&mut out.data).arg(&d).arg(&shape.eps);
+        let args = [Arg::P(x.ptr), Arg::P(weight.ptr), Arg::P(out.ptr), Arg::I(d), Arg::F(shape.eps)];
         // SAFETY: types and order match rms_norm; lengths checked.
-        unsafe { b.launch(cfg) }.map_err(dev(op))?;
-        Ok(())
+        unsafe { self.launch(op, self.f.rms_norm, cfg, None, &args) }
     }
 
-    fn gated_rms_norm(&self, shape: NormShape, o: &CudaBuf, gate: &CudaBuf, weight: &CudaBuf, out: &mut CudaBuf) -> Result<()> {
+    fn gated_rms_norm(&self, shape: NormShape, o: &Buf<D>, gate: &Buf<D>, weight: &Buf<D>, out: &mut Buf<D>) -> Result<()> {
         let op = "gated_rms_norm";
         let n = elems(op, &[shape.rows, shape.dim])?;
         check_len(op, "x", o.len, n)?;
@@ -375,24 +353,14 @@ impl Backend for CudaBackend {
         if shape.dim == 0 || shape.rows == 0 {
             return Ok(());
         }
-        let cfg = LaunchConfig { grid_dim: (int(op, "rows", shape.rows)? as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: (256 / 32) * 4 };
+        let cfg = Cfg { grid: (int(op, "rows", shape.rows)? as u32, 1, 1), block: 256, smem: (256 / 32) * 4 };
         let d = int(op, "dim", shape.dim)?;
-        let mut b = self.stream.launch_builder(&self.f.gated_rms_norm);
-        b.arg(&o.data).arg(&gate.data).arg(&weight.data).arg(&mut out.data).arg(&d).arg(&shape.eps);
+        let args = [Arg::P(o.ptr), Arg::P(gate.ptr), Arg::P(weight.ptr), Arg::P(out.ptr), Arg::I(d), Arg::F(shape.eps)];
         // SAFETY: types and order match gated_rms_norm; lengths checked.
-        unsafe { b.launch(cfg) }.map_err(dev(op))?;
-        Ok(())
+        unsafe { self.launch(op, self.f.gated_rms_norm, cfg, None, &args) }
     }
 
-    fn mla_prefill(
-        &self,
-        shape: MlaShape,
-        tokens: usize,
-        q_lat: &CudaBuf,
-        rows: RowSet<'_, CudaBuf>,
-        out: &mut CudaBuf,
-        lse: Option<&mut CudaBuf>,
-    ) -> Result<()> {
+    fn mla_prefill(&self, shape: MlaShape, tokens: usize, q_lat: &Buf<D>, rows: RowSet<'_, Buf<D>>, out: &mut Buf<D>, lse: Option<&mut Buf<D>>) -> Result<()> {
         let op = "mla_prefill";
         let n = rows.count;
         let width = cpu_mla::check_rows(op, &shape, rows.buf.len, n)?;
@@ -409,7 +377,7 @@ impl Backend for CudaBackend {
         self.mla_attend(op, shape, tokens, n - tokens + 1, q_lat, rows.buf, out, lse)
     }
 
-    fn mla_decode(&self, shape: MlaShape, q_lat: &CudaBuf, rows: RowSet<'_, CudaBuf>, out: &mut CudaBuf, lse: &mut CudaBuf) -> Result<()> {
+    fn mla_decode(&self, shape: MlaShape, q_lat: &Buf<D>, rows: RowSet<'_, Buf<D>>, out: &mut Buf<D>, lse: &mut Buf<D>) -> Result<()> {
         let op = "mla_decode";
         let n = rows.count;
         let width = cpu_mla::check_rows(op, &shape, rows.buf.len, n)?;
@@ -428,7 +396,7 @@ impl Backend for CudaBackend {
         self.mla_attend(op, shape, 1, n, q_lat, rows.buf, out, Some(lse))
     }
 
-    fn dcp_merge(&self, shape: MergeShape, o_shards: &CudaBuf, lse_shards: &CudaBuf, out: &mut CudaBuf, lse: &mut CudaBuf) -> Result<()> {
+    fn dcp_merge(&self, shape: MergeShape, o_shards: &Buf<D>, lse_shards: &Buf<D>, out: &mut Buf<D>, lse: &mut Buf<D>) -> Result<()> {
         let op = "dcp_merge";
         let MergeShape { shards, heads, width } = shape;
         check_len(op, "o_shards", o_shards.len, elems(op, &[shards, heads, width])?)?;
@@ -438,16 +406,14 @@ impl Backend for CudaBackend {
         if heads == 0 {
             return Ok(());
         }
-        let cfg = LaunchConfig { grid_dim: (int(op, "heads", heads)? as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        let cfg = Cfg { grid: (int(op, "heads", heads)? as u32, 1, 1), block: 128, smem: 0 };
         let (s, h, w) = (int(op, "shards", shards)?, int(op, "heads", heads)?, int(op, "width", width)?);
-        let mut b = self.stream.launch_builder(&self.f.dcp_merge_f32);
-        b.arg(&o_shards.data).arg(&lse_shards.data).arg(&mut out.data).arg(&mut lse.data).arg(&s).arg(&h).arg(&w);
+        let args = [Arg::P(o_shards.ptr), Arg::P(lse_shards.ptr), Arg::P(out.ptr), Arg::P(lse.ptr), Arg::I(s), Arg::I(h), Arg::I(w)];
         // SAFETY: types and order match dcp_merge_f32; lengths checked.
-        unsafe { b.launch(cfg) }.map_err(dev(op))?;
-        Ok(())
+        unsafe { self.launch(op, self.f.dcp_merge_f32, cfg, None, &args) }
     }
 
-    fn mla_decode_partial(&self, shape: MlaShape, q_lat: &CudaBuf, rows: RowSet<'_, CudaBuf>, partial: &mut CudaF64Buf) -> Result<()> {
+    fn mla_decode_partial(&self, shape: MlaShape, q_lat: &Buf<D>, rows: RowSet<'_, Buf<D>>, partial: &mut DeviceBuf<f64, D>) -> Result<()> {
         let op = "mla_decode_partial";
         let n = rows.count;
         let width = cpu_mla::check_rows(op, &shape, rows.buf.len, n)?;
@@ -457,7 +423,7 @@ impl Backend for CudaBackend {
         self.mla_partial_any(op, shape, q_lat, rows.buf, &[n], partial)
     }
 
-    fn mla_decode_partial_ragged(&self, shape: MlaShape, q_lat: &CudaBuf, rows: &CudaBuf, counts: &[usize], partial: &mut CudaF64Buf) -> Result<()> {
+    fn mla_decode_partial_ragged(&self, shape: MlaShape, q_lat: &Buf<D>, rows: &Buf<D>, counts: &[usize], partial: &mut DeviceBuf<f64, D>) -> Result<()> {
         let op = "mla_decode_partial_ragged";
         let total = counts.iter().try_fold(0usize, |a, &n| a.checked_add(n)).ok_or_else(|| KernelError::SizeOverflow { op, dims: counts.to_vec() })?;
         let width = cpu_mla::check_rows(op, &shape, rows.len, total)?;
@@ -468,7 +434,7 @@ impl Backend for CudaBackend {
         self.mla_partial_any(op, shape, q_lat, rows, counts, partial)
     }
 
-    fn dcp_merge_partials(&self, shape: MergeShape, partials: &CudaF64Buf, out: &mut CudaBuf, lse: &mut CudaBuf) -> Result<()> {
+    fn dcp_merge_partials(&self, shape: MergeShape, partials: &DeviceBuf<f64, D>, out: &mut Buf<D>, lse: &mut Buf<D>) -> Result<()> {
         let op = "dcp_merge_partials";
         let MergeShape { shards, heads, width } = shape;
         check_len(op, "partials", partials.len, elems(op, &[shards, heads, mla_partial_width(width)])?)?;
@@ -477,13 +443,11 @@ impl Backend for CudaBackend {
         if heads == 0 {
             return Ok(());
         }
-        let cfg = LaunchConfig { grid_dim: (int(op, "heads", heads)? as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        let cfg = Cfg { grid: (int(op, "heads", heads)? as u32, 1, 1), block: 128, smem: 0 };
         let (s, h, w) = (int(op, "shards", shards)?, int(op, "heads", heads)?, int(op, "width", width)?);
-        let mut b = self.stream.launch_builder(&self.f.dcp_merge_f64);
-        b.arg(&partials.data).arg(&mut out.data).arg(&mut lse.data).arg(&s).arg(&h).arg(&w);
+        let args = [Arg::P(partials.ptr), Arg::P(out.ptr), Arg::P(lse.ptr), Arg::I(s), Arg::I(h), Arg::I(w)];
         // SAFETY: types and order match dcp_merge_f64; lengths checked.
-        unsafe { b.launch(cfg) }.map_err(dev(op))?;
-        Ok(())
+        unsafe { self.launch(op, self.f.dcp_merge_f64, cfg, None, &args) }
     }
 
     /// Both matmul kernels sum in one order whatever the rows (dense.hip).
@@ -491,16 +455,17 @@ impl Backend for CudaBackend {
         true
     }
 
-    fn matmul(&self, shape: MatmulShape, x: &CudaBuf, w: &CudaBuf, out: &mut CudaBuf) -> Result<()> {
+    fn matmul(&self, shape: MatmulShape, x: &Buf<D>, w: &Buf<D>, out: &mut Buf<D>) -> Result<()> {
         let op = "matmul";
         let MatmulShape { rows, inner, cols } = shape;
         check_len(op, "x", x.len, elems(op, &[rows, inner])?)?;
         check_len(op, "w", w.len, elems(op, &[inner, cols])?)?;
         check_len(op, "out", out.len, elems(op, &[rows, cols])?)?;
-        self.matmul_unchecked(op, rows, inner, cols, &x.data, &w.data, &mut out.data.slice_mut(..))
+        // The whole allocation, as the view of all of `out` spans it.
+        self.matmul_unchecked(op, rows, inner, cols, x.ptr, w.ptr, out.ptr, out.cap)
     }
 
-    fn swiglu(&self, shape: MlpShape, x: &CudaBuf, w: MlpWeights<'_, CudaBuf>, out: &mut CudaBuf) -> Result<()> {
+    fn swiglu(&self, shape: MlpShape, x: &Buf<D>, w: MlpWeights<'_, Buf<D>>, out: &mut Buf<D>) -> Result<()> {
         let op = "swiglu";
         let MlpShape { tokens, hidden, intermediate } = shape;
         check_len(op, "x", x.len, elems(op, &[tokens, hidden])?)?;
@@ -512,30 +477,30 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         if intermediate == 0 {
-            return self.fill_unchecked(op, &mut out.data, out.len, 0.0);
+            return self.fill_unchecked(op, out.ptr, out.len, 0.0);
         }
         let n = tokens * intermediate;
-        let mut g = self.alloc_t::<f32>(op, n)?;
-        let mut u = self.alloc_t::<f32>(op, n)?;
-        let mut a = self.alloc_t::<f32>(op, n)?;
-        self.matmul_unchecked(op, tokens, hidden, intermediate, &x.data, &w.gate.data, &mut g.slice_mut(..))?;
-        self.matmul_unchecked(op, tokens, hidden, intermediate, &x.data, &w.up.data, &mut u.slice_mut(..))?;
-        self.silu_mul_unchecked(op, n, &g, &u, &mut a)?;
-        self.matmul_unchecked(op, tokens, intermediate, hidden, &a, &w.down.data, &mut out.data.slice_mut(..))
+        let g = self.alloc_t::<f32>(op, n)?;
+        let u = self.alloc_t::<f32>(op, n)?;
+        let a = self.alloc_t::<f32>(op, n)?;
+        self.matmul_unchecked(op, tokens, hidden, intermediate, x.ptr, w.gate.ptr, g.ptr, g.cap)?;
+        self.matmul_unchecked(op, tokens, hidden, intermediate, x.ptr, w.up.ptr, u.ptr, u.cap)?;
+        self.silu_mul_unchecked(op, n, g.ptr, u.ptr, a.ptr)?;
+        self.matmul_unchecked(op, tokens, intermediate, hidden, a.ptr, w.down.ptr, out.ptr, out.cap)
     }
 
-    fn silu_mul(&self, gate: &CudaBuf, up: &CudaBuf, out: &mut CudaBuf) -> Result<()> {
+    fn silu_mul(&self, gate: &Buf<D>, up: &Buf<D>, out: &mut Buf<D>) -> Result<()> {
         let op = "silu_mul";
         check_len(op, "up", up.len, gate.len)?;
         check_len(op, "out", out.len, gate.len)?;
-        self.silu_mul_unchecked(op, gate.len, &gate.data, &up.data, &mut out.data)
+        self.silu_mul_unchecked(op, gate.len, gate.ptr, up.ptr, out.ptr)
     }
 
-    fn embedding(&self, shape: EmbeddingShape, table: &CudaBuf, ids: &CudaIBuf, out: &mut CudaBuf) -> Result<()> {
+    fn embedding(&self, shape: EmbeddingShape, table: &Buf<D>, ids: &DeviceIBuf<D>, out: &mut Buf<D>) -> Result<()> {
         let op = "embedding";
         let EmbeddingShape { tokens, vocab, dim } = shape;
         check_len(op, "table", table.len, elems(op, &[vocab, dim])?)?;
-        check_len(op, "ids", ids.len, tokens)?;
+        check_len(op, "ids", ids.data.len, tokens)?;
         check_len(op, "out", out.len, elems(op, &[tokens, dim])?)?;
         // The ids are device data (argmax writes them): read them back to give
         // the CPU's IndexOutOfRange instead of reading outside the table.
@@ -549,17 +514,15 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let (t, d) = (int(op, "tokens", tokens)?, int(op, "dim", dim)?);
-        let mut b = self.stream.launch_builder(&self.f.embedding);
-        b.arg(&table.data).arg(&ids.data).arg(&mut out.data).arg(&t).arg(&d);
+        let args = [Arg::P(table.ptr), Arg::P(ids.data.ptr), Arg::P(out.ptr), Arg::I(t), Arg::I(d)];
         // SAFETY: types and order match embedding; ids were checked.
-        unsafe { b.launch(ew_cfg(tokens * dim)) }.map_err(dev(op))?;
-        Ok(())
+        unsafe { self.launch(op, self.f.embedding, ew_cfg(tokens * dim), None, &args) }
     }
 
-    fn argmax(&self, rows: usize, cols: usize, logits: &CudaBuf, ids: &mut CudaIBuf) -> Result<()> {
+    fn argmax(&self, rows: usize, cols: usize, logits: &Buf<D>, ids: &mut DeviceIBuf<D>) -> Result<()> {
         let op = "argmax";
         check_len(op, "logits", logits.len, elems(op, &[rows, cols])?)?;
-        check_len(op, "ids", ids.len, rows)?;
+        check_len(op, "ids", ids.data.len, rows)?;
         if cols > i32::MAX as usize {
             return Err(KernelError::InvalidShape { op, reason: format!("{cols} columns do not fit an i32 id") });
         }
@@ -569,17 +532,14 @@ impl Backend for CudaBackend {
         if rows == 0 {
             return Ok(());
         }
-        let cfg = LaunchConfig { grid_dim: (int(op, "rows", rows)? as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        let c = cols as i32;
+        let cfg = Cfg { grid: (int(op, "rows", rows)? as u32, 1, 1), block: 256, smem: 0 };
         ids.set_known(None);
-        let mut b = self.stream.launch_builder(&self.f.argmax_rows);
-        b.arg(&logits.data).arg(&mut ids.data).arg(&c);
+        let args = [Arg::P(logits.ptr), Arg::P(ids.data.ptr), Arg::I(cols as i32)];
         // SAFETY: types and order match argmax_rows; lengths checked.
-        unsafe { b.launch(cfg) }.map_err(dev(op))?;
-        Ok(())
+        unsafe { self.launch(op, self.f.argmax_rows, cfg, None, &args) }
     }
 
-    fn matmul_units(&self, shape: UnitsShape, x: &CudaBuf, units: &[UnitProduct<'_, CudaBuf>], out: &mut CudaBuf) -> Result<()> {
+    fn matmul_units(&self, shape: UnitsShape, x: &Buf<D>, units: &[UnitProduct<'_, Buf<D>>], out: &mut Buf<D>) -> Result<()> {
         let op = "matmul_units";
         check_len(op, "x", x.len, elems(op, &[shape.rows, shape.x_width])?)?;
         check_len(op, "out", out.len, shape.out_len(op, units)?)?;
@@ -598,7 +558,7 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn add_units(&self, acc: &mut CudaBuf, stacked: &CudaBuf, units: std::ops::Range<usize>) -> Result<()> {
+    fn add_units(&self, acc: &mut Buf<D>, stacked: &Buf<D>, units: std::ops::Range<usize>) -> Result<()> {
         let op = "add_units";
         let n = acc.len;
         crate::error::check_units(op, n, stacked.len, &units)?;
@@ -609,34 +569,27 @@ impl Backend for CudaBackend {
         if !self.fused {
             // Unit by unit through add_inplace, reading each unit in place.
             for u in units {
-                let unit = stacked.data.slice(u * n..(u + 1) * n);
-                let mut b = self.stream.launch_builder(&self.f.add_inplace);
-                b.arg(&mut acc.data).arg(&unit).arg(&nn);
+                let args = [Arg::P(acc.ptr), Arg::P(at::<f32>(stacked.ptr, u * n)), Arg::L(nn)];
                 // SAFETY: types and order match add_inplace; the unit lies in stacked.
-                unsafe { b.launch(ew_cfg(n)) }.map_err(dev(op))?;
+                unsafe { self.launch(op, self.f.add_inplace, ew_cfg(n), None, &args) }?;
             }
             return Ok(());
         }
         let (from, to) = (int(op, "units", units.start)?, int(op, "units", units.end)?);
-        let mut b = self.stream.launch_builder(&self.f.add_units);
-        b.arg(&mut acc.data).arg(&stacked.data).arg(&nn).arg(&from).arg(&to);
+        let args = [Arg::P(acc.ptr), Arg::P(stacked.ptr), Arg::L(nn), Arg::I(from), Arg::I(to)];
         // SAFETY: types and order match add_units; every unit lies in stacked.
-        unsafe { b.launch(ew_cfg(n)) }.map_err(dev(op))?;
-        Ok(())
+        unsafe { self.launch(op, self.f.add_units, ew_cfg(n), None, &args) }
     }
 
-    fn add_inplace(&self, dst: &mut CudaBuf, src: &CudaBuf) -> Result<()> {
+    fn add_inplace(&self, dst: &mut Buf<D>, src: &Buf<D>) -> Result<()> {
         let op = "add_inplace";
         check_len(op, "src", src.len, dst.len)?;
         let n = dst.len;
         if n == 0 {
             return Ok(());
         }
-        let nn = i64_of(n);
-        let mut b = self.stream.launch_builder(&self.f.add_inplace);
-        b.arg(&mut dst.data).arg(&src.data).arg(&nn);
+        let args = [Arg::P(dst.ptr), Arg::P(src.ptr), Arg::L(i64_of(n))];
         // SAFETY: types and order match add_inplace; lengths checked.
-        unsafe { b.launch(ew_cfg(n)) }.map_err(dev(op))?;
-        Ok(())
+        unsafe { self.launch(op, self.f.add_inplace, ew_cfg(n), None, &args) }
     }
 }

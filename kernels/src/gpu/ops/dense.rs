@@ -31,10 +31,11 @@ pub const TCB_MIN_TILES: usize = 96;
 /// 62.8 against 76.8 us) and by 2.7x at 80 (1,024 x 2,048 . 2,048 x 576).
 pub const WG_MIN_TILES: usize = 32;
 
-impl CudaBackend {
-    /// Whether a product of `rows` x `cols` (`units` of them) runs as matmul_tcb.
+impl<D: Driver> GpuBackend<D> {
+    /// Whether a product of `rows` x `cols` (`units` of them) runs as matmul_tcb
+    /// (or matmul_wg): never where the device has neither.
     pub(super) fn tcb_pays(&self, rows: usize, cols: usize, units: usize) -> bool {
-        rows >= 64 && rows.div_ceil(64) * cols.div_ceil(128) * units >= self.tcb_min_tiles()
+        (self.f.matmul_tcb.is_some() || self.matmul_wg()) && rows >= 64 && rows.div_ceil(64) * cols.div_ceil(128) * units >= self.tcb_min_tiles()
     }
 }
 
@@ -44,7 +45,7 @@ impl CudaBackend {
 pub(super) struct Tiled<'a> {
     pub(super) t: &'a UnitsTable,
     pub(super) units: usize,
-    pub(super) x: &'a CudaSlice<f32>,
+    pub(super) x: u64,
     pub(super) x_row: i64,
     pub(super) rows: usize,
     pub(super) max_cols: usize,
@@ -58,98 +59,91 @@ pub(super) const UNITS_PER_LAUNCH: usize = 32;
 /// product w's address, x's first column, out's element of row 0, the first
 /// element of its scratch, inner, cols.
 #[repr(C)]
-pub(super) struct UnitsTable {
-    pub(super) u: [[i64; 6]; UNITS_PER_LAUNCH],
+pub(crate) struct UnitsTable {
+    pub(crate) u: [[i64; 6]; UNITS_PER_LAUNCH],
 }
 
-// SAFETY: plain integers in the C layout of hk_mm_units (1,536 bytes, within
-// the 4 KB kernel argument limit).
-unsafe impl cudarc::driver::DeviceRepr for UnitsTable {}
+impl UnitsTable {
+    /// The table's bytes in the C layout of hk_mm_units (1,536 bytes, within
+    /// the 4 KB kernel argument limit), as the launch passes them.
+    pub(super) fn bytes(&self) -> &[u8] {
+        let words = self.u.as_flattened();
+        // SAFETY: plain i64s, no padding (repr(C) arrays); u8 has no alignment.
+        unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), std::mem::size_of_val(words)) }
+    }
+}
 
-impl CudaBackend {
+impl<D: Driver> GpuBackend<D> {
     /// Both matmul kernels sum in the one order dense.hip describes, so the
     /// choice between them never changes a bit: few rows (decode) go split
-    /// over k chunks, many rows (prefill) through the tiled kernel.
+    /// over k chunks, many rows (prefill) through the tiled kernel. `out` is
+    /// the output's address and `out_len` the elements it spans (zeroed
+    /// when `inner` is 0).
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn matmul_unchecked(
-        &self,
-        op: &'static str,
-        rows: usize,
-        inner: usize,
-        cols: usize,
-        x: &CudaSlice<f32>,
-        w: &CudaSlice<f32>,
-        out: &mut CudaViewMut<'_, f32>,
-    ) -> Result<()> {
-        use cudarc::driver::DevicePtr;
+    pub(super) fn matmul_unchecked(&self, op: &'static str, rows: usize, inner: usize, cols: usize, x: u64, w: u64, out: u64, out_len: usize) -> Result<()> {
         if rows == 0 || cols == 0 {
             return Ok(());
         }
         if inner == 0 {
-            return self.stream.memset_zeros(out).map_err(dev(op));
+            return self.zero_t::<f32>(op, out, out_len);
         }
         int(op, "inner", inner)?;
         int(op, "cols", cols)?;
         let chunks = inner.div_ceil(MATMUL_KC);
         let mut t = UnitsTable { u: [[0; 6]; UNITS_PER_LAUNCH] };
-        let (wp, _sync) = w.device_ptr(&self.stream);
-        t.u[0] = [wp as i64, 0, 0, 0, i64_of(inner), i64_of(cols)];
+        t.u[0] = [w as i64, 0, 0, 0, i64_of(inner), i64_of(cols)];
         if self.tcb_pays(rows, cols, 1) {
             let call = Tiled { t: &t, units: 1, x, x_row: i64_of(inner), rows, max_cols: cols, out_row: i64_of(cols) };
             return self.tcb_launch(op, &call, out);
         }
-        // SAFETY: matmul_tc writes every chunk sum of every element before
+        // matmul_tc writes every chunk sum of every element before
         // matmul_chunk_sum, queued after it on the same stream, reads any.
-        let mut part = unsafe { self.stream.alloc::<f32>(chunks * rows * cols) }.map_err(dev(op))?;
-        self.tc_launch(op, &t, 1, x, i64_of(inner), &mut part, rows, cols, chunks)?;
+        let part = self.alloc_raw::<f32>(op, chunks * rows * cols)?;
+        self.tc_launch(op, &t, 1, x, i64_of(inner), part.ptr, rows, cols, chunks)?;
         let n = rows * cols;
-        let (nn, nc) = (i64_of(n), chunks as i32);
-        let mut b = self.stream.launch_builder(&self.f.matmul_chunk_sum);
-        b.arg(&part).arg(out).arg(&nn).arg(&nc);
+        let args = [Arg::P(part.ptr), Arg::P(out), Arg::L(i64_of(n)), Arg::I(chunks as i32)];
         // SAFETY: types and order match matmul_chunk_sum; part holds chunks x
         // rows x cols sums, out rows x cols.
-        unsafe { b.launch(ew_cfg(n)) }.map_err(dev(op))?;
-        Ok(())
+        unsafe { self.launch(op, self.f.matmul_chunk_sum, ew_cfg(n), None, &args) }
     }
 
     /// matmul_tc over the `units` products of `t` (chunk sums into `part`),
-    /// its tile from the row count: 16 x 128 for few rows, 32 x 64 for more.
+    /// its tile from the row count: 16 x 128 for few rows, 32 x 64 for more
+    /// (and for few rows where the device cannot give matmul_tc16 its shared
+    /// memory: the same bits).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn tc_launch(
         &self,
         op: &'static str,
         t: &UnitsTable,
         units: usize,
-        x: &CudaSlice<f32>,
+        x: u64,
         x_row: i64,
-        part: &mut CudaSlice<f32>,
+        part: u64,
         rows: usize,
         max_cols: usize,
         max_chunks: usize,
     ) -> Result<()> {
-        let (func, bm, bn) = if rows <= 16 { (&self.f.matmul_tc16, 16, 128) } else { (&self.f.matmul_tc32, 32, 64) };
+        let (func, bm, bn) = match self.f.matmul_tc16 {
+            Some(tc16) if rows <= 16 => (tc16, 16, 128),
+            _ => (self.f.matmul_tc32, 32, 64),
+        };
         let z = rows.div_ceil(bm) * units;
         if z > 65535 || max_chunks > 65535 {
             return Err(KernelError::InvalidShape { op, reason: format!("{rows} rows x {units} products exceed the device grid") });
         }
-        let cfg = LaunchConfig {
-            grid_dim: (int(op, "column tiles", max_cols.div_ceil(bn))? as u32, max_chunks as u32, z as u32),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: tc_smem(bm, bn),
-        };
+        let cfg = Cfg { grid: (int(op, "column tiles", max_cols.div_ceil(bn))? as u32, max_chunks as u32, z as u32), block: 128, smem: tc_smem(bm, bn) };
         let r = int(op, "rows", rows)?;
-        let mut b = self.stream.launch_builder(func);
-        b.arg(t).arg(x).arg(part).arg(&r).arg(&x_row);
+        let args = [Arg::P(x), Arg::P(part), Arg::I(r), Arg::L(x_row)];
         // SAFETY: types and order match matmul_tc16/32; the caller checked the
         // table's blocks of x and w and sized part for every product's chunks.
-        unsafe { b.launch(cfg) }.map_err(dev(op))?;
-        Ok(())
+        unsafe { self.launch(op, func, cfg, Some(t), &args) }
     }
 
     /// matmul_tcb (or, on Hopper, matmul_wg: the same bits) over the products
     /// of `call`, each written into `out` in place (row r of product u at
     /// `t.u[u][2] + r * out_row`).
-    pub(super) fn tcb_launch(&self, op: &'static str, call: &Tiled<'_>, out: &mut (impl cudarc::driver::DevicePtrMut<f32> + ?Sized)) -> Result<()> {
+    pub(super) fn tcb_launch(&self, op: &'static str, call: &Tiled<'_>, out: u64) -> Result<()> {
         let &Tiled { t, units, x, x_row, rows, max_cols, out_row } = call;
         if units > UNITS_PER_LAUNCH {
             return Err(KernelError::InvalidShape { op, reason: format!("{units} products exceed the table of one launch") });
@@ -157,29 +151,26 @@ impl CudaBackend {
         if let (Some(wg), true) = (&self.f.matmul_wg, self.matmul_wg) {
             return self.wg_launch(op, wg, call, out);
         }
+        let Some(tcb) = self.f.matmul_tcb else {
+            // tcb_pays is false without either kernel.
+            return Err(KernelError::InvalidShape { op, reason: "the device cannot run the tiled matmul".into() });
+        };
         let tiles = rows.div_ceil(64);
         if tiles > 65535 {
             return Err(KernelError::InvalidShape { op, reason: format!("{rows} rows exceed the device grid") });
         }
-        let cfg = LaunchConfig {
-            grid_dim: (int(op, "column tiles", max_cols.div_ceil(128))? as u32, tiles as u32, units as u32),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: TCB_SMEM,
-        };
+        let cfg = Cfg { grid: (int(op, "column tiles", max_cols.div_ceil(128))? as u32, tiles as u32, units as u32), block: 256, smem: TCB_SMEM };
         let r = int(op, "rows", rows)?;
-        let (o, _sync) = out.device_ptr_mut(&self.stream);
-        let mut b = self.stream.launch_builder(&self.f.matmul_tcb);
-        b.arg(t).arg(x).arg(&o).arg(&r).arg(&x_row).arg(&out_row);
+        let args = [Arg::P(x), Arg::P(out), Arg::I(r), Arg::L(x_row), Arg::L(out_row)];
         // SAFETY: types and order match matmul_tcb; the caller checked the
         // table's blocks of x and w and that every product's rows fall inside out.
-        unsafe { b.launch(cfg) }.map_err(dev(op))?;
-        Ok(())
+        unsafe { self.launch(op, tcb, cfg, Some(t), &args) }
     }
 
     /// matmul_wg (dense.hip) over the products of `call`: x and w split into
     /// packed bf16 planes (mwg_pack_x, mwg_pack_w, into scratch sized here by
     /// the layout dense.hip describes), then the product.
-    fn wg_launch(&self, op: &'static str, wg: &MatmulWg, call: &Tiled<'_>, out: &mut (impl cudarc::driver::DevicePtrMut<f32> + ?Sized)) -> Result<()> {
+    fn wg_launch(&self, op: &'static str, wg: &open::MatmulWg<D::Func>, call: &Tiled<'_>, out: u64) -> Result<()> {
         let &Tiled { t, units, x, x_row, rows, max_cols, out_row } = call;
         const TILE: usize = 8192;
         let mt = rows.div_ceil(128);
@@ -198,35 +189,25 @@ impl CudaBackend {
         if max_kt == 0 {
             return Ok(());
         }
-        // SAFETY: the pack kernels below write every byte of every tile the
-        // product reads before it runs (same stream, in order).
-        let mut xp = unsafe { self.stream.alloc::<u8>(mt * x_tiles * TILE) }.map_err(dev(op))?;
-        let mut wp = unsafe { self.stream.alloc::<u8>(w_tiles * TILE) }.map_err(dev(op))?;
+        // The pack kernels below write every byte of every tile the product
+        // reads before it runs (same stream, in order).
+        let xp = self.alloc_raw::<u8>(op, mt * x_tiles * TILE)?;
+        let wp = self.alloc_raw::<u8>(op, w_tiles * TILE)?;
         let (r, xs) = (int(op, "rows", rows)?, i32::from(x_shared));
-        let block = (256, 1, 1);
-        let cfg = LaunchConfig { grid_dim: (max_kt as u32, mt as u32, if x_shared { 1 } else { units as u32 }), block_dim: block, shared_mem_bytes: 0 };
-        let mut b = self.stream.launch_builder(&wg.pack_x);
-        b.arg(t).arg(x).arg(&x_row).arg(&r).arg(&xs).arg(&mut xp);
+        let block = 256;
+        let cfg = Cfg { grid: (max_kt as u32, mt as u32, if x_shared { 1 } else { units as u32 }), block, smem: 0 };
+        let args = [Arg::P(x), Arg::L(x_row), Arg::I(r), Arg::I(xs), Arg::P(xp.ptr)];
         // SAFETY: types and order match mwg_pack_x; xp holds every product's tiles.
-        unsafe { b.launch(cfg) }.map_err(dev(op))?;
-        let cfg = LaunchConfig { grid_dim: (max_kt as u32, max_nt as u32, units as u32), block_dim: block, shared_mem_bytes: 0 };
-        let mut b = self.stream.launch_builder(&wg.pack_w);
-        b.arg(t).arg(&mut wp);
+        unsafe { self.launch(op, wg.pack_x, cfg, Some(t), &args) }?;
+        let cfg = Cfg { grid: (max_kt as u32, max_nt as u32, units as u32), block, smem: 0 };
         // SAFETY: types and order match mwg_pack_w; wp holds every product's tiles.
-        unsafe { b.launch(cfg) }.map_err(dev(op))?;
-        let cfg = LaunchConfig {
-            grid_dim: (int(op, "column tiles", max_cols.div_ceil(128))? as u32, mt as u32, units as u32),
-            block_dim: block,
-            shared_mem_bytes: MWG_SMEM,
-        };
-        let (o, _sync) = out.device_ptr_mut(&self.stream);
-        let mut b = self.stream.launch_builder(&wg.product);
-        b.arg(t).arg(&xp).arg(&wp).arg(&xs).arg(&o).arg(&r).arg(&out_row);
+        unsafe { self.launch(op, wg.pack_w, cfg, Some(t), &[Arg::P(wp.ptr)]) }?;
+        let cfg = Cfg { grid: (int(op, "column tiles", max_cols.div_ceil(128))? as u32, mt as u32, units as u32), block, smem: MWG_SMEM };
+        let args = [Arg::P(xp.ptr), Arg::P(wp.ptr), Arg::I(xs), Arg::P(out), Arg::I(r), Arg::L(out_row)];
         // SAFETY: types and order match matmul_wg; xp and wp were packed for
         // this table above, and the caller checked that every product's rows
         // fall inside out.
-        unsafe { b.launch(cfg) }.map_err(dev(op))?;
-        Ok(())
+        unsafe { self.launch(op, wg.product, cfg, Some(t), &args) }
     }
 
     /// The products of a checked `matmul_units` one matmul at a time: a block of
@@ -236,9 +217,9 @@ impl CudaBackend {
         &self,
         op: &'static str,
         shape: UnitsShape,
-        x: &CudaBuf,
-        units: &[UnitProduct<'_, CudaBuf>],
-        out: &mut CudaBuf,
+        x: &DeviceBuf<f32, D>,
+        units: &[UnitProduct<'_, DeviceBuf<f32, D>>],
+        out: &mut DeviceBuf<f32, D>,
     ) -> Result<()> {
         let rows = shape.rows;
         for (i, u) in units.iter().enumerate() {
@@ -250,17 +231,16 @@ impl CudaBackend {
                 self.copy_cols(cols, x, &mut b)?;
                 Some(b)
             };
-            let xb = &block.as_ref().unwrap_or(x).data;
-            let (at, _) = shape.out_at(i, u);
+            let xb = block.as_ref().unwrap_or(x).ptr;
+            let (at_, _) = shape.out_at(i, u);
             match shape.out {
                 UnitsOut::Stacked => {
-                    let mut o = out.data.slice_mut(at..at + rows * u.cols);
-                    self.matmul_unchecked(op, rows, u.inner, u.cols, xb, &u.w.data, &mut o)?;
+                    self.matmul_unchecked(op, rows, u.inner, u.cols, xb, u.w.ptr, at::<f32>(out.ptr, at_), rows * u.cols)?;
                 }
                 UnitsOut::Columns { width } => {
-                    let mut p = self.alloc(rows * u.cols)?;
-                    self.matmul_unchecked(op, rows, u.inner, u.cols, xb, &u.w.data, &mut p.data.slice_mut(..))?;
-                    self.copy_cols(ColsCopy { rows, src_cols: u.cols, src_col: 0, dst_cols: width, dst_col: at, width: u.cols }, &p, out)?;
+                    let p = self.alloc(rows * u.cols)?;
+                    self.matmul_unchecked(op, rows, u.inner, u.cols, xb, u.w.ptr, p.ptr, p.cap)?;
+                    self.copy_cols(ColsCopy { rows, src_cols: u.cols, src_col: 0, dst_cols: width, dst_col: at_, width: u.cols }, &p, out)?;
                 }
             }
         }
@@ -273,20 +253,18 @@ impl CudaBackend {
         &self,
         op: &'static str,
         shape: UnitsShape,
-        x: &CudaBuf,
-        units: &[UnitProduct<'_, CudaBuf>],
+        x: &DeviceBuf<f32, D>,
+        units: &[UnitProduct<'_, DeviceBuf<f32, D>>],
         first: usize,
-        out: &mut CudaBuf,
+        out: &mut DeviceBuf<f32, D>,
     ) -> Result<()> {
-        use cudarc::driver::DevicePtr;
         let rows = shape.rows;
         let mut t = UnitsTable { u: [[0; 6]; UNITS_PER_LAUNCH] };
         let (mut scratch, mut max_cols, mut max_chunks, mut max_n) = (0usize, 1usize, 1usize, 1usize);
         for (i, u) in units.iter().enumerate() {
-            let (at, _) = shape.out_at(first + i, u);
-            let (w, _sync) = u.w.data.device_ptr(&self.stream);
+            let (at_, _) = shape.out_at(first + i, u);
             let chunks = u.inner.div_ceil(MATMUL_KC);
-            t.u[i] = [w as i64, i64_of(u.x_col), i64_of(at), i64_of(scratch), i64_of(u.inner), i64_of(u.cols)];
+            t.u[i] = [u.w.ptr as i64, i64_of(u.x_col), i64_of(at_), i64_of(scratch), i64_of(u.inner), i64_of(u.cols)];
             int(op, "inner", u.inner)?;
             int(op, "cols", u.cols)?;
             scratch += chunks * rows * u.cols;
@@ -296,37 +274,32 @@ impl CudaBackend {
         }
         if self.tcb_pays(rows, max_cols, units.len()) {
             let (_, pitch) = units.first().map_or((0, 0), |u| shape.out_at(first, u));
-            let call = Tiled { t: &t, units: units.len(), x: &x.data, x_row: i64_of(shape.x_width), rows, max_cols, out_row: i64_of(pitch) };
-            return self.tcb_launch(op, &call, &mut out.data);
+            let call = Tiled { t: &t, units: units.len(), x: x.ptr, x_row: i64_of(shape.x_width), rows, max_cols, out_row: i64_of(pitch) };
+            return self.tcb_launch(op, &call, out.ptr);
         }
-        // SAFETY: every element of a product's scratch is written by
-        // matmul_tc before matmul_units_sum reads it.
-        let mut part = unsafe { self.stream.alloc::<f32>(scratch.max(1)) }.map_err(dev(op))?;
+        // Every element of a product's scratch is written by matmul_tc before
+        // matmul_units_sum reads it.
+        let part = self.alloc_raw::<f32>(op, scratch.max(1))?;
         let r = int(op, "rows", rows)?;
         let xr = i64_of(shape.x_width);
-        self.tc_launch(op, &t, units.len(), &x.data, xr, &mut part, rows, max_cols, max_chunks)?;
+        self.tc_launch(op, &t, units.len(), x.ptr, xr, part.ptr, rows, max_cols, max_chunks)?;
         let (_, pitch) = units.first().map_or((0, 0), |u| shape.out_at(first, u));
         let or = i64_of(pitch);
         let mut cfg = ew_cfg(max_n);
-        cfg.grid_dim.0 = cfg.grid_dim.0.min((EW_MAX_BLOCKS / units.len()).max(1) as u32);
-        cfg.grid_dim.1 = units.len() as u32;
-        let mut b = self.stream.launch_builder(&self.f.matmul_units_sum);
-        b.arg(&t).arg(&part).arg(&mut out.data).arg(&r).arg(&or);
+        cfg.grid.0 = cfg.grid.0.min((EW_MAX_BLOCKS / units.len()).max(1) as u32);
+        cfg.grid.1 = units.len() as u32;
+        let args = [Arg::P(part.ptr), Arg::P(out.ptr), Arg::I(r), Arg::L(or)];
         // SAFETY: types and order match matmul_units_sum; every product's rows
         // fall inside out (UnitsShape::out_len).
-        unsafe { b.launch(cfg) }.map_err(dev(op))?;
-        Ok(())
+        unsafe { self.launch(op, self.f.matmul_units_sum, cfg, Some(&t), &args) }
     }
 
-    pub(super) fn silu_mul_unchecked(&self, op: &'static str, n: usize, gate: &CudaSlice<f32>, up: &CudaSlice<f32>, out: &mut CudaSlice<f32>) -> Result<()> {
+    pub(super) fn silu_mul_unchecked(&self, op: &'static str, n: usize, gate: u64, up: u64, out: u64) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
-        let nn = i64_of(n);
-        let mut b = self.stream.launch_builder(&self.f.silu_mul);
-        b.arg(gate).arg(up).arg(out).arg(&nn);
+        let args = [Arg::P(gate), Arg::P(up), Arg::P(out), Arg::L(i64_of(n))];
         // SAFETY: types and order match silu_mul; lengths were checked.
-        unsafe { b.launch(ew_cfg(n)) }.map_err(dev(op))?;
-        Ok(())
+        unsafe { self.launch(op, self.f.silu_mul, ew_cfg(n), None, &args) }
     }
 }

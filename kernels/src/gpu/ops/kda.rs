@@ -5,7 +5,7 @@ use super::*;
 
 /// The checks of the CPU reference's KDA ops (same errors), on lengths.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn check_kda(
+pub(super) fn check_kda<D: Driver>(
     op: &'static str,
     n: usize,
     heads: usize,
@@ -13,8 +13,8 @@ pub(super) fn check_kda(
     dv: usize,
     state_len: usize,
     state_n: usize,
-    x: &KdaInputs<'_, CudaBuf>,
-    p: &KdaParams<'_, CudaBuf>,
+    x: &KdaInputs<'_, DeviceBuf<f32, D>>,
+    p: &KdaParams<'_, DeviceBuf<f32, D>>,
     out_len: usize,
     record_len: Option<usize>,
 ) -> Result<()> {
@@ -50,7 +50,13 @@ pub(super) fn kda_block(dk: usize, cols: usize) -> (u32, u32) {
     ((nw * 32) as u32, smem as u32)
 }
 
-impl CudaBackend {
+/// The addresses of the KDA inputs and parameters, in the kernels' order (q,
+/// k, v, g_raw, b_raw, a_log, dt_bias).
+fn kda_in<D: Driver>(x: &KdaInputs<'_, DeviceBuf<f32, D>>, p: &KdaParams<'_, DeviceBuf<f32, D>>) -> [Arg; 7] {
+    [x.q, x.k, x.v, x.g_raw, x.b_raw, p.a_log, p.dt_bias].map(|b| Arg::P(b.ptr))
+}
+
+impl<D: Driver> GpuBackend<D> {
     /// Whether a sequence of `tokens` takes the chunked form (kda_chunk.hip):
     /// where the CPU reference takes it too (at least one chunk of 64 tokens
     /// and 2 dv >= 3 x 64), dk <= 128, and the device gives the kernels their
@@ -70,11 +76,11 @@ impl CudaBackend {
         op: &'static str,
         shape: KdaRaggedShape,
         seqs: &[std::ops::Range<usize>],
-        states: &mut CudaBuf,
-        x: KdaInputs<'_, CudaBuf>,
-        p: KdaParams<'_, CudaBuf>,
-        out: &mut CudaBuf,
-        mut record: Option<&mut CudaBuf>,
+        states: &mut DeviceBuf<f32, D>,
+        x: KdaInputs<'_, DeviceBuf<f32, D>>,
+        p: KdaParams<'_, DeviceBuf<f32, D>>,
+        out: &mut DeviceBuf<f32, D>,
+        mut record: Option<&mut DeviceBuf<f32, D>>,
     ) -> Result<()> {
         let KdaRaggedShape { rows, heads, dk, dv } = shape;
         crate::shapes::check_ragged_seqs(op, rows, seqs)?;
@@ -98,7 +104,7 @@ impl CudaBackend {
         }
         if !recurrent.is_empty() {
             let seg = self.upload_t(op, &recurrent)?;
-            self.kda_recurrent(op, recurrent.len() / 3, 0, Some(&seg), heads, dk, dv, states, x, p, out, record.as_deref_mut())?;
+            self.kda_recurrent(op, recurrent.len() / 3, 0, Some(seg.ptr), heads, dk, dv, states, x, p, out, record.as_deref_mut())?;
         }
         if !chunked.is_empty() {
             let nseq = chunked.len() / 4;
@@ -121,13 +127,13 @@ impl CudaBackend {
         heads: usize,
         dk: usize,
         dv: usize,
-        states: &mut CudaBuf,
-        x: KdaInputs<'_, CudaBuf>,
-        p: KdaParams<'_, CudaBuf>,
-        out: &mut CudaBuf,
-        record: Option<&mut CudaBuf>,
+        states: &mut DeviceBuf<f32, D>,
+        x: KdaInputs<'_, DeviceBuf<f32, D>>,
+        p: KdaParams<'_, DeviceBuf<f32, D>>,
+        out: &mut DeviceBuf<f32, D>,
+        record: Option<&mut DeviceBuf<f32, D>>,
     ) -> Result<()> {
-        let Some((prep, pass, outk)) = self.f.kda_chunk.as_ref() else {
+        let Some((prep, pass, outk)) = self.f.kda_chunk else {
             return Err(KernelError::InvalidShape { op, reason: "the device cannot run the chunked KDA kernels".into() });
         };
         let chunk = cpu_kda::KDA_CHUNK;
@@ -146,65 +152,50 @@ impl CudaBackend {
         if tiles > 65535 || heads > 65535 || nseq > 65535 {
             return Err(KernelError::InvalidShape { op, reason: format!("{nseq} sequences of {heads} heads of dv = {dv}: too many blocks") });
         }
-        // SAFETY: each part of the workspace is written by a phase queued
-        // before the phase that reads it, on the same stream.
-        let ws = unsafe { self.stream.alloc::<f32>(ws_len) }.map_err(dev(op))?;
+        // Each part of the workspace is written by a phase queued before the
+        // phase that reads it, on the same stream.
+        let ws = self.alloc_raw::<f32>(op, ws_len)?;
         let seg = self.upload_t(op, table)?;
         let (h, k, v) = (int(op, "heads", heads)?, int(op, "dk", dk)?, int(op, "dv", dv)?);
         let (ns, nch) = (int(op, "sequences", nseq)?, int(op, "chunks", chunks)?);
-        let null: u64 = 0;
-        let mut b = self.stream.launch_builder(prep);
-        b.arg(&x.q.data).arg(&x.k.data).arg(&x.v.data).arg(&x.g_raw.data).arg(&x.b_raw.data).arg(&p.a_log.data).arg(&p.dt_bias.data);
-        match record.as_deref() {
-            Some(r) => b.arg(&r.data),
-            None => b.arg(&null),
-        };
-        b.arg(&ws).arg(&seg).arg(&ns).arg(&h).arg(&k).arg(&v);
-        let cfg = LaunchConfig { grid_dim: (nch as u32, heads as u32, 1), block_dim: (KDA_CHUNK_THREADS, 1, 1), shared_mem_bytes: KDA_CHUNK_PREP_SMEM };
+        let rec = record.map_or(0, |r| r.ptr);
+        let mut args = kda_in(&x, &p).to_vec();
+        args.extend([Arg::P(rec), Arg::P(ws.ptr), Arg::P(seg.ptr), Arg::I(ns), Arg::I(h), Arg::I(k), Arg::I(v)]);
+        let cfg = Cfg { grid: (nch as u32, heads as u32, 1), block: KDA_CHUNK_THREADS, smem: KDA_CHUNK_PREP_SMEM };
         // SAFETY: argument types and order match kda_chunk_prep; the table's
         // rows were checked to lie inside the inputs and the record, the
         // workspace is sized as kda_chunk_ws lays it out for `chunks`.
-        unsafe { b.launch(cfg) }.map_err(dev(op))?;
-        let mut b = self.stream.launch_builder(pass);
-        b.arg(&mut states.data).arg(&ws).arg(&seg).arg(&nch).arg(&h).arg(&k).arg(&v);
-        let cfg =
-            LaunchConfig { grid_dim: (heads as u32, tiles as u32, nseq as u32), block_dim: (KDA_CHUNK_THREADS, 1, 1), shared_mem_bytes: KDA_CHUNK_STATE_SMEM };
+        unsafe { self.launch(op, prep, cfg, None, &args) }?;
+        let args = [Arg::P(states.ptr), Arg::P(ws.ptr), Arg::P(seg.ptr), Arg::I(nch), Arg::I(h), Arg::I(k), Arg::I(v)];
+        let cfg = Cfg { grid: (heads as u32, tiles as u32, nseq as u32), block: KDA_CHUNK_THREADS, smem: KDA_CHUNK_STATE_SMEM };
         // SAFETY: argument types and order match kda_chunk_state; the states
         // were checked against the table's sequences.
-        unsafe { b.launch(cfg) }.map_err(dev(op))?;
-        let mut b = self.stream.launch_builder(outk);
-        b.arg(&mut out.data);
-        match record {
-            Some(r) => b.arg(&mut r.data),
-            None => b.arg(&null),
-        };
-        b.arg(&ws).arg(&seg).arg(&ns).arg(&h).arg(&k).arg(&v);
-        let cfg =
-            LaunchConfig { grid_dim: (nch as u32, heads as u32, out_tiles as u32), block_dim: (KDA_CHUNK_THREADS, 1, 1), shared_mem_bytes: KDA_CHUNK_OUT_SMEM };
+        unsafe { self.launch(op, pass, cfg, None, &args) }?;
+        let args = [Arg::P(out.ptr), Arg::P(rec), Arg::P(ws.ptr), Arg::P(seg.ptr), Arg::I(ns), Arg::I(h), Arg::I(k), Arg::I(v)];
+        let cfg = Cfg { grid: (nch as u32, heads as u32, out_tiles as u32), block: KDA_CHUNK_THREADS, smem: KDA_CHUNK_OUT_SMEM };
         // SAFETY: argument types and order match kda_chunk_out; out and the
         // record were checked against the table's rows.
-        unsafe { b.launch(cfg) }.map_err(dev(op))?;
-        Ok(())
+        unsafe { self.launch(op, outk, cfg, None, &args) }
     }
 
     /// Recurrent KDA (see kda.hip) over `seqs` sequences: of `tokens` tokens
-    /// each, or, with a sequence table `seg` ((first row, rows, state) each),
-    /// as the table says.
+    /// each, or, with a sequence table `seg` ((first row, rows, state) each,
+    /// its device address), as the table says.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn kda_recurrent(
         &self,
         op: &'static str,
         seqs: usize,
         tokens: usize,
-        seg: Option<&CudaSlice<i32>>,
+        seg: Option<u64>,
         heads: usize,
         dk: usize,
         dv: usize,
-        state: &mut CudaBuf,
-        x: KdaInputs<'_, CudaBuf>,
-        p: KdaParams<'_, CudaBuf>,
-        out: &mut CudaBuf,
-        record: Option<&mut CudaBuf>,
+        state: &mut DeviceBuf<f32, D>,
+        x: KdaInputs<'_, DeviceBuf<f32, D>>,
+        p: KdaParams<'_, DeviceBuf<f32, D>>,
+        out: &mut DeviceBuf<f32, D>,
+        record: Option<&mut DeviceBuf<f32, D>>,
     ) -> Result<()> {
         if seqs == 0 || (seg.is_none() && tokens == 0) {
             return Ok(());
@@ -212,50 +203,32 @@ impl CudaBackend {
         let grid_x = int(op, "slots x heads", seqs * heads)? as u32;
         // The step kernels are compiled for tokens == 1 (no token loop).
         let (func, cols) = if dk > 128 {
-            (&self.f.kda_recurrent_wide, 1)
+            (self.f.kda_recurrent_wide, 1)
         } else if tokens == 1 && seg.is_none() {
             let k = self.kda_kernel;
             let at = KdaKernel::ALL.iter().position(|&x| x == k).expect("every variant is loaded");
-            (&self.f.kda_step[at], k.cols_per_lane())
+            (self.f.kda_step[at], k.cols_per_lane())
         } else {
-            (&self.f.kda_prefill, 1)
+            (self.f.kda_prefill, 1)
         };
         let tiles = dv.div_ceil(32 * cols);
         if tiles > 65535 {
             return Err(KernelError::InvalidShape { op, reason: format!("dv = {dv} is too wide") });
         }
         let (threads, smem) = kda_block(dk, cols);
-        let cfg = LaunchConfig { grid_dim: (grid_x, tiles as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: smem };
+        let cfg = Cfg { grid: (grid_x, tiles as u32, 1), block: threads, smem };
         let (t, h, k, v) = (int(op, "tokens", tokens)?, int(op, "heads", heads)?, int(op, "dk", dk)?, int(op, "dv", dv)?);
-        let null: u64 = 0;
-        let mut b = self.stream.launch_builder(func);
-        b.arg(&mut state.data)
-            .arg(&x.q.data)
-            .arg(&x.k.data)
-            .arg(&x.v.data)
-            .arg(&x.g_raw.data)
-            .arg(&x.b_raw.data)
-            .arg(&p.a_log.data)
-            .arg(&p.dt_bias.data)
-            .arg(&mut out.data);
-        match record {
-            Some(r) => b.arg(&mut r.data),
-            None => b.arg(&null),
-        };
-        match seg {
-            Some(s) => b.arg(s),
-            None => b.arg(&null),
-        };
-        b.arg(&t).arg(&h).arg(&k).arg(&v);
+        let mut args = vec![Arg::P(state.ptr)];
+        args.extend(kda_in(&x, &p));
+        args.extend([Arg::P(out.ptr), Arg::P(record.map_or(0, |r| r.ptr)), Arg::P(seg.unwrap_or(0)), Arg::I(t), Arg::I(h), Arg::I(k), Arg::I(v)]);
         // SAFETY: argument types and order match kda_recurrent; every buffer
         // was checked to hold the elements the launch touches (with a table,
         // every sequence's rows and state).
-        unsafe { b.launch(cfg) }.map_err(dev(op))?;
-        Ok(())
+        unsafe { self.launch(op, func, cfg, None, &args) }
     }
 
     /// Reads and validates the replay cursors (the CPU's errors) on the host.
-    pub(super) fn read_cursors(&self, op: &'static str, cursor: &CudaIBuf, capacity: usize) -> Result<Vec<usize>> {
+    pub(super) fn read_cursors(&self, op: &'static str, cursor: &DeviceIBuf<D>, capacity: usize) -> Result<Vec<usize>> {
         let host = self.download_i32(cursor)?;
         cpu_kda::read_cursors(op, &host, capacity)
     }

@@ -17,7 +17,7 @@ pub(super) fn mla_warps(op: &'static str, l: usize, width: usize, elem: usize) -
     Err(KernelError::InvalidShape { op, reason: format!("rows of {width} (latent {l}) do not fit the device kernel's shared memory") })
 }
 
-impl CudaBackend {
+impl<D: Driver> GpuBackend<D> {
     /// f32 MLA attention: decode (tokens = 1, base = rows) or causal prefill.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn mla_attend(
@@ -26,36 +26,38 @@ impl CudaBackend {
         shape: MlaShape,
         tokens: usize,
         base: usize,
-        q_lat: &CudaBuf,
-        rows: &CudaBuf,
-        out: &mut CudaBuf,
-        lse: Option<&mut CudaBuf>,
+        q_lat: &DeviceBuf<f32, D>,
+        rows: &DeviceBuf<f32, D>,
+        out: &mut DeviceBuf<f32, D>,
+        lse: Option<&mut DeviceBuf<f32, D>>,
     ) -> Result<()> {
         let (h, l, width) = (shape.heads, shape.kv_lora_rank, shape.row_width());
         if tokens == 0 {
             return Ok(());
         }
         let (threads, smem) = mla_warps(op, l, width, 4)?;
-        let cfg = LaunchConfig { grid_dim: (int(op, "tokens x heads", tokens * h)? as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: smem };
+        let cfg = Cfg { grid: (int(op, "tokens x heads", tokens * h)? as u32, 1, 1), block: threads, smem };
         let (hh, ll, ww) = (int(op, "heads", h)?, int(op, "kv_lora_rank", l)?, int(op, "row width", width)?);
-        let base = i64_of(base);
-        let null: u64 = 0;
-        let mut b = self.stream.launch_builder(&self.f.mla_attend_f32);
-        b.arg(&q_lat.data).arg(&rows.data).arg(&mut out.data);
-        match lse {
-            Some(x) => b.arg(&mut x.data),
-            None => b.arg(&null),
-        };
-        b.arg(&hh).arg(&ll).arg(&ww).arg(&base).arg(&shape.scale);
+        let args = [
+            Arg::P(q_lat.ptr),
+            Arg::P(rows.ptr),
+            Arg::P(out.ptr),
+            Arg::P(lse.map_or(0, |x| x.ptr)),
+            Arg::I(hh),
+            Arg::I(ll),
+            Arg::I(ww),
+            Arg::L(i64_of(base)),
+            Arg::F(shape.scale),
+        ];
         // SAFETY: types and order match mla_attend_f32; lengths were checked.
-        unsafe { b.launch(cfg) }.map_err(dev(op))?;
-        Ok(())
+        unsafe { self.launch(op, self.f.mla_attend_f32, cfg, None, &args) }
     }
 
     /// Whether the tensor-core partial takes `shape` (K3's row shape, heads
-    /// in groups of 8, and not switched off by `--mla scalar`).
+    /// in groups of 8, not switched off by `--mla scalar`, and the device
+    /// gives its blocks their shared memory).
     pub(super) fn mla_tc_applies(&self, shape: MlaShape) -> bool {
-        self.mla_tc.warps != 0 && shape.kv_lora_rank == MLA_TC_L && shape.rope_dim == MLA_TC_R && shape.heads.is_multiple_of(8)
+        self.mla_tc.warps != 0 && self.f.mla_tc.is_some() && shape.kv_lora_rank == MLA_TC_L && shape.rope_dim == MLA_TC_R && shape.heads.is_multiple_of(8)
     }
 
     /// f64 partials of `counts.len()` requests whose rows lie one after the
@@ -65,10 +67,10 @@ impl CudaBackend {
         &self,
         op: &'static str,
         shape: MlaShape,
-        q_lat: &CudaBuf,
-        rows: &CudaBuf,
+        q_lat: &DeviceBuf<f32, D>,
+        rows: &DeviceBuf<f32, D>,
         counts: &[usize],
-        partial: &mut CudaF64Buf,
+        partial: &mut DeviceBuf<f64, D>,
     ) -> Result<()> {
         let batch = counts.len();
         if batch == 0 {
@@ -90,7 +92,7 @@ impl CudaBackend {
             starts.push(at);
         }
         let starts = self.upload_t(op, &starts)?;
-        self.mla_partial(op, shape, batch, q_lat, rows, Some(&starts), 0, partial)
+        self.mla_partial(op, shape, batch, q_lat, rows, Some(starts.ptr), 0, partial)
     }
 
     /// The tensor-core partial (mla.hip, `mla_partial_tc4/8`): every request's
@@ -102,12 +104,15 @@ impl CudaBackend {
         &self,
         op: &'static str,
         shape: MlaShape,
-        q_lat: &CudaBuf,
-        rows: &CudaBuf,
+        q_lat: &DeviceBuf<f32, D>,
+        rows: &DeviceBuf<f32, D>,
         counts: &[usize],
-        partial: &mut CudaF64Buf,
+        partial: &mut DeviceBuf<f64, D>,
         tc: MlaTc,
     ) -> Result<()> {
+        let Some(k) = self.f.mla_tc else {
+            return Err(KernelError::InvalidShape { op, reason: "the device cannot run the tensor-core MLA partial".into() });
+        };
         let (h, l) = (shape.heads, shape.kv_lora_rank);
         let batch = counts.len();
         let nchunks: usize = counts.iter().map(|&n| n.div_ceil(tc.chunk)).sum();
@@ -116,7 +121,7 @@ impl CudaBackend {
         // while the row counts do (a repeated call uploads and allocates
         // nothing: the device never waits for the host between calls).
         let mut cache = self.mla_scratch.lock().unwrap_or_else(|p| p.into_inner());
-        let fresh = !matches!(&*cache, Some(c) if c.counts == counts && c.chunk == tc.chunk && c.heads == h && c.parts.len() >= (nchunks * h * pw).max(1));
+        let fresh = !matches!(&*cache, Some(c) if c.counts == counts && c.chunk == tc.chunk && c.heads == h && c.parts.cap >= (nchunks * h * pw).max(1));
         if fresh {
             // One table: [B + 1] first chunk of each request, then per chunk
             // (first row, rows, request).
@@ -139,13 +144,13 @@ impl CudaBackend {
             }
             *cache = None; // the old scratch goes first
             let table = self.upload_t(op, &table)?;
-            // SAFETY: every element of the scratch is written by the chunk
-            // kernel (each (chunk, head) block writes its m, l and all L
-            // columns) before the merge reads it; both run on this stream in order.
-            let parts = unsafe { self.stream.alloc::<f64>((nchunks * h * pw).max(1)) }.map_err(dev(op))?;
+            // Every element of the scratch is written by the chunk kernel
+            // (each (chunk, head) block writes its m, l and all L columns)
+            // before the merge reads it; both run on this stream in order.
+            let parts = self.alloc_raw::<f64>(op, (nchunks * h * pw).max(1))?;
             *cache = Some(MlaScratch { counts: counts.to_vec(), chunk: tc.chunk, heads: h, table, parts });
         }
-        let MlaScratch { table, parts, .. } = cache.as_mut().expect("filled above");
+        let MlaScratch { table, parts, .. } = cache.as_ref().expect("filled above");
         let (hh, ll) = (int(op, "heads", h)?, int(op, "kv_lora_rank", l)?);
         if nchunks > 0 {
             if nchunks > i32::MAX as usize || h / 8 > 65535 {
@@ -153,31 +158,24 @@ impl CudaBackend {
             }
             let nw = tc.warps;
             let (func, smem) = if tc.deep(nchunks * (h / 8), self.sms) {
-                (&self.f.mla_partial_tc8_deep, mla_tc_smem_ring(8, MLA_TC_DEEP_RING))
+                (k.tc8_deep, mla_tc_smem_ring(8, MLA_TC_DEEP_RING))
             } else if nw == 8 {
-                (&self.f.mla_partial_tc8, mla_tc_smem(8))
+                (k.tc8, mla_tc_smem(8))
             } else {
-                (&self.f.mla_partial_tc4, mla_tc_smem(4))
+                (k.tc4, mla_tc_smem(4))
             };
-            let cfg = LaunchConfig { grid_dim: (nchunks as u32, (h / 8) as u32, 1), block_dim: ((32 * nw) as u32, 1, 1), shared_mem_bytes: smem as u32 };
-            let work = table.slice((batch + 1)..);
-            let scale = shape.scale as f64;
-            let mut b = self.stream.launch_builder(func);
-            b.arg(&q_lat.data).arg(&rows.data).arg(&work).arg(&mut *parts).arg(&hh).arg(&scale);
+            let cfg = Cfg { grid: (nchunks as u32, (h / 8) as u32, 1), block: (32 * nw) as u32, smem: smem as u32 };
+            let work = at::<i64>(table.ptr, batch + 1);
+            let args = [Arg::P(q_lat.ptr), Arg::P(rows.ptr), Arg::P(work), Arg::P(parts.ptr), Arg::I(hh), Arg::D(shape.scale as f64)];
             // SAFETY: types and order match mla_partial_tc4/8/8_deep; the table's rows
             // lie inside `rows` (checked by the caller), q_lat holds B x H rows.
-            unsafe { b.launch(cfg) }.map_err(dev(op))?;
+            unsafe { self.launch(op, func, cfg, None, &args) }?;
         }
         let col_blocks = l.div_ceil(MLA_MERGE_COLS).max(1) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (int(op, "requests x heads", batch * h)? as u32, col_blocks, 1),
-            block_dim: (MLA_MERGE_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut b = self.stream.launch_builder(&self.f.mla_chunk_merge_f64);
-        b.arg(&*parts).arg(&*table).arg(&mut partial.data).arg(&hh).arg(&ll);
+        let cfg = Cfg { grid: (int(op, "requests x heads", batch * h)? as u32, col_blocks, 1), block: MLA_MERGE_THREADS, smem: 0 };
+        let args = [Arg::P(parts.ptr), Arg::P(table.ptr), Arg::P(partial.ptr), Arg::I(hh), Arg::I(ll)];
         // SAFETY: types and order match mla_chunk_merge_f64; partial holds B x H x (2 + L).
-        unsafe { b.launch(cfg) }.map_err(dev(op))?;
+        unsafe { self.launch(op, self.f.mla_chunk_merge_f64, cfg, None, &args) }?;
         if nchunks * h * pw * 8 > MLA_SCRATCH_KEEP {
             // Too large to hold between calls: freed in stream order, after the merge.
             *cache = None;
@@ -185,39 +183,39 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// f64 partials for `batch` requests; `starts` (batch + 1 row offsets) or,
-    /// when None, one request of `count` rows.
+    /// f64 partials for `batch` requests; `starts` (the device address of
+    /// batch + 1 row offsets) or, when None, one request of `count` rows.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn mla_partial(
         &self,
         op: &'static str,
         shape: MlaShape,
         batch: usize,
-        q_lat: &CudaBuf,
-        rows: &CudaBuf,
-        starts: Option<&CudaSlice<u64>>,
+        q_lat: &DeviceBuf<f32, D>,
+        rows: &DeviceBuf<f32, D>,
+        starts: Option<u64>,
         count: usize,
-        partial: &mut CudaF64Buf,
+        partial: &mut DeviceBuf<f64, D>,
     ) -> Result<()> {
         let (h, l, width) = (shape.heads, shape.kv_lora_rank, shape.row_width());
         if batch == 0 {
             return Ok(());
         }
         let (threads, smem) = mla_warps(op, l, width, 8)?;
-        let cfg = LaunchConfig { grid_dim: (int(op, "requests x heads", batch * h)? as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: smem };
+        let cfg = Cfg { grid: (int(op, "requests x heads", batch * h)? as u32, 1, 1), block: threads, smem };
         let (hh, ll, ww) = (int(op, "heads", h)?, int(op, "kv_lora_rank", l)?, int(op, "row width", width)?);
-        let count = i64_of(count);
-        let scale = shape.scale as f64;
-        let null: u64 = 0;
-        let mut b = self.stream.launch_builder(&self.f.mla_partial_f64);
-        b.arg(&q_lat.data).arg(&rows.data);
-        match starts {
-            Some(s) => b.arg(s),
-            None => b.arg(&null),
-        };
-        b.arg(&mut partial.data).arg(&hh).arg(&ll).arg(&ww).arg(&count).arg(&scale);
+        let args = [
+            Arg::P(q_lat.ptr),
+            Arg::P(rows.ptr),
+            Arg::P(starts.unwrap_or(0)),
+            Arg::P(partial.ptr),
+            Arg::I(hh),
+            Arg::I(ll),
+            Arg::I(ww),
+            Arg::L(i64_of(count)),
+            Arg::D(shape.scale as f64),
+        ];
         // SAFETY: types and order match mla_partial_f64; lengths were checked.
-        unsafe { b.launch(cfg) }.map_err(dev(op))?;
-        Ok(())
+        unsafe { self.launch(op, self.f.mla_partial_f64, cfg, None, &args) }
     }
 }
