@@ -153,7 +153,7 @@ pub fn bench_serve(config: Option<&Path>, levels: &[u32], requests: u32, prompt_
         let base = out.first().map_or(l.tok_s, |f: &ServeLevel| f.tok_s);
         let failed: u32 = l.failed.values().sum();
         println!(
-            "{:>11} {:>9} {:>6} {:>7} {:>9.1} {:>8.2}x {:>7.1}ms {:>7.1}ms {:>7.2}ms {:>7.2}ms {:>7.3}ms {:>7.3}ms {:>11.2}% {:>10.2}ms",
+            "{:>11} {:>9} {:>6} {:>7} {:>9.1} {:>8.2}x {:>7.1}ms {:>7.1}ms {:>7.2}ms {:>7.2}ms {:>7.3}ms {:>7.3}ms {:>11.4}% {:>10.2}ms",
             conc,
             l.requests,
             l.ok,

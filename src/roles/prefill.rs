@@ -84,7 +84,8 @@ pub fn run_prefill(topo: &Topology, stage: u32, proxy: &str, addrs: &super::addr
     let counts = Arc::new(Mutex::new(engine.counts()));
     {
         let (tx, refused, secret) = (tx.clone(), Arc::clone(&refused), secret.clone());
-        std::thread::Builder::new().name("prefill-accept".into()).spawn(move || accept(listener, tx, &refused, &secret))?;
+        let max_line = wire::stage_line_limit(topo);
+        std::thread::Builder::new().name("prefill-accept".into()).spawn(move || accept(listener, tx, &refused, &secret, max_line))?;
     }
     let (notices, pending) = mpsc::channel();
     {
@@ -124,7 +125,7 @@ enum StageCmd {
 
 /// Accepts links from the proxy and the previous stage that prove the cluster
 /// secret; their jobs go to the engine.
-fn accept(listener: TcpListener, tx: Sender<StageCmd>, refused: &Arc<super::host::Refused>, secret: &ClusterSecret) {
+fn accept(listener: TcpListener, tx: Sender<StageCmd>, refused: &Arc<super::host::Refused>, secret: &ClusterSecret, max_line: u64) {
     for conn in listener.incoming() {
         let Ok(conn) = conn else { continue };
         let (tx, refused, secret) = (tx.clone(), Arc::clone(refused), secret.clone());
@@ -137,7 +138,7 @@ fn accept(listener: TcpListener, tx: Sender<StageCmd>, refused: &Arc<super::host
                 Err(wire::Admission::Refused(why)) => return refused.control_refused("prefill", &peer, &why),
             };
             loop {
-                match wire::recv_sealed(&mut r, &mut opener) {
+                match wire::recv_sealed_within(&mut r, &mut opener, max_line) {
                     Ok(Some(Msg::Prefill(job))) => {
                         if tx.send(StageCmd::Job(job)).is_err() {
                             return;

@@ -45,8 +45,20 @@ use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::Duration;
 
-/// Longest control line accepted (a prefill job carries the hidden states).
+/// Longest control line accepted by default (a prefill job carries the hidden
+/// states; a stage's link takes [`stage_line_limit`] of its topology).
 pub const MAX_LINE: u64 = 256 << 20;
+
+/// Longest line a prefill stage's link must take for `topo`: a job of
+/// `serve.max_context` tokens with the previous stage's hidden states (base64
+/// of `max_context x hidden` f32s, 4 characters per 3 bytes) and its prompt,
+/// with headroom; never below [`MAX_LINE`]. A 32K-token prompt of a
+/// 2,048-wide model is 358 MB of base64, past the default.
+pub fn stage_line_limit(topo: &handoff_components::Topology) -> u64 {
+    let tokens = u64::from(topo.config.serve.max_context);
+    let hidden_bytes = tokens * u64::from(topo.model().hidden_size) * 4;
+    (hidden_bytes.div_ceil(3) * 4 + 16 * tokens + (1 << 20)).max(MAX_LINE)
+}
 
 /// One control message. Every message names its request, so one connection carries
 /// every request between two roles.
@@ -486,13 +498,19 @@ pub fn open_line(opener: &mut Opener, line: &[u8]) -> Result<Msg, RecvError> {
 
 /// Reads one sealed line; `Ok(None)` at a clean end of stream.
 pub fn recv_sealed(r: &mut impl BufRead, opener: &mut Opener) -> Result<Option<Msg>, RecvError> {
+    recv_sealed_within(r, opener, MAX_LINE)
+}
+
+/// [`recv_sealed`] with a line limit of `max_line` bytes (a stage's link:
+/// [`stage_line_limit`]).
+pub fn recv_sealed_within(r: &mut impl BufRead, opener: &mut Opener, max_line: u64) -> Result<Option<Msg>, RecvError> {
     let mut line = Vec::new();
-    let n = r.take(MAX_LINE).read_until(b'\n', &mut line)?;
+    let n = r.take(max_line).read_until(b'\n', &mut line)?;
     if n == 0 {
         return Ok(None);
     }
-    if too_long(&line, MAX_LINE) {
-        return Err(line_too_long(MAX_LINE).into());
+    if too_long(&line, max_line) {
+        return Err(line_too_long(max_line).into());
     }
     open_line(opener, &line).map(Some)
 }
@@ -830,6 +848,40 @@ mod tests {
         w.write_all(&line).expect("send");
         let got = recv_sealed(&mut r, &mut rx.opener);
         assert!(matches!(&got, Err(RecvError::Refused(e)) if e.to_string().contains("replayed")), "a bare line: {got:?}");
+    }
+
+    /// A stage's link takes a job as long as the topology's longest prompt
+    /// makes it: the limit covers the base64 hidden states of
+    /// `serve.max_context` tokens (past the default for config/gpu-32k.toml's
+    /// 32K x 2,048), and a sealed job one byte past a given limit is refused
+    /// while the same job within it arrives whole.
+    #[test]
+    fn a_stage_link_takes_the_longest_job_its_topology_can_send() {
+        let topo = handoff_components::Topology::load(concat!(env!("CARGO_MANIFEST_DIR"), "/config/gpu-32k.toml")).expect("config");
+        let (t, h) = (u64::from(topo.config.serve.max_context), u64::from(topo.model().hidden_size));
+        let base64 = (t * h * 4).div_ceil(3) * 4;
+        assert!(base64 > MAX_LINE && stage_line_limit(&topo) > base64 + 16 * t, "limit {} for {base64} B of hidden states", stage_line_limit(&topo));
+
+        let secret = ClusterSecret::from_bytes(&[7; 32]);
+        let xs: Vec<f32> = (0..5000).map(|i| i as f32 * 0.5).collect();
+        let a = Admitted { id: 1, nonce: 2, consumers: vec![], handles: vec![], endpoint: PeerAddr::Local { instance: 3 } };
+        let job =
+            Msg::Prefill(Box::new(WirePrefillJob { admitted: a, prompt: vec![1, 2], stage: 1, stages: vec![], hidden: Some(xs.clone()), sampling: None }));
+        let (mut w, mut tx, mut r, mut rx) = pair(&secret);
+        let mut line = Vec::new();
+        seal_into(&mut line, &mut tx.sealer, &job).expect("seal");
+        let len = line.len() as u64;
+        w.write_all(&line).expect("send");
+        match recv_sealed_within(&mut r, &mut rx.opener, len) {
+            Ok(Some(Msg::Prefill(j))) => assert_eq!(j.hidden.as_deref(), Some(&xs[..])),
+            other => panic!("a job within the limit: {other:?}"),
+        }
+        let (mut w, mut tx, mut r, mut rx) = pair(&secret);
+        let mut line = Vec::new();
+        seal_into(&mut line, &mut tx.sealer, &job).expect("seal");
+        w.write_all(&line).expect("send");
+        let got = recv_sealed_within(&mut r, &mut rx.opener, len - 1);
+        assert!(matches!(&got, Err(RecvError::Io(e)) if e.to_string().contains("longer than")), "a job past the limit: {got:?}");
     }
 
     /// Hidden states cross the wire bit for bit (NaN payloads, -0.0, subnormals
