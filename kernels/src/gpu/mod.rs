@@ -306,45 +306,9 @@ mod tests {
         assert_eq!(listed, on_disk, "HIP_SOURCES must list every kernels/hip/*.hip");
         let program = device_program();
         assert!(program.starts_with(HIP_PRELUDE));
-        for k in [
-            "kda_step_c1",
-            "kda_step_c2",
-            "kda_step_c2x4",
-            "kda_step_c4x1",
-            "kda_prefill",
-            "kda_recurrent_wide",
-            "kda_chunk_prep",
-            "kda_chunk_state",
-            "kda_chunk_out",
-            "replay_append",
-            "replay_commit",
-            "conv_prefill_out",
-            "conv_prefill_state",
-            "conv_step",
-            "rms_norm",
-            "gated_rms_norm",
-            "mla_attend_f32",
-            "mla_partial_f64",
-            "dcp_merge_f32",
-            "dcp_merge_f64",
-            "matmul_tc16",
-            "silu_mul",
-            "add_inplace",
-            "embedding",
-            "argmax_rows",
-            "fill_f32",
-            "copy_cols",
-            "round_to",
-            "region_gather_b32",
-            "region_scatter_b32",
-            "region_gather_b16",
-            "region_scatter_b16",
-            "copy_table",
-            "matmul_tc32",
-            "matmul_chunk_sum",
-            "matmul_units_sum",
-            "add_units",
-        ] {
+        // Every kernel the generic ops and the region memory load (the lists
+        // their launch tests check against).
+        for k in ops::tests::OP_KERNELS.iter().chain(ops::tests::MEMORY_KERNELS) {
             assert!(program.lines().any(|l| l.starts_with("extern \"C\" __global__") && l.contains(&format!(" {k}("))), "kernel {k} missing");
         }
         // No standard header anywhere: NVRTC has none.

@@ -47,7 +47,7 @@ mod memory;
 mod mla;
 mod open;
 #[cfg(test)]
-mod tests;
+pub(super) mod tests;
 
 pub use buffers::{DeviceBuf, DeviceIBuf, Elem};
 pub(crate) use dense::{TCB_MIN_TILES, WG_MIN_TILES};

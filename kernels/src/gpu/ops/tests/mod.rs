@@ -20,7 +20,7 @@ mod memory;
 
 /// Every kernel a generic op may name (the warpgroup three only where the
 /// recorder says the build has them).
-const OP_KERNELS: &[&str] = &[
+pub(in crate::gpu) const OP_KERNELS: &[&str] = &[
     "kda_step_c1",
     "kda_step_c2",
     "kda_step_c2x4",
@@ -65,7 +65,7 @@ const OP_KERNELS: &[&str] = &[
 ];
 const WG_KERNELS: &[&str] = &["matmul_wg", "mwg_pack_x", "mwg_pack_w"];
 /// The kernel of device memory for regions (`memory.rs`), not of an op.
-const MEMORY_KERNELS: &[&str] = &["copy_table"];
+pub(in crate::gpu) const MEMORY_KERNELS: &[&str] = &["copy_table"];
 
 /// A call device memory for regions makes, with the stream it queues on
 /// (the recorder's first stream is 0; each `with_new_stream` the next).
