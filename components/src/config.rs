@@ -52,6 +52,13 @@ pub struct DeviceConfig {
     /// one, for profiling. The bits are the same either way.
     #[serde(default = "default_graphs")]
     pub graphs: bool,
+    /// On a CUDA device of compute capability 9.0 or later, launch each
+    /// kernel of the decode step as a programmatic dependent of the one
+    /// before (the default): the next kernel is launched while the last
+    /// blocks of the one before run, and waits for it on the device. `false`
+    /// launches in plain stream order. The bits are the same either way.
+    #[serde(default = "default_graphs")]
+    pub dependent_launch: bool,
     /// On a CUDA device, `handoff up` runs its roles under an MPS server of its
     /// own (started with it, stopped with it), so that roles sharing one GPU run
     /// their kernels side by side instead of taking turns in time slices. For
@@ -66,7 +73,7 @@ fn default_graphs() -> bool {
 
 impl Default for DeviceConfig {
     fn default() -> Self {
-        DeviceConfig { kind: DeviceKind::Cpu, ordinal: 0, graphs: true, mps: false }
+        DeviceConfig { kind: DeviceKind::Cpu, ordinal: 0, graphs: true, dependent_launch: true, mps: false }
     }
 }
 

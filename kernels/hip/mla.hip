@@ -745,6 +745,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) st_mla_part_tc(
     const unsigned long long* __restrict__ mla_rows, hk_i64 block_stride, int tb, int dt,
     double* __restrict__ parts, int maxc, int chunk, int heads, double scale)
 {
+    HK_GRID_DEP();
     HK_DYN_SMEM(double, smem);
     const int h0 = blockIdx.y * 8;
     const int live = tick[0];
@@ -784,6 +785,7 @@ extern "C" __global__ void st_mla_part(
     const unsigned long long* __restrict__ mla_rows, hk_i64 block_stride, int tb, int dt,
     double* __restrict__ parts, int maxc, int chunk, int heads, int L, int W, double scale)
 {
+    HK_GRID_DEP();
     HK_DYN_SMEM(double, smem);
     const int nw = blockDim.x / HK_WARP;
     double* sq = smem;
@@ -878,6 +880,7 @@ extern "C" __global__ void st_mla_merge(
     int maxc, int chunk, int heads, int L,
     unsigned short* __restrict__ a, hk_i64 a_plane, hk_i64 a_group, int planes, int akt)
 {
+    HK_GRID_DEP();
     const int b = blockIdx.x / heads;
     const int h = blockIdx.x % heads;
     unsigned short* ag = a + (hk_i64)h * a_group;

@@ -40,6 +40,30 @@
 #define HK_SYNCWARP() __syncwarp()
 #endif
 
+// The first statement of every kernel of the fused decode step. The step
+// launches each kernel but its first as a programmatic dependent of the one
+// before (CUDA's programmatic dependent launch, sm_90): the next kernel's
+// blocks are launched while this one's last blocks still run, and wait here
+// until it has completed and its writes are visible. Nothing of a kernel
+// runs before the wait, so the bits and the order of every read and write are
+// those of plain stream order; only the launch latency between two kernels
+// is hidden. Every block calls it, so that a kernel cannot complete before
+// the one it follows (the chain then orders each kernel after all earlier
+// ones). It then lets the next kernel launch at once (its blocks take free
+// multiprocessors and wait in turn). A no-op where the kernel was launched
+// without the attribute, and on HIP and before sm_90, where it is empty.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && !defined(__HIPCC__)
+#define HK_GRID_DEP()                                         \
+    do {                                                      \
+        asm volatile("griddepcontrol.wait;" ::: "memory");    \
+        asm volatile("griddepcontrol.launch_dependents;" ::); \
+    } while (0)
+#else
+#define HK_GRID_DEP() \
+    do {              \
+    } while (0)
+#endif
+
 typedef long long hk_i64;
 typedef unsigned short hk_bf16;
 typedef unsigned short hk_f16;

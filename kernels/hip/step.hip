@@ -24,6 +24,7 @@ extern "C" __global__ void st_embed(
     const float* __restrict__ table, const int* __restrict__ tick, int tok,
     float* __restrict__ h, int dim, int vocab)
 {
+    HK_GRID_DEP();
     const int b = blockIdx.x;
     int id = tick[tok + b];
     if (id < 0 || id >= vocab) id = 0;
@@ -49,6 +50,7 @@ extern "C" __global__ void st_rms_pack(
     const float* __restrict__ h, const float* __restrict__ w,
     unsigned short* __restrict__ a, hk_i64 a_plane, int planes, int dim, int akt, float eps)
 {
+    HK_GRID_DEP();
     __shared__ float red[32];
     const int b = blockIdx.x;
     const float* x = h + (hk_i64)b * dim;
@@ -84,6 +86,7 @@ extern "C" __global__ void st_gnorm_pack(
     const float* __restrict__ w, unsigned short* __restrict__ a, hk_i64 a_plane, int planes,
     int heads, int dv, int dvp, float eps)
 {
+    HK_GRID_DEP();
     __shared__ float red[32];
     const int b = blockIdx.x / heads;
     const int hd = blockIdx.x % heads;
@@ -99,6 +102,7 @@ extern "C" __global__ void st_gnorm_pack(
 // row of NaNs picks 0). Launch: grid (rows); block 256.
 extern "C" __global__ void st_argmax(const float* __restrict__ logits, int cols, int* __restrict__ ids)
 {
+    HK_GRID_DEP();
     __shared__ float sv[256];
     __shared__ int si[256];
     const float* row = logits + (hk_i64)blockIdx.x * cols;
@@ -165,6 +169,7 @@ extern "C" __global__ void st_conv(
     const unsigned long long* __restrict__ rows, hk_i64 unit_stride, int dt,
     float* __restrict__ out, int bmax, int H, int hl, int dk, int dv, int width)
 {
+    HK_GRID_DEP();
     const int C = H * (2 * dk + dv);
     const int cr = hl * (2 * dk + dv);
     const int hist = width - 1;
@@ -371,6 +376,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) st_kda(
     const unsigned long long* __restrict__ rows3, hk_i64 state_stride, hk_i64 ring_stride, hk_i64 cursor_stride,
     int heads, int hl, int dk, int dv, int cap)
 {
+    HK_GRID_DEP();
     const int TILE = ST_KDA_TILE;
     const int nw = blockDim.x / HK_WARP;
     const int kpad = nw * ST_KDA_ROWS;
@@ -629,6 +635,7 @@ extern "C" __global__ void st_cursor(
     const int* __restrict__ tick, int slot, int tp, const unsigned long long* __restrict__ rows,
     int layers, hk_i64 unit_stride, int cap)
 {
+    HK_GRID_DEP();
     const hk_i64 n = (hk_i64)tick[0] * tp * layers;
     for (hk_i64 e = (hk_i64)blockIdx.x * blockDim.x + threadIdx.x; e < n;
          e += (hk_i64)gridDim.x * blockDim.x) {
@@ -657,6 +664,7 @@ extern "C" __global__ void st_mla_prep(
     const unsigned long long* __restrict__ mla_rows, hk_i64 block_stride, int tb,
     float* __restrict__ q_lat, unsigned short* __restrict__ aq, hk_i64 aq_plane, hk_i64 aq_group, int planes, int qkt)
 {
+    HK_GRID_DEP();
     __shared__ float red[32];
     const int b = blockIdx.x;
     const float* pb = proj + (hk_i64)b * ldproj;

@@ -232,6 +232,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) st_mm_few(
     int mode, int ncols, float* __restrict__ out, int ldo, int gcol,
     unsigned short* __restrict__ ap, hk_i64 ap_plane, int akt, int uw, int uwp)
 {
+    HK_GRID_DEP();
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int nt = blockIdx.x * 4 + (tid >> 5);
@@ -417,6 +418,7 @@ extern "C" __global__ void st_reduce(
     int mode, float* __restrict__ out, int ldo, int gcol,
     unsigned short* __restrict__ ap, hk_i64 ap_plane, int akt, int uw, int uwp)
 {
+    HK_GRID_DEP();
     const StEpi e{mode, out, ldo, gcol, ap, ap_plane, akt, uw, uwp};
     const int n = 4 * (blockIdx.x * blockDim.x + threadIdx.x);
     if (n >= ncols) return;
@@ -469,9 +471,9 @@ extern "C" __global__ void st_reduce(
 // One weight plane (bf16 weights, or terms < 3), three chunks in flight; two
 // planes (f32 weights, terms = 3), three chunks or, where four buffers would
 // not fit in shared memory (128 rows), two.
-extern "C" __global__ void __launch_bounds__(ST_MM_THREADS, 1) st_mm(ST_MM_ARGS) { st_mm_body<1, 3>(ST_MM_PASS); }
-extern "C" __global__ void __launch_bounds__(ST_MM_THREADS, 1) st_mm_w2(ST_MM_ARGS) { st_mm_body<2, 3>(ST_MM_PASS); }
-extern "C" __global__ void __launch_bounds__(ST_MM_THREADS, 1) st_mm_w2p2(ST_MM_ARGS) { st_mm_body<2, 2>(ST_MM_PASS); }
+extern "C" __global__ void __launch_bounds__(ST_MM_THREADS, 1) st_mm(ST_MM_ARGS) { HK_GRID_DEP(); st_mm_body<1, 3>(ST_MM_PASS); }
+extern "C" __global__ void __launch_bounds__(ST_MM_THREADS, 1) st_mm_w2(ST_MM_ARGS) { HK_GRID_DEP(); st_mm_body<2, 3>(ST_MM_PASS); }
+extern "C" __global__ void __launch_bounds__(ST_MM_THREADS, 1) st_mm_w2p2(ST_MM_ARGS) { HK_GRID_DEP(); st_mm_body<2, 2>(ST_MM_PASS); }
 
 // ---- Hopper: the warpgroup product (wgmma, sm_90a) ------------------------------------
 //
@@ -694,6 +696,7 @@ static __device__ __forceinline__ void st_mm_wg_body(
 #define ST_WG_KC(WP) ((WP) == 1 ? 8 : 4)
 #define ST_MM_WG(NB, WP)                                                                                    \
     extern "C" __global__ void __launch_bounds__(ST_WG_THREADS, 1) st_mm_wg##NB##_##WP(ST_MM_ARGS) {         \
+        HK_GRID_DEP();                                                                                      \
         st_mm_wg_body<NB, WP, ST_WG_KC(WP), ST_WG_D>(A, a_plane, a_group, W, w_plane, w_group, part, part_seg, \
                                                    part_group, ldp, M, nt16, KT, S, terms);                \
     }

@@ -373,6 +373,10 @@ pub struct StepOptions {
     pub max_batch: usize,
     /// Capture each batch bucket as a CUDA graph and replay it.
     pub graphs: bool,
+    /// Launch each kernel of the step as a programmatic dependent of the one
+    /// before, where the device has it (CUDA, sm_90 and later): the next
+    /// kernel's launch overlaps the last blocks of the one before.
+    pub dependent_launch: bool,
 }
 
 /// Everything a backend needs to build a decode step.
@@ -620,6 +624,11 @@ pub trait DecodeStep: Send {
 
     /// Turns graph replay on or off (the launches and their bits are the same).
     fn set_graphs(&mut self, on: bool);
+
+    /// Turns programmatic dependent launches on or off where the device has
+    /// them (the launches and their bits are the same; graphs are captured
+    /// again).
+    fn set_dependent_launch(&mut self, on: bool);
 
     /// Kernel launches of one step.
     fn launches(&self) -> usize;

@@ -32,7 +32,11 @@ pub fn compute_chart(f: &ComputeFigures, topo: &Topology, device: &DeviceConfig,
         ops.push(RooflineOp {
             op: format!("fused step B={}", x.batch),
             floor_us: x.floor_us,
-            runs: vec![("handoff".into(), x.graph_us), ("same step, graphs off".into(), x.launched_us)],
+            runs: vec![
+                ("handoff".into(), x.graph_us),
+                ("same graph, no dependent launches".into(), x.graph_plain_us),
+                ("same step, graphs off".into(), x.launched_us),
+            ],
         });
     }
     let dims = Dims::from_topology(topo);

@@ -191,6 +191,7 @@ pub fn verify_compute_on<B: Backend + Clone + 'static>(
     if on_device {
         let mut colo = colocated_topology(topo)?;
         colo.config.device.graphs = false;
+        colo.config.device.dependent_launch = false;
         let (runs, rep) = run_probed(&colo, prompts, &[], steps, Fill::Zeros, be.clone(), |_| {}, Some(probes.clone()))
             .map_err(|e| e.within(format!("colocated run on {backend}")))?;
         colocated_here = runs;

@@ -70,8 +70,13 @@ pub fn summary(topo: &Topology, path: &str) -> String {
             String::new()
         } else {
             format!(
-                ", decode step {}{}",
+                ", decode step {}, {}{}",
                 if dev.graphs { "captured as a CUDA graph per batch bucket (graphs = true)" } else { "launched kernel by kernel (graphs = false)" },
+                if dev.dependent_launch {
+                    "each kernel launched as a programmatic dependent of the one before where the GPU has it, sm_90 on (dependent_launch = true)"
+                } else {
+                    "in plain stream order (dependent_launch = false)"
+                },
                 if dev.mps && dev.kind == handoff_components::config::DeviceKind::Cuda {
                     "; `up` runs the roles under an MPS server of its own (mps = true)"
                 } else {

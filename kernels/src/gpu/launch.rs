@@ -119,6 +119,31 @@ pub trait Driver: Clone + Send + Sync + 'static {
     /// `params` matches the kernel's signature and every address in it is
     /// valid for what the kernel reads and writes.
     unsafe fn launch(&self, f: Self::Func, grid: (u32, u32, u32), block: u32, smem: u32, params: &mut [*mut c_void]) -> std::result::Result<(), DriverFault>;
+    /// Whether [`Driver::launch_dependent`] overlaps a launch with the
+    /// kernel before it on this device (CUDA on sm_90 and later).
+    fn dependent_launch(&self) -> bool {
+        false
+    }
+    /// Launches `f` as a programmatic dependent of the kernel queued before it
+    /// on the stream: the device may launch it while that kernel's last blocks
+    /// still run, and each of its blocks waits in `HK_GRID_DEP` (prelude.h)
+    /// until that kernel has completed and its writes are visible. A driver
+    /// without it launches in plain stream order, which is what HK_GRID_DEP
+    /// then amounts to: the bits are the same either way.
+    ///
+    /// # Safety
+    /// As [`Driver::launch`], and `f` begins with `HK_GRID_DEP()`.
+    unsafe fn launch_dependent(
+        &self,
+        f: Self::Func,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        params: &mut [*mut c_void],
+    ) -> std::result::Result<(), DriverFault> {
+        // SAFETY: the caller's contract.
+        unsafe { self.launch(f, grid, block, smem, params) }
+    }
     /// Launches `f` with `args` by value, after `head` where the kernel's
     /// first parameter is a struct passed by value (the units kernels'
     /// `hk_mm_units` table: its bytes, in the C layout). A recording driver
@@ -246,13 +271,17 @@ pub(crate) struct Launch<F> {
     pub(crate) args: Vec<Arg>,
 }
 
-/// Launches `list` in order on the driver's stream.
-pub(crate) fn launch_all<D: Driver>(drv: &D, list: &[Launch<D::Func>]) -> Result<()> {
+/// Launches `list` in order on the driver's stream; with `dependent`, every
+/// launch but the first as a programmatic dependent of the one before
+/// ([`Driver::launch_dependent`]: the step's kernels all begin with
+/// HK_GRID_DEP). The first follows the host's upload of the tick, which is a
+/// copy, not a kernel.
+pub(crate) fn launch_all<D: Driver>(drv: &D, list: &[Launch<D::Func>], dependent: bool) -> Result<()> {
     let op = "decode_step launch";
     drv.bind().map_err(dev(op))?;
     let mut vals: Vec<u64> = Vec::with_capacity(32);
     let mut params: Vec<*mut c_void> = Vec::with_capacity(32);
-    for l in list {
+    for (i, l) in list.iter().enumerate() {
         vals.clear();
         params.clear();
         vals.extend(l.args.iter().map(|a| a.word()));
@@ -264,7 +293,14 @@ pub(crate) fn launch_all<D: Driver>(drv: &D, list: &[Launch<D::Func>]) -> Result
         // step builds against those signatures); every address is an
         // allocation of the step or a registered region checked by
         // StepSpec::check and the tick's index checks.
-        unsafe { drv.launch(l.f, l.grid, l.block, l.smem, &mut params) }.map_err(|e| KernelError::Device { op, message: format!("{}: {e}", l.name) })?;
+        // Every kernel of a list begins with HK_GRID_DEP (a test holds the
+        // sources to it).
+        let launched = if dependent && i > 0 {
+            unsafe { drv.launch_dependent(l.f, l.grid, l.block, l.smem, &mut params) }
+        } else {
+            unsafe { drv.launch(l.f, l.grid, l.block, l.smem, &mut params) }
+        };
+        launched.map_err(|e| KernelError::Device { op, message: format!("{}: {e}", l.name) })?;
     }
     Ok(())
 }

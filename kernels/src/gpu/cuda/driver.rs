@@ -120,6 +120,38 @@ impl Driver for CudaDriver {
         unsafe { result::launch_kernel(f, grid, (block, 1, 1), smem, self.stream.cu_stream(), params) }.map_err(fault)
     }
 
+    fn dependent_launch(&self) -> bool {
+        self.cc.0 >= 9
+    }
+
+    unsafe fn launch_dependent(&self, f: sys::CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, params: &mut [*mut c_void]) -> Result<(), DriverFault> {
+        if !self.dependent_launch() {
+            // SAFETY: the caller's contract.
+            return unsafe { self.launch(f, grid, block, smem, params) };
+        }
+        // SAFETY: a plain-data union; the one field set is the one this
+        // attribute reads.
+        let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+        value.programmaticStreamSerializationAllowed = 1;
+        let mut attr =
+            sys::CUlaunchAttribute { id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, pad: [0; 4], value };
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: the caller's contract (params match f's signature); cfg and
+        // its attribute live for the call, which copies them.
+        unsafe { sys::cuLaunchKernelEx(&cfg, f, params.as_mut_ptr(), std::ptr::null_mut()) }.result().map_err(fault)
+    }
+
     fn synchronize(&self) -> Result<(), DriverFault> {
         self.stream.synchronize().map_err(fault)
     }

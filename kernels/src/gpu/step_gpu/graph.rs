@@ -8,7 +8,7 @@ impl<D: Driver> GpuStep<D> {
     pub(super) fn launch_list(&self, bp: usize) -> Result<()> {
         let list =
             self.lists.get(&bp).ok_or_else(|| KernelError::InvalidShape { op: "decode_step launch", reason: format!("no launch list for bucket {bp}") })?;
-        launch_all(&self.drv, list)
+        launch_all(&self.drv, list, self.dependent)
     }
 
     /// The bucket's graph, captured on first use; None when capture failed
@@ -80,11 +80,12 @@ impl<D: Driver> DecodeStep for GpuStep<D> {
     fn describe(&self) -> String {
         let per = self.lists.get(self.buckets.last().unwrap_or(&1)).map_or(0, |l| l.len());
         format!(
-            "fused decode step: {per} launches a step, buckets {:?}, {} graphs {}{}, {:.1} MiB of weights, {:.1} MiB in all",
+            "fused decode step: {per} launches a step, buckets {:?}, {} graphs {}{}, dependent launches {}, {:.1} MiB of weights, {:.1} MiB in all",
             self.buckets,
             D::LABEL,
             if self.graphs_on { "on" } else { "off" },
             self.graph_failure.as_ref().map_or(String::new(), |e| format!(" (capture failed: {e})")),
+            if self.dependent { "on" } else { "off" },
             self.weight_bytes as f64 / (1 << 20) as f64,
             self._arena.bytes as f64 / (1 << 20) as f64
         )
@@ -92,6 +93,15 @@ impl<D: Driver> DecodeStep for GpuStep<D> {
 
     fn set_graphs(&mut self, on: bool) {
         self.graphs_on = on;
+    }
+
+    fn set_dependent_launch(&mut self, on: bool) {
+        let on = on && self.drv.dependent_launch();
+        if on != self.dependent {
+            // A graph holds the launches as captured.
+            self.graphs.clear();
+            self.dependent = on;
+        }
     }
 
     fn launches(&self) -> usize {
@@ -110,7 +120,8 @@ impl<D: Driver> DecodeStep for GpuStep<D> {
         let mut events = Vec::with_capacity(list.len() + 1);
         events.push(self.drv.record_event().map_err(dev(op))?);
         for l in list {
-            launch_all(&self.drv, std::slice::from_ref(l))?;
+            // Plain launches: an event between two kernels is no kernel to depend on.
+            launch_all(&self.drv, std::slice::from_ref(l), false)?;
             events.push(self.drv.record_event().map_err(dev(op))?);
         }
         self.drv.synchronize().map_err(dev(op))?;

@@ -69,7 +69,7 @@ pub(crate) fn tc_matmul<D: Driver>(
     args.push(Arg::I(w.cols as i32));
     args.extend_from_slice(&store[1..]);
     let list = mm.launches("step matmul", m, nt, w.segments, 1, terms as i32, args);
-    let run = || launch_all(drv, &list);
+    let run = || launch_all(drv, &list, false);
     run()?;
     drv.synchronize().map_err(dev(op))?;
     let start = drv.record_event().map_err(dev(op))?;

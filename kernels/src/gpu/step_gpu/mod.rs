@@ -106,6 +106,9 @@ pub(crate) struct GpuStep<D: Driver> {
     lists: HashMap<usize, Vec<Launch<D::Func>>>,
     graphs: HashMap<usize, D::Graph>,
     graphs_on: bool,
+    /// Each launch but a list's first as a programmatic dependent of the one
+    /// before ([`Driver::launch_dependent`]), where the device has it.
+    dependent: bool,
     /// Why graphs are off after a failed capture (said once in the log).
     graph_failure: Option<String>,
     buckets: Vec<usize>,
@@ -683,12 +686,14 @@ impl<D: Driver> GpuStep<D> {
         }
         let slots = p.ranks[0].state.units;
         let blocks = p.ranks[0].mla.units;
+        let drv_dependent = drv.dependent_launch();
         Ok(GpuStep {
             drv,
             _arena: arena,
             lists,
             graphs: HashMap::new(),
             graphs_on: spec.options.graphs,
+            dependent: spec.options.dependent_launch && drv_dependent,
             graph_failure: None,
             buckets,
             lay,

@@ -21,6 +21,21 @@ struct Recorder {
     /// Shared memory a block may take under HIP's rule (no opt-in past the
     /// LDS); None: CUDA's opt-in, anything the table asks.
     lds: Option<usize>,
+    /// Where set, launches are recorded here (the kernel, and whether it was
+    /// a dependent launch) instead of refused.
+    launched: Option<Arc<std::sync::Mutex<Vec<(&'static str, bool)>>>>,
+}
+
+impl Recorder {
+    fn record(&self, f: &'static str, dependent: bool) -> std::result::Result<(), DriverFault> {
+        match &self.launched {
+            Some(log) => {
+                log.lock().unwrap().push((f, dependent));
+                Ok(())
+            }
+            None => Err(DriverFault("the recorder launches nothing".into())),
+        }
+    }
 }
 
 impl Driver for Recorder {
@@ -74,8 +89,14 @@ impl Driver for Recorder {
     unsafe fn download<T: Copy>(&self, _: &mut [T], _: u64) -> std::result::Result<(), DriverFault> {
         Err(DriverFault("the recorder has no device memory".into()))
     }
-    unsafe fn launch(&self, _: &'static str, _: (u32, u32, u32), _: u32, _: u32, _: &mut [*mut c_void]) -> std::result::Result<(), DriverFault> {
-        Err(DriverFault("the recorder launches nothing".into()))
+    unsafe fn launch(&self, f: &'static str, _: (u32, u32, u32), _: u32, _: u32, _: &mut [*mut c_void]) -> std::result::Result<(), DriverFault> {
+        self.record(f, false)
+    }
+    fn dependent_launch(&self) -> bool {
+        true
+    }
+    unsafe fn launch_dependent(&self, f: &'static str, _: (u32, u32, u32), _: u32, _: u32, _: &mut [*mut c_void]) -> std::result::Result<(), DriverFault> {
+        self.record(f, true)
     }
     fn synchronize(&self) -> std::result::Result<(), DriverFault> {
         Ok(())
@@ -170,7 +191,7 @@ fn spec(weights: WeightDtype, cache: StorageDtype, k3_rows: bool, replay: usize,
         max_context: 512,
         ranks: vec![rank],
     };
-    StepSpec { model, place, options: StepOptions { max_batch, graphs: true } }
+    StepSpec { model, place, options: StepOptions { max_batch, graphs: true, dependent_launch: true } }
 }
 
 /// The argument kinds of a kernel's parameter list, as [`Arg`] carries them
@@ -326,6 +347,71 @@ fn the_signature_parser_reads_the_sources() {
     assert_eq!((mm[0], mm[1], mm[10], mm[11], mm[25]), (Kind::P, Kind::L, Kind::P, Kind::I, Kind::I));
     assert_eq!(signature(&program, "st_mla_part").map(|s| *s.last().unwrap()), Some(Kind::D));
     assert_eq!(signature(&program, "no_such_kernel"), None);
+}
+
+/// The text of kernel `name`'s body from its opening brace on, None where no
+/// such kernel is defined.
+fn kernel_body<'a>(program: &'a str, name: &str) -> Option<&'a str> {
+    let needle = format!(" {name}(");
+    let at = program.match_indices(&needle).map(|(i, _)| i).find(|&i| {
+        let decl = &program[program[..i].rfind("extern \"C\" __global__").unwrap_or(0)..i];
+        decl.starts_with("extern \"C\" __global__") && !decl.contains([';', '{', '}'])
+    })?;
+    let open = at + needle.len();
+    let mut depth = 1;
+    let close = open
+        + program[open..].find(|c: char| {
+            depth += match c {
+                '(' => 1,
+                ')' => -1,
+                _ => 0,
+            };
+            depth == 0
+        })?;
+    let brace = close + program[close..].find('{')?;
+    Some(&program[brace + 1..])
+}
+
+/// Every kernel of the table begins with HK_GRID_DEP, the wait for the
+/// kernel before it: the step launches each kernel but the first as a
+/// programmatic dependent, and a kernel that read or wrote anything before
+/// that wait would race the kernel before it (and one that could complete
+/// without waiting would let the next run ahead of both).
+#[test]
+fn every_table_kernel_waits_for_the_one_before_first() {
+    let program = crate::gpu::device_program();
+    let dep = macro_body(&program, "HK_GRID_DEP").expect("prelude.h defines HK_GRID_DEP");
+    assert!(dep.contains("griddepcontrol.wait"), "HK_GRID_DEP waits for the kernel before: {dep}");
+    for name in STEP_KERNELS {
+        let body = kernel_body(&program, name).unwrap_or_else(|| panic!("kernel {name} is not defined in the sources"));
+        assert!(body.trim_start().starts_with("HK_GRID_DEP();"), "kernel {name} does not begin with HK_GRID_DEP(): {:?}", &body[..body.len().min(80)]);
+    }
+    let wg = macro_body(&program, "ST_MM_WG").expect("step_mm.hip defines ST_MM_WG");
+    let body = &wg[wg.find('{').expect("ST_MM_WG has a body") + 1..];
+    assert!(body.trim_start().starts_with("HK_GRID_DEP();"), "the warpgroup products do not begin with HK_GRID_DEP(): {body:?}");
+}
+
+/// A step's list goes out with every launch but the first as a dependent of
+/// the one before, and all in plain stream order once turned off.
+#[test]
+fn the_step_launches_each_kernel_after_the_first_as_a_dependent() {
+    let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let drv = Recorder { launched: Some(log.clone()), ..Recorder::default() };
+    let mut step = GpuStep::new(drv, &specs()[0]).unwrap();
+    assert!(step.describe().contains("dependent launches on"), "{}", step.describe());
+    let bp = *step.buckets.last().unwrap();
+    let want: Vec<&str> = step.lists[&bp].iter().map(|l| l.f).collect();
+    step.launch_list(bp).unwrap();
+    let got = std::mem::take(&mut *log.lock().unwrap());
+    assert_eq!(got.iter().map(|g| g.0).collect::<Vec<_>>(), want, "the list, in order");
+    assert!(!got[0].1, "the first launch follows the tick's upload, a copy: not a dependent");
+    assert!(got[1..].iter().all(|g| g.1), "every later launch is a dependent");
+    step.set_dependent_launch(false);
+    assert!(step.describe().contains("dependent launches off"));
+    step.launch_list(bp).unwrap();
+    let got = std::mem::take(&mut *log.lock().unwrap());
+    assert_eq!(got.len(), want.len());
+    assert!(got.iter().all(|g| !g.1), "off: plain stream order");
 }
 
 /// Symbol names of the ELF64 objects in a clang offload bundle (the hipcc
