@@ -361,14 +361,40 @@ static __device__ __forceinline__ void st_kda_tile(float (&s)[ST_KDA_ROWS][ST_KD
 // state, ring and cursor regions, [3][tp] (ring and cursor 0 without replay).
 //
 // Persistent: a block takes the items (request, head, 64-column tile) it,
-// it + gridDim.x, ... of the live ones, and copies the next item's tile of
-// S_0 (dk x 64 floats) into shared memory by cp.async while it computes the
-// current one, so that the state's bytes stream in under the record walk's
-// latency instead of between blocks (one block an item measured 29% of the
-// copy rate at B = 88). Which block takes an item changes none of its bits.
+// it + gridDim.x, ... of the live ones. An item's inputs sit behind chains of
+// dependent reads (the tick names the slot, the slot the cursor, the cursor
+// how many ring records to read), and at one round trip to memory each they
+// took most of an item's time (about 9 us an item at B = 88, the state read
+// at a quarter of the copy rate). So:
+//   - first, one thread an item resolves every item of the block at once
+//     (its state and ring addresses, its record count, its beta and decay
+//     rate) into shared memory: one chain of reads for the whole launch;
+//   - then, while the block computes an item, everything the next one reads
+//     is in flight by cp.async into a second set of buffers: its S_0 tile
+//     (dk x 64 floats), its q, k, g, dt_bias and value columns, and its ring
+//     records (k^, g and this tile's u of each), so that an item computes
+//     from shared memory alone.
+// Which block takes an item, and whether its inputs came early, changes none
+// of its bits: the arithmetic is the same, in the same order.
 // Launch: grid (any, 1); block 32 * ceil(dk / 16) (dk <= 128); dynamic
-// shared memory (2 kpad 64 + 4 kpad + 2 nw 64 + 2 nw) floats, kpad = 16 nw,
-// and under ReplaySSM (ST_KDA_RC (2 kpad + 64) + kpad) more.
+// shared memory st_kda_smem_floats(nw, cap) floats (kernels/src/gpu/step_gpu).
+#define ST_KDA_META 32
+
+// Ring records one buffer holds (all of an item's but where cap - 1 exceeds
+// ST_KDA_RC; those items stage theirs in the item, ST_KDA_RC at a time).
+static __device__ __forceinline__ int st_kda_rcp(int cap) {
+    return cap > 0 ? (cap - 1 < ST_KDA_RC ? cap - 1 : ST_KDA_RC) : 0;
+}
+
+// Where item it's inputs are, resolved once.
+struct StKdaItem {
+    const float* S;   // its S_0 (or state) head in the state region
+    float* rec0;      // its head's first ring record (null without replay)
+    int n;            // records in the ring
+    float br;         // beta before the sigmoid
+    float rate;       // -exp(a_log[h])
+};
+
 extern "C" __global__ void __launch_bounds__(256, 2) st_kda(
     const float* __restrict__ cv, const float* __restrict__ proj, int ldproj, int g_off, int b_off,
     const float* __restrict__ a_log, const float* __restrict__ dt_bias, float* __restrict__ out,
@@ -380,95 +406,172 @@ extern "C" __global__ void __launch_bounds__(256, 2) st_kda(
     const int TILE = ST_KDA_TILE;
     const int nw = blockDim.x / HK_WARP;
     const int kpad = nw * ST_KDA_ROWS;
+    const int rcp = st_kda_rcp(cap);
+    const int per = 2 * kpad + TILE;  // floats of one staged record
+    const int inw = 4 * kpad + TILE;  // q, k, g, dt_bias [kpad each], v [TILE]
     HK_DYN_SMEM(float, smem);
     float* sbuf = smem;                           // [2][kpad][TILE] S_0 tiles
-    float* qh = sbuf + 2 * kpad * TILE;
-    float* kh = qh + kpad;
-    float* gs = kh + kpad;
-    float* al = gs + kpad;
+    float* srecs = sbuf + 2 * kpad * TILE;        // [2][rcp][per] ring records
+    float* sin = srecs + 2 * rcp * per;           // [2][inw] the item's inputs
+    float* al = sin + 2 * inw;
     float* part1 = al + kpad;
     float* part2 = part1 + nw * TILE;
     float* red = part2 + nw * TILE;
-    float* srec = red + 2 * nw;                   // replay records (ST_KDA_RC at a time)
-    float* stot = srec + ST_KDA_RC * (2 * kpad + TILE);
+    float* stot = red + 2 * nw;
+    unsigned long long* mptr = (unsigned long long*)(stot + kpad);  // [ST_KDA_META][2] S, rec0
+    int* mn = (int*)(mptr + 2 * ST_KDA_META);
+    float* mbr = (float*)(mn + ST_KDA_META);
+    float* mrate = mbr + ST_KDA_META;
 
     const int tid = threadIdx.x;
     const int lane = tid & (HK_WARP - 1);
     const int w = tid / HK_WARP;
     const int tiles = (dv + TILE - 1) / TILE;
     const int items = tick[0] * heads * tiles;
+    const int wrec = 2 * dk + dv;
+    const hk_i64 rstride = (hk_i64)hl * wrec;
+    const int C = heads * (2 * dk + dv);
 
-    // Item it's state tile: its address in the region, and its copy into dst
-    // (zeros past dk and dv; one commit group, empty past the last item).
-    auto state_of = [&](int it) -> float* {
+    auto resolve = [&](int it) -> StKdaItem {
         const int b = it / (heads * tiles);
         const int h = (it / tiles) % heads;
         const int r = h / hl;
+        const int lh = h % hl;
         const unsigned long long sl = (unsigned long long)tick[slot + b * tp + r];
-        return (float*)(rows3[r] + sl * state_stride) + (hk_i64)(h % hl) * dk * dv;
+        StKdaItem m;
+        m.S = (const float*)(rows3[r] + sl * state_stride) + (hk_i64)lh * dk * dv;
+        m.rec0 = 0;
+        m.n = 0;
+        if (cap > 0) {
+            m.rec0 = (float*)(rows3[tp + r] + sl * ring_stride) + (hk_i64)lh * wrec;
+            int n = *(const int*)(rows3[2 * tp + r] + sl * cursor_stride);
+            m.n = n < 0 ? 0 : (n > cap - 1 ? cap - 1 : n);
+        }
+        m.br = proj[(hk_i64)b * ldproj + b_off + h];
+        m.rate = -expf(a_log[h]);
+        return m;
     };
-    auto fetch = [&](int it, float* dst) {
+    // Item it's (the block's i-th): from the table, or resolved here past it.
+    auto item_of = [&](int it, int i) -> StKdaItem {
+        if (i < ST_KDA_META) {
+            StKdaItem m;
+            m.S = (const float*)mptr[2 * i];
+            m.rec0 = (float*)mptr[2 * i + 1];
+            m.n = mn[i];
+            m.br = mbr[i];
+            m.rate = mrate[i];
+            return m;
+        }
+        return resolve(it);
+    };
+    // One thread an item: the table of the block's first ST_KDA_META items.
+    {
+        const int i = tid;
+        const int it = blockIdx.x + i * gridDim.x;
+        if (i < ST_KDA_META && it < items) {
+            const StKdaItem m = resolve(it);
+            mptr[2 * i] = (unsigned long long)m.S;
+            mptr[2 * i + 1] = (unsigned long long)m.rec0;
+            mn[i] = m.n;
+            mbr[i] = m.br;
+            mrate[i] = m.rate;
+        }
+        __syncthreads();
+    }
+
+    // n floats from src to dst (zeros from `valid` on, up to `n` rounded up
+    // to 4): cp.async in 16-byte pieces where both ends allow, else plain
+    // loads and stores (seen after the barrier that follows the group's wait).
+    auto copy_in = [&](float* dst, const float* src, int n, int valid) {
+        if ((n & 3) == 0 && (valid & 3) == 0 && ((unsigned long long)src & 15ull) == 0) {
+            for (int q = tid; q < n / 4; q += blockDim.x) hk_cp16(dst + 4 * q, src + (4 * q < valid ? 4 * q : 0), 4 * q < valid);
+        } else {
+            for (int e = tid; e < n; e += blockDim.x) dst[e] = e < valid ? src[e] : 0.0f;
+        }
+    };
+    // Every input of item it (the block's i-th) into buffer set `buf`, as one
+    // commit group (empty past the last item).
+    auto fetch = [&](int it, int i, int buf) {
         if (it < items) {
-            const float* S = state_of(it);
+            const StKdaItem m = item_of(it, i);
+            const int b = it / (heads * tiles);
+            const int h = (it / tiles) % heads;
             const int col0 = (it % tiles) * TILE;
+            float* dst = sbuf + buf * kpad * TILE;
+            const float* S = m.S;
             if ((dv & 3) == 0 && ((unsigned long long)S & 15ull) == 0) {
                 for (int q = tid; q < kpad * (TILE / 4); q += blockDim.x) {
-                    const int i = q / (TILE / 4);
+                    const int i2 = q / (TILE / 4);
                     const int j = col0 + 4 * (q % (TILE / 4));
-                    const bool ok = i < dk && j < dv;
-                    hk_cp16(dst + i * TILE + (j - col0), S + (ok ? (hk_i64)i * dv + j : 0), ok);
+                    const bool ok = i2 < dk && j < dv;
+                    hk_cp16(dst + i2 * TILE + (j - col0), S + (ok ? (hk_i64)i2 * dv + j : 0), ok);
                 }
             } else {
                 for (int e = tid; e < kpad * TILE; e += blockDim.x) {
-                    const int i = e / TILE;
+                    const int i2 = e / TILE;
                     const int j = col0 + e % TILE;
-                    dst[e] = i < dk && j < dv ? S[(hk_i64)i * dv + j] : 0.0f;
+                    dst[e] = i2 < dk && j < dv ? S[(hk_i64)i2 * dv + j] : 0.0f;
+                }
+            }
+            const float* cvb = cv + (hk_i64)b * C;
+            float* in = sin + buf * inw;
+            copy_in(in, cvb + h * dk, kpad, dk);
+            copy_in(in + kpad, cvb + heads * dk + h * dk, kpad, dk);
+            copy_in(in + 2 * kpad, proj + (hk_i64)b * ldproj + g_off + h * dk, kpad, dk);
+            copy_in(in + 3 * kpad, dt_bias + (hk_i64)h * dk, kpad, dk);
+            const int vcols = dv - col0 < TILE ? dv - col0 : TILE;
+            copy_in(in + 4 * kpad, cvb + 2 * heads * dk + h * dv + col0, TILE, vcols);
+            if (m.n > 0 && m.n <= rcp) {
+                float* srec = srecs + buf * rcp * per;
+                for (int j = 0; j < m.n; ++j) {
+                    const float* rj = m.rec0 + (hk_i64)j * rstride;
+                    copy_in(srec + j * per, rj, kpad, dk);
+                    copy_in(srec + j * per + kpad, rj + dk + dv, kpad, dk);
+                    copy_in(srec + j * per + 2 * kpad, rj + dk + col0, TILE, vcols);
                 }
             }
         }
         hk_cp_commit();
     };
 
-    // One item, its S_0 tile in tS (shared memory).
-    auto item = [&](int it, const float* tS) {
+    // One item (the block's i-th), its inputs in buffer set `buf`.
+    auto item = [&](int it, int i, int buf) {
         const int b = it / (heads * tiles);
         const int h = (it / tiles) % heads;
         const int col0 = (it % tiles) * TILE;
-        const int r = h / hl;
-        const int lh = h % hl;
-        const unsigned long long sl = (unsigned long long)tick[slot + b * tp + r];
-        float* S = state_of(it);
-        const int wrec = 2 * dk + dv;
+        const StKdaItem m = item_of(it, i);
+        float* S = (float*)m.S;
+        const float* tS = sbuf + buf * kpad * TILE;
+        float* in = sin + buf * inw;
+        float* srec = srecs + buf * rcp * per;
+        // q^, k^ and g replace q, k and g in the input buffer (each thread
+        // its own channel, after the barrier that ends step 1's reads).
+        float* qh = in;
+        float* kh = in + kpad;
+        float* gs = in + 2 * kpad;
 
         float s[ST_KDA_ROWS][ST_KDA_COLS];
         st_kda_tile(s, tS, w, lane);
 
-        const int C = heads * (2 * dk + dv);
-        const float* cvb = cv + (hk_i64)b * C;
-        const float* pb = proj + (hk_i64)b * ldproj;
-        const float qi = tid < dk ? cvb[h * dk + tid] : 0.0f;
-        const float ki = tid < dk ? cvb[heads * dk + h * dk + tid] : 0.0f;
-        const float gr = tid < dk ? pb[g_off + h * dk + tid] : 0.0f;
-        const float br = pb[b_off + h];
+        const float qi = tid < dk ? in[tid] : 0.0f;
+        const float ki = tid < dk ? in[kpad + tid] : 0.0f;
+        const float gr = tid < dk ? in[2 * kpad + tid] : 0.0f;
+        const float br = m.br;
         float vv[ST_KDA_COLS];
     #pragma unroll
         for (int c = 0; c < ST_KDA_COLS; ++c) {
             const int j = col0 + lane + HK_WARP * c;
-            vv[c] = j < dv ? cvb[2 * heads * dk + h * dv + j] : 0.0f;
+            vv[c] = j < dv ? in[4 * kpad + lane + HK_WARP * c] : 0.0f;
         }
-        const float rate = -expf(a_log[h]);
-        const float bias = tid < dk ? dt_bias[(hk_i64)h * dk + tid] : 0.0f;
+        const float rate = m.rate;
+        const float bias = tid < dk ? in[3 * kpad + tid] : 0.0f;
         const float inv_sqrt_dk = 1.0f / sqrtf((float)dk);
 
         // ReplaySSM: the committed state S_0 and the n records since.
-        float* rec0 = 0;
-        int n = 0;
-        const hk_i64 rstride = (hk_i64)hl * wrec;
-        if (cap > 0) {
-            rec0 = (float*)(rows3[tp + r] + sl * ring_stride) + (hk_i64)lh * wrec;
-            n = *(const int*)(rows3[2 * tp + r] + sl * cursor_stride);
-            n = n < 0 ? 0 : (n > cap - 1 ? cap - 1 : n);
-        }
+        float* rec0 = m.rec0;
+        const int n = m.n;
+        // The records came with the inputs (all of them fit the buffer).
+        const bool staged = n <= rcp;
 
         // Step 1: L2 norms of q and k, one fixed-order block sum for both.
         float sq = hk_warp_sum(qi * qi);
@@ -513,11 +616,12 @@ extern "C" __global__ void __launch_bounds__(256, 2) st_kda(
         for (int c = 0; c < ST_KDA_COLS; ++c) pk[c] = pq[c] = 0.0f;
         // Key row tid's decay so far, newest record first.
         float suf = tid < dk ? gs[tid] : 0.0f;
-        const int per = 2 * kpad + TILE;
         for (int hi = n; hi > 0; hi -= ST_KDA_RC) {
             const int lo = hi > ST_KDA_RC ? hi - ST_KDA_RC : 0;
-            if (hi != n) __syncthreads();  // the previous records are consumed
-            st_kda_stage(srec, rec0, rstride, lo, hi, kpad, dk, dv, col0);
+            if (!staged) {
+                if (hi != n) __syncthreads();  // the previous records are consumed
+                st_kda_stage(srec, rec0, rstride, lo, hi, kpad, dk, dv, col0);
+            }
             if (tid < dk) {
                 for (int j = hi - 1; j >= lo; --j) {
                     float* rj = srec + (j - lo) * per;
@@ -531,9 +635,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) st_kda(
             for (int j = lo + w; j < hi; j += nw) {
                 const float* rj = srec + (j - lo) * per;
                 float dk_ = 0.0f, dq_ = 0.0f;
-                for (int i = lane; i < kpad; i += HK_WARP) {
-                    dk_ = fmaf(rj[i], kh[i], dk_);
-                    dq_ = fmaf(rj[i], qh[i], dq_);
+                for (int i2 = lane; i2 < kpad; i2 += HK_WARP) {
+                    dk_ = fmaf(rj[i2], kh[i2], dk_);
+                    dq_ = fmaf(rj[i2], qh[i2], dq_);
                 }
                 dk_ = hk_warp_sum(dk_);
                 dq_ = hk_warp_sum(dq_);
@@ -549,15 +653,15 @@ extern "C" __global__ void __launch_bounds__(256, 2) st_kda(
         __syncthreads();
         // k^ . q^, in every warp in one order.
         float kq = 0.0f;
-        for (int i = lane; i < kpad; i += HK_WARP) kq = fmaf(kh[i], qh[i], kq);
+        for (int i2 = lane; i2 < kpad; i2 += HK_WARP) kq = fmaf(kh[i2], qh[i2], kq);
         kq = hk_warp_sum(kq);
         // S_0's part.
     #pragma unroll
         for (int rr = 0; rr < ST_KDA_ROWS; ++rr) {
-            const int i = w * ST_KDA_ROWS + rr;
-            const float e = al[i];
-            const float xk = e * kh[i];
-            const float xq = e * qh[i];
+            const int i2 = w * ST_KDA_ROWS + rr;
+            const float e = al[i2];
+            const float xk = e * kh[i2];
+            const float xq = e * qh[i2];
     #pragma unroll
             for (int c = 0; c < ST_KDA_COLS; ++c) {
                 pk[c] = fmaf(s[rr][c], xk, pk[c]);
@@ -592,7 +696,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) st_kda(
                 }
             }
         }
-        if (rec && blockIdx.y == 0 && tid < dk) {
+        if (rec && col0 == 0 && tid < dk) {
             rec[tid] = kh[tid];
             rec[dk + dv + tid] = gs[tid];
         }
@@ -606,9 +710,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) st_kda(
             // S_t = Diag(alpha) S + k^ u^T.
     #pragma unroll
             for (int rr = 0; rr < ST_KDA_ROWS; ++rr) {
-                const int i = w * ST_KDA_ROWS + rr;
-                const float a = al[i];
-                const float kk = kh[i];
+                const int i2 = w * ST_KDA_ROWS + rr;
+                const float a = al[i2];
+                const float kk = kh[i2];
     #pragma unroll
                 for (int c = 0; c < ST_KDA_COLS; ++c) s[rr][c] = fmaf(kk, u[c], s[rr][c] * a);
             }
@@ -616,13 +720,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) st_kda(
         st_kda_store(s, S, w, lane, col0, dk, dv);
     };
 
-    fetch(blockIdx.x, sbuf);
+    fetch(blockIdx.x, 0, 0);
     for (int it = blockIdx.x, i = 0; it < items; it += gridDim.x, ++i) {
-        fetch(it + gridDim.x, sbuf + ((i + 1) & 1) * kpad * TILE);
+        fetch(it + gridDim.x, i + 1, (i + 1) & 1);
         hk_cp_wait_but_last();
-        __syncthreads();  // item it's tile is in
-        item(it, sbuf + (i & 1) * kpad * TILE);
-        __syncthreads();  // its buffers are free for the next item
+        __syncthreads();  // item it's inputs are in
+        item(it, i, i & 1);
+        __syncthreads();  // its buffers are free for the item after next
     }
     hk_cp_wait_all();
 }

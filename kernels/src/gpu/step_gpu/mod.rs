@@ -136,6 +136,22 @@ fn dt_code(d: StorageDtype) -> i32 {
     }
 }
 
+/// st_kda's dynamic shared memory in floats for `nw` warps and a ring of
+/// `cap` records (hip/step.hip's layout): two sets of an item's inputs (the
+/// item computed and the next one in flight: its S_0 tile, its ring records,
+/// q, k, g, dt_bias and value columns), then E, the warps' partial sums, the
+/// norms, the rebuild's decay and the table of the block's items.
+fn kda_smem_floats(nw: usize, cap: usize) -> usize {
+    const TILE: usize = 64;
+    const RC: usize = 16; // ST_KDA_RC
+    const META: usize = 32; // ST_KDA_META
+    let kpad = 16 * nw;
+    let rcp = if cap > 0 { (cap - 1).min(RC) } else { 0 };
+    let per_set = kpad * TILE + rcp * (2 * kpad + TILE) + 4 * kpad + TILE;
+    // al, part1 + part2, red, stot; then S and rec0 (two u64 each), n, beta, rate.
+    2 * per_set + kpad + 2 * nw * TILE + 2 * nw + kpad + META * (4 + 3)
+}
+
 fn r16(x: usize) -> usize {
     x.next_multiple_of(16)
 }
@@ -331,10 +347,7 @@ impl<D: Driver> GpuStep<D> {
         // ---- kernel attributes ----------------------------------------------
         let kda_nw = dk.div_ceil(16);
         let kda_threads = (kda_nw * 32) as u32;
-        let kpad = kda_nw * 16;
-        let replay_smem = if m.replay > 0 { 16 * (2 * kpad + 64) + kpad } else { 0 };
-        // Two S_0 tiles (the item computed and the next one in flight), then the rest.
-        let kda_smem = ((2 * kpad * 64 + 4 * kpad + 2 * kda_nw * 64 + 2 * kda_nw + replay_smem) * 4) as u32;
+        let kda_smem = (kda_smem_floats(kda_nw, m.replay) * 4) as u32;
         // st_kda is persistent: two blocks a multiprocessor (its launch bounds)
         // walk the items.
         let sms = drv.multiprocessors().map_err(dev(op))?;
