@@ -187,44 +187,60 @@ pub fn table_launches(copies: &[Copy2d], max: usize) -> Vec<std::ops::Range<usiz
     out
 }
 
-/// The copies of one run of [`table_launches`], by the span each touches
-/// (destination and source, as `[lo, hi)` bounds of all its rows), sorted
-/// by `lo`: a new copy can conflict only with copies whose span meets one of
-/// its own, and those are found from the longest span so far.
+/// The copies of one run of [`table_launches`], by the spans they touch
+/// (`[lo, hi)` bounds of all the rows of one side): a new copy can conflict
+/// only with a copy whose destination span meets one of its spans, or whose
+/// source span meets its destination span (two copies reading one source
+/// never conflict, and a pass's copies share their sources often).
 #[derive(Default)]
 struct RunSpans {
-    /// (lo, hi, copy index), sorted by lo.
+    dst: Spans,
+    src: Spans,
+}
+
+/// Spans sorted by `lo`, as (lo, hi, copy index), and the longest of them.
+#[derive(Default)]
+struct Spans {
     spans: Vec<(u64, u64, usize)>,
-    /// The longest span (hi - lo) of the run.
     longest: u64,
+}
+
+impl Spans {
+    fn add(&mut self, (lo, hi): (u64, u64), i: usize) {
+        let at = self.spans.partition_point(|s| s.0 <= lo);
+        self.spans.insert(at, (lo, hi, i));
+        self.longest = self.longest.max(hi - lo);
+    }
+
+    /// The copies whose span meets `[lo, hi)`: those starting in
+    /// `(lo - longest, hi)` whose end passes `lo`.
+    fn meeting(&self, (lo, hi): (u64, u64)) -> impl Iterator<Item = usize> + '_ {
+        let from = self.spans.partition_point(|s| s.0.saturating_add(self.longest) <= lo);
+        self.spans[from..].iter().take_while(move |s| s.0 < hi).filter(move |s| s.1 > lo).map(|s| s.2)
+    }
 }
 
 impl RunSpans {
     fn clear(&mut self) {
-        self.spans.clear();
-        self.longest = 0;
+        *self = RunSpans::default();
     }
 
     fn add(&mut self, i: usize, c: &Copy2d) {
-        for (lo, hi) in Self::sides(c) {
-            let at = self.spans.partition_point(|s| s.0 <= lo);
-            self.spans.insert(at, (lo, hi, i));
-            self.longest = self.longest.max(hi - lo);
-        }
+        let (d, s) = Self::sides(c);
+        self.dst.add(d, i);
+        self.src.add(s, i);
     }
 
-    fn sides(c: &Copy2d) -> [(u64, u64); 2] {
+    /// (destination span, source span).
+    fn sides(c: &Copy2d) -> ((u64, u64), (u64, u64)) {
         let span = |base: u64, pitch: u64| (base, base + (c.height - 1) * pitch + c.width);
-        [span(c.dst, c.dst_pitch), span(c.src, c.src_pitch)]
+        (span(c.dst, c.dst_pitch), span(c.src, c.src_pitch))
     }
 
     /// Whether `c` conflicts with some copy of the run ([`Copy2d::conflicts_with`]).
     fn conflicts(&self, copies: &[Copy2d], c: &Copy2d) -> bool {
-        Self::sides(c).iter().any(|&(lo, hi)| {
-            // Spans starting in (lo - longest, hi) are the only ones that can meet [lo, hi).
-            let from = self.spans.partition_point(|s| s.0.saturating_add(self.longest) <= lo);
-            self.spans[from..].iter().take_while(|s| s.0 < hi).any(|s| s.1 > lo && copies[s.2].conflicts_with(c))
-        })
+        let (d, s) = Self::sides(c);
+        self.dst.meeting(d).chain(self.dst.meeting(s)).chain(self.src.meeting(d)).any(|e| copies[e].conflicts_with(c))
     }
 }
 
