@@ -26,7 +26,8 @@ use crate::region::{Copy2d, CopyTicket, DeviceMemory, table_launches};
 /// everything else goes through `copy_table`. A copy-engine call into memory
 /// opened through IPC cost about 15 us of host time on the H200 (the
 /// hand-off bench's timeline: 64 such calls for the KDA state took most of a
-/// millisecond to queue), where one table launch queues 48 copies.
+/// millisecond to queue), where one table launch queues up to 500 copies
+/// (48 on HIP).
 pub(super) const ENGINE_BYTES: u64 = 256 << 20;
 /// How long [`DeviceMemory::wait`] queries an event before it sleeps on it.
 const SPIN_BEFORE_SLEEP: std::time::Duration = std::time::Duration::from_micros(500);
