@@ -133,39 +133,115 @@ impl Rows {
     }
 }
 
-/// Copies one launch of a table copy kernel takes (`CT_COPIES` in
-/// `kernels/hip/memcopy.hip`): the table is the kernel's by-value argument,
-/// which must stay within the 4 KB every driver accepts.
+/// Copies one launch of a table copy kernel takes where kernel arguments are
+/// limited to the 4 KB every driver accepts (`CT_COPIES` of
+/// `kernels/hip/memcopy.hip` under HIP): the table is the kernel's by-value
+/// argument.
 pub const TABLE_COPIES: usize = 48;
 
+/// Copies one launch of the table copy kernel takes on CUDA (`CT_COPIES` of
+/// `kernels/hip/memcopy.hip` under NVRTC): CUDA 12.1 and later accept 32,764
+/// bytes of kernel arguments on Volta and newer, and a table of 500 copies
+/// takes 32,016 (64 a copy and 16 more).
+pub const WIDE_TABLE_COPIES: usize = 500;
+
 /// Splits a batch of copies, in queue order, into runs that one table launch
-/// may copy all at once: at most [`TABLE_COPIES`] each, and none holding two
+/// may copy all at once: at most `max` each ([`TABLE_COPIES`] or
+/// [`WIDE_TABLE_COPIES`], the kernel's table size), and none holding two
 /// copies where one writes bytes the other reads or writes (such a pair goes
 /// into consecutive launches, which a stream runs in order). Empty copies are
 /// left out. Returns index ranges into `copies`.
-pub fn table_launches(copies: &[Copy2d]) -> Vec<std::ops::Range<usize>> {
+///
+/// A run's copies are checked against the new one only where their spans
+/// meet (a sorted index of the run's spans): the rows of many layers and
+/// requests interleave in one region, but most copies of a pass lie in other
+/// regions, and checking each against every earlier one of a run of 500
+/// would cost a hand-off pass more host time than its launches.
+pub fn table_launches(copies: &[Copy2d], max: usize) -> Vec<std::ops::Range<usize>> {
+    let max = max.max(1);
     let mut out = Vec::new();
     let mut start = None::<usize>;
+    let mut run = RunSpans::default();
     for (i, c) in copies.iter().enumerate() {
         if c.width == 0 || c.height == 0 {
             if let Some(s) = start.take() {
                 out.push(s..i);
             }
+            run.clear();
             continue;
         }
         if let Some(s) = start {
-            if i - s == TABLE_COPIES || copies[s..i].iter().any(|e| e.conflicts_with(c)) {
+            if i - s == max || run.conflicts(copies, c) {
                 out.push(s..i);
                 start = Some(i);
+                run.clear();
             }
         } else {
             start = Some(i);
         }
+        run.add(i, c);
     }
     if let Some(s) = start {
         out.push(s..copies.len());
     }
     out
+}
+
+/// The copies of one run of [`table_launches`], by the spans they touch
+/// (`[lo, hi)` bounds of all the rows of one side): a new copy can conflict
+/// only with a copy whose destination span meets one of its spans, or whose
+/// source span meets its destination span (two copies reading one source
+/// never conflict, and a pass's copies share their sources often).
+#[derive(Default)]
+struct RunSpans {
+    dst: Spans,
+    src: Spans,
+}
+
+/// Spans sorted by `lo`, as (lo, hi, copy index), and the longest of them.
+#[derive(Default)]
+struct Spans {
+    spans: Vec<(u64, u64, usize)>,
+    longest: u64,
+}
+
+impl Spans {
+    fn add(&mut self, (lo, hi): (u64, u64), i: usize) {
+        let at = self.spans.partition_point(|s| s.0 <= lo);
+        self.spans.insert(at, (lo, hi, i));
+        self.longest = self.longest.max(hi - lo);
+    }
+
+    /// The copies whose span meets `[lo, hi)`: those starting in
+    /// `(lo - longest, hi)` whose end passes `lo`.
+    fn meeting(&self, (lo, hi): (u64, u64)) -> impl Iterator<Item = usize> + '_ {
+        let from = self.spans.partition_point(|s| s.0.saturating_add(self.longest) <= lo);
+        self.spans[from..].iter().take_while(move |s| s.0 < hi).filter(move |s| s.1 > lo).map(|s| s.2)
+    }
+}
+
+impl RunSpans {
+    fn clear(&mut self) {
+        *self = RunSpans::default();
+    }
+
+    fn add(&mut self, i: usize, c: &Copy2d) {
+        let (d, s) = Self::sides(c);
+        self.dst.add(d, i);
+        self.src.add(s, i);
+    }
+
+    /// (destination span, source span).
+    fn sides(c: &Copy2d) -> ((u64, u64), (u64, u64)) {
+        let span = |base: u64, pitch: u64| (base, base + (c.height - 1) * pitch + c.width);
+        (span(c.dst, c.dst_pitch), span(c.src, c.src_pitch))
+    }
+
+    /// Whether `c` conflicts with some copy of the run ([`Copy2d::conflicts_with`]).
+    fn conflicts(&self, copies: &[Copy2d], c: &Copy2d) -> bool {
+        let (d, s) = Self::sides(c);
+        self.dst.meeting(d).chain(self.dst.meeting(s)).chain(self.src.meeting(d)).any(|e| copies[e].conflicts_with(c))
+    }
 }
 
 /// A batch of copies queued on a [`DeviceMemory`]; [`DeviceMemory::done`] says
@@ -292,6 +368,66 @@ mod tests {
         }
     }
 
+    /// table_launches as it was before its span index: each copy checked
+    /// against every earlier one of its run.
+    fn naive_table_launches(copies: &[Copy2d], max: usize) -> Vec<std::ops::Range<usize>> {
+        let mut out = Vec::new();
+        let mut start = None::<usize>;
+        for (i, c) in copies.iter().enumerate() {
+            if c.width == 0 || c.height == 0 {
+                if let Some(s) = start.take() {
+                    out.push(s..i);
+                }
+                continue;
+            }
+            match start {
+                Some(s) if i - s == max || copies[s..i].iter().any(|e| e.conflicts_with(c)) => {
+                    out.push(s..i);
+                    start = Some(i);
+                }
+                Some(_) => {}
+                None => start = Some(i),
+            }
+        }
+        if let Some(s) = start {
+            out.push(s..copies.len());
+        }
+        out
+    }
+
+    /// Invariant: the span index changes no split. Over random batches of
+    /// strided and plain copies (some empty, some reading what others write,
+    /// spans of very different lengths in one address range), the launches
+    /// equal those of checking each copy against every earlier one of its run.
+    #[test]
+    fn table_launches_with_the_span_index_equal_the_pairwise_check() {
+        let mut seed = 11u64;
+        let mut next_u = |n: u64| {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 33) % n
+        };
+        let mut splits = 0;
+        for round in 0..3_000 {
+            let n = 1 + next_u(40) as usize;
+            let copies: Vec<Copy2d> = (0..n)
+                .map(|_| {
+                    let width = if next_u(20) == 0 { 0 } else { 1 + next_u(64) };
+                    let tall = next_u(4) == 0;
+                    let height = 1 + next_u(if tall { 200 } else { 5 });
+                    let pitch = width + next_u(3) * 32;
+                    let (src, dst) = (next_u(20_000), next_u(20_000));
+                    let dst_pitch = pitch + next_u(2) * 64;
+                    Copy2d { src, src_pitch: pitch, dst, dst_pitch, width, height }
+                })
+                .collect();
+            let max = [3, TABLE_COPIES, WIDE_TABLE_COPIES][round % 3];
+            let got = table_launches(&copies, max);
+            assert_eq!(got, naive_table_launches(&copies, max), "{copies:?} max {max}");
+            splits += got.len();
+        }
+        assert!(splits > 6_000, "the batches split often enough to test the splits: {splits}");
+    }
+
     #[test]
     fn table_launches_keep_conflicting_copies_in_order() {
         // Strided copies whose rows meet in one destination conflict,
@@ -305,17 +441,19 @@ mod tests {
         let d = row(3_000, 20_050, 100);
         let e = row(20_060, 30_000, 10);
         let f = row(5_000, 20_055, 8);
-        assert_eq!(table_launches(&[a, c, b]), vec![0..2, 2..3]);
-        assert_eq!(table_launches(&[c, d]), vec![0..1, 1..2]);
-        assert_eq!(table_launches(&[row(0, 40_000, 8), e]), vec![0..2]);
-        assert_eq!(table_launches(&[row(9_000, 40_000, 8), e, f]), vec![0..2, 2..3]);
+        assert_eq!(table_launches(&[a, c, b], TABLE_COPIES), vec![0..2, 2..3]);
+        assert_eq!(table_launches(&[c, d], TABLE_COPIES), vec![0..1, 1..2]);
+        assert_eq!(table_launches(&[row(0, 40_000, 8), e], TABLE_COPIES), vec![0..2]);
+        assert_eq!(table_launches(&[row(9_000, 40_000, 8), e, f], TABLE_COPIES), vec![0..2, 2..3]);
         // Edges that touch do not conflict; empty copies are dropped.
         let empty = Copy2d { width: 0, ..row(0, 20_000, 0) };
-        assert_eq!(table_launches(&[row(0, 100, 10), empty, row(0, 110, 10)]), vec![0..1, 2..3]);
-        assert_eq!(table_launches(&[row(0, 100, 10), row(0, 110, 10)]), vec![0..2]);
-        assert!(table_launches(&[]).is_empty());
+        assert_eq!(table_launches(&[row(0, 100, 10), empty, row(0, 110, 10)], TABLE_COPIES), vec![0..1, 2..3]);
+        assert_eq!(table_launches(&[row(0, 100, 10), row(0, 110, 10)], TABLE_COPIES), vec![0..2]);
+        assert!(table_launches(&[], TABLE_COPIES).is_empty());
         // At most TABLE_COPIES a launch.
         let many: Vec<Copy2d> = (0..100u64).map(|i| row(i * 8, (1 << 20) | (i * 8), 8)).collect();
-        assert_eq!(table_launches(&many), vec![0..48, 48..96, 96..100]);
+        assert_eq!(table_launches(&many, TABLE_COPIES), vec![0..48, 48..96, 96..100]);
+        assert_eq!(table_launches(&many, WIDE_TABLE_COPIES), vec![0..100]);
+        assert_eq!(table_launches(&many[..7], 3), vec![0..3, 3..6, 6..7]);
     }
 }

@@ -194,8 +194,8 @@ pub(crate) fn check_regions(gpu: &CudaBackend, rep: &mut Report, seed: u64) -> R
         Copy2d { src: addr + (2 << 20), src_pitch: 4 << 20, dst: dst + (2 << 20), dst_pitch: 4 << 20, width: 4 << 20, height: 1 },
         Copy2d { src: addr + 100, src_pitch: 500, dst: dst + (2 << 20) + 1000, dst_pitch: 500, width: 500, height: 1 },
     ];
-    // More copies than one table holds.
-    copies.extend((0..100u64).map(|i| Copy2d {
+    // More copies than one table holds (CUDA's holds 500, HIP's 48).
+    copies.extend((0..600u64).map(|i| Copy2d {
         src: addr + 1_000_000 + i * 256,
         src_pitch: 200,
         dst: dst + 1_000_000 + i * 208,

@@ -205,6 +205,11 @@ pub(crate) trait MemoryDriver: Driver {
 
     /// The device's ordinal, for the memory's label ("cuda:0").
     fn ordinal(&self) -> usize;
+    /// Copies in one `copy_table` launch (`CT_COPIES` of memcopy.hip as this
+    /// platform compiles it): [`crate::WIDE_TABLE_COPIES`] where kernel
+    /// arguments may take 32 KB (CUDA 12.1+), [`crate::TABLE_COPIES`] where
+    /// they stay within 4 KB.
+    fn table_copies(&self) -> usize;
     /// The same device and loaded kernels on a new stream of its own (host
     /// access and each copy stream queue apart from the backend's ops).
     fn with_new_stream(&self) -> std::result::Result<Self, DriverFault>;

@@ -188,6 +188,11 @@ impl MemoryDriver for CudaDriver {
         self.ctx.ordinal()
     }
 
+    /// NVRTC 13 and a CUDA 13 driver: 32,764 bytes of kernel arguments.
+    fn table_copies(&self) -> usize {
+        crate::region::WIDE_TABLE_COPIES
+    }
+
     fn with_new_stream(&self) -> Result<Self, DriverFault> {
         Ok(CudaDriver { stream: self.ctx.new_stream().map_err(fault)?, ..self.clone() })
     }

@@ -344,6 +344,11 @@ impl MemoryDriver for HipDriver {
         self.d.ordinal as usize
     }
 
+    /// Kernel arguments past 4 KB have never been tried on AMD hardware.
+    fn table_copies(&self) -> usize {
+        crate::region::TABLE_COPIES
+    }
+
     fn with_new_stream(&self) -> Result<Self, DriverFault> {
         Ok(HipDriver { s: Arc::new(HipStream::create(self.d.ordinal)?), d: Arc::clone(&self.d) })
     }

@@ -4,8 +4,8 @@
 //! allocate buffers from cannot be exported), IPC handles, and copies queued
 //! on streams of their own, each batch followed by an event that
 //! [`DeviceMemory::done`] queries. A batch's copies go through one small
-//! kernel of its own (`kernels/hip/memcopy.hip`), up to 48 copies a launch
-//! with the table as the launch's argument; only large contiguous copies (and
+//! kernel of its own (`kernels/hip/memcopy.hip`), up to 500 copies a launch
+//! on CUDA (48 on HIP) with the table as the launch's argument; only large contiguous copies (and
 //! rows too wide for the table) go to the copy engines. The memory shares its
 //! backend's device (CUDA: the context), so the backend's kernels and these
 //! copies see one address space.
@@ -20,59 +20,74 @@ use std::sync::{Arc, Mutex};
 
 use crate::error::{KernelError, Result};
 use crate::gpu::launch::{IPC_HANDLE_BYTES, MemoryDriver, dev};
-use crate::region::{Copy2d, CopyTicket, DeviceMemory, TABLE_COPIES, table_launches};
+use crate::region::{Copy2d, CopyTicket, DeviceMemory, table_launches};
 
 /// Contiguous copies of at least this many bytes go to the copy engines;
 /// everything else goes through `copy_table`. A copy-engine call into memory
 /// opened through IPC cost about 15 us of host time on the H200 (the
 /// hand-off bench's timeline: 64 such calls for the KDA state took most of a
-/// millisecond to queue), where one table launch queues 48 copies.
+/// millisecond to queue), where one table launch queues up to 500 copies
+/// (48 on HIP).
 pub(super) const ENGINE_BYTES: u64 = 256 << 20;
 /// How long [`DeviceMemory::wait`] queries an event before it sleeps on it.
 const SPIN_BEFORE_SLEEP: std::time::Duration = std::time::Duration::from_micros(500);
 /// Streams copy batches are spread over.
 pub(super) const COPY_STREAMS: usize = 8;
-/// Threads of a `copy_table` block; each copies one word per turn.
+/// Threads of a `copy_table` block.
 pub(super) const COPY_THREADS: u32 = 256;
-/// Blocks of a `copy_table` launch at most (a grid-stride loop covers the rest).
-pub(super) const COPY_BLOCKS: u64 = 4096;
+/// Words each `copy_table` thread moves a turn (`CT_UNROLL`: all loaded, then
+/// all stored).
+pub(super) const COPY_UNROLL: u64 = 8;
+/// Blocks of a `copy_table` launch a multiprocessor at most (its launch
+/// bounds keep three resident, so the whole grid runs in one wave and a
+/// grid-stride loop covers the rest).
+pub(super) const COPY_BLOCKS_PER_SM: u64 = 3;
 /// Words of one copy in a table at most (the kernel's 32-bit row division);
 /// a larger copy is queued in parts of whole rows.
 pub(super) const COPY_WORDS: u64 = 1 << 31;
 
-/// `hk_copy_table` of memcopy.hip, the by-value argument of `copy_table`.
-#[repr(C)]
+/// `hk_copy_table` of memcopy.hip, the by-value argument of `copy_table`,
+/// as its bytes for a table of `cap` copies (`CT_COPIES`): `c[cap][7]` i64
+/// (src, dst, words per row, height, src pitch, dst pitch, word bytes), then
+/// `start[cap + 1]` i64 (the first word of each copy; `start[n]` the count),
+/// then `n` and a pad as i32; 64 bytes a copy and 16 more, no padding.
 pub(super) struct CopyTable {
-    /// src, dst, words per row, height, src pitch, dst pitch, word bytes.
-    c: [[i64; 7]; TABLE_COPIES],
-    /// First word of each copy; `start[n]` is the count.
-    start: [i64; TABLE_COPIES + 1],
-    n: i32,
-    pad: i32,
+    bytes: Vec<u8>,
 }
 
 impl CopyTable {
-    /// The table of `copies` (at most TABLE_COPIES, none empty) and its word count.
-    pub(super) fn of(copies: &[Copy2d]) -> (CopyTable, u64) {
-        let mut t = CopyTable { c: [[0; 7]; TABLE_COPIES], start: [0; TABLE_COPIES + 1], n: copies.len() as i32, pad: 0 };
+    /// Bytes of a table of `cap` copies.
+    pub(super) fn size(cap: usize) -> usize {
+        64 * cap + 16
+    }
+
+    /// The table of `copies` (at most `cap`, none empty) and its word count.
+    pub(super) fn of(copies: &[Copy2d], cap: usize) -> (CopyTable, u64) {
+        debug_assert!(copies.len() <= cap);
+        let mut bytes = vec![0u8; Self::size(cap)];
+        let put = |b: &mut [u8], at: usize, v: i64| b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+        let starts = 56 * cap;
         let mut words = 0u64;
         for (i, c) in copies.iter().enumerate() {
             let wb = word_bytes(c);
             let per_row = c.width / wb;
-            t.c[i] = [c.src, c.dst, per_row, c.height, c.src_pitch, c.dst_pitch, wb].map(|v| v as i64);
-            t.start[i] = words as i64;
+            for (k, v) in [c.src, c.dst, per_row, c.height, c.src_pitch, c.dst_pitch, wb].into_iter().enumerate() {
+                put(&mut bytes, i * 56 + k * 8, v as i64);
+            }
+            put(&mut bytes, starts + i * 8, words as i64);
             words += per_row * c.height;
         }
-        t.start[copies.len()] = words as i64;
-        (t, words)
+        put(&mut bytes, starts + copies.len() * 8, words as i64);
+        let n = starts + (cap + 1) * 8;
+        bytes[n..n + 4].copy_from_slice(&(copies.len() as i32).to_le_bytes());
+        (CopyTable { bytes }, words)
     }
 
-    /// The table's bytes as the kernel takes them (3,088: within the 4 KB
-    /// every driver accepts as kernel arguments).
+    /// The table's bytes as the kernel takes them (3,088 for HIP's 48
+    /// copies, within the 4 KB every driver accepts; 32,016 for CUDA's 500,
+    /// within the 32,764 of CUDA 12.1 and later).
     pub(super) fn bytes(&self) -> &[u8] {
-        // SAFETY: i64 and i32 fields in the C layout, no padding (3,080
-        // bytes of i64 then two i32s); u8 has no alignment.
-        unsafe { std::slice::from_raw_parts((self as *const CopyTable).cast::<u8>(), std::mem::size_of::<CopyTable>()) }
+        &self.bytes
     }
 }
 
@@ -113,6 +128,10 @@ pub(crate) struct DeviceMem<D: MemoryDriver> {
     copy_streams: Vec<D>,
     next_stream: AtomicUsize,
     copy_table: Kernel<D::Func>,
+    /// Copies a `copy_table` launch takes ([`MemoryDriver::table_copies`]).
+    table_copies: usize,
+    /// Blocks a `copy_table` launch takes at most: COPY_BLOCKS_PER_SM a multiprocessor.
+    max_blocks: u64,
     next: AtomicU64,
     /// Each batch's event (blocking-sync: a waiting thread sleeps in the
     /// driver instead of spinning on it).
@@ -129,7 +148,10 @@ impl<D: MemoryDriver> DeviceMem<D> {
         let op = "device memory";
         let copy_table = Kernel(host.function("copy_table").map_err(dev(op))?);
         let copy_streams = (0..COPY_STREAMS).map(|_| host.with_new_stream().map_err(dev(op))).collect::<Result<Vec<_>>>()?;
+        let sms = host.multiprocessors().map_err(dev(op))? as u64;
         Ok(DeviceMem {
+            table_copies: host.table_copies(),
+            max_blocks: (sms * COPY_BLOCKS_PER_SM).max(1),
             host,
             copy_streams,
             next_stream: AtomicUsize::new(0),
@@ -148,11 +170,18 @@ impl<D: MemoryDriver> DeviceMem<D> {
         self.host.synchronize().map_err(dev(op))
     }
 
-    /// Queues `copies` (no two conflicting, at most TABLE_COPIES, none empty,
-    /// each of fewer than COPY_WORDS words) as one `copy_table` launch.
+    /// The grid of a `copy_table` launch of `words` words: enough blocks for
+    /// one turn of every thread (COPY_UNROLL words each), at most
+    /// `max_blocks`.
+    pub(super) fn table_grid(&self, words: u64) -> u32 {
+        words.div_ceil(COPY_THREADS as u64 * COPY_UNROLL).clamp(1, self.max_blocks) as u32
+    }
+
+    /// Queues `copies` (no two conflicting, at most `table_copies`, none
+    /// empty, each of fewer than COPY_WORDS words) as one `copy_table` launch.
     fn launch_table(&self, op: &'static str, stream: &D, copies: &[Copy2d]) -> Result<()> {
-        let (t, words) = CopyTable::of(copies);
-        let grid_x = words.div_ceil(COPY_THREADS as u64).clamp(1, COPY_BLOCKS) as u32;
+        let (t, words) = CopyTable::of(copies, self.table_copies);
+        let grid_x = self.table_grid(words);
         // Bound before each launch, as cudarc's launch did for CUDA.
         stream.bind().map_err(dev(op))?;
         // SAFETY: the table as copy_table takes it (its only parameter); the
@@ -163,7 +192,7 @@ impl<D: MemoryDriver> DeviceMem<D> {
     /// Queues `copies` through `copy_table`, in as many launches as
     /// [`table_launches`] needs to keep their order.
     fn launch_tables(&self, op: &'static str, stream: &D, copies: &[Copy2d]) -> Result<()> {
-        for r in table_launches(copies) {
+        for r in table_launches(copies, self.table_copies) {
             self.launch_table(op, stream, &copies[r])?;
         }
         Ok(())

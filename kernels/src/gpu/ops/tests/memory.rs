@@ -7,13 +7,19 @@
 //! against `hk_copy_table` in memcopy.hip.
 
 use super::*;
-use crate::gpu::ops::memory::{CopyTable, DeviceMem};
-use crate::region::{Copy2d, CopyTicket, DeviceMemory, TABLE_COPIES};
+use crate::gpu::ops::memory::{COPY_UNROLL, CopyTable, DeviceMem};
+use crate::region::{Copy2d, CopyTicket, DeviceMemory, TABLE_COPIES, WIDE_TABLE_COPIES};
 
 /// Memory on a fresh recorder whose made-up addresses are only logged: host
-/// access on stream 0, copy streams 1 to 8.
+/// access on stream 0, copy streams 1 to 8; CUDA's tables (500 copies).
 fn memory() -> (DeviceMem<Recorder>, Recorder) {
-    let rec = Recorder::new(None, false);
+    memory_on(None)
+}
+
+/// As [`memory`], on a recorder with HIP's shared-memory rule (`lds`) and
+/// so HIP's tables (48 copies).
+fn memory_on(lds: Option<u32>) -> (DeviceMem<Recorder>, Recorder) {
+    let rec = Recorder::new(lds, false);
     rec.state().loose = true;
     let mem = DeviceMem::new(rec.clone()).unwrap_or_else(|e| panic!("{e}"));
     rec.state().log.clear();
@@ -25,24 +31,30 @@ fn row(src: u64, dst: u64, width: u64) -> Copy2d {
 }
 
 /// A `copy_table` table's bytes, laid out by hand as hk_copy_table's C
-/// layout: 48 rows of 7 i64 (src, dst, words per row, height, src pitch, dst
-/// pitch, word bytes), then 49 i64 starts, then n and a pad as i32.
-fn table(rows: &[[i64; 7]], start: &[i64]) -> Vec<u8> {
-    let mut b = vec![0u8; 3088];
+/// layout for `cap` copies: `cap` rows of 7 i64 (src, dst, words per row,
+/// height, src pitch, dst pitch, word bytes), then `cap + 1` i64 starts,
+/// then n and a pad as i32.
+fn table(cap: usize, rows: &[[i64; 7]], start: &[i64]) -> Vec<u8> {
+    let mut b = vec![0u8; 64 * cap + 16];
     for (i, r) in rows.iter().enumerate() {
         for (k, v) in r.iter().enumerate() {
             b[i * 56 + k * 8..][..8].copy_from_slice(&v.to_le_bytes());
         }
     }
     for (j, v) in start.iter().enumerate() {
-        b[2688 + j * 8..][..8].copy_from_slice(&v.to_le_bytes());
+        b[56 * cap + j * 8..][..8].copy_from_slice(&v.to_le_bytes());
     }
-    b[3080..3084].copy_from_slice(&(rows.len() as i32).to_le_bytes());
+    b[64 * cap + 8..][..4].copy_from_slice(&(rows.len() as i32).to_le_bytes());
     b
 }
 
+/// A `copy_table` launch of CUDA's table (500 copies).
 fn launch(stream: usize, grid: u32, rows: &[[i64; 7]], start: &[i64]) -> MemOp {
-    MemOp::Launch { stream, f: "copy_table", grid: (grid, 1, 1), block: 256, smem: 0, head: Some(table(rows, start)) }
+    launch_of(WIDE_TABLE_COPIES, stream, grid, rows, start)
+}
+
+fn launch_of(cap: usize, stream: usize, grid: u32, rows: &[[i64; 7]], start: &[i64]) -> MemOp {
+    MemOp::Launch { stream, f: "copy_table", grid: (grid, 1, 1), block: 256, smem: 0, head: Some(table(cap, rows, start)) }
 }
 
 /// Compares two logs entry by entry, naming the first that differs (a table
@@ -52,28 +64,31 @@ fn same_log(got: &[MemOp], want: &[MemOp]) {
         if let (MemOp::Launch { head: Some(gh), .. }, MemOp::Launch { head: Some(wh), .. }) = (g, w)
             && gh != wh
         {
+            let cap = (wh.len() - 16) / 64;
             let at = gh.iter().zip(wh).position(|(a, b)| a != b).unwrap_or(gh.len().min(wh.len()));
-            let field = if at < 2688 {
+            let field = if at < 56 * cap {
                 format!("c[{}][{}]", at / 56, at % 56 / 8)
-            } else if at < 3080 {
-                format!("start[{}]", (at - 2688) / 8)
+            } else if at < 64 * cap + 8 {
+                format!("start[{}]", (at - 56 * cap) / 8)
             } else {
                 "n".into()
             };
             let word = |h: &[u8]| h.get(at / 8 * 8..at / 8 * 8 + 8).map(|b| i64::from_le_bytes(b.try_into().unwrap_or_default()));
-            panic!("entry {i} (a copy_table launch): the table's {field} is {:?}, want {:?}", word(gh), word(wh));
+            panic!("entry {i} (a copy_table launch): the table's {field} is {:?}, want {:?} ({} and {} bytes)", word(gh), word(wh), gh.len(), wh.len());
         }
         assert_eq!(g, w, "entry {i}");
     }
     assert_eq!(got.len(), want.len(), "{} calls, want {}: {:?}", got.len(), want.len(), &got[want.len().min(got.len())..]);
 }
 
-/// Nine batches: tables split where copies conflict and at 48 copies, words
-/// of 16, 4 and 1 bytes, empty copies left out, a 256 MiB contiguous copy and
-/// a row of 2^31 one-byte words on the copy engines (the table copies before
-/// each queued first), a copy of 2^32 words in two tables' rows, grids
-/// clamped at 4096 blocks, an empty batch that still records its event, and
-/// batches going round the eight copy streams.
+/// Nine batches on CUDA's tables: tables split where copies conflict, 50
+/// copies in one table (CUDA's 500-copy table), words of 16, 4 and 1 bytes,
+/// empty copies left out, a 256 MiB contiguous copy and a row of 2^31
+/// one-byte words on the copy engines (the table copies before each queued
+/// first), a copy of 2^32 words in two tables' rows, grids of one block per
+/// 2,048 words (256 threads of 8 words) clamped at 3 blocks a multiprocessor
+/// (396 on the recorder's 132), an empty batch that still records its
+/// event, and batches going round the eight copy streams.
 #[test]
 fn copy_batches_make_the_launches_and_engine_copies_cuda_made() {
     let (mem, rec) = memory();
@@ -119,26 +134,57 @@ fn copy_batches_make_the_launches_and_engine_copies_cuda_made() {
         MemOp::Copy2d { stream: 2, dst: 6 << 40, dst_pitch: 1 << 32, src: (3 << 40) + 1, src_pitch: 3 << 30, width: 1 << 31, height: 2 },
         launch(
             2,
-            4096,
+            396,
             &[[4 << 40, 5 << 40, 64, 1 << 25, 2048, 2048, 16], [(4 << 40) + (1 << 36), (5 << 40) + (1 << 36), 64, 1 << 25, 2048, 2048, 16]],
             &[0, 1 << 31, 1 << 32],
         ),
         MemOp::Record { stream: 2, fence: 2 },
     ];
-    let rows48: Vec<[i64; 7]> = (0..48).map(|i| [0x7000_0000 + i * 64, 0x8000_0000 + i * 64, 4, 1, 64, 64, 16]).collect();
-    let start48: Vec<i64> = (0..=48).map(|i| i * 4).collect();
-    want.push(launch(3, 1, &rows48, &start48));
-    want.push(launch(
-        3,
-        1,
-        &[[0x7000_0000 + 48 * 64, 0x8000_0000 + 48 * 64, 4, 1, 64, 64, 16], [0x7000_0000 + 49 * 64, 0x8000_0000 + 49 * 64, 4, 1, 64, 64, 16]],
-        &[0, 4, 8],
-    ));
+    let rows50: Vec<[i64; 7]> = (0..50).map(|i| [0x7000_0000 + i * 64, 0x8000_0000 + i * 64, 4, 1, 64, 64, 16]).collect();
+    let start50: Vec<i64> = (0..=50).map(|i| i * 4).collect();
+    want.push(launch(3, 1, &rows50, &start50));
     want.push(MemOp::Record { stream: 3, fence: 3 });
     for (stream, fence) in [(4, 4), (5, 5), (6, 6), (7, 7), (8, 8), (1, 9)] {
         want.push(MemOp::Record { stream, fence });
     }
     same_log(&rec.state().log, &want);
+}
+
+/// Tables split at their size: 50 disjoint copies are 48 and 2 on HIP's
+/// 4 KB table, 501 are 500 and 1 on CUDA's; a table of 4,096 words takes two
+/// blocks and one of 811,008 words (396 blocks of 2,048) exactly the clamp.
+#[test]
+fn tables_split_at_the_platforms_table_size() {
+    let rows = |n: i64, at: i64| -> Vec<[i64; 7]> { (at..at + n).map(|i| [0x7000_0000 + i * 64, 0x8000_0000 + i * 64, 4, 1, 64, 64, 16]).collect() };
+    let starts = |n: i64| -> Vec<i64> { (0..=n).map(|i| i * 4).collect() };
+    let batch = |n: u64| -> Vec<Copy2d> { (0..n).map(|i| row(0x7000_0000 + i * 64, 0x8000_0000 + i * 64, 64)).collect() };
+
+    let (hip, rec) = memory_on(Some(64 << 10));
+    // SAFETY: the recorder only logs these (loose).
+    unsafe { hip.copy(&batch(50)) }.unwrap();
+    let want = vec![
+        launch_of(TABLE_COPIES, 1, 1, &rows(48, 0), &starts(48)),
+        launch_of(TABLE_COPIES, 1, 1, &rows(2, 48), &starts(2)),
+        MemOp::Record { stream: 1, fence: 1 },
+    ];
+    same_log(&rec.state().log, &want);
+    assert_eq!(table(TABLE_COPIES, &[], &[]).len(), 3088);
+
+    let (cuda, rec) = memory();
+    // SAFETY: as above.
+    unsafe { cuda.copy(&batch(501)) }.unwrap();
+    let want = vec![launch(1, 1, &rows(500, 0), &starts(500)), launch(1, 1, &rows(1, 500), &starts(1)), MemOp::Record { stream: 1, fence: 1 }];
+    same_log(&rec.state().log, &want);
+    assert_eq!(table(WIDE_TABLE_COPIES, &[], &[]).len(), 32016);
+
+    let (cuda, rec) = memory();
+    let wide = |words: u64| Copy2d { src: 1 << 40, src_pitch: 16 * words, dst: 2 << 40, dst_pitch: 16 * words, width: 16 * words, height: 1 };
+    for words in [4096u64, 4097, 396 * 2048, 396 * 2048 + 1] {
+        // SAFETY: as above.
+        unsafe { cuda.copy(&[wide(words)]) }.unwrap();
+    }
+    let grids: Vec<u32> = rec.state().log.iter().filter_map(|o| if let MemOp::Launch { grid, .. } = o { Some(grid.0) } else { None }).collect();
+    assert_eq!(grids, [2, 3, 396, 396]);
 }
 
 /// A batch's ticket is done once its stream has run past its event, not
@@ -229,11 +275,41 @@ fn allocations_are_freed_once_and_handles_checked() {
     assert_eq!((st.allocs, st.frees), (2, 2));
 }
 
-/// The C layout of `struct hk_copy_table` in memcopy.hip, read from the
-/// source: each field's name, byte offset and element count (i64 or int).
-fn hk_copy_table() -> (usize, Vec<(String, usize, usize, usize)>) {
-    let src = crate::gpu::HIP_SOURCES.iter().find(|(n, _)| *n == "memcopy.hip").unwrap().1;
-    let copies: usize = src.lines().find_map(|l| l.trim().strip_prefix("#define CT_COPIES ")).unwrap().trim().parse().unwrap();
+/// memcopy.hip's source.
+fn memcopy_hip() -> &'static str {
+    crate::gpu::HIP_SOURCES.iter().find(|(n, _)| *n == "memcopy.hip").unwrap().1
+}
+
+/// The value of `#define NAME` in memcopy.hip as HIP (`__HIPCC__` defined)
+/// or NVRTC compiles it: the source's `#ifdef __HIPCC__ ... #else ...
+/// #endif` blocks followed by hand.
+fn define(name: &str, hip: bool) -> usize {
+    let mut taking = vec![true];
+    let mut found = None;
+    for l in memcopy_hip().lines().map(str::trim) {
+        if l == "#ifdef __HIPCC__" {
+            taking.push(hip);
+        } else if l == "#else" {
+            let t = taking.pop().unwrap();
+            taking.push(!t);
+        } else if l == "#endif" {
+            taking.pop();
+        } else if taking.iter().all(|t| *t)
+            && let Some(v) = l.strip_prefix(&format!("#define {name} "))
+        {
+            assert!(found.is_none(), "{name} defined twice for hip = {hip}");
+            found = Some(v.trim().parse().unwrap());
+        }
+    }
+    found.unwrap_or_else(|| panic!("{name} is not defined for hip = {hip}"))
+}
+
+/// The C layout of `struct hk_copy_table` in memcopy.hip for a platform,
+/// read from the source: its size and each field's name, byte offset,
+/// element size and count (i64 or int).
+fn hk_copy_table(hip: bool) -> (usize, Vec<(String, usize, usize, usize)>) {
+    let src = memcopy_hip();
+    let copies = define("CT_COPIES", hip);
     let body = &src[src.find("struct hk_copy_table {").unwrap()..];
     let body = &body[body.find('{').unwrap() + 1..body.find("};").unwrap()];
     let (mut off, mut align, mut fields) = (0usize, 1usize, Vec::new());
@@ -262,31 +338,205 @@ fn hk_copy_table() -> (usize, Vec<(String, usize, usize, usize)>) {
     (off.next_multiple_of(align), fields)
 }
 
-/// The table `copy_table` is launched with has hk_copy_table's size, and each
-/// field of the source's struct holds, at its offset, what the copies say.
+/// The table `copy_table` is launched with has hk_copy_table's size on each
+/// platform (HIP's within 4 KB, CUDA's within CUDA 12.1's 32,764 bytes), and
+/// each field of the source's struct holds, at its offset, what the copies
+/// say; the kernel's words a turn are the host's.
 #[test]
 fn the_table_argument_is_hk_copy_table_byte_for_byte() {
-    let (size, fields) = hk_copy_table();
-    let names: Vec<&str> = fields.iter().map(|f| f.0.as_str()).collect();
-    assert_eq!(names, ["c", "start", "n", "pad"]);
-    assert_eq!((size, std::mem::size_of::<CopyTable>()), (3088, 3088));
-    assert_eq!(fields[0].3, TABLE_COPIES * 7, "CT_COPIES is TABLE_COPIES");
-    let copies = [Copy2d { src: 0x1000, src_pitch: 64, dst: 0x9000, dst_pitch: 128, width: 48, height: 3 }, row(0x5001, 0x6000, 5)];
-    let (t, words) = CopyTable::of(&copies);
-    assert_eq!(words, 3 * 3 + 5);
-    let bytes = t.bytes();
-    assert_eq!(bytes.len(), size);
-    let at = |name: &str, i: usize| -> i64 {
-        let (_, off, sz, n) = fields.iter().find(|f| f.0 == name).unwrap();
-        assert!(i < *n);
-        let b = &bytes[off + i * sz..][..*sz];
-        if *sz == 8 { i64::from_le_bytes(b.try_into().unwrap()) } else { i32::from_le_bytes(b.try_into().unwrap()) as i64 }
-    };
-    let c: Vec<i64> = (0..14).map(|k| at("c", k)).collect();
-    assert_eq!(c, [0x1000, 0x9000, 3, 3, 64, 128, 16, 0x5001, 0x6000, 5, 1, 5, 5, 1]);
-    assert_eq!((at("start", 0), at("start", 1), at("start", 2)), (0, 9, 14));
-    assert_eq!((at("n", 0), at("pad", 0)), (2, 0));
-    assert!((14..TABLE_COPIES * 7).all(|k| at("c", k) == 0));
+    assert_eq!(define("CT_UNROLL", true), COPY_UNROLL as usize);
+    assert_eq!(define("CT_UNROLL", false), COPY_UNROLL as usize);
+    for (hip, cap, size, limit) in [(true, TABLE_COPIES, 3088, 4096), (false, WIDE_TABLE_COPIES, 32016, 32764)] {
+        let (got_size, fields) = hk_copy_table(hip);
+        let names: Vec<&str> = fields.iter().map(|f| f.0.as_str()).collect();
+        assert_eq!(names, ["c", "start", "n", "pad"]);
+        assert_eq!((got_size, CopyTable::size(cap)), (size, size), "hip = {hip}");
+        assert!(size <= limit, "hip = {hip}: {size} bytes of kernel arguments");
+        assert_eq!(fields[0].3, cap * 7, "CT_COPIES is the platform's table size (hip = {hip})");
+        let copies = [Copy2d { src: 0x1000, src_pitch: 64, dst: 0x9000, dst_pitch: 128, width: 48, height: 3 }, row(0x5001, 0x6000, 5)];
+        let (t, words) = CopyTable::of(&copies, cap);
+        assert_eq!(words, 3 * 3 + 5);
+        let bytes = t.bytes();
+        assert_eq!(bytes.len(), size);
+        let at = |name: &str, i: usize| -> i64 {
+            let (_, off, sz, n) = fields.iter().find(|f| f.0 == name).unwrap();
+            assert!(i < *n);
+            let b = &bytes[off + i * sz..][..*sz];
+            if *sz == 8 { i64::from_le_bytes(b.try_into().unwrap()) } else { i32::from_le_bytes(b.try_into().unwrap()) as i64 }
+        };
+        let c: Vec<i64> = (0..14).map(|k| at("c", k)).collect();
+        assert_eq!(c, [0x1000, 0x9000, 3, 3, 64, 128, 16, 0x5001, 0x6000, 5, 1, 5, 5, 1]);
+        assert_eq!((at("start", 0), at("start", 1), at("start", 2)), (0, 9, 14));
+        assert!((3..=cap).all(|j| at("start", j) == 0));
+        assert_eq!((at("n", 0), at("pad", 0)), (2, 0));
+        assert!((14..cap * 7).all(|k| at("c", k) == 0));
+    }
     let sig = crate::gpu::step_gpu::tests::signature(&crate::gpu::device_program(), "copy_table").unwrap();
     assert_eq!(sig, [Kind::S], "copy_table takes the table alone, by value");
+}
+
+/// One launch's table as `copy_table` reads it: its copies (src, dst, words
+/// per row, height, src pitch, dst pitch, word bytes) and starts.
+fn parse_table(head: &[u8]) -> (Vec<[i64; 7]>, Vec<i64>) {
+    let cap = (head.len() - 16) / 64;
+    let word = |at: usize| i64::from_le_bytes(head[at..at + 8].try_into().unwrap());
+    let n = i32::from_le_bytes(head[64 * cap + 8..][..4].try_into().unwrap()) as usize;
+    assert!(n <= cap);
+    let c = (0..n).map(|i| std::array::from_fn(|k| word(i * 56 + k * 8))).collect();
+    let start = (0..=n).map(|j| word(56 * cap + j * 8)).collect();
+    (c, start)
+}
+
+/// What `copy_table` loads and stores for one launch, thread by thread, with
+/// the index math of memcopy.hip (32-bit row division, CT_UNROLL words a
+/// turn, a grid-stride loop): every thread's loads read `mem` as it was
+/// before the launch (as if every thread loaded before any stored: the
+/// harshest order the device may choose within a table), and the stores
+/// come back as (address, bytes), each thread's in its order.
+fn kernel_stores(head: &[u8], grid: u32, block: u32, mem: &[u8]) -> Vec<(u64, Vec<u8>)> {
+    let (c, start) = parse_table(head);
+    let n = c.len();
+    let threads = grid as i64 * block as i64;
+    let words = start[n];
+    let unroll = COPY_UNROLL as i64;
+    let mut stores = Vec::new();
+    for tid in 0..threads {
+        let mut ci = 0usize;
+        let mut g0 = tid;
+        while g0 < words {
+            for k in 0..unroll {
+                let g = g0 + k * threads;
+                if g >= words {
+                    continue;
+                }
+                while g >= start[ci + 1] {
+                    ci += 1;
+                }
+                let t = &c[ci];
+                let per_row = t[2] as u32;
+                let local = (g - start[ci]) as u32;
+                let row = local / per_row;
+                let col = local - row * per_row;
+                let b = t[6];
+                assert!(matches!(b, 1 | 4 | 16), "a word of {b} bytes");
+                let src = t[0] + row as i64 * t[4] + col as i64 * b;
+                let dst = t[1] + row as i64 * t[5] + col as i64 * b;
+                assert!(src % b == 0 && dst % b == 0, "a {b}-byte word at {src:#x} -> {dst:#x}: the device faults on it");
+                stores.push((dst as u64, mem[src as usize..(src + b) as usize].to_vec()));
+            }
+            g0 += threads * unroll;
+        }
+    }
+    stores
+}
+
+/// Bytes of `copies`' destination (or source) rows, each once.
+fn rows_of(c: &[i64; 7], dst: bool) -> impl Iterator<Item = u64> {
+    let (base, pitch) = if dst { (c[1], c[5]) } else { (c[0], c[4]) };
+    let width = c[2] * c[6];
+    (0..c[3]).flat_map(move |r| (0..width).map(move |x| (base + r * pitch + x) as u64))
+}
+
+/// Runs a recorder's log of table launches on `mem` with [`kernel_stores`]
+/// at `grid` (None: the grid the launch was given), checking each launch:
+/// every destination byte of each of its copies is stored exactly once,
+/// nothing else is stored, and every load reads a source row of the table.
+/// Stores go to memory in reverse order, so that copies wrongly put in one
+/// table (one writing what another reads or writes) come out different from
+/// running them in order.
+fn run_log(log: &[MemOp], mem: &mut [u8], grid: Option<(u32, u32)>) {
+    for op in log {
+        let MemOp::Launch { f: "copy_table", grid: (gx, 1, 1), block, head: Some(head), .. } = op else {
+            assert!(matches!(op, MemOp::Record { .. }), "only table launches in these batches: {op:?}");
+            continue;
+        };
+        let (gx, block) = grid.unwrap_or((*gx, *block));
+        let (table, _) = parse_table(head);
+        let stores = kernel_stores(head, gx, block, mem);
+        let mut count: BTreeMap<u64, u32> = BTreeMap::new();
+        for (at, bytes) in &stores {
+            for b in 0..bytes.len() as u64 {
+                *count.entry(at + b).or_default() += 1;
+            }
+        }
+        let want: BTreeSet<u64> = table.iter().flat_map(|c| rows_of(c, true)).collect();
+        if let Some((at, n)) = count.iter().find(|(_, n)| **n != 1) {
+            panic!("byte {at:#x} stored {n} times by one launch (grid {gx}, block {block}): {table:?}");
+        }
+        let got: BTreeSet<u64> = count.keys().copied().collect();
+        if got != want {
+            let missing = want.difference(&got).next();
+            let extra = got.difference(&want).next();
+            panic!("the launch (grid {gx}, block {block}) stores {} bytes for {} destination bytes; first missing {missing:?}, first extra {extra:?}: {table:?}", got.len(), want.len());
+        }
+        for (at, bytes) in stores.iter().rev() {
+            mem[*at as usize..*at as usize + bytes.len()].copy_from_slice(bytes);
+        }
+    }
+}
+
+/// Every byte of every copy is moved exactly once and batches equal their
+/// copies run one after another, over random batches on CUDA's and HIP's
+/// tables: rows of 1 to 300 bytes (words of 16, 4 and 1 bytes from the
+/// addresses', pitches' and widths' alignment; the emulation refuses a word
+/// the device would fault on), pitches wider than rows and less aligned,
+/// and copies that read what an earlier one writes or write over it (they
+/// must land in later tables). Each launch is run with its own grid and
+/// with grids of one to three blocks of 256 and 7 of 32 threads, so that
+/// threads take many turns of the grid-stride loop and turns straddle copies.
+#[test]
+fn table_launches_move_every_byte_once_and_keep_batch_order() {
+    const MEM: usize = 1 << 16;
+    let mut seed = 5u64;
+    let mut next_u = |n: u64| {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (seed >> 33) % n
+    };
+    let mut tables = 0;
+    for round in 0..60 {
+        let lds = if round % 2 == 0 { None } else { Some(64 << 10) };
+        let n = if round % 5 == 0 { 1 + next_u(120) } else { 1 + next_u(12) };
+        let mut copies = Vec::new();
+        for _ in 0..n {
+            let align = [16u64, 4, 1][next_u(3) as usize];
+            let width = (1 + next_u(300 / align)) * align;
+            let height = 1 + next_u(6);
+            // Mostly as aligned as the rows; one pitch in four only to 4 bytes.
+            let pitch = |n: &mut dyn FnMut(u64) -> u64| width + n(3) * if n(4) == 0 { 4 } else { align * 4 };
+            let (src_pitch, dst_pitch) = (pitch(&mut next_u), pitch(&mut next_u));
+            let span = |p: u64| (height - 1) * p + width;
+            // Sources mostly in the low half, destinations in the high
+            // half; one copy in six reads from the high half instead.
+            let src_half = if next_u(6) == 0 { MEM as u64 / 2 } else { 0 };
+            let src = src_half + next_u((MEM as u64 / 2 - span(src_pitch)) / align) * align;
+            let dst = MEM as u64 / 2 + next_u((MEM as u64 / 2 - span(dst_pitch)) / align) * align;
+            let c = Copy2d { src, src_pitch, dst, dst_pitch, width, height };
+            let (s, d) = ((src, src + span(src_pitch)), (dst, dst + span(dst_pitch)));
+            if s.0 < d.1 && d.0 < s.1 {
+                continue; // a copy onto itself has no order to keep
+            }
+            copies.push(c);
+        }
+        let mut reference: Vec<u8> = (0..MEM).map(|i| (i * 7 + i / 251) as u8).collect();
+        let init = reference.clone();
+        for c in &copies {
+            for r in 0..c.height {
+                let (s, d) = ((c.src + r * c.src_pitch) as usize, (c.dst + r * c.dst_pitch) as usize);
+                reference.copy_within(s..s + c.width as usize, d);
+            }
+        }
+        let (mem, rec) = memory_on(lds);
+        // SAFETY: the recorder only logs these (loose).
+        unsafe { mem.copy(&copies) }.unwrap();
+        let log = rec.state().log.clone();
+        tables += log.iter().filter(|o| matches!(o, MemOp::Launch { .. })).count();
+        for grid in [None, Some((1, 256)), Some((2, 256)), Some((3, 256)), Some((7, 32))] {
+            let mut got = init.clone();
+            run_log(&log, &mut got, grid);
+            if let Some(at) = got.iter().zip(&reference).position(|(a, b)| a != b) {
+                panic!("round {round}, grid {grid:?}: byte {at:#x} is {}, want {} (copies {copies:?})", got[at], reference[at]);
+            }
+        }
+    }
+    assert!(tables > 120, "the batches take several tables each: {tables}");
 }

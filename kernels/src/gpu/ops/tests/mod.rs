@@ -373,6 +373,10 @@ impl MemoryDriver for Recorder {
     fn ordinal(&self) -> usize {
         0
     }
+    /// CUDA's wide table, HIP's (a recorder with an `lds` limit) 4 KB one.
+    fn table_copies(&self) -> usize {
+        if self.lds.is_some() { crate::region::TABLE_COPIES } else { crate::region::WIDE_TABLE_COPIES }
+    }
     fn with_new_stream(&self) -> std::result::Result<Self, DriverFault> {
         let mut st = self.state();
         let stream = st.streams;
