@@ -237,11 +237,10 @@ fn macro_body(program: &str, name: &str) -> Option<String> {
     Some(body.replace('\\', " "))
 }
 
-/// The parameter kinds of `extern "C" __global__` kernel `name` in the
-/// program NVRTC compiles (the prelude and every source), None where no such
-/// kernel is declared. A parameter list that is one macro (ST_MM_ARGS) is
-/// expanded.
-pub(crate) fn signature(program: &str, name: &str) -> Option<Vec<Kind>> {
+/// Where the parameter list of `extern "C" __global__` kernel `name` opens
+/// and closes in `program` (just inside the parentheses), None where no such
+/// kernel is declared.
+fn param_list(program: &str, name: &str) -> Option<(usize, usize)> {
     let needle = format!(" {name}(");
     let at = program.match_indices(&needle).map(|(i, _)| i).find(|&i| {
         let decl = &program[program[..i].rfind("extern \"C\" __global__").unwrap_or(0)..i];
@@ -258,6 +257,15 @@ pub(crate) fn signature(program: &str, name: &str) -> Option<Vec<Kind>> {
             };
             depth == 0
         })?;
+    Some((open, close))
+}
+
+/// The parameter kinds of `extern "C" __global__` kernel `name` in the
+/// program NVRTC compiles (the prelude and every source), None where no such
+/// kernel is declared. A parameter list that is one macro (ST_MM_ARGS) is
+/// expanded.
+pub(crate) fn signature(program: &str, name: &str) -> Option<Vec<Kind>> {
+    let (open, close) = param_list(program, name)?;
     // Line comments inside a parameter list (conv.hip's `// [T, C]`) are not parameters.
     let mut params = program[open..close].lines().map(|l| l.split("//").next().unwrap_or("")).collect::<Vec<_>>().join("\n");
     let word = params.trim();
@@ -352,22 +360,7 @@ fn the_signature_parser_reads_the_sources() {
 /// The text of kernel `name`'s body from its opening brace on, None where no
 /// such kernel is defined.
 fn kernel_body<'a>(program: &'a str, name: &str) -> Option<&'a str> {
-    let needle = format!(" {name}(");
-    let at = program.match_indices(&needle).map(|(i, _)| i).find(|&i| {
-        let decl = &program[program[..i].rfind("extern \"C\" __global__").unwrap_or(0)..i];
-        decl.starts_with("extern \"C\" __global__") && !decl.contains([';', '{', '}'])
-    })?;
-    let open = at + needle.len();
-    let mut depth = 1;
-    let close = open
-        + program[open..].find(|c: char| {
-            depth += match c {
-                '(' => 1,
-                ')' => -1,
-                _ => 0,
-            };
-            depth == 0
-        })?;
+    let (_, close) = param_list(program, name)?;
     let brace = close + program[close..].find('{')?;
     Some(&program[brace + 1..])
 }
