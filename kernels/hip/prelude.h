@@ -77,9 +77,12 @@ typedef unsigned short hk_f16;
 // program (NVRTC compiles all sources as one unit, and two `extern __shared__`
 // arrays of one name and different types would conflict). double gives 8-byte
 // alignment; kernels cast.
+// (tools/kernel_emu defines its own first.)
+#ifndef HK_DYN_SMEM
 #define HK_DYN_SMEM(type, name)                  \
     extern __shared__ double hk_dyn_smem[];      \
     type* name = (type*)hk_dyn_smem
+#endif
 
 // ---- scalar math, in the operation order of the CPU reference -------------
 
@@ -378,6 +381,54 @@ static __device__ __forceinline__ void st_pack(
     const unsigned short hi = hk_f32_to_bf16(x);
     a[at] = hi;
     if (planes > 1) a[plane + at] = hk_f32_to_bf16(x - hk_bf16_to_f32(hi));
+}
+
+// ---- the step's RMSNorm (st_rms_pack, st_reduce_rms) ----------------------------
+
+// Fixed-order mean square of one row (hk_block_sum's order).
+static __device__ float st_inv_rms(const float* x, int dim, float eps, float* red) {
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) ss += x[c] * x[c];
+    const float ms = hk_block_sum(ss, red) / (float)dim;
+    return 1.0f / sqrtf(ms + eps);
+}
+
+// RMSNorm of row b of h, written as the A operand of the next product (akt
+// k tiles: dim padded to whole k-steps). A row of up to ST_RMS_V x 256
+// values is read once into registers, every load issued before the first
+// use: the strided loop (load, add, next) waited on each load in turn, twice
+// a row, and took 8.5 us a launch for one row of 2048 on the H200. The sums
+// are st_inv_rms's, in its order. Launch: grid (rows); block 256.
+#define ST_RMS_V 16
+// The body of st_rms_pack for row b, called by every thread of a block of
+// blockDim.x threads (st_reduce_rms runs it after its sums).
+static __device__ __forceinline__ void st_rms_pack_row(
+    const float* __restrict__ h, const float* __restrict__ w,
+    unsigned short* __restrict__ a, hk_i64 a_plane, int planes, int dim, int akt, float eps, int b, float* red)
+{
+    const float* x = h + (hk_i64)b * dim;
+    if (dim > ST_RMS_V * (int)blockDim.x) {
+        const float r = st_inv_rms(x, dim, eps, red);
+        for (int c = threadIdx.x; c < dim; c += blockDim.x) st_pack(a, a_plane, planes, b, c, akt, x[c] * r * w[c]);
+        return;
+    }
+    float v[ST_RMS_V], g[ST_RMS_V];
+#pragma unroll
+    for (int i = 0; i < ST_RMS_V; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+        v[i] = c < dim ? x[c] : 0.0f;
+        g[i] = c < dim ? w[c] : 0.0f;
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < ST_RMS_V; ++i)
+        if (threadIdx.x + i * blockDim.x < dim) ss += v[i] * v[i];
+    const float r = 1.0f / sqrtf(hk_block_sum(ss, red) / (float)dim + eps);
+#pragma unroll
+    for (int i = 0; i < ST_RMS_V; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+        if (c < dim) st_pack(a, a_plane, planes, b, c, akt, v[i] * r * g[i]);
+    }
 }
 
 // ---- region values --------------------------------------------------------------

@@ -31,51 +31,15 @@ extern "C" __global__ void st_embed(
     for (int c = threadIdx.x; c < dim; c += blockDim.x) h[(hk_i64)b * dim + c] = table[(hk_i64)id * dim + c];
 }
 
-// Fixed-order mean square of one row (the block sum of the prelude).
-static __device__ float st_inv_rms(const float* x, int dim, float eps, float* red) {
-    float ss = 0.0f;
-    for (int c = threadIdx.x; c < dim; c += blockDim.x) ss += x[c] * x[c];
-    const float ms = hk_block_sum(ss, red) / (float)dim;
-    return 1.0f / sqrtf(ms + eps);
-}
-
-// RMSNorm of row b of h, written as the A operand of the next product (akt
-// k tiles: dim padded to whole k-steps). A row of up to ST_RMS_V x 256
-// values is read once into registers, every load issued before the first
-// use: the strided loop (load, add, next) waited on each load in turn, twice
-// a row, and took 8.5 us a launch for one row of 2048 on the H200. The sums
-// are st_inv_rms's, in its order. Launch: grid (rows); block 256.
-#define ST_RMS_V 16
+// st_rms_pack_row and st_inv_rms are in prelude.h (st_reduce_rms in
+// step_mm.hip runs the norm too, and HIP compiles each source alone).
 extern "C" __global__ void st_rms_pack(
     const float* __restrict__ h, const float* __restrict__ w,
     unsigned short* __restrict__ a, hk_i64 a_plane, int planes, int dim, int akt, float eps)
 {
     HK_GRID_DEP();
     __shared__ float red[32];
-    const int b = blockIdx.x;
-    const float* x = h + (hk_i64)b * dim;
-    if (dim > ST_RMS_V * (int)blockDim.x) {
-        const float r = st_inv_rms(x, dim, eps, red);
-        for (int c = threadIdx.x; c < dim; c += blockDim.x) st_pack(a, a_plane, planes, b, c, akt, x[c] * r * w[c]);
-        return;
-    }
-    float v[ST_RMS_V], g[ST_RMS_V];
-#pragma unroll
-    for (int i = 0; i < ST_RMS_V; ++i) {
-        const int c = threadIdx.x + i * blockDim.x;
-        v[i] = c < dim ? x[c] : 0.0f;
-        g[i] = c < dim ? w[c] : 0.0f;
-    }
-    float ss = 0.0f;
-#pragma unroll
-    for (int i = 0; i < ST_RMS_V; ++i)
-        if (threadIdx.x + i * blockDim.x < dim) ss += v[i] * v[i];
-    const float r = 1.0f / sqrtf(hk_block_sum(ss, red) / (float)dim + eps);
-#pragma unroll
-    for (int i = 0; i < ST_RMS_V; ++i) {
-        const int c = threadIdx.x + i * blockDim.x;
-        if (c < dim) st_pack(a, a_plane, planes, b, c, akt, v[i] * r * g[i]);
-    }
+    st_rms_pack_row(h, w, a, a_plane, planes, dim, akt, eps, blockIdx.x, red);
 }
 
 // KDA's gated output norm of (row b, head h): rms(o) * w * silu(gate), as the

@@ -459,6 +459,37 @@ extern "C" __global__ void st_reduce(
     }
 }
 
+// st_reduce's residual add (mode 1) for one row, then st_rms_pack of that
+// row: the two launches that follow a product into the residual stream with
+// more than 16 rows (o_proj, down), as one. Block b adds the segment sums of
+// row b into h in st_reduce's order and, after a barrier (the row's new
+// values, written by this block, are then seen by all its threads), packs
+// the row's RMSNorm as st_rms_pack does: the same bits as the two kernels.
+// Launch: grid (rows); block 256.
+extern "C" __global__ void st_reduce_rms(
+    const float* __restrict__ part, hk_i64 part_seg, int ldp, int ncols, int S,
+    float* __restrict__ h, const float* __restrict__ w,
+    unsigned short* __restrict__ a, hk_i64 a_plane, int planes, int akt, float eps)
+{
+    HK_GRID_DEP();
+    __shared__ float red[32];
+    const int r = blockIdx.x;
+    const StEpi e{1, h, ncols, 0, 0, 0, 1, 1, 1};
+    for (int n = 4 * threadIdx.x; n < ncols; n += 4 * blockDim.x) {
+        if (n + 4 > ncols) {
+            for (int i = 0; n + i < ncols; ++i) st_finish(part, part_seg, ldp, S, r, n + i, 0, e);
+            continue;
+        }
+        const float4 v4 = st_seg_sum4(part + (hk_i64)r * ldp + n, part_seg, S);
+        const float v[4] = {v4.x, v4.y, v4.z, v4.w};
+        float* o = h + (hk_i64)r * ncols + n;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[i] = o[i] + v[i];
+    }
+    __syncthreads();
+    st_rms_pack_row(h, w, a, a_plane, planes, ncols, akt, eps, r, red);
+}
+
 #define ST_MM_ARGS                                                                                               \
     const uint4 *__restrict__ A, hk_i64 a_plane, hk_i64 a_group, const uint4 *__restrict__ W, hk_i64 w_plane,  \
         hk_i64 w_group, float *__restrict__ part, hk_i64 part_seg, hk_i64 part_group, int ldp,                  \

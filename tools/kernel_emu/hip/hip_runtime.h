@@ -21,7 +21,16 @@ static inline float4 make_float4(float a, float b, float c, float d) { return {a
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#ifdef HK_EMU_STATIC_SHARED
+// Blocks run one at a time: a static array is the block's shared one, and
+// the dynamic shared memory is one array of emu.cpp's (for kernels with
+// static __shared__ arrays; needs a prelude that leaves HK_DYN_SMEM to us).
+#define __shared__ static
+extern double hk_dyn_smem[];
+#define HK_DYN_SMEM(type, name) type* name = (type*)hk_dyn_smem
+#else
 #define __shared__
+#endif
 #define __launch_bounds__(...)
 #define __restrict__
 void __syncthreads();
@@ -37,3 +46,8 @@ static inline int __float_as_int(float f) { int i; memcpy(&i, &f, 4); return i; 
 static inline double __longlong_as_double(long long i) { double f; memcpy(&f, &i, 8); return f; }
 static inline long long __double_as_longlong(double f) { long long i; memcpy(&i, &f, 8); return i; }
 #include <math.h>
+// For step_mm.hip (st_mm_few's counters and its partials' stores).
+static inline float2 make_float2(float a, float b) { return {a, b}; }
+static inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+static inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+static inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }

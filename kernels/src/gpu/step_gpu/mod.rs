@@ -39,9 +39,10 @@ pub(crate) use matmul::tc_matmul;
 /// resolves all of them when it opens, so a missing one is a refusal at start.
 /// (CUDA resolves them as the step is built, from the program it compiled.)
 #[cfg_attr(not(any(feature = "hip", test)), allow(dead_code))]
-pub(crate) const STEP_KERNELS: [&str; 16] = [
+pub(crate) const STEP_KERNELS: [&str; 17] = [
     "st_embed",
     "st_rms_pack",
+    "st_reduce_rms",
     "st_gnorm_pack",
     "st_argmax",
     "st_conv",
@@ -62,6 +63,7 @@ struct Funcs<F> {
     mm: MmFuncs<F>,
     embed: F,
     rms_pack: F,
+    reduce_rms: F,
     gnorm_pack: F,
     argmax: F,
     conv: F,
@@ -165,6 +167,7 @@ impl<D: Driver> GpuStep<D> {
             mm: MmFuncs::load(&drv)?,
             embed: get("st_embed")?,
             rms_pack: get("st_rms_pack")?,
+            reduce_rms: get("st_reduce_rms")?,
             gnorm_pack: get("st_gnorm_pack")?,
             argmax: get("st_argmax")?,
             conv: get("st_conv")?,
@@ -433,6 +436,20 @@ impl<D: Driver> GpuStep<D> {
                 list.extend(f.mm.launches(name, bp, w.nt, w.segments, w.groups, terms, args));
             };
             let rms_pack = |list: &mut Vec<Launch<D::Func>>, w: u64, a: u64| {
+                // After a product into the residual (o_proj, down) whose
+                // segments st_reduce adds (more than 16 rows): that sum and
+                // this norm as one launch, st_reduce_rms (the same bits).
+                if let Some(last) = list.last().filter(|l| l.name == "st_reduce") {
+                    // st_reduce's arguments (launches.rs): part, part_seg,
+                    // part_group, ldp, M, ncols, S, G, mode, out, ldo, ...
+                    let r = &last.args;
+                    if r[7] == Arg::I(1) && r[8] == Arg::I(1) && r[9] == Arg::P(h_buf) && r[10] == Arg::I(d as i32) && r[5] == Arg::I(d as i32) {
+                        let args = vec![r[0], r[1], r[3], r[5], r[6], Arg::P(h_buf), Arg::P(w), Arg::P(a), Arg::L((mp * dkt * 16) as i64), Arg::I(planes_a as i32), Arg::I(dkt as i32), Arg::F(eps)];
+                        list.pop();
+                        list.push(Launch { f: f.reduce_rms, name: "st_reduce_rms", grid: (bp as u32, 1, 1), block: 256, smem: 0, args });
+                        return;
+                    }
+                }
                 list.push(Launch {
                     f: f.rms_pack,
                     name: "st_rms_pack",

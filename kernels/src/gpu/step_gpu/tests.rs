@@ -407,6 +407,33 @@ fn the_step_launches_each_kernel_after_the_first_as_a_dependent() {
     assert!(got.iter().all(|g| !g.1), "off: plain stream order");
 }
 
+/// Where more than 16 rows make a product into the residual write partials,
+/// their sum and the next RMSNorm go as one st_reduce_rms right after the
+/// product; no residual st_reduce is left followed by an st_rms_pack (the
+/// two the fused kernel replaces), and with 16 rows or fewer st_mm_few sums
+/// its own segments and st_rms_pack follows it.
+#[test]
+fn the_residual_sum_and_the_next_norm_are_one_launch_past_16_rows() {
+    for (si, spec) in specs().iter().enumerate() {
+        let step = GpuStep::new(Recorder::default(), spec).unwrap();
+        for (bp, list) in &step.lists {
+            let names: Vec<&str> = list.iter().map(|l| l.f).collect();
+            let fused = names.iter().filter(|n| **n == "st_reduce_rms").count();
+            if *bp > 16 {
+                assert!(fused > 0, "spec {si}, bucket {bp}: no fused launch in {names:?}");
+            } else {
+                assert_eq!(fused, 0, "spec {si}, bucket {bp}: st_mm_few sums its own segments");
+            }
+            for w in names.windows(2) {
+                assert!(!(w[0] == "st_reduce" && w[1] == "st_rms_pack"), "spec {si}, bucket {bp}: a sum and a norm left apart in {names:?}");
+                if w[1] == "st_reduce_rms" {
+                    assert!(w[0].starts_with("st_mm"), "spec {si}, bucket {bp}: st_reduce_rms after {}", w[0]);
+                }
+            }
+        }
+    }
+}
+
 /// Symbol names of the ELF64 objects in a clang offload bundle (the hipcc
 /// code objects of build.rs), from their .symtab and .dynsym sections.
 #[cfg(feature = "hip")]
