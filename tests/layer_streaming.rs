@@ -24,7 +24,7 @@ use handoff_components::Topology;
 use handoff_components::ecs::{EngineEvent, Inputs, Submit};
 use handoff_components::layout::{ConsumerLayout, ProducerLayout, RegionLayout};
 use handoff_components::plan::Plan;
-use handoff_components::vocab::{DecodeRank, ModuleLayer, PrefillRank, RankId, RegionKind};
+use handoff_components::vocab::{DecodeRank, LayerMark, ModuleLayer, PrefillRank, RankId, RegionKind};
 use handoff_kernels::CpuBackend;
 use handoff_systems::dispatch::{Compute, ComputeError, DecodeItem, DecodeOutput, LayerHook, PrefillJob, PrefillOutput};
 use handoff_systems::placement::{Capacity, blocks_for, owned_tokens, place_rank};
@@ -209,12 +209,13 @@ impl Compute for Watching {
     }
     fn prefill_streamed(&mut self, jobs: Vec<PrefillJob<'_>>, on_layer: &mut LayerHook<'_>) -> Vec<Result<PrefillOutput, ComputeError>> {
         let (queue, seen) = (self.queue.clone(), Arc::clone(&self.seen));
-        let mut hook = |layer: ModuleLayer| {
+        let takes_marks = on_layer.takes_marks;
+        let mut hook = |layer: ModuleLayer, mark: Option<LayerMark>| {
             let held = queue.inner.lock().unwrap().submitted.len();
             seen.lock().unwrap().push((layer, held));
-            on_layer(layer);
+            on_layer.layer_done(layer, mark);
         };
-        self.inner.prefill_streamed(jobs, &mut hook)
+        self.inner.prefill_streamed(jobs, &mut LayerHook { takes_marks, on_layer: &mut hook })
     }
     fn decode(&mut self, batch: &[DecodeItem<'_>]) -> Result<DecodeOutput, ComputeError> {
         self.inner.decode(batch)

@@ -8,6 +8,14 @@ use std::fmt;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct ModuleLayer(pub u32);
 
+/// A layer mark: the device event a prefill stage recorded on its compute
+/// stream once a layer's caches were queued into its source regions, by its
+/// id (`handoff_kernels::StreamMark`; plain data, so that it rides with that
+/// layer's writes through the phases). A mover whose writes are device copies
+/// makes them wait on it on the device, so the host never waits for a layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LayerMark(pub u64);
+
 impl fmt::Display for ModuleLayer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "layer {}", self.0)

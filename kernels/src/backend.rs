@@ -38,6 +38,18 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
+    /// Records a layer mark on the backend's queue, after every op queued so
+    /// far: a prefill stage marks each layer once its caches are queued into
+    /// the source regions, and the device transport's copies of that layer
+    /// wait on the mark on the device ([`crate::DeviceMemory::copy_after`]),
+    /// so the host never waits for a layer. `None` where there is nothing to
+    /// mark with (the CPU, whose ops have finished when they return; a device
+    /// backend without marks): the caller then waits with
+    /// [`Backend::synchronize`] if it must.
+    fn mark_layer(&self) -> Result<Option<crate::region::StreamMark>> {
+        Ok(None)
+    }
+
     // ---- buffers ---------------------------------------------------------
 
     /// A zeroed f32 buffer of `len` elements.

@@ -65,6 +65,13 @@ impl RegionItems<'_> {
     }
 }
 
+/// A layer mark: an event a backend recorded on its stream after a layer's
+/// work ([`crate::Backend::mark_layer`]), by its id (process-wide, never
+/// reused). Plain data, so that it can ride along with the copies of that
+/// layer through the engine's phases to [`DeviceMemory::copy_after`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamMark(pub u64);
+
 /// One strided device-to-device copy: `height` rows of `width` bytes, row r
 /// from `src + r * src_pitch` to `dst + r * dst_pitch` (a 2D copy; a single row
 /// is a plain copy). Addresses are device addresses of one device.
@@ -280,6 +287,22 @@ pub trait DeviceMemory: Send + Sync {
     /// # Safety
     /// Every range lies inside a live allocation of this device (or one opened here).
     unsafe fn copy(&self, copies: &[Copy2d]) -> Result<CopyTicket>;
+    /// [`DeviceMemory::copy`], started on the device only once the work before
+    /// each of `after` has run: marks a backend recorded on its stream
+    /// ([`crate::Backend::mark_layer`]), waited on by the batch's copy stream
+    /// (`cuStreamWaitEvent`, `hipStreamWaitEvent`), never by the host. With
+    /// no mark it is `copy`; the default refuses marks (memory whose copies
+    /// cannot wait on a backend's stream).
+    ///
+    /// # Safety
+    /// As [`DeviceMemory::copy`].
+    unsafe fn copy_after(&self, copies: &[Copy2d], after: &[StreamMark]) -> Result<CopyTicket> {
+        if after.is_empty() {
+            // SAFETY: the caller's contract.
+            return unsafe { self.copy(copies) };
+        }
+        Err(KernelError::Unsupported { op: "copy_after", backend: self.label(), reason: "its copies cannot wait on a backend's layer marks".into() })
+    }
     /// Whether every copy of `ticket` has completed (an event query). A
     /// ticket that reported `true` is forgotten: asking again is an error.
     fn done(&self, ticket: CopyTicket) -> Result<bool>;

@@ -12,8 +12,8 @@ use crate::model::{Model, ModelError};
 use crate::transport::{RegionHandle, Transport};
 use handoff_components::Topology;
 use handoff_components::ecs::Lease;
-use handoff_components::vocab::{ModuleLayer, PrefillRank, RankId, RegionKind};
-use handoff_kernels::Backend;
+use handoff_components::vocab::{LayerMark, ModuleLayer, PrefillRank, RankId, RegionKind};
+use handoff_kernels::{Backend, StreamMark};
 use handoff_kernels::step::DecodeStep;
 use handoff_systems::dispatch::{Compute, ComputeError, DecodeItem, DecodeOutput, LayerHook, PrefillJob, PrefillOutput};
 use std::collections::BTreeMap;
@@ -105,10 +105,10 @@ impl<B: Backend> ModelCompute<B> {
     /// device when the regions live there), and the only host traffic is the
     /// hidden states for the next stage or the first tokens.
     ///
-    /// With `on_layer` (layer-wise streaming), each layer's caches are made to
-    /// land before the hook hears of the layer: the backend is synchronized
-    /// after the layer (a no-op on the CPU; on a device, a host wait a layer,
-    /// where device events would do).
+    /// With `on_layer` (layer-wise streaming), the hook hears of each layer as
+    /// [`layer_ready`] says: on a device whose hook takes marks, with a mark
+    /// recorded on the backend's stream after the layer (no host wait);
+    /// otherwise once the layer's caches have landed.
     fn prefill_pass(&mut self, jobs: Vec<PrefillJob<'_>>, mut on_layer: Option<&mut LayerHook<'_>>) -> Result<Vec<PrefillOutput>, ComputeError> {
         let Some(first) = jobs.first() else { return Ok(Vec::new()) };
         let stage = first.stage;
@@ -140,11 +140,11 @@ impl<B: Backend> ModelCompute<B> {
             be.upload(&hidden).map_err(|e| model_err(e.into()))?
         };
         let layers = self.topo.stage_layers[stage as usize].clone();
+        let last = layers.end.saturating_sub(1) as usize;
         let (topo, layouts, view) = (&self.topo, &self.layouts, self.view.as_ref());
         let mut layer_done = |layer: usize| -> Result<(), ModelError> {
             if let Some(hook) = on_layer.as_deref_mut() {
-                be.synchronize()?;
-                hook(ModuleLayer(layer as u32));
+                layer_ready(be, hook, ModuleLayer(layer as u32), layer == last)?;
             }
             Ok(())
         };
@@ -194,6 +194,39 @@ impl<B: Backend> ModelCompute<B> {
         }
         Ok(out)
     }
+}
+
+/// What [`layer_ready`] needs of a backend: a layer mark, a host wait.
+pub(crate) trait LayerQueue {
+    fn mark_layer(&self) -> Result<Option<StreamMark>, ModelError>;
+    fn synchronize(&self) -> Result<(), ModelError>;
+}
+
+impl<B: Backend> LayerQueue for B {
+    fn mark_layer(&self) -> Result<Option<StreamMark>, ModelError> {
+        Ok(Backend::mark_layer(self)?)
+    }
+    fn synchronize(&self) -> Result<(), ModelError> {
+        Ok(Backend::synchronize(self)?)
+    }
+}
+
+/// Tells `hook` that `layer`'s caches are queued into the source regions
+/// (layer-wise streaming). Where the hook takes marks and the backend gives
+/// one (a device), the hook gets a mark recorded on the backend's stream
+/// after the layer, and the layer's copies wait on it on the device: the host
+/// queues the next layer at once. Otherwise the host waits for the backend
+/// first (a no-op on the CPU), so the layer has landed when the hook hears of
+/// it. The stage's `last` layer is waited for on the host either way: the
+/// pass waits for the device right after it (the hidden states or the logits
+/// come back), and the stage's hand-off tail is timed from it.
+pub(crate) fn layer_ready(be: &impl LayerQueue, hook: &mut LayerHook<'_>, layer: ModuleLayer, last: bool) -> Result<(), ModelError> {
+    let mark = if hook.takes_marks && !last { be.mark_layer()? } else { None };
+    if mark.is_none() {
+        be.synchronize()?;
+    }
+    hook.layer_done(layer, mark.map(|m| LayerMark(m.0)));
+    Ok(())
 }
 
 impl<B: Backend + 'static> Compute for ModelCompute<B> {
@@ -268,4 +301,68 @@ impl RegionView for TransportRegions {
 /// Every region of `regions` by (rank, kind), as the model addresses them.
 pub fn layouts_of(regions: &[handoff_components::ecs::Region]) -> Layouts {
     regions.iter().map(|r| ((r.rank, r.layout.kind), r.layout.clone())).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::RefCell;
+
+    /// A backend's queue as `layer_ready` sees it: `device` gives marks (a GPU
+    /// with marks) or none (the CPU); every call is logged in order.
+    struct Queue {
+        device: bool,
+        next: std::cell::Cell<u64>,
+        log: RefCell<Vec<String>>,
+    }
+
+    impl LayerQueue for Queue {
+        fn mark_layer(&self) -> Result<Option<StreamMark>, ModelError> {
+            if !self.device {
+                return Ok(None);
+            }
+            let m = self.next.get() + 1;
+            self.next.set(m);
+            self.log.borrow_mut().push(format!("mark {m}"));
+            Ok(Some(StreamMark(m)))
+        }
+        fn synchronize(&self) -> Result<(), ModelError> {
+            self.log.borrow_mut().push("synchronize".into());
+            Ok(())
+        }
+    }
+
+    /// Runs a stage of `layers` layers through `layer_ready`: the queue's log
+    /// with each hook call in it ("hook L mark M" or "hook L").
+    fn stage(device: bool, takes_marks: bool, layers: u32) -> Vec<String> {
+        let q = Queue { device, next: Default::default(), log: RefCell::default() };
+        let mut on_layer = |layer: ModuleLayer, mark: Option<LayerMark>| match mark {
+            Some(m) => q.log.borrow_mut().push(format!("hook {} mark {}", layer.0, m.0)),
+            None => q.log.borrow_mut().push(format!("hook {}", layer.0)),
+        };
+        let mut hook = LayerHook { takes_marks, on_layer: &mut on_layer };
+        for l in 0..layers {
+            layer_ready(&q, &mut hook, ModuleLayer(l), l + 1 == layers).unwrap();
+        }
+        q.log.take()
+    }
+
+    /// On a device whose hook takes marks, each layer but the stage's last is
+    /// marked and handed to the hook with its mark, with no host wait; the
+    /// last is waited for (the pass waits right after it anyway).
+    #[test]
+    fn a_device_stage_marks_its_layers_and_waits_only_after_the_last() {
+        assert_eq!(stage(true, true, 3), ["mark 1", "hook 0 mark 1", "mark 2", "hook 1 mark 2", "synchronize", "hook 2"]);
+    }
+
+    /// A hook that takes no marks (a mover over host memory), or a backend
+    /// without marks (the CPU): the layer has landed when the hook hears of
+    /// it, as before marks.
+    #[test]
+    fn without_marks_each_layer_is_waited_for_before_its_hook() {
+        let waited = ["synchronize", "hook 0", "synchronize", "hook 1"];
+        assert_eq!(stage(true, false, 2), waited);
+        assert_eq!(stage(false, true, 2), waited);
+        assert_eq!(stage(false, false, 2), waited);
+    }
 }

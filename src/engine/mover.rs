@@ -34,10 +34,11 @@
 use super::Engine;
 use crate::base::lock;
 use crate::transport::staging::{RetryPolicy, Stager, StagingPool};
-use crate::transport::{self, RegionHandle, RemoteRegion, Transport, TransportError, TransportExt};
+use crate::transport::{self, RegionHandle, RemoteRegion, Transport, TransportError};
 use handoff_components::config::{Topology, TransportKind};
 use handoff_components::plan::{Descriptor, Plan};
-use handoff_components::vocab::{Distribution, RankId, RegionKind};
+use handoff_components::vocab::{Distribution, LayerMark, RankId, RegionKind};
+use handoff_kernels::StreamMark;
 use handoff_systems::placement::Capacity;
 use handoff_systems::transfer::{MoveError, Mover, PlanCompletion, Ticket};
 use std::collections::{BTreeMap, HashMap};
@@ -208,6 +209,8 @@ impl MoverHandle {
 struct Job {
     ticket: Ticket,
     plan: Plan,
+    /// The device mark its writes wait on (layer-wise streaming on a GPU).
+    after: Option<LayerMark>,
 }
 
 /// Implements [`Mover`] over a [`Transport`]. See the module docs.
@@ -268,6 +271,16 @@ impl Drop for TransportMover {
 
 impl Mover for TransportMover {
     fn submit(&mut self, ticket: Ticket, plan: &Plan) -> Result<(), MoveError> {
+        self.submit_after(ticket, plan, None)
+    }
+
+    /// The plan's writes are queued by a worker, after the host has moved on:
+    /// the mark goes with the job, and the transport's copies wait on it on
+    /// the device ([`Transport::submit_all_after`]).
+    fn submit_after(&mut self, ticket: Ticket, plan: &Plan, after: Option<LayerMark>) -> Result<(), MoveError> {
+        if after.is_some() && !self.takes_marks() {
+            return Err(MoveError::MarksUnsupported);
+        }
         // Refuse at once what no worker could run: a region the mover does not know,
         // staged groups on a transport that cannot gather them.
         if !plan.staged.is_empty() && self.staging_bytes().is_none() {
@@ -281,7 +294,7 @@ impl Mover for TransportMover {
             }
             book.in_flight.insert(ticket, Instant::now());
         }
-        let sent = self.jobs.as_ref().is_some_and(|tx| tx.send(Job { ticket, plan: plan.clone() }).is_ok());
+        let sent = self.jobs.as_ref().is_some_and(|tx| tx.send(Job { ticket, plan: plan.clone(), after }).is_ok());
         if !sent {
             lock(&self.shared.book).in_flight.remove(&ticket);
             self.shared.idle.notify_all();
@@ -292,6 +305,13 @@ impl Mover for TransportMover {
 
     fn poll(&mut self, out: &mut Vec<PlanCompletion>) {
         out.append(&mut lock(&self.shared.book).done);
+    }
+
+    /// Where the transport's writes are device copies that can wait on a
+    /// mark (the device transport), and no row is gathered through host
+    /// staging first (a host read would not wait for the mark).
+    fn takes_marks(&self) -> bool {
+        self.shared.transport.takes_marks() && self.shared.opts.staging != StagingMode::Always
     }
 
     /// The `[transport]` staging buffer's bytes where the transport's regions are
@@ -345,7 +365,12 @@ fn worker(shared: &Shared, rx: &Mutex<mpsc::Receiver<Job>>) {
         )
         .entered();
         let plans: Vec<&Plan> = jobs.iter().map(|j| &j.plan).collect();
-        let results = run_plans(shared, &plans);
+        // Plans grouped into one submission wait on every mark among them
+        // (a plan waiting on a later layer's mark too only waits longer).
+        let mut after: Vec<StreamMark> = jobs.iter().filter_map(|j| j.after).map(|m| StreamMark(m.0)).collect();
+        after.sort_unstable();
+        after.dedup();
+        let results = run_plans(shared, &plans, &after);
         let mut book = lock(&shared.book);
         for (job, result) in jobs.iter().zip(results) {
             let result = result.map_err(|e| MoveError::Transport(std::sync::Arc::new(e)));
@@ -412,20 +437,22 @@ type DirectWrite = (usize, RegionHandle, RemoteRegion, Vec<Descriptor>);
 /// first wait, so an asynchronous transport (tcp, a GPU's copy queue) has all
 /// of it in flight at once. A plan that fails fails alone: the other plans'
 /// results are their own.
-fn run_plans(shared: &Shared, plans: &[&Plan]) -> Vec<Result<(), TransportError>> {
+///
+/// `after`: device marks every write waits on ([`Transport::submit_all_after`]).
+fn run_plans(shared: &Shared, plans: &[&Plan], after: &[StreamMark]) -> Vec<Result<(), TransportError>> {
     let mut results: Vec<Result<(), TransportError>> = plans.iter().map(|_| Ok(())).collect();
     let mut direct: Vec<DirectWrite> = Vec::new();
     for (i, plan) in plans.iter().enumerate() {
         if !plan.chunks.is_empty() {
-            results[i] = run_chunks(shared, plan);
+            results[i] = run_chunks(shared, plan, after);
             continue;
         }
-        match plan_writes(shared, plan) {
+        match plan_writes(shared, plan, after) {
             Ok(w) => direct.extend(w.into_iter().map(|(src, dst, descs)| (i, src, dst, descs))),
             Err(e) => results[i] = Err(e),
         }
     }
-    for (i, e) in write_direct(shared, &direct) {
+    for (i, e) in write_direct(shared, &direct, after) {
         if results[i].is_ok() {
             results[i] = Err(e);
         }
@@ -449,7 +476,7 @@ fn regions_of(shared: &Shared, plan: &Plan, kind: RegionKind) -> Result<(RegionH
 /// A chunked plan ([`Plan::chunks`]): each chunk's writes complete before the
 /// next chunk's start, so the rows land in token order and the state (in the
 /// last chunk) after every row; staged groups, if any, go with the last chunk.
-fn run_chunks(shared: &Shared, plan: &Plan) -> Result<(), TransportError> {
+fn run_chunks(shared: &Shared, plan: &Plan, after: &[StreamMark]) -> Result<(), TransportError> {
     let chunks = plan.chunk_descriptors();
     let last = chunks.len().saturating_sub(1);
     for (k, descs) in chunks.into_iter().enumerate() {
@@ -467,9 +494,9 @@ fn run_chunks(shared: &Shared, plan: &Plan) -> Result<(), TransportError> {
             layers: Vec::new(),
         };
         let _span = tracing::trace_span!("mover.chunk", chunk = k, descriptors = chunk.descriptors.len(), bytes = chunk.bytes()).entered();
-        let direct = plan_writes(shared, &chunk)?;
+        let direct = plan_writes(shared, &chunk, after)?;
         let writes: Vec<DirectWrite> = direct.into_iter().map(|(src, dst, d)| (0, src, dst, d)).collect();
-        if let Some((_, e)) = write_direct(shared, &writes).into_iter().next() {
+        if let Some((_, e)) = write_direct(shared, &writes, after).into_iter().next() {
             return Err(e);
         }
     }
@@ -478,7 +505,18 @@ fn run_chunks(shared: &Shared, plan: &Plan) -> Result<(), TransportError> {
 
 /// Resolves a plan's regions kind by kind, writes its staged groups and the kinds
 /// that stage, and returns the direct writes of the others.
-fn plan_writes(shared: &Shared, plan: &Plan) -> Result<Vec<(RegionHandle, RemoteRegion, Vec<Descriptor>)>, TransportError> {
+/// A host gather (staging) would read the source without waiting on `after`:
+/// refused with marks (a mover that stages says it takes none).
+fn plan_writes(shared: &Shared, plan: &Plan, after: &[StreamMark]) -> Result<Vec<(RegionHandle, RemoteRegion, Vec<Descriptor>)>, TransportError> {
+    let unmarked = |what: &str| -> Result<(), TransportError> {
+        if after.is_empty() {
+            return Ok(());
+        }
+        Err(TransportError::Unavailable { what: format!("{what} after a layer mark"), reason: "a host gather does not wait on the device".into() })
+    };
+    if !plan.staged.is_empty() {
+        unmarked("staged groups")?;
+    }
     for group in &plan.staged {
         let (src, dst) = regions_of(shared, plan, group.kind)?;
         let st = stager(shared, source_rank(plan))?.transfer_staged(&src, dst, group)?;
@@ -493,6 +531,7 @@ fn plan_writes(shared: &Shared, plan: &Plan) -> Result<Vec<(RegionHandle, Remote
     for (kind, descs) in by_kind {
         let (src, dst) = regions_of(shared, plan, kind)?;
         if stages(shared, kind, dst) {
+            unmarked("staged rows")?;
             stager(shared, source_rank(plan))?.transfer(&src, dst, &descs)?;
         } else {
             direct.push((src, dst, descs));
@@ -505,13 +544,13 @@ fn plan_writes(shared: &Shared, plan: &Plan) -> Result<Vec<(RegionHandle, Remote
 /// keeps them all in flight), then waits for each; a batch that failed
 /// transiently is written again, with backoff. Returns the first error of
 /// each plan that had one.
-fn write_direct(shared: &Shared, writes: &[DirectWrite]) -> Vec<(usize, TransportError)> {
+fn write_direct(shared: &Shared, writes: &[DirectWrite], after: &[StreamMark]) -> Vec<(usize, TransportError)> {
     let o = &shared.opts;
     let t = &shared.transport;
     let chunks: Vec<(usize, &RegionHandle, RemoteRegion, &[Descriptor])> =
         writes.iter().flat_map(|(plan, src, dst, descs)| descs.chunks(o.max_batch as usize).map(move |c| (*plan, src, *dst, c))).collect();
     let batches: Vec<(&RegionHandle, RemoteRegion, &[Descriptor])> = chunks.iter().map(|&(_, s, d, c)| (s, d, c)).collect();
-    let submitted = t.submit_all(&batches);
+    let submitted = t.submit_all_after(&batches, after);
     let mut errors: Vec<(usize, TransportError)> = Vec::new();
     for ((plan, src, dst, chunk), batch) in chunks.into_iter().zip(submitted) {
         // Every submitted batch is waited for, even after a failure, so none
@@ -523,7 +562,12 @@ fn write_direct(shared: &Shared, writes: &[DirectWrite]) -> Vec<(usize, Transpor
                 tracing::debug!(error = %e, "mover: retrying a batch");
                 std::thread::sleep(o.retry.initial_backoff);
                 let again = RetryPolicy { attempts: o.retry.attempts - 1, ..o.retry };
-                again.run(|_| t.transfer(src, dst, chunk, o.batch_timeout))
+                // Again after the marks: a batch refused before it was queued
+                // never waited on them.
+                again.run(|_| {
+                    let b = t.submit_all_after(&[(src, dst, chunk)], after).pop().unwrap_or_else(|| Err(TransportError::UnknownRegion(src.to_string())));
+                    b.and_then(|b| t.wait(b, o.batch_timeout))
+                })
             }
             Err(e) => Err(e),
         };

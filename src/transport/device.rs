@@ -29,7 +29,7 @@ use super::{
 use crate::transport::auth::ClusterSecret;
 use handoff_components::plan::Descriptor;
 use handoff_components::vocab::{RankId, RegionKind};
-use handoff_kernels::{Copy2d, CopyTicket, DeviceMemory, DeviceRegion};
+use handoff_kernels::{Copy2d, CopyTicket, DeviceMemory, DeviceRegion, StreamMark};
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -399,6 +399,13 @@ impl Transport for DeviceTransport {
     /// Every batch that passes its checks goes into one queued copy list with
     /// one event; a batch that fails them moves nothing and reports its error.
     fn submit_all(&self, writes: &[(&RegionHandle, RemoteRegion, &[Descriptor])]) -> Vec<Result<BatchId>> {
+        self.submit_all_after(writes, &[])
+    }
+
+    /// As `submit_all`; the copy list's stream waits on the device for the
+    /// marks first ([`DeviceMemory::copy_after`]), so the batches' event, and
+    /// every write-done report after it, follows the layers they carry.
+    fn submit_all_after(&self, writes: &[(&RegionHandle, RemoteRegion, &[Descriptor])], after: &[StreamMark]) -> Vec<Result<BatchId>> {
         let called = Instant::now();
         let mut results: Vec<Result<BatchId>> = Vec::with_capacity(writes.len());
         let mut list = Vec::new();
@@ -427,7 +434,7 @@ impl Transport for DeviceTransport {
         // SAFETY: every descriptor was checked against both regions, which are
         // live: ours until unregistered (refused while copies are queued), the
         // peer's for as long as it is opened here.
-        match unsafe { self.mem.copy(&list) } {
+        match unsafe { self.mem.copy_after(&list, after) } {
             Ok(ticket) => {
                 if let Some(log) = lock(&self.reaper.log).as_mut() {
                     log.push(Submission { called, queued: Instant::now(), done: None, batches: ok.len(), copies: list.len(), ticket });
@@ -453,6 +460,10 @@ impl Transport for DeviceTransport {
 
     /// Copies run on the device's streams after `submit_all` returns.
     fn groups_plans(&self) -> bool {
+        true
+    }
+
+    fn takes_marks(&self) -> bool {
         true
     }
 
@@ -576,6 +587,90 @@ mod tests {
                 .unwrap_err();
             assert!(e.to_string().contains(&format!("host memory on the {name} transport")), "{e}");
         }
+    }
+
+    /// Device memory that allocates made-up addresses, copies nothing and
+    /// records each copy list's length and the marks it waits on.
+    #[derive(Default)]
+    struct Marked {
+        next: AtomicU64,
+        copies: Mutex<Vec<(usize, Vec<StreamMark>)>>,
+    }
+
+    impl DeviceMemory for Marked {
+        fn label(&self) -> String {
+            "cuda:0".into()
+        }
+        fn alloc(&self, _: u64) -> handoff_kernels::Result<u64> {
+            Ok((self.next.fetch_add(1, Ordering::Relaxed) + 1) << 32)
+        }
+        unsafe fn free(&self, _: u64) {}
+        fn export(&self, _: u64) -> handoff_kernels::Result<Vec<u8>> {
+            Ok(vec![0; 64])
+        }
+        fn open(&self, _: &[u8]) -> handoff_kernels::Result<u64> {
+            Ok(0)
+        }
+        unsafe fn close(&self, _: u64) {}
+        unsafe fn copy(&self, copies: &[Copy2d]) -> handoff_kernels::Result<CopyTicket> {
+            // SAFETY: records only.
+            unsafe { self.copy_after(copies, &[]) }
+        }
+        unsafe fn copy_after(&self, copies: &[Copy2d], after: &[StreamMark]) -> handoff_kernels::Result<CopyTicket> {
+            lock(&self.copies).push((copies.len(), after.to_vec()));
+            Ok(CopyTicket(1))
+        }
+        fn done(&self, _: CopyTicket) -> handoff_kernels::Result<bool> {
+            Ok(true)
+        }
+        unsafe fn read(&self, _: u64, _: &mut [u8]) -> handoff_kernels::Result<()> {
+            Ok(())
+        }
+        unsafe fn write(&self, _: u64, _: &[u8]) -> handoff_kernels::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// Layer-wise streaming on a GPU, the transport's side: a layer's plan
+    /// submitted with its device mark reaches the device as a copy list that
+    /// waits on that mark (through the mover's worker, which queues it after
+    /// the host has moved on), and a plan without one waits on nothing. The
+    /// device transport's mover says it takes marks; a mover over a transport
+    /// whose writes are not device copies says not, and refuses one.
+    #[test]
+    fn a_layers_writes_reach_the_device_copies_with_its_mark() {
+        use crate::engine::mover::{MoverOptions, TransportMover};
+        use handoff_components::plan::Plan;
+        use handoff_components::vocab::{DecodeRank, LayerMark, PrefillRank};
+        use handoff_systems::transfer::{MoveError, Mover, Ticket};
+        let mem = Arc::new(Marked::default());
+        let dir = std::env::temp_dir();
+        let t = Arc::new(DeviceTransport::new(mem.clone(), 0, &dir, ClusterSecret::from_bytes(b"test")).expect("transport"));
+        let (producer, consumer) = (PrefillRank { pp: 0, tp: 0 }, DecodeRank { tp: 0 });
+        let kind = RegionKind::MlaKv;
+        let device = MemoryKind::Device { ordinal: 0 };
+        let src = t.register_memory(RankId::Prefill(producer), kind, 4096, device).expect("source");
+        let dst = t.register_memory(RankId::Decode(consumer), kind, 4096, device).expect("destination");
+        let mut mover = TransportMover::new(t.clone(), MoverOptions::default()).expect("mover");
+        mover.add_source(src);
+        mover.attach_target(&dst).expect("attach");
+        assert!(mover.takes_marks());
+        let d = Descriptor { kind, src_offset: 0, src_stride: 0, dst_offset: 1024, dst_stride: 0, len: 512, count: 1 };
+        let plan = Plan { producer, consumer, descriptors: vec![d], staged: Vec::new(), uncoalesced: 0, chunks: Vec::new(), layers: Vec::new() };
+        let ticket = |request| Ticket { request, nonce: 1, producer, consumer, part: 0 };
+        for (request, mark) in [(1, Some(LayerMark(7))), (2, None)] {
+            mover.submit_after(ticket(request), &plan, mark).expect("submit");
+            assert!(mover.handle().wait_idle(Duration::from_secs(10)));
+        }
+        let mut done = Vec::new();
+        mover.poll(&mut done);
+        assert!(done.iter().all(|c| c.result.is_ok()), "{done:?}");
+        assert_eq!(*lock(&mem.copies), vec![(1, vec![StreamMark(7)]), (1, vec![])]);
+        // A host transport's mover takes no marks and refuses one.
+        let local: Arc<dyn Transport> = Arc::new(crate::transport::local::LocalTransport::new());
+        let mut host = TransportMover::new(local, MoverOptions::default()).expect("mover");
+        assert!(!host.takes_marks());
+        assert!(matches!(host.submit_after(ticket(3), &plan, Some(LayerMark(8))), Err(MoveError::MarksUnsupported)));
     }
 
     #[test]

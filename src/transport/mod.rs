@@ -38,6 +38,7 @@ pub mod ucx;
 
 use handoff_components::plan::Descriptor;
 use handoff_components::vocab::{RankId, RegionKind};
+use handoff_kernels::StreamMark;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
@@ -341,6 +342,26 @@ pub trait Transport: Send + Sync {
     /// queues them as one, and they all complete together.
     fn submit_all(&self, writes: &[(&RegionHandle, RemoteRegion, &[Descriptor])]) -> Vec<Result<BatchId>> {
         writes.iter().map(|&(src, dst, d)| self.submit(src, dst, d)).collect()
+    }
+
+    /// [`Transport::submit_all`], each batch started only once the work
+    /// before every mark of `after` has run: layer marks a compute backend
+    /// recorded on its stream (layer-wise streaming on a GPU), waited on by
+    /// the copies on the device, never by the caller. With no mark it is
+    /// `submit_all`; the default refuses marks
+    /// ([`Transport::takes_marks`] false).
+    fn submit_all_after(&self, writes: &[(&RegionHandle, RemoteRegion, &[Descriptor])], after: &[StreamMark]) -> Vec<Result<BatchId>> {
+        if after.is_empty() {
+            return self.submit_all(writes);
+        }
+        let e = TransportError::Unavailable { what: format!("waiting on a layer mark in the {} transport", self.name()), reason: "its writes are not device copies".into() };
+        writes.iter().map(|_| Err(e.clone())).collect()
+    }
+
+    /// Whether [`Transport::submit_all_after`] makes writes wait on layer
+    /// marks on the device (the device transport).
+    fn takes_marks(&self) -> bool {
+        false
     }
 
     /// Whether a mover gains from handing this transport many plans in one

@@ -14,7 +14,7 @@ use bevy_ecs::prelude::*;
 use handoff_components::ecs::*;
 use handoff_components::failure::{Cause, Failure, ProcessRole};
 use handoff_components::sampling::Sampling;
-use handoff_components::vocab::{ModuleLayer, RankId};
+use handoff_components::vocab::{LayerMark, ModuleLayer, RankId};
 use std::sync::Arc;
 use std::time::Instant;
 use thiserror::Error;
@@ -114,10 +114,33 @@ impl From<Vec<u8>> for DecodeOutput {
 }
 
 /// A stage's layer hook (layer-wise streaming): the compute calls it with each
-/// module layer of the stage, in order, once every job's caches of that layer
-/// are in the stage's source regions, before it computes the next layer. The
-/// dispatch phase issues that layer's writes from it.
-pub type LayerHook<'h> = dyn FnMut(ModuleLayer) + 'h;
+/// module layer of the stage, in order, before it computes the next layer,
+/// once every job's caches of that layer are in the stage's source regions
+/// (mark None), or, on a device and where the hook takes marks, once they
+/// are queued there, with the mark the compute recorded on its stream after
+/// them: the layer's writes then wait on the mark on the device, and the
+/// host never waits for a layer. The dispatch phase issues that layer's
+/// writes from it.
+pub struct LayerHook<'h> {
+    /// Whether the hook's writes can wait on a [`LayerMark`] on the device
+    /// ([`crate::transfer::Mover::takes_marks`]); without it the compute
+    /// waits for each layer (a host wait on a device) and gives no mark.
+    pub takes_marks: bool,
+    /// Called with each layer, and its mark where the compute gave one.
+    pub on_layer: &'h mut dyn FnMut(ModuleLayer, Option<LayerMark>),
+}
+
+impl<'h> LayerHook<'h> {
+    /// A hook that takes no marks: each layer is in the regions when it is called.
+    pub fn new(on_layer: &'h mut dyn FnMut(ModuleLayer, Option<LayerMark>)) -> Self {
+        LayerHook { takes_marks: false, on_layer }
+    }
+
+    /// Tells the hook that `layer` is done (`mark`: see [`LayerHook`]).
+    pub fn layer_done(&mut self, layer: ModuleLayer, mark: Option<LayerMark>) {
+        (self.on_layer)(layer, mark)
+    }
+}
 
 /// The compute of the prefill stages and the decode ranks.
 pub trait Compute: Send + Sync + 'static {
@@ -219,13 +242,14 @@ pub fn run_prefill(
         let outs = match transfers.as_deref_mut().filter(|_| streaming) {
             Some(t) => {
                 let owners: Vec<(Entity, &Request, &Holdings)> = rows.iter().map(|r| (r.0, r.1, r.4)).collect();
-                let mut hook = |layer: ModuleLayer| {
-                    stream_layer(t.0.as_mut(), &mut plans, &owners, stage, layer, &mut failed);
+                let takes_marks = t.0.takes_marks();
+                let mut on_layer = |layer: ModuleLayer, mark: Option<LayerMark>| {
+                    stream_layer(t.0.as_mut(), &mut plans, &owners, stage, layer, mark, &mut failed);
                     if Some(layer) == last_layer {
                         last_at = Some(Instant::now());
                     }
                 };
-                dispatcher.0.prefill_streamed(jobs, &mut hook)
+                dispatcher.0.prefill_streamed(jobs, &mut LayerHook { takes_marks, on_layer: &mut on_layer })
             }
             None => dispatcher.0.prefill_batch(jobs),
         };
@@ -306,6 +330,7 @@ fn stream_layer(
     owners: &[(Entity, &Request, &Holdings)],
     stage: u32,
     layer: ModuleLayer,
+    mark: Option<LayerMark>,
     failed: &mut Vec<(Entity, Failure)>,
 ) {
     for &(e, req, holdings) in owners {
@@ -317,7 +342,7 @@ fn stream_layer(
             if entry.plan.producer.pp != stage {
                 continue;
             }
-            if let Err(err) = submit_parts(mover, req, &mut entry, Some(layer)) {
+            if let Err(err) = submit_parts(mover, req, &mut entry, Some(layer), mark) {
                 let ticket = Ticket { request: req.id, nonce: req.nonce, producer: entry.plan.producer, consumer: entry.plan.consumer, part: entry.submitted };
                 failed.push((e, move_failure(&ticket, "submit", &err)));
                 break;

@@ -6,7 +6,7 @@ use bevy_ecs::prelude::*;
 use handoff_components::ecs::*;
 use handoff_components::failure::{Cause, Failure, ProcessRole};
 use handoff_components::plan::Plan;
-use handoff_components::vocab::{DecodeRank, ModuleLayer, PrefillRank, RankId, RegionKind};
+use handoff_components::vocab::{DecodeRank, LayerMark, ModuleLayer, PrefillRank, RankId, RegionKind};
 use std::time::{Duration, Instant};
 use thiserror::Error;
 
@@ -40,6 +40,10 @@ pub enum MoveError {
     /// submitted, their rows would never be written.
     #[error("the plan moves {groups} staged row groups, and this mover runs descriptors only")]
     StagingUnsupported { groups: usize },
+    /// A layer's writes came with a device mark to wait on, and this mover's
+    /// writes cannot wait on one ([`Mover::takes_marks`] is false).
+    #[error("a layer's writes must wait on a device layer mark, and this mover cannot wait on one")]
+    MarksUnsupported,
 }
 
 /// The end of one plan's writes.
@@ -53,6 +57,24 @@ pub struct PlanCompletion {
 pub trait Mover: Send + Sync + 'static {
     /// Starts the writes of one plan; its completion comes back from `poll`.
     fn submit(&mut self, ticket: Ticket, plan: &Plan) -> Result<(), MoveError>;
+    /// [`Mover::submit`] of a layer's writes that must not start before
+    /// `after`, the mark the compute recorded on its device stream after the
+    /// layer (layer-wise streaming on a GPU): the writes wait on it on the
+    /// device, the caller does not. With None it is `submit`. The default,
+    /// for a mover that cannot wait on a mark ([`Mover::takes_marks`] false,
+    /// so the compute never gives it one), refuses a mark.
+    fn submit_after(&mut self, ticket: Ticket, plan: &Plan, after: Option<LayerMark>) -> Result<(), MoveError> {
+        match after {
+            None => self.submit(ticket, plan),
+            Some(_) => Err(MoveError::MarksUnsupported),
+        }
+    }
+    /// Whether [`Mover::submit_after`] makes writes wait on a layer mark on
+    /// the device. Without it a device compute waits for each layer on the
+    /// host before its writes are submitted.
+    fn takes_marks(&self) -> bool {
+        false
+    }
     /// Appends the completions that arrived since the last call.
     fn poll(&mut self, out: &mut Vec<PlanCompletion>);
     /// The bytes of one staging buffer when this mover runs staged groups
@@ -96,7 +118,11 @@ pub fn advance_deadlines(mut requests: Query<(&Status, &StagesComputed, &mut Dea
 /// in layer order. A plan that is not layered is one part, submitted only with
 /// None. Returns the parts submitted; an error leaves the parts before it
 /// submitted.
-pub fn submit_parts(mover: &mut dyn Mover, req: &Request, entry: &mut PlanEntry, upto: Option<ModuleLayer>) -> Result<u32, MoveError> {
+///
+/// `after`: the device mark of layer `upto` (layer-wise streaming on a GPU):
+/// the parts submitted now wait on it on the device ([`Mover::submit_after`]);
+/// a part of an earlier layer waits on it too, which only waits longer.
+pub fn submit_parts(mover: &mut dyn Mover, req: &Request, entry: &mut PlanEntry, upto: Option<ModuleLayer>, after: Option<LayerMark>) -> Result<u32, MoveError> {
     // A plan with staged groups for a mover that does not run them is refused
     // before any of its parts goes out: its rows would never be written.
     if entry.submitted == 0 && !entry.plan.staged.is_empty() && mover.staging_bytes().is_none() {
@@ -118,7 +144,7 @@ pub fn submit_parts(mover: &mut dyn Mover, req: &Request, entry: &mut PlanEntry,
         if !part.staged.is_empty() && mover.staging_bytes().is_none() {
             return Err(MoveError::StagingUnsupported { groups: part.staged.len() });
         }
-        mover.submit(ticket, &part)?;
+        mover.submit_after(ticket, &part, after)?;
         entry.submitted += 1;
         entry.state = WriteState::InFlight;
         sent += 1;
@@ -144,7 +170,7 @@ pub fn submit_plans(
             if entry.all_submitted() || entry.state == WriteState::Done || !computed.0.get(entry.plan.producer.pp as usize).copied().unwrap_or(false) {
                 continue;
             }
-            if let Err(e) = submit_parts(transfers.0.as_mut(), req, &mut entry, None) {
+            if let Err(e) = submit_parts(transfers.0.as_mut(), req, &mut entry, None, None) {
                 let ticket = Ticket { request: req.id, nonce: req.nonce, producer: entry.plan.producer, consumer: entry.plan.consumer, part: entry.submitted };
                 *status = Status::Failed(move_failure(&ticket, "submit", &e));
                 break;

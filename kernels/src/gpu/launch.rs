@@ -224,6 +224,11 @@ pub(crate) trait MemoryDriver: Driver {
     fn new_fence(&self) -> std::result::Result<Self::Fence, DriverFault>;
     /// Records `f` on the stream, after everything queued before.
     fn record_fence(&self, f: &Self::Fence) -> std::result::Result<(), DriverFault>;
+    /// Makes the work queued on this stream after the call wait, on the
+    /// device, for the work before `f`'s last record (which may be on another
+    /// stream of the device): `cuStreamWaitEvent`, `hipStreamWaitEvent`. The
+    /// host does not wait; recording `f` again later does not change this wait.
+    fn wait_fence(&self, f: &Self::Fence) -> std::result::Result<(), DriverFault>;
     /// Whether the work before `f`'s last record has completed (a query).
     fn fence_done(&self, f: &Self::Fence) -> std::result::Result<bool, DriverFault>;
     /// Waits (sleeping) until the work before `f`'s last record has completed.

@@ -228,6 +228,13 @@ impl MemoryDriver for CudaDriver {
         f.record(&self.stream).map_err(fault)
     }
 
+    fn wait_fence(&self, f: &CudaEvent) -> Result<(), DriverFault> {
+        self.ctx.bind_to_thread().map_err(fault)?;
+        // SAFETY: a live event of this context and this driver's live stream;
+        // the wait is queued, the host does not block.
+        unsafe { sys::cuStreamWaitEvent(self.stream.cu_stream(), f.cu_event(), 0) }.result().map_err(fault)
+    }
+
     fn fence_done(&self, f: &CudaEvent) -> Result<bool, DriverFault> {
         f.try_is_complete().map_err(fault)
     }

@@ -133,7 +133,7 @@ impl GpuBackend<CudaDriver> {
         // Every NVIDIA device this backend targets gives the large-tile
         // kernels their shared memory; one that does not is refused, naming
         // the kernel (the chunked KDA prefill alone falls back).
-        GpuBackend::on_driver(drv, device_name, device, format!(", sm_{}{}", cc.0, cc.1), SmemPolicy::Refuse, memory_of)
+        GpuBackend::on_driver(drv, device_name, device, format!(", sm_{}{}", cc.0, cc.1), SmemPolicy::Refuse, memory_of).map(crate::gpu::ops::with_layer_marks)
     }
 
     /// The fused decode step's tensor-core product alone (see

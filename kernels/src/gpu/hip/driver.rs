@@ -15,7 +15,7 @@ use hip_sys::hiprt::{
     hipFree, hipFunction_t, hipGraph_t, hipGraphDestroy, hipGraphExec_t, hipGraphExecDestroy, hipGraphInstantiate, hipGraphLaunch, hipMalloc,
     hipMemcpyDtoDAsync, hipMemcpyDtoHAsync, hipMemcpyHtoDAsync, hipMemsetD8Async, hipModule_t, hipModuleGetFunction, hipModuleLaunchKernel, hipModuleLoadData,
     hipModuleUnload, hipSetDevice, hipStream_t, hipStreamBeginCapture, hipStreamCaptureMode, hipStreamCreate, hipStreamDestroy, hipStreamEndCapture,
-    hipStreamSynchronize,
+    hipStreamSynchronize, hipStreamWaitEvent,
 };
 use hip_sys::hiprt::{
     hipEventBlockingSync, hipEventCreateWithFlags, hipEventQuery, hipEventSynchronize, hipIpcCloseMemHandle, hipIpcGetMemHandle, hipIpcMemHandle_t,
@@ -380,6 +380,12 @@ impl MemoryDriver for HipDriver {
     fn record_fence(&self, f: &HipEvent) -> Result<(), DriverFault> {
         // SAFETY: a created event on this driver's stream.
         check("hipEventRecord", unsafe { hipEventRecord(f.0, self.s.stream) })
+    }
+
+    fn wait_fence(&self, f: &HipEvent) -> Result<(), DriverFault> {
+        // SAFETY: a created event and this driver's live stream; the wait is
+        // queued, the host does not block.
+        check("hipStreamWaitEvent", unsafe { hipStreamWaitEvent(self.s.stream, f.0, 0) })
     }
 
     fn fence_done(&self, f: &HipEvent) -> Result<bool, DriverFault> {

@@ -115,7 +115,7 @@ impl GpuBackend<HipDriver> {
         let device_name = if named { unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned() } else { format!("HIP device {device}") };
         // gfx90a blocks take 64 KiB: the Hopper-sized kernels fall back to
         // ones of the same bits (see the module docs).
-        GpuBackend::on_driver(drv, device_name, device, String::new(), SmemPolicy::FallBack, memory_of)
+        GpuBackend::on_driver(drv, device_name, device, String::new(), SmemPolicy::FallBack, memory_of).map(crate::gpu::ops::with_layer_marks)
     }
 
     /// Whether the HIP runtime sees at least one device here.

@@ -48,6 +48,12 @@ impl<D: Driver> Backend for GpuBackend<D> {
         GpuBackend::synchronize(self)
     }
 
+    fn mark_layer(&self) -> Result<Option<crate::region::StreamMark>> {
+        let Some(m) = &self.marker else { return Ok(None) };
+        self.drv.bind().map_err(crate::gpu::launch::dev("layer mark"))?;
+        m.mark().map(Some)
+    }
+
     type Buf = Buf<D>;
     type IBuf = DeviceIBuf<D>;
     type F64Buf = DeviceBuf<f64, D>;

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::error::{KernelError, Result};
 use crate::gpu::launch::{IPC_HANDLE_BYTES, MemoryDriver, dev};
-use crate::region::{Copy2d, CopyTicket, DeviceMemory, table_launches};
+use crate::region::{Copy2d, CopyTicket, DeviceMemory, StreamMark, table_launches};
 
 /// Contiguous copies of at least this many bytes go to the copy engines;
 /// everything else goes through `copy_table`. A copy-engine call into memory
@@ -274,9 +274,19 @@ impl<D: MemoryDriver> DeviceMemory for DeviceMem<D> {
     }
 
     unsafe fn copy(&self, copies: &[Copy2d]) -> Result<CopyTicket> {
+        // SAFETY: the caller's contract.
+        unsafe { self.copy_after(copies, &[]) }
+    }
+
+    unsafe fn copy_after(&self, copies: &[Copy2d], after: &[StreamMark]) -> Result<CopyTicket> {
         let op = "region copy";
         self.bind(op)?;
         let stream = &self.copy_streams[self.next_stream.fetch_add(1, Ordering::Relaxed) % self.copy_streams.len()];
+        // The layers these copies carry were computed on a backend's stream:
+        // the batch's stream waits for them on the device, before its first
+        // copy (so the batch's event, and with it the write-done report,
+        // follows the layers too).
+        super::marks::wait_on(stream, after)?;
         // Large contiguous copies go to the copy engines, the rest through
         // copy_table; all on the batch's stream, in the batch's order (the
         // table copies before an engine copy are queued before it).

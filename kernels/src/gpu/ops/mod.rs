@@ -31,7 +31,7 @@ use crate::backend::Backend;
 use crate::cpu::{kda as cpu_kda, mla as cpu_mla};
 use crate::dtype::StorageDtype;
 use crate::error::{KernelError, Result, check_len, check_nonzero, elems, range};
-use crate::gpu::launch::{Arg, Driver, dev};
+use crate::gpu::launch::{Arg, Driver, MemoryDriver, dev};
 use crate::region::{DeviceMemory, DeviceRegion, RegionItems};
 use crate::shapes::{
     ColsCopy, ConvShape, EmbeddingShape, KdaInputs, KdaParams, KdaPrefillShape, KdaRaggedShape, KdaStepShape, MatmulShape, MergeShape, MlaShape, MlpShape,
@@ -43,6 +43,7 @@ mod buffers;
 mod copy;
 mod dense;
 mod kda;
+mod marks;
 mod memory;
 mod mla;
 mod open;
@@ -209,6 +210,26 @@ pub struct GpuBackend<D: Driver> {
     /// ([`GpuBackend::set_matmul_wg`]).
     matmul_wg: bool,
     memory: MemoryOf<D>,
+    /// Records layer marks on this backend's stream
+    /// ([`GpuBackend::with_layer_marks`]); None: `mark_layer` gives none, and
+    /// the engine waits for a layer on the host instead.
+    marker: Option<Arc<dyn marks::MarkLayer>>,
+}
+
+/// `be`, recording layer marks on its stream for device memory's copies to
+/// wait on ([`crate::Backend::mark_layer`]). A free function: the memory
+/// driver's trait is private to the crate.
+pub(crate) fn with_layer_marks<D: MemoryDriver>(mut be: GpuBackend<D>) -> GpuBackend<D> {
+    be.marker = Some(Arc::new(marks::Marker::new(be.drv.clone())));
+    be
+}
+
+impl<D: Driver> GpuBackend<D> {
+    /// Events this backend holds for its layer marks (0 without marks).
+    #[cfg(test)]
+    pub(crate) fn mark_events(&self) -> usize {
+        self.marker.as_ref().map_or(0, |m| m.events())
+    }
 }
 
 impl<D: Driver> Clone for GpuBackend<D> {
@@ -227,6 +248,7 @@ impl<D: Driver> Clone for GpuBackend<D> {
             tcb_min_tiles: self.tcb_min_tiles,
             matmul_wg: self.matmul_wg,
             memory: self.memory,
+            marker: self.marker.clone(),
         }
     }
 }

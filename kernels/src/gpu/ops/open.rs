@@ -211,6 +211,7 @@ impl<D: Driver> GpuBackend<D> {
             tcb_min_tiles: None,
             matmul_wg: true,
             memory,
+            marker: None,
         })
     }
 }

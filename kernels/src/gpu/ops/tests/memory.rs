@@ -540,3 +540,123 @@ fn table_launches_move_every_byte_once_and_keep_batch_order() {
     }
     assert!(tables > 120, "the batches take several tables each: {tables}");
 }
+
+/// A backend with layer marks and device memory on one recorder, as a role
+/// has them: the backend on stream 0, the memory's host access on stream 1,
+/// its copy streams 2 to 9. Device-to-device copies are only logged.
+fn marked() -> (GpuBackend<Recorder>, DeviceMem<Recorder>, Recorder) {
+    let (be, rec) = backend(None, false);
+    let be = crate::gpu::ops::with_layer_marks(be);
+    rec.state().loose = true;
+    let mem = DeviceMem::new(rec.with_new_stream().unwrap()).unwrap_or_else(|e| panic!("{e}"));
+    rec.state().log.clear();
+    (be, mem, rec)
+}
+
+/// Streaming a stage's layers on a device: each layer's copies are queued
+/// after a device-side wait on the event recorded on the backend's stream
+/// after that layer's work (in the log: the layer's launch on stream 0, the
+/// event's record on stream 0, then, on the copy stream, the wait on exactly
+/// that record before the copy's launch), and the host never synchronizes
+/// the backend's stream for it.
+#[test]
+fn a_layers_copies_wait_on_the_device_for_the_mark_after_its_compute() {
+    let (be, mem, rec) = marked();
+    let src = buf(&be, 64, 1.0);
+    let mut dst = buf(&be, 64, 0.0);
+    rec.state().log.clear();
+    for layer in 0..4u64 {
+        // The layer's compute, then its mark, then its copies.
+        be.add_inplace(&mut dst, &src).unwrap();
+        let mark = Backend::mark_layer(&be).unwrap().expect("a device backend with marks gives one");
+        // SAFETY: the recorder only logs device-to-device copies.
+        unsafe { mem.copy_after(&[row(0x1000 + layer * 256, 0x9000 + layer * 256, 256)], &[mark]) }.unwrap();
+    }
+    let log = rec.state().log.clone();
+    assert!(!log.iter().any(|op| matches!(op, MemOp::Sync { .. })), "a host synchronize while streaming layers: {log:#?}");
+    let mut records_on_0 = 0u64;
+    let mut layers = 0;
+    let mut computed_since_record = false;
+    let mut last_record: Option<(u64, u64)> = None; // (fence, place)
+    let mut waited: Option<usize> = None; // the copy stream that waited for the last record
+    for (i, op) in log.iter().enumerate() {
+        match op {
+            MemOp::Launch { stream: 0, f, .. } => {
+                assert_eq!(*f, "add_inplace", "entry {i}");
+                computed_since_record = true;
+            }
+            MemOp::Record { stream: 0, fence } => {
+                assert!(computed_since_record, "entry {i}: a mark recorded before its layer's compute");
+                records_on_0 += 1;
+                computed_since_record = false;
+                last_record = Some((*fence, records_on_0));
+                waited = None;
+            }
+            MemOp::Wait { stream, fence, on } => {
+                let (f, place) = last_record.unwrap_or_else(|| panic!("entry {i}: a wait before any mark"));
+                assert_eq!((*fence, *on), (f, (0, place)), "entry {i}: the copy stream waits on another record than its layer's mark");
+                assert!(*stream >= 2, "entry {i}: the wait is on stream {stream}, not a copy stream");
+                waited = Some(*stream);
+            }
+            MemOp::Launch { stream, f: "copy_table", .. } => {
+                assert_eq!(waited, Some(*stream), "entry {i}: layer {layers}'s copies launched on stream {stream} without a device wait on its mark");
+                layers += 1;
+            }
+            _ => {}
+        }
+    }
+    assert_eq!((layers, records_on_0), (4, 4));
+}
+
+/// A backend's mark events are recorded again once their work has run: over
+/// many passes of a stage's layers (the device catching up between passes)
+/// the backend holds as many events as one pass's layers, not one per layer
+/// ever marked; and a mark whose event was recorded again for a later layer
+/// was complete, so copies after it wait for nothing, while a mark never
+/// given out is refused.
+#[test]
+fn mark_events_are_reused_and_bounded_over_many_passes() {
+    let (be, mem, rec) = marked();
+    let layers = 6;
+    let mut first = None;
+    for _pass in 0..50 {
+        for _ in 0..layers {
+            let m = Backend::mark_layer(&be).unwrap().unwrap();
+            first.get_or_insert(m);
+        }
+        // The device runs the pass (the engine's end-of-pass synchronize).
+        rec.state().run(0);
+    }
+    assert_eq!(be.mark_events(), layers, "events held after 50 passes of {layers} layers");
+    // The host running ahead of the device: one event a mark not yet run.
+    for _ in 0..3 * layers {
+        Backend::mark_layer(&be).unwrap().unwrap();
+    }
+    assert_eq!(be.mark_events(), 3 * layers);
+    rec.state().log.clear();
+    // SAFETY: the recorder only logs device-to-device copies.
+    unsafe { mem.copy_after(&[row(0x1000, 0x9000, 256)], &[first.unwrap()]) }.unwrap();
+    assert!(!rec.state().log.iter().any(|op| matches!(op, MemOp::Wait { .. })), "a wait on a mark long complete");
+    // SAFETY: as above.
+    let bogus = unsafe { mem.copy_after(&[row(0x1000, 0x9000, 256)], &[crate::region::StreamMark(u64::MAX)]) };
+    assert!(bogus.unwrap_err().to_string().contains("never recorded"));
+    // A dropped backend's events go with it, after their work.
+    let clone = be.clone();
+    drop(be);
+    assert_eq!(clone.mark_events(), 3 * layers, "a clone keeps the events");
+}
+
+/// Without marks (a backend opened without them) `mark_layer` gives none, as
+/// on the CPU, and copies with no mark queue no wait.
+#[test]
+fn a_backend_without_marks_gives_none_and_copies_wait_for_nothing() {
+    let (be, rec) = backend(None, false);
+    assert_eq!(Backend::mark_layer(&be).unwrap(), None);
+    assert_eq!(Backend::mark_layer(&crate::CpuBackend::new()).unwrap(), None);
+    rec.state().loose = true;
+    let mem = DeviceMem::new(rec.with_new_stream().unwrap()).unwrap();
+    rec.state().log.clear();
+    // SAFETY: the recorder only logs device-to-device copies.
+    unsafe { mem.copy_after(&[row(0x1000, 0x9000, 256)], &[]) }.unwrap();
+    assert!(!rec.state().log.iter().any(|op| matches!(op, MemOp::Wait { .. })));
+}

@@ -102,6 +102,13 @@ pub(super) enum MemOp {
         stream: usize,
         fence: u64,
     },
+    /// A device-side wait of the stream on an event's last record.
+    Wait {
+        stream: usize,
+        fence: u64,
+        /// The waited record: (its stream, its place there).
+        on: (usize, u64),
+    },
     Sync {
         stream: usize,
     },
@@ -400,6 +407,12 @@ impl MemoryDriver for Recorder {
         let at = *q;
         st.fences.insert(*f, (self.stream, at));
         st.log.push(MemOp::Record { stream: self.stream, fence: *f });
+        Ok(())
+    }
+    fn wait_fence(&self, f: &u64) -> std::result::Result<(), DriverFault> {
+        let mut st = self.state();
+        let &on = st.fences.get(f).ok_or_else(|| DriverFault(format!("event {f} was never made")))?;
+        st.log.push(MemOp::Wait { stream: self.stream, fence: *f, on });
         Ok(())
     }
     fn fence_done(&self, f: &u64) -> std::result::Result<bool, DriverFault> {
