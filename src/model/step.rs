@@ -180,8 +180,15 @@ pub fn step_placement(topo: &Topology, layouts: &Layouts, view: &dyn RegionView)
 /// cannot tile).
 pub fn open<B: Backend>(be: &B, topo: &Topology, model: &Model, layouts: &Layouts, view: &dyn RegionView) -> Result<Box<dyn DecodeStep>, NoStep> {
     let place = step_placement(topo, layouts, view)?;
-    let spec =
-        StepSpec { model: step_model(model), place, options: StepOptions { max_batch: topo.config.serve.batch() as usize, graphs: topo.config.device.graphs, dependent_launch: topo.config.device.dependent_launch } };
+    let spec = StepSpec {
+        model: step_model(model),
+        place,
+        options: StepOptions {
+            max_batch: topo.config.serve.batch() as usize,
+            graphs: topo.config.device.graphs,
+            dependent_launch: topo.config.device.dependent_launch,
+        },
+    };
     spec.check()?;
     Ok(be.decode_step(&spec)?)
 }

@@ -354,7 +354,10 @@ pub trait Transport: Send + Sync {
         if after.is_empty() {
             return self.submit_all(writes);
         }
-        let e = TransportError::Unavailable { what: format!("waiting on a layer mark in the {} transport", self.name()), reason: "its writes are not device copies".into() };
+        let e = TransportError::Unavailable {
+            what: format!("waiting on a layer mark in the {} transport", self.name()),
+            reason: "its writes are not device copies".into(),
+        };
         writes.iter().map(|_| Err(e.clone())).collect()
     }
 

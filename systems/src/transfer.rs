@@ -122,7 +122,13 @@ pub fn advance_deadlines(mut requests: Query<(&Status, &StagesComputed, &mut Dea
 /// `after`: the device mark of layer `upto` (layer-wise streaming on a GPU):
 /// the parts submitted now wait on it on the device ([`Mover::submit_after`]);
 /// a part of an earlier layer waits on it too, which only waits longer.
-pub fn submit_parts(mover: &mut dyn Mover, req: &Request, entry: &mut PlanEntry, upto: Option<ModuleLayer>, after: Option<LayerMark>) -> Result<u32, MoveError> {
+pub fn submit_parts(
+    mover: &mut dyn Mover,
+    req: &Request,
+    entry: &mut PlanEntry,
+    upto: Option<ModuleLayer>,
+    after: Option<LayerMark>,
+) -> Result<u32, MoveError> {
     // A plan with staged groups for a mover that does not run them is refused
     // before any of its parts goes out: its rows would never be written.
     if entry.submitted == 0 && !entry.plan.staged.is_empty() && mover.staging_bytes().is_none() {

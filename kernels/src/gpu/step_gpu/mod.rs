@@ -444,7 +444,20 @@ impl<D: Driver> GpuStep<D> {
                     // part_group, ldp, M, ncols, S, G, mode, out, ldo, ...
                     let r = &last.args;
                     if r[7] == Arg::I(1) && r[8] == Arg::I(1) && r[9] == Arg::P(h_buf) && r[10] == Arg::I(d as i32) && r[5] == Arg::I(d as i32) {
-                        let args = vec![r[0], r[1], r[3], r[5], r[6], Arg::P(h_buf), Arg::P(w), Arg::P(a), Arg::L((mp * dkt * 16) as i64), Arg::I(planes_a as i32), Arg::I(dkt as i32), Arg::F(eps)];
+                        let args = vec![
+                            r[0],
+                            r[1],
+                            r[3],
+                            r[5],
+                            r[6],
+                            Arg::P(h_buf),
+                            Arg::P(w),
+                            Arg::P(a),
+                            Arg::L((mp * dkt * 16) as i64),
+                            Arg::I(planes_a as i32),
+                            Arg::I(dkt as i32),
+                            Arg::F(eps),
+                        ];
                         list.pop();
                         list.push(Launch { f: f.reduce_rms, name: "st_reduce_rms", grid: (bp as u32, 1, 1), block: 256, smem: 0, args });
                         return;

@@ -467,7 +467,11 @@ fn run_log(log: &[MemOp], mem: &mut [u8], grid: Option<(u32, u32)>) {
         if got != want {
             let missing = want.difference(&got).next();
             let extra = got.difference(&want).next();
-            panic!("the launch (grid {gx}, block {block}) stores {} bytes for {} destination bytes; first missing {missing:?}, first extra {extra:?}: {table:?}", got.len(), want.len());
+            panic!(
+                "the launch (grid {gx}, block {block}) stores {} bytes for {} destination bytes; first missing {missing:?}, first extra {extra:?}: {table:?}",
+                got.len(),
+                want.len()
+            );
         }
         for (at, bytes) in stores.iter().rev() {
             mem[*at as usize..*at as usize + bytes.len()].copy_from_slice(bytes);
