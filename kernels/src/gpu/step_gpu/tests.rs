@@ -12,6 +12,9 @@ use super::*;
 use crate::gpu::launch::DriverFault;
 use crate::step::{StepKda, StepLayer, StepMla, StepModel, StepOptions, StepPlacement, StepRank, StepRegion, WeightDtype};
 
+/// Launches a recorder keeps: the kernel, and whether it was a dependent launch.
+type LaunchLog = Arc<std::sync::Mutex<Vec<(&'static str, bool)>>>;
+
 /// A driver that runs nothing: kernels are their names, allocations are
 /// distinct fake addresses, copies and launches are never made (the lists
 /// are only built).
@@ -23,7 +26,7 @@ struct Recorder {
     lds: Option<usize>,
     /// Where set, launches are recorded here (the kernel, and whether it was
     /// a dependent launch) instead of refused.
-    launched: Option<Arc<std::sync::Mutex<Vec<(&'static str, bool)>>>>,
+    launched: Option<LaunchLog>,
 }
 
 impl Recorder {
