@@ -54,10 +54,11 @@ pub struct DeviceConfig {
     pub graphs: bool,
     /// On a CUDA device of compute capability 9.0 or later, launch each
     /// kernel of the decode step as a programmatic dependent of the one
-    /// before (the default): the next kernel is launched while the last
-    /// blocks of the one before run, and waits for it on the device. `false`
-    /// launches in plain stream order. The bits are the same either way.
-    #[serde(default = "default_graphs")]
+    /// before: the next kernel is launched while the last blocks of the one
+    /// before run, and waits for it on the device. Off by default: on an H100
+    /// (session 22) it took 1-2% off the step at B = 1 and added 2-5% at B =
+    /// 32 and 88 (`bench compute` prints both). The bits are the same either way.
+    #[serde(default)]
     pub dependent_launch: bool,
     /// On a CUDA device, `handoff up` runs its roles under an MPS server of its
     /// own (started with it, stopped with it), so that roles sharing one GPU run
@@ -73,7 +74,7 @@ fn default_graphs() -> bool {
 
 impl Default for DeviceConfig {
     fn default() -> Self {
-        DeviceConfig { kind: DeviceKind::Cpu, ordinal: 0, graphs: true, dependent_launch: true, mps: false }
+        DeviceConfig { kind: DeviceKind::Cpu, ordinal: 0, graphs: true, dependent_launch: false, mps: false }
     }
 }
 

@@ -34,7 +34,7 @@ pub fn compute_chart(f: &ComputeFigures, topo: &Topology, device: &DeviceConfig,
             floor_us: x.floor_us,
             runs: vec![
                 ("handoff".into(), x.graph_us),
-                ("same graph, no dependent launches".into(), x.graph_plain_us),
+                ("same graph, dependent launches".into(), x.graph_dependent_us),
                 ("same step, graphs off".into(), x.launched_us),
             ],
         });
