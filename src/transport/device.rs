@@ -542,45 +542,13 @@ mod tests {
         }
     }
 
-    /// Device memory that only has a label (the transport's name comes from it).
-    struct Labelled(&'static str);
-
-    impl DeviceMemory for Labelled {
-        fn label(&self) -> String {
-            self.0.into()
-        }
-        fn alloc(&self, _: u64) -> handoff_kernels::Result<u64> {
-            Err(handoff_kernels::KernelError::Unsupported { op: "alloc", backend: "labelled".into(), reason: "a label only".into() })
-        }
-        unsafe fn free(&self, _: u64) {}
-        fn export(&self, _: u64) -> handoff_kernels::Result<Vec<u8>> {
-            Ok(Vec::new())
-        }
-        fn open(&self, _: &[u8]) -> handoff_kernels::Result<u64> {
-            Ok(0)
-        }
-        unsafe fn close(&self, _: u64) {}
-        unsafe fn copy(&self, _: &[Copy2d]) -> handoff_kernels::Result<CopyTicket> {
-            Ok(CopyTicket(1))
-        }
-        fn done(&self, _: CopyTicket) -> handoff_kernels::Result<bool> {
-            Ok(true)
-        }
-        unsafe fn read(&self, _: u64, _: &mut [u8]) -> handoff_kernels::Result<()> {
-            Ok(())
-        }
-        unsafe fn write(&self, _: u64, _: &[u8]) -> handoff_kernels::Result<()> {
-            Ok(())
-        }
-    }
-
     /// HIP's device memory makes the transport hip-ipc, CUDA's (and any
     /// other) cuda-ipc, and its refusals name it.
     #[test]
     fn the_transport_is_named_after_its_memorys_platform() {
         let dir = std::env::temp_dir();
         for (label, name) in [("hip:0", "hip-ipc"), ("cuda:0", "cuda-ipc")] {
-            let t = DeviceTransport::new(Arc::new(Labelled(label)), 0, &dir, ClusterSecret::from_bytes(b"test")).expect("transport");
+            let t = DeviceTransport::new(Arc::new(Marked { label, ..Marked::default() }), 0, &dir, ClusterSecret::from_bytes(b"test")).expect("transport");
             assert_eq!((t.name(), t.device()), (name, label.to_string()));
             let e = t
                 .register_memory(RankId::Prefill(handoff_components::vocab::PrefillRank { pp: 0, tp: 0 }), RegionKind::MlaKv, 64, MemoryKind::Host)
@@ -590,16 +558,18 @@ mod tests {
     }
 
     /// Device memory that allocates made-up addresses, copies nothing and
-    /// records each copy list's length and the marks it waits on.
+    /// records each copy list's length and the marks it waits on; its label
+    /// ("cuda:0" when empty) names the transport.
     #[derive(Default)]
     struct Marked {
+        label: &'static str,
         next: AtomicU64,
         copies: Mutex<Vec<(usize, Vec<StreamMark>)>>,
     }
 
     impl DeviceMemory for Marked {
         fn label(&self) -> String {
-            "cuda:0".into()
+            if self.label.is_empty() { "cuda:0".into() } else { self.label.into() }
         }
         fn alloc(&self, _: u64) -> handoff_kernels::Result<u64> {
             Ok((self.next.fetch_add(1, Ordering::Relaxed) + 1) << 32)
