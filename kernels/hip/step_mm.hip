@@ -465,11 +465,12 @@ extern "C" __global__ void st_reduce(
 // row b into h in st_reduce's order and, after a barrier (the row's new
 // values, written by this block, are then seen by all its threads), packs
 // the row's RMSNorm as st_rms_pack does: the same bits as the two kernels.
-// Launch: grid (rows); block 256.
+// The host fuses only where the row is the norm's (ncols = dim). Launch: grid
+// (rows); block 256.
 extern "C" __global__ void st_reduce_rms(
     const float* __restrict__ part, hk_i64 part_seg, int ldp, int ncols, int S,
     float* __restrict__ h, const float* __restrict__ w,
-    unsigned short* __restrict__ a, hk_i64 a_plane, int planes, int akt, float eps)
+    unsigned short* __restrict__ a, hk_i64 a_plane, int planes, int dim, int akt, float eps)
 {
     HK_GRID_DEP();
     __shared__ float red[32];
@@ -487,7 +488,7 @@ extern "C" __global__ void st_reduce_rms(
         for (int i = 0; i < 4; ++i) o[i] = o[i] + v[i];
     }
     __syncthreads();
-    st_rms_pack_row(h, w, a, a_plane, planes, ncols, akt, eps, r, red);
+    st_rms_pack_row(h, w, a, a_plane, planes, dim, akt, eps, r, red);
 }
 
 #define ST_MM_ARGS                                                                                               \

@@ -21,7 +21,7 @@ int main() {
         });
         launch({(unsigned)M, 1, 1}, 256, [&] { st_rms_pack(h1.data(), w.data(), a1.data(), a_plane, planes, d, akt, 1e-6f); });
         launch({(unsigned)M, 1, 1}, 256, [&] {
-            st_reduce_rms(part.data(), part_seg, ldp, d, S, h2.data(), w.data(), a2.data(), a_plane, planes, akt, 1e-6f);
+            st_reduce_rms(part.data(), part_seg, ldp, d, S, h2.data(), w.data(), a2.data(), a_plane, planes, d, akt, 1e-6f);
         });
         const bool same = memcmp(h1.data(), h2.data(), h1.size() * 4) == 0 && memcmp(a1.data(), a2.data(), a1.size() * 2) == 0;
         const bool moved = memcmp(h1.data(), h0.data(), h1.size() * 4) != 0;

@@ -435,6 +435,12 @@ impl<D: Driver> GpuStep<D> {
                 args.extend(epilogue);
                 list.extend(f.mm.launches(name, bp, w.nt, w.segments, w.groups, terms, args));
             };
+            // The norm's arguments after the row source, as st_rms_pack and
+            // st_reduce_rms both take them: weight, packed operand and its
+            // plane, planes, width, k tiles, eps.
+            let norm = |w: u64, a: u64| {
+                [Arg::P(w), Arg::P(a), Arg::L((mp * dkt * 16) as i64), Arg::I(planes_a as i32), Arg::I(d as i32), Arg::I(dkt as i32), Arg::F(eps)]
+            };
             let rms_pack = |list: &mut Vec<Launch<D::Func>>, w: u64, a: u64| {
                 // After a product into the residual (o_proj, down) whose
                 // segments st_reduce adds (more than 16 rows): that sum and
@@ -444,20 +450,8 @@ impl<D: Driver> GpuStep<D> {
                     // part_group, ldp, M, ncols, S, G, mode, out, ldo, ...
                     let r = &last.args;
                     if r[7] == Arg::I(1) && r[8] == Arg::I(1) && r[9] == Arg::P(h_buf) && r[10] == Arg::I(d as i32) && r[5] == Arg::I(d as i32) {
-                        let args = vec![
-                            r[0],
-                            r[1],
-                            r[3],
-                            r[5],
-                            r[6],
-                            Arg::P(h_buf),
-                            Arg::P(w),
-                            Arg::P(a),
-                            Arg::L((mp * dkt * 16) as i64),
-                            Arg::I(planes_a as i32),
-                            Arg::I(dkt as i32),
-                            Arg::F(eps),
-                        ];
+                        let mut args = vec![r[0], r[1], r[3], r[5], r[6], Arg::P(h_buf)];
+                        args.extend(norm(w, a));
                         list.pop();
                         list.push(Launch { f: f.reduce_rms, name: "st_reduce_rms", grid: (bp as u32, 1, 1), block: 256, smem: 0, args });
                         return;
@@ -469,16 +463,7 @@ impl<D: Driver> GpuStep<D> {
                     grid: (bp as u32, 1, 1),
                     block: 256,
                     smem: 0,
-                    args: vec![
-                        Arg::P(h_buf),
-                        Arg::P(w),
-                        Arg::P(a),
-                        Arg::L((mp * dkt * 16) as i64),
-                        Arg::I(planes_a as i32),
-                        Arg::I(d as i32),
-                        Arg::I(dkt as i32),
-                        Arg::F(eps),
-                    ],
+                    args: [Arg::P(h_buf)].into_iter().chain(norm(w, a)).collect(),
                 });
             };
             list.push(Launch {
