@@ -1,7 +1,8 @@
 //! Small helpers that every layer of this crate shares, kept here, at the bottom,
 //! so that no layer copies them and none imports them from a layer above.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 /// Locks `m`, taking the value even when a thread panicked while holding it: the
 /// guarded state here is counters, maps and queues that stay consistent between
@@ -13,3 +14,39 @@ pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// SplitMix64's finalizer, shared with the sampling's draws (one copy, in the
 /// components crate below every layer).
 pub use handoff_components::sampling::mix;
+
+/// How long [`wait_until`] re-checks its condition (yielding between checks)
+/// before it sleeps on the condition variable. A hand-off's completion crosses
+/// threads three times (device event, transport, mover, engine); a sleeping
+/// thread's wake-up costs tens to hundreds of microseconds on a loaded host,
+/// where a flagship pass at 32K tokens is about a millisecond of copies, so a
+/// waiter that expects its answer within about that long polls instead.
+pub const SPIN: Duration = Duration::from_micros(2000);
+
+/// Waits on `cv` until `ready` holds for the guarded value or `deadline`
+/// passes; returns the guard and whether `ready` held. For the first [`SPIN`]
+/// it drops the lock and yields between checks, then sleeps on `cv` (whoever
+/// makes `ready` true must notify `cv`, as for a plain wait).
+pub fn wait_until<'a, T>(m: &'a Mutex<T>, cv: &Condvar, deadline: Instant, mut ready: impl FnMut(&mut T) -> bool) -> (MutexGuard<'a, T>, bool) {
+    let spin_until = Instant::now() + SPIN;
+    let mut g = lock(m);
+    loop {
+        if ready(&mut g) {
+            return (g, true);
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return (g, false);
+        }
+        if now < spin_until {
+            drop(g);
+            std::thread::yield_now();
+            g = lock(m);
+            continue;
+        }
+        g = match cv.wait_timeout(g, deadline - now) {
+            Ok((g, _)) => g,
+            Err(p) => p.into_inner().0,
+        };
+    }
+}

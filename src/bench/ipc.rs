@@ -18,7 +18,7 @@ use crate::check::oracle::{self, OracleRequest, Placement};
 use crate::engine::mover::{MoverOptions, TransportMover};
 use crate::transport::auth::{ClusterSecret, SECRET_ENV};
 use crate::transport::device::{DeviceTransport, Submission};
-use crate::transport::{MemoryKind, RegionHandle, Transport, TransportExt, shm};
+use crate::transport::{MemoryKind, RegionHandle, RemoteRegion, Transport, TransportExt, shm};
 use anyhow::{Context, anyhow, bail};
 use handoff_components::Topology;
 use handoff_components::plan::{Descriptor, Plan};
@@ -104,6 +104,9 @@ pub struct IpcReport {
     pub by_kind: String,
     /// Where one more pass's time goes (its submissions).
     pub timeline: String,
+    /// The pass's descriptors in one submission straight through the
+    /// transport (no mover), GB/s.
+    pub direct_gbs: f64,
     /// The peers of the same run, GB/s: one contiguous copy in this process,
     /// and one into the consumer's memory through IPC.
     pub copy_gbs: f64,
@@ -127,6 +130,7 @@ impl fmt::Display for IpcReport {
         writeln!(f, "hand-off: {:.1} GB/s ({:.1} us per pass)", self.handoff_gbs, self.seconds / self.passes as f64 * 1e6)?;
         writeln!(f, "by kind: {}", self.by_kind)?;
         writeln!(f, "timeline of one more pass: {}", self.timeline)?;
+        writeln!(f, "the pass in one submission without the mover: {:.1} GB/s ({:.3} of device copy)", self.direct_gbs, self.direct_gbs / self.copy_gbs.max(1e-9))?;
         writeln!(f, "device copy (same run, {bytes_per_pass} B contiguous, this process): {:.1} GB/s", self.copy_gbs)?;
         writeln!(f, "IPC copy (same run, {bytes_per_pass} B contiguous into the consumer): {:.1} GB/s", self.ipc_gbs)?;
         writeln!(f, "byte-exact: yes, every consumer byte checked by the oracle in the consumer process ({} pattern bytes)", self.pattern_bytes)?;
@@ -167,6 +171,9 @@ pub fn bench_transfer_ipc(config_path: &str, ordinal: u32, tokens: u64, requests
     let opts = MoverOptions { staging: o.staging, workers: o.workers.max(1), batch_timeout: Duration::from_secs(120), ..MoverOptions::from_topology(&topo) };
     let mut mover = TransportMover::new(producer.clone() as Arc<dyn Transport>, opts)?;
     let memory = MemoryKind::Device { ordinal };
+    // The same regions, for the passes written straight through the transport.
+    let mut sources: BTreeMap<(RankId, RegionKind), RegionHandle> = BTreeMap::new();
+    let mut targets: BTreeMap<(RankId, RegionKind), RemoteRegion> = BTreeMap::new();
     for r in engine.regions() {
         let RankId::Prefill(p) = r.rank else { continue };
         let (rank, kind) = (r.rank, r.layout.kind);
@@ -178,11 +185,36 @@ pub fn bench_transfer_ipc(config_path: &str, ordinal: u32, tokens: u64, requests
                 producer.write_region(&h, |b| oracle::fill_producer(&topo, p, kind, r.layout.units, &req, &at, b))?;
             }
         }
+        sources.insert((rank, kind), h.clone());
         mover.add_source(h);
     }
     for h in &ready.regions {
-        mover.attach_target(h).with_context(|| format!("opening {h} through CUDA IPC"))?;
+        let remote = mover.attach_target(h).with_context(|| format!("opening {h} through CUDA IPC"))?;
+        targets.insert((h.rank, h.kind), remote);
     }
+    // A pass written straight through the transport: every plan's
+    // descriptors in one submission (one copy_after, one event), then one
+    // wait each; no mover, no worker thread. What the mover's pass costs
+    // beyond this is host time.
+    let direct = |jobs: &[(Ticket, Plan)]| -> anyhow::Result<()> {
+        let mut groups: Vec<(&RegionHandle, RemoteRegion, Vec<Descriptor>)> = Vec::new();
+        for (_, p) in jobs {
+            let mut by: BTreeMap<RegionKind, Vec<Descriptor>> = BTreeMap::new();
+            for d in &p.descriptors {
+                by.entry(d.kind).or_default().push(*d);
+            }
+            for (kind, descs) in by {
+                let src = sources.get(&(RankId::Prefill(p.producer), kind)).ok_or_else(|| anyhow!("no {kind} source of {}", RankId::Prefill(p.producer)))?;
+                let dst = *targets.get(&(RankId::Decode(p.consumer), kind)).ok_or_else(|| anyhow!("no {kind} target of {}", RankId::Decode(p.consumer)))?;
+                groups.push((src, dst, descs));
+            }
+        }
+        let writes: Vec<(&RegionHandle, RemoteRegion, &[Descriptor])> = groups.iter().map(|(s, d, v)| (*s, *d, v.as_slice())).collect();
+        for b in producer.submit_all(&writes) {
+            producer.wait(b?, Duration::from_secs(60))?;
+        }
+        Ok(())
+    };
 
     for _ in 0..o.warmup {
         run_pass(&mut mover, &jobs)?;
@@ -199,6 +231,7 @@ pub fn bench_transfer_ipc(config_path: &str, ordinal: u32, tokens: u64, requests
     run_pass(&mut mover, &jobs)?;
     let pass_us = pass_start.elapsed().as_secs_f64() * 1e6;
     let timeline = timeline(&producer.take_submissions(), pass_start, pass_us);
+    let direct_gbs = rate(bytes_per_pass, o.iterations.max(1), || direct(&jobs))?;
 
     // Where the time goes: the same passes, one region kind at a time.
     let mut by_kind = String::new();
@@ -220,15 +253,17 @@ pub fn bench_transfer_ipc(config_path: &str, ordinal: u32, tokens: u64, requests
             run_pass(&mut mover, &only)?;
         }
         let us = t.elapsed().as_secs_f64() / o.iterations.max(1) as f64 * 1e6;
+        let alone = rate(bytes, o.iterations.max(1), || direct(&only))?;
         write!(
             by_kind,
-            "{}{kind} {:.0} us ({} descriptors, {} rows of {} B avg, {:.1} GB/s)",
+            "{}{kind} {:.0} us ({} descriptors, {} rows of {} B avg, {:.1} GB/s; in one submission without the mover {:.1} GB/s)",
             if by_kind.is_empty() { "" } else { "; " },
             us,
             descs.len(),
             rows,
             bytes / rows.max(1),
-            bytes as f64 / us / 1e3
+            bytes as f64 / us / 1e3,
+            alone
         )?;
     }
 
@@ -283,6 +318,7 @@ pub fn bench_transfer_ipc(config_path: &str, ordinal: u32, tokens: u64, requests
         handoff_gbs,
         by_kind,
         timeline,
+        direct_gbs,
         copy_gbs,
         ipc_gbs,
         pattern_bytes,

@@ -167,36 +167,13 @@ impl MoverHandle {
     /// Waits until no ticket is in flight (its completion may still be unpolled).
     /// Returns whether that happened within `timeout`.
     pub fn wait_idle(&self, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        let mut book = lock(&self.shared.book);
-        while !book.in_flight.is_empty() {
-            let now = Instant::now();
-            if now >= deadline {
-                return false;
-            }
-            book = match self.shared.idle.wait_timeout(book, deadline - now) {
-                Ok((g, _)) => g,
-                Err(p) => p.into_inner().0,
-            };
-        }
-        true
+        crate::base::wait_until(&self.shared.book, &self.shared.idle, Instant::now() + timeout, |b| b.in_flight.is_empty()).1
     }
 
     /// Waits until a completion is ready to poll, or nothing is in flight, or
     /// `timeout` has passed.
     pub fn wait_completion(&self, timeout: Duration) {
-        let deadline = Instant::now() + timeout;
-        let mut book = lock(&self.shared.book);
-        while book.done.is_empty() && !book.in_flight.is_empty() {
-            let now = Instant::now();
-            if now >= deadline {
-                return;
-            }
-            book = match self.shared.idle.wait_timeout(book, deadline - now) {
-                Ok((g, _)) => g,
-                Err(p) => p.into_inner().0,
-            };
-        }
+        crate::base::wait_until(&self.shared.book, &self.shared.idle, Instant::now() + timeout, |b| !b.done.is_empty() || b.in_flight.is_empty());
     }
 
     /// The transport the mover writes through.
@@ -337,18 +314,47 @@ fn runs_staged(transport: &str) -> bool {
 /// that reads each shared source once, not one each.
 const PLANS_PER_SUBMIT: usize = 64;
 
+/// How long a worker that holds some plans waits for the queue to stay quiet
+/// before it writes them (see [`worker`]).
+const GATHER_QUIET: Duration = Duration::from_micros(20);
+
+/// The next job: polled (yielding) for [`crate::base::SPIN`] first, since a
+/// sleeping worker's wake-up costs more than a pass's planning on a loaded
+/// host, then waited for; None once the mover is dropped.
+fn next_job(rx: &mpsc::Receiver<Job>) -> Option<Job> {
+    let until = Instant::now() + crate::base::SPIN;
+    while Instant::now() < until {
+        match rx.try_recv() {
+            Ok(j) => return Some(j),
+            Err(mpsc::TryRecvError::Empty) => std::thread::yield_now(),
+            Err(mpsc::TryRecvError::Disconnected) => return None,
+        }
+    }
+    rx.recv().ok()
+}
+
 fn worker(shared: &Shared, rx: &Mutex<mpsc::Receiver<Job>>) {
     let group = if shared.transport.groups_plans() { PLANS_PER_SUBMIT } else { 1 };
     loop {
         let jobs = {
             let rx = lock(rx);
-            let mut jobs = match rx.recv() {
-                Ok(j) => vec![j],
-                Err(_) => return,
+            let first = match next_job(&rx) {
+                Some(j) => j,
+                None => return,
             };
+            let mut jobs = vec![first];
+            // The plans a caller submits in one go (a pass, a tick's
+            // requests) arrive a few microseconds apart: gathered until the
+            // queue stays empty for GATHER_QUIET, they go out as one
+            // submission instead of as many as the worker happened to see.
+            let mut last = Instant::now();
             while jobs.len() < group {
                 match rx.try_recv() {
-                    Ok(j) => jobs.push(j),
+                    Ok(j) => {
+                        jobs.push(j);
+                        last = Instant::now();
+                    }
+                    Err(mpsc::TryRecvError::Empty) if group > 1 && last.elapsed() < GATHER_QUIET => std::thread::yield_now(),
                     Err(_) => break,
                 }
             }

@@ -101,13 +101,12 @@ pub struct Submission {
 
 impl Reaper {
     fn run(&self) {
-        let mut last: Option<(CopyTicket, Result<()>)> = None;
         loop {
             let next = {
                 let mut q = lock(&self.queue);
                 loop {
-                    if let Some(&front) = q.front() {
-                        break Some(front);
+                    if let Some(&(_, ticket)) = q.front() {
+                        break Some(ticket);
                     }
                     if self.stop.load(Ordering::Acquire) {
                         break None;
@@ -115,21 +114,21 @@ impl Reaper {
                     q = self.work.wait(q).unwrap_or_else(|p| p.into_inner());
                 }
             };
-            let Some((batch, ticket)) = next else { return };
-            // Batches queued together share a ticket: wait once, report each.
-            let r = match &last {
-                Some((t, r)) if *t == ticket => r.clone(),
-                _ => self.mem.wait(ticket).map_err(|e| device_err("device copy", e)),
-            };
-            if last.as_ref().is_none_or(|(t, _)| *t != ticket)
-                && let Some(log) = lock(&self.log).as_mut()
-            {
+            let Some(ticket) = next else { return };
+            let r = self.mem.wait(ticket).map_err(|e| device_err("device copy", e));
+            if let Some(log) = lock(&self.log).as_mut() {
                 let now = Instant::now();
                 log.iter_mut().filter(|s| s.ticket == ticket).for_each(|s| s.done = Some(now));
             }
-            last = Some((ticket, r.clone()));
-            lock(&self.queue).pop_front();
-            self.completions.finish(batch, r);
+            // A submission's batches are queued together under one lock, so
+            // they sit side by side at the front: all of them complete with
+            // its one event, in one wake-up of their waiters.
+            let batches: Vec<BatchId> = {
+                let mut q = lock(&self.queue);
+                let n = q.iter().take_while(|(_, t)| *t == ticket).count();
+                q.drain(..n).map(|(b, _)| b).collect()
+            };
+            self.completions.finish_all(&batches, r);
         }
     }
 

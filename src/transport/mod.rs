@@ -546,9 +546,21 @@ impl Completions {
     }
 
     pub fn finish(&self, batch: BatchId, result: Result<()>) {
+        self.finish_all(&[batch], result);
+    }
+
+    /// [`Completions::finish`] of batches that completed together (one
+    /// device event): one lock and one wake-up for all of them, not one each.
+    pub fn finish_all(&self, batches: &[BatchId], result: Result<()>) {
         let mut s = lock(&self.state);
-        if s.pending.remove(&batch) {
-            s.done.insert(batch, result);
+        let mut any = false;
+        for &batch in batches {
+            if s.pending.remove(&batch) {
+                s.done.insert(batch, result.clone());
+                any = true;
+            }
+        }
+        if any {
             self.cv.notify_all();
         }
     }
@@ -565,22 +577,11 @@ impl Completions {
 
     pub fn wait(&self, batch: BatchId, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
-        let mut s = lock(&self.state);
-        loop {
-            if let Some(r) = s.done.remove(&batch) {
-                return r;
-            }
-            if !s.pending.contains(&batch) {
-                return Err(TransportError::UnknownBatch(batch));
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(TransportError::Timeout { what: batch.to_string(), after: timeout });
-            }
-            s = match self.cv.wait_timeout(s, deadline - now) {
-                Ok((g, _)) => g,
-                Err(p) => p.into_inner().0,
-            };
+        let (mut s, _) = crate::base::wait_until(&self.state, &self.cv, deadline, |s| s.done.contains_key(&batch) || !s.pending.contains(&batch));
+        match s.done.remove(&batch) {
+            Some(r) => r,
+            None if !s.pending.contains(&batch) => Err(TransportError::UnknownBatch(batch)),
+            None => Err(TransportError::Timeout { what: batch.to_string(), after: timeout }),
         }
     }
 }

@@ -29,8 +29,11 @@ use crate::region::{Copy2d, CopyTicket, DeviceMemory, StreamMark, table_launches
 /// millisecond to queue), where one table launch queues up to 500 copies
 /// (48 on HIP).
 pub(super) const ENGINE_BYTES: u64 = 256 << 20;
-/// How long [`DeviceMemory::wait`] queries an event before it sleeps on it.
-const SPIN_BEFORE_SLEEP: std::time::Duration = std::time::Duration::from_micros(500);
+/// How long [`DeviceMemory::wait`] queries an event before it sleeps on it:
+/// longer than a flagship pass's copies at 32K tokens (about 1.1 ms on an
+/// H100), since the sleep's wake-up (a blocking-sync event) adds hundreds of
+/// microseconds to a hand-off that finished long before.
+const SPIN_BEFORE_SLEEP: std::time::Duration = std::time::Duration::from_millis(3);
 /// Streams copy batches are spread over.
 pub(super) const COPY_STREAMS: usize = 8;
 /// Threads of a `copy_table` block.
