@@ -689,8 +689,15 @@ static __device__ __forceinline__ const unsigned char* st_mla_row(
 // to f32 (bf16 and f16 widen exactly), so the math sees the values the f32
 // tiles would hold.
 #define MLA_PG_CH (MLA_TC_W / 8)  // 16-byte pieces of a 16-bit row
+// A ring of NS_ tiles: NS_ - 1 in flight while the math reads the oldest. A
+// paged tile's loads wait on a block-table read first, so one tile in
+// flight (NS_ = 2) left each tile's math waiting on its load; with four, a
+// 64-row chunk (four tiles) has all its loads issued before its first tile's
+// math.
+#define MLA_PG_RING 4
+template <int NS_>
 struct MlaRowsPaged {
-    static constexpr int NS = 2;
+    static constexpr int NS = NS_;
     static constexpr int TILE_BYTES = MLA_TC_TILE * MLA_TC_W * 2;
     const int* bt;              // the request's block table on this rank
     const unsigned char* base;  // the rank's mla.kv region
@@ -708,10 +715,13 @@ struct MlaRowsPaged {
             hk_cp16(dst + r * (MLA_TC_W * 2) + 16 * mla_tc_pos(r, c), src, valid);
         }
     }
-    __device__ void start(unsigned char* sR) { begin(sR, 0); }
-    __device__ void wait() { hk_cp_wait_all(); }
+    __device__ void start(unsigned char* sR) {
+#pragma unroll
+        for (int t = 0; t < NS - 1; ++t) begin(sR, t);
+    }
+    __device__ void wait() { hk_cp_wait_n<NS - 2>(); }
     __device__ void begin(unsigned char* sR, int t) {
-        if ((hk_i64)t * MLA_TC_TILE < n) load(sR + (t & 1) * TILE_BYTES, t);
+        if ((hk_i64)t * MLA_TC_TILE < n) load(sR + (t % NS) * TILE_BYTES, t);
         hk_cp_commit();
     }
     __device__ void land(unsigned char*, int) {}
@@ -737,8 +747,11 @@ struct MlaRowsPaged {
 // empty ones in a few instructions; the live chunks come first. The 16-bit
 // tiles (47 KB a block) and at most 128 registers let two blocks share a
 // multiprocessor, so one block's barriers and f64 latencies hide behind the
-// other's work. parts as st_mla_part's. Launch: grid (any, H / 8); block 256;
-// dynamic shared memory MLA_TC_SMEM_ELEM(8, 2).
+// other's work. The walk stops after the chunks of the longest live context
+// (member 0 owns the most rows of a request), so a short tick does not step
+// through the empty chunks of the longest context a step may hold. parts as
+// st_mla_part's. Launch: grid (any, H / 8); block 256; dynamic shared memory
+// MLA_TC_SMEM_RING(8, 2, MLA_PG_RING).
 extern "C" __global__ void __launch_bounds__(256, 2) st_mla_part_tc(
     const float* __restrict__ q_lat, const int* __restrict__ tick, int pos, int blk, int maxblk, int bmax,
     int dcp, int interleave, int bs, int hg,
@@ -749,7 +762,12 @@ extern "C" __global__ void __launch_bounds__(256, 2) st_mla_part_tc(
     HK_DYN_SMEM(double, smem);
     const int h0 = blockIdx.y * 8;
     const int live = tick[0];
-    const int items = maxc * live * dcp;
+    int longest = 0;  // tokens of the longest live request, the same in every lane
+    for (int b = threadIdx.x & 31; b < live; b += 32) longest = max(longest, tick[pos + b] + 1);
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) longest = max(longest, HK_SHFL_XOR(longest, o));
+    const int cmax = min(maxc, (st_owned(longest, dcp, 0, interleave) + chunk - 1) / chunk);
+    const int items = cmax * live * dcp;
     for (int it = blockIdx.x; it < items; it += gridDim.x) {
         const int j = it % dcp;
         const int b = (it / dcp) % live;
@@ -757,7 +775,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) st_mla_part_tc(
         const int nj = st_owned(tick[pos + b] + 1, dcp, j, interleave);
         const int r0 = c * chunk;
         if (r0 >= nj) continue;  // uniform in the block
-        MlaRowsPaged src;
+        MlaRowsPaged<MLA_PG_RING> src;
         const int rk = (h0 / hg) * dcp + j;
         src.bt = tick + blk + (rk * bmax + b) * maxblk;
         src.base = (const unsigned char*)mla_rows[rk];

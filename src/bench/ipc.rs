@@ -130,7 +130,12 @@ impl fmt::Display for IpcReport {
         writeln!(f, "hand-off: {:.1} GB/s ({:.1} us per pass)", self.handoff_gbs, self.seconds / self.passes as f64 * 1e6)?;
         writeln!(f, "by kind: {}", self.by_kind)?;
         writeln!(f, "timeline of one more pass: {}", self.timeline)?;
-        writeln!(f, "the pass in one submission without the mover: {:.1} GB/s ({:.3} of device copy)", self.direct_gbs, self.direct_gbs / self.copy_gbs.max(1e-9))?;
+        writeln!(
+            f,
+            "the pass in one submission without the mover: {:.1} GB/s ({:.3} of device copy)",
+            self.direct_gbs,
+            self.direct_gbs / self.copy_gbs.max(1e-9)
+        )?;
         writeln!(f, "device copy (same run, {bytes_per_pass} B contiguous, this process): {:.1} GB/s", self.copy_gbs)?;
         writeln!(f, "IPC copy (same run, {bytes_per_pass} B contiguous into the consumer): {:.1} GB/s", self.ipc_gbs)?;
         writeln!(f, "byte-exact: yes, every consumer byte checked by the oracle in the consumer process ({} pattern bytes)", self.pattern_bytes)?;

@@ -95,9 +95,10 @@ const ST_WG_THREADS: u32 = 256;
 /// sm_90 block may have 227 KiB in all, static (st_last_finish's flag) and
 /// dynamic together, so 1 KiB stays free of the dynamic part.
 const MM_SMEM_MAX: u32 = 226 * 1024;
-/// MLA_TC_SMEM_ELEM(8, 2) of mla.hip: the tensor-core partial's shared memory
-/// (16-bit row tiles).
-const MLA_TC_SMEM8: u32 = (((8 * 8 + 8) * 20 + 8) * 8 + 2 * 16 * 576 * 2) as u32;
+/// MLA_TC_SMEM_RING(8, 2, MLA_PG_RING) of mla.hip: the shared memory of
+/// st_mla_part_tc, the scores' scratch and a ring of MLA_PG_RING (4) tiles of
+/// 16 16-bit rows (85,312 bytes: two blocks a multiprocessor).
+const MLA_TC_SMEM8: u32 = (((8 * 8 + 8) * 20 + 8) * 8 + 4 * 16 * 576 * 2) as u32;
 
 /// The fused decode step on one GPU, through driver `D`.
 pub(crate) struct GpuStep<D: Driver> {
