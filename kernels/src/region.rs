@@ -316,6 +316,18 @@ pub trait DeviceMemory: Send + Sync {
         }
         Ok(())
     }
+    /// Runs `copies` as [`DeviceMemory::copy`] queues them, waits, and
+    /// returns the device's time between an event recorded before the first
+    /// and one after the last: what the copies cost on the device, without
+    /// the host's queueing and wake-ups (a bench's measure; the default says
+    /// this memory cannot time its copies).
+    ///
+    /// # Safety
+    /// As [`DeviceMemory::copy`].
+    unsafe fn time_copies(&self, copies: &[Copy2d]) -> Result<std::time::Duration> {
+        let _ = copies;
+        Err(KernelError::Unsupported { op: "time_copies", backend: self.label(), reason: "it has no device timer".into() })
+    }
     /// Copies `out.len()` bytes at `addr` to the host (waits).
     ///
     /// # Safety

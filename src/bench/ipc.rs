@@ -32,6 +32,9 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// Runs of each submission timed on the device's clock; the median is reported.
+const DEVICE_REPS: u32 = 9;
+
 /// What the producer tells the consumer process first.
 #[derive(Debug, Serialize, Deserialize)]
 struct ConsumerJob {
@@ -107,6 +110,11 @@ pub struct IpcReport {
     /// The pass's descriptors in one submission straight through the
     /// transport (no mover), GB/s.
     pub direct_gbs: f64,
+    /// The device copy's rate on the device's own clock (events), GB/s.
+    pub copy_device_gbs: f64,
+    /// The pass and each kind on the device's own clock, GB/s and the
+    /// fraction of `copy_device_gbs`.
+    pub on_device: String,
     /// The peers of the same run, GB/s: one contiguous copy in this process,
     /// and one into the consumer's memory through IPC.
     pub copy_gbs: f64,
@@ -138,6 +146,11 @@ impl fmt::Display for IpcReport {
         )?;
         writeln!(f, "device copy (same run, {bytes_per_pass} B contiguous, this process): {:.1} GB/s", self.copy_gbs)?;
         writeln!(f, "IPC copy (same run, {bytes_per_pass} B contiguous into the consumer): {:.1} GB/s", self.ipc_gbs)?;
+        writeln!(
+            f,
+            "on the device's clock (events around one submission, median of {DEVICE_REPS}; the device copy {:.1} GB/s): {}",
+            self.copy_device_gbs, self.on_device
+        )?;
         writeln!(f, "byte-exact: yes, every consumer byte checked by the oracle in the consumer process ({} pattern bytes)", self.pattern_bytes)?;
         writeln!(f, "ratio to IPC copy: {:.3}", self.handoff_gbs / self.ipc_gbs.max(1e-9))?;
         write!(f, "ratio to device copy: {:.3}", self.handoff_gbs / self.copy_gbs.max(1e-9))
@@ -201,8 +214,8 @@ pub fn bench_transfer_ipc(config_path: &str, ordinal: u32, tokens: u64, requests
     // descriptors in one submission (one copy_after, one event), then one
     // wait each; no mover, no worker thread. What the mover's pass costs
     // beyond this is host time.
-    let direct = |jobs: &[(Ticket, Plan)]| -> anyhow::Result<()> {
-        let mut groups: Vec<(&RegionHandle, RemoteRegion, Vec<Descriptor>)> = Vec::new();
+    let groups = |jobs: &[(Ticket, Plan)]| -> anyhow::Result<Vec<(RegionHandle, RemoteRegion, Vec<Descriptor>)>> {
+        let mut groups = Vec::new();
         for (_, p) in jobs {
             let mut by: BTreeMap<RegionKind, Vec<Descriptor>> = BTreeMap::new();
             for d in &p.descriptors {
@@ -211,14 +224,28 @@ pub fn bench_transfer_ipc(config_path: &str, ordinal: u32, tokens: u64, requests
             for (kind, descs) in by {
                 let src = sources.get(&(RankId::Prefill(p.producer), kind)).ok_or_else(|| anyhow!("no {kind} source of {}", RankId::Prefill(p.producer)))?;
                 let dst = *targets.get(&(RankId::Decode(p.consumer), kind)).ok_or_else(|| anyhow!("no {kind} target of {}", RankId::Decode(p.consumer)))?;
-                groups.push((src, dst, descs));
+                groups.push((src.clone(), dst, descs));
             }
         }
-        let writes: Vec<(&RegionHandle, RemoteRegion, &[Descriptor])> = groups.iter().map(|(s, d, v)| (*s, *d, v.as_slice())).collect();
-        for b in producer.submit_all(&writes) {
+        Ok(groups)
+    };
+    let direct = |jobs: &[(Ticket, Plan)]| -> anyhow::Result<()> {
+        let g = groups(jobs)?;
+        let w: Vec<(&RegionHandle, RemoteRegion, &[Descriptor])> = g.iter().map(|(s, d, v)| (s, *d, v.as_slice())).collect();
+        for b in producer.submit_all(&w) {
             producer.wait(b?, Duration::from_secs(60))?;
         }
         Ok(())
+    };
+    // The device's own time for the same submission (events on its stream),
+    // the median of `reps`: the copies' rate without the host's part.
+    let on_device = |jobs: &[(Ticket, Plan)], reps: u32| -> anyhow::Result<f64> {
+        let g = groups(jobs)?;
+        let w: Vec<(&RegionHandle, RemoteRegion, &[Descriptor])> = g.iter().map(|(s, d, v)| (s, *d, v.as_slice())).collect();
+        producer.time_on_device(&w)?;
+        let mut t: Vec<f64> = (0..reps.max(1)).map(|_| producer.time_on_device(&w).map(|d| d.as_secs_f64())).collect::<Result<_, _>>()?;
+        t.sort_by(f64::total_cmp);
+        Ok(t[t.len() / 2])
     };
 
     for _ in 0..o.warmup {
@@ -240,6 +267,8 @@ pub fn bench_transfer_ipc(config_path: &str, ordinal: u32, tokens: u64, requests
 
     // Where the time goes: the same passes, one region kind at a time.
     let mut by_kind = String::new();
+    let mut kinds_on_device: Vec<(RegionKind, u64, f64)> = Vec::new();
+    let pass_device_s = on_device(&jobs, DEVICE_REPS)?;
     for kind in [RegionKind::MlaKv, RegionKind::KdaState, RegionKind::KdaConv, RegionKind::ReplayRecords] {
         let only: Vec<(Ticket, Plan)> = jobs
             .iter()
@@ -259,16 +288,20 @@ pub fn bench_transfer_ipc(config_path: &str, ordinal: u32, tokens: u64, requests
         }
         let us = t.elapsed().as_secs_f64() / o.iterations.max(1) as f64 * 1e6;
         let alone = rate(bytes, o.iterations.max(1), || direct(&only))?;
+        let device_s = on_device(&only, DEVICE_REPS)?;
+        kinds_on_device.push((kind, bytes, device_s));
         write!(
             by_kind,
-            "{}{kind} {:.0} us ({} descriptors, {} rows of {} B avg, {:.1} GB/s; in one submission without the mover {:.1} GB/s)",
+            "{}{kind} {:.0} us ({} descriptors, {} rows of {} B avg, {:.1} GB/s; in one submission without the mover {:.1} GB/s; on the device {:.1} us, {:.1} GB/s)",
             if by_kind.is_empty() { "" } else { "; " },
             us,
             descs.len(),
             rows,
             bytes / rows.max(1),
             bytes as f64 / us / 1e3,
-            alone
+            alone,
+            device_s * 1e6,
+            bytes as f64 / device_s.max(1e-12) / 1e9
         )?;
     }
 
@@ -283,6 +316,25 @@ pub fn bench_transfer_ipc(config_path: &str, ordinal: u32, tokens: u64, requests
     let timeout = Duration::from_secs(60);
     let reps = o.iterations.max(1) * 3;
     let copy_gbs = rate(bytes_per_pass, reps, || Ok(producer.transfer(&src, here, &one, timeout)?))?;
+    let copy_device_s = {
+        producer.time_on_device(&[(&src, here, &one)])?;
+        let mut t: Vec<f64> = (0..DEVICE_REPS).map(|_| producer.time_on_device(&[(&src, here, &one)]).map(|d| d.as_secs_f64())).collect::<Result<_, _>>()?;
+        t.sort_by(f64::total_cmp);
+        t[t.len() / 2]
+    };
+    let copy_device_gbs = bytes_per_pass as f64 / copy_device_s.max(1e-12) / 1e9;
+    let on_device_line = std::iter::once(format!(
+        "the pass {:.1} GB/s ({:.3})",
+        bytes_per_pass as f64 / pass_device_s.max(1e-12) / 1e9,
+        copy_device_s / pass_device_s.max(1e-12)
+    ))
+    .chain(
+        kinds_on_device
+            .iter()
+            .map(|(k, b, t)| format!("{k} {:.1} GB/s ({:.3})", *b as f64 / t.max(1e-12) / 1e9, (*b as f64 / t.max(1e-12) / 1e9) / copy_device_gbs)),
+    )
+    .collect::<Vec<_>>()
+    .join("; ");
     let ipc_gbs = rate(bytes_per_pass, reps, || Ok(producer.transfer(&src, there, &one, timeout)?))?;
 
     // The consumer checks every byte of what it was handed.
@@ -324,6 +376,8 @@ pub fn bench_transfer_ipc(config_path: &str, ordinal: u32, tokens: u64, requests
         by_kind,
         timeline,
         direct_gbs,
+        copy_device_gbs,
+        on_device: on_device_line,
         copy_gbs,
         ipc_gbs,
         pattern_bytes,

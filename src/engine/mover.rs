@@ -173,7 +173,7 @@ impl MoverHandle {
     /// Waits until a completion is ready to poll, or nothing is in flight, or
     /// `timeout` has passed.
     pub fn wait_completion(&self, timeout: Duration) {
-        crate::base::wait_until(&self.shared.book, &self.shared.idle, Instant::now() + timeout, |b| !b.done.is_empty() || b.in_flight.is_empty());
+        let _ = crate::base::wait_until(&self.shared.book, &self.shared.idle, Instant::now() + timeout, |b| !b.done.is_empty() || b.in_flight.is_empty());
     }
 
     /// The transport the mover writes through.

@@ -201,8 +201,33 @@ impl DeviceTransport {
         self.mem.label()
     }
 
+    /// The device's time for `writes` (each checked as `submit` checks it),
+    /// queued as one submission and timed by events on its stream: what the
+    /// copies cost on the GPU, without the host's queueing and wake-ups
+    /// (`bench transfer`'s per-kind rates).
+    pub fn time_on_device(&self, writes: &[(&RegionHandle, RemoteRegion, &[Descriptor])]) -> Result<Duration> {
+        let mut list = Vec::new();
+        for &(src, dst, descriptors) in writes {
+            list.extend(self.copy_list(src, dst, descriptors)?);
+        }
+        // SAFETY: every descriptor was validated against both regions above.
+        unsafe { self.mem.time_copies(&list) }.map_err(|e| device_err("device copy timing", e))
+    }
+
     fn next_id(&self) -> u64 {
         DEVICE_ID | self.next.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The device copies of `descriptors` from `src` into `dst`, each
+    /// checked against both regions.
+    fn copy_list(&self, src: &RegionHandle, dst: RemoteRegion, descriptors: &[Descriptor]) -> Result<Vec<Copy2d>> {
+        let (src_addr, src_len) = self.local(src)?;
+        let (dst_addr, dst_len, dst_kind) = match read(&self.attached).get(&dst.id) {
+            Some(a) => (a.addr, a.len, a.kind),
+            None => return Err(TransportError::UnknownRegion(format!("attachment {} ({})", dst.id, dst.kind))),
+        };
+        validate(descriptors, Some(src_len), dst_len, dst_kind)?;
+        Ok(copies(descriptors, src_addr, dst_addr))
     }
 
     fn local(&self, handle: &RegionHandle) -> Result<(u64, u64)> {
@@ -410,15 +435,7 @@ impl Transport for DeviceTransport {
         let mut list = Vec::new();
         let mut ok = Vec::new();
         for (i, &(src, dst, descriptors)) in writes.iter().enumerate() {
-            let checked = self.local(src).and_then(|(src_addr, src_len)| {
-                let (dst_addr, dst_len, dst_kind) = match read(&self.attached).get(&dst.id) {
-                    Some(a) => (a.addr, a.len, a.kind),
-                    None => return Err(TransportError::UnknownRegion(format!("attachment {} ({})", dst.id, dst.kind))),
-                };
-                validate(descriptors, Some(src_len), dst_len, dst_kind)?;
-                Ok(copies(descriptors, src_addr, dst_addr))
-            });
-            match checked {
+            match self.copy_list(src, dst, descriptors) {
                 Ok(c) => {
                     list.extend(c);
                     ok.push(i);

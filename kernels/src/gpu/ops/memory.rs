@@ -215,6 +215,35 @@ impl<D: MemoryDriver> DeviceMem<D> {
         r.map_err(dev(op))
     }
 
+    /// Queues `copies` on `stream`: large contiguous copies on the copy
+    /// engines, the rest through copy_table, in the list's order (the table
+    /// copies before an engine copy are queued before it).
+    ///
+    /// # Safety
+    /// As [`DeviceMemory::copy`].
+    unsafe fn queue_copies(&self, op: &'static str, stream: &D, copies: &[Copy2d]) -> Result<()> {
+        let engine = |c: &Copy2d| (contiguous(c) && c.width * c.height >= ENGINE_BYTES) || c.width / word_bytes(c) >= COPY_WORDS;
+        let mut pending: Vec<Copy2d> = Vec::new();
+        for c in copies.iter().filter(|c| c.width > 0 && c.height > 0) {
+            if engine(c) {
+                self.launch_tables(op, stream, &pending)?;
+                pending.clear();
+                // SAFETY: the caller guarantees every range.
+                unsafe { self.engine_copy(op, stream, c)? };
+            } else {
+                // Whole rows, fewer than COPY_WORDS words a part.
+                let rows = (COPY_WORDS / (c.width / word_bytes(c)).max(1)).max(1);
+                let mut r0 = 0;
+                while r0 < c.height {
+                    let h = rows.min(c.height - r0);
+                    pending.push(Copy2d { src: c.src + r0 * c.src_pitch, dst: c.dst + r0 * c.dst_pitch, height: h, ..*c });
+                    r0 += h;
+                }
+            }
+        }
+        self.launch_tables(op, stream, &pending)
+    }
+
     fn event_of(&self, op: &'static str, ticket: CopyTicket) -> Result<Arc<D::Fence>> {
         self.events
             .lock()
@@ -290,29 +319,8 @@ impl<D: MemoryDriver> DeviceMemory for DeviceMem<D> {
         // copy (so the batch's event, and with it the write-done report,
         // follows the layers too).
         super::marks::wait_on(stream, after)?;
-        // Large contiguous copies go to the copy engines, the rest through
-        // copy_table; all on the batch's stream, in the batch's order (the
-        // table copies before an engine copy are queued before it).
-        let engine = |c: &Copy2d| (contiguous(c) && c.width * c.height >= ENGINE_BYTES) || c.width / word_bytes(c) >= COPY_WORDS;
-        let mut pending: Vec<Copy2d> = Vec::new();
-        for c in copies.iter().filter(|c| c.width > 0 && c.height > 0) {
-            if engine(c) {
-                self.launch_tables(op, stream, &pending)?;
-                pending.clear();
-                // SAFETY: the caller guarantees every range.
-                unsafe { self.engine_copy(op, stream, c)? };
-            } else {
-                // Whole rows, fewer than COPY_WORDS words a part.
-                let rows = (COPY_WORDS / (c.width / word_bytes(c)).max(1)).max(1);
-                let mut r0 = 0;
-                while r0 < c.height {
-                    let h = rows.min(c.height - r0);
-                    pending.push(Copy2d { src: c.src + r0 * c.src_pitch, dst: c.dst + r0 * c.dst_pitch, height: h, ..*c });
-                    r0 += h;
-                }
-            }
-        }
-        self.launch_tables(op, stream, &pending)?;
+        // SAFETY: the caller's contract.
+        unsafe { self.queue_copies(op, stream, copies)? };
         let spare = self.spare.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let ev = match spare {
             Some(ev) => ev,
@@ -363,6 +371,19 @@ impl<D: MemoryDriver> DeviceMemory for DeviceMem<D> {
             self.spare.lock().unwrap_or_else(|p| p.into_inner()).push(ev);
         }
         r
+    }
+
+    unsafe fn time_copies(&self, copies: &[Copy2d]) -> Result<std::time::Duration> {
+        let op = "region copy timing";
+        self.bind(op)?;
+        let stream = &self.copy_streams[self.next_stream.fetch_add(1, Ordering::Relaxed) % self.copy_streams.len()];
+        let start = stream.record_event().map_err(dev(op))?;
+        // SAFETY: the caller's contract.
+        unsafe { self.queue_copies(op, stream, copies)? };
+        let end = stream.record_event().map_err(dev(op))?;
+        stream.synchronize().map_err(dev(op))?;
+        let ms = stream.elapsed_ms(&start, &end).map_err(dev(op))?;
+        Ok(std::time::Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
     }
 
     unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<()> {
