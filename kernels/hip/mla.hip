@@ -763,10 +763,17 @@ extern "C" __global__ void __launch_bounds__(256, 2) st_mla_part_tc(
     const int h0 = blockIdx.y * 8;
     const int live = tick[0];
     int longest = 0;  // tokens of the longest live request, the same in every lane
-    for (int b = threadIdx.x & 31; b < live; b += 32) longest = max(longest, tick[pos + b] + 1);
+    for (int b = threadIdx.x & 31; b < live; b += 32) {
+        const int t = tick[pos + b] + 1;
+        longest = t > longest ? t : longest;
+    }
 #pragma unroll
-    for (int o = 16; o >= 1; o >>= 1) longest = max(longest, HK_SHFL_XOR(longest, o));
-    const int cmax = min(maxc, (st_owned(longest, dcp, 0, interleave) + chunk - 1) / chunk);
+    for (int o = 16; o >= 1; o >>= 1) {
+        const int t = HK_SHFL_XOR(longest, o);
+        longest = t > longest ? t : longest;
+    }
+    const int cl = (st_owned(longest, dcp, 0, interleave) + chunk - 1) / chunk;
+    const int cmax = cl < maxc ? cl : maxc;
     const int items = cmax * live * dcp;
     for (int it = blockIdx.x; it < items; it += gridDim.x) {
         const int j = it % dcp;

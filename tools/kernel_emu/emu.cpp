@@ -23,6 +23,8 @@ static double exch(double v, int lane_src) {
 }
 float __shfl_xor(float v, int m, int) { return (float)exch(v, (threadIdx.x & 31) ^ m); }
 double __shfl_xor(double v, int m, int) { return exch(v, (threadIdx.x & 31) ^ m); }
+int __shfl_xor(int v, int m, int) { return (int)exch((double)v, (threadIdx.x & 31) ^ m); }
+double __shfl(double v, int s, int) { return exch(v, s & 31); }
 float __shfl(float v, int s, int) { return (float)exch(v, s & 31); }
 unsigned __shfl(unsigned v, int s, int) { return (unsigned)exch((double)v, s & 31); }
 int __any(int p) { int r = 0; for (int l = 0; l < 32; ++l) r |= (int)exch((double)p, l); return r; }

@@ -16,6 +16,7 @@ extern thread_local BlockSync* hk_sync;
 struct alignas(16) float4 { float x, y, z, w; };
 struct alignas(8) float2 { float x, y; };
 struct uint4 { unsigned x, y, z, w; };
+struct alignas(8) uint2 { unsigned x, y; };
 static inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 #define __global__
 #define __device__
@@ -38,6 +39,8 @@ float __shfl_xor(float v, int m, int w);
 float __shfl(float v, int src, int w);
 unsigned __shfl(unsigned v, int src, int w);
 double __shfl_xor(double v, int m, int w);
+int __shfl_xor(int v, int m, int w);
+double __shfl(double v, int src, int w);
 int __any(int p);
 static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 static inline float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
