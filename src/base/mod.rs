@@ -15,20 +15,21 @@ pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// components crate below every layer).
 pub use handoff_components::sampling::mix;
 
-/// How long [`wait_until`] re-checks its condition (yielding between checks)
-/// before it sleeps on the condition variable. A hand-off's completion crosses
-/// threads three times (device event, transport, mover, engine); a sleeping
-/// thread's wake-up costs tens to hundreds of microseconds on a loaded host,
-/// where a flagship pass at 32K tokens is about a millisecond of copies, so a
-/// waiter that expects its answer within about that long polls instead.
+/// How long a waiter on a device's copies re-checks its condition (yielding
+/// between checks) before it sleeps ([`wait_until`]'s `spin` there). A
+/// hand-off's completion crosses threads three times (device event,
+/// transport, mover, engine); a sleeping thread's wake-up costs tens to
+/// hundreds of microseconds on a loaded host, where a flagship pass at 32K
+/// tokens is about a millisecond of copies, so a waiter that expects its
+/// answer within about that long polls instead.
 pub const SPIN: Duration = Duration::from_micros(2000);
 
 /// Waits on `cv` until `ready` holds for the guarded value or `deadline`
-/// passes; returns the guard and whether `ready` held. For the first [`SPIN`]
+/// passes; returns the guard and whether `ready` held. For the first `spin`
 /// it drops the lock and yields between checks, then sleeps on `cv` (whoever
 /// makes `ready` true must notify `cv`, as for a plain wait).
-pub fn wait_until<'a, T>(m: &'a Mutex<T>, cv: &Condvar, deadline: Instant, mut ready: impl FnMut(&mut T) -> bool) -> (MutexGuard<'a, T>, bool) {
-    let spin_until = Instant::now() + SPIN;
+pub fn wait_until<'a, T>(m: &'a Mutex<T>, cv: &Condvar, deadline: Instant, spin: Duration, mut ready: impl FnMut(&mut T) -> bool) -> (MutexGuard<'a, T>, bool) {
+    let spin_until = Instant::now() + spin;
     let mut g = lock(m);
     loop {
         if ready(&mut g) {

@@ -123,6 +123,9 @@ struct Shared {
     stager: OnceLock<Result<Stager, TransportError>>,
     book: Mutex<Book>,
     idle: Condvar,
+    /// How long waits poll before they sleep: [`crate::base::SPIN`] where the
+    /// transport's waits are polled ([`Transport::polls_waits`]), else zero.
+    spin: Duration,
 }
 
 /// A cheap handle on a [`TransportMover`]'s bookkeeping, usable after the mover
@@ -167,13 +170,15 @@ impl MoverHandle {
     /// Waits until no ticket is in flight (its completion may still be unpolled).
     /// Returns whether that happened within `timeout`.
     pub fn wait_idle(&self, timeout: Duration) -> bool {
-        crate::base::wait_until(&self.shared.book, &self.shared.idle, Instant::now() + timeout, |b| b.in_flight.is_empty()).1
+        crate::base::wait_until(&self.shared.book, &self.shared.idle, Instant::now() + timeout, self.shared.spin, |b| b.in_flight.is_empty()).1
     }
 
     /// Waits until a completion is ready to poll, or nothing is in flight, or
     /// `timeout` has passed.
     pub fn wait_completion(&self, timeout: Duration) {
-        let _ = crate::base::wait_until(&self.shared.book, &self.shared.idle, Instant::now() + timeout, |b| !b.done.is_empty() || b.in_flight.is_empty());
+        let _ = crate::base::wait_until(&self.shared.book, &self.shared.idle, Instant::now() + timeout, self.shared.spin, |b| {
+            !b.done.is_empty() || b.in_flight.is_empty()
+        });
     }
 
     /// The transport the mover writes through.
@@ -200,6 +205,7 @@ pub struct TransportMover {
 impl TransportMover {
     /// A mover writing through `transport`, with no regions known yet.
     pub fn new(transport: Arc<dyn Transport>, opts: MoverOptions) -> Result<Self, TransportError> {
+        let transport_polls = transport.polls_waits();
         let shared = Arc::new(Shared {
             transport,
             opts: MoverOptions { workers: opts.workers.max(1), max_batch: opts.max_batch.max(1), ..opts },
@@ -209,6 +215,7 @@ impl TransportMover {
             stager: OnceLock::new(),
             book: Mutex::new(Book::default()),
             idle: Condvar::new(),
+            spin: if transport_polls { crate::base::SPIN } else { Duration::ZERO },
         });
         let (tx, rx) = mpsc::channel::<Job>();
         let rx = Arc::new(Mutex::new(rx));
@@ -315,14 +322,15 @@ fn runs_staged(transport: &str) -> bool {
 const PLANS_PER_SUBMIT: usize = 64;
 
 /// How long a worker that holds some plans waits for the queue to stay quiet
-/// before it writes them (see [`worker`]).
+/// before it writes them, where the transport's waits are polled (see
+/// [`worker`]).
 const GATHER_QUIET: Duration = Duration::from_micros(20);
 
-/// The next job: polled (yielding) for [`crate::base::SPIN`] first, since a
-/// sleeping worker's wake-up costs more than a pass's planning on a loaded
-/// host, then waited for; None once the mover is dropped.
-fn next_job(rx: &mpsc::Receiver<Job>) -> Option<Job> {
-    let until = Instant::now() + crate::base::SPIN;
+/// The next job: polled (yielding) for `spin` first, since a sleeping
+/// worker's wake-up costs more than a pass's planning on a loaded host, then
+/// waited for; None once the mover is dropped.
+fn next_job(rx: &mpsc::Receiver<Job>, spin: Duration) -> Option<Job> {
+    let until = Instant::now() + spin;
     while Instant::now() < until {
         match rx.try_recv() {
             Ok(j) => return Some(j),
@@ -335,10 +343,11 @@ fn next_job(rx: &mpsc::Receiver<Job>) -> Option<Job> {
 
 fn worker(shared: &Shared, rx: &Mutex<mpsc::Receiver<Job>>) {
     let group = if shared.transport.groups_plans() { PLANS_PER_SUBMIT } else { 1 };
+    let quiet = if shared.spin.is_zero() { Duration::ZERO } else { GATHER_QUIET };
     loop {
         let jobs = {
             let rx = lock(rx);
-            let first = match next_job(&rx) {
+            let first = match next_job(&rx, shared.spin) {
                 Some(j) => j,
                 None => return,
             };
@@ -354,7 +363,7 @@ fn worker(shared: &Shared, rx: &Mutex<mpsc::Receiver<Job>>) {
                         jobs.push(j);
                         last = Instant::now();
                     }
-                    Err(mpsc::TryRecvError::Empty) if group > 1 && last.elapsed() < GATHER_QUIET => std::thread::yield_now(),
+                    Err(mpsc::TryRecvError::Empty) if group > 1 && last.elapsed() < quiet => std::thread::yield_now(),
                     Err(_) => break,
                 }
             }

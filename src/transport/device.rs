@@ -159,7 +159,7 @@ impl DeviceTransport {
         let name = if mem.label().starts_with("hip:") { "hip-ipc" } else { "cuda-ipc" };
         let reaper = Arc::new(Reaper {
             mem: Arc::clone(&mem),
-            completions: Completions::default(),
+            completions: Completions::polled(crate::base::SPIN),
             queue: Mutex::new(VecDeque::new()),
             work: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -476,6 +476,10 @@ impl Transport for DeviceTransport {
 
     /// Copies run on the device's streams after `submit_all` returns.
     fn groups_plans(&self) -> bool {
+        true
+    }
+
+    fn polls_waits(&self) -> bool {
         true
     }
 
