@@ -51,3 +51,36 @@ pub fn wait_until<'a, T>(m: &'a Mutex<T>, cv: &Condvar, deadline: Instant, spin:
         };
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    /// A change made by another thread ends the wait, whether it comes while
+    /// the waiter polls or after it went to sleep on the condition variable;
+    /// with no change the wait ends at the deadline, saying so.
+    #[test]
+    fn wait_until_sees_a_change_while_polling_or_asleep_and_stops_at_its_deadline() {
+        for (spin, after) in [(Duration::ZERO, 10), (Duration::from_millis(200), 10), (Duration::from_millis(5), 40)] {
+            let pair = Arc::new((Mutex::new(0u32), Condvar::new()));
+            let other = Arc::clone(&pair);
+            let setter = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(after));
+                *lock(&other.0) = 7;
+                other.1.notify_all();
+            });
+            let (g, ok) = wait_until(&pair.0, &pair.1, Instant::now() + Duration::from_secs(10), spin, |v| *v == 7);
+            assert!(ok, "spin {spin:?}, set after {after} ms");
+            assert_eq!(*g, 7);
+            drop(g);
+            setter.join().expect("setter");
+        }
+        let (m, cv) = (Mutex::new(0u32), Condvar::new());
+        let t = Instant::now();
+        let (g, ok) = wait_until(&m, &cv, t + Duration::from_millis(30), Duration::from_millis(10), |v| *v == 7);
+        assert!(!ok);
+        assert_eq!(*g, 0);
+        assert!(t.elapsed() >= Duration::from_millis(30));
+    }
+}

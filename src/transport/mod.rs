@@ -645,3 +645,26 @@ pub(crate) fn host_only(memory: MemoryKind, transport: &str) -> Result<()> {
 pub(crate) fn usize_len(len: u64) -> Result<usize> {
     usize::try_from(len).map_err(|_| TransportError::Unavailable { what: format!("a region of {len} bytes"), reason: "larger than this address space".into() })
 }
+
+#[cfg(test)]
+mod completion_tests {
+    use super::*;
+
+    /// Batches finished together are each waited for once, with their
+    /// shared result; a batch left out stays pending (its wait times out)
+    /// and a batch never begun is unknown.
+    #[test]
+    fn batches_finished_together_complete_each_with_the_shared_result() {
+        for c in [Completions::default(), Completions::polled(Duration::from_millis(1))] {
+            let (a, b, left) = (c.begin(), c.begin(), c.begin());
+            c.finish_all(&[a, b], Ok(()));
+            assert!(c.wait(a, Duration::from_secs(1)).is_ok());
+            assert!(c.wait(b, Duration::from_secs(1)).is_ok());
+            assert!(matches!(c.wait(a, Duration::from_secs(1)), Err(TransportError::UnknownBatch(_))));
+            assert!(matches!(c.wait(left, Duration::from_millis(5)), Err(TransportError::Timeout { .. })));
+            let err = TransportError::Io { op: "device copy".into(), kind: std::io::ErrorKind::Other, message: "lost".into() };
+            c.finish_all(&[left], Err(err));
+            assert!(matches!(c.wait(left, Duration::from_secs(1)), Err(TransportError::Io { .. })));
+        }
+    }
+}
