@@ -127,6 +127,7 @@ static __device__ __forceinline__ void st_conv_channel(int c, int H, int hl, int
 // (request, channel), the request from the grid's y: no 64-bit division an
 // element (the grid-stride form divided by C twice an element).
 // Launch: grid (ceil(C / 256), rows); block 256.
+#define ST_CONV_HIST 7  // history rows kept in registers (a conv of width 8 at most)
 extern "C" __global__ void st_conv(
     const float* __restrict__ proj, int ldproj, const float* __restrict__ weight,
     const int* __restrict__ tick, int slot, int tp,
@@ -147,10 +148,27 @@ extern "C" __global__ void st_conv(
         const float* wc = weight + (hk_i64)c * width;
         const float xv = proj[(hk_i64)b * ldproj + c];
         float acc = wc[hist] * xv;
-        for (int j = 0; j < hist; ++j) acc += wc[j] * st_ld(st + ((hk_i64)j * cr + lc) * eb, dt);
-        out[(hk_i64)b * C + c] = hk_silu(acc);
-        for (int j = 0; j + 1 < hist; ++j)
-            st_st(st + ((hk_i64)j * cr + lc) * eb, dt, st_ld(st + ((hk_i64)(j + 1) * cr + lc) * eb, dt));
+        if (hist <= ST_CONV_HIST) {
+            // The history read once, every load before the first use, and
+            // shifted from registers: the loop below reads each row again
+            // after the store before it, which the compiler may not hoist
+            // (the rows could alias), one round trip a row.
+            float sv[ST_CONV_HIST];
+#pragma unroll
+            for (int j = 0; j < ST_CONV_HIST; ++j) sv[j] = j < hist ? st_ld(st + ((hk_i64)j * cr + lc) * eb, dt) : 0.0f;
+#pragma unroll
+            for (int j = 0; j < ST_CONV_HIST; ++j)
+                if (j < hist) acc += wc[j] * sv[j];
+            out[(hk_i64)b * C + c] = hk_silu(acc);
+#pragma unroll
+            for (int j = 0; j + 1 < ST_CONV_HIST; ++j)
+                if (j + 1 < hist) st_st(st + ((hk_i64)j * cr + lc) * eb, dt, sv[j + 1]);
+        } else {
+            for (int j = 0; j < hist; ++j) acc += wc[j] * st_ld(st + ((hk_i64)j * cr + lc) * eb, dt);
+            out[(hk_i64)b * C + c] = hk_silu(acc);
+            for (int j = 0; j + 1 < hist; ++j)
+                st_st(st + ((hk_i64)j * cr + lc) * eb, dt, st_ld(st + ((hk_i64)(j + 1) * cr + lc) * eb, dt));
+        }
         if (hist > 0) st_st(st + ((hk_i64)(hist - 1) * cr + lc) * eb, dt, xv);
     }
     (void)bmax;

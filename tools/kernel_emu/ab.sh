@@ -15,7 +15,7 @@ git -C "$root" show "$rev:kernels/hip/prelude.h" > "$tmp/old-prelude.h"
 cp "$root/kernels/hip/$src" "$tmp/new.hip"; cp "$root/kernels/hip/prelude.h" "$tmp/new-prelude.h"
 for w in old new; do
   cat "$tmp/$w-prelude.h" "$tmp/$w.hip" "$here/$driver" > "$tmp/$w.cu"
-  g++ -std=c++20 -O1 -D__HIPCC__ -I"$here" -DKSRC="\"$tmp/$w.cu\"" "$here/emu.cpp" -o "$tmp/$w" -lpthread
+  g++ -std=c++20 -O1 -D__HIPCC__ ${EMU_FLAGS:-} -I"$here" -DKSRC="\"$tmp/$w.cu\"" "$here/emu.cpp" -o "$tmp/$w" -lpthread
 done
 fail=0
 for s in "$@"; do

@@ -4,11 +4,15 @@
 #include <random>
 int main() {
     int fails = 0;
-    for (int cfg = 0; cfg < 3; ++cfg) {
-        const int M = cfg == 2 ? 3 : 5, d = cfg == 0 ? 2048 : (cfg == 1 ? 4608 : 70), S = cfg == 0 ? 16 : (cfg == 1 ? 3 : 9);
+    // (width, segments, rows): K3-like; past one turn of the block's quads; a
+    // quad cut at the row's end; more segments than a load group (16); one
+    // segment; a cut quad in the second half of a thread's pair.
+    const int cfgs[6][3] = {{2048, 16, 5}, {4608, 3, 5}, {70, 9, 3}, {2048, 20, 2}, {1000, 1, 2}, {1026, 5, 2}};
+    for (const auto& cfg : cfgs) {
+        const int d = cfg[0], S = cfg[1], M = cfg[2];
         const int nt = (d + 15) / 16, ldp = nt * 16, mp = 16, akt = (d + 15) / 16, planes = 2;
         const hk_i64 part_seg = (hk_i64)mp * ldp, a_plane = (hk_i64)mp * akt * 16;
-        std::mt19937 rng(5 + cfg);
+        std::mt19937 rng(5 + d + S);
         std::uniform_real_distribution<float> U(-1, 1);
         std::vector<float> part((size_t)S * part_seg), h0((size_t)mp * d), w(d);
         for (auto& x : part) x = U(rng);
