@@ -104,31 +104,6 @@ static __device__ __forceinline__ float st_seg_sum(const float* q, hk_i64 seg, i
     return v;
 }
 
-// Partials of segments x0 .. x0 + G - 1 (those below S) of four adjacent
-// elements at q (16-byte aligned), loaded into t: G loads in flight.
-template <int G>
-static __device__ __forceinline__ void st_seg_load4(float4* t, const float* q, hk_i64 seg, int S, int x0) {
-#pragma unroll
-    for (int i = 0; i < G; ++i) t[i] = x0 + i < S ? st_ld_cg4(q + (hk_i64)(x0 + i) * seg) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-}
-
-// ... added into v in segment order (segment 0 starts the sum).
-template <int G>
-static __device__ __forceinline__ void st_seg_add4(float4& v, const float4* t, int S, int x0) {
-#pragma unroll
-    for (int i = 0; i < G; ++i)
-        if (x0 + i < S) {
-            if (x0 + i == 0) {
-                v = t[i];
-            } else {
-                v.x = v.x + t[i].x;
-                v.y = v.y + t[i].y;
-                v.z = v.z + t[i].z;
-                v.w = v.w + t[i].w;
-            }
-        }
-}
-
 // st_seg_sum of four adjacent elements at once (q 16-byte aligned): each
 // element's partials added in segment order, the same sums as four
 // st_seg_sum calls, with four times the bytes of each load.
@@ -136,25 +111,22 @@ static __device__ __forceinline__ float4 st_seg_sum4(const float* q, hk_i64 seg,
     float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     for (int x = 0; x < S; x += 8) {
         float4 t[8];
-        st_seg_load4<8>(t, q, seg, S, x);
-        st_seg_add4<8>(v, t, S, x);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) t[i] = x + i < S ? st_ld_cg4(q + (hk_i64)(x + i) * seg) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            if (x + i < S) {
+                if (x + i == 0) {
+                    v = t[i];
+                } else {
+                    v.x = v.x + t[i].x;
+                    v.y = v.y + t[i].y;
+                    v.z = v.z + t[i].z;
+                    v.w = v.w + t[i].w;
+                }
+            }
     }
     return v;
-}
-
-// st_seg_sum4 of two quads (q0, and q1 where has1) with both quads' loads of
-// a group of G segments in flight before the first add: one round trip a
-// group for the two, not one each (the same sums, in the same order).
-template <int G>
-static __device__ __forceinline__ void st_seg_sum4x2(const float* q0, const float* q1, bool has1, hk_i64 seg, int S, float4& v0, float4& v1) {
-    v0 = v1 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (int x = 0; x < S; x += G) {
-        float4 t0[G], t1[G];
-        st_seg_load4<G>(t0, q0, seg, S, x);
-        st_seg_load4<G>(t1, q1, seg, has1 ? S : 0, x);
-        st_seg_add4<G>(v0, t0, S, x);
-        st_seg_add4<G>(v1, t1, S, x);
-    }
 }
 
 // Element (row r, column or channel n) of group g: its sum(s) and what the mode does.
@@ -493,14 +465,8 @@ extern "C" __global__ void st_reduce(
 // row b into h in st_reduce's order and, after a barrier (the row's new
 // values, written by this block, are then seen by all its threads), packs
 // the row's RMSNorm as st_rms_pack does: the same bits as the two kernels.
-// A thread takes its quads two at a time (n and n + 4 * blockDim.x: a row of
-// 2,048 in one turn) with every partial of a group of 16 segments of both,
-// and the residual's values, in flight before the first add: one round trip
-// where the quad-by-quad loop took two a quad at 16 segments, four a row.
-// With one block a row (88 blocks at B = 88) nothing else hides them. The
-// host fuses only where the row is the norm's (ncols = dim). Launch: grid
+// The host fuses only where the row is the norm's (ncols = dim). Launch: grid
 // (rows); block 256.
-#define ST_RMS_SEG_GROUP 16
 extern "C" __global__ void st_reduce_rms(
     const float* __restrict__ part, hk_i64 part_seg, int ldp, int ncols, int S,
     float* __restrict__ h, const float* __restrict__ w,
@@ -510,33 +476,16 @@ extern "C" __global__ void st_reduce_rms(
     __shared__ float red[32];
     const int r = blockIdx.x;
     const StEpi e{1, h, ncols, 0, 0, 0, 1, 1, 1};
-    const float* q = part + (hk_i64)r * ldp;
-    float* o = h + (hk_i64)r * ncols;
-    const int step = 4 * blockDim.x;
-    for (int n = 4 * threadIdx.x; n < ncols; n += 2 * step) {
-        const int m = n + step;
-        if (n + 4 > ncols || (m < ncols && m + 4 > ncols)) {
-            // A quad cut by the row's end: element by element, as st_reduce.
-            for (int i = 0; n + i < ncols && i < 4; ++i) st_finish(part, part_seg, ldp, S, r, n + i, 0, e);
-            for (int i = 0; m + i < ncols && i < 4; ++i) st_finish(part, part_seg, ldp, S, r, m + i, 0, e);
+    for (int n = 4 * threadIdx.x; n < ncols; n += 4 * blockDim.x) {
+        if (n + 4 > ncols) {
+            for (int i = 0; n + i < ncols; ++i) st_finish(part, part_seg, ldp, S, r, n + i, 0, e);
             continue;
         }
-        const bool two = m < ncols;
-        float h0[4], h1[4];
+        const float4 v4 = st_seg_sum4(part + (hk_i64)r * ldp + n, part_seg, S);
+        const float v[4] = {v4.x, v4.y, v4.z, v4.w};
+        float* o = h + (hk_i64)r * ncols + n;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            h0[i] = o[n + i];
-            h1[i] = two ? o[m + i] : 0.0f;
-        }
-        float4 v0, v1;
-        st_seg_sum4x2<ST_RMS_SEG_GROUP>(q + n, q + m, two, part_seg, S, v0, v1);
-        const float s0[4] = {v0.x, v0.y, v0.z, v0.w};
-        const float s1[4] = {v1.x, v1.y, v1.z, v1.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            o[n + i] = h0[i] + s0[i];
-            if (two) o[m + i] = h1[i] + s1[i];
-        }
+        for (int i = 0; i < 4; ++i) o[i] = o[i] + v[i];
     }
     __syncthreads();
     st_rms_pack_row(h, w, a, a_plane, planes, dim, akt, eps, r, red);
