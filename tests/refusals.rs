@@ -166,3 +166,16 @@ fn the_mps_setting_is_read_printed_and_a_misspelling_refused() {
     assert!(out.status.success() && text.contains("MPS server"), "check names the MPS setting: {text}");
     assert_cli(&gpu.replace("mps = true", "mpss = true"), &["mpss"]);
 }
+
+#[test]
+fn dependent_launches_are_on_unless_turned_off_and_check_says_which() {
+    let gpu = std::fs::read_to_string("config/gpu.toml").unwrap();
+    assert!(!gpu.contains("dependent_launch"), "config/gpu.toml leaves the default");
+    assert!(Topology::parse(&gpu).unwrap().config.device.dependent_launch, "on by default");
+    let off = gpu.replace("[device]", "[device]\ndependent_launch = false");
+    assert!(!Topology::parse(&off).unwrap().config.device.dependent_launch, "turned off");
+    let out = Command::new(env!("CARGO_BIN_EXE_handoff")).args(["check", "--config", "config/gpu.toml"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("dependent_launch = true"), "check names the setting: {text}");
+    assert_cli(&gpu.replace("[device]", "[device]\ndependent_lanch = false"), &["dependent_lanch"]);
+}

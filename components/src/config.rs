@@ -55,10 +55,12 @@ pub struct DeviceConfig {
     /// On a CUDA device of compute capability 9.0 or later, launch each
     /// kernel of the decode step as a programmatic dependent of the one
     /// before: the next kernel is launched while the last blocks of the one
-    /// before run, and waits for it on the device. Off by default: on an H100
-    /// (session 22) it took 1-2% off the step at B = 1 and added 2-5% at B =
-    /// 32 and 88 (`bench compute` prints both). The bits are the same either way.
-    #[serde(default)]
+    /// before run, and waits for it on the device. On by default: on an H100
+    /// (session 24, the ways timed in turns) it took 2.3 / 1.6 / 0.6 / 2.5%
+    /// off the step at B = 1 / 8 / 32 / 88 (`bench compute` prints both). A
+    /// device without it launches in plain stream order. The bits are the
+    /// same either way (`verify` runs the colocated reference with it off).
+    #[serde(default = "default_dependent_launch")]
     pub dependent_launch: bool,
     /// On a CUDA device, `handoff up` runs its roles under an MPS server of its
     /// own (started with it, stopped with it), so that roles sharing one GPU run
@@ -72,9 +74,13 @@ fn default_graphs() -> bool {
     true
 }
 
+fn default_dependent_launch() -> bool {
+    true
+}
+
 impl Default for DeviceConfig {
     fn default() -> Self {
-        DeviceConfig { kind: DeviceKind::Cpu, ordinal: 0, graphs: true, dependent_launch: false, mps: false }
+        DeviceConfig { kind: DeviceKind::Cpu, ordinal: 0, graphs: true, dependent_launch: true, mps: false }
     }
 }
 
