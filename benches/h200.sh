@@ -88,9 +88,9 @@ compute)
   step "the same model in plain PyTorch (same weights), eager and CUDA graph"
   handoff weights --config config/gpu.toml --out /tmp/gpu-weights.safetensors >/dev/null || fail=1
   PYTHONUNBUFFERED=1 timeout 300 python3 benches/peers/torch_model.py --config config/gpu.toml --weights /tmp/gpu-weights.safetensors 2>&1 | tee "$OUT/torch.txt" | grep -v Warning || fail=1
-  step "handoff vs PyTorch (CUDA graph), decode step of config/gpu.toml"
+  step "handoff (the default: graphs, dependent launches) vs PyTorch (CUDA graph), decode step of config/gpu.toml"
   for b in 1 8 32 88; do
-    ours=$(grep -E "fused step batch +$b at" "$OUT/compute-gpu.txt" | sed -E 's/.*: +([0-9.]+) us \(graph\).*/\1/')
+    ours=$(grep -E "fused step batch +$b at" "$OUT/compute-gpu.txt" | sed -E 's/.*us \(graph\) +([0-9.]+) us \(graph, dependent launches\).*/\1/')
     peer=$(grep -E "torch decode step batch $b:" "$OUT/torch.txt" | sed -E 's/.*graph ([0-9.]+) us.*/\1/')
     [ -n "$ours" ] && [ -n "$peer" ] && awk -v b="$b" -v o="$ours" -v p="$peer" 'BEGIN { printf "  batch %3d: handoff %8.1f us, torch graph %8.1f us: %.2fx the peer\n", b, o, p, o / p }'
   done

@@ -161,9 +161,7 @@ fn the_mps_setting_is_read_printed_and_a_misspelling_refused() {
     assert!(Topology::parse(&gpu).unwrap().config.device.mps, "config/gpu.toml sets [device] mps = true");
     let off = gpu.replace("mps = true", "");
     assert!(!Topology::parse(&off).unwrap().config.device.mps, "off unless asked");
-    let out = Command::new(env!("CARGO_BIN_EXE_handoff")).args(["check", "--config", "config/gpu.toml"]).output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success() && text.contains("MPS server"), "check names the MPS setting: {text}");
+    check_names("config/gpu.toml", "MPS server");
     assert_cli(&gpu.replace("mps = true", "mpss = true"), &["mpss"]);
 }
 
@@ -174,8 +172,13 @@ fn dependent_launches_are_on_unless_turned_off_and_check_says_which() {
     assert!(Topology::parse(&gpu).unwrap().config.device.dependent_launch, "on by default");
     let off = gpu.replace("[device]", "[device]\ndependent_launch = false");
     assert!(!Topology::parse(&off).unwrap().config.device.dependent_launch, "turned off");
-    let out = Command::new(env!("CARGO_BIN_EXE_handoff")).args(["check", "--config", "config/gpu.toml"]).output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success() && text.contains("dependent_launch = true"), "check names the setting: {text}");
+    check_names("config/gpu.toml", "dependent_launch = true");
     assert_cli(&gpu.replace("[device]", "[device]\ndependent_lanch = false"), &["dependent_lanch"]);
+}
+
+/// `handoff check` on `config` succeeds and its report names `setting`.
+fn check_names(config: &str, setting: &str) {
+    let out = Command::new(env!("CARGO_BIN_EXE_handoff")).args(["check", "--config", config]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains(setting), "check names {setting:?}: {text}");
 }

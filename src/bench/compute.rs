@@ -33,8 +33,9 @@ pub fn compute_chart(f: &ComputeFigures, topo: &Topology, device: &DeviceConfig,
             op: format!("fused step B={}", x.batch),
             floor_us: x.floor_us,
             runs: vec![
-                ("handoff".into(), x.graph_us),
-                ("same graph, dependent launches".into(), x.graph_dependent_us),
+                // The default way first ([device] dependent_launch = true).
+                ("handoff".into(), x.graph_dependent_us),
+                ("same graph, plain stream order".into(), x.graph_us),
                 ("same step, graphs off".into(), x.launched_us),
             ],
         });
