@@ -521,8 +521,10 @@ fn fused_figures<B: Backend>(be: &B, topo: &Topology, model: &Model, bw: f64) ->
         // launches) take turns, FUSED_ROUNDS rounds of a few steps each, the
         // order rotated every round so that each goes first, second and
         // third equally often, and each reports the median of its steps:
-        // timed one after the other, whichever ran second came out about 5%
-        // faster at B = 88 on an H100 (sessions 22 and 24), whatever it was.
+        // timed one after the other, the order moved B = 88 by more than the
+        // difference between the ways (an H100: dependent launches timed
+        // first 4.6% slower in session 22, timed second 5% faster in
+        // session 24, 2.5% faster in turns).
         let ways = [(true, false), (true, true), (false, false)];
         let mut samples: Vec<Vec<f64>> = vec![Vec::new(); ways.len()];
         for round in 0..FUSED_ROUNDS {
