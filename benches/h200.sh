@@ -20,6 +20,8 @@
 #            next to torch.matmul from the peer (run `compute` first in the call)
 #   wgprobe  benches/gpu/mm_wg_probe.cu (nvcc, sm_90a): the warpgroup product's
 #            variants against the mma.sync one, bit for bit and timed
+#   copyprobe benches/gpu/copy_probe.cu (nvcc): the hand-off's copy kernel and its
+#            variants on the flagship pass's copy list, against the device copy
 #   kernels  cuda_check --bench: KDA step, chunked prefill, MLA partial, matmuls
 #   dense    cuda_check --bench-dense: the generic matmul's kernels (over all of k:
 #            matmul_wg, matmul_tcb; split over k) at prefill shapes
@@ -127,6 +129,12 @@ wgprobe)
                "64 2048 10256 3" "17 2048 8192 3" "8 2048 10256 3" "1 7168 7168 1" "88 2048 2048 2" "120 2048 8192 3"; do
     timeout 60 /tmp/mm_wg_probe $shape
   done 2>&1 | tee "$OUT/wgprobe.txt"
+  ;;
+copyprobe)
+  step "the hand-off's copy kernel (memcopy.hip) against its variants and the device copy, on the flagship pass's copy list (nvcc build of benches/gpu/copy_probe.cu)"
+  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I kernels/hip -include prelude.h \
+    benches/gpu/copy_probe.cu -o /tmp/copy_probe || fail=1
+  timeout 120 /tmp/copy_probe benches/gpu/flagship-copies.txt 2>&1 | tee "$OUT/copyprobe.txt" || fail=1
   ;;
 kernels)
   step "kernel timings (cuda_check --bench)"

@@ -14,20 +14,24 @@
 
 #include "probe_util.h"
 
-template <int NB, int WP, int KC, int D>
-__global__ void __launch_bounds__(ST_WG_THREADS, 1) probe_wg(const uint4* A, hk_i64 a_plane, hk_i64 a_group, const uint4* W, hk_i64 w_plane,
+template <int NB, int WP, int KC, int D, int NW>
+__global__ void __launch_bounds__(32 * NW, 1) probe_wg(const uint4* A, hk_i64 a_plane, hk_i64 a_group, const uint4* W, hk_i64 w_plane,
                                                              hk_i64 w_group, float* part, hk_i64 part_seg, hk_i64 part_group, int ldp, int M,
                                                              int nt16, int KT, int S, int terms) {
-    st_mm_wg_body<NB, WP, KC, D>(A, a_plane, a_group, W, w_plane, w_group, part, part_seg, part_group, ldp, M, nt16, KT, S, terms);
+    st_mm_wg_body<NB, WP, KC, D, NW>(A, a_plane, a_group, W, w_plane, w_group, part, part_seg, part_group, ldp, M, nt16, KT, S, terms);
 }
 typedef void (*WgFn)(const uint4*, hk_i64, hk_i64, const uint4*, hk_i64, hk_i64, float*, hk_i64, hk_i64, int, int, int, int, int, int);
-struct Variant { int nb, wp, kc, d; WgFn f; };
-#define V(nb, wp, kc, d) Variant{nb, wp, kc, d, probe_wg<nb, wp, kc, d>}
+struct Variant { int nb, wp, kc, d, nw; WgFn f; };
+#define V(nb, wp, kc, d) Variant{nb, wp, kc, d, 8, probe_wg<nb, wp, kc, d, 8>}
+#define V16(nb, wp, kc, d) Variant{nb, wp, kc, d, 16, probe_wg<nb, wp, kc, d, 16>}
 static const Variant variants[] = {
     V(32, 1, 8, 1), V(32, 1, 4, 3), V(32, 2, 4, 1), V(32, 2, 2, 3),
     V(64, 1, 8, 1), V(64, 1, 4, 3), V(64, 2, 4, 1), V(64, 2, 2, 3),
     V(96, 1, 8, 1), V(96, 1, 4, 3), V(96, 2, 4, 1), V(96, 2, 2, 3),
     V(128, 1, 8, 1), V(128, 1, 4, 3), V(128, 2, 4, 1), V(128, 2, 2, 3),
+    // 16 warps a block: the activations a chunk carries serve 256 columns.
+    V16(64, 1, 8, 1), V16(64, 2, 4, 1), V16(96, 1, 8, 1), V16(96, 1, 4, 2), V16(96, 2, 4, 1), V16(96, 2, 2, 2), V16(96, 2, 2, 3),
+    V16(128, 2, 2, 2), V(96, 2, 4, 2), V(96, 2, 2, 2),
 };
 
 int main(int argc, char** argv) {
@@ -96,13 +100,13 @@ int main(int argc, char** argv) {
     for (const Variant& v : variants) {
         if (v.wp != WP) continue;
         if (v.nb >= 2 * M + 32 && v.nb > 32) continue;  // far more rows than the product has
-        const int smem_wg = (v.d + 1) * v.kc * (8 * v.wp * 512 + planes_a * v.nb * 32);
+        const int smem_wg = (v.d + 1) * v.kc * (v.nw * v.wp * 512 + planes_a * v.nb * 32);
         if (smem_wg > 226 * 1024) continue;
         CK(cudaFuncSetAttribute(v.f, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_wg));
-        const dim3 grid((unsigned)((nt + 7) / 8), (unsigned)S, (unsigned)((M + v.nb - 1) / v.nb));
+        const dim3 grid((unsigned)((nt + v.nw - 1) / v.nw), (unsigned)S, (unsigned)((M + v.nb - 1) / v.nb));
         CK(cudaMemset(out, 0xff, (size_t)mp * N * 4));
         auto run = [&] {
-            v.f<<<grid, ST_WG_THREADS, smem_wg>>>(A, ap_, ag, W, wp_, wg, part, part_seg, part_group, (int)ldp, M, nt, KT, S, terms);
+            v.f<<<grid, 32 * v.nw, smem_wg>>>(A, ap_, ag, W, wp_, wg, part, part_seg, part_group, (int)ldp, M, nt, KT, S, terms);
             reduce(out);
         };
         const double t = time(run);
@@ -111,7 +115,7 @@ int main(int argc, char** argv) {
         for (size_t i = 0; i < h_out.size(); ++i)
             if (memcmp(&h_out[i], &h_ref[i], 4) != 0) { if (!diff) first = i; ++diff; }
         cudaFuncAttributes at; CK(cudaFuncGetAttributes(&at, v.f));
-        printf("  st_mm_wg NB=%d KC=%d D=%d grid %ux%ux%u regs %d smem %d: %.1f us (%.0f GB/s) %.2fx the reference, %s\n", v.nb, v.kc, v.d, grid.x, grid.y, grid.z,
+        printf("  st_mm_wg NB=%d KC=%d D=%d NW=%d grid %ux%ux%u regs %d smem %d: %.1f us (%.0f GB/s) %.2fx the reference, %s\n", v.nb, v.kc, v.d, v.nw, grid.x, grid.y, grid.z,
                at.numRegs, smem_wg, t, wbytes / (t * 1e3), t_ref / t, diff ? "BITS DIFFER" : "same bits");
         if (diff) printf("    %zu of %zu elements differ; first at row %zu col %zu: %.9g vs %.9g\n", diff, h_out.size(), first / N, first % N, h_out[first], h_ref[first]);
     }

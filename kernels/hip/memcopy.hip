@@ -17,26 +17,28 @@
 //
 // Work items: each copy moves words of 16, 4 or 1 bytes (the largest that
 // divides both addresses, both pitches and the width, chosen on the host).
-// Word g of the table is copied by thread g % threads (threads = the grid's
-// thread count), so consecutive lanes of a warp move consecutive words
-// (coalesced) and a narrow row is spread over many threads. Each thread takes
-// CT_UNROLL of its words a turn (g0, g0 + threads, ..., g0 + 7 * threads),
-// loads them all, then stores them all: eight independent loads in flight per
-// thread instead of one, which is what keeps a narrow-row copy (or a launch
-// too small to fill the device with threads) at the memory's rate. start[c]
-// is the first word of copy c (prefix sums of height x words per row, filled
-// on the host), and start[n] the word count; a copy's words number less than
+// The table's words are cut into chunks of blockDim.x * CT_UNROLL: block b
+// takes chunks b, b + gridDim.x, ..., and thread t of it words t, t +
+// blockDim.x, ..., t + 7 * blockDim.x of each, all eight loaded, then all
+// stored. So the lanes of a warp move consecutive words (coalesced), a narrow
+// row is spread over many threads, a block streams one contiguous 32 KB of
+// the table's words at a time, and each thread has eight independent loads in
+// flight. The host launches one block a chunk (a grid-stride loop over the
+// table with at most three blocks a multiprocessor, the first version, reached
+// 0.79 of the device copy on a flagship pass where one block a chunk reaches
+// 0.95 on its widest rows, on an H100: benches/gpu/copy_probe.cu); the loop
+// over chunks keeps any grid correct. start[c] is the first word of copy c
+// (prefix sums of height x words per row, filled on the host), and start[n]
+// the word count; a thread finds the copy of its first word by bisection
+// (scanning from copy 0 cost a block deep into a 448-copy table hundreds of
+// table reads) and moves forward from there. A copy's words number less than
 // 2^31, so a row and a column come from one 32-bit division. The host puts
 // two copies in one table only when neither writes what the other reads or
 // writes (table_launches), so the words of a table may move in any order
 // (all loads of a turn before its stores included); tables on one stream run
 // in order.
-// Launch: any grid, block 256. The host sizes the grid to at most three
-// blocks a multiprocessor (the launch bounds: at most 85 registers, 77 with
-// NVRTC 13 for sm_90a, so three
-// blocks of 256 are resident and a grid-stride turn never waits for a second
-// wave of blocks), fewer when the table has fewer words than that grid takes
-// in one turn (kernels/src/gpu/ops/memory.rs).
+// Launch: any grid (one block a chunk: ceil(start[n] / (256 CT_UNROLL))),
+// block 256 (kernels/src/gpu/ops/memory.rs).
 
 #ifdef __HIPCC__
 #define CT_COPIES 48
@@ -56,20 +58,34 @@ struct __attribute__((aligned(16))) hk_w16 {
     unsigned int x, y, z, w;
 };
 
-extern "C" __global__ void __launch_bounds__(256, 3) copy_table(hk_copy_table t)
+extern "C" __global__ void __launch_bounds__(256) copy_table(hk_copy_table t)
 {
-    const hk_i64 threads = (hk_i64)gridDim.x * blockDim.x;
     const hk_i64 words = t.start[t.n];
+    const hk_i64 chunk = (hk_i64)blockDim.x * CT_UNROLL;
+    hk_i64 base = (hk_i64)blockIdx.x * chunk;
+    if (base >= words) return;
+    // The copy of this thread's first word: the last c with start[c] <= it
+    // (start[0] = 0; an empty copy's start equals the next one's).
     int c = 0;
-    // A thread's words only grow (over k within a turn, and from turn to
-    // turn), so its copy index only moves forward.
-    for (hk_i64 g0 = (hk_i64)blockIdx.x * blockDim.x + threadIdx.x; g0 < words; g0 += threads * CT_UNROLL) {
+    {
+        const hk_i64 g = base + threadIdx.x;
+        int hi = t.n;
+        while (hi - c > 1) {
+            const int mid = (c + hi) >> 1;
+            if (t.start[mid] <= g) c = mid;
+            else hi = mid;
+        }
+    }
+    // A thread's words only grow (over k within a chunk, and from chunk to
+    // chunk), so its copy index only moves forward.
+    for (; base < words; base += (hk_i64)gridDim.x * chunk) {
+        const hk_i64 g0 = base + threadIdx.x;
         hk_w16 v[CT_UNROLL];
         hk_i64 dst[CT_UNROLL];
         int wb[CT_UNROLL];
 #pragma unroll
         for (int k = 0; k < CT_UNROLL; ++k) {
-            const hk_i64 g = g0 + k * threads;
+            const hk_i64 g = g0 + (hk_i64)k * blockDim.x;
             wb[k] = 0;  // no word: past the table's end
             dst[k] = 0;
             if (g < words) {

@@ -613,7 +613,10 @@ static __device__ __forceinline__ void st_wg_hold(float* d) {
 // (ceil(nt16 / 8), S * G, ceil(M / NB)); block 256; dynamic shared memory
 // (D + 1) KC (8 WP 512 + planes NB 32) bytes (planes: 2 when terms >= 2).
 #define ST_WG_THREADS 256
-template <int NB, int WP, int KC, int D>
+// NW: warps a block (8 in the step; benches/gpu/mm_wg_probe.cu also times 16,
+// a block of 4 warpgroups that reads the shared activations once for twice
+// the columns).
+template <int NB, int WP, int KC, int D, int NW = 8>
 static __device__ __forceinline__ void st_mm_wg_body(
     const uint4* __restrict__ A, hk_i64 a_plane, hk_i64 a_group, const uint4* __restrict__ W, hk_i64 w_plane,
     hk_i64 w_group, float* __restrict__ part, hk_i64 part_seg, hk_i64 part_group, int ldp, int M, int nt16, int KT,
@@ -624,7 +627,7 @@ static __device__ __forceinline__ void st_mm_wg_body(
     constexpr int NBUF = D + 1;
     HK_DYN_SMEM(unsigned char, sm);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int nt = blockIdx.x * 8 + warp;
+    const int nt = blockIdx.x * NW + warp;
     const bool active = nt < nt16;
     const int s = blockIdx.y % S, g = blockIdx.y / S;
     const int row0 = blockIdx.z * NB;
@@ -634,7 +637,7 @@ static __device__ __forceinline__ void st_mm_wg_body(
     const int seg = KT / S, kt0 = s * seg, kend = kt0 + seg;
     const int nchunks = (seg + KC - 1) / KC;
     const int ntiles = KC * planes * MTN;
-    const int buf_bytes = KC * (8 * WP * 512 + planes * KB);
+    const int buf_bytes = KC * (NW * WP * 512 + planes * KB);
     const uint4* Ag = A + (hk_i64)g * a_group + (hk_i64)(row0 >> 4) * KT * 32 + lane;
     const uint4* Wt = W + (hk_i64)g * w_group + (hk_i64)(active ? nt : 0) * KT * 32 + lane;
 
@@ -654,8 +657,8 @@ static __device__ __forceinline__ void st_mm_wg_body(
             }
             // The activations: warp w takes tiles w, w + 8, ...; a packed tile
             // is already the instruction's core matrices (st_a_at), 16 bytes a lane.
-            unsigned char* ab = b + KC * 8 * WP * 512;
-            for (int t = warp; t < ntiles; t += 8) {
+            unsigned char* ab = b + KC * NW * WP * 512;
+            for (int t = warp; t < ntiles; t += NW) {
                 const int kk = t / (planes * MTN), p = (t / MTN) % planes, mt = t % MTN;
                 const int kt = kt0 + c * KC + kk;
                 const bool ok = kt < kend && mt < mts;
@@ -680,7 +683,7 @@ static __device__ __forceinline__ void st_mm_wg_body(
         __syncthreads();        // every thread's; chunk c - 1's buffer is free
         load(c + D);
         const unsigned char* b = sm + (hk_i64)(c % NBUF) * buf_bytes;
-        const unsigned char* ab = b + KC * 8 * WP * 512;
+        const unsigned char* ab = b + KC * NW * WP * 512;
         uint4 w[KC][WP];
 #pragma unroll
         for (int kk = 0; kk < KC; ++kk)

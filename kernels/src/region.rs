@@ -167,6 +167,65 @@ pub const WIDE_TABLE_COPIES: usize = 500;
 pub fn table_launches(copies: &[Copy2d], max: usize) -> Vec<std::ops::Range<usize>> {
     let max = max.max(1);
     let mut out = Vec::new();
+    // Whole tables of copies that meet nowhere (a hand-off pass: every row
+    // lands in its own place) are found with one sort each; the first table
+    // that holds a conflict or an empty copy, and everything after it, goes
+    // through the run index, which splits exactly where the sort found the
+    // conflict (a run starts fresh where a full table ended either way).
+    let mut from = 0;
+    while from < copies.len() {
+        let to = (from + max).min(copies.len());
+        if !conflict_free(&copies[from..to]) {
+            break;
+        }
+        out.push(from..to);
+        from = to;
+    }
+    if from < copies.len() {
+        out.extend(table_runs(&copies[from..], max).into_iter().map(|r| r.start + from..r.end + from));
+    }
+    out
+}
+
+/// Whether no copy of `copies` is empty and no two conflict
+/// ([`Copy2d::conflicts_with`]): the spans of each side sorted once, and
+/// only copies whose spans meet compared.
+fn conflict_free(copies: &[Copy2d]) -> bool {
+    if copies.iter().any(|c| c.width == 0 || c.height == 0) {
+        return false;
+    }
+    let spans = |dst: bool| -> Vec<(u64, u64, usize)> {
+        let mut v: Vec<(u64, u64, usize)> = copies
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let (d, s) = RunSpans::sides(c);
+                let (lo, hi) = if dst { d } else { s };
+                (lo, hi, i)
+            })
+            .collect();
+        v.sort_unstable();
+        v
+    };
+    let (dst, src) = (spans(true), spans(false));
+    // Destinations against destinations: each pair whose spans overlap.
+    for (k, a) in dst.iter().enumerate() {
+        if dst[k + 1..].iter().take_while(|b| b.0 < a.1).any(|b| copies[a.2].conflicts_with(&copies[b.2])) {
+            return false;
+        }
+    }
+    // Destinations against the other copies' sources.
+    let longest = src.iter().map(|s| s.1 - s.0).max().unwrap_or(0);
+    dst.iter().all(|a| {
+        let first = src.partition_point(|s| s.0.saturating_add(longest) <= a.0);
+        !src[first..].iter().take_while(|s| s.0 < a.1).filter(|s| s.1 > a.0 && s.2 != a.2).any(|s| copies[a.2].conflicts_with(&copies[s.2]))
+    })
+}
+
+/// [`table_launches`] copy by copy: a run grows until the next copy would
+/// conflict with one of it or fill it past `max`.
+fn table_runs(copies: &[Copy2d], max: usize) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
     let mut start = None::<usize>;
     let mut run = RunSpans::default();
     for (i, c) in copies.iter().enumerate() {
@@ -441,7 +500,7 @@ mod tests {
             seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             (seed >> 33) % n
         };
-        let mut splits = 0;
+        let (mut splits, mut whole) = (0, 0);
         for round in 0..3_000 {
             let n = 1 + next_u(40) as usize;
             let copies: Vec<Copy2d> = (0..n)
@@ -450,7 +509,10 @@ mod tests {
                     let tall = next_u(4) == 0;
                     let height = 1 + next_u(if tall { 200 } else { 5 });
                     let pitch = width + next_u(3) * 32;
-                    let (src, dst) = (next_u(20_000), next_u(20_000));
+                    // Every other round far apart (conflicts rare: whole
+                    // tables pass the sorted check), else packed close.
+                    let room = if round % 2 == 0 { 20_000 } else { 20_000_000 };
+                    let (src, dst) = (next_u(room), next_u(room));
                     let dst_pitch = pitch + next_u(2) * 64;
                     Copy2d { src, src_pitch: pitch, dst, dst_pitch, width, height }
                 })
@@ -459,8 +521,10 @@ mod tests {
             let got = table_launches(&copies, max);
             assert_eq!(got, naive_table_launches(&copies, max), "{copies:?} max {max}");
             splits += got.len();
+            whole += usize::from(copies.len() > max && got.iter().filter(|r| r.len() == max).count() >= 2);
         }
         assert!(splits > 6_000, "the batches split often enough to test the splits: {splits}");
+        assert!(whole > 300, "batches of several full tables, as the sorted check finds them: {whole}");
     }
 
     #[test]

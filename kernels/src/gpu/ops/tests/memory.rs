@@ -86,9 +86,9 @@ fn same_log(got: &[MemOp], want: &[MemOp]) {
 /// empty copies left out, a 256 MiB contiguous copy and a row of 2^31
 /// one-byte words on the copy engines (the table copies before each queued
 /// first), a copy of 2^32 words in two tables' rows, grids of one block per
-/// 2,048 words (256 threads of 8 words) clamped at 3 blocks a multiprocessor
-/// (396 on the recorder's 132), an empty batch that still records its
-/// event, and batches going round the eight copy streams.
+/// 2,048 words (256 threads of 8 words: 2^21 blocks for the 2^32 words), an
+/// empty batch that still records its event, and batches going round the
+/// eight copy streams.
 #[test]
 fn copy_batches_make_the_launches_and_engine_copies_cuda_made() {
     let (mem, rec) = memory();
@@ -134,7 +134,7 @@ fn copy_batches_make_the_launches_and_engine_copies_cuda_made() {
         MemOp::Copy2d { stream: 2, dst: 6 << 40, dst_pitch: 1 << 32, src: (3 << 40) + 1, src_pitch: 3 << 30, width: 1 << 31, height: 2 },
         launch(
             2,
-            396,
+            1 << 21,
             &[[4 << 40, 5 << 40, 64, 1 << 25, 2048, 2048, 16], [(4 << 40) + (1 << 36), (5 << 40) + (1 << 36), 64, 1 << 25, 2048, 2048, 16]],
             &[0, 1 << 31, 1 << 32],
         ),
@@ -151,8 +151,8 @@ fn copy_batches_make_the_launches_and_engine_copies_cuda_made() {
 }
 
 /// Tables split at their size: 50 disjoint copies are 48 and 2 on HIP's
-/// 4 KB table, 501 are 500 and 1 on CUDA's; a table of 4,096 words takes two
-/// blocks and one of 811,008 words (396 blocks of 2,048) exactly the clamp.
+/// 4 KB table, 501 are 500 and 1 on CUDA's; a table takes a block for every
+/// 2,048 words begun, with no cap.
 #[test]
 fn tables_split_at_the_platforms_table_size() {
     let rows = |n: i64, at: i64| -> Vec<[i64; 7]> { (at..at + n).map(|i| [0x7000_0000 + i * 64, 0x8000_0000 + i * 64, 4, 1, 64, 64, 16]).collect() };
@@ -184,7 +184,7 @@ fn tables_split_at_the_platforms_table_size() {
         unsafe { cuda.copy(&[wide(words)]) }.unwrap();
     }
     let grids: Vec<u32> = rec.state().log.iter().filter_map(|o| if let MemOp::Launch { grid, .. } = o { Some(grid.0) } else { None }).collect();
-    assert_eq!(grids, [2, 3, 396, 396]);
+    assert_eq!(grids, [2, 3, 396, 397]);
 }
 
 /// A batch's ticket is done once its stream has run past its event, not
@@ -388,24 +388,38 @@ fn parse_table(head: &[u8]) -> (Vec<[i64; 7]>, Vec<i64>) {
 }
 
 /// What `copy_table` loads and stores for one launch, thread by thread, with
-/// the index math of memcopy.hip (32-bit row division, CT_UNROLL words a
-/// turn, a grid-stride loop): every thread's loads read `mem` as it was
+/// the index math of memcopy.hip (chunks of block x CT_UNROLL words, a
+/// block's chunks a grid apart, a thread's first copy found by bisection,
+/// 32-bit row division): every thread's loads read `mem` as it was
 /// before the launch (as if every thread loaded before any stored: the
 /// harshest order the device may choose within a table), and the stores
 /// come back as (address, bytes), each thread's in its order.
 fn kernel_stores(head: &[u8], grid: u32, block: u32, mem: &[u8]) -> Vec<(u64, Vec<u8>)> {
     let (c, start) = parse_table(head);
     let n = c.len();
-    let threads = grid as i64 * block as i64;
     let words = start[n];
     let unroll = COPY_UNROLL as i64;
+    let chunk = block as i64 * unroll;
     let mut stores = Vec::new();
-    for tid in 0..threads {
-        let mut ci = 0usize;
-        let mut g0 = tid;
-        while g0 < words {
+    for (b, t) in (0..grid as i64).flat_map(|b| (0..block as i64).map(move |t| (b, t))) {
+        let mut base = b * chunk;
+        if base >= words {
+            continue;
+        }
+        // The last copy whose start is at most the thread's first word.
+        let (mut ci, mut hi) = (0usize, n);
+        while hi - ci > 1 {
+            let mid = (ci + hi) / 2;
+            if start[mid] <= base + t {
+                ci = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        while base < words {
+            let g0 = base + t;
             for k in 0..unroll {
-                let g = g0 + k * threads;
+                let g = g0 + k * block as i64;
                 if g >= words {
                     continue;
                 }
@@ -424,7 +438,7 @@ fn kernel_stores(head: &[u8], grid: u32, block: u32, mem: &[u8]) -> Vec<(u64, Ve
                 assert!(src % b == 0 && dst % b == 0, "a {b}-byte word at {src:#x} -> {dst:#x}: the device faults on it");
                 stores.push((dst as u64, mem[src as usize..(src + b) as usize].to_vec()));
             }
-            g0 += threads * unroll;
+            base += grid as i64 * chunk;
         }
     }
     stores
@@ -487,7 +501,7 @@ fn run_log(log: &[MemOp], mem: &mut [u8], grid: Option<(u32, u32)>) {
 /// and copies that read what an earlier one writes or write over it (they
 /// must land in later tables). Each launch is run with its own grid and
 /// with grids of one to three blocks of 256 and 7 of 32 threads, so that
-/// threads take many turns of the grid-stride loop and turns straddle copies.
+/// blocks take many chunks and chunks straddle copies.
 #[test]
 fn table_launches_move_every_byte_once_and_keep_batch_order() {
     const MEM: usize = 1 << 16;

@@ -1,0 +1,133 @@
+//! The device hand-off's host path, without a device: one flagship pass at 32K
+//! tokens (64 plans, 448 copies) through the mover and the cuda-ipc transport
+//! over a device memory that splits each copy list into table launches as the
+//! GPU's does (`table_launches`), queues nothing and reports every batch done
+//! at once. What is timed is the host's share of a pass (plans to the worker,
+//! copy lists, the table split, completions back to the caller), which on the
+//! GPU comes before the first copy or after the last one.
+//!
+//! cargo bench --bench device_host
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use handoff::bench::transfer::{planned, run_pass};
+use handoff::engine::mover::{MoverOptions, TransportMover};
+use handoff::transport::auth::ClusterSecret;
+use handoff::transport::device::DeviceTransport;
+use handoff::transport::{MemoryKind, RegionHandle, RemoteRegion, Transport};
+use handoff_components::Topology;
+use handoff_components::plan::Descriptor;
+use handoff_components::vocab::{RankId, RegionKind};
+use handoff_kernels::{Copy2d, CopyTicket, DeviceMemory, StreamMark};
+use std::collections::BTreeMap;
+use std::hint::black_box;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+const FLAGSHIP: &str = "config/k3-pp8-tp8dcp8.toml";
+const TOKENS: u64 = 32768;
+
+/// Device memory at made-up addresses whose copies complete when queued; a
+/// copy list costs the host what the GPU's memory costs it before the
+/// launches (the split into tables that keep conflicting copies in order).
+#[derive(Default)]
+struct NullDevice {
+    next: AtomicU64,
+    tables: AtomicU64,
+}
+
+impl DeviceMemory for NullDevice {
+    fn label(&self) -> String {
+        "cuda:0".into()
+    }
+    fn alloc(&self, _: u64) -> handoff_kernels::Result<u64> {
+        Ok((self.next.fetch_add(1, Ordering::Relaxed) + 1) << 40)
+    }
+    unsafe fn free(&self, _: u64) {}
+    fn export(&self, _: u64) -> handoff_kernels::Result<Vec<u8>> {
+        Ok(vec![0; 64])
+    }
+    fn open(&self, _: &[u8]) -> handoff_kernels::Result<u64> {
+        Ok(0)
+    }
+    unsafe fn close(&self, _: u64) {}
+    unsafe fn copy(&self, copies: &[Copy2d]) -> handoff_kernels::Result<CopyTicket> {
+        // SAFETY: nothing is copied.
+        unsafe { self.copy_after(copies, &[]) }
+    }
+    unsafe fn copy_after(&self, copies: &[Copy2d], _: &[StreamMark]) -> handoff_kernels::Result<CopyTicket> {
+        let launches = handoff_kernels::table_launches(copies, handoff_kernels::WIDE_TABLE_COPIES);
+        self.tables.fetch_add(launches.len() as u64, Ordering::Relaxed);
+        Ok(CopyTicket(1))
+    }
+    fn done(&self, _: CopyTicket) -> handoff_kernels::Result<bool> {
+        Ok(true)
+    }
+    unsafe fn read(&self, _: u64, _: &mut [u8]) -> handoff_kernels::Result<()> {
+        Ok(())
+    }
+    unsafe fn write(&self, _: u64, _: &[u8]) -> handoff_kernels::Result<()> {
+        Ok(())
+    }
+}
+
+fn device_host(c: &mut Criterion) {
+    let topo = Topology::load(FLAGSHIP).expect("flagship config");
+    let (mut engine, jobs, _) = planned(&topo, TOKENS, 1).expect("the flagship's plans");
+    let mem = Arc::new(NullDevice::default());
+    let dir = std::env::temp_dir().join(format!("handoff-device-host-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("the notification socket's directory");
+    let t = Arc::new(DeviceTransport::new(mem.clone(), 0, &dir, ClusterSecret::from_bytes(b"bench")).expect("transport"));
+    let opts = MoverOptions { batch_timeout: Duration::from_secs(60), ..MoverOptions::from_topology(&topo) };
+    let mut mover = TransportMover::new(t.clone() as Arc<dyn Transport>, opts).expect("mover");
+    let mut sources: BTreeMap<(RankId, RegionKind), RegionHandle> = BTreeMap::new();
+    let mut targets: BTreeMap<(RankId, RegionKind), RemoteRegion> = BTreeMap::new();
+    for r in engine.regions() {
+        let h = t.register_memory(r.rank, r.layout.kind, r.layout.len, MemoryKind::Device { ordinal: 0 }).expect("region");
+        match r.rank {
+            RankId::Prefill(_) => {
+                sources.insert((r.rank, r.layout.kind), h.clone());
+                mover.add_source(h);
+            }
+            RankId::Decode(_) => {
+                targets.insert((r.rank, r.layout.kind), mover.attach_target(&h).expect("attach"));
+            }
+        }
+    }
+    // The same plans as one submission straight through the transport.
+    let mut groups: Vec<(RegionHandle, RemoteRegion, Vec<Descriptor>)> = Vec::new();
+    for (_, p) in &jobs {
+        let mut by: BTreeMap<RegionKind, Vec<Descriptor>> = BTreeMap::new();
+        for d in &p.descriptors {
+            by.entry(d.kind).or_default().push(*d);
+        }
+        for (kind, descs) in by {
+            groups.push((sources[&(RankId::Prefill(p.producer), kind)].clone(), targets[&(RankId::Decode(p.consumer), kind)], descs));
+        }
+    }
+    let writes: Vec<(&RegionHandle, RemoteRegion, &[Descriptor])> = groups.iter().map(|(s, d, v)| (s, *d, v.as_slice())).collect();
+
+    let mut g = c.benchmark_group("device_host");
+    g.bench_function("mover_pass_flagship_32k", |b| b.iter(|| run_pass(&mut mover, black_box(&jobs)).expect("pass")));
+    g.bench_function("one_submission_flagship_32k", |b| {
+        b.iter(|| {
+            for batch in t.submit_all(black_box(&writes)) {
+                t.wait(batch.expect("queued"), Duration::from_secs(10)).expect("done");
+            }
+        })
+    });
+    let before = mem.tables.load(Ordering::Relaxed);
+    t.submit_all(&writes).into_iter().for_each(|b| t.wait(b.expect("queued"), Duration::from_secs(10)).expect("done"));
+    let tables = mem.tables.load(Ordering::Relaxed) - before;
+    println!("one flagship submission: {} plans, {} batches, {tables} table launch(es)", jobs.len(), writes.len());
+    g.finish();
+    drop(mover);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(30).measurement_time(Duration::from_secs(4));
+    targets = device_host
+}
+criterion_main!(benches);
