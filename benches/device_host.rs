@@ -111,9 +111,8 @@ fn device_host(c: &mut Criterion) {
     g.bench_function("mover_pass_flagship_32k", |b| b.iter(|| run_pass(&mut mover, black_box(&jobs)).expect("pass")));
     g.bench_function("one_submission_flagship_32k", |b| {
         b.iter(|| {
-            for batch in t.submit_all(black_box(&writes)) {
-                t.wait(batch.expect("queued"), Duration::from_secs(10)).expect("done");
-            }
+            let batches: Vec<_> = t.submit_all(black_box(&writes)).into_iter().map(|b| b.expect("queued")).collect();
+            t.wait_all(&batches, Duration::from_secs(10)).into_iter().for_each(|r| r.expect("done"));
         })
     });
     let before = mem.tables.load(Ordering::Relaxed);

@@ -20,6 +20,7 @@
 #include <functional>
 #include <string>
 #include <cstring>
+#include <chrono>
 
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e)); exit(1); } } while (0)
 
@@ -39,6 +40,12 @@ __global__ void __launch_bounds__(256) copy_flat(const hk_w16* __restrict__ s, h
 }
 
 __global__ void nothing() {}
+// Kernels whose argument is as large as a table of 64 copies (4 KB) and of
+// 256 (16 KB), for what the argument's size costs a launch.
+struct Arg4k { hk_i64 w[512]; };
+struct Arg16k { hk_i64 w[2048]; };
+__global__ void arg4k(Arg4k a) { if (a.w[threadIdx.x] == 12345) a.w[0] = 1; }
+__global__ void arg16k(Arg16k a) { if (a.w[threadIdx.x] == 12345) a.w[0] = 1; }
 
 __global__ void fill(unsigned* p, size_t n, unsigned seed) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
@@ -164,10 +171,32 @@ int main(int argc, char** argv) {
         one[0].w = 16; one[0].h = 1;
         hk_copy_table* t = new hk_copy_table;
         table_of(one, *t);
+        Arg4k* a4 = new Arg4k();
+        Arg16k* a16 = new Arg16k();
         const double t_one = time([&] { copy_table<<<1, 256>>>(*t); });
         const double t_empty = time([&] { nothing<<<1, 256>>>(); });
-        printf("a launch alone, on the device's clock: copy_table with one 16-byte copy %.1f us; a kernel with no argument %.1f us\n", t_one, t_empty);
+        const double t_4k = time([&] { arg4k<<<1, 256>>>(*a4); });
+        const double t_16k = time([&] { arg16k<<<1, 256>>>(*a16); });
+        printf("a launch alone, on the device's clock: copy_table (32 KB argument) with one 16-byte copy %.1f us; a kernel with no argument %.1f us, "
+               "with 4 KB %.1f us, with 16 KB %.1f us\n", t_one, t_empty, t_4k, t_16k);
+        // The host's time to queue a launch (no wait), 200 in a row.
+        auto host_us = [&](std::function<void()> fn) {
+            CK(cudaDeviceSynchronize());
+            auto t0 = std::chrono::steady_clock::now();
+            for (int i = 0; i < 200; ++i) fn();
+            auto t1 = std::chrono::steady_clock::now();
+            CK(cudaDeviceSynchronize());
+            return std::chrono::duration<double, std::micro>(t1 - t0).count() / 200;
+        };
+        cudaEvent_t ev;
+        CK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+        printf("a launch on the host's clock: copy_table (32 KB) %.2f us; no argument %.2f us; 4 KB %.2f us; 16 KB %.2f us; an event record %.2f us; "
+               "an event query %.2f us\n",
+               host_us([&] { copy_table<<<1, 256>>>(*t); }), host_us([&] { nothing<<<1, 256>>>(); }), host_us([&] { arg4k<<<1, 256>>>(*a4); }),
+               host_us([&] { arg16k<<<1, 256>>>(*a16); }), host_us([&] { CK(cudaEventRecord(ev)); }), host_us([&] { (void)cudaEventQuery(ev); }));
         delete t;
+        delete a4;
+        delete a16;
     }
     // The whole pass, then each row width alone.
     std::vector<std::pair<std::string, std::vector<Line>>> sets = {{"pass", lines}};

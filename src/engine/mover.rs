@@ -34,7 +34,7 @@
 use super::Engine;
 use crate::base::lock;
 use crate::transport::staging::{RetryPolicy, Stager, StagingPool};
-use crate::transport::{self, RegionHandle, RemoteRegion, Transport, TransportError};
+use crate::transport::{self, BatchId, RegionHandle, RemoteRegion, Transport, TransportError};
 use handoff_components::config::{Topology, TransportKind};
 use handoff_components::plan::{Descriptor, Plan};
 use handoff_components::vocab::{Distribution, LayerMark, RankId, RegionKind};
@@ -115,7 +115,8 @@ struct Book {
 struct Shared {
     transport: Arc<dyn Transport>,
     opts: MoverOptions,
-    sources: RwLock<HashMap<(RankId, RegionKind), RegionHandle>>,
+    /// Shared, so that a plan's writes hold their source without cloning a handle.
+    sources: RwLock<HashMap<(RankId, RegionKind), Arc<RegionHandle>>>,
     targets: RwLock<HashMap<(RankId, RegionKind), RemoteRegion>>,
     /// The handle each target was attached from (a restarted consumer publishes new ones).
     attached: RwLock<HashMap<(RankId, RegionKind), RegionHandle>>,
@@ -138,7 +139,7 @@ pub struct MoverHandle {
 impl MoverHandle {
     /// Registers a local producer region as the source of its (rank, kind).
     pub fn add_source(&self, handle: RegionHandle) {
-        transport::write(&self.shared.sources).insert((handle.rank, handle.kind), handle);
+        transport::write(&self.shared.sources).insert((handle.rank, handle.kind), Arc::new(handle));
     }
 
     /// Attaches a consumer's published region as the destination of its (rank, kind).
@@ -230,7 +231,7 @@ impl TransportMover {
 
     /// Registers a local producer region as the source of its (rank, kind).
     pub fn add_source(&self, handle: RegionHandle) {
-        transport::write(&self.shared.sources).insert((handle.rank, handle.kind), handle);
+        self.handle().add_source(handle);
     }
 
     /// Attaches a consumer's published region as the destination of its (rank, kind).
@@ -411,7 +412,11 @@ fn target_rank(plan: &Plan) -> RankId {
 fn check_regions(shared: &Shared, plan: &Plan) -> Result<(), MoveError> {
     let sources = transport::read(&shared.sources);
     let targets = transport::read(&shared.targets);
-    for kind in plan.descriptors.iter().map(|d| d.kind).chain(plan.staged.iter().map(|g| g.kind)) {
+    // Each kind once (a plan's descriptors come kind by kind).
+    let mut kinds: Vec<RegionKind> = plan.descriptors.iter().map(|d| d.kind).chain(plan.staged.iter().map(|g| g.kind)).collect();
+    kinds.sort_unstable();
+    kinds.dedup();
+    for kind in kinds {
         if !sources.contains_key(&(source_rank(plan), kind)) {
             return Err(MoveError::UnknownRegion { kind, rank: source_rank(plan), side: "source" });
         }
@@ -444,7 +449,7 @@ fn stager(shared: &Shared, rank: RankId) -> Result<&Stager, TransportError> {
 
 /// A batch of direct writes: the plan it belongs to, source, destination and
 /// descriptors.
-type DirectWrite = (usize, RegionHandle, RemoteRegion, Vec<Descriptor>);
+type DirectWrite = (usize, Arc<RegionHandle>, RemoteRegion, Vec<Descriptor>);
 
 /// Writes every descriptor of each plan; returns once all batches completed,
 /// one result per plan. Staged groups and the kinds that stage go through the stager, plan by plan;
@@ -476,7 +481,7 @@ fn run_plans(shared: &Shared, plans: &[&Plan], after: &[StreamMark]) -> Vec<Resu
 }
 
 /// The source and the attached destination of one (plan, kind).
-fn regions_of(shared: &Shared, plan: &Plan, kind: RegionKind) -> Result<(RegionHandle, RemoteRegion), TransportError> {
+fn regions_of(shared: &Shared, plan: &Plan, kind: RegionKind) -> Result<(Arc<RegionHandle>, RemoteRegion), TransportError> {
     let src = transport::read(&shared.sources)
         .get(&(source_rank(plan), kind))
         .cloned()
@@ -522,7 +527,7 @@ fn run_chunks(shared: &Shared, plan: &Plan, after: &[StreamMark]) -> Result<(), 
 /// that stage, and returns the direct writes of the others.
 /// A host gather (staging) would read the source without waiting on `after`:
 /// refused with marks (a mover that stages says it takes none).
-fn plan_writes(shared: &Shared, plan: &Plan, after: &[StreamMark]) -> Result<Vec<(RegionHandle, RemoteRegion, Vec<Descriptor>)>, TransportError> {
+fn plan_writes(shared: &Shared, plan: &Plan, after: &[StreamMark]) -> Result<Vec<(Arc<RegionHandle>, RemoteRegion, Vec<Descriptor>)>, TransportError> {
     let unmarked = |what: &str| -> Result<(), TransportError> {
         if after.is_empty() {
             return Ok(());
@@ -563,15 +568,19 @@ fn write_direct(shared: &Shared, writes: &[DirectWrite], after: &[StreamMark]) -
     let o = &shared.opts;
     let t = &shared.transport;
     let chunks: Vec<(usize, &RegionHandle, RemoteRegion, &[Descriptor])> =
-        writes.iter().flat_map(|(plan, src, dst, descs)| descs.chunks(o.max_batch as usize).map(move |c| (*plan, src, *dst, c))).collect();
+        writes.iter().flat_map(|(plan, src, dst, descs)| descs.chunks(o.max_batch as usize).map(move |c| (*plan, &**src, *dst, c))).collect();
     let batches: Vec<(&RegionHandle, RemoteRegion, &[Descriptor])> = chunks.iter().map(|&(_, s, d, c)| (s, d, c)).collect();
     let submitted = t.submit_all_after(&batches, after);
+    // Every submitted batch is waited for, even after a failure, so none is
+    // left in flight when the plan reports; all in one wait.
+    let queued: Vec<BatchId> = submitted.iter().filter_map(|b| b.as_ref().ok().copied()).collect();
+    let mut waited = t.wait_all(&queued, o.batch_timeout).into_iter();
+    let outcomes: Vec<Result<(), TransportError>> =
+        submitted.into_iter().map(|b| b.and_then(|id| waited.next().unwrap_or(Err(TransportError::UnknownBatch(id))))).collect();
     let mut errors: Vec<(usize, TransportError)> = Vec::new();
-    for ((plan, src, dst, chunk), batch) in chunks.into_iter().zip(submitted) {
-        // Every submitted batch is waited for, even after a failure, so none
-        // is left in flight when the plan reports.
+    for ((plan, src, dst, chunk), outcome) in chunks.into_iter().zip(outcomes) {
         let failed = errors.iter().any(|(p, _)| *p == plan);
-        let r = match batch.and_then(|b| t.wait(b, o.batch_timeout)) {
+        let r = match outcome {
             Ok(()) => Ok(()),
             Err(e) if !failed && e.is_transient() && o.retry.attempts > 1 => {
                 tracing::debug!(error = %e, "mover: retrying a batch");
@@ -628,7 +637,7 @@ pub fn cluster_over(
         let h = match rank {
             RankId::Prefill(_) => {
                 let h = producer.register(rank, kind, len)?;
-                transport::write(&handle.shared.sources).insert((rank, kind), h.clone());
+                handle.add_source(h.clone());
                 h
             }
             RankId::Decode(_) => {

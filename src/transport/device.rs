@@ -57,6 +57,9 @@ struct Attached {
 /// The CUDA IPC transport (see the module docs).
 pub struct DeviceTransport {
     notes: ShmTransport,
+    /// The notification socket's address, which names this transport's
+    /// regions (kept, so that checking a handle allocates nothing).
+    endpoint: PeerAddr,
     mem: Arc<dyn DeviceMemory>,
     ordinal: u32,
     /// "cuda-ipc" or "hip-ipc", after the memory's platform.
@@ -172,8 +175,10 @@ impl DeviceTransport {
                 .spawn(move || r.run())
                 .map_err(|e| TransportError::io("spawn the completion thread", e))?
         };
+        let notes = ShmTransport::with_secret(dir, secret)?;
         Ok(DeviceTransport {
-            notes: ShmTransport::with_secret(dir, secret)?,
+            endpoint: notes.endpoint(),
+            notes,
             mem,
             ordinal,
             name,
@@ -208,7 +213,7 @@ impl DeviceTransport {
     pub fn time_on_device(&self, writes: &[(&RegionHandle, RemoteRegion, &[Descriptor])]) -> Result<Duration> {
         let mut list = Vec::new();
         for &(src, dst, descriptors) in writes {
-            list.extend(self.copy_list(src, dst, descriptors)?);
+            self.copy_list(src, dst, descriptors, &mut list)?;
         }
         // SAFETY: every descriptor was validated against both regions above.
         unsafe { self.mem.time_copies(&list) }.map_err(|e| device_err("device copy timing", e))
@@ -218,21 +223,23 @@ impl DeviceTransport {
         DEVICE_ID | self.next.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// The device copies of `descriptors` from `src` into `dst`, each
-    /// checked against both regions.
-    fn copy_list(&self, src: &RegionHandle, dst: RemoteRegion, descriptors: &[Descriptor]) -> Result<Vec<Copy2d>> {
+    /// Appends the device copies of `descriptors` from `src` into `dst` to
+    /// `out`, each descriptor checked against both regions first (on an
+    /// error nothing is appended).
+    fn copy_list(&self, src: &RegionHandle, dst: RemoteRegion, descriptors: &[Descriptor], out: &mut Vec<Copy2d>) -> Result<()> {
         let (src_addr, src_len) = self.local(src)?;
         let (dst_addr, dst_len, dst_kind) = match read(&self.attached).get(&dst.id) {
             Some(a) => (a.addr, a.len, a.kind),
             None => return Err(TransportError::UnknownRegion(format!("attachment {} ({})", dst.id, dst.kind))),
         };
         validate(descriptors, Some(src_len), dst_len, dst_kind)?;
-        Ok(copies(descriptors, src_addr, dst_addr))
+        copies_into(descriptors, src_addr, dst_addr, out);
+        Ok(())
     }
 
     fn local(&self, handle: &RegionHandle) -> Result<(u64, u64)> {
         match read(&self.regions).get(&handle.id) {
-            Some(l) if handle.peer == self.notes.endpoint() && l.kind == handle.kind => Ok((l.addr, l.len)),
+            Some(l) if handle.peer == self.endpoint && l.kind == handle.kind => Ok((l.addr, l.len)),
             _ => Err(TransportError::UnknownRegion(handle.to_string())),
         }
     }
@@ -265,12 +272,12 @@ impl Drop for DeviceTransport {
     }
 }
 
-/// The copies of a validated batch: one 2D copy per strided descriptor, one
+/// The copies of a validated batch, appended to `out`: one 2D copy per strided descriptor, one
 /// plain copy per contiguous one; descriptors whose rows overlap (a stride
 /// below the row length) go piece by piece, which keeps the sequential
 /// semantics every transport gives a batch.
-fn copies(descriptors: &[Descriptor], src: u64, dst: u64) -> Vec<Copy2d> {
-    let mut out = Vec::with_capacity(descriptors.len());
+fn copies_into(descriptors: &[Descriptor], src: u64, dst: u64, out: &mut Vec<Copy2d>) {
+    out.reserve(descriptors.len());
     for d in descriptors {
         if d.len == 0 || d.count == 0 {
             continue;
@@ -291,7 +298,6 @@ fn copies(descriptors: &[Descriptor], src: u64, dst: u64) -> Vec<Copy2d> {
             }
         }
     }
-    out
 }
 
 impl Transport for DeviceTransport {
@@ -300,7 +306,7 @@ impl Transport for DeviceTransport {
     }
 
     fn endpoint(&self) -> PeerAddr {
-        self.notes.endpoint()
+        self.endpoint.clone()
     }
 
     fn register_memory(&self, rank: RankId, kind: RegionKind, len: u64, memory: MemoryKind) -> Result<RegionHandle> {
@@ -435,9 +441,8 @@ impl Transport for DeviceTransport {
         let mut list = Vec::new();
         let mut ok = Vec::new();
         for (i, &(src, dst, descriptors)) in writes.iter().enumerate() {
-            match self.copy_list(src, dst, descriptors) {
-                Ok(c) => {
-                    list.extend(c);
+            match self.copy_list(src, dst, descriptors, &mut list) {
+                Ok(()) => {
                     ok.push(i);
                     results.push(Ok(BatchId(0)));
                 }
@@ -455,9 +460,9 @@ impl Transport for DeviceTransport {
                 if let Some(log) = lock(&self.reaper.log).as_mut() {
                     log.push(Submission { called, queued: Instant::now(), done: None, batches: ok.len(), copies: list.len(), ticket });
                 }
+                let batches = self.reaper.completions.begin_n(ok.len());
                 let mut q = lock(&self.reaper.queue);
-                for &i in &ok {
-                    let batch = self.reaper.completions.begin();
+                for (&i, batch) in ok.iter().zip(batches) {
                     q.push_back((batch, ticket));
                     results[i] = Ok(batch);
                 }
@@ -495,6 +500,10 @@ impl Transport for DeviceTransport {
         self.reaper.completions.wait(batch, timeout)
     }
 
+    fn wait_all(&self, batches: &[BatchId], timeout: Duration) -> Vec<Result<()>> {
+        self.reaper.completions.wait_all(batches, timeout)
+    }
+
     fn notify(&self, peer: &PeerAddr, bytes: &[u8]) -> Result<()> {
         self.notes.notify(peer, bytes)
     }
@@ -526,7 +535,8 @@ mod tests {
         let strided = Descriptor { kind, src_offset: 8, src_stride: 64, dst_offset: 16, dst_stride: 128, len: 32, count: 4 };
         let single = Descriptor { kind, src_offset: 0, src_stride: 0, dst_offset: 0, dst_stride: 0, len: 100, count: 1 };
         let overlapping = Descriptor { kind, src_offset: 0, src_stride: 4, dst_offset: 0, dst_stride: 4, len: 8, count: 3 };
-        let c = copies(&[strided, single, overlapping], 1000, 5000);
+        let mut c = Vec::new();
+        copies_into(&[strided, single, overlapping], 1000, 5000, &mut c);
         assert_eq!(c[0], Copy2d { src: 1008, src_pitch: 64, dst: 5016, dst_pitch: 128, width: 32, height: 4 });
         assert_eq!(c[1], Copy2d { src: 1000, src_pitch: 100, dst: 5000, dst_pitch: 100, width: 100, height: 1 });
         assert_eq!(c.len(), 2 + 3);
@@ -551,7 +561,7 @@ mod tests {
         for (_, p) in &jobs {
             for d in &p.descriptors {
                 let (src, dst) = (base(format!("{:?}", p.producer), d.kind), base(format!("{:?}", p.consumer), d.kind));
-                list.extend(copies(std::slice::from_ref(d), src, dst));
+                copies_into(std::slice::from_ref(d), src, dst, &mut list);
             }
         }
         assert_eq!(list.len(), 448);

@@ -40,8 +40,9 @@ use handoff_components::plan::Descriptor;
 use handoff_components::vocab::{RankId, RegionKind};
 use handoff_kernels::StreamMark;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::fmt;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Condvar, Mutex};
@@ -391,6 +392,15 @@ pub trait Transport: Send + Sync {
     /// Waits for one batch; takes its completion (a later `poll` will not see it).
     fn wait(&self, batch: BatchId, timeout: Duration) -> Result<()>;
 
+    /// Waits for every one of `batches` (each within `timeout` of the call)
+    /// and takes their completions, in order. The device transport waits
+    /// for them in one go (a pass's 320 batches end with one event); the
+    /// others one after the other.
+    fn wait_all(&self, batches: &[BatchId], timeout: Duration) -> Vec<Result<()>> {
+        let deadline = Instant::now() + timeout;
+        batches.iter().map(|&b| self.wait(b, deadline.saturating_duration_since(Instant::now()))).collect()
+    }
+
     /// Sends a small message to a peer endpoint. On one peer, a message sent after a
     /// batch completed is received after that batch's bytes are in place.
     fn notify(&self, peer: &PeerAddr, bytes: &[u8]) -> Result<()>;
@@ -543,8 +553,28 @@ pub(crate) struct Completions {
 #[derive(Default)]
 struct CompletionState {
     next: u64,
-    pending: HashSet<BatchId>,
-    done: BTreeMap<BatchId, Result<()>>,
+    pending: HashSet<BatchId, BuildHasherDefault<BatchHash>>,
+    done: HashMap<BatchId, Result<()>, BuildHasherDefault<BatchHash>>,
+}
+
+/// Batch ids are a counter: a multiply spreads them over the table (a device
+/// pass begins, finishes and waits for 320 of them at once; SipHash was a
+/// tenth of its host time).
+#[derive(Default)]
+struct BatchHash(u64);
+
+impl Hasher for BatchHash {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8 | u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
 }
 
 impl Completions {
@@ -556,11 +586,20 @@ impl Completions {
 
     /// A fresh batch id, marked pending.
     pub fn begin(&self) -> BatchId {
+        self.begin_n(1)[0]
+    }
+
+    /// `n` fresh batch ids, marked pending under one lock.
+    pub fn begin_n(&self, n: usize) -> Vec<BatchId> {
         let mut s = lock(&self.state);
-        s.next += 1;
-        let id = BatchId(s.next);
-        s.pending.insert(id);
-        id
+        (0..n)
+            .map(|_| {
+                s.next += 1;
+                let id = BatchId(s.next);
+                s.pending.insert(id);
+                id
+            })
+            .collect()
     }
 
     pub fn finish(&self, batch: BatchId, result: Result<()>) {
@@ -590,7 +629,25 @@ impl Completions {
 
     pub fn poll(&self) -> Vec<BatchCompletion> {
         let mut s = lock(&self.state);
-        std::mem::take(&mut s.done).into_iter().map(|(batch, result)| BatchCompletion { batch, result }).collect()
+        let mut done: Vec<BatchCompletion> = s.done.drain().map(|(batch, result)| BatchCompletion { batch, result }).collect();
+        done.sort_unstable_by_key(|c| c.batch);
+        done
+    }
+
+    /// [`Transport::wait_all`]: one wait until none of `batches` is pending,
+    /// then each one's completion (an unknown batch, or one still pending at
+    /// the deadline, its error).
+    pub fn wait_all(&self, batches: &[BatchId], timeout: Duration) -> Vec<Result<()>> {
+        let deadline = Instant::now() + timeout;
+        let (mut s, _) = crate::base::wait_until(&self.state, &self.cv, deadline, self.spin, |s| batches.iter().all(|b| !s.pending.contains(b)));
+        batches
+            .iter()
+            .map(|&b| match s.done.remove(&b) {
+                Some(r) => r,
+                None if !s.pending.contains(&b) => Err(TransportError::UnknownBatch(b)),
+                None => Err(TransportError::Timeout { what: b.to_string(), after: timeout }),
+            })
+            .collect()
     }
 
     pub fn wait(&self, batch: BatchId, timeout: Duration) -> Result<()> {
