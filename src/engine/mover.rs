@@ -451,6 +451,9 @@ fn stager(shared: &Shared, rank: RankId) -> Result<&Stager, TransportError> {
 /// descriptors.
 type DirectWrite = (usize, Arc<RegionHandle>, RemoteRegion, Vec<Descriptor>);
 
+/// A plan's writes of one kind: source, destination and descriptors.
+type KindWrite = (Arc<RegionHandle>, RemoteRegion, Vec<Descriptor>);
+
 /// Writes every descriptor of each plan; returns once all batches completed,
 /// one result per plan. Staged groups and the kinds that stage go through the stager, plan by plan;
 /// every batch of the other kinds, of all the plans, is submitted before the
@@ -527,7 +530,7 @@ fn run_chunks(shared: &Shared, plan: &Plan, after: &[StreamMark]) -> Result<(), 
 /// that stage, and returns the direct writes of the others.
 /// A host gather (staging) would read the source without waiting on `after`:
 /// refused with marks (a mover that stages says it takes none).
-fn plan_writes(shared: &Shared, plan: &Plan, after: &[StreamMark]) -> Result<Vec<(Arc<RegionHandle>, RemoteRegion, Vec<Descriptor>)>, TransportError> {
+fn plan_writes(shared: &Shared, plan: &Plan, after: &[StreamMark]) -> Result<Vec<KindWrite>, TransportError> {
     let unmarked = |what: &str| -> Result<(), TransportError> {
         if after.is_empty() {
             return Ok(());
