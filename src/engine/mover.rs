@@ -316,15 +316,9 @@ fn runs_staged(transport: &str) -> bool {
     matches!(transport, "local" | "shm" | "tcp" | "ucx")
 }
 
-/// Plans one worker takes at once from the queue when the transport groups
-/// plans ([`Transport::groups_plans`]): their copies go to the device as one
-/// submission (a few kernel launches and one event), or through one host copy
-/// that reads each shared source once, not one each.
-const PLANS_PER_SUBMIT: usize = 64;
-
-/// How long a worker that holds some plans waits for the queue to stay quiet
-/// before it writes them, where the transport's waits are polled (see
-/// [`worker`]).
+/// How long a worker that has queued some plans waits for the next one to
+/// arrive before it waits for their copies, where the transport's waits are
+/// polled (see [`worker`]).
 const GATHER_QUIET: Duration = Duration::from_micros(20);
 
 /// The next job: polled (yielding) for `spin` first, since a sleeping
@@ -342,63 +336,85 @@ fn next_job(rx: &mpsc::Receiver<Job>, spin: Duration) -> Option<Job> {
     rx.recv().ok()
 }
 
+/// Takes the jobs queued now into `jobs`, up to `group` in all; with
+/// `quiet`, waits that long for the first one if none is queued. Returns
+/// false once the mover is dropped.
+fn take_queued(rx: &mpsc::Receiver<Job>, jobs: &mut Vec<Job>, group: usize, quiet: Duration) -> bool {
+    let since = Instant::now();
+    while jobs.len() < group {
+        match rx.try_recv() {
+            Ok(j) => jobs.push(j),
+            Err(mpsc::TryRecvError::Empty) if jobs.is_empty() && since.elapsed() < quiet => std::thread::yield_now(),
+            Err(mpsc::TryRecvError::Empty) => break,
+            Err(mpsc::TryRecvError::Disconnected) => return false,
+        }
+    }
+    true
+}
+
+/// A worker: takes the plans queued (a pass, a tick's requests arrive a few
+/// microseconds apart), submits them a group at a time
+/// ([`Transport::plans_per_submission`]), and takes the plans that arrived
+/// meanwhile as the next group before it waits for any, so that an
+/// asynchronous transport copies the first group while the host prepares
+/// the next. Then it waits for every group in turn and reports its plans.
 fn worker(shared: &Shared, rx: &Mutex<mpsc::Receiver<Job>>) {
-    let group = if shared.transport.groups_plans() { PLANS_PER_SUBMIT } else { 1 };
-    let quiet = if shared.spin.is_zero() { Duration::ZERO } else { GATHER_QUIET };
+    let group = shared.transport.plans_per_submission().max(1);
+    let quiet = if shared.spin.is_zero() || group == 1 { Duration::ZERO } else { GATHER_QUIET };
     loop {
-        let jobs = {
+        let mut started: Vec<(Vec<Job>, Started)> = Vec::new();
+        {
             let rx = lock(rx);
             let first = match next_job(&rx, shared.spin) {
                 Some(j) => j,
                 None => return,
             };
             let mut jobs = vec![first];
-            // The plans a caller submits in one go (a pass, a tick's
-            // requests) arrive a few microseconds apart: gathered until the
-            // queue stays empty for GATHER_QUIET, they go out as one
-            // submission instead of as many as the worker happened to see.
-            let mut last = Instant::now();
-            while jobs.len() < group {
-                match rx.try_recv() {
-                    Ok(j) => {
-                        jobs.push(j);
-                        last = Instant::now();
-                    }
-                    Err(mpsc::TryRecvError::Empty) if group > 1 && last.elapsed() < quiet => std::thread::yield_now(),
-                    Err(_) => break,
+            let mut open = take_queued(&rx, &mut jobs, group, Duration::ZERO);
+            while !jobs.is_empty() {
+                let s = start_jobs(shared, &jobs);
+                started.push((std::mem::take(&mut jobs), s));
+                if !open {
+                    break;
                 }
+                open = take_queued(&rx, &mut jobs, group, quiet);
             }
-            jobs
-        };
-        let _span = tracing::debug_span!(
-            "mover.plans",
-            plans = jobs.len(),
-            request = jobs[0].ticket.request,
-            pp = jobs[0].plan.producer.pp,
-            tp = jobs[0].plan.producer.tp,
-            consumer = jobs[0].plan.consumer.tp,
-            bytes = jobs.iter().map(|j| j.plan.bytes()).sum::<u64>()
-        )
-        .entered();
-        let plans: Vec<&Plan> = jobs.iter().map(|j| &j.plan).collect();
-        // Plans grouped into one submission wait on every mark among them
-        // (a plan waiting on a later layer's mark too only waits longer).
-        let mut after: Vec<StreamMark> = jobs.iter().filter_map(|j| j.after).map(|m| StreamMark(m.0)).collect();
-        after.sort_unstable();
-        after.dedup();
-        let results = run_plans(shared, &plans, &after);
-        let mut book = lock(&shared.book);
-        for (job, result) in jobs.iter().zip(results) {
-            let result = result.map_err(|e| MoveError::Transport(std::sync::Arc::new(e)));
-            if let Err(reason) = &result {
-                tracing::warn!(request = job.ticket.request, %reason, "mover: plan failed");
-            }
-            book.in_flight.remove(&job.ticket);
-            book.done.push(PlanCompletion { ticket: job.ticket, result });
         }
-        drop(book);
-        shared.idle.notify_all();
+        for (jobs, s) in started {
+            let results = finish_plans(shared, s);
+            let mut book = lock(&shared.book);
+            for (job, result) in jobs.iter().zip(results) {
+                let result = result.map_err(|e| MoveError::Transport(std::sync::Arc::new(e)));
+                if let Err(reason) = &result {
+                    tracing::warn!(request = job.ticket.request, %reason, "mover: plan failed");
+                }
+                book.in_flight.remove(&job.ticket);
+                book.done.push(PlanCompletion { ticket: job.ticket, result });
+            }
+            drop(book);
+            shared.idle.notify_all();
+        }
     }
+}
+
+/// Starts a group of jobs: [`start_plans`] of their plans, after every mark
+/// among them (a plan waiting on a later layer's mark too only waits longer).
+fn start_jobs(shared: &Shared, jobs: &[Job]) -> Started {
+    let _span = tracing::debug_span!(
+        "mover.plans",
+        plans = jobs.len(),
+        request = jobs[0].ticket.request,
+        pp = jobs[0].plan.producer.pp,
+        tp = jobs[0].plan.producer.tp,
+        consumer = jobs[0].plan.consumer.tp,
+        bytes = jobs.iter().map(|j| j.plan.bytes()).sum::<u64>()
+    )
+    .entered();
+    let plans: Vec<&Plan> = jobs.iter().map(|j| &j.plan).collect();
+    let mut after: Vec<StreamMark> = jobs.iter().filter_map(|j| j.after).map(|m| StreamMark(m.0)).collect();
+    after.sort_unstable();
+    after.dedup();
+    start_plans(shared, &plans, &after)
 }
 
 fn source_rank(plan: &Plan) -> RankId {
@@ -454,15 +470,18 @@ type DirectWrite = (usize, Arc<RegionHandle>, RemoteRegion, Vec<Descriptor>);
 /// A plan's writes of one kind: source, destination and descriptors.
 type KindWrite = (Arc<RegionHandle>, RemoteRegion, Vec<Descriptor>);
 
-/// Writes every descriptor of each plan; returns once all batches completed,
-/// one result per plan. Staged groups and the kinds that stage go through the stager, plan by plan;
-/// every batch of the other kinds, of all the plans, is submitted before the
+/// Writes every descriptor of each plan, in two halves: this one, up to the
+/// first wait, and [`finish_plans`], which returns once all batches
+/// completed, one result per plan. Chunked plans, staged groups and the kinds
+/// that stage run here to the end, through the stager, plan by plan; every
+/// batch of the other kinds, of all the plans, is submitted here, before the
 /// first wait, so an asynchronous transport (tcp, a GPU's copy queue) has all
-/// of it in flight at once. A plan that fails fails alone: the other plans'
+/// of it in flight at once (and the worker can start the next group before
+/// it waits for this one). A plan that fails fails alone: the other plans'
 /// results are their own.
 ///
 /// `after`: device marks every write waits on ([`Transport::submit_all_after`]).
-fn run_plans(shared: &Shared, plans: &[&Plan], after: &[StreamMark]) -> Vec<Result<(), TransportError>> {
+fn start_plans(shared: &Shared, plans: &[&Plan], after: &[StreamMark]) -> Started {
     let mut results: Vec<Result<(), TransportError>> = plans.iter().map(|_| Ok(())).collect();
     let mut direct: Vec<DirectWrite> = Vec::new();
     for (i, plan) in plans.iter().enumerate() {
@@ -475,7 +494,22 @@ fn run_plans(shared: &Shared, plans: &[&Plan], after: &[StreamMark]) -> Vec<Resu
             Err(e) => results[i] = Err(e),
         }
     }
-    for (i, e) in write_direct(shared, &direct, after) {
+    let submitted = submit_direct(shared, &direct, after);
+    Started { results, direct, after: after.to_vec(), submitted }
+}
+
+/// Plans whose direct writes are queued and not yet waited for.
+struct Started {
+    results: Vec<Result<(), TransportError>>,
+    direct: Vec<DirectWrite>,
+    after: Vec<StreamMark>,
+    submitted: Vec<Result<BatchId, TransportError>>,
+}
+
+/// The second half of [`start_plans`], from its first wait: every plan's result.
+fn finish_plans(shared: &Shared, s: Started) -> Vec<Result<(), TransportError>> {
+    let Started { mut results, direct, after, submitted } = s;
+    for (i, e) in finish_direct(shared, &direct, &after, submitted) {
         if results[i].is_ok() {
             results[i] = Err(e);
         }
@@ -568,12 +602,35 @@ fn plan_writes(shared: &Shared, plan: &Plan, after: &[StreamMark]) -> Result<Vec
 /// transiently is written again, with backoff. Returns the first error of
 /// each plan that had one.
 fn write_direct(shared: &Shared, writes: &[DirectWrite], after: &[StreamMark]) -> Vec<(usize, TransportError)> {
+    let submitted = submit_direct(shared, writes, after);
+    finish_direct(shared, writes, after, submitted)
+}
+
+/// The batches of `writes` (each cut at `max_batch` descriptors) in the
+/// order [`finish_direct`] takes them.
+fn direct_batches<'a>(shared: &Shared, writes: &'a [DirectWrite]) -> Vec<(usize, &'a RegionHandle, RemoteRegion, &'a [Descriptor])> {
+    let max = shared.opts.max_batch as usize;
+    writes.iter().flat_map(|(plan, src, dst, descs)| descs.chunks(max).map(move |c| (*plan, &**src, *dst, c))).collect()
+}
+
+/// Submits every batch of `writes` in one submission, without waiting.
+fn submit_direct(shared: &Shared, writes: &[DirectWrite], after: &[StreamMark]) -> Vec<Result<BatchId, TransportError>> {
+    let batches: Vec<(&RegionHandle, RemoteRegion, &[Descriptor])> = direct_batches(shared, writes).into_iter().map(|(_, s, d, c)| (s, d, c)).collect();
+    shared.transport.submit_all_after(&batches, after)
+}
+
+/// Waits for the batches [`submit_direct`] queued for `writes` and writes a
+/// batch that failed transiently again, with backoff. Returns the first error
+/// of each plan that had one.
+fn finish_direct(
+    shared: &Shared,
+    writes: &[DirectWrite],
+    after: &[StreamMark],
+    submitted: Vec<Result<BatchId, TransportError>>,
+) -> Vec<(usize, TransportError)> {
     let o = &shared.opts;
     let t = &shared.transport;
-    let chunks: Vec<(usize, &RegionHandle, RemoteRegion, &[Descriptor])> =
-        writes.iter().flat_map(|(plan, src, dst, descs)| descs.chunks(o.max_batch as usize).map(move |c| (*plan, &**src, *dst, c))).collect();
-    let batches: Vec<(&RegionHandle, RemoteRegion, &[Descriptor])> = chunks.iter().map(|&(_, s, d, c)| (s, d, c)).collect();
-    let submitted = t.submit_all_after(&batches, after);
+    let chunks = direct_batches(shared, writes);
     // Every submitted batch is waited for, even after a failure, so none is
     // left in flight when the plan reports; all in one wait.
     let queued: Vec<BatchId> = submitted.iter().filter_map(|b| b.as_ref().ok().copied()).collect();

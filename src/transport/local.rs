@@ -113,8 +113,8 @@ impl Transport for LocalTransport {
     }
 
     /// One `submit_all` of many plans reads each shared source once.
-    fn groups_plans(&self) -> bool {
-        true
+    fn plans_per_submission(&self) -> usize {
+        64
     }
 
     fn poll(&self) -> Vec<BatchCompletion> {

@@ -378,12 +378,13 @@ pub trait Transport: Send + Sync {
         false
     }
 
-    /// Whether a mover gains from handing this transport many plans in one
-    /// [`Transport::submit_all`] instead of running them one a thread: the
-    /// device transport queues them on its copy streams as one submission;
-    /// the in-host ones copy them in one pass over each shared source region.
-    fn groups_plans(&self) -> bool {
-        false
+    /// How many plans a mover hands this transport in one
+    /// [`Transport::submit_all`] at most (1: one plan a worker). The in-host
+    /// transports copy many in one pass over each shared source region; the
+    /// device transport queues a few at a time on its copy streams, so that
+    /// the device copies the first plans while the host prepares the rest.
+    fn plans_per_submission(&self) -> usize {
+        1
     }
 
     /// Takes every completion reported since the last call, in batch order.

@@ -252,8 +252,8 @@ impl Transport for ShmTransport {
     }
 
     /// One `submit_all` of many plans reads each shared source once.
-    fn groups_plans(&self) -> bool {
-        true
+    fn plans_per_submission(&self) -> usize {
+        64
     }
 
     fn poll(&self) -> Vec<BatchCompletion> {
