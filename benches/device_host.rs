@@ -119,6 +119,12 @@ fn device_host(c: &mut Criterion) {
     t.submit_all(&writes).into_iter().for_each(|b| t.wait(b.expect("queued"), Duration::from_secs(10)).expect("done"));
     let tables = mem.tables.load(Ordering::Relaxed) - before;
     println!("one flagship submission: {} plans, {} batches, {tables} table launch(es)", jobs.len(), writes.len());
+    for kind in [RegionKind::MlaKv, RegionKind::KdaState, RegionKind::KdaConv, RegionKind::ReplayRecords] {
+        let only: Vec<(&RegionHandle, RemoteRegion, &[Descriptor])> = writes.iter().filter(|w| w.1.kind == kind).copied().collect();
+        let before = mem.tables.load(Ordering::Relaxed);
+        t.submit_all(&only).into_iter().for_each(|b| t.wait(b.expect("queued"), Duration::from_secs(10)).expect("done"));
+        println!("  {kind} alone: {} batches, {} table launch(es)", only.len(), mem.tables.load(Ordering::Relaxed) - before);
+    }
     g.finish();
     drop(mover);
     let _ = std::fs::remove_dir_all(&dir);

@@ -377,9 +377,10 @@ pub trait DeviceMemory: Send + Sync {
     }
     /// Runs `copies` as [`DeviceMemory::copy`] queues them, waits, and
     /// returns the device's time between an event recorded before the first
-    /// and one after the last: what the copies cost on the device, without
-    /// the host's queueing and wake-ups (a bench's measure; the default says
-    /// this memory cannot time its copies).
+    /// and one after the last, with the stream held until all of them are
+    /// queued: what the copies cost on the device, without the host's
+    /// queueing and wake-ups (a bench's measure; the default says this
+    /// memory cannot time its copies).
     ///
     /// # Safety
     /// As [`DeviceMemory::copy`].
