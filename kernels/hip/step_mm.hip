@@ -719,20 +719,24 @@ static __device__ __forceinline__ void st_mm_wg_body(
 }
 
 // The instances the step launches: st_mm_wg<NB>_<WP> (st_mm_few's
-// arguments; counters and the epilogue unused: st_reduce follows). Chunks of
-// 8 k-steps with one weight plane, 4 with two, double-buffered (one chunk in
-// flight): the best of the variants timed on the H200 at the step's shapes
-// (benches/gpu/mm_wg_probe.cu, benches/README.md session 9); a deeper ring at
-// the same shared memory means smaller chunks, and more shared memory leaves
-// one block a multiprocessor; both were slower. Shared memory:
-// 2 ST_WG_KC(WP) (8 WP 512 + planes NB 32) bytes. Present only in an sm_90a
-// build: the Rust side takes st_mm without them.
-#define ST_WG_D 1
-#define ST_WG_KC(WP) ((WP) == 1 ? 8 : 4)
+// arguments; counters and the epilogue unused: st_reduce follows). One
+// weight plane: chunks of 8 k-steps, double-buffered (one chunk in flight),
+// the best of the variants timed on the H200 at the step's shapes
+// (benches/gpu/mm_wg_probe.cu, benches/README.md session 9). Two planes (f32
+// weights): chunks of 2 k-steps, 2 in flight (3 buffers, 86 KB with 96
+// rows, so that two blocks fit a multiprocessor), 9 to 11% faster than 4
+// k-steps double-buffered at the step's 88-row shapes on an H100 (session
+// 25, benches/runs/h100-2026-12-07-s25.txt); on the H200 in session 9 the
+// deeper rings it tried kept one block a multiprocessor and were slower.
+// Shared memory: (ST_WG_D(WP) + 1) ST_WG_KC(WP) (8 WP 512 + planes NB 32)
+// bytes (kernels/src/gpu/step_gpu/launches.rs, wg_smem). Present only in an
+// sm_90a build: the Rust side takes st_mm without them.
+#define ST_WG_D(WP) ((WP) == 1 ? 1 : 2)
+#define ST_WG_KC(WP) ((WP) == 1 ? 8 : 2)
 #define ST_MM_WG(NB, WP)                                                                                    \
     extern "C" __global__ void __launch_bounds__(ST_WG_THREADS, 1) st_mm_wg##NB##_##WP(ST_MM_ARGS) {         \
         HK_GRID_DEP();                                                                                      \
-        st_mm_wg_body<NB, WP, ST_WG_KC(WP), ST_WG_D>(A, a_plane, a_group, W, w_plane, w_group, part, part_seg, \
+        st_mm_wg_body<NB, WP, ST_WG_KC(WP), ST_WG_D(WP)>(A, a_plane, a_group, W, w_plane, w_group, part, part_seg, \
                                                    part_group, ldp, M, nt16, KT, S, terms);                \
     }
 ST_MM_WG(32, 1)

@@ -51,11 +51,17 @@ pub(super) struct MmFuncs<F> {
 /// holds its rows).
 const WG_ROWS: [usize; 4] = [32, 64, 96, 128];
 
+/// st_mm_wg's ring for `wp` weight planes: k-steps a chunk and chunks in
+/// flight (step_mm.hip's ST_WG_KC(WP) and ST_WG_D(WP)).
+fn wg_ring(wp: usize) -> (usize, usize) {
+    if wp == 1 { (8, 1) } else { (2, 2) }
+}
+
 /// st_mm_wg's dynamic shared memory for `nb` rows, `wp` weight planes and
-/// `terms` (step_mm.hip: ST_WG_D + 1 = 2 buffers of ST_WG_KC(WP) k-steps).
+/// `terms`: ST_WG_D + 1 buffers of ST_WG_KC k-steps.
 fn wg_smem(nb: usize, wp: usize, terms: i32) -> u32 {
-    let (kc, planes) = (if wp == 1 { 8 } else { 4 }, if terms >= 2 { 2 } else { 1 });
-    (2 * kc * (8 * wp * 512 + planes * nb * 32)) as u32
+    let ((kc, d), planes) = (wg_ring(wp), if terms >= 2 { 2 } else { 1 });
+    ((d + 1) * kc * (8 * wp * 512 + planes * nb * 32)) as u32
 }
 
 impl<F: Copy> MmFuncs<F> {
@@ -136,4 +142,30 @@ impl<F: Copy> MmFuncs<F> {
 /// Counters a product's launch needs (st_mm_few's: one a column block of a group).
 pub(super) fn mm_counters(nt: usize, groups: usize) -> usize {
     groups * nt.div_ceil(4)
+}
+
+#[cfg(test)]
+mod ring_tests {
+    use super::wg_ring;
+
+    /// The value step_mm.hip's `#define NAME(WP) ((WP) == 1 ? A : B)` gives
+    /// for `wp`.
+    fn per_plane(name: &str, wp: usize) -> usize {
+        let src = crate::gpu::HIP_SOURCES.iter().find(|(n, _)| *n == "step_mm.hip").expect("step_mm.hip").1;
+        let line = src.lines().find_map(|l| l.trim().strip_prefix(&format!("#define {name}(WP) "))).unwrap_or_else(|| panic!("#define {name}(WP)"));
+        let body = line.trim().trim_start_matches("((WP) == 1 ? ").trim_end_matches(')');
+        let (one, two) = body.split_once(" : ").unwrap_or_else(|| panic!("{name}: {line}"));
+        let v = if wp == 1 { one } else { two };
+        v.trim().parse().unwrap_or_else(|_| panic!("{name}: {line}"))
+    }
+
+    /// The shared memory the Rust side gives st_mm_wg is the ring the kernel
+    /// was compiled with: too little faults, too much keeps a second block
+    /// off a multiprocessor.
+    #[test]
+    fn the_warpgroup_ring_is_the_kernels() {
+        for wp in [1, 2] {
+            assert_eq!(wg_ring(wp), (per_plane("ST_WG_KC", wp), per_plane("ST_WG_D", wp)), "wp = {wp}");
+        }
+    }
 }
