@@ -2,7 +2,7 @@
 //! tokens (64 plans, 448 copies) through the mover and the cuda-ipc transport
 //! over a device memory that splits each copy list into table launches as the
 //! GPU's does (`table_launches`), queues nothing and reports every batch done
-//! at once. What is timed is the host's share of a pass (plans to the worker,
+//! at once (`NullDevice`). What is timed is the host's share of a pass (plans to the worker,
 //! copy lists, the table split, completions back to the caller), which on the
 //! GPU comes before the first copy or after the last one.
 //!
@@ -12,64 +12,18 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use handoff::bench::transfer::{planned, run_pass};
 use handoff::engine::mover::{MoverOptions, TransportMover};
 use handoff::transport::auth::ClusterSecret;
-use handoff::transport::device::DeviceTransport;
+use handoff::transport::device::{DeviceTransport, NullDevice};
 use handoff::transport::{MemoryKind, RegionHandle, RemoteRegion, Transport};
 use handoff_components::Topology;
 use handoff_components::plan::Descriptor;
 use handoff_components::vocab::{RankId, RegionKind};
-use handoff_kernels::{Copy2d, CopyTicket, DeviceMemory, StreamMark};
 use std::collections::BTreeMap;
 use std::hint::black_box;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 const FLAGSHIP: &str = "config/k3-pp8-tp8dcp8.toml";
 const TOKENS: u64 = 32768;
-
-/// Device memory at made-up addresses whose copies complete when queued; a
-/// copy list costs the host what the GPU's memory costs it before the
-/// launches (the split into tables that keep conflicting copies in order).
-#[derive(Default)]
-struct NullDevice {
-    next: AtomicU64,
-    tables: AtomicU64,
-}
-
-impl DeviceMemory for NullDevice {
-    fn label(&self) -> String {
-        "cuda:0".into()
-    }
-    fn alloc(&self, _: u64) -> handoff_kernels::Result<u64> {
-        Ok((self.next.fetch_add(1, Ordering::Relaxed) + 1) << 40)
-    }
-    unsafe fn free(&self, _: u64) {}
-    fn export(&self, _: u64) -> handoff_kernels::Result<Vec<u8>> {
-        Ok(vec![0; 64])
-    }
-    fn open(&self, _: &[u8]) -> handoff_kernels::Result<u64> {
-        Ok(0)
-    }
-    unsafe fn close(&self, _: u64) {}
-    unsafe fn copy(&self, copies: &[Copy2d]) -> handoff_kernels::Result<CopyTicket> {
-        // SAFETY: nothing is copied.
-        unsafe { self.copy_after(copies, &[]) }
-    }
-    unsafe fn copy_after(&self, copies: &[Copy2d], _: &[StreamMark]) -> handoff_kernels::Result<CopyTicket> {
-        let launches = handoff_kernels::table_launches(copies, handoff_kernels::WIDE_TABLE_COPIES);
-        self.tables.fetch_add(launches.len() as u64, Ordering::Relaxed);
-        Ok(CopyTicket(1))
-    }
-    fn done(&self, _: CopyTicket) -> handoff_kernels::Result<bool> {
-        Ok(true)
-    }
-    unsafe fn read(&self, _: u64, _: &mut [u8]) -> handoff_kernels::Result<()> {
-        Ok(())
-    }
-    unsafe fn write(&self, _: u64, _: &[u8]) -> handoff_kernels::Result<()> {
-        Ok(())
-    }
-}
 
 fn device_host(c: &mut Criterion) {
     let topo = Topology::load(FLAGSHIP).expect("flagship config");
@@ -115,15 +69,15 @@ fn device_host(c: &mut Criterion) {
             t.wait_all(&batches, Duration::from_secs(10)).into_iter().for_each(|r| r.expect("done"));
         })
     });
-    let before = mem.tables.load(Ordering::Relaxed);
-    t.submit_all(&writes).into_iter().for_each(|b| t.wait(b.expect("queued"), Duration::from_secs(10)).expect("done"));
-    let tables = mem.tables.load(Ordering::Relaxed) - before;
-    println!("one flagship submission: {} plans, {} batches, {tables} table launch(es)", jobs.len(), writes.len());
+    // The table launches of one submission: the last list queued.
+    let tables_of = |w: &[(&RegionHandle, RemoteRegion, &[Descriptor])]| {
+        t.submit_all(w).into_iter().for_each(|b| t.wait(b.expect("queued"), Duration::from_secs(10)).expect("done"));
+        mem.lists().last().map_or(0, |l| l.2)
+    };
+    println!("one flagship submission: {} plans, {} batches, {} table launch(es)", jobs.len(), writes.len(), tables_of(&writes));
     for kind in [RegionKind::MlaKv, RegionKind::KdaState, RegionKind::KdaConv, RegionKind::ReplayRecords] {
         let only: Vec<(&RegionHandle, RemoteRegion, &[Descriptor])> = writes.iter().filter(|w| w.1.kind == kind).copied().collect();
-        let before = mem.tables.load(Ordering::Relaxed);
-        t.submit_all(&only).into_iter().for_each(|b| t.wait(b.expect("queued"), Duration::from_secs(10)).expect("done"));
-        println!("  {kind} alone: {} batches, {} table launch(es)", only.len(), mem.tables.load(Ordering::Relaxed) - before);
+        println!("  {kind} alone: {} batches, {} table launch(es)", only.len(), tables_of(&only));
     }
     g.finish();
     drop(mover);

@@ -300,6 +300,66 @@ fn copies_into(descriptors: &[Descriptor], src: u64, dst: u64, out: &mut Vec<Cop
     }
 }
 
+/// Device memory without a device, for tests and the host-path bench
+/// (`benches/device_host.rs`): made-up addresses, no bytes; each copy list is
+/// split into table launches as the GPU's memory splits it (the host's work
+/// before a launch), recorded with the marks it waits on, and done at once.
+/// Its label ("cuda:0" unless given) names the transport.
+#[derive(Default)]
+pub struct NullDevice {
+    label: &'static str,
+    next: AtomicU64,
+    /// Each copy list: its copies, the marks it waits on, its table launches.
+    lists: Mutex<Vec<(usize, Vec<StreamMark>, usize)>>,
+}
+
+impl NullDevice {
+    /// A null device named `label` ("hip:0" makes its transport hip-ipc).
+    pub fn labelled(label: &'static str) -> Self {
+        NullDevice { label, ..NullDevice::default() }
+    }
+
+    /// Every copy list queued so far: (copies, the marks it waits on, table launches).
+    pub fn lists(&self) -> Vec<(usize, Vec<StreamMark>, usize)> {
+        lock(&self.lists).clone()
+    }
+}
+
+impl DeviceMemory for NullDevice {
+    fn label(&self) -> String {
+        if self.label.is_empty() { "cuda:0".into() } else { self.label.into() }
+    }
+    fn alloc(&self, _: u64) -> handoff_kernels::Result<u64> {
+        Ok((self.next.fetch_add(1, Ordering::Relaxed) + 1) << 40)
+    }
+    unsafe fn free(&self, _: u64) {}
+    fn export(&self, _: u64) -> handoff_kernels::Result<Vec<u8>> {
+        Ok(vec![0; 64])
+    }
+    fn open(&self, _: &[u8]) -> handoff_kernels::Result<u64> {
+        Ok(0)
+    }
+    unsafe fn close(&self, _: u64) {}
+    unsafe fn copy(&self, copies: &[Copy2d]) -> handoff_kernels::Result<CopyTicket> {
+        // SAFETY: nothing is copied.
+        unsafe { self.copy_after(copies, &[]) }
+    }
+    unsafe fn copy_after(&self, copies: &[Copy2d], after: &[StreamMark]) -> handoff_kernels::Result<CopyTicket> {
+        let tables = handoff_kernels::table_launches(copies, handoff_kernels::WIDE_TABLE_COPIES).len();
+        lock(&self.lists).push((copies.len(), after.to_vec(), tables));
+        Ok(CopyTicket(1))
+    }
+    fn done(&self, _: CopyTicket) -> handoff_kernels::Result<bool> {
+        Ok(true)
+    }
+    unsafe fn read(&self, _: u64, _: &mut [u8]) -> handoff_kernels::Result<()> {
+        Ok(())
+    }
+    unsafe fn write(&self, _: u64, _: &[u8]) -> handoff_kernels::Result<()> {
+        Ok(())
+    }
+}
+
 impl Transport for DeviceTransport {
     fn name(&self) -> &'static str {
         self.name
@@ -582,56 +642,12 @@ mod tests {
     fn the_transport_is_named_after_its_memorys_platform() {
         let dir = std::env::temp_dir();
         for (label, name) in [("hip:0", "hip-ipc"), ("cuda:0", "cuda-ipc")] {
-            let t = DeviceTransport::new(Arc::new(Marked { label, ..Marked::default() }), 0, &dir, ClusterSecret::from_bytes(b"test")).expect("transport");
+            let t = DeviceTransport::new(Arc::new(NullDevice::labelled(label)), 0, &dir, ClusterSecret::from_bytes(b"test")).expect("transport");
             assert_eq!((t.name(), t.device()), (name, label.to_string()));
             let e = t
                 .register_memory(RankId::Prefill(handoff_components::vocab::PrefillRank { pp: 0, tp: 0 }), RegionKind::MlaKv, 64, MemoryKind::Host)
                 .unwrap_err();
             assert!(e.to_string().contains(&format!("host memory on the {name} transport")), "{e}");
-        }
-    }
-
-    /// Device memory that allocates made-up addresses, copies nothing and
-    /// records each copy list's length and the marks it waits on; its label
-    /// ("cuda:0" when empty) names the transport.
-    #[derive(Default)]
-    struct Marked {
-        label: &'static str,
-        next: AtomicU64,
-        copies: Mutex<Vec<(usize, Vec<StreamMark>)>>,
-    }
-
-    impl DeviceMemory for Marked {
-        fn label(&self) -> String {
-            if self.label.is_empty() { "cuda:0".into() } else { self.label.into() }
-        }
-        fn alloc(&self, _: u64) -> handoff_kernels::Result<u64> {
-            Ok((self.next.fetch_add(1, Ordering::Relaxed) + 1) << 32)
-        }
-        unsafe fn free(&self, _: u64) {}
-        fn export(&self, _: u64) -> handoff_kernels::Result<Vec<u8>> {
-            Ok(vec![0; 64])
-        }
-        fn open(&self, _: &[u8]) -> handoff_kernels::Result<u64> {
-            Ok(0)
-        }
-        unsafe fn close(&self, _: u64) {}
-        unsafe fn copy(&self, copies: &[Copy2d]) -> handoff_kernels::Result<CopyTicket> {
-            // SAFETY: records only.
-            unsafe { self.copy_after(copies, &[]) }
-        }
-        unsafe fn copy_after(&self, copies: &[Copy2d], after: &[StreamMark]) -> handoff_kernels::Result<CopyTicket> {
-            lock(&self.copies).push((copies.len(), after.to_vec()));
-            Ok(CopyTicket(1))
-        }
-        fn done(&self, _: CopyTicket) -> handoff_kernels::Result<bool> {
-            Ok(true)
-        }
-        unsafe fn read(&self, _: u64, _: &mut [u8]) -> handoff_kernels::Result<()> {
-            Ok(())
-        }
-        unsafe fn write(&self, _: u64, _: &[u8]) -> handoff_kernels::Result<()> {
-            Ok(())
         }
     }
 
@@ -647,7 +663,7 @@ mod tests {
         use handoff_components::plan::Plan;
         use handoff_components::vocab::{DecodeRank, LayerMark, PrefillRank};
         use handoff_systems::transfer::{MoveError, Mover, Ticket};
-        let mem = Arc::new(Marked::default());
+        let mem = Arc::new(NullDevice::default());
         let dir = std::env::temp_dir();
         let t = Arc::new(DeviceTransport::new(mem.clone(), 0, &dir, ClusterSecret::from_bytes(b"test")).expect("transport"));
         let (producer, consumer) = (PrefillRank { pp: 0, tp: 0 }, DecodeRank { tp: 0 });
@@ -669,7 +685,8 @@ mod tests {
         let mut done = Vec::new();
         mover.poll(&mut done);
         assert!(done.iter().all(|c| c.result.is_ok()), "{done:?}");
-        assert_eq!(*lock(&mem.copies), vec![(1, vec![StreamMark(7)]), (1, vec![])]);
+        let lists: Vec<(usize, Vec<StreamMark>)> = mem.lists().into_iter().map(|(n, marks, _)| (n, marks)).collect();
+        assert_eq!(lists, vec![(1, vec![StreamMark(7)]), (1, vec![])]);
         // A host transport's mover takes no marks and refuses one.
         let local: Arc<dyn Transport> = Arc::new(crate::transport::local::LocalTransport::new());
         let mut host = TransportMover::new(local, MoverOptions::default()).expect("mover");
