@@ -40,6 +40,8 @@ pub use gpu::{
     CudaBackend, CudaBuf, CudaF64Buf, CudaIBuf, HIP_CODE_OBJECTS, HIP_PRELUDE, HIP_SOURCES, HipBackend, HipBuf, HipF64Buf, HipIBuf, KdaKernel, NoBuf,
     cuda_device_memory, device_program, hip_device_memory,
 };
-pub use region::{Copy2d, CopyTicket, DeviceMemory, DeviceRegion, RegionItems, StreamMark, TABLE_COPIES, WIDE_TABLE_COPIES, table_launches};
+pub use region::{
+    Copy2d, CopyTicket, DeviceMemory, DeviceRegion, RegionItems, SMALL_TABLE_COPIES, StreamMark, TABLE_COPIES, WIDE_TABLE_COPIES, table_launches,
+};
 pub use rng::SplitMix64;
 pub use shapes::*;

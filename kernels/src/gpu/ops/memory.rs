@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::error::{KernelError, Result};
 use crate::gpu::launch::{Arg, IPC_HANDLE_BYTES, MemoryDriver, dev};
-use crate::region::{Copy2d, CopyTicket, DeviceMemory, StreamMark, table_launches};
+use crate::region::{Copy2d, CopyTicket, DeviceMemory, SMALL_TABLE_COPIES, StreamMark, table_launches};
 
 /// Contiguous copies of at least this many bytes go to the copy engines;
 /// everything else goes through `copy_table`. A copy-engine call into memory
@@ -131,6 +131,9 @@ pub(crate) struct DeviceMem<D: MemoryDriver> {
     copy_streams: Vec<D>,
     next_stream: AtomicUsize,
     copy_table: Kernel<D::Func>,
+    /// `copy_table_small`, for launches of at most SMALL_TABLE_COPIES
+    /// copies, where the platform's table is wider (CUDA).
+    copy_table_small: Option<Kernel<D::Func>>,
     copy_gate: Kernel<D::Func>,
     /// Copies a `copy_table` launch takes ([`MemoryDriver::table_copies`]).
     table_copies: usize,
@@ -150,6 +153,10 @@ impl<D: MemoryDriver> DeviceMem<D> {
         let op = "device memory";
         let copy_table = Kernel(host.function("copy_table").map_err(dev(op))?);
         let copy_gate = Kernel(host.function("copy_gate").map_err(dev(op))?);
+        let copy_table_small = match host.table_copies() > SMALL_TABLE_COPIES {
+            true => Some(Kernel(host.function("copy_table_small").map_err(dev(op))?)),
+            false => None,
+        };
         let copy_streams = (0..COPY_STREAMS).map(|_| host.with_new_stream().map_err(dev(op))).collect::<Result<Vec<_>>>()?;
         Ok(DeviceMem {
             table_copies: host.table_copies(),
@@ -157,6 +164,7 @@ impl<D: MemoryDriver> DeviceMem<D> {
             copy_streams,
             next_stream: AtomicUsize::new(0),
             copy_table,
+            copy_table_small,
             copy_gate,
             next: AtomicU64::new(1),
             events: Mutex::new(HashMap::new()),
@@ -182,15 +190,20 @@ impl<D: MemoryDriver> DeviceMem<D> {
     }
 
     /// Queues `copies` (no two conflicting, at most `table_copies`, none
-    /// empty, each of fewer than COPY_WORDS words) as one `copy_table` launch.
+    /// empty, each of fewer than COPY_WORDS words) as one `copy_table`
+    /// launch, `copy_table_small` where it has one and they fit.
     fn launch_table(&self, op: &'static str, stream: &D, copies: &[Copy2d]) -> Result<()> {
-        let (t, words) = CopyTable::of(copies, self.table_copies);
+        let (f, cap) = match &self.copy_table_small {
+            Some(small) if copies.len() <= SMALL_TABLE_COPIES => (small.0, SMALL_TABLE_COPIES),
+            _ => (self.copy_table.0, self.table_copies),
+        };
+        let (t, words) = CopyTable::of(copies, cap);
         let grid_x = self.table_grid(words);
         // Bound before each launch, as cudarc's launch did for CUDA.
         stream.bind().map_err(dev(op))?;
         // SAFETY: the table as copy_table takes it (its only parameter); the
         // caller of `copy` guarantees every range.
-        unsafe { stream.launch_args(self.copy_table.0, (grid_x, 1, 1), COPY_THREADS, 0, Some(t.bytes()), &[]) }.map_err(dev(op))
+        unsafe { stream.launch_args(f, (grid_x, 1, 1), COPY_THREADS, 0, Some(t.bytes()), &[]) }.map_err(dev(op))
     }
 
     /// Queues `copies` through `copy_table`, in as many launches as

@@ -289,7 +289,7 @@ pub(crate) fn signature(program: &str, name: &str) -> Option<Vec<Kind>> {
                 Kind::F
             } else if p.starts_with("int") || p.starts_with("const int") || p.starts_with("unsigned") {
                 Kind::I
-            } else if p.starts_with("hk_mm_units ") || p.starts_with("hk_copy_table ") {
+            } else if p.starts_with("hk_mm_units ") || p.starts_with("hk_copy_table ") || p.starts_with("hk_copy_table_small ") {
                 Kind::S
             } else {
                 panic!("kernel {name}: parameter {p:?} of a type the launch table does not carry")

@@ -8,7 +8,7 @@
 
 use super::*;
 use crate::gpu::ops::memory::{COPY_UNROLL, CopyTable, DeviceMem};
-use crate::region::{Copy2d, CopyTicket, DeviceMemory, TABLE_COPIES, WIDE_TABLE_COPIES};
+use crate::region::{Copy2d, CopyTicket, DeviceMemory, SMALL_TABLE_COPIES, TABLE_COPIES, WIDE_TABLE_COPIES};
 
 /// Memory on a fresh recorder whose made-up addresses are only logged: host
 /// access on stream 0, copy streams 1 to 8; CUDA's tables (500 copies).
@@ -54,7 +54,9 @@ fn launch(stream: usize, grid: u32, rows: &[[i64; 7]], start: &[i64]) -> MemOp {
 }
 
 fn launch_of(cap: usize, stream: usize, grid: u32, rows: &[[i64; 7]], start: &[i64]) -> MemOp {
-    MemOp::Launch { stream, f: "copy_table", grid: (grid, 1, 1), block: 256, smem: 0, head: Some(table(cap, rows, start)) }
+    // CUDA's short lists take the small table (copy_table_small).
+    let (f, cap) = if cap == WIDE_TABLE_COPIES && rows.len() <= SMALL_TABLE_COPIES { ("copy_table_small", SMALL_TABLE_COPIES) } else { ("copy_table", cap) };
+    MemOp::Launch { stream, f, grid: (grid, 1, 1), block: 256, smem: 0, head: Some(table(cap, rows, start)) }
 }
 
 /// Compares two logs entry by entry, naming the first that differs (a table
@@ -308,9 +310,15 @@ fn define(name: &str, hip: bool) -> usize {
 /// read from the source: its size and each field's name, byte offset,
 /// element size and count (i64 or int).
 fn hk_copy_table(hip: bool) -> (usize, Vec<(String, usize, usize, usize)>) {
+    table_struct("hk_copy_table", "CT_COPIES", hip)
+}
+
+/// The C layout of memcopy.hip's `struct NAME`, whose arrays are sized by
+/// `#define CAP`: (size, [(field, offset, bytes, count)]).
+fn table_struct(name: &str, cap: &str, hip: bool) -> (usize, Vec<(String, usize, usize, usize)>) {
     let src = memcopy_hip();
-    let copies = define("CT_COPIES", hip);
-    let body = &src[src.find("struct hk_copy_table {").unwrap()..];
+    let copies = define(cap, hip);
+    let body = &src[src.find(&format!("struct {name} {{")).unwrap()..];
     let body = &body[body.find('{').unwrap() + 1..body.find("};").unwrap()];
     let (mut off, mut align, mut fields) = (0usize, 1usize, Vec::new());
     for decl in body.split(';').map(|d| d.split("//").last().unwrap_or("").trim()).filter(|d| !d.is_empty()) {
@@ -326,7 +334,7 @@ fn hk_copy_table(hip: bool) -> (usize, Vec<(String, usize, usize, usize)>) {
             .split('[')
             .skip(1)
             .map(|d| {
-                let e = d.trim_end_matches(']').replace("CT_COPIES", &copies.to_string());
+                let e = d.trim_end_matches(']').replace(cap, &copies.to_string());
                 e.split('+').map(|t| t.trim().parse::<usize>().unwrap()).sum::<usize>()
             })
             .product();
@@ -371,8 +379,17 @@ fn the_table_argument_is_hk_copy_table_byte_for_byte() {
         assert_eq!((at("n", 0), at("pad", 0)), (2, 0));
         assert!((14..cap * 7).all(|k| at("c", k) == 0));
     }
-    let sig = crate::gpu::step_gpu::tests::signature(&crate::gpu::device_program(), "copy_table").unwrap();
-    assert_eq!(sig, [Kind::S], "copy_table takes the table alone, by value");
+    // CUDA's small table: the same fields at CT_SMALL copies, within 4 KB.
+    let (size, fields) = table_struct("hk_copy_table_small", "CT_SMALL", false);
+    assert_eq!((size, CopyTable::size(SMALL_TABLE_COPIES)), (4048, 4048));
+    assert_eq!(fields[0].3, SMALL_TABLE_COPIES * 7);
+    let (t, _) = CopyTable::of(&[row(0x5001, 0x6000, 5)], SMALL_TABLE_COPIES);
+    let start = fields.iter().find(|f| f.0 == "start").unwrap().1;
+    assert_eq!(i64::from_le_bytes(t.bytes()[start + 8..start + 16].try_into().unwrap()), 5, "start[1] where the kernel reads it");
+    for k in ["copy_table", "copy_table_small"] {
+        let sig = crate::gpu::step_gpu::tests::signature(&crate::gpu::device_program(), k).unwrap();
+        assert_eq!(sig, [Kind::S], "{k} takes the table alone, by value");
+    }
 }
 
 /// One launch's table as `copy_table` reads it: its copies (src, dst, words
@@ -460,7 +477,7 @@ fn rows_of(c: &[i64; 7], dst: bool) -> impl Iterator<Item = u64> {
 /// running them in order.
 fn run_log(log: &[MemOp], mem: &mut [u8], grid: Option<(u32, u32)>) {
     for op in log {
-        let MemOp::Launch { f: "copy_table", grid: (gx, 1, 1), block, head: Some(head), .. } = op else {
+        let MemOp::Launch { f: "copy_table" | "copy_table_small", grid: (gx, 1, 1), block, head: Some(head), .. } = op else {
             assert!(matches!(op, MemOp::Record { .. }), "only table launches in these batches: {op:?}");
             continue;
         };
@@ -616,7 +633,7 @@ fn a_layers_copies_wait_on_the_device_for_the_mark_after_its_compute() {
                 assert!(*stream >= 2, "entry {i}: the wait is on stream {stream}, not a copy stream");
                 waited = Some(*stream);
             }
-            MemOp::Launch { stream, f: "copy_table", .. } => {
+            MemOp::Launch { stream, f: "copy_table" | "copy_table_small", .. } => {
                 assert_eq!(waited, Some(*stream), "entry {i}: layer {layers}'s copies launched on stream {stream} without a device wait on its mark");
                 layers += 1;
             }

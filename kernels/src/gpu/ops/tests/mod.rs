@@ -65,7 +65,7 @@ pub(in crate::gpu) const OP_KERNELS: &[&str] = &[
 ];
 const WG_KERNELS: &[&str] = &["matmul_wg", "mwg_pack_x", "mwg_pack_w"];
 /// The kernels of device memory for regions (`memory.rs`), not of an op.
-pub(in crate::gpu) const MEMORY_KERNELS: &[&str] = &["copy_table", "copy_gate"];
+pub(in crate::gpu) const MEMORY_KERNELS: &[&str] = &["copy_table", "copy_table_small", "copy_gate"];
 
 /// A call device memory for regions makes, with the stream it queues on
 /// (the recorder's first stream is 0; each `with_new_stream` the next).
