@@ -10,6 +10,14 @@ GPU.
 
   pip install --target /tmp/handoff-nvrtc 'nvidia-cuda-nvrtc>=13,<14' 'nvidia-cuda-cuobjdump>=13,<14'
   python3 tools/sass.py --nvrtc /tmp/handoff-nvrtc kda_chunk.hip [--sass KERNEL] [--arch 90a]
+
+Without cuobjdump (its wheel has come without the binary), --ptx KERNEL prints
+the kernel's PTX size and whether it uses local memory, and with --against
+REV whether its PTX has the same shape (registers and constants aside) as the
+same sources at git revision REV: a refactor of a kernel's source that should
+not change its code can be checked without a GPU.
+
+  python3 tools/sass.py memcopy.hip --ptx copy_table --against HEAD~1
 """
 import argparse
 import collections
@@ -46,14 +54,84 @@ def compile_cubin(lib, program, arch):
     return cubin.raw
 
 
+def compile_ptx(lib, program, arch):
+    nvrtc = ctypes.CDLL(lib)
+    prog = ctypes.c_void_p()
+    if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), program.encode(), b"handoff_kernels.cu", 0, None, None):
+        sys.exit("nvrtcCreateProgram failed")
+    opts = [f"--gpu-architecture=compute_{arch}".encode(), b"--std=c++17"]
+    arr = (ctypes.c_char_p * len(opts))(*opts)
+    rc = nvrtc.nvrtcCompileProgram(prog, len(opts), arr)
+    size = ctypes.c_size_t()
+    if rc:
+        nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        sys.exit(f"NVRTC failed ({rc}):\n{log.value.decode()}")
+    nvrtc.nvrtcGetPTXSize(prog, ctypes.byref(size))
+    ptx = ctypes.create_string_buffer(size.value)
+    nvrtc.nvrtcGetPTX(prog, ptx)
+    return ptx.value.decode()
+
+
+def entry(ptx, kernel):
+    """The PTX of one kernel: from its .entry line to its closing brace."""
+    m = re.search(r"^\.visible \.entry " + re.escape(kernel) + r"\(.*?^}", ptx, re.S | re.M)
+    return m.group(0) if m else None
+
+
+def shape(body):
+    """A kernel's PTX with register numbers, constants and labels erased."""
+    return [re.sub(r"\d+", "#", l.strip()) for l in body.splitlines() if l.strip() and not l.strip().startswith("//")]
+
+
+def program_of(sources, read):
+    program = read("prelude.h")
+    for s in sources:
+        program += f"\n// ---- {s}\n" + read(s)
+    return program
+
+
+def ptx_report(lib, a):
+    here = program_of(a.sources, lambda f: open(os.path.join(HIP, f)).read())
+    ptx = compile_ptx(lib, here, a.arch)
+    then = None
+    if a.against:
+        show = lambda f: subprocess.run(["git", "show", f"{a.against}:kernels/hip/{f}"], capture_output=True, text=True, check=True, cwd=HERE).stdout
+        then = compile_ptx(lib, program_of(a.sources, show), a.arch)
+    for k in a.ptx:
+        body = entry(ptx, k)
+        if body is None:
+            sys.exit(f"no kernel {k} in {' '.join(a.sources)}")
+        local = "uses local memory" if re.search(r"\.local|ld\.local|st\.local", body) else "no local memory"
+        print(f"{k}: {len(shape(body))} PTX lines, {local}")
+        if then is not None:
+            old = entry(then, k)
+            if old is None:
+                print(f"  not in the sources at {a.against}")
+            elif shape(old) == shape(body):
+                print(f"  the same shape as at {a.against}")
+            else:
+                import difflib
+                print(f"  differs from {a.against}:")
+                for line in list(difflib.unified_diff(shape(old), shape(body), a.against, "now", n=1, lineterm=""))[:60]:
+                    print("   ", line)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("sources", nargs="+", help="files under kernels/hip (prelude.h is always first)")
     ap.add_argument("--nvrtc", default="/tmp/handoff-nvrtc", help="where the NVIDIA wheels were installed")
     ap.add_argument("--arch", default="90a")
     ap.add_argument("--sass", action="append", default=[], help="print this kernel's SASS and opcode counts")
+    ap.add_argument("--ptx", action="append", default=[], help="this kernel's PTX: its size and local memory (no cuobjdump needed)")
+    ap.add_argument("--against", help="with --ptx: compare with the same sources at this git revision")
     a = ap.parse_args()
     lib = (glob.glob(os.path.join(a.nvrtc, "**", "libnvrtc.so.*"), recursive=True) or [None])[0]
+    if a.ptx:
+        if not lib:
+            sys.exit(f"libnvrtc not under {a.nvrtc} (see the pip line in this file's doc)")
+        return ptx_report(lib, a)
     objdump = (glob.glob(os.path.join(a.nvrtc, "**", "bin", "cuobjdump"), recursive=True) or [None])[0]
     if not lib or not objdump:
         sys.exit(f"libnvrtc or cuobjdump not under {a.nvrtc} (see the pip line in this file's doc)")
