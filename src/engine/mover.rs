@@ -321,6 +321,11 @@ fn runs_staged(transport: &str) -> bool {
 /// polled (see [`worker`]).
 const GATHER_QUIET: Duration = Duration::from_micros(20);
 
+/// Plans a worker queues at most before it waits for them and reports (a
+/// flagship pass: 64): under a steady stream of plans it must still report,
+/// and the other workers take what arrives meanwhile.
+const PLANS_PER_ROUND: usize = 64;
+
 /// The next job: polled (yielding) for `spin` first, since a sleeping
 /// worker's wake-up costs more than a pass's planning on a loaded host, then
 /// waited for; None once the mover is dropped.
@@ -357,7 +362,8 @@ fn take_queued(rx: &mpsc::Receiver<Job>, jobs: &mut Vec<Job>, group: usize, quie
 /// ([`Transport::plans_per_submission`]), and takes the plans that arrived
 /// meanwhile as the next group before it waits for any, so that an
 /// asynchronous transport copies the first group while the host prepares
-/// the next. Then it waits for every group in turn and reports its plans.
+/// the next. Then (at the latest after [`PLANS_PER_ROUND`] plans) it waits
+/// for every group in turn and reports its plans.
 fn worker(shared: &Shared, rx: &Mutex<mpsc::Receiver<Job>>) {
     let group = shared.transport.plans_per_submission().max(1);
     let quiet = if shared.spin.is_zero() || group == 1 { Duration::ZERO } else { GATHER_QUIET };
@@ -371,13 +377,15 @@ fn worker(shared: &Shared, rx: &Mutex<mpsc::Receiver<Job>>) {
             };
             let mut jobs = vec![first];
             let mut open = take_queued(&rx, &mut jobs, group, Duration::ZERO);
+            let mut taken = 0;
             while !jobs.is_empty() {
+                taken += jobs.len();
                 let s = start_jobs(shared, &jobs);
                 started.push((std::mem::take(&mut jobs), s));
-                if !open {
+                if !open || taken >= PLANS_PER_ROUND {
                     break;
                 }
-                open = take_queued(&rx, &mut jobs, group, quiet);
+                open = take_queued(&rx, &mut jobs, group.min(PLANS_PER_ROUND - taken), quiet);
             }
         }
         for (jobs, s) in started {

@@ -694,6 +694,49 @@ mod tests {
         assert!(matches!(host.submit_after(ticket(3), &plan, Some(LayerMark(8))), Err(MoveError::MarksUnsupported)));
     }
 
+    /// Under a steady stream of plans a worker still reports: it queues a
+    /// few plans a submission and the ones that arrive meanwhile, but waits
+    /// and reports after a round's worth, so completions come while plans
+    /// keep arriving (a worker that took every plan arriving within its quiet
+    /// time reported none until the stream stopped), and every plan completes.
+    #[test]
+    fn a_worker_reports_while_plans_keep_arriving() {
+        use crate::engine::mover::{MoverOptions, TransportMover};
+        use handoff_components::plan::Plan;
+        use handoff_components::vocab::{DecodeRank, PrefillRank};
+        use handoff_systems::transfer::{Mover, Ticket};
+        let mem = Arc::new(NullDevice::default());
+        let dir = std::env::temp_dir();
+        let t = Arc::new(DeviceTransport::new(mem.clone(), 0, &dir, ClusterSecret::from_bytes(b"test")).expect("transport"));
+        assert!(t.plans_per_submission() > 1 && t.polls_waits());
+        let (producer, consumer) = (PrefillRank { pp: 0, tp: 0 }, DecodeRank { tp: 0 });
+        let kind = RegionKind::MlaKv;
+        let device = MemoryKind::Device { ordinal: 0 };
+        let src = t.register_memory(RankId::Prefill(producer), kind, 4096, device).expect("source");
+        let dst = t.register_memory(RankId::Decode(consumer), kind, 4096, device).expect("destination");
+        let mut mover = TransportMover::new(t.clone(), MoverOptions { workers: 1, ..MoverOptions::default() }).expect("mover");
+        mover.add_source(src);
+        mover.attach_target(&dst).expect("attach");
+        let d = Descriptor { kind, src_offset: 0, src_stride: 0, dst_offset: 1024, dst_stride: 0, len: 512, count: 1 };
+        let plan = Plan { producer, consumer, descriptors: vec![d], staged: Vec::new(), uncoalesced: 0, chunks: Vec::new(), layers: Vec::new() };
+        // Plans a few microseconds apart until the first report (on a busy
+        // machine the worker may take a while to be scheduled at all).
+        let most = 100_000u64;
+        let mut plans = 0;
+        while plans < most && mover.handle().unpolled() == 0 {
+            plans += 1;
+            mover.submit(Ticket { request: plans, nonce: 1, producer, consumer, part: 0 }, &plan).expect("submit");
+        }
+        assert!(plans < most, "no plan was reported while {most} kept arriving");
+        assert!(mover.handle().wait_idle(Duration::from_secs(30)));
+        let mut done = Vec::new();
+        mover.poll(&mut done);
+        assert_eq!(done.len() as u64, plans);
+        assert!(done.iter().all(|c| c.result.is_ok()));
+        // No submission of more than a group (a copy a plan).
+        assert!(mem.lists().iter().all(|l| l.0 <= t.plans_per_submission()), "a submission of more plans than a group");
+    }
+
     #[test]
     fn ipc_handles_round_trip_through_hex() {
         let b: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(37)).collect();
