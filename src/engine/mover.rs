@@ -367,6 +367,10 @@ fn take_queued(rx: &mpsc::Receiver<Job>, jobs: &mut Vec<Job>, group: usize, quie
 fn worker(shared: &Shared, rx: &Mutex<mpsc::Receiver<Job>>) {
     let group = shared.transport.plans_per_submission().max(1);
     let quiet = if shared.spin.is_zero() || group == 1 { Duration::ZERO } else { GATHER_QUIET };
+    // A transport that takes one plan a submission (tcp writes it in the
+    // caller) runs one plan a round: the other workers write the next ones
+    // meanwhile, as they did before groups.
+    let round = if group == 1 { 1 } else { PLANS_PER_ROUND };
     loop {
         let mut started: Vec<(Vec<Job>, Started)> = Vec::new();
         {
@@ -382,10 +386,10 @@ fn worker(shared: &Shared, rx: &Mutex<mpsc::Receiver<Job>>) {
                 taken += jobs.len();
                 let s = start_jobs(shared, &jobs);
                 started.push((std::mem::take(&mut jobs), s));
-                if !open || taken >= PLANS_PER_ROUND {
+                if !open || taken >= round {
                     break;
                 }
-                open = take_queued(&rx, &mut jobs, group.min(PLANS_PER_ROUND - taken), quiet);
+                open = take_queued(&rx, &mut jobs, group.min(round - taken), quiet);
             }
         }
         for (jobs, s) in started {
