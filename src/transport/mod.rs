@@ -393,13 +393,12 @@ pub trait Transport: Send + Sync {
     /// Waits for one batch; takes its completion (a later `poll` will not see it).
     fn wait(&self, batch: BatchId, timeout: Duration) -> Result<()>;
 
-    /// Waits for every one of `batches` (each within `timeout` of the call)
-    /// and takes their completions, in order. The device transport waits
-    /// for them in one go (a pass's 320 batches end with one event); the
-    /// others one after the other.
+    /// Waits for every one of `batches` and takes their completions, in
+    /// order. The device transport waits for them in one go, within
+    /// `timeout` (a pass's 320 batches end with one event); the others one
+    /// after the other, each within `timeout`, as [`Transport::wait`].
     fn wait_all(&self, batches: &[BatchId], timeout: Duration) -> Vec<Result<()>> {
-        let deadline = Instant::now() + timeout;
-        batches.iter().map(|&b| self.wait(b, deadline.saturating_duration_since(Instant::now()))).collect()
+        batches.iter().map(|&b| self.wait(b, timeout)).collect()
     }
 
     /// Sends a small message to a peer endpoint. On one peer, a message sent after a
