@@ -80,6 +80,34 @@ fn device_host(c: &mut Criterion) {
         println!("  {kind} alone: {} batches, {} table launch(es)", only.len(), tables_of(&only));
     }
     g.finish();
+    // Where a mover pass's host time goes: its submissions' times from the
+    // pass's start (the median of 50 passes), which on the GPU is when the
+    // device can first copy and how far the host stays ahead of it.
+    let (mut first, mut host, mut last, mut subs) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut sizes = String::new();
+    for _ in 0..50 {
+        t.record_submissions();
+        let start = std::time::Instant::now();
+        run_pass(&mut mover, &jobs).expect("pass");
+        let log = t.take_submissions();
+        let us = |i: std::time::Instant| i.saturating_duration_since(start).as_secs_f64() * 1e6;
+        first.push(log.iter().map(|s| us(s.called)).fold(f64::INFINITY, f64::min));
+        last.push(log.iter().map(|s| us(s.queued)).fold(0.0, f64::max));
+        host.push(log.iter().map(|s| (s.queued - s.called).as_secs_f64() * 1e6).sum::<f64>() / log.len().max(1) as f64);
+        subs.push(log.len() as f64);
+        sizes = log.iter().map(|s| s.copies.to_string()).collect::<Vec<_>>().join(" ");
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    println!(
+        "a mover pass over the null device (median of 50): {} submissions (the last pass's copies: {sizes}), the first called at {:.1} us, {:.1} us of host time each, the last queued at {:.1} us",
+        median(&mut subs),
+        median(&mut first),
+        median(&mut host),
+        median(&mut last)
+    );
     drop(mover);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -397,14 +397,15 @@ fn timeline(subs: &[Submission], start: Instant, pass_us: f64) -> String {
     let first = subs.iter().map(|s| us(s.called)).fold(f64::INFINITY, f64::min);
     let last_queued = subs.iter().map(|s| us(s.queued)).fold(0.0, f64::max);
     let last_done = subs.iter().filter_map(|s| s.done.map(us)).fold(0.0, f64::max);
-    // Each submission as called/queued/seen done (us from the pass's start)
+    // Each submission as called, copy list built, queued (the device
+    // memory's launches between) and seen done, in us from the pass's start,
     // and its copies: where the device could have waited for the host.
     let each: Vec<String> = subs
         .iter()
-        .map(|s| format!("{:.0}/{:.0}/{} ({})", us(s.called), us(s.queued), s.done.map_or("-".to_string(), |d| format!("{:.0}", us(d))), s.copies))
+        .map(|s| format!("{:.0}/{:.0}/{:.0}/{} ({})", us(s.called), us(s.listed), us(s.queued), s.done.map_or("-".to_string(), |d| format!("{:.0}", us(d))), s.copies))
         .collect();
     format!(
-        "{pass_us:.0} us; {} submissions ({} batches, {} copies); first called at {first:.0} us, last queued at {last_queued:.0} us, last seen done at {last_done:.0} us; host time queueing {queue_us:.0} us in all; queued to seen done {:.0} us mean, {:.0} us max; each called/queued/done (copies): {}",
+        "{pass_us:.0} us; {} submissions ({} batches, {} copies); first called at {first:.0} us, last queued at {last_queued:.0} us, last seen done at {last_done:.0} us; host time queueing {queue_us:.0} us in all; queued to seen done {:.0} us mean, {:.0} us max; each called/listed/queued/done (copies): {}",
         subs.len(),
         subs.iter().map(|s| s.batches).sum::<usize>(),
         subs.iter().map(|s| s.copies).sum::<usize>(),
