@@ -16,6 +16,8 @@
 #include <cstdlib>
 #include <map>
 #include <vector>
+#include <thread>
+#include <atomic>
 #include <algorithm>
 #include <functional>
 #include <string>
@@ -203,6 +205,46 @@ int main(int argc, char** argv) {
                "an event query %.2f us\n",
                host_us([&] { copy_table<<<1, 256>>>(*t); }), host_us([&] { nothing<<<1, 256>>>(); }), host_us([&] { arg4k<<<1, 256>>>(*a4, (hk_i64*)dg); }),
                host_us([&] { arg16k<<<1, 256>>>(*a16, (hk_i64*)dg); }), host_us([&] { CK(cudaEventRecord(ev)); }), host_us([&] { (void)cudaEventQuery(ev); }));
+        // The same launches while another thread queries an event in a loop
+        // (yielding between queries), as a completion thread waiting on an
+        // earlier copy list does: what the driver's locks cost the launches.
+        {
+            std::atomic<bool> stop{false};
+            cudaStream_t side;
+            CK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+            cudaEvent_t pending;
+            CK(cudaEventCreateWithFlags(&pending, cudaEventDisableTiming));
+            // Pending for the whole measurement: behind a gate of about 100 ms
+            // on a stream of its own (non-blocking: the launches below, on
+            // the legacy stream, do not wait for it).
+            copy_gate<<<1, 1, 0, side>>>(200000000LL);
+            CK(cudaEventRecord(pending, side));
+            auto host_us2 = [&](std::function<void()> fn) {
+                CK(cudaStreamSynchronize(0));
+                auto t0 = std::chrono::steady_clock::now();
+                for (int i = 0; i < 200; ++i) fn();
+                auto t1 = std::chrono::steady_clock::now();
+                CK(cudaStreamSynchronize(0));
+                return std::chrono::duration<double, std::micro>(t1 - t0).count() / 200;
+            };
+            std::thread spinner([&] {
+                while (!stop.load()) {
+                    (void)cudaEventQuery(pending);
+                    std::this_thread::yield();
+                }
+            });
+            const double c32 = host_us2([&] { copy_table<<<1, 256>>>(*t); });
+            const double c4 = host_us2([&] { copy_table_small<<<1, 256>>>(*ts); });
+            const double rec = host_us2([&] { CK(cudaEventRecord(ev)); });
+            printf("a launch on the host's clock beside a thread querying a pending event: copy_table (32 KB) %.2f us; copy_table_small (4 KB) %.2f us; an event record %.2f us (event still pending after: %s)\n",
+                   c32, c4, rec, cudaEventQuery(pending) == cudaErrorNotReady ? "yes" : "no");
+            stop = true;
+            spinner.join();
+            CK(cudaStreamSynchronize(side));
+            CK(cudaStreamDestroy(side));
+        }
+        printf("a launch on the host's clock alone, again: copy_table (32 KB) %.2f us; copy_table_small (4 KB) %.2f us\n",
+               host_us([&] { copy_table<<<1, 256>>>(*t); }), host_us([&] { copy_table_small<<<1, 256>>>(*ts); }));
         delete t;
         delete ts;
         delete a4;
