@@ -402,7 +402,16 @@ fn timeline(subs: &[Submission], start: Instant, pass_us: f64) -> String {
     // and its copies: where the device could have waited for the host.
     let each: Vec<String> = subs
         .iter()
-        .map(|s| format!("{:.0}/{:.0}/{:.0}/{} ({})", us(s.called), us(s.listed), us(s.queued), s.done.map_or("-".to_string(), |d| format!("{:.0}", us(d))), s.copies))
+        .map(|s| {
+            format!(
+                "{:.0}/{:.0}/{:.0}/{} ({})",
+                us(s.called),
+                us(s.listed),
+                us(s.queued),
+                s.done.map_or("-".to_string(), |d| format!("{:.0}", us(d))),
+                s.copies
+            )
+        })
         .collect();
     format!(
         "{pass_us:.0} us; {} submissions ({} batches, {} copies); first called at {first:.0} us, last queued at {last_queued:.0} us, last seen done at {last_done:.0} us; host time queueing {queue_us:.0} us in all; queued to seen done {:.0} us mean, {:.0} us max; each called/listed/queued/done (copies): {}",
