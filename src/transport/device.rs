@@ -32,7 +32,7 @@ use handoff_components::vocab::{RankId, RegionKind};
 use handoff_kernels::{Copy2d, CopyTicket, DeviceMemory, DeviceRegion, StreamMark};
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -87,16 +87,7 @@ struct Reaper {
     /// When on ([`DeviceTransport::record_submissions`]), one entry per queued
     /// submission, its done time filled in by the completion thread.
     log: Mutex<Option<Vec<Submission>>>,
-    /// Callers inside the device memory's queueing (`submit_all_after`):
-    /// while any is, the completion thread leaves the driver to them instead
-    /// of querying its event (a query loop beside the launches contends for
-    /// the driver's locks).
-    queueing: AtomicUsize,
 }
-
-/// How long the completion thread queries an event before it sleeps in the
-/// driver (as [`DeviceMemory::wait`] does itself).
-const REAPER_SPIN: Duration = Duration::from_millis(3);
 
 /// One `submit_all` that queued copies, for timelines (the hand-off bench).
 #[derive(Debug, Clone, Copy)]
@@ -130,7 +121,7 @@ impl Reaper {
                 }
             };
             let Some(ticket) = next else { return };
-            let r = self.wait_yielding(ticket).map_err(|e| device_err("device copy", e));
+            let r = self.mem.wait(ticket).map_err(|e| device_err("device copy", e));
             if let Some(log) = lock(&self.log).as_mut() {
                 let now = Instant::now();
                 log.iter_mut().filter(|s| s.ticket == ticket).for_each(|s| s.done = Some(now));
@@ -149,23 +140,6 @@ impl Reaper {
 
     fn idle(&self) -> bool {
         lock(&self.queue).is_empty()
-    }
-
-    /// Waits for `ticket`: queries its event while no caller is queueing
-    /// copies, for up to [`REAPER_SPIN`], then sleeps in the driver.
-    fn wait_yielding(&self, ticket: CopyTicket) -> handoff_kernels::Result<()> {
-        let started = Instant::now();
-        while started.elapsed() < REAPER_SPIN {
-            if self.queueing.load(Ordering::Acquire) > 0 {
-                std::thread::yield_now();
-                continue;
-            }
-            if self.mem.done(ticket)? {
-                return Ok(());
-            }
-            std::thread::yield_now();
-        }
-        self.mem.wait(ticket)
     }
 }
 
@@ -196,7 +170,6 @@ impl DeviceTransport {
             work: Condvar::new(),
             stop: AtomicBool::new(false),
             log: Mutex::new(None),
-            queueing: AtomicUsize::new(0),
         });
         let thread = {
             let r = Arc::clone(&reaper);
@@ -543,13 +516,10 @@ impl Transport for DeviceTransport {
             return results;
         }
         let listed = Instant::now();
-        self.reaper.queueing.fetch_add(1, Ordering::AcqRel);
         // SAFETY: every descriptor was checked against both regions, which are
         // live: ours until unregistered (refused while copies are queued), the
         // peer's for as long as it is opened here.
-        let queued = unsafe { self.mem.copy_after(&list, after) };
-        self.reaper.queueing.fetch_sub(1, Ordering::AcqRel);
-        match queued {
+        match unsafe { self.mem.copy_after(&list, after) } {
             Ok(ticket) => {
                 if let Some(log) = lock(&self.reaper.log).as_mut() {
                     log.push(Submission { called, listed, queued: Instant::now(), done: None, batches: ok.len(), copies: list.len(), ticket });

@@ -354,12 +354,7 @@ impl<D: MemoryDriver> DeviceMemory for DeviceMem<D> {
         match done {
             Ok(false) => Ok(false),
             Ok(true) => {
-                // Kept for the next copy list, as `wait` keeps it (a fresh
-                // event is a driver call more at the next submission).
-                if let Some(ev) = events.remove(&ticket.0).filter(|e| Arc::strong_count(e) == 1) {
-                    drop(events);
-                    self.spare.lock().unwrap_or_else(|p| p.into_inner()).push(ev);
-                }
+                events.remove(&ticket.0);
                 Ok(true)
             }
             Err(e) => {
