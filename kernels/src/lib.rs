@@ -41,7 +41,7 @@ pub use gpu::{
     cuda_device_memory, device_program, hip_device_memory,
 };
 pub use region::{
-    Copy2d, CopyTicket, DeviceMemory, DeviceRegion, RegionItems, SMALL_TABLE_COPIES, StreamMark, TABLE_COPIES, WIDE_TABLE_COPIES, table_launches,
+    Copy2d, CopyStamp, CopyTicket, DeviceMemory, DeviceRegion, RegionItems, SMALL_TABLE_COPIES, StreamMark, TABLE_COPIES, WIDE_TABLE_COPIES, table_launches,
 };
 pub use rng::SplitMix64;
 pub use shapes::*;

@@ -320,6 +320,18 @@ impl RunSpans {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct CopyTicket(pub u64);
 
+/// Where one copy list ran on the device's clock
+/// ([`DeviceMemory::take_copy_stamps`]): microseconds from when stamping
+/// started to an event recorded before its first launch (it fires when the
+/// list's stream reaches it: after the marks it waits on and the lists
+/// queued before it on that stream) and to one after its last.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CopyStamp {
+    pub ticket: CopyTicket,
+    pub start_us: f64,
+    pub end_us: f64,
+}
+
 /// Device memory for a transport's regions: allocation that another process
 /// can open (an IPC handle), copies queued in order on the memory's own
 /// stream and completed by events, and host access for setup and checks.
@@ -392,6 +404,20 @@ pub trait DeviceMemory: Send + Sync {
     unsafe fn time_copies(&self, copies: &[Copy2d]) -> Result<std::time::Duration> {
         let _ = copies;
         Err(KernelError::Unsupported { op: "time_copies", backend: self.label(), reason: "it has no device timer".into() })
+    }
+    /// Starts (`true`) or stops stamping copy lists on the device's clock:
+    /// while on, every list [`DeviceMemory::copy_after`] queues gets an event
+    /// before its first launch and one after its last, two more driver calls
+    /// a list (a timeline's measure, for one pass; the default says this
+    /// memory has no device timer). Starting again drops the stamps not taken.
+    fn stamp_copies(&self, on: bool) -> Result<()> {
+        let _ = on;
+        Err(KernelError::Unsupported { op: "stamp_copies", backend: self.label(), reason: "it has no device timer".into() })
+    }
+    /// The stamps of the lists queued since stamping started, in queue
+    /// order, once their copies have run (it waits for them); stamping stops.
+    fn take_copy_stamps(&self) -> Result<Vec<CopyStamp>> {
+        Ok(Vec::new())
     }
     /// Copies `out.len()` bytes at `addr` to the host (waits).
     ///

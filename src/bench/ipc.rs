@@ -404,23 +404,50 @@ fn timeline(subs: &[Submission], start: Instant, pass_us: f64) -> String {
         .iter()
         .map(|s| {
             format!(
-                "{:.0}/{:.0}/{:.0}/{} ({})",
+                "{:.0}/{:.0}/{:.0}/{} ({}{})",
                 us(s.called),
                 us(s.listed),
                 us(s.queued),
                 s.done.map_or("-".to_string(), |d| format!("{:.0}", us(d))),
-                s.copies
+                s.copies,
+                s.on_device.map_or(String::new(), |(a, b)| format!("; device {a:.0}-{b:.0}"))
             )
         })
         .collect();
     format!(
-        "{pass_us:.0} us; {} submissions ({} batches, {} copies); first called at {first:.0} us, last queued at {last_queued:.0} us, last seen done at {last_done:.0} us; host time queueing {queue_us:.0} us in all; queued to seen done {:.0} us mean, {:.0} us max; each called/listed/queued/done (copies): {}",
+        "{pass_us:.0} us; {} submissions ({} batches, {} copies); first called at {first:.0} us, last queued at {last_queued:.0} us, last seen done at {last_done:.0} us; host time queueing {queue_us:.0} us in all; queued to seen done {:.0} us mean, {:.0} us max; {}; each called/listed/queued/done (copies; device reached-done): {}",
         subs.len(),
         subs.iter().map(|s| s.batches).sum::<usize>(),
         subs.iter().map(|s| s.copies).sum::<usize>(),
         waits.iter().sum::<f64>() / waits.len().max(1) as f64,
         waits.iter().copied().fold(0.0, f64::max),
+        device_busy(subs),
         each.join(", "),
+    )
+}
+
+/// The device's side of a timeline: from its first list reached to its last
+/// done, how long some list was running and how long none was (the device
+/// waiting for the host between submissions).
+fn device_busy(subs: &[Submission]) -> String {
+    let mut spans: Vec<(f64, f64)> = subs.iter().filter_map(|s| s.on_device).collect();
+    if spans.is_empty() {
+        return "no device stamps".to_string();
+    }
+    spans.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (first, mut reach, mut busy) = (spans[0].0, spans[0].0, 0.0);
+    let mut last = first;
+    for (a, b) in spans {
+        let a = a.max(reach);
+        if b > a {
+            busy += b - a;
+        }
+        reach = reach.max(b);
+        last = last.max(b);
+    }
+    format!(
+        "on the device's clock (from the log's start): first list reached at {first:.0} us, last done at {last:.0} us, some list running {busy:.0} us, none {:.0} us",
+        (last - first - busy).max(0.0)
     )
 }
 

@@ -100,6 +100,10 @@ pub struct Submission {
     pub queued: Instant,
     /// When the completion thread saw its event complete.
     pub done: Option<Instant>,
+    /// On the device's clock, in microseconds from when the log started:
+    /// when its stream reached it (an event before its first launch) and
+    /// when its last copy finished; none where the memory has no timer.
+    pub on_device: Option<(f64, f64)>,
     pub batches: usize,
     pub copies: usize,
     ticket: CopyTicket,
@@ -194,14 +198,31 @@ impl DeviceTransport {
         })
     }
 
-    /// Starts (or restarts, empty) the log of submissions.
+    /// Starts (or restarts, empty) the log of submissions, and stamps each
+    /// on the device's clock where the memory can
+    /// ([`DeviceMemory::stamp_copies`]; the null device cannot).
     pub fn record_submissions(&self) {
         *lock(&self.reaper.log) = Some(Vec::new());
+        if let Err(e) = self.mem.stamp_copies(true) {
+            tracing::debug!(error = %e, "device transport: submissions logged without device stamps");
+        }
     }
 
-    /// Stops the log and returns it, in queue order.
+    /// Stops the log and returns it, in queue order, each submission with
+    /// its device stamps where there are any (this waits for its copies).
     pub fn take_submissions(&self) -> Vec<Submission> {
-        lock(&self.reaper.log).take().unwrap_or_default()
+        let mut log = lock(&self.reaper.log).take().unwrap_or_default();
+        match self.mem.take_copy_stamps() {
+            Ok(stamps) => {
+                for st in stamps {
+                    if let Some(s) = log.iter_mut().find(|s| s.ticket == st.ticket) {
+                        s.on_device = Some((st.start_us, st.end_us));
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "device transport: the submissions' device stamps"),
+        }
+        log
     }
 
     /// The device this transport allocates on ("cuda:0", "hip:0").
@@ -314,9 +335,17 @@ pub struct NullDevice {
     next: AtomicU64,
     /// Each copy list: its copies, the marks it waits on, its table launches.
     lists: Mutex<Vec<(usize, Vec<StreamMark>, usize)>>,
+    /// While set, no copy completes ([`NullDevice::hold`]).
+    held: AtomicBool,
 }
 
 impl NullDevice {
+    /// Holds every queued copy pending (`done` says no) until released: a
+    /// device still busy with earlier copies.
+    pub fn hold(&self, on: bool) {
+        self.held.store(on, Ordering::Release);
+    }
+
     /// A null device named `label` ("hip:0" makes its transport hip-ipc).
     pub fn labelled(label: &'static str) -> Self {
         NullDevice { label, ..NullDevice::default() }
@@ -353,7 +382,7 @@ impl DeviceMemory for NullDevice {
         Ok(CopyTicket(1))
     }
     fn done(&self, _: CopyTicket) -> handoff_kernels::Result<bool> {
-        Ok(true)
+        Ok(!self.held.load(Ordering::Acquire))
     }
     unsafe fn read(&self, _: u64, _: &mut [u8]) -> handoff_kernels::Result<()> {
         Ok(())
@@ -522,7 +551,7 @@ impl Transport for DeviceTransport {
         match unsafe { self.mem.copy_after(&list, after) } {
             Ok(ticket) => {
                 if let Some(log) = lock(&self.reaper.log).as_mut() {
-                    log.push(Submission { called, listed, queued: Instant::now(), done: None, batches: ok.len(), copies: list.len(), ticket });
+                    log.push(Submission { called, listed, queued: Instant::now(), done: None, on_device: None, batches: ok.len(), copies: list.len(), ticket });
                 }
                 let batches = self.reaper.completions.begin_n(ok.len());
                 let mut q = lock(&self.reaper.queue);
@@ -739,6 +768,55 @@ mod tests {
         assert!(done.iter().all(|c| c.result.is_ok()));
         // No submission of more than a group (a copy a plan).
         assert!(mem.lists().iter().all(|l| l.0 <= t.plans_per_submission()), "a submission of more plans than a group");
+    }
+
+    /// A pass queued at once (behind a plan the device is still copying, so
+    /// that the whole pass waits in the mover's queue): its first plan
+    /// reaches the device alone (the device starts copying while the host
+    /// prepares the rest), the others in groups, and every plan is written
+    /// once.
+    #[test]
+    fn a_passs_first_plan_is_queued_alone() {
+        use crate::engine::mover::{MoverOptions, TransportMover};
+        use handoff_components::plan::Plan;
+        use handoff_components::vocab::{DecodeRank, PrefillRank};
+        use handoff_systems::transfer::{Mover, Ticket};
+        let mem = Arc::new(NullDevice::default());
+        let t = Arc::new(DeviceTransport::new(mem.clone(), 0, std::env::temp_dir(), ClusterSecret::from_bytes(b"test")).expect("transport"));
+        let (producer, consumer) = (PrefillRank { pp: 0, tp: 0 }, DecodeRank { tp: 0 });
+        let kind = RegionKind::MlaKv;
+        let device = MemoryKind::Device { ordinal: 0 };
+        let src = t.register_memory(RankId::Prefill(producer), kind, 1 << 16, device).expect("source");
+        let dst = t.register_memory(RankId::Decode(consumer), kind, 1 << 16, device).expect("destination");
+        let mut mover = TransportMover::new(t.clone(), MoverOptions { workers: 1, ..MoverOptions::default() }).expect("mover");
+        mover.add_source(src);
+        mover.attach_target(&dst).expect("attach");
+        let plans: Vec<Plan> = (0..24u64)
+            .map(|i| {
+                let d = Descriptor { kind, src_offset: i * 512, src_stride: 0, dst_offset: i * 512, dst_stride: 0, len: 512, count: 1 };
+                Plan { producer, consumer, descriptors: vec![d], staged: Vec::new(), uncoalesced: 0, chunks: Vec::new(), layers: Vec::new() }
+            })
+            .collect();
+        for round in 0..3u64 {
+            // The worker waits for a plan the device holds.
+            mem.hold(true);
+            mover.submit(Ticket { request: round * 100 + 99, nonce: 1, producer, consumer, part: 0 }, &plans[0]).expect("submit");
+            std::thread::sleep(Duration::from_millis(50));
+            let before = mem.lists().len();
+            for (i, p) in plans.iter().enumerate() {
+                mover.submit(Ticket { request: round * 100 + i as u64, nonce: 1, producer, consumer, part: 0 }, p).expect("submit");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+            mem.hold(false);
+            assert!(mover.handle().wait_idle(Duration::from_secs(30)));
+            let mut done = Vec::new();
+            mover.poll(&mut done);
+            assert_eq!(done.len(), plans.len() + 1);
+            let lists: Vec<usize> = mem.lists()[before..].iter().map(|l| l.0).collect();
+            assert_eq!(lists[0], 1, "round {round}: the first submission {lists:?}");
+            assert_eq!(lists.iter().sum::<usize>(), plans.len(), "round {round}: {lists:?}");
+            assert!(lists.iter().all(|&n| n <= t.plans_per_submission()), "round {round}: {lists:?}");
+        }
     }
 
     #[test]

@@ -15,12 +15,12 @@
 //! before session 21 and makes the same driver calls, launches and events.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::error::{KernelError, Result};
 use crate::gpu::launch::{Arg, IPC_HANDLE_BYTES, MemoryDriver, dev};
-use crate::region::{Copy2d, CopyTicket, DeviceMemory, SMALL_TABLE_COPIES, StreamMark, table_launches};
+use crate::region::{Copy2d, CopyStamp, CopyTicket, DeviceMemory, SMALL_TABLE_COPIES, StreamMark, table_launches};
 
 /// Contiguous copies of at least this many bytes go to the copy engines;
 /// everything else goes through `copy_table`. A copy-engine call into memory
@@ -144,6 +144,17 @@ pub(crate) struct DeviceMem<D: MemoryDriver> {
     /// Events of finished batches, recorded again by later ones (creating and
     /// destroying one per batch costs two driver calls).
     spare: Mutex<Vec<Arc<D::Fence>>>,
+    /// Whether copy lists are stamped ([`DeviceMemory::stamp_copies`]): read
+    /// by every `copy_after`, so that an unstamped one takes no lock.
+    stamping: AtomicBool,
+    stamps: Mutex<Option<Stamps<D::Event>>>,
+}
+
+/// The events of a stamped pass: the origin, recorded on the host stream
+/// when stamping started, and each list's (ticket, start, end).
+struct Stamps<E> {
+    origin: E,
+    lists: Vec<(u64, E, E)>,
 }
 
 impl<D: MemoryDriver> DeviceMem<D> {
@@ -169,6 +180,8 @@ impl<D: MemoryDriver> DeviceMem<D> {
             next: AtomicU64::new(1),
             events: Mutex::new(HashMap::new()),
             spare: Mutex::new(Vec::new()),
+            stamping: AtomicBool::new(false),
+            stamps: Mutex::new(None),
         })
     }
 
@@ -268,7 +281,10 @@ impl<D: MemoryDriver> DeviceMem<D> {
     }
 }
 
-impl<D: MemoryDriver> DeviceMemory for DeviceMem<D> {
+impl<D: MemoryDriver> DeviceMemory for DeviceMem<D>
+where
+    D::Event: Send,
+{
     fn label(&self) -> String {
         format!("{}:{}", D::NAME, self.host.ordinal())
     }
@@ -333,15 +349,23 @@ impl<D: MemoryDriver> DeviceMemory for DeviceMem<D> {
         // copy (so the batch's event, and with it the write-done report,
         // follows the layers too).
         super::marks::wait_on(stream, after)?;
+        let stamped = self.stamping.load(Ordering::Acquire);
+        let start = if stamped { Some(stream.record_event().map_err(dev(op))?) } else { None };
         // SAFETY: the caller's contract.
         unsafe { self.queue_copies(op, stream, copies)? };
+        let t = self.next.fetch_add(1, Ordering::Relaxed);
+        if let Some(start) = start {
+            let end = stream.record_event().map_err(dev(op))?;
+            if let Some(s) = self.stamps.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+                s.lists.push((t, start, end));
+            }
+        }
         let spare = self.spare.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let ev = match spare {
             Some(ev) => ev,
             None => Arc::new(stream.new_fence().map_err(dev(op))?),
         };
         stream.record_fence(&ev).map_err(dev(op))?;
-        let t = self.next.fetch_add(1, Ordering::Relaxed);
         self.events.lock().unwrap_or_else(|p| p.into_inner()).insert(t, ev);
         Ok(CopyTicket(t))
     }
@@ -385,6 +409,30 @@ impl<D: MemoryDriver> DeviceMemory for DeviceMem<D> {
             self.spare.lock().unwrap_or_else(|p| p.into_inner()).push(ev);
         }
         r
+    }
+
+    fn stamp_copies(&self, on: bool) -> Result<()> {
+        let op = "copy stamps";
+        let mut stamps = self.stamps.lock().unwrap_or_else(|p| p.into_inner());
+        *stamps = None;
+        if on {
+            self.bind(op)?;
+            *stamps = Some(Stamps { origin: self.host.record_event().map_err(dev(op))?, lists: Vec::new() });
+        }
+        self.stamping.store(on, Ordering::Release);
+        Ok(())
+    }
+
+    fn take_copy_stamps(&self) -> Result<Vec<CopyStamp>> {
+        let op = "copy stamps";
+        self.stamping.store(false, Ordering::Release);
+        let Some(s) = self.stamps.lock().unwrap_or_else(|p| p.into_inner()).take() else { return Ok(Vec::new()) };
+        self.bind(op)?;
+        for stream in &self.copy_streams {
+            stream.synchronize().map_err(dev(op))?;
+        }
+        let us = |e: &D::Event| self.host.elapsed_ms(&s.origin, e).map(|ms| f64::from(ms) * 1e3).map_err(dev(op));
+        s.lists.iter().map(|(t, start, end)| Ok(CopyStamp { ticket: CopyTicket(*t), start_us: us(start)?, end_us: us(end)? })).collect()
     }
 
     unsafe fn time_copies(&self, copies: &[Copy2d]) -> Result<std::time::Duration> {
