@@ -330,6 +330,9 @@ pub struct CopyStamp {
     pub ticket: CopyTicket,
     pub start_us: f64,
     pub end_us: f64,
+    /// Host microseconds the list's launches took to queue (the driver's
+    /// calls between the two events).
+    pub queue_us: f64,
 }
 
 /// Device memory for a transport's regions: allocation that another process

@@ -404,18 +404,19 @@ fn timeline(subs: &[Submission], start: Instant, pass_us: f64) -> String {
         .iter()
         .map(|s| {
             format!(
-                "{:.0}/{:.0}/{:.0}/{} ({}{})",
+                "{:.0}/{:.0}/{:.0}/{} ({}{}{})",
                 us(s.called),
                 us(s.listed),
                 us(s.queued),
                 s.done.map_or("-".to_string(), |d| format!("{:.0}", us(d))),
                 s.copies,
-                s.on_device.map_or(String::new(), |(a, b)| format!("; device {a:.0}-{b:.0}"))
+                s.on_device.map_or(String::new(), |(a, b)| format!("; device {a:.0}-{b:.0}")),
+                s.launch_us.map_or(String::new(), |l| format!("; launches {l:.1} us"))
             )
         })
         .collect();
     format!(
-        "{pass_us:.0} us; {} submissions ({} batches, {} copies); first called at {first:.0} us, last queued at {last_queued:.0} us, last seen done at {last_done:.0} us; host time queueing {queue_us:.0} us in all; queued to seen done {:.0} us mean, {:.0} us max; {}; each called/listed/queued/done (copies; device reached-done): {}",
+        "{pass_us:.0} us; {} submissions ({} batches, {} copies); first called at {first:.0} us, last queued at {last_queued:.0} us, last seen done at {last_done:.0} us; host time queueing {queue_us:.0} us in all; queued to seen done {:.0} us mean, {:.0} us max; {}; each called/listed/queued/done (copies; device reached-done; host time of its launches): {}",
         subs.len(),
         subs.iter().map(|s| s.batches).sum::<usize>(),
         subs.iter().map(|s| s.copies).sum::<usize>(),

@@ -104,6 +104,8 @@ pub struct Submission {
     /// when its stream reached it (an event before its first launch) and
     /// when its last copy finished; none where the memory has no timer.
     pub on_device: Option<(f64, f64)>,
+    /// Host microseconds its launches took (part of listed to queued).
+    pub launch_us: Option<f64>,
     pub batches: usize,
     pub copies: usize,
     ticket: CopyTicket,
@@ -217,6 +219,7 @@ impl DeviceTransport {
                 for st in stamps {
                     if let Some(s) = log.iter_mut().find(|s| s.ticket == st.ticket) {
                         s.on_device = Some((st.start_us, st.end_us));
+                        s.launch_us = Some(st.queue_us);
                     }
                 }
             }
@@ -551,7 +554,17 @@ impl Transport for DeviceTransport {
         match unsafe { self.mem.copy_after(&list, after) } {
             Ok(ticket) => {
                 if let Some(log) = lock(&self.reaper.log).as_mut() {
-                    log.push(Submission { called, listed, queued: Instant::now(), done: None, on_device: None, batches: ok.len(), copies: list.len(), ticket });
+                    log.push(Submission {
+                        called,
+                        listed,
+                        queued: Instant::now(),
+                        done: None,
+                        on_device: None,
+                        launch_us: None,
+                        batches: ok.len(),
+                        copies: list.len(),
+                        ticket,
+                    });
                 }
                 let batches = self.reaper.completions.begin_n(ok.len());
                 let mut q = lock(&self.reaper.queue);

@@ -151,10 +151,11 @@ pub(crate) struct DeviceMem<D: MemoryDriver> {
 }
 
 /// The events of a stamped pass: the origin, recorded on the host stream
-/// when stamping started, and each list's (ticket, start, end).
+/// when stamping started, and each list's (ticket, start, end, host
+/// microseconds its launches took to queue).
 struct Stamps<E> {
     origin: E,
-    lists: Vec<(u64, E, E)>,
+    lists: Vec<(u64, E, E, f64)>,
 }
 
 impl<D: MemoryDriver> DeviceMem<D> {
@@ -351,13 +352,15 @@ where
         super::marks::wait_on(stream, after)?;
         let stamped = self.stamping.load(Ordering::Acquire);
         let start = if stamped { Some(stream.record_event().map_err(dev(op))?) } else { None };
+        let queued = std::time::Instant::now();
         // SAFETY: the caller's contract.
         unsafe { self.queue_copies(op, stream, copies)? };
         let t = self.next.fetch_add(1, Ordering::Relaxed);
         if let Some(start) = start {
+            let queue_us = queued.elapsed().as_secs_f64() * 1e6;
             let end = stream.record_event().map_err(dev(op))?;
             if let Some(s) = self.stamps.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
-                s.lists.push((t, start, end));
+                s.lists.push((t, start, end, queue_us));
             }
         }
         let spare = self.spare.lock().unwrap_or_else(|p| p.into_inner()).pop();
@@ -432,7 +435,7 @@ where
             stream.synchronize().map_err(dev(op))?;
         }
         let us = |e: &D::Event| self.host.elapsed_ms(&s.origin, e).map(|ms| f64::from(ms) * 1e3).map_err(dev(op));
-        s.lists.iter().map(|(t, start, end)| Ok(CopyStamp { ticket: CopyTicket(*t), start_us: us(start)?, end_us: us(end)? })).collect()
+        s.lists.iter().map(|(t, start, end, q)| Ok(CopyStamp { ticket: CopyTicket(*t), start_us: us(start)?, end_us: us(end)?, queue_us: *q })).collect()
     }
 
     unsafe fn time_copies(&self, copies: &[Copy2d]) -> Result<std::time::Duration> {
