@@ -115,6 +115,10 @@ pub struct IpcReport {
     /// The pass and each kind on the device's own clock, GB/s and the
     /// fraction of `copy_device_gbs`.
     pub on_device: String,
+    /// Each kind within the pass on the device's clock: the pass's time less
+    /// the pass's without the kind (medians), GB/s and the fraction of
+    /// `copy_device_gbs`.
+    pub marginal: String,
     /// The peers of the same run, GB/s: one contiguous copy in this process,
     /// and one into the consumer's memory through IPC.
     pub copy_gbs: f64,
@@ -150,6 +154,11 @@ impl fmt::Display for IpcReport {
             f,
             "on the device's clock (events around one submission, median of {DEVICE_REPS}; the device copy {:.1} GB/s): {}",
             self.copy_device_gbs, self.on_device
+        )?;
+        writeln!(
+            f,
+            "each kind within the pass on the device's clock (the pass less the pass without it, medians of {DEVICE_REPS}; differences of a few us are noise): {}",
+            self.marginal
         )?;
         writeln!(f, "byte-exact: yes, every consumer byte checked by the oracle in the consumer process ({} pattern bytes)", self.pattern_bytes)?;
         writeln!(f, "ratio to IPC copy: {:.3}", self.handoff_gbs / self.ipc_gbs.max(1e-9))?;
@@ -268,6 +277,9 @@ pub fn bench_transfer_ipc(config_path: &str, ordinal: u32, tokens: u64, requests
     // Where the time goes: the same passes, one region kind at a time.
     let mut by_kind = String::new();
     let mut kinds_on_device: Vec<(RegionKind, u64, f64)> = Vec::new();
+    // What each kind adds to the pass on the device: the pass without it,
+    // against the whole pass (its copies share the other kinds' launches).
+    let mut kinds_marginal: Vec<(RegionKind, u64, f64)> = Vec::new();
     let pass_device_s = on_device(&jobs, DEVICE_REPS)?;
     for kind in [RegionKind::MlaKv, RegionKind::KdaState, RegionKind::KdaConv, RegionKind::ReplayRecords] {
         let only: Vec<(Ticket, Plan)> = jobs
@@ -290,6 +302,12 @@ pub fn bench_transfer_ipc(config_path: &str, ordinal: u32, tokens: u64, requests
         let alone = rate(bytes, o.iterations.max(1), || direct(&only))?;
         let device_s = on_device(&only, DEVICE_REPS)?;
         kinds_on_device.push((kind, bytes, device_s));
+        let without: Vec<(Ticket, Plan)> = jobs
+            .iter()
+            .map(|(t, p)| (*t, Plan { descriptors: p.descriptors.iter().filter(|d| d.kind != kind).copied().collect(), ..p.clone() }))
+            .filter(|(_, p)| !p.descriptors.is_empty())
+            .collect();
+        kinds_marginal.push((kind, bytes, pass_device_s - on_device(&without, DEVICE_REPS)?));
         write!(
             by_kind,
             "{}{kind} {:.0} us ({} descriptors, {} rows of {} B avg, {:.1} GB/s; in one submission without the mover {:.1} GB/s; on the device {:.1} us, {:.1} GB/s)",
@@ -335,6 +353,14 @@ pub fn bench_transfer_ipc(config_path: &str, ordinal: u32, tokens: u64, requests
     )
     .collect::<Vec<_>>()
     .join("; ");
+    let marginal = kinds_marginal
+        .iter()
+        .map(|(k, b, t)| {
+            let gbs = *b as f64 / t.max(1e-12) / 1e9;
+            format!("{k} {:.1} us, {gbs:.1} GB/s ({:.3})", t * 1e6, gbs / copy_device_gbs)
+        })
+        .collect::<Vec<_>>()
+        .join("; ");
     let ipc_gbs = rate(bytes_per_pass, reps, || Ok(producer.transfer(&src, there, &one, timeout)?))?;
 
     // The consumer checks every byte of what it was handed.
@@ -378,6 +404,7 @@ pub fn bench_transfer_ipc(config_path: &str, ordinal: u32, tokens: u64, requests
         direct_gbs,
         copy_device_gbs,
         on_device: on_device_line,
+        marginal,
         copy_gbs,
         ipc_gbs,
         pattern_bytes,
