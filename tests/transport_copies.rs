@@ -257,13 +257,17 @@ fn shm_files_are_removed_on_drop() {
 }
 
 /// On a transport that queues plans (cuda-ipc), a mover hands the device the
-/// plans waiting in its queue as one submission; a plan whose batch is refused
-/// fails alone and the others land byte for byte.
+/// plans waiting in its queue in few submissions: the first alone (the
+/// device starts on it while the host prepares the rest), then groups that
+/// double; a plan whose batch is refused fails alone and the others land
+/// byte for byte.
 #[test]
-fn a_queueing_transport_takes_waiting_plans_in_one_submission_and_a_bad_plan_fails_alone() {
-    // Each submission completes after 2,000 queries (tens of milliseconds), so
-    // whatever the worker did not take with plan 0 queues up behind it.
-    let mem = HostDeviceMemory::new(2000);
+fn a_queueing_transport_takes_waiting_plans_in_doubling_groups_and_a_bad_plan_fails_alone() {
+    // Each submission completes after 5,000 queries (the completion thread
+    // polls every 20 us: a tenth of a second or more), so the plans
+    // submitted while plan 0 is in flight all wait in the queue when the
+    // worker next looks.
+    let mem = HostDeviceMemory::new(5_000);
     let t = host_device_transport_on(Arc::clone(&mem));
     let len = 64 * 1024;
     let src = register(&*t, producer_rank(), RegionKind::MlaKv, len).expect("src");
@@ -283,6 +287,10 @@ fn a_queueing_transport_takes_waiting_plans_in_one_submission_and_a_bad_plan_fai
         }
         let plan = Plan { producer, consumer, descriptors, staged: vec![], uncoalesced: 1, chunks: vec![], layers: vec![] };
         mover.submit(Ticket { request: i, nonce: 0, producer, consumer, part: 0 }, &plan).expect("submit");
+        if i == 0 {
+            // The worker has queued plan 0 and waits for it.
+            std::thread::sleep(std::time::Duration::from_millis(30));
+        }
     }
     assert!(mover.handle().wait_idle(std::time::Duration::from_secs(60)), "plans did not complete");
     let mut done = Vec::new();
@@ -291,8 +299,9 @@ fn a_queueing_transport_takes_waiting_plans_in_one_submission_and_a_bad_plan_fai
     for c in &done {
         assert_eq!(c.result.is_err(), c.ticket.request == 5, "request {}: {:?}", c.ticket.request, c.result);
     }
+    // Plan 0, then the nine that waited: 1, 2, 4 and 2 plans.
     let n = mem.submissions.load(std::sync::atomic::Ordering::Relaxed);
-    assert!(n <= 2, "the worker takes what waits in the queue at once (without grouping: {plans} submissions); got {n}");
+    assert_eq!(n, 5, "plan 0 alone, then the waiting plans in doubling groups (one a plan: {plans} submissions)");
     let mut got = vec![0u8; len as usize];
     t.read_region(&dst, |b| got.copy_from_slice(b)).expect("read");
     for i in 0..plans {

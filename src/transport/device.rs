@@ -786,8 +786,8 @@ mod tests {
     /// A pass queued at once (behind a plan the device is still copying, so
     /// that the whole pass waits in the mover's queue): its first plan
     /// reaches the device alone (the device starts copying while the host
-    /// prepares the rest), the others in groups, and every plan is written
-    /// once.
+    /// prepares the rest), the groups after it double up to a full one
+    /// (1, 2, 4, 8, 8, 1 for 24 plans), and every plan is written once.
     #[test]
     fn a_passs_first_plan_is_queued_alone() {
         use crate::engine::mover::{MoverOptions, TransportMover};
@@ -826,7 +826,18 @@ mod tests {
             mover.poll(&mut done);
             assert_eq!(done.len(), plans.len() + 1);
             let lists: Vec<usize> = mem.lists()[before..].iter().map(|l| l.0).collect();
-            assert_eq!(lists[0], 1, "round {round}: the first submission {lists:?}");
+            let full = t.plans_per_submission();
+            let ramp: Vec<usize> = (0..)
+                .map(|i| (1usize << i).min(full))
+                .scan(0, |sum, n| {
+                    (*sum < plans.len()).then(|| {
+                        let n = n.min(plans.len() - *sum);
+                        *sum += n;
+                        n
+                    })
+                })
+                .collect();
+            assert_eq!(lists, ramp, "round {round}: the submissions' plans");
             assert_eq!(lists.iter().sum::<usize>(), plans.len(), "round {round}: {lists:?}");
             assert!(lists.iter().all(|&n| n <= t.plans_per_submission()), "round {round}: {lists:?}");
         }
