@@ -388,9 +388,9 @@ fn worker(shared: &Shared, rx: &Mutex<mpsc::Receiver<Job>>) {
             // plans while the host prepares the next ones, instead of idling
             // until a whole group is queued (on the H200 the first 7 plans of
             // a flagship pass reached the device 70 us into its 893 us; a
-            // submission costs the host about 10 us of driver calls and a
-            // plan 3 to 4 us, where the device copies a flagship plan in
-            // about 11 us). A transport that copies in `submit_all` (local,
+            // submission costs the host 10 to 25 us of driver calls and a
+            // plan 3 to 4 us, where the device copies a flagship plan in 11
+            // to 16 us). A transport that copies in `submit_all` (local,
             // shm) takes what is queued.
             let mut jobs = vec![first];
             let mut open = async_copies || take_queued(&rx, &mut jobs, group, Duration::ZERO);
