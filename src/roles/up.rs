@@ -127,9 +127,35 @@ pub struct UpListen {
     pub control_port: Option<u16>,
 }
 
-/// A port that was free a moment ago on 127.0.0.1.
+/// A port that was free a moment ago on 127.0.0.1, for a role to bind later.
+///
+/// Picked at random below the kernel's ephemeral range (Linux's
+/// `ip_local_port_range`, 32768 and up by default), not by binding port 0:
+/// an ephemeral port can be handed to any other socket between this pick and
+/// the role's bind (another listener on port 0, or the local end of an
+/// outgoing connection, which every HTTP client in a test makes), and that
+/// race was the flake of the cluster tests. A port below the range goes only
+/// to a caller that names it. Port 0's pick where 64 random tries find none.
 pub fn free_port() -> std::io::Result<u16> {
+    let low = ephemeral_low();
+    // The window under the range: [low / 2, low), at least 1024 ports, never privileged.
+    let (from, to) = (u32::from(low / 2).max(1024), u32::from(low));
+    if to > from + 1024 {
+        for _ in 0..64 {
+            let mut b = [0u8; 4];
+            getrandom::fill(&mut b).map_err(|e| std::io::Error::other(format!("the system's random source failed: {e}")))?;
+            let port = (from + u32::from_le_bytes(b) % (to - from)) as u16;
+            if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+                return Ok(l.local_addr()?.port());
+            }
+        }
+    }
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// The first port of the kernel's ephemeral range (32768 where it cannot be read).
+fn ephemeral_low() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok().and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok()).unwrap_or(32768)
 }
 
 impl Deployment {
@@ -709,4 +735,25 @@ pub fn proc_usage(pid: u32) -> Option<(u64, u64)> {
     // SAFETY: sysconf has no preconditions.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(0) as u64;
     Some((ticks, pages * page))
+}
+
+#[cfg(test)]
+mod port_tests {
+    use super::{ephemeral_low, free_port};
+
+    /// The ports picked lie under the ephemeral range (where no port-0 bind or
+    /// outgoing connection takes them) and can be bound.
+    #[test]
+    fn a_free_port_lies_below_the_ephemeral_range_and_binds() {
+        let low = ephemeral_low();
+        assert!(low > 2048 + 1024, "this machine's ephemeral range starts at {low}");
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..32 {
+            let p = free_port().expect("a free port");
+            assert!((low / 2..low).contains(&p), "{p} is not in [{}, {low})", low / 2);
+            std::net::TcpListener::bind(("127.0.0.1", p)).expect("the port binds");
+            seen.insert(p);
+        }
+        assert!(seen.len() > 16, "the picks are not spread: {seen:?}");
+    }
 }
