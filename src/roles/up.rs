@@ -142,9 +142,7 @@ pub fn free_port() -> std::io::Result<u16> {
     let (from, to) = (u32::from(low / 2).max(1024), u32::from(low));
     if to > from + 1024 {
         for _ in 0..64 {
-            let mut b = [0u8; 4];
-            getrandom::fill(&mut b).map_err(|e| std::io::Error::other(format!("the system's random source failed: {e}")))?;
-            let port = (from + u32::from_le_bytes(b) % (to - from)) as u16;
+            let port = (from + u32::from_le_bytes(crate::transport::auth::random_bytes()?) % (to - from)) as u16;
             if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port)) {
                 return Ok(l.local_addr()?.port());
             }
